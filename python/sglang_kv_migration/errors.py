@@ -7,11 +7,11 @@ and the HTTP layer maps ``error_kind`` to a status code in one place.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from http import HTTPStatus
 
 
-class ErrorKind(str, Enum):
+class ErrorKind(StrEnum):
     BAD_REQUEST = "bad_request"  # malformed input (400)
     NOT_FOUND = "not_found"  # unknown migration id (404)
     CONFLICT = "conflict"  # layout mismatch, state conflict (409)

@@ -1,0 +1,61 @@
+"""Tokenizer-manager side: one SGLang `FanOutCommunicator` per migration operation.
+
+Like SGLang's own admin operations (`tokenizer_control_mixin._COMMUNICATOR_SPECS`), a
+request is sent to the scheduler and the caller awaits the reply routed back through
+the tokenizer manager's result dispatcher. A communicator keeps one request in flight
+and queues the others, so operations of one kind are serialised per server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sglang_kv_migration.io_types import REQUEST_TYPES
+from sglang_kv_migration.server_args import kv_migration_enabled
+
+
+class KVMigrationCommunicators:
+    """Sends migration requests to the scheduler and awaits their replies."""
+
+    def __init__(
+        self,
+        send_to_scheduler: Any,
+        fan_out: int = 1,
+        before_call: Callable[[], None] | None = None,
+    ):
+        from sglang.srt.managers.communicator import FanOutCommunicator
+
+        self._before_call = before_call
+        self._by_input_type = {
+            input_type: FanOutCommunicator(send_to_scheduler, fan_out)
+            for _name, input_type, _output_type in REQUEST_TYPES
+        }
+        # (output type, receiver) pairs for the tokenizer's result dispatcher.
+        self.result_handlers: list[tuple[type, Callable[[Any], None]]] = [
+            (output_type, self._by_input_type[input_type].handle_recv)
+            for _name, input_type, output_type in REQUEST_TYPES
+        ]
+
+    async def call(self, request: Any) -> Any:
+        """Send `request` to the scheduler; return the first rank's reply."""
+        if self._before_call is not None:
+            self._before_call()
+        results = await self._by_input_type[type(request)](request)
+        return results[0]
+
+
+def after_init_communicators(_result: None, tokenizer_manager: Any, server_args: Any) -> None:
+    """Hook: attach our communicators to SGLang's tokenizer manager."""
+    tokenizer_manager.kv_migration_communicators = None
+    if not kv_migration_enabled(server_args):
+        return
+    from sglang.utils import TypeBasedDispatcher
+
+    comms = KVMigrationCommunicators(
+        tokenizer_manager.send_to_scheduler,
+        server_args.dp_size,
+        before_call=tokenizer_manager.auto_create_handle_loop,
+    )
+    tokenizer_manager.kv_migration_communicators = comms
+    tokenizer_manager._result_dispatcher += TypeBasedDispatcher(comms.result_handlers)

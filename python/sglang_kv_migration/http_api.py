@@ -1,0 +1,254 @@
+"""HTTP routes of KV-cache migration, added to SGLang's FastAPI app.
+
+Routes are thin: validate the JSON body (pydantic; malformed input is a 400 naming the
+field), call the scheduler through the tokenizer manager's communicators, and map the
+reply's `error_kind` to a status code. They carry SGLang's `ADMIN_OPTIONAL` auth level,
+so `--api-key` / `--admin-api-key` protect them exactly like `/flush_cache`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any, Protocol
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from sglang.srt.utils.auth import AuthLevel, auth_level
+
+from sglang_kv_migration.errors import ErrorKind
+from sglang_kv_migration.io_types import (
+    AbortTransferReqInput,
+    AllocateTokenForTransferReqInput,
+    CommitTransferRequestKVCacheReqInput,
+    GetRequestExtraTokenSizeReqInput,
+    GetTransferSessionInfoReqInput,
+    TransferRequestKVCacheReqInput,
+    TransferRequestKVCacheTarget,
+)
+
+DISABLED_MESSAGE = (
+    "KV migration is disabled on this server; start it with "
+    "--enable-hierarchical-cache --enable-kv-migration"
+)
+
+
+class MigrationBackend(Protocol):
+    """What the routes need: send a request to the scheduler ranks, get the reply."""
+
+    async def call(self, request: Any) -> Any: ...
+
+
+# --------------------------------------------------------------------------- bodies
+
+TokenId = Annotated[int, Field(ge=0)]
+NonNegative = Annotated[int, Field(ge=0)]
+Address = Annotated[int, Field(ge=0)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ExtraTokenSizeBody(_Body):
+    input_ids: list[TokenId] = Field(min_length=1)
+    extra_key: str | None = None
+
+
+class AllocateBody(_Body):
+    input_ids: list[TokenId] = Field(min_length=1)
+    extra_key: str | None = None
+    extra_token_size: NonNegative = 0
+    source_fingerprints: list[dict[str, Any]] = Field(min_length=1)
+
+
+class TargetRankBody(_Body):
+    tp: NonNegative
+    pp: NonNegative
+    session_id: str = Field(min_length=3, pattern=r"^.+:\d+$")
+    host_kv_data_ptrs: list[Address] = Field(min_length=1)
+    host_kv_data_lens: list[Address] = Field(min_length=1)
+    host_kv_item_lens: list[Annotated[int, Field(gt=0)]] = Field(min_length=1)
+    kv_indices: list[NonNegative] = Field(min_length=1)
+    fingerprint: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _same_buffer_count(self) -> TargetRankBody:
+        counts = {
+            len(self.host_kv_data_ptrs),
+            len(self.host_kv_data_lens),
+            len(self.host_kv_item_lens),
+        }
+        if len(counts) != 1:
+            raise ValueError(
+                "host_kv_data_ptrs, host_kv_data_lens and host_kv_item_lens must have the "
+                "same length"
+            )
+        return self
+
+
+class TransferBody(_Body):
+    input_ids: list[TokenId] = Field(min_length=1)
+    extra_key: str | None = None
+    matched_token_size: NonNegative
+    extra_token_size: Annotated[int, Field(gt=0)]
+    target_per_rank: list[TargetRankBody] = Field(min_length=1)
+    migration_id: str = ""
+
+    @model_validator(mode="after")
+    def _consistent_sizes(self) -> TransferBody:
+        end = self.matched_token_size + self.extra_token_size
+        if end > len(self.input_ids):
+            raise ValueError(
+                f"matched_token_size + extra_token_size = {end} exceeds len(input_ids) = "
+                f"{len(self.input_ids)}"
+            )
+        for target in self.target_per_rank:
+            if len(target.kv_indices) != self.extra_token_size:
+                raise ValueError(
+                    f"target tp={target.tp} pp={target.pp}: {len(target.kv_indices)} "
+                    f"kv_indices for extra_token_size={self.extra_token_size}"
+                )
+        ranks = [(t.tp, t.pp) for t in self.target_per_rank]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError("target_per_rank lists a (tp, pp) rank twice")
+        return self
+
+
+class MigrationIdBody(_Body):
+    migration_id: str = Field(min_length=1, max_length=128)
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRouter:
+    """The six routes; `get_backend()` returns None when migration is disabled."""
+    router = APIRouter(route_class=_BadRequestOnInvalidBody, tags=["kv-migration"])
+
+    async def dispatch(request: Any) -> JSONResponse:
+        backend = get_backend()
+        if backend is None:
+            return _error(ErrorKind.UNAVAILABLE, DISABLED_MESSAGE)
+        return _reply(await backend.call(request))
+
+    # curl -X POST localhost:30000/get_transfer_session_info
+    @router.post("/get_transfer_session_info")
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def get_transfer_session_info() -> JSONResponse:
+        """Per rank: transfer session id, host buffers and layout fingerprint."""
+        return await dispatch(GetTransferSessionInfoReqInput())
+
+    # curl -X POST localhost:30000/get_request_extra_token_size -d '{"input_ids": [1, 2]}'
+    @router.post("/get_request_extra_token_size")
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def get_request_extra_token_size(body: ExtraTokenSizeBody) -> JSONResponse:
+        """How much of the page-aligned prefix of input_ids this server holds."""
+        return await dispatch(GetRequestExtraTokenSizeReqInput(**body.model_dump()))
+
+    # curl -X POST localhost:30000/allocate_token_for_transfer \
+    #   -d '{"input_ids": [...], "source_fingerprints": [...]}'
+    @router.post("/allocate_token_for_transfer")
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def allocate_token_for_transfer(body: AllocateBody) -> JSONResponse:
+        """Target: lock the held prefix, allocate host slots for the rest."""
+        migration_id = uuid.uuid4().hex  # minted here once; every rank uses it
+        return await dispatch(
+            AllocateTokenForTransferReqInput(**body.model_dump(), migration_id=migration_id)
+        )
+
+    # curl -X POST localhost:30000/transfer_request_kvcache -d '{"input_ids": [...], ...}'
+    @router.post("/transfer_request_kvcache")
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def transfer_request_kvcache(body: TransferBody) -> JSONResponse:
+        """Source: write the pages into the target ranks' host buffers."""
+        fields = body.model_dump(exclude={"target_per_rank"})
+        targets = [TransferRequestKVCacheTarget(**t.model_dump()) for t in body.target_per_rank]
+        return await dispatch(TransferRequestKVCacheReqInput(**fields, target_per_rank=targets))
+
+    # curl -X POST localhost:30000/commit -d '{"migration_id": "..."}'
+    @router.post("/commit")
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def commit(body: MigrationIdBody) -> JSONResponse:
+        """Target: insert the written pages into the radix cache."""
+        return await dispatch(CommitTransferRequestKVCacheReqInput(migration_id=body.migration_id))
+
+    # curl -X POST localhost:30000/abort_transfer -d '{"migration_id": "..."}'
+    @router.post("/abort_transfer")
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def abort_transfer(body: MigrationIdBody) -> JSONResponse:
+        """Target: free a pending allocation now instead of at the watchdog."""
+        return await dispatch(AbortTransferReqInput(migration_id=body.migration_id))
+
+    return router
+
+
+def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """Hook: add the routes to SGLang's app before the HTTP server starts."""
+    from sglang.srt.entrypoints import http_server
+
+    from sglang_kv_migration.server_args import kv_migration_enabled
+
+    if kv_migration_enabled(server_args):
+        from sglang_kv_migration.plugin import missing_hooks
+
+        missing = missing_hooks()
+        if missing:
+            raise RuntimeError(
+                "sglang-kv-migration could not hook into this SGLang (expected "
+                f"sglang==0.5.12); not installed on: {', '.join(missing)}"
+            )
+    if not any(getattr(r, "path", None) == "/commit" for r in http_server.app.routes):
+        http_server.app.include_router(build_router(_sglang_backend))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _sglang_backend() -> MigrationBackend | None:
+    from sglang.srt.entrypoints.http_server import get_global_state
+
+    return get_global_state().tokenizer_manager.kv_migration_communicators
+
+
+def _reply(output: Any) -> JSONResponse:
+    content = {
+        k: v for k, v in dataclasses.asdict(output).items() if k not in ("rid", "http_worker_ipc")
+    }
+    status = 200 if output.success else ErrorKind(output.error_kind or "internal").http_status
+    return JSONResponse(content=content, status_code=status)
+
+
+def _error(kind: ErrorKind, message: str) -> JSONResponse:
+    return JSONResponse(
+        content={"success": False, "message": message, "error_kind": kind.value},
+        status_code=kind.http_status,
+    )
+
+
+class _BadRequestOnInvalidBody(APIRoute):
+    """Our routes answer malformed input with 400 (FastAPI's default is 422), naming
+    the offending field, without changing the behaviour of SGLang's own routes."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Any]]:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Any:
+            try:
+                return await handler(request)
+            except RequestValidationError as e:
+                return _error(ErrorKind.BAD_REQUEST, _describe(e))
+
+        return handle
+
+
+def _describe(error: RequestValidationError) -> str:
+    parts = []
+    for item in error.errors()[:5]:
+        where = ".".join(str(p) for p in item.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {item.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts)

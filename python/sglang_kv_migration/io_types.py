@@ -1,0 +1,211 @@
+"""Request/response types exchanged between the HTTP layer and the scheduler ranks.
+
+Shaped like SGLang's `io_struct.py`: one `...ReqInput` / `...ReqOutput` dataclass pair per
+operation, inputs and outputs derive from `BaseReq` so SGLang's communicators route
+them, and every output has `success` and `message`. Outputs also carry `error_kind`
+(an `errors.ErrorKind` value) so the HTTP layer can pick the status code.
+
+Field names follow the public contract of the design note (`input_ids`, `extra_key`,
+`matched_token_size`, `extra_token_size`, `kv_indices`, `target_per_rank`,
+`matched_after_commit`, ...). Per-rank data is a list with one entry per (tp, pp) rank,
+gathered on the replying rank. These classes are pickled between processes: keep them in
+this module, importable everywhere, with plain-data fields only.
+
+Input validation happens once, at the HTTP boundary (`http_api.py`); the scheduler
+handlers trust these objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sglang.srt.managers.io_struct import BaseReq
+
+# --------------------------------------------------------------------------- session info
+
+
+@dataclass
+class RankSessionInfo:
+    """One rank's transfer endpoint and host-pool layout."""
+
+    tp_rank: int
+    pp_rank: int
+    session_id: str  # "<ip>:<rpc_port>" of this rank's transfer engine
+    host_kv_data_ptrs: list[int]
+    host_kv_data_lens: list[int]
+    host_kv_item_lens: list[int]
+    page_size: int
+    fingerprint: dict  # layout.LayoutFingerprint.to_dict()
+
+
+@dataclass
+class GetTransferSessionInfoReqInput(BaseReq):
+    pass
+
+
+@dataclass
+class GetTransferSessionInfoReqOutput(BaseReq):
+    success: bool
+    ranks: list[RankSessionInfo] = field(default_factory=list)
+    protocol_version: int = 0
+    message: str = ""
+    error_kind: str = ""
+
+
+# --------------------------------------------------------------------------- extra size
+
+
+@dataclass
+class GetRequestExtraTokenSizeReqInput(BaseReq):
+    input_ids: list[int]
+    extra_key: str | None = None
+
+
+@dataclass
+class GetRequestExtraTokenSizeReqOutput(BaseReq):
+    success: bool
+    matched_token_size: int = 0  # page-aligned prefix this server holds (device or host)
+    extra_token_size: int = 0  # page-aligned tokens of input_ids it does not hold
+    total_token_size: int = 0  # page-aligned length of input_ids
+    message: str = ""
+    error_kind: str = ""
+
+
+# --------------------------------------------------------------------------- allocate
+
+
+@dataclass
+class AllocateTokenForTransferReqInput(BaseReq):
+    input_ids: list[int]
+    extra_key: str | None = None
+    # What the caller expects to move; the target refuses (conflict) if its own match
+    # changed since /get_request_extra_token_size. 0: take whatever is missing.
+    extra_token_size: int = 0
+    migration_id: str = ""  # minted once by the HTTP layer, shared by every rank
+    # The source's fingerprints, one per rank; each target rank checks its counterpart.
+    source_fingerprints: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class AllocatedRank:
+    tp_rank: int
+    pp_rank: int
+    kv_indices: list[int]  # host token slots on this rank, in prefix order
+
+
+@dataclass
+class AllocateTokenForTransferReqOutput(BaseReq):
+    success: bool
+    migration_id: str = ""
+    matched_token_size: int = 0  # the target prefix that was locked and kept
+    extra_token_size: int = 0  # tokens allocated after it
+    ranks: list[AllocatedRank] = field(default_factory=list)
+    message: str = ""
+    error_kind: str = ""
+
+
+# --------------------------------------------------------------------------- transfer
+
+
+@dataclass
+class TransferRequestKVCacheTarget:
+    """One target rank: where the source rank with the same (tp, pp) writes."""
+
+    tp: int
+    pp: int
+    session_id: str
+    host_kv_data_ptrs: list[int]
+    host_kv_data_lens: list[int]
+    host_kv_item_lens: list[int]
+    kv_indices: list[int]
+    fingerprint: dict
+
+
+@dataclass
+class TransferRequestKVCacheReqInput(BaseReq):
+    input_ids: list[int]
+    extra_key: str | None = None
+    matched_token_size: int = 0
+    extra_token_size: int = 0
+    target_per_rank: list[TransferRequestKVCacheTarget] = field(default_factory=list)
+    migration_id: str = ""  # for logs only: the source keeps no state for it
+
+
+@dataclass
+class RankTransferResult:
+    tp_rank: int
+    pp_rank: int
+    success: bool
+    bytes: int = 0
+    seconds: float = 0.0
+    message: str = ""
+
+
+@dataclass
+class TransferRequestKVCacheReqOutput(BaseReq):
+    success: bool
+    transferred_token_size: int = 0
+    transferred_bytes: int = 0  # summed over ranks
+    ranks: list[RankTransferResult] = field(default_factory=list)
+    message: str = ""
+    error_kind: str = ""
+
+
+# --------------------------------------------------------------------------- commit/abort
+
+
+@dataclass
+class CommitTransferRequestKVCacheReqInput(BaseReq):
+    migration_id: str = ""
+
+
+@dataclass
+class CommitTransferRequestKVCacheReqOutput(BaseReq):
+    success: bool
+    matched_after_commit: int = 0
+    message: str = ""
+    error_kind: str = ""
+
+
+@dataclass
+class AbortTransferReqInput(BaseReq):
+    migration_id: str = ""
+
+
+@dataclass
+class AbortTransferReqOutput(BaseReq):
+    success: bool
+    message: str = ""
+    error_kind: str = ""
+
+
+# Every (input, output) pair, in protocol order. The scheduler side and the tokenizer
+# communicators are built from this one table.
+REQUEST_TYPES: list[tuple[str, type[BaseReq], type[BaseReq]]] = [
+    (
+        "get_transfer_session_info",
+        GetTransferSessionInfoReqInput,
+        GetTransferSessionInfoReqOutput,
+    ),
+    (
+        "get_request_extra_token_size",
+        GetRequestExtraTokenSizeReqInput,
+        GetRequestExtraTokenSizeReqOutput,
+    ),
+    (
+        "allocate_token_for_transfer",
+        AllocateTokenForTransferReqInput,
+        AllocateTokenForTransferReqOutput,
+    ),
+    (
+        "transfer_request_kvcache",
+        TransferRequestKVCacheReqInput,
+        TransferRequestKVCacheReqOutput,
+    ),
+    (
+        "commit_transfer_request_kvcache",
+        CommitTransferRequestKVCacheReqInput,
+        CommitTransferRequestKVCacheReqOutput,
+    ),
+    ("abort_transfer", AbortTransferReqInput, AbortTransferReqOutput),
+]

@@ -1,0 +1,299 @@
+"""Target side: allocations waiting for /commit, /abort_transfer or the watchdog.
+
+Life of a migration on the target (one `PendingMigration` per rank, same id everywhere):
+
+    allocate ──> ALLOCATED ──commit──> COMMITTED   (pages become host-only radix nodes)
+                     │──abort───> ABORTED     (slots freed, prefix unlocked)
+                     └──watchdog─> EXPIRED     (same, after the timeout)
+
+Every exit frees exactly what `allocate` took: the host slots and the lock on the
+matched prefix. Finished ids are remembered (bounded) so a late or repeated call gets a
+precise answer: a second commit is harmless, a commit after expiry is "gone".
+
+Slots are host slots in v1. `SlotKind` exists so a same-host GPU->GPU path can allocate
+device slots under the same state machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from sglang_kv_migration import tree_helpers
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+
+if TYPE_CHECKING:
+    import torch
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+logger = logging.getLogger(__name__)
+
+# How many finished migration ids are remembered for precise late answers.
+FINISHED_HISTORY = 4096
+
+
+class SlotKind(StrEnum):
+    HOST = "host"
+    DEVICE = "device"  # reserved for the same-host GPU->GPU path
+
+
+class MigrationState(StrEnum):
+    ALLOCATED = "allocated"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+
+
+@dataclass
+class PendingMigration:
+    """One rank's in-flight allocation for a migration."""
+
+    migration_id: str
+    key: RadixKey  # page-aligned key of the whole prefix
+    matched_length: int  # tokens the target already held, locked until the end
+    anchor: TreeNode  # node ending at matched_length, lock_ref held
+    slot_kind: SlotKind
+    slots: torch.Tensor  # int64 slots for tokens [matched_length, len(key))
+    created_at: float  # on the registry's clock (time.monotonic by default)
+    deadline: float  # after which the watchdog frees it
+    state: MigrationState = MigrationState.ALLOCATED
+
+    @property
+    def extra_length(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What `allocate` reports back."""
+
+    migration_id: str
+    matched_length: int
+    extra_length: int
+    kv_indices: list[int]
+
+
+@dataclass(frozen=True)
+class _Finished:
+    state: MigrationState
+    matched_after_commit: int = 0
+
+
+class PendingMigrations:
+    """Registry of one rank's pending migrations over one `HiRadixCache`.
+
+    Not tied to the scheduler: the caller serialises access with the tree (SGLang's
+    scheduler thread does), and calls `expire()` periodically. An internal lock still
+    guards the registry so a watchdog thread sharing `lock` cannot race the handlers.
+    """
+
+    def __init__(
+        self,
+        cache: HiRadixCache,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        lock: threading.RLock | None = None,
+    ):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.cache = cache
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.lock = lock or threading.RLock()
+        self._pending: dict[str, PendingMigration] = {}
+        self._finished: OrderedDict[str, _Finished] = OrderedDict()
+
+    # ------------------------------------------------------------------ public API
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def get(self, migration_id: str) -> PendingMigration | None:
+        return self._pending.get(migration_id)
+
+    def allocate(
+        self,
+        migration_id: str,
+        input_ids: list[int],
+        extra_key: str | None,
+        expected_extra: int = 0,
+        slot_kind: SlotKind = SlotKind.HOST,
+    ) -> Allocation:
+        """Lock the prefix this server holds and allocate slots for the rest.
+
+        `expected_extra` > 0 must equal the number of tokens to allocate (else the
+        target's cache changed since it was measured: CONFLICT).
+        """
+        if slot_kind is not SlotKind.HOST:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST, f"slot kind {slot_kind.value} is not supported yet"
+            )
+        with self.lock:
+            if migration_id in self._pending or migration_id in self._finished:
+                raise MigrationError(
+                    ErrorKind.CONFLICT, f"migration id {migration_id!r} was already used"
+                )
+            key = tree_helpers.make_key(self.cache, input_ids, extra_key)
+            held = tree_helpers.match_held_prefix(self.cache, input_ids, extra_key)
+            extra = len(key) - held.length
+            if extra <= 0:
+                raise MigrationError(
+                    ErrorKind.CONFLICT,
+                    f"target already holds all {len(key)} page-aligned tokens; nothing to migrate",
+                )
+            if expected_extra and expected_extra != extra:
+                raise MigrationError(
+                    ErrorKind.CONFLICT,
+                    f"target now needs {extra} tokens after a held prefix of {held.length}, "
+                    f"but {expected_extra} were expected; measure again",
+                )
+            # IMPORTANT: lock the matched prefix before allocating, because allocating
+            # may evict host nodes to make room.
+            self.cache.inc_lock_ref(held.last_node)
+            try:
+                slots = self._alloc_host_slots(extra)
+            except BaseException:
+                self.cache.dec_lock_ref(held.last_node)
+                raise
+            now = self.clock()
+            self._pending[migration_id] = PendingMigration(
+                migration_id=migration_id,
+                key=key,
+                matched_length=held.length,
+                anchor=held.last_node,
+                slot_kind=slot_kind,
+                slots=slots,
+                created_at=now,
+                deadline=now + self.timeout_s,
+            )
+            return Allocation(
+                migration_id=migration_id,
+                matched_length=held.length,
+                extra_length=extra,
+                kv_indices=slots.tolist(),
+            )
+
+    def commit(self, migration_id: str) -> int:
+        """Insert the written pages as host-only nodes; returns the matchable length.
+
+        A second commit of a committed id returns the same length and changes nothing.
+        """
+        with self.lock:
+            pending = self._pending.get(migration_id)
+            if pending is None:
+                finished = self._check_finished(migration_id, "commit")
+                return finished.matched_after_commit
+            already_present = tree_helpers.insert_host_pages(
+                self.cache, pending.anchor, pending.key, pending.matched_length, pending.slots
+            )
+            if already_present:
+                # A concurrent insert covered part of the range first: its nodes stay,
+                # our copies of those tokens are surplus.
+                self._free_slots(pending.slots[:already_present])
+            self.cache.dec_lock_ref(pending.anchor)
+            matched_after = tree_helpers.match_held_prefix(
+                self.cache, pending.key.token_ids, pending.key.extra_key
+            ).length
+            self._finish(pending, MigrationState.COMMITTED, matched_after)
+            return matched_after
+
+    def abort(self, migration_id: str) -> None:
+        """Free the allocation now. Aborting an aborted id again is harmless (rollback paths
+        may repeat it); an expired, committed or unknown id is an error."""
+        with self.lock:
+            pending = self._pending.get(migration_id)
+            if pending is None:
+                self._check_finished(migration_id, "abort")
+                return
+            self._release(pending, MigrationState.ABORTED)
+
+    def due(self, now: float | None = None) -> list[str]:
+        """Ids whose deadline has passed on this clock, oldest first."""
+        with self.lock:
+            now = self.clock() if now is None else now
+            return [p.migration_id for p in self._pending.values() if p.deadline <= now]
+
+    def expire(self, migration_ids: list[str] | None = None) -> list[str]:
+        """Watchdog: free the given pending ids (default: those `due()`); returns them.
+
+        Ids that are no longer pending are skipped, so ranks can expire a union of ids.
+        """
+        with self.lock:
+            ids = self.due() if migration_ids is None else migration_ids
+            expired = [self._pending[i] for i in ids if i in self._pending]
+            now = self.clock()
+            for pending in expired:
+                logger.warning(
+                    "KV migration %s expired after %.1fs without commit; freeing %d slots",
+                    pending.migration_id,
+                    now - pending.created_at,
+                    pending.extra_length,
+                )
+                self._release(pending, MigrationState.EXPIRED)
+            return [p.migration_id for p in expired]
+
+    def abort_all(self) -> None:
+        """Free everything (shutdown, cache flush)."""
+        with self.lock:
+            for pending in list(self._pending.values()):
+                self._release(pending, MigrationState.ABORTED)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _alloc_host_slots(self, num_tokens: int) -> torch.Tensor:
+        host_pool = self.cache.cache_controller.mem_pool_host
+        slots = host_pool.alloc(num_tokens)
+        if slots is None:
+            self.cache.evict_host(num_tokens)
+            slots = host_pool.alloc(num_tokens)
+        if slots is None:
+            raise MigrationError(
+                ErrorKind.UNAVAILABLE,
+                f"host pool is full: {num_tokens} token slots needed, "
+                f"{host_pool.available_size()} free after evicting unlocked host pages",
+            )
+        return slots
+
+    def _free_slots(self, slots: torch.Tensor) -> None:
+        if len(slots):
+            self.cache.cache_controller.mem_pool_host.free(slots)
+
+    def _release(self, pending: PendingMigration, state: MigrationState) -> None:
+        self._free_slots(pending.slots)
+        self.cache.dec_lock_ref(pending.anchor)
+        self._finish(pending, state)
+
+    def _finish(
+        self, pending: PendingMigration, state: MigrationState, matched_after: int = 0
+    ) -> None:
+        pending.state = state
+        del self._pending[pending.migration_id]
+        self._finished[pending.migration_id] = _Finished(state, matched_after)
+        while len(self._finished) > FINISHED_HISTORY:
+            self._finished.popitem(last=False)
+
+    def _check_finished(self, migration_id: str, action: str) -> _Finished:
+        """Answer for an id that is not pending: harmless repeat or a precise error."""
+        finished = self._finished.get(migration_id)
+        if finished is None:
+            raise MigrationError(ErrorKind.NOT_FOUND, f"unknown migration id {migration_id!r}")
+        if finished.state is MigrationState.EXPIRED:
+            raise MigrationError(
+                ErrorKind.GONE,
+                f"migration {migration_id!r} expired after the {self.timeout_s:g}s watchdog "
+                "timeout; its slots were freed",
+            )
+        repeat_ok = {"commit": MigrationState.COMMITTED, "abort": MigrationState.ABORTED}
+        if finished.state is repeat_ok[action]:
+            return finished
+        raise MigrationError(
+            ErrorKind.CONFLICT,
+            f"cannot {action} migration {migration_id!r}: it was already {finished.state.value}",
+        )

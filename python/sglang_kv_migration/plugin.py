@@ -1,0 +1,96 @@
+"""SGLang plugin entry point (`sglang.srt.plugins` group): registers hooks, nothing else.
+
+`load_plugins()` calls `register()` early in every SGLang process (launcher, scheduler
+ranks, Engine) and then applies the hooks. Each hook returns at once when
+`--enable-kv-migration` is off, so a server without the flag runs upstream code only.
+
+Hooks (targets are named in `upstream.py`):
+- REPLACE `ServerArgs` with `KVMigrationServerArgs`: our CLI flags and their checks;
+- AFTER `Scheduler.init_request_dispatcher`: add the six handlers on every rank;
+- AFTER `Scheduler.process_input_requests`: finish transfers, run the watchdog;
+- AFTER `TokenizerControlMixin.init_communicators`: one communicator per operation;
+- BEFORE `http_server.launch_server`: add the HTTP routes to SGLang's FastAPI app.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from sglang_kv_migration import upstream
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Register every hook. Idempotent: a second call registers nothing more."""
+    from sglang_kv_migration import communicators, http_api, scheduler_hooks
+    from sglang_kv_migration.server_args import KVMigrationServerArgs
+
+    for target, hook, hook_type in (
+        (upstream.SERVER_ARGS_CLASS, KVMigrationServerArgs, HookType.REPLACE),
+        (
+            upstream.SCHEDULER_INIT_DISPATCHER,
+            scheduler_hooks.after_init_request_dispatcher,
+            HookType.AFTER,
+        ),
+        (
+            upstream.SCHEDULER_PROCESS_INPUT,
+            scheduler_hooks.after_process_input_requests,
+            HookType.AFTER,
+        ),
+        (
+            upstream.TOKENIZER_INIT_COMMUNICATORS,
+            communicators.after_init_communicators,
+            HookType.AFTER,
+        ),
+        (upstream.HTTP_LAUNCH_SERVER, http_api.before_launch_server, HookType.BEFORE),
+    ):
+        if not _is_registered(target, hook):
+            HookRegistry.register(target, hook, hook_type)
+
+
+def missing_hooks() -> list[str]:
+    """Hook targets whose installed object does not (yet) carry our hook.
+
+    The registry logs and carries on when a target cannot be patched; this lets start-up
+    fail loudly instead (see `server_args.KVMigrationServerArgs.__post_init__`).
+    """
+    from sglang_kv_migration import communicators, http_api, scheduler_hooks
+    from sglang_kv_migration.server_args import KVMigrationServerArgs
+
+    expected = {
+        upstream.SERVER_ARGS_CLASS: KVMigrationServerArgs,
+        upstream.SCHEDULER_INIT_DISPATCHER: scheduler_hooks.after_init_request_dispatcher,
+        upstream.SCHEDULER_PROCESS_INPUT: scheduler_hooks.after_process_input_requests,
+        upstream.TOKENIZER_INIT_COMMUNICATORS: communicators.after_init_communicators,
+        upstream.HTTP_LAUNCH_SERVER: http_api.before_launch_server,
+    }
+    missing = []
+    for target, hook in expected.items():
+        try:
+            installed = upstream.resolve(target)
+        except (ImportError, AttributeError):
+            missing.append(target)
+            continue
+        if installed is not hook and not _wraps_hook(installed, hook):
+            missing.append(target)
+    return missing
+
+
+def _is_registered(target: str, hook: object) -> bool:
+    return any(h is hook for _type, h, _src in HookRegistry._hooks.get(target, []))
+
+
+def _wraps_hook(fn: object, hook: object) -> bool:
+    """True if a registry wrapper chain around `fn` closes over `hook`."""
+    seen = 0
+    while fn is not None and seen < 32:  # bounded: chains are a few wrappers deep
+        fn = getattr(fn, "__func__", fn)  # unwrap classmethod/staticmethod objects
+        for cell in getattr(fn, "__closure__", None) or ():
+            if cell.cell_contents is hook:
+                return True
+        fn = getattr(fn, "__wrapped__", None)
+        seen += 1
+    return False

@@ -1,0 +1,70 @@
+"""Hooks on SGLang's `Scheduler` (registered by `plugin.py`).
+
+Both read only the scheduler's public attributes, so tests can drive them with a small
+stand-in loop that has the same attributes (`test/mini_scheduler.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sglang_kv_migration.server_args import kv_migration_enabled
+
+logger = logging.getLogger(__name__)
+
+
+def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
+    """Build this rank's migration side and add its handlers to the dispatcher."""
+    # Set on every scheduler so the per-iteration hook needs no attribute probing.
+    scheduler.kv_migration = None
+    if not kv_migration_enabled(scheduler.server_args):
+        return
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+    from sglang.utils import TypeBasedDispatcher
+
+    from sglang_kv_migration.scheduler_side import (
+        MigrationSchedulerSide,
+        RankContext,
+        advertised_hostname,
+    )
+    from sglang_kv_migration.transfer import TransportConfig
+
+    args = scheduler.server_args
+    cache = scheduler.tree_cache
+    if type(cache) is not HiRadixCache:
+        raise RuntimeError(
+            "--enable-kv-migration needs SGLang's HiRadixCache as the tree cache, got "
+            f"{type(cache).__name__}; other hierarchical caches are not supported yet"
+        )
+    ctx = RankContext(
+        tree_cache=cache,
+        tp_rank=scheduler.tp_rank,
+        tp_size=scheduler.tp_size,
+        pp_rank=scheduler.pp_rank,
+        pp_size=scheduler.pp_size,
+        # PP stages run their own loops; only TP ranks share one reply in v1.
+        cpu_group=scheduler.tp_cpu_group,
+        model=args.served_model_name,
+        send_output=scheduler.send_to_tokenizer.send_output,
+    )
+    transport_config = TransportConfig(
+        hostname=advertised_hostname(args.kv_migration_hostname, args.host),
+        protocol=args.kv_migration_protocol,
+        rdma_devices=args.kv_migration_rdma_devices,
+        max_entries_per_batch=args.kv_migration_max_batch_entries,
+    )
+    side = MigrationSchedulerSide(
+        ctx,
+        watchdog_timeout_s=args.kv_migration_watchdog_timeout,
+        transport_config=transport_config,
+    )
+    scheduler.kv_migration = side
+    scheduler._request_dispatcher += TypeBasedDispatcher(side.handlers())
+
+
+def after_process_input_requests(_result: None, scheduler: Any, *_args: Any) -> None:
+    """Once per loop iteration, after the requests of the iteration were dispatched."""
+    side = scheduler.kv_migration
+    if side is not None:
+        side.poll()

@@ -1,0 +1,138 @@
+"""Server flags of KV-cache migration, added to SGLang's `ServerArgs`.
+
+`plugin.py` replaces `sglang.srt.server_args.ServerArgs` with `KVMigrationServerArgs`, a
+dataclass subclass with our fields. Subclassing (instead of setting attributes on an
+instance) keeps the fields typed, makes them part of `dataclasses.fields()`, lets
+`Engine(enable_kv_migration=True)` work, and carries them into the scheduler processes,
+which receive ServerArgs pickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Literal
+
+from sglang.srt import server_args as _upstream
+
+# IMPORTANT: never keep a module-level alias of the upstream class here. The hook registry
+# rebinds every module attribute that holds the replaced class to the replacement, so an
+# alias would point back at KVMigrationServerArgs and recurse; reach the parent via super().
+
+TransportProtocol = Literal["tcp", "rdma"]
+
+DEFAULT_WATCHDOG_TIMEOUT_S = 60.0
+DEFAULT_MAX_BATCH_ENTRIES = 1024
+
+
+class KVMigrationArgsError(ValueError):
+    """A migration flag is invalid or conflicts with another flag."""
+
+
+@dataclasses.dataclass
+class KVMigrationServerArgs(_upstream.ServerArgs):
+    # KV-cache migration between servers (peer to peer over Mooncake TE).
+    enable_kv_migration: bool = False
+    kv_migration_watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT_S
+    kv_migration_hostname: str | None = None
+    kv_migration_protocol: TransportProtocol = "tcp"
+    kv_migration_rdma_devices: str = ""
+    kv_migration_max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES
+
+    def __post_init__(self):
+        # IMPORTANT: check our flags before SGLang's own post-init, which reads the model
+        # config and probes devices: a wrong flag should fail fast with our message.
+        check_kv_migration_args(self)
+        super().__post_init__()
+        # SGLang may switch hierarchical cache off (e.g. for diffusion LLMs).
+        check_kv_migration_args(self)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser):
+        super(KVMigrationServerArgs, KVMigrationServerArgs).add_cli_args(parser)
+        add_kv_migration_cli_args(parser)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace):
+        try:
+            return super().from_cli_args(args)
+        except KVMigrationArgsError as e:
+            # One line, like argparse's own errors, instead of a traceback.
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+
+def add_kv_migration_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KV cache migration (sglang-kv-migration)")
+    group.add_argument(
+        "--enable-kv-migration",
+        action="store_true",
+        help="Serve the KV-cache migration endpoints (/get_transfer_session_info, "
+        "/allocate_token_for_transfer, ...). Requires --enable-hierarchical-cache.",
+    )
+    group.add_argument(
+        "--kv-migration-watchdog-timeout",
+        type=float,
+        default=DEFAULT_WATCHDOG_TIMEOUT_S,
+        help="Seconds after which an allocation that was neither committed nor aborted "
+        "is freed.",
+    )
+    group.add_argument(
+        "--kv-migration-hostname",
+        type=str,
+        default=None,
+        help="Address this server advertises to peers for KV transfers. Defaults to "
+        "--host, or this machine's outbound IP when --host is a wildcard.",
+    )
+    group.add_argument(
+        "--kv-migration-protocol",
+        choices=["tcp", "rdma"],
+        default="tcp",
+        help="Mooncake transport: rdma in production, tcp where there is no RDMA NIC.",
+    )
+    group.add_argument(
+        "--kv-migration-rdma-devices",
+        type=str,
+        default="",
+        help="Comma-separated RDMA device names for --kv-migration-protocol rdma "
+        "(empty: let Mooncake pick).",
+    )
+    group.add_argument(
+        "--kv-migration-max-batch-entries",
+        type=int,
+        default=DEFAULT_MAX_BATCH_ENTRIES,
+        help="Most write entries submitted to one peer in one batch (Mooncake's TCP "
+        "transport queues at most 1024 per peer by default).",
+    )
+
+
+def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
+    """Raise `KVMigrationArgsError` with a one-line message for an invalid combination."""
+    if not args.enable_kv_migration:
+        return
+    if not args.enable_hierarchical_cache:
+        raise KVMigrationArgsError(
+            "--enable-kv-migration requires --enable-hierarchical-cache "
+            "(migrated pages land in the hierarchical cache's host pool); add "
+            "--enable-hierarchical-cache."
+        )
+    if not args.kv_migration_watchdog_timeout > 0:
+        raise KVMigrationArgsError(
+            "--kv-migration-watchdog-timeout must be a positive number of seconds, got "
+            f"{args.kv_migration_watchdog_timeout}."
+        )
+    if args.kv_migration_max_batch_entries < 1:
+        raise KVMigrationArgsError(
+            "--kv-migration-max-batch-entries must be at least 1, got "
+            f"{args.kv_migration_max_batch_entries}."
+        )
+    if args.kv_migration_protocol not in ("tcp", "rdma"):
+        raise KVMigrationArgsError(
+            f"--kv-migration-protocol must be tcp or rdma, got {args.kv_migration_protocol!r}."
+        )
+
+
+def kv_migration_enabled(server_args: object) -> bool:
+    """True when these args ask for migration (False for a plain upstream ServerArgs)."""
+    return isinstance(server_args, KVMigrationServerArgs) and server_args.enable_kv_migration

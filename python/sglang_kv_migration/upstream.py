@@ -1,0 +1,78 @@
+"""Every upstream SGLang symbol this package hooks or relies on, named in one place.
+
+`HOOK_TARGETS` are patched through SGLang's `HookRegistry` (see `plugin.py`);
+`REQUIRED_SYMBOLS` are upstream attributes we call that are not hooked, including the one
+private helper we cannot avoid. `test/test_upstream_symbols.py` resolves each of them
+against the installed SGLang, so a version bump that renames one fails loudly.
+"""
+
+from __future__ import annotations
+
+import pkgutil
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+SGLANG_VERSION = "0.5.12"
+
+SERVER_ARGS_CLASS = "sglang.srt.server_args.ServerArgs"
+SCHEDULER_INIT_DISPATCHER = "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher"
+SCHEDULER_PROCESS_INPUT = "sglang.srt.managers.scheduler.Scheduler.process_input_requests"
+TOKENIZER_INIT_COMMUNICATORS = (
+    "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.init_communicators"
+)
+HTTP_LAUNCH_SERVER = "sglang.srt.entrypoints.http_server.launch_server"
+
+HOOK_TARGETS: tuple[str, ...] = (
+    SERVER_ARGS_CLASS,
+    SCHEDULER_INIT_DISPATCHER,
+    SCHEDULER_PROCESS_INPUT,
+    TOKENIZER_INIT_COMMUNICATORS,
+    HTTP_LAUNCH_SERVER,
+)
+
+REQUIRED_SYMBOLS: tuple[str, ...] = (
+    "sglang.srt.plugins.hook_registry.HookRegistry",
+    "sglang.srt.managers.io_struct.BaseReq",
+    "sglang.srt.managers.communicator.FanOutCommunicator",
+    "sglang.utils.TypeBasedDispatcher",
+    "sglang.srt.entrypoints.http_server.app",
+    "sglang.srt.entrypoints.http_server.get_global_state",
+    "sglang.srt.utils.auth.auth_level",
+    "sglang.srt.utils.auth.AuthLevel",
+    "sglang.srt.mem_cache.base_prefix_cache.MatchPrefixParams",
+    "sglang.srt.mem_cache.radix_cache.RadixKey",
+    "sglang.srt.mem_cache.radix_cache.RadixKey.hash_page",
+    "sglang.srt.mem_cache.radix_cache.TreeNode.protect_host",
+    "sglang.srt.mem_cache.radix_cache.TreeNode.release_host",
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.match_prefix",
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.write_backup",
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.writing_check",
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.inc_lock_ref",
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.dec_lock_ref",
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.evict_host",
+    # Private: the only way to add host-only nodes, used by SGLang for storage prefetch.
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache._insert_helper_host",
+    "sglang.srt.mem_cache.memory_pool_host.HostKVCache.alloc",
+    "sglang.srt.mem_cache.memory_pool_host.HostKVCache.free",
+    "sglang.srt.mem_cache.memory_pool_host.HostKVCache.available_size",
+)
+
+
+def resolve(dotted: str) -> object:
+    """Import and return an upstream symbol; raises if the installed SGLang lacks it."""
+    return pkgutil.resolve_name(dotted)
+
+
+def insert_host_value(
+    cache: HiRadixCache,
+    anchor: TreeNode,
+    key: RadixKey,
+    host_indices: torch.Tensor,
+    page_hashes: list[str],
+) -> int:
+    """Insert `key` below `anchor` as host-only nodes; returns tokens already present."""
+    return cache._insert_helper_host(anchor, key, host_indices, page_hashes)

@@ -1,0 +1,57 @@
+"""Shared pytest setup: CPU shims first, then fixtures for real SGLang HiCache objects."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+# IMPORTANT: the shims must be in place before anything imports sglang, and child
+# processes started with "spawn" find cpu_harness through the inherited sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import cpu_harness  # noqa: E402
+
+cpu_harness.install_cpu_shims()
+
+
+@pytest.fixture(scope="session")
+def tp_group() -> object:
+    """The single-rank gloo group used as the tp cache group (one per test session)."""
+    return cpu_harness.init_gloo()
+
+
+@pytest.fixture
+def harness_factory(tp_group: object) -> Iterator[Callable[..., cpu_harness.Harness]]:
+    """``make(cfg=None, **fields)`` builds a Harness; every one is closed at teardown."""
+    built: list[cpu_harness.Harness] = []
+
+    def make(cfg: cpu_harness.HarnessConfig | None = None, **fields: object) -> cpu_harness.Harness:
+        if cfg is None:
+            cfg = cpu_harness.HarnessConfig(**fields)  # type: ignore[arg-type]
+        elif fields:
+            raise TypeError("pass either a HarnessConfig or its fields, not both")
+        harness = cpu_harness.build_harness(cfg)
+        built.append(harness)
+        return harness
+
+    yield make
+    for harness in built:
+        harness.close()
+
+
+@pytest.fixture(autouse=True)
+def _reset_sglang_hooks() -> Iterator[None]:
+    """Drop plugin hooks a test registered, so the next test starts from none.
+
+    Only when a test has imported SGLang's hook registry; importing it here would slow
+    down tests that never touch it.
+    """
+    yield
+    registry = sys.modules.get("sglang.srt.plugins.hook_registry")
+    if registry is not None:
+        registry.HookRegistry.reset()

@@ -1,0 +1,336 @@
+"""The Mooncake data path: real engines in two processes over TCP on 127.0.0.1.
+
+The peer (``_transfer_peer.py``, a spawned process) owns a buffer of `PEER_SIZE` random
+bytes and registers the first `PEER_REGISTERED` of them. This process writes into it from
+its own registered buffer and reads the peer's whole buffer back to check every byte:
+written ranges equal the source, everything else is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import socket
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import numpy as np
+import pytest
+from _transfer_peer import peer_main
+from sglang_kv_migration.errors import ErrorKind
+from sglang_kv_migration.transfer import (
+    KVTransport,
+    MemoryRegion,
+    MooncakeTransport,
+    TransferError,
+    TransferHandle,
+    TransportConfig,
+    WriteOp,
+    coalesce,
+    open_transport,
+)
+
+MiB = 1 << 20
+PEER_SIZE = 24 * MiB
+PEER_REGISTERED = 16 * MiB  # the tail is never registered: writes there must be refused
+LOCAL_SIZE = 16 * MiB
+WAIT_S = 30.0  # bound for every wait on the peer or on a handle
+
+
+@dataclass
+class Peer:
+    conn: Connection
+    session_id: str
+    addr: int
+    size: int
+
+    @property
+    def region(self) -> MemoryRegion:
+        """What the peer really registered."""
+        return MemoryRegion(self.addr, PEER_REGISTERED)
+
+    def read(self) -> np.ndarray:
+        self.conn.send(("read",))
+        assert self.conn.poll(WAIT_S), "peer did not answer"
+        return np.frombuffer(self.conn.recv_bytes(), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    process = ctx.Process(
+        target=peer_main, args=(child_conn, PEER_SIZE, PEER_REGISTERED, 7), daemon=True
+    )
+    process.start()
+    child_conn.close()
+    try:
+        assert conn.poll(60), "peer did not start"
+        tag, session_id, addr, size = conn.recv()
+        assert tag == "ready"
+        yield Peer(conn, session_id, addr, size)
+    finally:
+        try:
+            conn.send(("quit",))
+        except OSError:
+            pass  # the peer is already gone; join/kill below still runs
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def local() -> Iterator[tuple[MooncakeTransport, np.ndarray]]:
+    source = np.random.default_rng(11).integers(0, 256, LOCAL_SIZE, dtype=np.uint8)
+    transport = MooncakeTransport(TransportConfig())
+    try:
+        transport.register([MemoryRegion(source.ctypes.data, LOCAL_SIZE)])
+        yield transport, source
+    finally:
+        transport.close()
+
+
+def expected_after(
+    before: np.ndarray, source: np.ndarray, peer: Peer, ops: Sequence[WriteOp]
+) -> np.ndarray:
+    expected = before.copy()
+    src_base = source.ctypes.data
+    for op in ops:
+        d, s = op.dst_addr - peer.addr, op.src_addr - src_base
+        expected[d : d + op.length] = source[s : s + op.length]
+    return expected
+
+
+def write_and_check(
+    transport: KVTransport, source: np.ndarray, peer: Peer, ops: list[WriteOp]
+) -> None:
+    before = peer.read()
+    handle = transport.write(peer.session_id, ops, [peer.region])
+    stats = handle.result(WAIT_S)
+    assert stats.entries == len(ops)
+    assert stats.bytes == sum(op.length for op in ops)
+    assert stats.batches == -(-len(ops) // 1024)
+    after = peer.read()
+    expected = expected_after(before, source, peer, ops)
+    assert not np.array_equal(before, expected), "the test writes nothing new"
+    np.testing.assert_array_equal(after, expected)
+
+
+# ---------------------------------------------------------------------------
+# Moving bytes
+# ---------------------------------------------------------------------------
+
+
+def test_many_small_ops_span_several_batches(local, peer):
+    transport, source = local
+    n = 3000  # > 2 * 1024: three batches
+    src_slots = np.random.default_rng(1).permutation(n)
+    ops = [
+        WriteOp(source.ctypes.data + int(slot) * 1024, peer.addr + i * 512 + 7, 256)
+        for i, slot in enumerate(src_slots)
+    ]
+    assert len(coalesce(ops)) == n  # nothing adjacent: really 3000 entries
+    write_and_check(transport, source, peer, ops)
+
+
+def test_single_op(local, peer):
+    transport, source = local
+    write_and_check(transport, source, peer, [WriteOp(source.ctypes.data + 3, peer.addr + 5, 1)])
+
+
+def test_large_ops(local, peer):
+    transport, source = local
+    s, d = source.ctypes.data, peer.addr
+    ops = [
+        WriteOp(s, d + 10 * MiB, 5 * MiB + 123),
+        WriteOp(s + 6 * MiB, d + 1, 4 * MiB),
+        WriteOp(s + 11 * MiB, d + 5 * MiB, 3 * MiB),
+    ]
+    write_and_check(transport, source, peer, ops)
+
+
+def test_write_returns_a_handle_and_writes_run_in_call_order(local, peer):
+    transport, source = local
+    s, d = source.ctypes.data, peer.addr
+    before = peer.read()
+    # Three writes to the same destination, queued without waiting: the last one wins.
+    batches = [[WriteOp(s + k * MiB, d + 2 * MiB, MiB)] for k in range(3)]
+    handles = [transport.write(peer.session_id, ops, [peer.region]) for ops in batches]
+    assert all(isinstance(h, TransferHandle) for h in handles)
+    for handle in handles:
+        assert handle.result(WAIT_S).bytes == MiB
+        assert handle.done()
+    np.testing.assert_array_equal(peer.read(), expected_after(before, source, peer, batches[-1]))
+
+
+def test_empty_write_is_done_at_once(local, peer):
+    transport, _ = local
+    handle = transport.write(peer.session_id, [], [peer.region])
+    assert handle.done()
+    assert handle.result(0).entries == 0
+
+
+# ---------------------------------------------------------------------------
+# Refusals and failures
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("src_offset", "dst_offset", "length", "problem"),
+    [
+        (0, PEER_REGISTERED - 10, 11, "destination is outside"),  # one byte past the end
+        (0, -1, 4, "destination is outside"),  # one byte before the start
+        (LOCAL_SIZE - 2, 0, 4, "source is outside"),
+        (0, 0, 0, "length must be positive"),
+    ],
+)
+def test_bad_ranges_are_refused_before_sending(
+    local, peer, src_offset, dst_offset, length, problem
+):
+    transport, source = local
+    good = WriteOp(source.ctypes.data, peer.addr + 100, 8)
+    bad = WriteOp(source.ctypes.data + src_offset, peer.addr + dst_offset, length)
+    before = peer.read()
+    with pytest.raises(TransferError) as info:
+        transport.write(peer.session_id, [good, bad], [peer.region])
+    message = str(info.value)
+    assert problem in message and "op 1 " in message and peer.session_id in message
+    assert f"dst=0x{bad.dst_addr:x}" in message
+    np.testing.assert_array_equal(peer.read(), before)  # not even the good op moved
+
+
+def test_unregistered_peer_address_fails_and_transport_recovers(local, peer, caplog):
+    transport, source = local
+    before = peer.read()
+    published = MemoryRegion(peer.addr, peer.size)  # the peer "lies": the tail is unregistered
+    ops = [
+        WriteOp(source.ctypes.data, peer.addr + PEER_REGISTERED + 4096, 1000),
+        WriteOp(source.ctypes.data + 2000, peer.addr + PEER_REGISTERED + 8192, 234),
+    ]
+    handle = transport.write(peer.session_id, ops, [published])
+    with pytest.raises(TransferError) as info:
+        handle.result(WAIT_S)
+    assert info.value.kind is ErrorKind.TRANSFER_FAILED
+    message = str(info.value)
+    assert peer.session_id in message and "1234 bytes" in message
+    assert "get_batch_transfer_status returned -1" in message
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("retrying once" in w for w in warnings)  # the one retry happened and was logged
+    assert message in warnings
+    np.testing.assert_array_equal(peer.read(), before)
+    write_and_check(transport, source, peer, [WriteOp(source.ctypes.data, peer.addr, 4096)])
+
+
+def test_peer_without_listener_fails_and_transport_recovers(local, peer):
+    transport, source = local
+    with socket.socket() as sock:  # a port nobody listens on once the socket is closed
+        sock.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{sock.getsockname()[1]}"
+    region = MemoryRegion(peer.addr, PEER_REGISTERED)  # addresses don't matter here
+    handle = transport.write(nobody, [WriteOp(source.ctypes.data, peer.addr, 777)], [region])
+    with pytest.raises(TransferError) as info:
+        handle.result(WAIT_S)
+    message = str(info.value)
+    assert nobody in message and "777 bytes" in message
+    assert "batch_transfer_async_write returned 0" in message
+    write_and_check(transport, source, peer, [WriteOp(source.ctypes.data + 1, peer.addr, 999)])
+
+
+def test_deadline_is_checked_between_batches(peer):
+    source = np.ones(4096, dtype=np.uint8)
+    config = TransportConfig(max_entries_per_batch=1, transfer_timeout_s=1e-6)
+    with open_transport(config) as transport:
+        transport.register([MemoryRegion(source.ctypes.data, source.nbytes)])
+        ops = [WriteOp(source.ctypes.data + 8 * i, peer.addr + 8 * i, 8) for i in range(2)]
+        handle = transport.write(peer.session_id, ops, [peer.region])
+        with pytest.raises(TransferError, match="deadline passed") as info:
+            handle.result(WAIT_S)  # batch 2 at the latest: one batch takes far more than 1 us
+        assert peer.session_id in str(info.value) and "16 bytes" in str(info.value)
+
+
+def test_close_settles_every_handle(peer):
+    source = np.ones(MiB, dtype=np.uint8)
+    transport = open_transport(TransportConfig())
+    transport.register([MemoryRegion(source.ctypes.data, source.nbytes)])
+    ops = [WriteOp(source.ctypes.data, peer.addr, MiB)]
+    handles = [transport.write(peer.session_id, ops, [peer.region]) for _ in range(5)]
+    transport.close()
+    for handle in handles:
+        assert handle.done()
+        try:
+            handle.result(0)
+        except TransferError as exc:  # queued behind close(): failed, never started
+            assert "closed before the write" in str(exc)
+
+
+def test_closed_transport_refuses_work():
+    buffer = np.zeros(4096, dtype=np.uint8)
+    transport = open_transport(TransportConfig())
+    assert isinstance(transport, MooncakeTransport)
+    assert transport.session_id.startswith("127.0.0.1:")
+    transport.register([MemoryRegion(buffer.ctypes.data, buffer.nbytes)])
+    transport.close()
+    transport.close()  # idempotent
+    with pytest.raises(TransferError, match="closed"):
+        transport.write("127.0.0.1:1", [WriteOp(buffer.ctypes.data, 1, 1)], [])
+    with pytest.raises(TransferError, match="closed"):
+        transport.register([MemoryRegion(buffer.ctypes.data, 16)])
+
+
+def test_overlapping_registration_is_a_transfer_error(local):
+    transport, source = local
+    with pytest.raises(TransferError, match="batch_register_memory returned"):
+        transport.register([MemoryRegion(source.ctypes.data + 64, 128)])
+
+
+def test_transfer_error_pickles_with_its_kind():
+    error = pickle.loads(pickle.dumps(TransferError("boom")))
+    assert isinstance(error, TransferError)
+    assert error.kind is ErrorKind.TRANSFER_FAILED and error.message == "boom"
+
+
+# ---------------------------------------------------------------------------
+# Pure helpers
+# ---------------------------------------------------------------------------
+
+
+def test_coalesce_merges_runs_adjacent_on_both_sides():
+    ops = [
+        WriteOp(200, 1200, 100),  # continues the first run, given out of order
+        WriteOp(100, 1100, 100),
+        WriteOp(300, 5000, 100),  # source adjacent, destination not
+        WriteOp(400, 5100, 50),  # continues the previous one
+        WriteOp(1000, 9000, 10),
+    ]
+    assert coalesce(ops) == [
+        WriteOp(100, 1100, 200),
+        WriteOp(300, 5000, 150),
+        WriteOp(1000, 9000, 10),
+    ]
+    assert coalesce([]) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"hostname": ""},
+        {"hostname": "10.0.0.1:5000"},
+        {"protocol": "shm"},
+        {"rdma_devices": "mlx5_0"},  # devices only make sense for rdma
+        {"max_entries_per_batch": 0},
+        {"max_entries_per_batch": 2048},  # beyond the TCP per-peer queue
+        {"transfer_timeout_s": 0},
+    ],
+)
+def test_config_validation(kwargs):
+    with pytest.raises(ValueError):
+        TransportConfig(**kwargs)
+
+
+def test_config_accepts_rdma_with_or_without_devices():
+    TransportConfig(protocol="rdma")  # Mooncake picks the HCAs
+    TransportConfig(protocol="rdma", rdma_devices="mlx5_0,mlx5_1", max_entries_per_batch=4096)
