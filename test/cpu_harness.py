@@ -57,7 +57,11 @@ _TORCHVISION_LIB: Any = None
 
 
 def install_cpu_shims() -> None:
-    """Install the three CPU replacements; idempotent; call before any sglang import."""
+    """Install the three CPU replacements; idempotent; call before any sglang import.
+
+    Per process: a child started with "spawn" must call it again (it finds this module
+    through the inherited sys.path).
+    """
     global _SHIMS_INSTALLED
     if _SHIMS_INSTALLED:
         return
@@ -119,6 +123,8 @@ _DEFAULT_IO_BACKEND = {
 
 @dataclasses.dataclass
 class HarnessConfig:
+    """Shape and HiCache settings of one harness (small defaults: tens of MB in all)."""
+
     attention: Literal["mha", "mla"] = "mha"
     host_layout: HostLayout = "layer_first"
     # None: the valid one for the layout (direct for layer_first/page_first_direct,
@@ -163,6 +169,13 @@ class HarnessSnapshot:
 
 @dataclasses.dataclass
 class Harness:
+    """One real HiRadixCache with its pools, built by :func:`build_harness`.
+
+    ``server_args`` holds the effective hicache settings (ServerArgs may rewrite an
+    invalid layout/io pair). All tier movement runs synchronously: CPU streams and
+    events are no-ops, so every copy has finished when the call returns.
+    """
+
     cfg: HarnessConfig
     server_args: Any  # sglang.srt.server_args.ServerArgs
     cache: HiRadixCache
@@ -432,6 +445,9 @@ def write_tiny_model_dir(path: str | None = None) -> str:
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
+    # Present only to spare a "no generation_config.json" message per ServerArgs.
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({}, f)
     return path
 
 

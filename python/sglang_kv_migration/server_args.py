@@ -75,8 +75,7 @@ def add_kv_migration_cli_args(parser: argparse.ArgumentParser) -> None:
         "--kv-migration-watchdog-timeout",
         type=float,
         default=DEFAULT_WATCHDOG_TIMEOUT_S,
-        help="Seconds after which an allocation that was neither committed nor aborted "
-        "is freed.",
+        help="Seconds after which an allocation that was neither committed nor aborted is freed.",
     )
     group.add_argument(
         "--kv-migration-hostname",

@@ -98,6 +98,12 @@ def write_back_path(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
     pending_ids: set[int] = set()
     for node in nodes:
         if node.backuped:
+            # IMPORTANT: `write_backup` sets `host_value` when it queues the copy, so a
+            # node can be "backed up" while its device->host copy is still in flight
+            # (e.g. a write-through started by the scheduler). Wait for those too, or
+            # the transfer would read host slots the copy has not filled yet.
+            if node.id in cache.ongoing_write_through:
+                pending_ids.add(node.id)
             continue
         if cache.write_backup(node) == 0:
             raise MigrationError(

@@ -1,0 +1,104 @@
+"""`sglang-kv-migrate`: run one migration from the shell.
+
+    sglang-kv-migrate --source http://10.0.0.1:30000 --target http://10.0.0.2:30000 \\
+        --input-ids 1,2,3,... [--extra-key K] [--api-key KEY] [--json]
+
+`--input-ids-file F` reads ids from a JSON list or whitespace/comma separated text
+("-" for stdin). Exit status: 0 migrated (or nothing to move), 1 migration failed,
+2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from sglang_kv_migration.client import DEFAULT_TIMEOUT_S, MigrationClient, MigrationFailed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        input_ids = _read_ids(args.input_ids, args.input_ids_file)
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
+
+    with MigrationClient(timeout=args.timeout, api_key=args.api_key) as client:
+        try:
+            result = client.migrate(args.source, args.target, input_ids, args.extra_key)
+        except MigrationFailed as e:
+            if args.json:
+                print(
+                    json.dumps(
+                        {
+                            "success": False,
+                            "phase": e.phase,
+                            "status_code": e.status_code,
+                            "message": e.message,
+                            "rolled_back": e.rolled_back,
+                        }
+                    )
+                )
+            else:
+                rollback = " (target allocation released)" if e.rolled_back else ""
+                print(f"migration failed: {e}{rollback}", file=sys.stderr)
+            return 1
+
+    if args.json:
+        print(json.dumps({"success": True, **result.to_dict()}))
+    elif result.migrated_token_size == 0:
+        print(
+            f"nothing to migrate: source holds {result.source_held_token_size} tokens, "
+            f"target already holds {result.target_matched_token_size}"
+        )
+    else:
+        total_ms = result.timings.get("total", 0.0) * 1e3
+        print(
+            f"migrated {result.migrated_token_size} tokens ({result.migrated_bytes} bytes) "
+            f"in {total_ms:.1f} ms; target now matches {result.matched_after_commit} tokens "
+            f"[{result.migration_id}]"
+        )
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sglang-kv-migrate",
+        description="Move the KV cache of a token prefix from one SGLang server to another.",
+    )
+    parser.add_argument("--source", required=True, help="URL of the server holding the KV")
+    parser.add_argument("--target", required=True, help="URL of the server to move it to")
+    ids = parser.add_mutually_exclusive_group(required=True)
+    ids.add_argument("--input-ids", help="comma-separated token ids")
+    ids.add_argument("--input-ids-file", help="token ids file (JSON list or text), - for stdin")
+    parser.add_argument("--extra-key", default=None, help="radix-cache namespace (e.g. LoRA id)")
+    parser.add_argument("--api-key", default=None, help="bearer key (admin key if configured)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per call")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _read_ids(inline: str | None, path: str | None) -> list[int]:
+    if inline is not None:
+        text = inline
+    elif path == "-":
+        text = sys.stdin.read()
+    else:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    text = text.strip()
+    values = json.loads(text) if text.startswith("[") else re.split(r"[\s,]+", text)
+    try:
+        ids = [int(v) for v in values if str(v) != ""]
+    except (TypeError, ValueError):
+        raise ValueError("input ids must be integers") from None
+    if not ids or any(i < 0 for i in ids):
+        raise ValueError("input ids must be a non-empty list of non-negative integers")
+    return ids
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Build the CPU test environment in .venv: real SGLang 0.5.12 on a CPU build of torch,
+# the Mooncake transfer engine without CUDA, and this package in editable mode.
+#
+# For Debian 12 with Python 3.11 and no GPU, run as root from anywhere in the repo:
+#     bash scripts/install-cpu.sh
+# Safe to run again: an existing .venv is reused and satisfied requirements are skipped.
+# Never installs sglang-kernel, flashinfer or nvidia-* packages (GPU only).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON="${PYTHON:-python3.11}"
+VENV=.venv
+
+# Mooncake's non-CUDA wheel links libibverbs.so.1 even when it only speaks TCP.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+    if [ "$(id -u)" -eq 0 ]; then
+        apt-get update
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libibverbs1
+    else
+        echo "install-cpu.sh: libibverbs1 is missing; run as root or 'apt-get install libibverbs1'" >&2
+        exit 1
+    fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off)
+
+# A CPU build of torch 2.13.0 lies on these machines' local package index and pip
+# prefers it; first, so nothing below can pull a CUDA build in as a dependency.
+"${PIP[@]}" torch==2.13.0
+
+# --no-deps: sglang pins torch 2.11.0 and GPU-only packages (sglang-kernel, flashinfer,
+# nvidia-*). torchvision 0.28.0 exists only as a CUDA build for torch 2.13; it imports on
+# CPU with the fix installed at the end. pip warns about sglang's unmet pins: harmless.
+"${PIP[@]}" --no-deps sglang==0.5.12 torchvision==0.28.0
+
+# What SGLang's import chain needs on CPU (the HiCache classes, ServerArgs and
+# `python -m sglang.launch_server --help`). triton imports without a GPU although its
+# kernels cannot run; transformers and openai are pinned as sglang 0.5.12 pins them.
+LIGHT_DEPS=(
+    triton numpy pillow pybase64 psutil packaging tqdm pyyaml requests pydantic orjson
+    msgspec pyzmq setproctitle xxhash fastapi uvicorn httpx prometheus-client
+    python-multipart IPython aiohttp transformers==5.6.0 openai==2.6.1 partial_json_parser
+    dill sentencepiece einops compressed-tensors gguf
+)
+"${PIP[@]}" "${LIGHT_DEPS[@]}"
+
+# This package, the non-CUDA Mooncake engine (extra cpu) and pytest + ruff (extra test).
+"${PIP[@]}" -e '.[cpu,test]'
+
+# Test environment only, never part of the package: define the two torchvision operator
+# schemas on the first `import torchvision` (see scripts/cpu_torchvision_fix.py).
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+cp scripts/cpu_torchvision_fix.py "$SITE/_kvm_cpu_torchvision_fix.py"
+echo "import _kvm_cpu_torchvision_fix" > "$SITE/kvm_cpu_torchvision_fix.pth"
+
+# Fail here, not in the tests, if the environment does not import.
+"$VENV/bin/python" -c 'import torchvision, mooncake.engine, sglang_kv_migration' >/dev/null
+echo "install-cpu.sh: environment ready in $VENV"

@@ -1,0 +1,351 @@
+"""A CPU stand-in for one SGLang server, for the HTTP/client tests (test env only).
+
+What is real: our plugin's scheduler hooks (`after_init_request_dispatcher`,
+`after_process_input_requests`) on every rank, SGLang's `HiRadixCache` from the harness,
+SGLang's `TypeBasedDispatcher`, `FanOutCommunicator` and `broadcast_pyobj`, zmq between
+the "tokenizer" and "scheduler" sides, our FastAPI routes served by uvicorn with SGLang's
+own API-key middleware, and Mooncake TCP between servers.
+
+What stands in for SGLang: the loop of each rank (receive on rank 0, broadcast to the
+other ranks over gloo, dispatch, then the per-iteration hook — what
+`Scheduler.event_loop_normal` does) and the FastAPI app (SGLang's app needs a model).
+
+`start_server(ServerSpec(...))` spawns one process per TP rank and returns a handle with
+the URL once every rank is serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import cpu_harness
+
+STOP = "__stop__"
+
+
+@dataclasses.dataclass
+class ServerSpec:
+    harness: cpu_harness.HarnessConfig = dataclasses.field(
+        default_factory=cpu_harness.HarnessConfig
+    )
+    tp_size: int = 1
+    watchdog_timeout_s: float = 60.0
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    enable_kv_migration: bool = True
+    # Token sequences to insert with random KV at start-up: (token_ids, seed).
+    preload: list[tuple[list[int], int]] = dataclasses.field(default_factory=list)
+    # tp rank whose transport refuses every write (failure-injection tests).
+    broken_transport_rank: int | None = None
+
+
+@dataclasses.dataclass
+class ServerHandle:
+    url: str
+    processes: list[Any]
+    control: list[Any]  # one command pipe per rank
+
+    def ask(self, rank: int, command: str, *args: Any, timeout: float = 60.0) -> Any:
+        """Run a test-only command on one rank (snapshot, read_kv, ...)."""
+        conn = self.control[rank]
+        conn.send((command, args))
+        if not conn.poll(timeout):
+            raise TimeoutError(f"rank {rank} did not answer {command!r} in {timeout}s")
+        ok, value = conn.recv()
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed {command!r}: {value}")
+        return value
+
+    def ask_all(self, command: str, *args: Any) -> list[Any]:
+        for conn in self.control:
+            conn.send((command, args))
+        results = []
+        for rank, conn in enumerate(self.control):
+            if not conn.poll(60):
+                raise TimeoutError(f"rank {rank} did not answer {command!r}")
+            ok, value = conn.recv()
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed {command!r}: {value}")
+            results.append(value)
+        return results
+
+    def stop(self) -> None:
+        # Rank 0 broadcasts the stop, so every rank leaves its loop in the same iteration.
+        try:
+            self.control[0].send((STOP, ()))
+        except (BrokenPipeError, OSError):
+            pass
+        for p in self.processes:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def start_server(spec: ServerSpec, timeout_s: float = 240.0) -> ServerHandle:
+    return start_servers([spec], timeout_s)[0]
+
+
+def start_servers(specs: list[ServerSpec], timeout_s: float = 240.0) -> list[ServerHandle]:
+    """Start several servers at once (their start-ups overlap); all ready or none."""
+    launched = [_launch(spec) for spec in specs]
+    handles = [handle for handle, _ready, _n in launched]
+    try:
+        for handle, ready, n in launched:
+            _wait_ready(handle, ready, n, timeout_s)
+    except BaseException:
+        for handle in handles:
+            handle.stop()
+        raise
+    return handles
+
+
+def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
+    ctx = mp.get_context("spawn")
+    gloo_port = cpu_harness.free_port()
+    http_port = cpu_harness.free_port()
+    ready = ctx.Queue()
+    processes, control = [], []
+    for rank in range(spec.tp_size):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(
+            target=_rank_main,
+            args=(spec, rank, gloo_port, http_port, child, ready),
+            daemon=True,
+        )
+        p.start()
+        processes.append(p)
+        control.append(parent)
+    handle = ServerHandle(f"http://127.0.0.1:{http_port}", processes, control)
+    return handle, ready, spec.tp_size
+
+
+def _wait_ready(handle: ServerHandle, ready: Any, num_ranks: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = set(range(num_ranks))
+    while pending:
+        try:
+            rank, status = ready.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(
+                f"{handle.url}: ranks {sorted(pending)} not ready in {timeout_s}s"
+            ) from None
+        if status != "ready":
+            raise RuntimeError(f"{handle.url}: rank {rank} failed to start: {status}")
+        pending.discard(rank)
+
+
+# --------------------------------------------------------------------------- child side
+
+
+class _MiniScheduler:
+    """The attributes of `Scheduler` that our hooks read, plus a minimal loop."""
+
+    def __init__(self, spec: ServerSpec, rank: int, harness: Any, sender: Any):
+        from sglang.srt.managers.scheduler import SenderWrapper
+        from sglang.utils import TypeBasedDispatcher
+
+        self.server_args = _server_args(spec)
+        self.tree_cache = harness.cache
+        self.tp_rank = rank
+        self.tp_size = spec.tp_size
+        self.pp_rank = 0
+        self.pp_size = 1
+        self.tp_cpu_group = harness.tp_group if spec.tp_size > 1 else None
+        self.send_to_tokenizer = SenderWrapper(sender)
+        self._request_dispatcher = TypeBasedDispatcher([])
+
+    def run(self, receiver: Any, control: Any, harness: Any) -> None:
+        import zmq
+        from sglang.srt.utils.common import broadcast_pyobj
+        from sglang_kv_migration import scheduler_hooks
+
+        while True:
+            reqs: list[Any] = []
+            if self.tp_rank == 0:
+                while True:
+                    try:
+                        reqs.append(receiver.recv_pyobj(zmq.NOBLOCK))
+                    except zmq.ZMQError:
+                        break
+            # Introspection commands touch only this rank's tree, between iterations.
+            stop = False
+            if control.poll():
+                command = control.recv()
+                if command[0] == STOP:
+                    stop = True
+                else:
+                    _answer(control, command, harness)
+            if self.tp_rank == 0 and stop:
+                reqs.append(STOP)
+            if self.tp_size > 1:
+                # Like Scheduler.recv_requests: rank 0's requests reach every rank.
+                reqs = broadcast_pyobj(reqs, self.tp_rank, self.tp_cpu_group, src=0)
+            if STOP in reqs:
+                return
+            for req in reqs:
+                output = self._request_dispatcher(req)
+                if output is not None:
+                    self.send_to_tokenizer.send_output(output, req)
+            scheduler_hooks.after_process_input_requests(None, self, reqs)
+            if not reqs:
+                time.sleep(0.001)
+
+
+def _rank_main(
+    spec: ServerSpec, rank: int, gloo_port: int, http_port: int, control: Any, ready: Any
+) -> None:
+    try:
+        cpu_harness.install_cpu_shims()
+        import zmq
+        from sglang_kv_migration import scheduler_hooks
+
+        if spec.tp_size > 1:
+            cpu_harness.init_gloo(rank, spec.tp_size, gloo_port)
+        cfg = dataclasses.replace(spec.harness, tp_rank=rank, tp_size=spec.tp_size)
+        harness = cpu_harness.build_harness(cfg)
+        for token_ids, seed in spec.preload:
+            harness.insert_random(token_ids, seed=seed * 1000 + rank)
+        harness.write_back_all()
+
+        context = zmq.Context()
+        sched_in = sched_out = None
+        sender = None
+        if rank == 0:
+            sched_in = context.socket(zmq.PULL)
+            sched_in_port = sched_in.bind_to_random_port("tcp://127.0.0.1")
+            sched_out = context.socket(zmq.PUSH)
+            sched_out_port = sched_out.bind_to_random_port("tcp://127.0.0.1")
+            sender = sched_out
+        scheduler = _MiniScheduler(spec, rank, harness, sender)
+        scheduler_hooks.after_init_request_dispatcher(None, scheduler)
+        if spec.broken_transport_rank == rank and scheduler.kv_migration is not None:
+            _break_transport(scheduler.kv_migration.transport)
+        if rank == 0:
+            threading.Thread(
+                target=_serve_http,
+                args=(spec, http_port, sched_in_port, sched_out_port),
+                daemon=True,
+            ).start()
+            _wait_http(http_port)
+        ready.put((rank, "ready"))
+        scheduler.run(sched_in, control, harness)
+        if scheduler.kv_migration is not None:
+            scheduler.kv_migration.close()
+        harness.close()
+    except BaseException as e:  # report start-up failures to the parent
+        import traceback
+
+        ready.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        os._exit(0)
+
+
+def _answer(control: Any, command: tuple[str, tuple], harness: Any) -> None:
+    """Test-only introspection commands."""
+    name, args = command
+    try:
+        if name == "snapshot":
+            value: Any = harness.snapshot()
+        elif name == "held":
+            value = harness.match(args[0], args[1] if len(args) > 1 else None)
+            value = (len(value.device_indices), value.host_hit_length)
+        elif name == "kv":
+            value = [t.clone() for t in harness.read_device_kv(harness.load_back(args[0]))]
+        elif name == "insert":
+            harness.insert_random(args[0], seed=args[1])
+            harness.write_back_all()
+            value = True
+        else:
+            raise ValueError(f"unknown command {name}")
+        control.send((True, value))
+    except Exception as e:
+        control.send((False, f"{type(e).__name__}: {e}"))
+
+
+def _serve_http(spec: ServerSpec, http_port: int, sched_in_port: int, sched_out_port: int) -> None:
+    import asyncio
+
+    import uvicorn
+    import zmq
+    import zmq.asyncio
+    from fastapi import FastAPI
+    from sglang.srt.utils.auth import add_api_key_middleware
+    from sglang_kv_migration.communicators import KVMigrationCommunicators
+    from sglang_kv_migration.http_api import build_router
+
+    context = zmq.asyncio.Context()
+    to_scheduler = context.socket(zmq.PUSH)
+    to_scheduler.connect(f"tcp://127.0.0.1:{sched_in_port}")
+    from_scheduler = context.socket(zmq.PULL)
+    from_scheduler.connect(f"tcp://127.0.0.1:{sched_out_port}")
+
+    comms = KVMigrationCommunicators(to_scheduler, 1) if spec.enable_kv_migration else None
+    app = FastAPI()
+    app.include_router(build_router(lambda: comms))
+    if spec.api_key or spec.admin_api_key:
+        add_api_key_middleware(app, api_key=spec.api_key, admin_api_key=spec.admin_api_key)
+
+    @app.on_event("startup")
+    async def _start_result_loop() -> None:
+        from sglang.utils import TypeBasedDispatcher
+
+        dispatcher = TypeBasedDispatcher(comms.result_handlers if comms else [])
+
+        async def loop() -> None:
+            while True:
+                dispatcher(await from_scheduler.recv_pyobj())
+
+        asyncio.get_running_loop().create_task(loop())
+
+    uvicorn.run(app, host="127.0.0.1", port=http_port, log_level="warning")
+
+
+def _wait_http(port: int, timeout_s: float = 30.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"HTTP server on port {port} did not start")
+
+
+def _server_args(spec: ServerSpec) -> Any:
+    from sglang_kv_migration.server_args import KVMigrationServerArgs
+
+    cfg = spec.harness
+    return KVMigrationServerArgs(
+        model_path=cpu_harness.write_tiny_model_dir(),
+        served_model_name="tiny-llama",
+        skip_tokenizer_init=True,
+        device="cpu",
+        page_size=cfg.page_size,
+        tp_size=spec.tp_size,
+        enable_hierarchical_cache=True,
+        hicache_mem_layout=cfg.host_layout,
+        hicache_io_backend=cfg.effective_io_backend(),
+        enable_kv_migration=spec.enable_kv_migration,
+        kv_migration_watchdog_timeout=spec.watchdog_timeout_s,
+        kv_migration_hostname="127.0.0.1",
+        host="127.0.0.1",
+    )
+
+
+def _break_transport(transport: Any) -> None:
+    """Make every write of this rank fail as an unreachable peer would."""
+    from sglang_kv_migration.transfer import TransferError
+
+    def refuse(peer_session_id: str, ops: Any, peer_regions: Any) -> Any:
+        raise TransferError(f"injected failure: peer {peer_session_id} unreachable")
+
+    transport.write = refuse
