@@ -27,7 +27,7 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off)
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --progress-bar off)
 
 # A CPU build of torch 2.13.0 lies on these machines' local package index and pip
 # prefers it; first, so nothing below can pull a CUDA build in as a dependency.

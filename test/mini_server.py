@@ -279,7 +279,7 @@ def _serve_http(spec: ServerSpec, http_port: int, sched_in_port: int, sched_out_
     from fastapi import FastAPI
     from sglang.srt.utils.auth import add_api_key_middleware
     from sglang_kv_migration.communicators import KVMigrationCommunicators
-    from sglang_kv_migration.http_api import build_router
+    from sglang_kv_migration.http_api import add_routes
 
     context = zmq.asyncio.Context()
     to_scheduler = context.socket(zmq.PUSH)
@@ -289,7 +289,7 @@ def _serve_http(spec: ServerSpec, http_port: int, sched_in_port: int, sched_out_
 
     comms = KVMigrationCommunicators(to_scheduler, 1) if spec.enable_kv_migration else None
     app = FastAPI()
-    app.include_router(build_router(lambda: comms))
+    add_routes(app, lambda: comms)
     if spec.api_key or spec.admin_api_key:
         add_api_key_middleware(app, api_key=spec.api_key, admin_api_key=spec.admin_api_key)
 

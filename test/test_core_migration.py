@@ -88,7 +88,7 @@ def servers() -> Iterator[tuple[Server, Server]]:
             assert server.conn.recv()[0] == "ready"
         yield started[0][0], started[1][0]
     finally:
-        for server, process in started:
+        for server, _process in started:
             try:
                 server.conn.send(("quit",))
             except OSError:
@@ -111,7 +111,9 @@ def _tokens(n: int, start: int) -> list[int]:
 def _allocate(
     src: Server, dst: Server, tokens: list[int], mid: str, fingerprints: list[dict] | None = None
 ) -> AllocateTokenForTransferReqOutput:
-    size = dst.call("get_request_extra_token_size", GetRequestExtraTokenSizeReqInput(input_ids=tokens))
+    size = dst.call(
+        "get_request_extra_token_size", GetRequestExtraTokenSizeReqInput(input_ids=tokens)
+    )
     assert size.success, size.message
     return dst.call(
         "allocate_token_for_transfer",

@@ -423,7 +423,10 @@ def test_concurrent_insert_before_commit_frees_surplus(
     raced = racer_pages * ps
     assert all(s in free for s in ours[:raced])
     assert all(s in in_tree for s in ours[raced:])
-    racer_host = len(racer_tokens) - ps if racer_backed_up else 0
+    # The racer's device pages get a host copy either way: by write-through, or by the
+    # commit (a host-only node needs backed-up ancestors).
+    racer_host = len(racer_tokens) - ps
+    assert _host_only_nodes_have_backed_up_ancestors(h)
     assert after.host_available == before.host_available - (len(ours) - raced) - racer_host
 
     # The tree's KV: the prefix, the racer's pages (they won), then ours.
@@ -460,3 +463,76 @@ def test_pin_waits_for_a_write_through_still_in_flight(harness_factory):
         tree_helpers.unpin_host_pages(pinned)
     snap = h.snapshot()
     assert snap.total_host_ref == 0 and snap.total_lock_ref == 0
+
+
+def _host_only_nodes_have_backed_up_ancestors(h: Harness) -> bool:
+    for node in h.iter_nodes():
+        if node.evicted:
+            parent = node.parent
+            while parent is not h.cache.root_node:
+                if not parent.backuped:
+                    return False
+                parent = parent.parent
+    return True
+
+
+@pytest.mark.parametrize("policy", ["write_through_selective", "write_back"])
+def test_commit_below_a_device_only_prefix_keeps_the_tree_evictable(harness_factory, policy):
+    """The target's prefix was never backed up (selective / write-back policy): commit
+    must back it up, or SGLang's device eviction trips over a non-leaf without a copy."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    h = harness_factory(write_policy=policy, host_layout="page_first", load_back_threshold=1)
+    tokens = _tokens(4 * 16)
+    prefix_kv = h.read_device_kv(h.insert_random(tokens[:32], seed=1))
+    h.drain_writes()
+    assert not any(n.backuped for n in h.iter_nodes())
+    pending = PendingMigrations(h.cache, TIMEOUT_S)
+    before = h.snapshot()
+    alloc = pending.allocate("m", tokens, None)
+    fake = _fake_kv(h, 32, seed=2)
+    _write_host_kv(h, alloc.kv_indices, fake)
+    assert pending.commit("m") == 64
+    assert _host_only_nodes_have_backed_up_ancestors(h)
+    assert h.snapshot().host_available == before.host_available - 64
+    assert h.snapshot().total_lock_ref == 0
+    # Device eviction of everything works and the whole prefix is then on host.
+    h.cache.evict(EvictParams(num_tokens=h.cache.evictable_size()))
+    assert h.match(tokens).host_hit_length == 64
+    got = h.read_device_kv(h.load_back(tokens))
+    want = [torch.cat([a, b], dim=1) for a, b in zip(prefix_kv, fake, strict=True)]
+    assert _same_bytes(got, want)
+    _assert_host_slots_accounted(h)
+
+
+def test_pin_never_evicts_a_host_page_of_its_own_path(harness_factory):
+    """write_back policy: a device-only node with a host-only child. Backing up the
+    parent on a full host pool must not evict the child it is about to send."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    ps = 16
+    h = harness_factory(write_policy="write_back", host_layout="layer_first")
+    tokens = _tokens(6 * ps)
+    h.insert_random(tokens[: 2 * ps], seed=1)
+    h.insert_random(tokens, seed=2)
+    # Evict just the leaf (4 pages): written back, then host-only below a device-only parent.
+    h.cache.evict(EvictParams(num_tokens=4 * ps))
+    m = h.match(tokens)
+    assert (len(m.device_indices), m.host_hit_length) == (2 * ps, 4 * ps)
+    # Leave less free host room than the parent needs, so write_backup must evict.
+    hog = h.host_pool.alloc(h.host_pool.available_size() - ps)
+    assert hog is not None
+    with pytest.raises(MigrationError) as info:
+        tree_helpers.pin_host_pages(h.cache, tokens, None, 0, 6 * ps)
+    assert info.value.kind is ErrorKind.UNAVAILABLE
+    # The child is still there with its own slots; nothing stays protected.
+    m = h.match(tokens)
+    assert (len(m.device_indices), m.host_hit_length) == (2 * ps, 4 * ps)
+    assert h.snapshot().total_host_ref == 0
+    h.host_pool.free(hog)
+    pinned = tree_helpers.pin_host_pages(h.cache, tokens, None, 0, 6 * ps)
+    try:
+        assert len(set(pinned.host_indices.tolist())) == 6 * ps
+    finally:
+        tree_helpers.unpin_host_pages(pinned)
+    _assert_host_slots_accounted(h)

@@ -203,7 +203,28 @@ def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
                 f"sglang==0.5.12); not installed on: {', '.join(missing)}"
             )
     if not any(getattr(r, "path", None) == "/commit" for r in http_server.app.routes):
-        http_server.app.include_router(build_router(_sglang_backend))
+        add_routes(http_server.app, _sglang_backend)
+
+
+def add_routes(app: Any, get_backend: Callable[[], MigrationBackend | None]) -> None:
+    """Add the six routes to `app`'s own route list, each with its auth level.
+
+    Not `app.include_router(...)`: recent FastAPI keeps an included router as one lazy
+    entry whose `matches()` reports no endpoint, so SGLang's API-key middleware (which
+    reads `_auth_level` from the matched endpoint) would treat our routes as NORMAL:
+    open to anyone when only `--admin-api-key` is set, and open to the plain api key
+    when both keys are set.
+    """
+    for route in build_router(get_backend).routes:
+        app.router.add_api_route(
+            route.path,
+            route.endpoint,
+            methods=sorted(route.methods),
+            name=route.name,
+            tags=route.tags,
+            description=route.description,
+            route_class_override=type(route),
+        )
 
 
 # --------------------------------------------------------------------------- helpers

@@ -190,6 +190,18 @@ class PendingMigrations:
             if pending is None:
                 finished = self._check_finished(migration_id, "commit")
                 return finished.matched_after_commit
+            # IMPORTANT: SGLang assumes every ancestor of a host-only node has a host copy
+            # (device eviction of a node without one asserts it is a leaf). The matched
+            # prefix, or device pages a concurrent insert added below it, may be
+            # device-only (write_through_selective, write_back, a full host pool): back
+            # them up before hanging host-only nodes below them. On failure the
+            # migration stays pending (abort or the watchdog frees it).
+            held = tree_helpers.match_held_prefix(
+                self.cache, pending.key.token_ids, pending.key.extra_key
+            )
+            tree_helpers.write_back_path(
+                self.cache, tree_helpers.path_from_root(self.cache, held.last_node)
+            )
             already_present = tree_helpers.insert_host_pages(
                 self.cache, pending.anchor, pending.key, pending.matched_length, pending.slots
             )

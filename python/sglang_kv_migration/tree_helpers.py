@@ -95,6 +95,20 @@ def write_back_path(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
     wait polls `writing_check`, which all-reduces completion counts across TP ranks, so
     every rank leaves the loop after the same number of rounds.
     """
+    # IMPORTANT: protect the path's host copies while writing: `write_backup` evicts
+    # unprotected host-only nodes when the host pool is full, and a host-only node of
+    # this very path (below a device-only one, as the write_back policy leaves them)
+    # would otherwise be dropped from the tree with its slots handed to its ancestor.
+    for node in nodes:
+        node.protect_host()
+    try:
+        _write_back_protected(cache, nodes)
+    finally:
+        for node in nodes:
+            node.release_host()
+
+
+def _write_back_protected(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
     pending_ids: set[int] = set()
     for node in nodes:
         if node.backuped:

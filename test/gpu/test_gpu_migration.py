@@ -142,7 +142,9 @@ def _generate(url: str, input_ids: list[int], max_new_tokens: int = 24) -> dict:
 def _migrate_cli(source: str, target: str, input_ids: list[int]) -> dict:
     ids_file = OUT_DIR / "ids.json"
     ids_file.write_text(json.dumps(input_ids))
-    exe = shutil.which("sglang-kv-migrate") or str(Path(sys.executable).parent / "sglang-kv-migrate")
+    exe = shutil.which("sglang-kv-migrate") or str(
+        Path(sys.executable).parent / "sglang-kv-migrate"
+    )
     cmd = [exe, "--source", source, "--target", target, "--input-ids-file", str(ids_file), "--json"]
     if not Path(exe).exists():  # installed with --target: no script, run the module
         cmd = [sys.executable, "-m", "sglang_kv_migration.cli", *cmd[1:]]

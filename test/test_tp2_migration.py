@@ -1,0 +1,271 @@
+"""Migration between two-rank (TP=2) servers over Mooncake TCP, on CPU.
+
+Every server is `mini_server` with ``tp_size=2``: one process per TP rank, each with a
+real SGLang HiRadixCache from the harness, the two ranks of a server joined by a real
+2-rank gloo group (rank 0 receives, `broadcast_pyobj` reaches rank 1, our handlers
+gather per-rank results with `all_gather_object`). Preloaded sequences get different
+random KV on each rank, as TP ranks hold different KV heads, so a byte-exact match per
+rank proves that source rank r wrote into target rank r.
+
+Two servers (four processes) serve the whole module, to keep start-up affordable on a
+small machine: server A and server B, each preloaded with its own sequence, B's rank 1
+transport refusing every write. A -> B is the good migration; B -> A is the one that
+fails on one rank (rank 0 writes, rank 1 cannot) and must leave both ranks of A as they
+were. B also runs a short watchdog for the expiry test.
+
+Not covered here: pipeline parallelism. A PP stage holds a different slice of layers and
+SGLang forwards requests from stage to stage; the harness builds one whole-model cache
+per process and has no stage-to-stage forwarding, so PP=2 cannot be modelled honestly on
+CPU and is left to the GPU tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from mini_server import ServerHandle, ServerSpec, start_servers
+from sglang_kv_migration.client import MigrationClient, MigrationFailed
+
+TP = 2
+PAGE = 16
+# 8 full pages plus an unaligned tail that is never cached nor migrated.
+GOOD_IDS = list(range(100, 100 + PAGE * 8 + 5))
+BROKEN_IDS = list(range(5000, 5000 + PAGE * 6 + 3))
+ALLOC_IDS = list(range(9000, 9000 + PAGE * 4))
+WATCHDOG_IDS = list(range(12000, 12000 + PAGE * 3))
+# Short enough to watch an expiry, long enough for a CPU migration to commit first.
+TARGET_WATCHDOG_S = 8.0
+HTTP_TIMEOUT_S = 120.0
+START_S = 420.0  # four processes importing SGLang on a slow, shared 2-core machine
+
+
+@dataclass
+class Servers:
+    a: ServerHandle  # healthy; source of the good migration, target of the failing one
+    b: ServerHandle  # rank 1 cannot write; target of the good migration
+    start_s: float
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[Servers]:
+    t0 = time.monotonic()
+    a, b = start_servers(
+        [
+            ServerSpec(tp_size=TP, preload=[(GOOD_IDS, 1)]),
+            ServerSpec(
+                tp_size=TP,
+                preload=[(BROKEN_IDS, 2)],
+                broken_transport_rank=1,
+                watchdog_timeout_s=TARGET_WATCHDOG_S,
+            ),
+        ],
+        timeout_s=START_S,
+    )
+    try:
+        yield Servers(a, b, time.monotonic() - t0)
+    finally:
+        a.stop()
+        b.stop()
+
+
+class Recorder:
+    """Keeps the JSON reply of every call a client makes, by path (httpx event hook)."""
+
+    def __init__(self) -> None:
+        self.replies: list[tuple[str, int, Any]] = []
+
+    def hook(self, response: httpx.Response) -> None:
+        response.read()
+        try:
+            body = response.json()
+        except ValueError:
+            body = response.text
+        self.replies.append((response.request.url.path, response.status_code, body))
+
+    def last(self, path: str) -> tuple[int, Any]:
+        for p, status, body in reversed(self.replies):
+            if p == path:
+                return status, body
+        raise AssertionError(f"no call to {path} was recorded")
+
+    def client(self) -> MigrationClient:
+        http = httpx.Client(timeout=HTTP_TIMEOUT_S, event_hooks={"response": [self.hook]})
+        return MigrationClient(http_client=http)
+
+
+def post(url: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    return httpx.post(url + path, json=body or {}, timeout=HTTP_TIMEOUT_S)
+
+
+def session_info(url: str) -> dict[str, Any]:
+    r = post(url, "/get_transfer_session_info")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def as_bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.contiguous().view(torch.uint8) for t in tensors]
+
+
+def kv_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x, y) for x, y in zip(as_bytes(a), as_bytes(b), strict=True)
+    )
+
+
+def aligned(ids: list[int]) -> list[int]:
+    return ids[: len(ids) // PAGE * PAGE]
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_session_info_lists_both_ranks(servers: Servers) -> None:
+    print(f"\ntwo tp{TP} servers started in {servers.start_s:.1f}s")
+    for url in (servers.a.url, servers.b.url):
+        info = session_info(url)
+        assert info["success"] is True
+        ranks = info["ranks"]
+        assert [r["tp_rank"] for r in ranks] == [0, 1]
+        assert [r["pp_rank"] for r in ranks] == [0, 0]
+        assert len({r["session_id"] for r in ranks}) == TP, ranks
+        for rank in ranks:
+            fp = rank["fingerprint"]
+            assert fp["tp_size"] == TP
+            assert fp["tp_rank"] == rank["tp_rank"]
+            assert fp["pp_size"] == 1
+            assert rank["page_size"] == PAGE
+            assert len(rank["host_kv_data_ptrs"]) == len(rank["host_kv_data_lens"]) > 0
+    # Four distinct transfer endpoints between the two servers.
+    sessions = {
+        r["session_id"]
+        for url in (servers.a.url, servers.b.url)
+        for r in session_info(url)["ranks"]
+    }
+    assert len(sessions) == 2 * TP
+
+
+def test_allocate_lists_kv_indices_for_both_ranks(servers: Servers) -> None:
+    target = servers.b
+    before = target.ask_all("snapshot")
+    source_fps = [r["fingerprint"] for r in session_info(servers.a.url)["ranks"]]
+    r = post(
+        target.url,
+        "/allocate_token_for_transfer",
+        {"input_ids": ALLOC_IDS, "source_fingerprints": source_fps},
+    )
+    assert r.status_code == 200, r.text
+    alloc = r.json()
+    try:
+        assert alloc["matched_token_size"] == 0
+        assert alloc["extra_token_size"] == len(ALLOC_IDS)
+        assert [(x["tp_rank"], x["pp_rank"]) for x in alloc["ranks"]] == [(0, 0), (1, 0)]
+        lengths = [len(x["kv_indices"]) for x in alloc["ranks"]]
+        assert lengths == [len(ALLOC_IDS)] * TP
+        for x in alloc["ranks"]:
+            assert len(set(x["kv_indices"])) == len(ALLOC_IDS)
+        during = target.ask_all("snapshot")
+        for rank in range(TP):
+            assert during[rank].host_available == before[rank].host_available - len(ALLOC_IDS)
+    finally:
+        r = post(target.url, "/abort_transfer", {"migration_id": alloc["migration_id"]})
+    assert r.status_code == 200, r.text
+    assert target.ask_all("snapshot") == before
+
+
+def test_migrate_tp2_moves_each_ranks_bytes(servers: Servers) -> None:
+    src, dst = servers.a, servers.b
+    ids = aligned(GOOD_IDS)
+    assert dst.ask_all("held", GOOD_IDS) == [(0, 0)] * TP
+    recorder = Recorder()
+    with recorder.client() as client:
+        t0 = time.monotonic()
+        result = client.migrate(src.url, dst.url, GOOD_IDS)
+        elapsed = time.monotonic() - t0
+    print(f"\ntp{TP} migration of {len(ids)} tokens took {elapsed:.2f}s: {result.timings}")
+    assert result.migrated_token_size == len(ids)
+    assert result.matched_after_commit == len(ids)
+
+    status, transfer = recorder.last("/transfer_request_kvcache")
+    assert status == 200, transfer
+    ranks = transfer["ranks"]
+    assert [(x["tp_rank"], x["pp_rank"]) for x in ranks] == [(0, 0), (1, 0)]
+    assert all(x["success"] for x in ranks), ranks
+    per_rank_bytes = [x["bytes"] for x in ranks]
+    assert all(b > 0 for b in per_rank_bytes)
+    assert sum(per_rank_bytes) == transfer["transferred_bytes"] == result.migrated_bytes
+
+    # Read every rank of both servers (ask_all keeps the ranks' trees alike: each one
+    # loads the host-only prefix back).
+    src_kv = src.ask_all("kv", ids)
+    dst_kv = dst.ask_all("kv", ids)
+    for rank in range(TP):
+        assert src_kv[rank] and src_kv[rank][0].shape[1] == len(ids)
+        assert kv_equal(dst_kv[rank], src_kv[rank]), f"rank {rank} bytes differ"
+        assert per_rank_bytes[rank] == sum(t.numel() * t.element_size() for t in src_kv[rank])
+    # Rank r received rank r's bytes, not a copy of one rank's.
+    assert not kv_equal(src_kv[0], src_kv[1])
+    assert not kv_equal(dst_kv[0], dst_kv[1])
+    assert dst.ask_all("held", GOOD_IDS) == [(len(ids), 0)] * TP
+
+
+def test_failure_on_one_rank_rolls_back_every_rank(servers: Servers) -> None:
+    src, dst = servers.b, servers.a
+    assert dst.ask_all("held", BROKEN_IDS) == [(0, 0)] * TP
+    before = dst.ask_all("snapshot")
+    recorder = Recorder()
+    with recorder.client() as client, pytest.raises(MigrationFailed) as failed:
+        client.migrate(src.url, dst.url, BROKEN_IDS)
+    assert failed.value.phase == "transfer"
+    assert failed.value.rolled_back is True
+    assert "injected failure" in failed.value.message
+
+    status, transfer = recorder.last("/transfer_request_kvcache")
+    assert status == 502, transfer
+    assert transfer["error_kind"] == "transfer_failed"
+    by_rank = {x["tp_rank"]: x for x in transfer["ranks"]}
+    assert sorted(by_rank) == [0, 1]
+    assert by_rank[0]["success"] is True and by_rank[0]["bytes"] > 0  # rank 0 did write
+    assert by_rank[1]["success"] is False and "injected failure" in by_rank[1]["message"]
+
+    # Every target rank is back where it was: slots freed, prefix unlocked, nothing held.
+    assert dst.ask_all("snapshot") == before
+    assert dst.ask_all("held", BROKEN_IDS) == [(0, 0)] * TP
+    _, alloc = recorder.last("/allocate_token_for_transfer")
+    status, abort = recorder.last("/abort_transfer")
+    assert status == 200, abort
+    r = post(dst.url, "/commit", {"migration_id": alloc["migration_id"]})
+    assert r.status_code == 409, r.text
+    assert "aborted" in r.json()["message"]
+    # The source kept its pages and released its pins on both ranks.
+    assert src.ask_all("held", BROKEN_IDS) == [(len(aligned(BROKEN_IDS)), 0)] * TP
+
+
+def test_watchdog_frees_every_rank(servers: Servers) -> None:
+    dst = servers.b
+    before = dst.ask_all("snapshot")
+    source_fps = [r["fingerprint"] for r in session_info(servers.a.url)["ranks"]]
+    r = post(
+        dst.url,
+        "/allocate_token_for_transfer",
+        {"input_ids": WATCHDOG_IDS, "source_fingerprints": source_fps},
+    )
+    assert r.status_code == 200, r.text
+    migration_id = r.json()["migration_id"]
+    assert [s.host_available for s in dst.ask_all("snapshot")] == [
+        s.host_available - len(WATCHDOG_IDS) for s in before
+    ]
+    deadline = time.monotonic() + TARGET_WATCHDOG_S + 60
+    while time.monotonic() < deadline:
+        if dst.ask_all("snapshot") == before:
+            break
+        time.sleep(0.5)
+    assert dst.ask_all("snapshot") == before, "watchdog did not free the allocation"
+    r = post(dst.url, "/commit", {"migration_id": migration_id})
+    assert r.status_code == 410, r.text
