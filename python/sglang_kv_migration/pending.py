@@ -141,6 +141,12 @@ class PendingMigrations:
                     ErrorKind.CONFLICT, f"migration id {migration_id!r} was already used"
                 )
             key = tree_helpers.make_key(self.cache, input_ids, extra_key)
+            if len(key) == 0:
+                raise MigrationError(
+                    ErrorKind.BAD_REQUEST,
+                    f"{len(input_ids)} input_ids are less than one page "
+                    f"(page_size={self.cache.page_size}): only whole pages migrate",
+                )
             held = tree_helpers.match_held_prefix(self.cache, input_ids, extra_key)
             extra = len(key) - held.length
             if extra <= 0:
