@@ -41,11 +41,12 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --pro
 # What SGLang's import chain needs on CPU (the HiCache classes, ServerArgs and
 # `python -m sglang.launch_server --help`). triton imports without a GPU although its
 # kernels cannot run; transformers and openai are pinned as sglang 0.5.12 pins them.
+# uvloop, jsonschema and soundfile: imported by sglang.srt.entrypoints.http_server.
 LIGHT_DEPS=(
     triton numpy pillow pybase64 psutil packaging tqdm pyyaml requests pydantic orjson
     msgspec pyzmq setproctitle xxhash fastapi uvicorn httpx prometheus-client
     python-multipart IPython aiohttp transformers==5.6.0 openai==2.6.1 partial_json_parser
-    dill sentencepiece einops compressed-tensors gguf
+    dill sentencepiece einops compressed-tensors gguf uvloop jsonschema soundfile
 )
 "${PIP[@]}" "${LIGHT_DEPS[@]}"
 

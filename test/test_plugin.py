@@ -103,6 +103,8 @@ def test_server_args_pickle_keeps_migration_fields() -> None:
         ({"kv_migration_watchdog_timeout": 0.0}, "--kv-migration-watchdog-timeout must be"),
         ({"kv_migration_watchdog_timeout": -5.0}, "--kv-migration-watchdog-timeout must be"),
         ({"kv_migration_max_batch_entries": 0}, "--kv-migration-max-batch-entries"),
+        ({"pp_size": 2}, "does not support --pp-size > 1"),
+        ({"dp_size": 2}, "does not support --dp-size > 1"),
     ],
 )
 def test_invalid_flags_are_refused(overrides: dict, expected: str) -> None:

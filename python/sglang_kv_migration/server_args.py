@@ -126,6 +126,12 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
             "--kv-migration-max-batch-entries must be at least 1, got "
             f"{args.kv_migration_max_batch_entries}."
         )
+    for flag, size in (("--dp-size", args.dp_size), ("--pp-size", args.pp_size)):
+        if size > 1:
+            raise KVMigrationArgsError(
+                f"--enable-kv-migration does not support {flag} > 1 yet (got {size}); "
+                "use tensor parallelism only."
+            )
     if args.kv_migration_protocol not in ("tcp", "rdma"):
         raise KVMigrationArgsError(
             f"--kv-migration-protocol must be tcp or rdma, got {args.kv_migration_protocol!r}."
