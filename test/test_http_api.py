@@ -505,10 +505,16 @@ def test_auth_on_keyed_server(
     servers: Servers, http: httpx.Client, authorization: str | None, status: int
 ) -> None:
     headers = {"Authorization": authorization} if authorization else {}
+    valid_bodies: dict[str, Any] = {
+        "/get_transfer_session_info": {},
+        "/get_request_extra_token_size": {"input_ids": [1]},
+        "/allocate_token_for_transfer": {"input_ids": [1], "source_fingerprints": [{}]},
+        "/transfer_request_kvcache": _bad_transfer_body(),  # well-formed, bogus values
+        "/commit": {"migration_id": "x"},
+        "/abort_transfer": {"migration_id": "x"},
+    }
     for path in ROUTES:
-        body = {"migration_id": "x"} if path in ("/commit", "/abort_transfer") else {}
-        if path == "/get_request_extra_token_size":
-            body = {"input_ids": [1]}
+        body = valid_bodies[path]
         r = http.post(servers.keyed.url + path, json=body, headers=headers)
         assert r.status_code == status, f"{path}: {r.status_code} {r.text}"
         if status == 503:
