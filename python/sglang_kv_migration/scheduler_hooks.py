@@ -54,10 +54,16 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         rdma_devices=args.kv_migration_rdma_devices,
         max_entries_per_batch=args.kv_migration_max_batch_entries,
     )
+    metrics = None
+    if args.enable_metrics:
+        from sglang_kv_migration.metrics import MigrationMetrics
+
+        metrics = MigrationMetrics(args.served_model_name, ctx.tp_rank, ctx.pp_rank)
     side = MigrationSchedulerSide(
         ctx,
         watchdog_timeout_s=args.kv_migration_watchdog_timeout,
         transport_config=transport_config,
+        metrics=metrics,
     )
     scheduler.kv_migration = side
     scheduler._request_dispatcher += TypeBasedDispatcher(side.handlers())

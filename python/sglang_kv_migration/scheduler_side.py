@@ -45,6 +45,7 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheTarget,
 )
 from sglang_kv_migration.layout import HostPoolLayout, LayoutFingerprint, plan_writes
+from sglang_kv_migration.metrics import MigrationMetrics, NullMetrics
 from sglang_kv_migration.pending import PendingMigrations
 from sglang_kv_migration.transfer import (
     KVTransport,
@@ -130,8 +131,10 @@ class MigrationSchedulerSide:
         watchdog_timeout_s: float,
         transport_config: TransportConfig,
         transport: KVTransport | None = None,
+        metrics: MigrationMetrics | None = None,
     ):
         self.ctx = ctx
+        self.metrics = metrics or NullMetrics()
         cache = ctx.tree_cache
         self.host_pool = cache.cache_controller.mem_pool_host
         self.layout = HostPoolLayout.from_host_pool(self.host_pool)
@@ -144,6 +147,7 @@ class MigrationSchedulerSide:
             pp_rank=ctx.pp_rank,
         )
         self.pending = PendingMigrations(cache, watchdog_timeout_s)
+        self.bytes_per_token = sum(self.layout.item_lens)  # on this rank
         # Registered once: peers write into these buffers for the server's lifetime.
         self.transport = transport or open_transport(transport_config)
         self.transport.register(_regions(self.layout))
@@ -241,6 +245,7 @@ class MigrationSchedulerSide:
                 ranks=[AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)],
             )
 
+        started = time.monotonic()
         local = self._guarded(run_local, AllocateTokenForTransferReqOutput)
         outputs = self._all_gather(local)
         failed = [o for o in outputs if not o.success]
@@ -248,6 +253,7 @@ class MigrationSchedulerSide:
             # All or nothing: ranks that did allocate give it back.
             if local.success:
                 self.pending.abort(req.migration_id)
+            self.metrics.outcome("target", "allocate_failed")
             first = failed[0]
             return AllocateTokenForTransferReqOutput(
                 success=False,
@@ -255,6 +261,8 @@ class MigrationSchedulerSide:
                 message=first.message,
                 error_kind=first.error_kind,
             )
+        self.metrics.outcome("target", "allocated")
+        self.metrics.phase("allocate", time.monotonic() - started)
         return AllocateTokenForTransferReqOutput(
             success=True,
             migration_id=req.migration_id,
@@ -305,30 +313,40 @@ class MigrationSchedulerSide:
         self, req: CommitTransferRequestKVCacheReqInput
     ) -> CommitTransferRequestKVCacheReqOutput:
         def run_local() -> CommitTransferRequestKVCacheReqOutput:
-            pending = self.pending.get(req.migration_id)
             matched_after = self.pending.commit(req.migration_id)
-            if pending is not None:
-                logger.info(
-                    "KV migration %s committed on tp_rank=%d: %d tokens (%d bytes) after "
-                    "%.1f ms, prefix now %d tokens",
-                    req.migration_id,
-                    self.ctx.tp_rank,
-                    pending.extra_length,
-                    pending.extra_length * sum(self.layout.item_lens),
-                    (time.monotonic() - pending.created_at) * 1e3,
-                    matched_after,
-                )
             return CommitTransferRequestKVCacheReqOutput(
                 success=True, matched_after_commit=matched_after
             )
 
+        pending = self.pending.get(req.migration_id)  # None for a repeated commit
+        started = time.monotonic()
         local = self._guarded(run_local, CommitTransferRequestKVCacheReqOutput)
         outputs = self._all_gather(local)
         failed = [o for o in outputs if not o.success]
         if failed:
+            self.metrics.outcome("target", "commit_failed")
             return failed[0]
+        matched_after = min(o.matched_after_commit for o in outputs)
+        if pending is not None:
+            nbytes = pending.extra_length * self.bytes_per_token
+            now = time.monotonic()
+            self.metrics.outcome("target", "committed")
+            self.metrics.moved("target", pending.extra_length, nbytes)
+            self.metrics.phase("commit", now - started)
+            self.metrics.phase("pending", now - pending.created_at)
+            if self.ctx.tp_rank == 0:
+                logger.info(
+                    "KV migration %s committed: %d tokens, %d bytes (%d ranks), %.1f ms after "
+                    "allocate; prefix now %d tokens",
+                    req.migration_id,
+                    pending.extra_length,
+                    nbytes * len(outputs),
+                    len(outputs),
+                    (now - pending.created_at) * 1e3,
+                    matched_after,
+                )
         return CommitTransferRequestKVCacheReqOutput(
-            success=True, matched_after_commit=min(o.matched_after_commit for o in outputs)
+            success=True, matched_after_commit=matched_after
         )
 
     def abort_transfer(self, req: AbortTransferReqInput) -> AbortTransferReqOutput:
@@ -336,10 +354,15 @@ class MigrationSchedulerSide:
             self.pending.abort(req.migration_id)
             return AbortTransferReqOutput(success=True)
 
+        was_pending = self.pending.get(req.migration_id) is not None
         local = self._guarded(run_local, AbortTransferReqOutput)
         outputs = self._all_gather(local)
         failed = [o for o in outputs if not o.success]
-        return failed[0] if failed else local
+        if failed:
+            return failed[0]
+        if was_pending:
+            self.metrics.outcome("target", "aborted")
+        return local
 
     # ------------------------------------------------------------------ helpers
 
@@ -437,7 +460,11 @@ class MigrationSchedulerSide:
         ]
         failed = [s for s in statuses if not s.success]
         total_bytes = sum(s.bytes for s in statuses)
-        elapsed_ms = (time.monotonic() - inflight.started) * 1e3
+        elapsed = time.monotonic() - inflight.started
+        elapsed_ms = elapsed * 1e3
+        # Only the first rank logs: every rank builds this same reply.
+        log = logger if self.ctx.tp_rank == 0 else None
+        self.metrics.phase("transfer", elapsed)
         if failed:
             output = TransferRequestKVCacheReqOutput(
                 success=False,
@@ -445,12 +472,14 @@ class MigrationSchedulerSide:
                 message=failed[0].message,
                 error_kind=failed[0].error_kind,
             )
-            logger.warning(
-                "KV migration %s transfer failed after %.1f ms: %s",
-                req.migration_id,
-                elapsed_ms,
-                failed[0].message,
-            )
+            self.metrics.outcome("source", "send_failed")
+            if log:
+                log.warning(
+                    "KV migration %s transfer failed after %.1f ms: %s",
+                    req.migration_id,
+                    elapsed_ms,
+                    failed[0].message,
+                )
         else:
             output = TransferRequestKVCacheReqOutput(
                 success=True,
@@ -458,13 +487,17 @@ class MigrationSchedulerSide:
                 transferred_bytes=total_bytes,
                 ranks=ranks,
             )
-            logger.info(
-                "KV migration %s sent: %d tokens, %d bytes, %.1f ms",
-                req.migration_id,
-                req.extra_token_size,
-                total_bytes,
-                elapsed_ms,
-            )
+            self.metrics.outcome("source", "sent")
+            self.metrics.moved("source", req.extra_token_size, statuses[self._rank_index()].bytes)
+            if log:
+                log.info(
+                    "KV migration %s sent: %d tokens, %d bytes (%d ranks), %.1f ms",
+                    req.migration_id,
+                    req.extra_token_size,
+                    total_bytes,
+                    len(statuses),
+                    elapsed_ms,
+                )
         self.ctx.send_output(output, req)
 
     def _run_watchdog(self) -> None:
@@ -472,7 +505,12 @@ class MigrationSchedulerSide:
         # frees the same ids and the trees stay identical.
         local_due = self.pending.due()
         due = sorted({mid for ids in self._all_gather(local_due) for mid in ids})
-        self.pending.expire(due)
+        for _ in self.pending.expire(due):
+            self.metrics.outcome("target", "expired")
+
+    def _rank_index(self) -> int:
+        """This rank's position in `_all_gather` results (gathers run over TP ranks)."""
+        return self.ctx.tp_rank
 
 
 def _regions(layout: HostPoolLayout) -> list[MemoryRegion]:

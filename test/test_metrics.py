@@ -1,0 +1,141 @@
+"""Prometheus metrics and the per-migration log line, on a real scheduler side (one rank)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from sglang_kv_migration.io_types import (
+    AbortTransferReqInput,
+    AllocateTokenForTransferReqInput,
+    CommitTransferRequestKVCacheReqInput,
+    TransferRequestKVCacheReqInput,
+    TransferRequestKVCacheTarget,
+)
+
+
+def _sample(name: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value(
+        name, {"model_name": "tiny", "tp_rank": "0", "pp_rank": "0", **labels}
+    )
+    return value or 0.0
+
+
+@pytest.fixture
+def side(harness_factory):
+    from sglang_kv_migration.metrics import MigrationMetrics
+    from sglang_kv_migration.scheduler_side import MigrationSchedulerSide, RankContext
+    from sglang_kv_migration.transfer import TransportConfig
+
+    harness = harness_factory(page_size=16)
+    replies: list = []
+    ctx = RankContext(
+        tree_cache=harness.cache,
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        cpu_group=None,
+        model="tiny",
+        send_output=lambda out, req: replies.append(out),
+    )
+    side = MigrationSchedulerSide(
+        ctx,
+        watchdog_timeout_s=0.05,
+        transport_config=TransportConfig(hostname="127.0.0.1"),
+        metrics=MigrationMetrics("tiny", 0, 0),
+    )
+    side.replies = replies  # test-only handle on what the rank sent back
+    yield side
+    side.close()
+
+
+def _allocate(side, ids: list[int], migration_id: str):
+    return side.allocate_token_for_transfer(
+        AllocateTokenForTransferReqInput(
+            input_ids=ids,
+            migration_id=migration_id,
+            source_fingerprints=[side.fingerprint.to_dict()],
+        )
+    )
+
+
+def test_target_outcomes_tokens_bytes_and_phases(side, caplog) -> None:
+    before = {
+        o: _sample("sglang:kv_migration_total", role="target", outcome=o)
+        for o in ("allocated", "committed", "aborted", "expired")
+    }
+    tokens_before = _sample("sglang:kv_migration_tokens_total", role="target")
+    bytes_before = _sample("sglang:kv_migration_bytes_total", role="target")
+    pending_before = _sample("sglang:kv_migration_phase_seconds_count", phase="pending")
+
+    out = _allocate(side, list(range(1000, 1064)), "m-commit")
+    assert out.success, out.message
+    with caplog.at_level(logging.INFO, logger="sglang_kv_migration.scheduler_side"):
+        assert side.commit_transfer_request_kvcache(
+            CommitTransferRequestKVCacheReqInput(migration_id="m-commit")
+        ).success
+    # A repeated commit is harmless and counts nothing.
+    assert side.commit_transfer_request_kvcache(
+        CommitTransferRequestKVCacheReqInput(migration_id="m-commit")
+    ).success
+    lines = [r.getMessage() for r in caplog.records if "m-commit committed" in r.getMessage()]
+    assert len(lines) == 1
+    assert f"64 tokens, {64 * side.bytes_per_token} bytes" in lines[0]
+
+    assert _allocate(side, list(range(2000, 2032)), "m-abort").success
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="m-abort")).success
+
+    assert _allocate(side, list(range(3000, 3032)), "m-expire").success
+    time.sleep(0.1)
+    for _ in range(200):  # the watchdog runs every 64 iterations
+        side.poll()
+        if not len(side.pending):
+            break
+
+    after = {
+        o: _sample("sglang:kv_migration_total", role="target", outcome=o)
+        for o in ("allocated", "committed", "aborted", "expired")
+    }
+    assert {o: after[o] - before[o] for o in after} == {
+        "allocated": 3,
+        "committed": 1,
+        "aborted": 1,
+        "expired": 1,
+    }
+    assert _sample("sglang:kv_migration_tokens_total", role="target") - tokens_before == 64
+    assert (
+        _sample("sglang:kv_migration_bytes_total", role="target") - bytes_before
+        == 64 * side.bytes_per_token
+    )
+    assert _sample("sglang:kv_migration_phase_seconds_count", phase="pending") - pending_before == 1
+
+
+def test_failed_send_is_counted(side) -> None:
+    before = _sample("sglang:kv_migration_total", role="source", outcome="send_failed")
+    # The source does not hold this prefix: the transfer fails before any byte moves.
+    req = TransferRequestKVCacheReqInput(
+        input_ids=list(range(5000, 5032)),
+        matched_token_size=0,
+        extra_token_size=32,
+        target_per_rank=[
+            TransferRequestKVCacheTarget(
+                tp=0,
+                pp=0,
+                session_id=side.transport.session_id,
+                host_kv_data_ptrs=side.layout.data_ptrs,
+                host_kv_data_lens=side.layout.data_lens,
+                host_kv_item_lens=side.layout.item_lens,
+                kv_indices=list(range(32)),
+                fingerprint=side.fingerprint.to_dict(),
+            )
+        ],
+    )
+    assert side.transfer_request_kvcache(req) is None
+    side.poll()
+    assert len(side.replies) == 1 and not side.replies[0].success
+    assert "holds only 0 tokens" in side.replies[0].message
+    assert _sample("sglang:kv_migration_total", role="source", outcome="send_failed") == before + 1
