@@ -483,8 +483,12 @@ def test_transfer_failure_rolls_back_the_target(servers: Servers) -> None:
     assert failed.value.status_code == 502
     assert "injected failure" in failed.value.message
     assert failed.value.rolled_back is True
+    assert len(failed.value.migration_id) == 32
     assert target.ask(0, "snapshot") == before
     assert sum(target.ask(0, "held", SEQ_BROKEN)) == 0
+    # The rolled-back allocation is gone: committing it now is refused.
+    r = httpx.post(target.url + "/commit", json={"migration_id": failed.value.migration_id})
+    assert r.status_code == 409 and "aborted" in r.json()["message"]
     # The failed source unpinned what it pinned.
     assert servers.broken.ask(0, "snapshot") == source_before
 

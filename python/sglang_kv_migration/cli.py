@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
                             "status_code": e.status_code,
                             "message": e.message,
                             "rolled_back": e.rolled_back,
+                            "migration_id": e.migration_id,
                         }
                     )
                 )

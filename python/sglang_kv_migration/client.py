@@ -48,7 +48,8 @@ class MigrationResult:
 
 
 class MigrationFailed(Exception):
-    """A phase failed. `rolled_back` says whether the target allocation was released."""
+    """A phase failed. `rolled_back` says whether the target allocation was released;
+    `migration_id` is set once the target had allocated (for logs and manual clean-up)."""
 
     def __init__(
         self,
@@ -63,6 +64,7 @@ class MigrationFailed(Exception):
         self.message = message
         self.status_code = status_code
         self.rolled_back = rolled_back
+        self.migration_id = ""
 
 
 @dataclass(frozen=True)
@@ -299,6 +301,7 @@ def _migration_steps(
         )
         timings["commit"] = clock() - t0
     except MigrationFailed as failure:
+        failure.migration_id = migration_id
         status, _ = yield _Call(
             "abort", target_url, "/abort_transfer", {"migration_id": migration_id}
         )
