@@ -55,3 +55,34 @@ def _reset_sglang_hooks() -> Iterator[None]:
     registry = sys.modules.get("sglang.srt.plugins.hook_registry")
     if registry is not None:
         registry.HookRegistry.reset()
+
+
+@pytest.fixture
+def side(harness_factory: Callable[..., cpu_harness.Harness]) -> Iterator[object]:
+    """A real one-rank `MigrationSchedulerSide` on a harness cache (0.05 s watchdog),
+    replying into `side.replies`."""
+    from sglang_kv_migration.metrics import MigrationMetrics
+    from sglang_kv_migration.scheduler_side import MigrationSchedulerSide, RankContext
+    from sglang_kv_migration.transfer import TransportConfig
+
+    harness = harness_factory(page_size=16)
+    replies: list = []
+    ctx = RankContext(
+        tree_cache=harness.cache,
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        cpu_group=None,
+        model="tiny",
+        send_output=lambda out, req: replies.append(out),
+    )
+    side = MigrationSchedulerSide(
+        ctx,
+        watchdog_timeout_s=0.05,
+        transport_config=TransportConfig(hostname="127.0.0.1"),
+        metrics=MigrationMetrics("tiny", 0, 0),
+    )
+    side.replies = replies  # test-only handle on what the rank sent back
+    yield side
+    side.close()

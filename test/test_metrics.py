@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 
-import pytest
 from sglang_kv_migration.io_types import (
     AbortTransferReqInput,
     AllocateTokenForTransferReqInput,
@@ -22,35 +21,6 @@ def _sample(name: str, **labels: str) -> float:
         name, {"model_name": "tiny", "tp_rank": "0", "pp_rank": "0", **labels}
     )
     return value or 0.0
-
-
-@pytest.fixture
-def side(harness_factory):
-    from sglang_kv_migration.metrics import MigrationMetrics
-    from sglang_kv_migration.scheduler_side import MigrationSchedulerSide, RankContext
-    from sglang_kv_migration.transfer import TransportConfig
-
-    harness = harness_factory(page_size=16)
-    replies: list = []
-    ctx = RankContext(
-        tree_cache=harness.cache,
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        cpu_group=None,
-        model="tiny",
-        send_output=lambda out, req: replies.append(out),
-    )
-    side = MigrationSchedulerSide(
-        ctx,
-        watchdog_timeout_s=0.05,
-        transport_config=TransportConfig(hostname="127.0.0.1"),
-        metrics=MigrationMetrics("tiny", 0, 0),
-    )
-    side.replies = replies  # test-only handle on what the rank sent back
-    yield side
-    side.close()
 
 
 def _allocate(side, ids: list[int], migration_id: str):

@@ -49,6 +49,7 @@ class MigrationState(StrEnum):
     COMMITTED = "committed"
     ABORTED = "aborted"
     EXPIRED = "expired"
+    FLUSHED = "flushed"  # the radix cache was reset (e.g. /flush_cache after new weights)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class PendingMigration:
     key: RadixKey  # page-aligned key of the whole prefix
     matched_length: int  # tokens the target already held, locked until the end
     anchor: TreeNode  # node ending at matched_length, lock_ref held
+    root: TreeNode  # the cache's root at allocation: a reset replaces it
     slot_kind: SlotKind
     slots: torch.Tensor  # int64 slots for tokens [matched_length, len(key))
     created_at: float  # on the registry's clock (time.monotonic by default)
@@ -174,6 +176,7 @@ class PendingMigrations:
                 key=key,
                 matched_length=held.length,
                 anchor=held.last_node,
+                root=self.cache.root_node,
                 slot_kind=slot_kind,
                 slots=slots,
                 created_at=now,
@@ -196,6 +199,7 @@ class PendingMigrations:
             if pending is None:
                 finished = self._check_finished(migration_id, "commit")
                 return finished.matched_after_commit
+            self._forget_if_flushed(pending)
             # IMPORTANT: SGLang assumes every ancestor of a host-only node has a host copy
             # (device eviction of a node without one asserts it is a leaf). The matched
             # prefix, or device pages a concurrent insert added below it, may be
@@ -230,6 +234,7 @@ class PendingMigrations:
             if pending is None:
                 self._check_finished(migration_id, "abort")
                 return
+            self._forget_if_flushed(pending)
             self._release(pending, MigrationState.ABORTED)
 
     def due(self, now: float | None = None) -> list[str]:
@@ -248,6 +253,9 @@ class PendingMigrations:
             expired = [self._pending[i] for i in ids if i in self._pending]
             now = self.clock()
             for pending in expired:
+                if pending.root is not self.cache.root_node:
+                    self._finish(pending, MigrationState.FLUSHED)
+                    continue
                 logger.warning(
                     "KV migration %s expired after %.1fs without commit; freeing %d slots",
                     pending.migration_id,
@@ -257,11 +265,16 @@ class PendingMigrations:
                 self._release(pending, MigrationState.EXPIRED)
             return [p.migration_id for p in expired]
 
-    def abort_all(self) -> None:
-        """Free everything (shutdown, cache flush)."""
+    def abort_all(self, state: MigrationState = MigrationState.ABORTED) -> list[str]:
+        """Free everything: at shutdown, or with FLUSHED before the cache is reset."""
         with self.lock:
-            for pending in list(self._pending.values()):
-                self._release(pending, MigrationState.ABORTED)
+            dropped = list(self._pending.values())
+            for pending in dropped:
+                if pending.root is self.cache.root_node:
+                    self._release(pending, state)
+                else:
+                    self._finish(pending, MigrationState.FLUSHED)
+            return [p.migration_id for p in dropped]
 
     # ------------------------------------------------------------------ helpers
 
@@ -297,11 +310,24 @@ class PendingMigrations:
         while len(self._finished) > FINISHED_HISTORY:
             self._finished.popitem(last=False)
 
+    def _forget_if_flushed(self, pending: PendingMigration) -> None:
+        """A reset replaced the tree and cleared the host pool: there is nothing left to
+        free or unlock, only the entry to forget."""
+        if pending.root is not self.cache.root_node:
+            self._finish(pending, MigrationState.FLUSHED)
+            self._check_finished(pending.migration_id, "commit")
+
     def _check_finished(self, migration_id: str, action: str) -> _Finished:
         """Answer for an id that is not pending: harmless repeat or a precise error."""
         finished = self._finished.get(migration_id)
         if finished is None:
             raise MigrationError(ErrorKind.NOT_FOUND, f"unknown migration id {migration_id!r}")
+        if finished.state is MigrationState.FLUSHED:
+            raise MigrationError(
+                ErrorKind.GONE,
+                f"migration {migration_id!r} was dropped: the cache was flushed (for example "
+                "after a weight update) before it was committed",
+            )
         if finished.state is MigrationState.EXPIRED:
             raise MigrationError(
                 ErrorKind.GONE,

@@ -8,6 +8,8 @@ Hooks (targets are named in `upstream.py`):
 - REPLACE `ServerArgs` with `KVMigrationServerArgs`: our CLI flags and their checks;
 - AFTER `Scheduler.init_request_dispatcher`: add the six handlers on every rank;
 - AFTER `Scheduler.process_input_requests`: finish transfers, run the watchdog;
+- AROUND `Scheduler.flush_cache`: drop pending allocations before the tree is reset, and
+  refuse the flush while a transfer still reads pinned host pages;
 - AFTER `TokenizerControlMixin.init_communicators`: one communicator per operation;
 - BEFORE `http_server.launch_server`: add the HTTP routes to SGLang's FastAPI app.
 """
@@ -40,6 +42,7 @@ def register() -> None:
             scheduler_hooks.after_process_input_requests,
             HookType.AFTER,
         ),
+        (upstream.SCHEDULER_FLUSH_CACHE, scheduler_hooks.around_flush_cache, HookType.AROUND),
         (
             upstream.TOKENIZER_INIT_COMMUNICATORS,
             communicators.after_init_communicators,
@@ -64,6 +67,7 @@ def missing_hooks() -> list[str]:
         upstream.SERVER_ARGS_CLASS: KVMigrationServerArgs,
         upstream.SCHEDULER_INIT_DISPATCHER: scheduler_hooks.after_init_request_dispatcher,
         upstream.SCHEDULER_PROCESS_INPUT: scheduler_hooks.after_process_input_requests,
+        upstream.SCHEDULER_FLUSH_CACHE: scheduler_hooks.around_flush_cache,
         upstream.TOKENIZER_INIT_COMMUNICATORS: communicators.after_init_communicators,
         upstream.HTTP_LAUNCH_SERVER: http_api.before_launch_server,
     }

@@ -74,3 +74,12 @@ def after_process_input_requests(_result: None, scheduler: Any, *_args: Any) -> 
     side = scheduler.kv_migration
     if side is not None:
         side.poll()
+
+
+def around_flush_cache(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
+    """Keep pending migrations consistent with a cache reset (e.g. after new weights)."""
+    side = scheduler.kv_migration
+    # Only when the flush will really happen (SGLang flushes an idle scheduler only).
+    if side is not None and scheduler.is_fully_idle() and not side.prepare_for_cache_flush():
+        return False
+    return original(scheduler, *args, **kwargs)

@@ -46,7 +46,7 @@ from sglang_kv_migration.io_types import (
 )
 from sglang_kv_migration.layout import HostPoolLayout, LayoutFingerprint, plan_writes
 from sglang_kv_migration.metrics import MigrationMetrics, NullMetrics
-from sglang_kv_migration.pending import PendingMigrations
+from sglang_kv_migration.pending import MigrationState, PendingMigrations
 from sglang_kv_migration.transfer import (
     KVTransport,
     MemoryRegion,
@@ -183,6 +183,26 @@ class MigrationSchedulerSide:
             self._finish_transfers()
         if len(self.pending) and self._iteration % WATCHDOG_EVERY_ITERATIONS == 0:
             self._run_watchdog()
+
+    def prepare_for_cache_flush(self) -> bool:
+        """Called before SGLang resets the radix cache and clears the host pool.
+
+        Pending allocations are dropped (their pages would be KV of old weights, and the
+        reset frees their slots anyway): a later commit answers "gone". Returns False to
+        refuse the flush while a transfer still reads pinned host pages; such transfers
+        end within the transport timeout, so a flush retried then succeeds.
+        """
+        if self._inflight:
+            if self.ctx.tp_rank == 0:
+                logger.warning(
+                    "Cache flush refused: %d KV migration transfer(s) still read host pages",
+                    len(self._inflight),
+                )
+            return False
+        dropped = self.pending.abort_all(MigrationState.FLUSHED)
+        if dropped and self.ctx.tp_rank == 0:
+            logger.warning("Cache flush drops pending KV migrations: %s", ", ".join(dropped))
+        return True
 
     def close(self) -> None:
         self.pending.abort_all()

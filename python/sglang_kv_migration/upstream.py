@@ -21,6 +21,7 @@ SGLANG_VERSION = "0.5.12"
 SERVER_ARGS_CLASS = "sglang.srt.server_args.ServerArgs"
 SCHEDULER_INIT_DISPATCHER = "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher"
 SCHEDULER_PROCESS_INPUT = "sglang.srt.managers.scheduler.Scheduler.process_input_requests"
+SCHEDULER_FLUSH_CACHE = "sglang.srt.managers.scheduler.Scheduler.flush_cache"
 TOKENIZER_INIT_COMMUNICATORS = (
     "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.init_communicators"
 )
@@ -30,6 +31,7 @@ HOOK_TARGETS: tuple[str, ...] = (
     SERVER_ARGS_CLASS,
     SCHEDULER_INIT_DISPATCHER,
     SCHEDULER_PROCESS_INPUT,
+    SCHEDULER_FLUSH_CACHE,
     TOKENIZER_INIT_COMMUNICATORS,
     HTTP_LAUNCH_SERVER,
 )
@@ -38,6 +40,8 @@ REQUIRED_SYMBOLS: tuple[str, ...] = (
     "sglang.srt.plugins.hook_registry.HookRegistry",
     "sglang.srt.managers.io_struct.BaseReq",
     "sglang.srt.managers.communicator.FanOutCommunicator",
+    "sglang.srt.managers.scheduler.Scheduler.is_fully_idle",
+    "sglang.srt.managers.scheduler.SenderWrapper.send_output",
     "sglang.utils.TypeBasedDispatcher",
     "sglang.srt.entrypoints.http_server.app",
     "sglang.srt.entrypoints.http_server.get_global_state",

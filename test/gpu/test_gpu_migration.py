@@ -42,7 +42,7 @@ MODEL_DIR = Path("/tmp/kvmig-tiny-llama")
 def servers():
     model_dir = write_model(TINY_LLAMA, MODEL_DIR)
     page_size = os.environ.get("KVMIG_PAGE_SIZE", "1")
-    extra = ["--page-size", page_size, "--mem-fraction-static", "0.25"]
+    extra = ["--page-size", page_size, "--mem-fraction-static", "0.25", "--enable-metrics"]
     extra += ["--max-total-tokens", "65536"]
     procs = {port: launch(port, model_dir, extra) for port in (30100, 30200)}
     try:
@@ -143,3 +143,47 @@ def test_endpoint_errors_on_real_server(servers):
     info = httpx.post(source + "/get_transfer_session_info", timeout=30).json()
     record("session_info_rank0_fingerprint", info["ranks"][0]["fingerprint"])
     assert info["success"] and len(info["ranks"]) == 1
+
+
+def test_metrics_are_exported_by_real_servers(servers):
+    """Runs after the migrations above: both sides exported their counters on /metrics."""
+    source, target, _ = servers
+
+    def samples(url: str) -> list[str]:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        return [line for line in text.splitlines() if line.startswith("sglang:kv_migration_")]
+
+    on_source, on_target = samples(source), samples(target)
+    record("metrics", {"source": on_source[:40], "target": on_target[:40]})
+
+    def value(lines: list[str], name: str, *fragments: str) -> float:
+        for line in lines:
+            if line.startswith(name + "{") and all(f in line for f in fragments):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    assert value(on_source, "sglang:kv_migration_total", 'role="source"', 'outcome="sent"') >= 2
+    assert value(on_target, "sglang:kv_migration_total", 'outcome="committed"') >= 2
+    assert value(on_target, "sglang:kv_migration_bytes_total", 'role="target"') > 0
+
+
+def test_flush_cache_drops_a_pending_allocation(servers):
+    """RL frameworks flush after a weight update: a pending allocation must not survive."""
+    source, target, _ = servers
+    info = httpx.post(source + "/get_transfer_session_info", timeout=30).json()
+    alloc = httpx.post(
+        target + "/allocate_token_for_transfer",
+        json={
+            "input_ids": list(range(5000, 5256)),
+            "source_fingerprints": [r["fingerprint"] for r in info["ranks"]],
+        },
+        timeout=60,
+    ).json()
+    assert alloc["success"], alloc
+    flushed = httpx.post(target + "/flush_cache", timeout=60)
+    commit = httpx.post(
+        target + "/commit", json={"migration_id": alloc["migration_id"]}, timeout=60
+    )
+    record("flush", {"flush_status": flushed.status_code, "commit": commit.json()})
+    assert flushed.status_code == 200, flushed.text
+    assert commit.status_code == 410 and "flushed" in commit.json()["message"]

@@ -1,0 +1,81 @@
+"""A cache flush (e.g. after a weight update) while migrations are pending or in flight."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.io_types import (
+    AllocateTokenForTransferReqInput,
+    CommitTransferRequestKVCacheReqInput,
+)
+from sglang_kv_migration.scheduler_hooks import around_flush_cache
+
+
+def _allocate(side, ids: list[int], migration_id: str) -> None:
+    out = side.allocate_token_for_transfer(
+        AllocateTokenForTransferReqInput(
+            input_ids=ids,
+            migration_id=migration_id,
+            source_fingerprints=[side.fingerprint.to_dict()],
+        )
+    )
+    assert out.success, out.message
+
+
+def _scheduler(side, idle: bool = True):
+    cache = side.ctx.tree_cache
+    return SimpleNamespace(kv_migration=side, is_fully_idle=lambda: idle, cache=cache)
+
+
+def _flush(scheduler) -> bool:
+    # What SGLang's flush_cache does to the cache, behind our AROUND hook.
+    def original(s, *args, **kwargs):
+        s.cache.reset()
+        return True
+
+    return around_flush_cache(original, scheduler)
+
+
+def test_flush_drops_pending_allocations_and_commit_is_gone(side) -> None:
+    host_pool = side.host_pool
+    _allocate(side, list(range(100, 164)), "m1")
+    assert _flush(_scheduler(side)) is True
+    assert len(side.pending) == 0
+    # The reset cleared the pool; nothing was freed twice.
+    assert host_pool.available_size() == host_pool.size
+    out = side.commit_transfer_request_kvcache(CommitTransferRequestKVCacheReqInput("m1"))
+    assert not out.success and out.error_kind == "gone"
+    assert "flushed" in out.message
+
+
+def test_flush_is_refused_while_a_transfer_reads_pinned_pages(side) -> None:
+    side._inflight.append(object())  # a transfer in flight on this rank
+    try:
+        assert _flush(_scheduler(side)) is False
+    finally:
+        side._inflight.clear()
+
+
+def test_busy_scheduler_keeps_pending_allocations(side) -> None:
+    _allocate(side, list(range(200, 232)), "m2")
+
+    def original(s, *args, **kwargs):
+        return False  # SGLang refuses to flush a busy scheduler
+
+    assert around_flush_cache(original, _scheduler(side, idle=False)) is False
+    assert side.pending.get("m2") is not None
+
+
+def test_reset_without_the_hook_is_detected(side) -> None:
+    """Any other path that resets the tree: the stale entry is forgotten, never freed."""
+    host_pool = side.host_pool
+    _allocate(side, list(range(300, 332)), "m3")
+    side.ctx.tree_cache.reset()
+    with pytest.raises(MigrationError) as info:
+        side.pending.commit("m3")
+    assert info.value.kind is ErrorKind.GONE
+    assert host_pool.available_size() == host_pool.size
+    with pytest.raises(MigrationError):
+        side.pending.abort("m3")
