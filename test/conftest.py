@@ -58,31 +58,47 @@ def _reset_sglang_hooks() -> Iterator[None]:
 
 
 @pytest.fixture
-def side(harness_factory: Callable[..., cpu_harness.Harness]) -> Iterator[object]:
-    """A real one-rank `MigrationSchedulerSide` on a harness cache (0.05 s watchdog),
-    replying into `side.replies`."""
+def side_factory(
+    harness_factory: Callable[..., cpu_harness.Harness],
+) -> Iterator[Callable[..., object]]:
+    """``make(**harness_fields)``: a real one-rank `MigrationSchedulerSide` on a harness
+    cache (0.05 s watchdog, metrics on), replying into `side.replies`; `side.harness` is
+    the harness it runs on."""
     from sglang_kv_migration.metrics import MigrationMetrics
     from sglang_kv_migration.scheduler_side import MigrationSchedulerSide, RankContext
     from sglang_kv_migration.transfer import TransportConfig
 
-    harness = harness_factory(page_size=16)
-    replies: list = []
-    ctx = RankContext(
-        tree_cache=harness.cache,
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        cpu_group=None,
-        model="tiny",
-        send_output=lambda out, req: replies.append(out),
-    )
-    side = MigrationSchedulerSide(
-        ctx,
-        watchdog_timeout_s=0.05,
-        transport_config=TransportConfig(hostname="127.0.0.1"),
-        metrics=MigrationMetrics("tiny", 0, 0),
-    )
-    side.replies = replies  # test-only handle on what the rank sent back
-    yield side
-    side.close()
+    built: list[MigrationSchedulerSide] = []
+
+    def make(**fields: object) -> MigrationSchedulerSide:
+        harness = harness_factory(**fields)
+        replies: list = []
+        ctx = RankContext(
+            tree_cache=harness.cache,
+            tp_rank=0,
+            tp_size=1,
+            pp_rank=0,
+            pp_size=1,
+            cpu_group=None,
+            model="tiny",
+            send_output=lambda out, req: replies.append(out),
+        )
+        side = MigrationSchedulerSide(
+            ctx,
+            watchdog_timeout_s=0.05,
+            transport_config=TransportConfig(hostname="127.0.0.1"),
+            metrics=MigrationMetrics("tiny", 0, 0),
+        )
+        side.replies = replies  # test-only handles
+        side.harness = harness
+        built.append(side)
+        return side
+
+    yield make
+    for side in built:
+        side.close()
+
+
+@pytest.fixture
+def side(side_factory: Callable[..., object]) -> object:
+    return side_factory(page_size=16)

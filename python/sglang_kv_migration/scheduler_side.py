@@ -94,12 +94,19 @@ class _RankTransferStatus:
 
 @dataclass
 class _InflightTransfer:
+    """One rank's part of a transfer: validated → pinned (host copies filling) → sent."""
+
     request: TransferRequestKVCacheReqInput
     started: float
-    handle: TransferHandle | None = None
+    target: TransferRequestKVCacheTarget | None = None  # this rank's peer
     pinned: tree_helpers.PinnedHostPages | None = None
+    handle: TransferHandle | None = None  # set once the writes were submitted
     error: MigrationError | None = None  # failed before anything was sent
     result: _RankTransferStatus | None = field(default=None)
+
+    def awaiting_host_copy(self) -> bool:
+        """Pinned, waiting for device->host copies; identical on every TP rank."""
+        return self.pinned is not None and self.handle is None and self.error is None
 
     def local_status(self) -> _RankTransferStatus:
         if self.result is not None:
@@ -180,6 +187,7 @@ class MigrationSchedulerSide:
         """Once per scheduler loop iteration: finish transfers, run the watchdog."""
         self._iteration += 1
         if self._inflight:
+            self._send_ready_transfers()
             self._finish_transfers()
         if len(self.pending) and self._iteration % WATCHDOG_EVERY_ITERATIONS == 0:
             self._run_watchdog()
@@ -292,42 +300,58 @@ class MigrationSchedulerSide:
         )
 
     def transfer_request_kvcache(self, req: TransferRequestKVCacheReqInput) -> None:
-        """Start this rank's writes; the reply is sent by `poll()` when all ranks finish."""
+        """Start this rank's part; `poll()` sends the writes once the host copies are
+        complete, and replies when every rank has finished."""
         inflight = _InflightTransfer(request=req, started=time.monotonic())
-        try:
-            target = self._target_for_this_rank(req.target_per_rank)
-            start = req.matched_token_size
-            end = start + req.extra_token_size
-            if len(target.kv_indices) != req.extra_token_size:
-                raise MigrationError(
-                    ErrorKind.BAD_REQUEST,
-                    f"target rank tp={target.tp} pp={target.pp} has {len(target.kv_indices)} "
-                    f"kv_indices for extra_token_size={req.extra_token_size}",
-                )
-            inflight.pinned = tree_helpers.pin_host_pages(
-                self.ctx.tree_cache, req.input_ids, req.extra_key, start, end
-            )
-            peer = HostPoolLayout.from_published(
-                data_ptrs=target.host_kv_data_ptrs,
-                data_lens=target.host_kv_data_lens,
-                item_lens=target.host_kv_item_lens,
-                page_size=self.layout.page_size,
-            )
-            writes = plan_writes(self.layout, inflight.pinned.host_indices, peer, target.kv_indices)
-            inflight.handle = self.transport.write(
-                target.session_id,
-                [WriteOp(w.src_addr, w.dst_addr, w.length) for w in writes],
-                _regions(peer),
-            )
-        except MigrationError as e:
-            inflight.error = e
-        except ValueError as e:  # layout planning rejects inconsistent peer data
-            inflight.error = MigrationError(ErrorKind.BAD_REQUEST, str(e))
-        except Exception as e:
-            logger.exception("KV migration transfer failed to start")
-            inflight.error = MigrationError(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}")
         self._inflight.append(inflight)
+        local_error = self._guard_error(lambda: self._validate_transfer(req, inflight))
+        # IMPORTANT: agree on validity before touching the tree. A rank that pinned and
+        # queued write-backs while another did not would leave the ranks' write-through
+        # state different, and SGLang's `writing_check` collectives would deadlock.
+        errors = [e for e in self._all_gather(local_error) if e is not None]
+        if errors:
+            inflight.error = errors[0]
+            return None
+        inflight.error = self._guard_error(
+            lambda: self._pin_source_pages(req, inflight)
+        )  # same outcome on every rank: the trees and host pools are identical
         return None
+
+    def _validate_transfer(
+        self, req: TransferRequestKVCacheReqInput, inflight: _InflightTransfer
+    ) -> None:
+        target = self._target_for_this_rank(req.target_per_rank)
+        if len(target.kv_indices) != req.extra_token_size:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                f"target rank tp={target.tp} pp={target.pp} has {len(target.kv_indices)} "
+                f"kv_indices for extra_token_size={req.extra_token_size}",
+            )
+        inflight.target = target
+
+    def _pin_source_pages(
+        self, req: TransferRequestKVCacheReqInput, inflight: _InflightTransfer
+    ) -> None:
+        start = req.matched_token_size
+        inflight.pinned = tree_helpers.pin_host_pages(
+            self.ctx.tree_cache, req.input_ids, req.extra_key, start, start + req.extra_token_size
+        )
+
+    def _submit_writes(self, inflight: _InflightTransfer) -> None:
+        """Plan and submit this rank's writes (host copies are complete)."""
+        target = inflight.target
+        peer = HostPoolLayout.from_published(
+            data_ptrs=target.host_kv_data_ptrs,
+            data_lens=target.host_kv_data_lens,
+            item_lens=target.host_kv_item_lens,
+            page_size=self.layout.page_size,
+        )
+        writes = plan_writes(self.layout, inflight.pinned.host_indices, peer, target.kv_indices)
+        inflight.handle = self.transport.write(
+            target.session_id,
+            [WriteOp(w.src_addr, w.dst_addr, w.length) for w in writes],
+            _regions(peer),
+        )
 
     def commit_transfer_request_kvcache(
         self, req: CommitTransferRequestKVCacheReqInput
@@ -400,6 +424,19 @@ class MigrationSchedulerSide:
                 error_kind=ErrorKind.INTERNAL.value,
             )
 
+    def _guard_error(self, run: Callable[[], None]) -> MigrationError | None:
+        """Run a step of a transfer; return its error instead of raising it."""
+        try:
+            run()
+            return None
+        except MigrationError as e:
+            return e
+        except ValueError as e:  # layout planning rejects inconsistent peer data
+            return MigrationError(ErrorKind.BAD_REQUEST, str(e))
+        except Exception as e:
+            logger.exception("KV migration transfer step failed")
+            return MigrationError(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}")
+
     def _all_gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (just [obj] on a single rank)."""
         group = self.ctx.cpu_group
@@ -448,6 +485,21 @@ class MigrationSchedulerSide:
             ErrorKind.BAD_REQUEST,
             f"target_per_rank has no entry for tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}",
         )
+
+    def _send_ready_transfers(self) -> None:
+        """Submit the writes of transfers whose host copies have completed.
+
+        Collective-safe: whether any transfer waits, and whether its copies are done,
+        is the same on every TP rank, so every rank calls `writing_check` together.
+        """
+        waiting = [t for t in self._inflight if t.awaiting_host_copy()]
+        if not waiting:
+            return
+        cache = self.ctx.tree_cache
+        cache.writing_check()
+        for inflight in waiting:
+            if tree_helpers.host_pages_ready(cache, inflight.pinned):
+                inflight.error = self._guard_error(lambda t=inflight: self._submit_writes(t))
 
     def _finish_transfers(self) -> None:
         local = [t.local_status() for t in self._inflight]

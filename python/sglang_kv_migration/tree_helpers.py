@@ -37,12 +37,16 @@ class HeldPrefix:
 
 @dataclass
 class PinnedHostPages:
-    """Host slots of a token range, protected from host eviction until `unpin_host_pages`."""
+    """Host slots of a token range, protected from host eviction until `unpin_host_pages`.
+
+    The slots may still be filling: read them only once `host_pages_ready()` is True.
+    """
 
     host_indices: torch.Tensor  # int64 host token slots, one per token of the range
     nodes: list[TreeNode]  # nodes whose host values are protected
     start: int
     end: int
+    copying_ids: set[int]  # ids of path nodes whose device->host copy was in flight
 
 
 # --------------------------------------------------------------------------- public API
@@ -88,12 +92,12 @@ def path_from_root(cache: HiRadixCache, node: TreeNode) -> list[TreeNode]:
 
 
 def write_back_path(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
-    """Make sure every node in `nodes` (a root-to-leaf path) has a host copy.
+    """Make sure every node in `nodes` (a root-to-leaf path) has a completed host copy.
 
-    Device-only nodes are written back top-down (SGLang's write-through invariant needs
-    the parent backed up first) and this waits until the copies have completed. The
-    wait polls `writing_check`, which all-reduces completion counts across TP ranks, so
-    every rank leaves the loop after the same number of rounds.
+    Blocking: waits for the device->host copies by polling `writing_check`, which
+    all-reduces completion counts across TP ranks, so every rank leaves the loop after
+    the same number of rounds. Used by commit on the target (rarely has anything to
+    copy); the source's transfer path uses `pin_host_pages`, which does not wait.
     """
     # IMPORTANT: protect the path's host copies while writing: `write_backup` evicts
     # unprotected host-only nodes when the host pool is full, and a host-only node of
@@ -102,40 +106,19 @@ def write_back_path(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
     for node in nodes:
         node.protect_host()
     try:
-        _write_back_protected(cache, nodes)
+        copying = _start_write_back(cache, nodes)
+        deadline = time.monotonic() + WRITE_BACK_TIMEOUT_S
+        while copying & cache.ongoing_write_through.keys():
+            if time.monotonic() > deadline:
+                raise MigrationError(
+                    ErrorKind.INTERNAL,
+                    f"device->host write-back did not finish within {WRITE_BACK_TIMEOUT_S}s",
+                )
+            cache.writing_check()
+            time.sleep(0)
     finally:
         for node in nodes:
             node.release_host()
-
-
-def _write_back_protected(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
-    pending_ids: set[int] = set()
-    for node in nodes:
-        if node.backuped:
-            # IMPORTANT: `write_backup` sets `host_value` when it queues the copy, so a
-            # node can be "backed up" while its device->host copy is still in flight
-            # (e.g. a write-through started by the scheduler). Wait for those too, or
-            # the transfer would read host slots the copy has not filled yet.
-            if node.id in cache.ongoing_write_through:
-                pending_ids.add(node.id)
-            continue
-        if cache.write_backup(node) == 0:
-            raise MigrationError(
-                ErrorKind.UNAVAILABLE,
-                "host pool is full: cannot write the prefix back to host memory "
-                f"({len(node.key)} tokens needed)",
-            )
-        pending_ids.add(node.id)
-
-    deadline = time.monotonic() + WRITE_BACK_TIMEOUT_S
-    while pending_ids & set(cache.ongoing_write_through):
-        if time.monotonic() > deadline:
-            raise MigrationError(
-                ErrorKind.INTERNAL,
-                f"device->host write-back did not finish within {WRITE_BACK_TIMEOUT_S}s",
-            )
-        cache.writing_check()
-        time.sleep(0)
 
 
 def pin_host_pages(
@@ -145,10 +128,13 @@ def pin_host_pages(
     start: int,
     end: int,
 ) -> PinnedHostPages:
-    """Host slots of tokens [start, end) of `input_ids`, written back and pinned.
+    """Host slots of tokens [start, end) of `input_ids`, pinned, write-back started.
 
-    Raises `MigrationError(CONFLICT)` when this server no longer holds the whole range.
-    The caller must call `unpin_host_pages` on success and on failure.
+    Device-only nodes of the path get their device->host copy queued, but this does not
+    wait for it: the scheduler loop keeps running, and the caller polls
+    `host_pages_ready` (calling `cache.writing_check()` in between) before reading the
+    slots. Raises `MigrationError(CONFLICT)` when this server no longer holds the whole
+    range. The caller must call `unpin_host_pages` on success and on failure.
     """
     import torch
 
@@ -167,11 +153,28 @@ def pin_host_pages(
             "(evicted since it was measured?)",
         )
     nodes = path_from_root(cache, held.last_node)
-    write_back_path(cache, nodes)
+    # Protected before any write is queued: see the note in `write_back_path`.
     for node in nodes:
         node.protect_host()
+    try:
+        copying = _start_write_back(cache, nodes)
+    except BaseException:
+        for node in nodes:
+            node.release_host()
+        raise
+    # `write_backup` assigns host slots when it queues the copy, so they are known now.
     host_indices = torch.cat([node.host_value for node in nodes])[start:end]
-    return PinnedHostPages(host_indices=host_indices, nodes=nodes, start=start, end=end)
+    return PinnedHostPages(
+        host_indices=host_indices, nodes=nodes, start=start, end=end, copying_ids=copying
+    )
+
+
+def host_pages_ready(cache: HiRadixCache, pinned: PinnedHostPages) -> bool:
+    """True once every device->host copy the pinned range waits for has completed.
+
+    Identical on every TP rank: `writing_check` retires copies in lockstep across ranks.
+    """
+    return not (pinned.copying_ids & cache.ongoing_write_through.keys())
 
 
 def unpin_host_pages(pinned: PinnedHostPages) -> None:
@@ -209,3 +212,33 @@ def insert_host_pages(
     suffix = key[anchor_length:]
     hashes = page_hashes(key, cache.page_size)[anchor_length // cache.page_size :]
     return upstream.insert_host_value(cache, anchor, suffix, host_indices, hashes)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _start_write_back(cache: HiRadixCache, nodes: list[TreeNode]) -> set[int]:
+    """Queue device->host copies for the device-only nodes of a root-to-leaf path.
+
+    Returns the ids of path nodes whose copy is in flight, including copies the
+    scheduler started earlier. Nodes must already be protected by the caller.
+    """
+    copying: set[int] = set()
+    for node in nodes:
+        if node.backuped:
+            # IMPORTANT: `write_backup` sets `host_value` when it queues the copy, so a
+            # node can be "backed up" while its device->host copy is still in flight
+            # (e.g. a write-through started by the scheduler). Wait for those too, or
+            # the transfer would read host slots the copy has not filled yet.
+            if node.id in cache.ongoing_write_through:
+                copying.add(node.id)
+            continue
+        # Top-down, so the parent is backed up first (SGLang's write-through invariant).
+        if cache.write_backup(node) == 0:
+            raise MigrationError(
+                ErrorKind.UNAVAILABLE,
+                "host pool is full: cannot write the prefix back to host memory "
+                f"({len(node.key)} tokens needed)",
+            )
+        copying.add(node.id)
+    return copying
