@@ -446,7 +446,7 @@ def test_concurrent_insert_before_commit_frees_surplus(
 
 def test_pin_waits_for_a_write_through_still_in_flight(harness_factory):
     """Source side: pages whose device->host copy was queued (host_value already set)
-    but not yet acknowledged must be waited for before their host slots are read."""
+    but not yet acknowledged are not ready to read until the copy is acknowledged."""
     h = harness_factory(host_layout="page_first")
     tokens = _tokens(4 * 16)
     h.insert_random(tokens, seed=1)  # write-through queued, acks not drained
@@ -456,7 +456,12 @@ def test_pin_waits_for_a_write_through_still_in_flight(harness_factory):
     assert any(n.id in h.cache.ongoing_write_through for n in nodes)
     pinned = tree_helpers.pin_host_pages(h.cache, tokens, None, 16, 64)
     try:
+        in_flight = {n.id for n in nodes if n.id in h.cache.ongoing_write_through}
+        assert in_flight and in_flight <= pinned.copying_ids
+        assert not tree_helpers.host_pages_ready(h.cache, pinned)
+        h.cache.writing_check()  # what the scheduler loop (and our poll) runs
         assert not any(n.id in h.cache.ongoing_write_through for n in nodes)
+        assert tree_helpers.host_pages_ready(h.cache, pinned)
         assert len(pinned.host_indices) == 48
         assert all(n.host_ref_counter > 0 for n in nodes)
     finally:

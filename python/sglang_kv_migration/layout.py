@@ -88,7 +88,8 @@ class HostBuffer:
 
 @dataclass(frozen=True, slots=True)
 class Write:
-    """One contiguous copy; same field names and order as the transport's ``WriteOp``."""
+    """One contiguous copy from a source address to a peer address (the transport's
+    ``WriteOp``)."""
 
     src_addr: int
     dst_addr: int

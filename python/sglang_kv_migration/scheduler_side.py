@@ -52,7 +52,6 @@ from sglang_kv_migration.transfer import (
     MemoryRegion,
     TransferHandle,
     TransportConfig,
-    WriteOp,
     open_transport,
 )
 
@@ -349,7 +348,7 @@ class MigrationSchedulerSide:
         writes = plan_writes(self.layout, inflight.pinned.host_indices, peer, target.kv_indices)
         inflight.handle = self.transport.write(
             target.session_id,
-            [WriteOp(w.src_addr, w.dst_addr, w.length) for w in writes],
+            writes,
             _regions(peer),
         )
 

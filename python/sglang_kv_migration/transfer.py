@@ -44,6 +44,10 @@ from typing import TYPE_CHECKING, Literal
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 
+# One copy: `length` bytes from local `src_addr` to peer `dst_addr`. Planned by the
+# layout module (pure math), sent here: one type for both.
+from sglang_kv_migration.layout import Write as WriteOp
+
 if TYPE_CHECKING:
     from mooncake.engine import TransferEngine
 
@@ -115,15 +119,6 @@ class TransportConfig:
             )
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
-
-
-@dataclass(frozen=True)
-class WriteOp:
-    """Copy `length` bytes from local address `src_addr` to peer address `dst_addr`."""
-
-    src_addr: int
-    dst_addr: int
-    length: int
 
 
 @dataclass(frozen=True)
