@@ -49,7 +49,8 @@ class _Server:
 
     def setup(self, cfg_fields: dict, watchdog_timeout_s: float) -> dict:
         import cpu_harness
-        from sglang_kv_migration.scheduler_side import MigrationSchedulerSide, RankContext
+        from sglang_kv_migration.rank_context import RankContext
+        from sglang_kv_migration.scheduler_side import MigrationSchedulerSide
         from sglang_kv_migration.transfer import TransportConfig
 
         self.close()

@@ -65,7 +65,8 @@ def side_factory(
     cache (0.05 s watchdog, metrics on), replying into `side.replies`; `side.harness` is
     the harness it runs on."""
     from sglang_kv_migration.metrics import MigrationMetrics
-    from sglang_kv_migration.scheduler_side import MigrationSchedulerSide, RankContext
+    from sglang_kv_migration.rank_context import RankContext
+    from sglang_kv_migration.scheduler_side import MigrationSchedulerSide
     from sglang_kv_migration.transfer import TransportConfig
 
     built: list[MigrationSchedulerSide] = []

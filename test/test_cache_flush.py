@@ -51,11 +51,11 @@ def test_flush_drops_pending_allocations_and_commit_is_gone(side) -> None:
 
 
 def test_flush_is_refused_while_a_transfer_reads_pinned_pages(side) -> None:
-    side._inflight.append(object())  # a transfer in flight on this rank
+    side.transfers._inflight.append(object())  # a transfer in flight on this rank
     try:
         assert _flush(_scheduler(side)) is False
     finally:
-        side._inflight.clear()
+        side.transfers._inflight.clear()
 
 
 def test_busy_scheduler_keeps_pending_allocations(side) -> None:

@@ -82,7 +82,7 @@ def test_transfer_returns_before_host_copies_finish(side_factory) -> None:
             migration_id="m",
         )
         assert side.transfer_request_kvcache(request) is None
-        inflight = side._inflight[0]
+        inflight = side.transfers._inflight[0]
         for _ in range(20):  # loop iterations while the copies are still running
             side.poll()
         assert inflight.awaiting_host_copy() and inflight.handle is None

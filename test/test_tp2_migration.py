@@ -269,3 +269,35 @@ def test_watchdog_frees_every_rank(servers: Servers) -> None:
     assert dst.ask_all("snapshot") == before, "watchdog did not free the allocation"
     r = post(dst.url, "/commit", {"migration_id": migration_id})
     assert r.status_code == 410, r.text
+
+
+def test_request_invalid_for_one_rank_is_refused_by_every_rank(servers: Servers) -> None:
+    """A transfer whose target list misses rank 1: the ranks agree it is invalid before
+    either touches its tree, so neither pins nor writes back, and nothing deadlocks."""
+    src, dst = servers.a, servers.b
+    target_info = session_info(dst.url)
+    rank0 = next(r for r in target_info["ranks"] if r["tp_rank"] == 0)
+    src_before = src.ask_all("snapshot")
+    body = {
+        "input_ids": aligned(GOOD_IDS),
+        "matched_token_size": 0,
+        "extra_token_size": PAGE,
+        "target_per_rank": [
+            {
+                "tp": 0,
+                "pp": 0,
+                "session_id": rank0["session_id"],
+                "host_kv_data_ptrs": rank0["host_kv_data_ptrs"],
+                "host_kv_data_lens": rank0["host_kv_data_lens"],
+                "host_kv_item_lens": rank0["host_kv_item_lens"],
+                "kv_indices": list(range(PAGE, 2 * PAGE)),
+                "fingerprint": rank0["fingerprint"],
+            }
+        ],
+    }
+    r = post(src.url, "/transfer_request_kvcache", body)
+    assert r.status_code == 400, r.text
+    assert "no entry for tp=1" in r.json()["message"]
+    assert src.ask_all("snapshot") == src_before
+    # Both ranks still serve the next request (no rank is stuck in a collective).
+    assert session_info(src.url)["success"] is True

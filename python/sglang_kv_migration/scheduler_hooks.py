@@ -23,11 +23,8 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.utils import TypeBasedDispatcher
 
-    from sglang_kv_migration.scheduler_side import (
-        MigrationSchedulerSide,
-        RankContext,
-        advertised_hostname,
-    )
+    from sglang_kv_migration.rank_context import RankContext
+    from sglang_kv_migration.scheduler_side import MigrationSchedulerSide, advertised_hostname
     from sglang_kv_migration.transfer import TransportConfig
 
     args = scheduler.server_args
