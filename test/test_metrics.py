@@ -9,9 +9,8 @@ from sglang_kv_migration.io_types import (
     AbortTransferReqInput,
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
-    TransferRequestKVCacheReqInput,
-    TransferRequestKVCacheTarget,
 )
+from side_helpers import transfer_to_self
 
 
 def _sample(name: str, **labels: str) -> float:
@@ -87,22 +86,10 @@ def test_target_outcomes_tokens_bytes_and_phases(side, caplog) -> None:
 def test_failed_send_is_counted(side) -> None:
     before = _sample("sglang:kv_migration_total", role="source", outcome="send_failed")
     # The source does not hold this prefix: the transfer fails before any byte moves.
-    req = TransferRequestKVCacheReqInput(
-        input_ids=list(range(5000, 5032)),
-        matched_token_size=0,
-        extra_token_size=32,
-        target_per_rank=[
-            TransferRequestKVCacheTarget(
-                tp=0,
-                pp=0,
-                session_id=side.transport.session_id,
-                host_kv_data_ptrs=side.layout.data_ptrs,
-                host_kv_data_lens=side.layout.data_lens,
-                host_kv_item_lens=side.layout.item_lens,
-                kv_indices=list(range(32)),
-                fingerprint=side.fingerprint.to_dict(),
-            )
-        ],
+    req = transfer_to_self(
+        side,
+        list(range(5000, 5032)),
+        list(range(32)),
     )
     assert side.transfer_request_kvcache(req) is None
     side.poll()

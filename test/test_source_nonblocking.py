@@ -13,9 +13,8 @@ import time
 import torch
 from sglang_kv_migration.io_types import (
     AllocateTokenForTransferReqInput,
-    TransferRequestKVCacheReqInput,
-    TransferRequestKVCacheTarget,
 )
+from side_helpers import transfer_to_self
 
 
 class _HeldEvent:
@@ -63,22 +62,10 @@ def test_transfer_returns_before_host_copies_finish(side_factory) -> None:
 
     controller.write = write_with_held_events
     try:
-        request = TransferRequestKVCacheReqInput(
-            input_ids=ids,
-            matched_token_size=0,
-            extra_token_size=64,
-            target_per_rank=[
-                TransferRequestKVCacheTarget(
-                    tp=0,
-                    pp=0,
-                    session_id=side.transport.session_id,
-                    host_kv_data_ptrs=side.layout.data_ptrs,
-                    host_kv_data_lens=side.layout.data_lens,
-                    host_kv_item_lens=side.layout.item_lens,
-                    kv_indices=kv_indices,
-                    fingerprint=side.fingerprint.to_dict(),
-                )
-            ],
+        request = transfer_to_self(
+            side,
+            ids,
+            kv_indices,
             migration_id="m",
         )
         assert side.transfer_request_kvcache(request) is None
