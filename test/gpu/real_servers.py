@@ -1,8 +1,11 @@
 """Start and talk to real SGLang servers with this plugin (GPU machine only).
 
-Shared by `test/gpu/test_gpu_migration.py` and `benchmark/bench_migration_vs_prefill.py`.
-Each server is the stock `python -m sglang.launch_server` with a dummy-weight Llama
-written here (no downloads) and `--skip-tokenizer-init`.
+Shared by `test/gpu/test_gpu_migration.py`, `test/gpu/test_gpu_device_path.py`,
+`benchmark/bench_migration_vs_prefill.py` and `benchmark/bench_device_path.py`. Each server
+is the stock `python -m sglang.launch_server` with a dummy-weight model written here (no
+downloads: a Llama for MHA, a DeepseekV2 for MLA) and `--skip-tokenizer-init`.
+Nothing extra to install: this uses only what the GPU wheel sets already carry (httpx,
+pytest, this package).
 """
 
 from __future__ import annotations
@@ -13,9 +16,15 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
+
+T = TypeVar("T")
 
 STARTUP_TIMEOUT_S = 480
 OUT_DIR = Path(os.environ.get("KVMIG_GPU_OUT", "/tmp/kvmig-gpu-out"))
@@ -39,9 +48,56 @@ LLAMA3_8B = {
     "vocab_size": 128256,
     "max_position_embeddings": 32768,
 }
+# A small DeepSeek-V2-style model for MLA pools. The attention dims are DeepSeek-V2(-Lite)'s
+# own (kv_lora_rank 512 + rope 64 = 576 per token per layer, one latent "head"), which
+# the Triton MLA kernels special-case; no q LoRA. SGLang 0.5.12 reads the MoE fields at
+# start-up (expert-location metadata adds `n_routed_experts` to an int), so they must be
+# set, but `first_k_dense_replace` = all layers makes every layer a dense MLP: no MoE
+# kernels run. Served with `--attention-backend triton` (extend: MHA on a fresh prompt,
+# absorbed MLA once there is a cached prefix).
+TINY_DEEPSEEK_V2_MLA = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 512,
+    "first_k_dense_replace": 4,  # == num_hidden_layers: no MoE layer
+    "moe_layer_freq": 1,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "routed_scaling_factor": 1.0,
+    "hidden_act": "silu",
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "vocab_size": 32000,
+    "max_position_embeddings": 8192,
+}
+
+# KVMIG_ATTENTION=mha|mla picks the small test model.
+TEST_MODELS: dict[str, tuple[dict[str, Any], Path]] = {
+    "mha": (TINY_LLAMA, Path("/tmp/kvmig-tiny-llama")),
+    "mla": (TINY_DEEPSEEK_V2_MLA, Path("/tmp/kvmig-tiny-deepseek-v2-mla")),
+}
 
 
 def write_model(shape: dict, model_dir: Path) -> Path:
+    """A config-only model directory (dummy weights). `shape` overrides the Llama
+    defaults, including `architectures` / `model_type` for other families."""
     model_dir.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -56,8 +112,13 @@ def write_model(shape: dict, model_dir: Path) -> Path:
     return model_dir
 
 
-def launch(port: int, model_dir: Path, extra: list[str]) -> subprocess.Popen:
+def launch(
+    port: int, model_dir: Path, extra: list[str], gpu_id: int | None = None
+) -> subprocess.Popen:
+    """Start one server; `gpu_id` adds `--base-gpu-id` (the server's first GPU)."""
     OUT_DIR.mkdir(parents=True, exist_ok=True)
+    if gpu_id is not None:
+        extra = [*extra, "--base-gpu-id", str(gpu_id)]
     log = open(OUT_DIR / f"server-{port}.log", "w")
     cmd = [
         sys.executable, "-m", "sglang.launch_server",
@@ -97,6 +158,47 @@ def stop(procs: list[subprocess.Popen]) -> None:
             proc.kill()
 
 
+@dataclass
+class ServerSpec:
+    """One server to start: its port, extra flags and (optionally) its GPU."""
+
+    port: int
+    extra: list[str] = field(default_factory=list)
+    gpu_id: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def running_servers(
+    model_dir: Path, specs: list[ServerSpec], sequential: bool = False
+) -> Iterator[list[str]]:
+    """Start the servers, wait (bounded) until each answers /health, yield their URLs in
+    `specs` order, stop them all on exit.
+
+    `sequential=True` starts each only after the previous one is ready. Use it when
+    servers share a GPU and their KV pools are large: SGLang sizes the pool from the free
+    memory it measures around its own weight loading, and a neighbour loading at the
+    same moment makes that measurement racy. Later servers also reuse the Triton cache
+    the first one compiled.
+    """
+    procs: list[subprocess.Popen] = []
+    try:
+        if sequential:
+            for spec in specs:
+                procs.append(launch(spec.port, model_dir, spec.extra, spec.gpu_id))
+                wait_ready(spec.url, procs[-1])
+        else:
+            procs = [launch(s.port, model_dir, s.extra, s.gpu_id) for s in specs]
+            for spec, proc in zip(specs, procs, strict=True):
+                wait_ready(spec.url, proc)
+        yield [spec.url for spec in specs]
+    finally:
+        stop(procs)
+
+
 def generate(url: str, input_ids: list[int], max_new_tokens: int = 24) -> dict:
     r = httpx.post(
         url + "/generate",
@@ -108,6 +210,74 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int = 24) -> dict:
     )
     r.raise_for_status()
     return r.json()
+
+
+def timed_generate(url: str, input_ids: list[int], max_new_tokens: int = 1) -> tuple[dict, float]:
+    """`generate` and its wall time seen by the caller (with max_new_tokens=1: TTFT)."""
+    t0 = time.perf_counter()
+    out = generate(url, input_ids, max_new_tokens)
+    return out, time.perf_counter() - t0
+
+
+def cached_tokens(out: dict) -> int:
+    return int(out["meta_info"].get("cached_tokens") or 0)
+
+
+def cached_details(out: dict) -> dict[str, Any]:
+    """`meta_info.cached_tokens_details` of a /generate reply ({"device": d, "host": h}).
+    SGLang omits it when nothing was cached; then both are 0."""
+    details = out["meta_info"].get("cached_tokens_details") or {}
+    return {
+        "device": int(details.get("device") or 0),
+        "host": int(details.get("host") or 0),
+        **{k: v for k, v in details.items() if k not in ("device", "host")},
+    }
+
+
+def kv_pool_usage(url: str) -> dict[str, int]:
+    """The GPU KV pool of DP rank 0 from SGLang's `GET /v1/loads?include=core`.
+
+    `num_used_tokens` = max_total_num_tokens - (allocator available + tree evictable):
+    slots a pending migration holds count as used; cached, unlocked tree nodes do not.
+    """
+    r = httpx.get(url + "/v1/loads", params={"include": "core"}, timeout=30)
+    r.raise_for_status()
+    load = r.json()["loads"][0]
+    return {
+        "num_used_tokens": int(load["num_used_tokens"]),
+        "max_total_num_tokens": int(load["max_total_num_tokens"]),
+        "num_running_reqs": int(load.get("num_running_reqs", 0)),
+        "num_waiting_reqs": int(load.get("num_waiting_reqs", 0)),
+    }
+
+
+def flush_cache(url: str, timeout_s: float = 60.0) -> None:
+    """Drop the server's radix cache (device and host tiers). SGLang refuses (400) while
+    requests run, and this plugin while a migration still reads pinned pages: retry,
+    bounded by `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.post(url + "/flush_cache", params={"timeout": 10}, timeout=120)
+        if r.status_code == 200:
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"{url}/flush_cache -> {r.status_code}: {r.text[:500]}")
+        time.sleep(0.5)
+
+
+def wait_until(
+    probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float, interval_s: float = 0.2
+) -> T:
+    """Call `probe` until `done(value)`; return that value. Raises TimeoutError with the
+    last value after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    value = probe()
+    while not done(value):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"condition not met in {timeout_s}s; last value {value!r}")
+        time.sleep(interval_s)
+        value = probe()
+    return value
 
 
 def migrate_cli(source: str, target: str, input_ids: list[int]) -> dict:

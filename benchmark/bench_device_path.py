@@ -1,0 +1,328 @@
+"""Device path vs host path vs re-prefill, Llama-3-8B shape, two real SGLang servers.
+
+Per prefix length N (default 1K/4K/16K/32K), each repeat runs side by side in one round,
+on a flushed cache each time:
+1. re-prefill: the target serves a fresh N-token prompt (max_new_tokens=1: its TTFT);
+2. device path: the source prefills prompt A, the client migrates A[:-1] with
+   `path="device"` (every phase from `result.timings`, `copy_seconds`, bytes, GB/s =
+   bytes / copy_seconds), then the target serves A (TTFT, `cached_tokens_details`);
+3. host path: the same for another prompt B with `path="host"` (Mooncake TCP on one host).
+Migrations run through the Python client in this process (one client for the whole run,
+so it may cache session info); no CLI start-up is timed. Medians over the repeats.
+
+    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_device_path.py               # one GPU
+    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_device_path.py --target-gpu 1  # x2 machine
+    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_device_path.py --quick        # smoke run
+
+Writes `$KVMIG_GPU_OUT/bench_device_path.json` (config, warm-up, every row, medians) and
+prints markdown tables for docs/benchmarks.md. Needs nothing beyond the GPU wheel sets
+and this package. Budget on an H200: two start-ups (~150 s + ~60 s; on one GPU the
+target starts after the source is ready, see `running_servers`) plus ~2 min of rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sglang_kv_migration.client import MigrationClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
+from real_servers import (  # noqa: E402
+    LLAMA3_8B,
+    OUT_DIR,
+    ServerSpec,
+    cached_details,
+    cached_tokens,
+    flush_cache,
+    generate,
+    running_servers,
+    timed_generate,
+    write_model,
+)
+
+DEFAULT_LENGTHS = [1024, 4096, 16384, 32768]
+QUICK_LENGTHS = [1024, 4096]
+PHASES = ("session_info", "extra_token_size", "allocate", "transfer", "commit", "total")
+# Issue 8 / 12 targets for the longest prefix.
+TARGET_RATIO = {False: 0.01, True: 0.02}  # whole device migration / re-prefill
+TARGET_COPY_GBPS = {False: 400.0, True: 200.0}  # keyed by "across GPUs"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--target-gpu", type=int, default=0, help="1 on nvidia-h200-x2")
+    parser.add_argument("--mem-fraction-static", type=float, default=0.4)
+    parser.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=106496,
+        help="GPU KV pool per server (tokens); the target must hold the re-prefill "
+        "baseline, the device-migrated prefix and the host path's load-back of the "
+        "longest length at once (3 x 32K + slack; 13 GiB of KV at 128 KiB/token)",
+    )
+    parser.add_argument("--context-length", type=int, default=40960)
+    parser.add_argument("--no-host", action="store_true", help="skip the host-path rows")
+    parser.add_argument("--quick", action="store_true", help="1K and 4K, one repeat")
+    args = parser.parse_args()
+    lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
+    repeats = 1 if args.quick else args.repeats
+    if max(lengths) + 8 > args.context_length:
+        parser.error(f"--context-length {args.context_length} < longest prompt + output")
+    across_gpus = args.target_gpu != 0
+
+    shape = dict(LLAMA3_8B, max_position_embeddings=max(args.context_length, 40960))
+    model_dir = write_model(shape, Path("/tmp/kvmig-llama3-8b-40k"))
+    extra = ["--page-size", str(args.page_size)]
+    extra += ["--mem-fraction-static", str(args.mem_fraction_static)]
+    extra += ["--max-total-tokens", str(args.max_total_tokens)]
+    extra += ["--context-length", str(args.context_length)]
+    specs = [ServerSpec(30610, extra, gpu_id=0), ServerSpec(30620, extra, args.target_gpu)]
+    config = {
+        "shape": shape,
+        "page_size": args.page_size,
+        "source_gpu": 0,
+        "target_gpu": args.target_gpu,
+        "lengths": lengths,
+        "repeats": repeats,
+        "server_flags": extra,
+        "host_path": not args.no_host,
+    }
+    started = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    warmup: dict[str, Any] = {}
+    # Same GPU: start one after the other (KV pool sizing measures free GPU memory).
+    with (
+        running_servers(model_dir, specs, sequential=not across_gpus) as (source, target),
+        MigrationClient(timeout=600) as client,
+    ):
+        config["startup_s"] = time.monotonic() - started
+        print(f"servers ready in {config['startup_s']:.0f} s", flush=True)
+        rng = random.Random(0)
+        warmup = _warm_up(client, source, target, rng, not args.no_host)
+        print("warm-up:", json.dumps(warmup), flush=True)
+        for n in lengths:
+            for rep in range(repeats):
+                row = _round(client, source, target, n, rep, rng, not args.no_host)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    summary = [_median_row(n, [r for r in rows if r["tokens"] == n]) for n in lengths]
+    result = {
+        "config": config,
+        "warmup": warmup,
+        "rows": rows,
+        "medians": summary,
+        "wall_s": time.monotonic() - started,
+    }
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / "bench_device_path.json").write_text(json.dumps(result, indent=1))
+    _print_tables(summary, config, across_gpus)
+    print(f"\nwall time {result['wall_s']:.0f} s", flush=True)
+
+
+def _warm_up(
+    client: MigrationClient, source: str, target: str, rng: random.Random, host: bool
+) -> dict[str, Any]:
+    """Compile the Triton kernels (fresh and cached-prefix extends) on both servers and
+    open each path once (CUDA IPC handles, Mooncake connections, cached session info).
+    The first migrations' timings are kept: they show the one-off costs."""
+    for url in (source, target):
+        p = _tokens(rng, 2048)
+        generate(url, p, 1)
+        generate(url, p, 1)
+    out: dict[str, Any] = {}
+    for name, path in (("device", "device"), ("auto", None), ("host", "host")):
+        if name == "host" and not host:
+            continue
+        p = _tokens(rng, 1024)
+        generate(source, p, 1)
+        r = client.migrate(source, target, p[:-1], path=path)
+        served = generate(target, p, 1)
+        out[name] = {
+            "path": r.path,
+            "fallback_reason": r.fallback_reason,
+            "timings_ms": _ms(r.timings),
+            "copy_ms": r.copy_seconds * 1e3,
+            "cached_details": cached_details(served),
+        }
+    for url in (source, target):
+        flush_cache(url)
+    return out
+
+
+def _round(
+    client: MigrationClient,
+    source: str,
+    target: str,
+    n: int,
+    rep: int,
+    rng: random.Random,
+    host: bool,
+) -> dict[str, Any]:
+    for url in (source, target):
+        flush_cache(url)
+    row: dict[str, Any] = {"tokens": n, "repeat": rep}
+
+    baseline, prefill_s = timed_generate(target, _tokens(rng, n), 1)
+    assert cached_tokens(baseline) == 0, baseline["meta_info"]
+    row["reprefill_ttft_ms"] = prefill_s * 1e3
+
+    a = _tokens(rng, n)
+    b = _tokens(rng, n) if host else []
+    for p in (a, b):
+        if p:
+            generate(source, p, 1)
+
+    row["device"] = _migrate_and_serve(client, source, target, a, "device")
+    if host:
+        row["host"] = _migrate_and_serve(client, source, target, b, "host")
+    return row
+
+
+def _migrate_and_serve(
+    client: MigrationClient, source: str, target: str, prompt: list[int], path: str
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    r = client.migrate(source, target, prompt[:-1], path=path)
+    wall_s = time.perf_counter() - t0
+    served, ttft_s = timed_generate(target, prompt, 1)
+    if r.path != path:
+        raise AssertionError(f"asked for the {path} path, got {r.path!r}: {r.fallback_reason}")
+    copy_s = r.copy_seconds
+    transfer_s = r.timings.get("transfer", 0.0)
+    return {
+        "path": r.path,
+        "migrated_tokens": r.migrated_token_size,
+        "bytes": r.migrated_bytes,
+        "timings_ms": _ms(r.timings),
+        "client_wall_ms": wall_s * 1e3,
+        "copy_ms": copy_s * 1e3,
+        "copy_gb_s": r.migrated_bytes / copy_s / 1e9 if copy_s > 0 else None,
+        "transfer_gb_s": r.migrated_bytes / transfer_s / 1e9 if transfer_s > 0 else None,
+        "ttft_ms": ttft_s * 1e3,
+        "cached_tokens": cached_tokens(served),
+        "cached_details": cached_details(served),
+    }
+
+
+def _median_row(n: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def med(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return statistics.median(present) if present else None
+
+    out: dict[str, Any] = {
+        "tokens": n,
+        "samples": len(rows),
+        "reprefill_ttft_ms": med([r["reprefill_ttft_ms"] for r in rows]),
+    }
+    for path in ("device", "host"):
+        runs = [r[path] for r in rows if path in r]
+        if not runs:
+            continue
+        m: dict[str, Any] = {
+            "bytes": runs[0]["bytes"],
+            "migrated_tokens": runs[0]["migrated_tokens"],
+            "timings_ms": {
+                k: med([run["timings_ms"].get(k) for run in runs])
+                for k in PHASES
+                if any(k in run["timings_ms"] for run in runs)
+            },
+            "copy_ms": med([run["copy_ms"] for run in runs]),
+            "copy_gb_s": med([run["copy_gb_s"] for run in runs]),
+            "transfer_gb_s": med([run["transfer_gb_s"] for run in runs]),
+            "ttft_ms": med([run["ttft_ms"] for run in runs]),
+            "cached_details": runs[-1]["cached_details"],
+        }
+        total = m["timings_ms"].get("total")
+        prefill = out["reprefill_ttft_ms"]
+        if total is not None and prefill:
+            m["total_over_reprefill"] = total / prefill
+            m["total_plus_ttft_over_reprefill"] = (total + m["ttft_ms"]) / prefill
+        out[path] = m
+    return out
+
+
+def _print_tables(summary: list[dict[str, Any]], config: dict[str, Any], across: bool) -> None:
+    where = f"GPU 0 -> GPU {config['target_gpu']}" if across else "one GPU"
+    print(
+        f"\nMedians of {config['repeats']} round(s), Llama-3-8B shape, page size "
+        f"{config['page_size']}, {where}. ms; GB = 1e9 bytes; 'total' = the client's sum "
+        "of phases; TTFT = the target serving the prompt with max_new_tokens=1.\n"
+    )
+    print(
+        "| prefix tokens | re-prefill TTFT | device total (alloc / transfer / commit) "
+        "| device copy ms | copy GB/s | TTFT after device (device/host cached) "
+        "| device total / re-prefill | (total + TTFT) / re-prefill "
+        "| host total | TTFT after host | host total / re-prefill |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for s in summary:
+        d, h = s.get("device", {}), s.get("host", {})
+        dt = d.get("timings_ms", {})
+        det = d.get("cached_details", {})
+        print(
+            f"| {s['tokens']} | {_f(s['reprefill_ttft_ms'])} "
+            f"| {_f(dt.get('total'))} ({_f(dt.get('allocate'))} / {_f(dt.get('transfer'))} "
+            f"/ {_f(dt.get('commit'))}) | {_f(d.get('copy_ms'), 2)} | {_f(d.get('copy_gb_s'), 0)} "
+            f"| {_f(d.get('ttft_ms'))} ({det.get('device', '-')}/{det.get('host', '-')}) "
+            f"| {_pct(d.get('total_over_reprefill'))} "
+            f"| {_pct(d.get('total_plus_ttft_over_reprefill'))} "
+            f"| {_f(h.get('timings_ms', {}).get('total'))} | {_f(h.get('ttft_ms'))} "
+            f"| {_pct(h.get('total_over_reprefill'))} |"
+        )
+    print("\nEvery phase (median ms):\n")
+    print("| prefix tokens | path | MiB | " + " | ".join(PHASES) + " | copy | copy GB/s |")
+    print("|---|---|---|" + "---|" * (len(PHASES) + 2))
+    for s in summary:
+        for path in ("device", "host"):
+            m = s.get(path)
+            if not m:
+                continue
+            phases = " | ".join(_f(m["timings_ms"].get(k), 2) for k in PHASES)
+            print(
+                f"| {s['tokens']} | {path} | {m['bytes'] / 2**20:.0f} | {phases} "
+                f"| {_f(m['copy_ms'], 2)} | {_f(m['copy_gb_s'], 1)} |"
+            )
+    longest = summary[-1].get("device") if summary else None
+    if longest:
+        ratio, gbps = longest.get("total_over_reprefill"), longest.get("copy_gb_s")
+        want_ratio, want_gbps = TARGET_RATIO[across], TARGET_COPY_GBPS[across]
+        print(
+            f"\nTargets at {summary[-1]['tokens']} tokens: whole device migration "
+            f"{_pct(ratio)} of re-prefill (target <= {want_ratio:.0%}: "
+            f"{_met(ratio is not None and ratio <= want_ratio)}); copy {_f(gbps, 0)} GB/s "
+            f"(target >= {want_gbps:.0f}: {_met(gbps is not None and gbps >= want_gbps)})"
+        )
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 128000) for _ in range(n)]
+
+
+def _ms(timings: dict[str, float]) -> dict[str, float]:
+    return {k: v * 1e3 for k, v in timings.items()}
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2%}"
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+if __name__ == "__main__":
+    main()
