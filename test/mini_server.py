@@ -43,6 +43,11 @@ class ServerSpec:
     preload: list[tuple[list[int], int]] = dataclasses.field(default_factory=list)
     # tp rank whose transport refuses every write (failure-injection tests).
     broken_transport_rank: int | None = None
+    # Optional test-only engine on rank 0 (e.g. `generate_standin.standin_factory`): a
+    # picklable callable taking the harness and returning an object with
+    # `add_routes(app)` (called on the HTTP app) and `tick()` (called every loop
+    # iteration, on the scheduler thread).
+    extension: Any = None
 
 
 @dataclasses.dataclass
@@ -161,7 +166,7 @@ class _MiniScheduler:
         self.send_to_tokenizer = SenderWrapper(sender)
         self._request_dispatcher = TypeBasedDispatcher([])
 
-    def run(self, receiver: Any, control: Any, harness: Any) -> None:
+    def run(self, receiver: Any, control: Any, harness: Any, extension: Any = None) -> None:
         import zmq
         from sglang.srt.utils.common import broadcast_pyobj
         from sglang_kv_migration import scheduler_hooks
@@ -194,6 +199,8 @@ class _MiniScheduler:
                 if output is not None:
                     self.send_to_tokenizer.send_output(output, req)
             scheduler_hooks.after_process_input_requests(None, self, reqs)
+            if extension is not None:
+                extension.tick()
             if not reqs:
                 time.sleep(0.001)
 
@@ -213,6 +220,7 @@ def _rank_main(
         for token_ids, seed in spec.preload:
             harness.insert_random(token_ids, seed=seed * 1000 + rank)
         harness.write_back_all()
+        extension = spec.extension(harness) if spec.extension is not None and rank == 0 else None
 
         context = zmq.Context()
         sched_in = sched_out = None
@@ -230,12 +238,12 @@ def _rank_main(
         if rank == 0:
             threading.Thread(
                 target=_serve_http,
-                args=(spec, http_port, sched_in_port, sched_out_port),
+                args=(spec, http_port, sched_in_port, sched_out_port, extension),
                 daemon=True,
             ).start()
             _wait_http(http_port)
         ready.put((rank, "ready"))
-        scheduler.run(sched_in, control, harness)
+        scheduler.run(sched_in, control, harness, extension)
         if scheduler.kv_migration is not None:
             scheduler.kv_migration.close()
         harness.close()
@@ -270,7 +278,13 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any) -> None:
         control.send((False, f"{type(e).__name__}: {e}"))
 
 
-def _serve_http(spec: ServerSpec, http_port: int, sched_in_port: int, sched_out_port: int) -> None:
+def _serve_http(
+    spec: ServerSpec,
+    http_port: int,
+    sched_in_port: int,
+    sched_out_port: int,
+    extension: Any = None,
+) -> None:
     import asyncio
 
     import uvicorn
@@ -290,6 +304,8 @@ def _serve_http(spec: ServerSpec, http_port: int, sched_in_port: int, sched_out_
     comms = KVMigrationCommunicators(to_scheduler, 1) if spec.enable_kv_migration else None
     app = FastAPI()
     add_routes(app, lambda: comms)
+    if extension is not None:
+        extension.add_routes(app)
     if spec.api_key or spec.admin_api_key:
         add_api_key_middleware(app, api_key=spec.api_key, admin_api_key=spec.admin_api_key)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cpu_harness import Harness
-from sglang_kv_migration import tree_helpers
+from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.pending import PendingMigrations
 
@@ -90,9 +90,9 @@ def _assert_host_slots_accounted(h: Harness) -> None:
 
 
 def _prefix_locked(h: Harness, tokens: list[int], length: int) -> bool:
-    held = tree_helpers.match_held_prefix(h.cache, tokens[:length], None)
+    held = sglang_adapter.match_held_prefix(h.cache, tokens[:length], None)
     assert held.length == length
-    nodes = tree_helpers.path_from_root(h.cache, held.last_node)
+    nodes = sglang_adapter.path_from_root(h.cache, held.last_node)
     return bool(nodes) and all(n.lock_ref > 0 for n in nodes)
 
 
@@ -450,22 +450,22 @@ def test_pin_waits_for_a_write_through_still_in_flight(harness_factory):
     h = harness_factory(host_layout="page_first")
     tokens = _tokens(4 * 16)
     h.insert_random(tokens, seed=1)  # write-through queued, acks not drained
-    held = tree_helpers.match_held_prefix(h.cache, tokens, None)
-    nodes = tree_helpers.path_from_root(h.cache, held.last_node)
+    held = sglang_adapter.match_held_prefix(h.cache, tokens, None)
+    nodes = sglang_adapter.path_from_root(h.cache, held.last_node)
     assert all(n.backuped for n in nodes)
     assert any(n.id in h.cache.ongoing_write_through for n in nodes)
-    pinned = tree_helpers.pin_host_pages(h.cache, tokens, None, 16, 64)
+    pinned = sglang_adapter.pin_host_pages(h.cache, tokens, None, 16, 64)
     try:
         in_flight = {n.id for n in nodes if n.id in h.cache.ongoing_write_through}
         assert in_flight and in_flight <= pinned.copying_ids
-        assert not tree_helpers.host_pages_ready(h.cache, pinned)
+        assert not sglang_adapter.host_pages_ready(h.cache, pinned)
         h.cache.writing_check()  # what the scheduler loop (and our poll) runs
         assert not any(n.id in h.cache.ongoing_write_through for n in nodes)
-        assert tree_helpers.host_pages_ready(h.cache, pinned)
+        assert sglang_adapter.host_pages_ready(h.cache, pinned)
         assert len(pinned.host_indices) == 48
         assert all(n.host_ref_counter > 0 for n in nodes)
     finally:
-        tree_helpers.unpin_host_pages(pinned)
+        sglang_adapter.unpin_host_pages(pinned)
     snap = h.snapshot()
     assert snap.total_host_ref == 0 and snap.total_lock_ref == 0
 
@@ -528,16 +528,16 @@ def test_pin_never_evicts_a_host_page_of_its_own_path(harness_factory):
     hog = h.host_pool.alloc(h.host_pool.available_size() - ps)
     assert hog is not None
     with pytest.raises(MigrationError) as info:
-        tree_helpers.pin_host_pages(h.cache, tokens, None, 0, 6 * ps)
+        sglang_adapter.pin_host_pages(h.cache, tokens, None, 0, 6 * ps)
     assert info.value.kind is ErrorKind.UNAVAILABLE
     # The child is still there with its own slots; nothing stays protected.
     m = h.match(tokens)
     assert (len(m.device_indices), m.host_hit_length) == (2 * ps, 4 * ps)
     assert h.snapshot().total_host_ref == 0
     h.host_pool.free(hog)
-    pinned = tree_helpers.pin_host_pages(h.cache, tokens, None, 0, 6 * ps)
+    pinned = sglang_adapter.pin_host_pages(h.cache, tokens, None, 0, 6 * ps)
     try:
         assert len(set(pinned.host_indices.tolist())) == 6 * ps
     finally:
-        tree_helpers.unpin_host_pages(pinned)
+        sglang_adapter.unpin_host_pages(pinned)
     _assert_host_slots_accounted(h)

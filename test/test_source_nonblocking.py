@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import torch
+from sglang_kv_migration.data_path import KVPoll
 from sglang_kv_migration.io_types import (
     AllocateTokenForTransferReqInput,
 )
@@ -72,7 +73,7 @@ def test_transfer_returns_before_host_copies_finish(side_factory) -> None:
         inflight = side.transfers._inflight[0]
         for _ in range(20):  # loop iterations while the copies are still running
             side.poll()
-        assert inflight.awaiting_host_copy() and inflight.handle is None
+        assert inflight.waiting and inflight.job.poll() is KVPoll.WAITING
         assert side.replies == []
     finally:
         controller.write = original_write
@@ -93,10 +94,10 @@ def test_transfer_returns_before_host_copies_finish(side_factory) -> None:
 
 
 def _path(cache, ids):
-    from sglang_kv_migration import tree_helpers
+    from sglang_kv_migration import sglang_adapter
 
-    held = tree_helpers.match_held_prefix(cache, ids, None)
-    return tree_helpers.path_from_root(cache, held.last_node)
+    held = sglang_adapter.match_held_prefix(cache, ids, None)
+    return sglang_adapter.path_from_root(cache, held.last_node)
 
 
 def _host_bytes(host_pool, layout, slots: list[int]) -> torch.Tensor:

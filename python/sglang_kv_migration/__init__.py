@@ -7,5 +7,9 @@ __version__ = "0.1.0"
 
 # Wire-protocol version carried by every cross-server message.
 # History:
-#   1 - host pool -> host pool over Mooncake TE (this release).
-PROTOCOL_VERSION = 1
+#   1 - host pool -> host pool over Mooncake TE.
+#   2 - data paths: session info lists each rank's `paths` (device: CUDA IPC on one host;
+#       host: Mooncake) and a `server_epoch`; allocate takes `path`, `index_format`
+#       ("pages" puts page ids on the wire) and `nothing_ok`; transfer targets carry
+#       `path`, `kv_pages`, `device_kv`. Protocol-1 fields keep their meaning.
+PROTOCOL_VERSION = 2

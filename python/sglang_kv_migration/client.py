@@ -9,9 +9,13 @@
 description (`_migration_steps`), a generator that yields HTTP calls and receives their
 JSON replies, so the sync and asyncio versions cannot drift apart.
 
-A migration: session info on both → fingerprint check → held sizes → allocate on the
-target → transfer from the source → commit on the target. Any failure after allocate
-aborts the allocation on the target before `MigrationFailed` is raised.
+A migration: session info on both (cached per server until its epoch changes) →
+fingerprint check → what the source holds → choose the data path (device when both
+servers share a host and the pages are on the source's GPU, else host) → allocate on the
+target (which reports what it already holds) → transfer from the source → commit on the
+target. Any failure after allocate aborts the allocation on the target before
+`MigrationFailed` is raised; a failed device-path attempt falls back to the host path
+when the caller did not pin a path. Four round trips once session info is cached.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ class MigrationResult:
     migrated_bytes: int
     matched_after_commit: int  # prefix the target can now serve from cache
     timings: dict[str, float] = field(default_factory=dict)
+    path: str = ""  # the data path that moved the pages ("" when nothing moved)
+    fallback_reason: str = ""  # why the device path was not (or not successfully) used
+    copy_seconds: float = 0.0  # time the data path spent moving bytes, on the source
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -86,6 +93,7 @@ class MigrationClient:
     ):
         self._http = http_client or httpx.Client(timeout=timeout)
         self._headers = _auth_headers(api_key)
+        self._sessions = SessionCache()
 
     def migrate(
         self,
@@ -93,8 +101,18 @@ class MigrationClient:
         target_url: str,
         input_ids: list[int],
         extra_key: str | None = None,
+        *,
+        path: str | None = None,
     ) -> MigrationResult:
-        steps = _migration_steps(source_url, target_url, list(input_ids), extra_key)
+        """Move the KV of the longest prefix of `input_ids` the source holds.
+
+        `path`: None/"auto" prefers the device path (same host, pages on the source's
+        GPU) and falls back to the host path, recording why in `fallback_reason`;
+        "device" or "host" uses only that path.
+        """
+        steps = _migration_steps(
+            source_url, target_url, list(input_ids), extra_key, path, self._sessions
+        )
         reply: Any = None
         while True:
             try:
@@ -138,6 +156,7 @@ class AsyncMigrationClient:
     ):
         self._http = http_client or httpx.AsyncClient(timeout=timeout)
         self._headers = _auth_headers(api_key)
+        self._sessions = SessionCache()
 
     async def migrate(
         self,
@@ -145,8 +164,13 @@ class AsyncMigrationClient:
         target_url: str,
         input_ids: list[int],
         extra_key: str | None = None,
+        *,
+        path: str | None = None,
     ) -> MigrationResult:
-        steps = _migration_steps(source_url, target_url, list(input_ids), extra_key)
+        """See `MigrationClient.migrate`."""
+        steps = _migration_steps(
+            source_url, target_url, list(input_ids), extra_key, path, self._sessions
+        )
         reply: Any = None
         while True:
             try:
@@ -182,114 +206,168 @@ class AsyncMigrationClient:
 # --------------------------------------------------------------------------- protocol
 
 _Reply = tuple[int | None, Any]  # (HTTP status or None on a connection error, JSON/text)
+PATHS = ("device", "host")
+
+
+class SessionCache:
+    """Session info per server URL, reused across migrations until the server's epoch
+    changes (a restart); a stale entry is dropped and the migration restarts once."""
+
+    def __init__(self) -> None:
+        self._infos: dict[str, dict[str, Any]] = {}
+
+    def get(self, url: str) -> dict[str, Any] | None:
+        return self._infos.get(url.rstrip("/"))
+
+    def put(self, url: str, info: dict[str, Any]) -> None:
+        self._infos[url.rstrip("/")] = info
+
+    def drop(self, url: str) -> None:
+        self._infos.pop(url.rstrip("/"), None)
+
+
+class _StaleSession(Exception):
+    def __init__(self, url: str):
+        super().__init__(f"{url} restarted since its session info was read")
+        self.url = url
+
+
+@dataclass
+class _Plan:
+    """What one attempt knows before it moves anything."""
+
+    source_url: str
+    target_url: str
+    extra_key: str | None
+    source_info: dict[str, Any]
+    target_info: dict[str, Any]
+    prefix: list[int]  # the page-aligned prefix the source holds
+    timings: dict[str, float]
 
 
 def _migration_steps(
-    source_url: str, target_url: str, input_ids: list[int], extra_key: str | None
+    source_url: str,
+    target_url: str,
+    input_ids: list[int],
+    extra_key: str | None,
+    path: str | None = None,
+    sessions: SessionCache | None = None,
 ) -> Generator[_Call, _Reply, MigrationResult]:
     """The migration protocol as a generator of HTTP calls (see the module docstring)."""
+    if path not in (None, "auto", *PATHS):
+        raise ValueError(f"path must be one of auto, {', '.join(PATHS)}; got {path!r}")
+    sessions = sessions or SessionCache()
+    for attempt in (1, 2):
+        try:
+            return (
+                yield from _attempt(source_url, target_url, input_ids, extra_key, path, sessions)
+            )
+        except _StaleSession as stale:
+            sessions.drop(stale.url)
+            if attempt == 2:
+                raise MigrationFailed("session_info", str(stale)) from None
+    raise AssertionError("unreachable")
+
+
+def _attempt(
+    source_url: str,
+    target_url: str,
+    input_ids: list[int],
+    extra_key: str | None,
+    path: str | None,
+    sessions: SessionCache,
+) -> Generator[_Call, _Reply, MigrationResult]:
     timings: dict[str, float] = {}
     clock = time.perf_counter
 
     t0 = clock()
-    source_info = yield from _step(
-        _Call("session_info", source_url, "/get_transfer_session_info", {})
-    )
-    target_info = yield from _step(
-        _Call("session_info", target_url, "/get_transfer_session_info", {})
-    )
-    source_ranks = _ranks_by_position(source_info)
-    target_ranks = _ranks_by_position(target_info)
-    _check_compatible(source_info, target_info, source_ranks, target_ranks)
+    source_info = yield from _session_info(source_url, sessions)
+    target_info = yield from _session_info(target_url, sessions)
+    _check_compatible(source_info, target_info)
     timings["session_info"] = clock() - t0
 
     t0 = clock()
-    source_held = (
-        yield from _step(
-            _Call(
-                "extra_token_size",
-                source_url,
-                "/get_request_extra_token_size",
-                {"input_ids": input_ids, "extra_key": extra_key},
-            )
+    held = yield from _step(
+        _Call(
+            "extra_token_size",
+            source_url,
+            "/get_request_extra_token_size",
+            {"input_ids": input_ids, "extra_key": extra_key},
         )
-    )["matched_token_size"]
-    prefix = input_ids[:source_held]
-    target_held = 0
-    if source_held:
-        target_held = (
-            yield from _step(
-                _Call(
-                    "extra_token_size",
-                    target_url,
-                    "/get_request_extra_token_size",
-                    {"input_ids": prefix, "extra_key": extra_key},
-                )
-            )
-        )["matched_token_size"]
+    )
+    _check_epoch(source_url, source_info, held)
+    source_held = held["matched_token_size"]
     timings["extra_token_size"] = clock() - t0
+    plan = _Plan(
+        source_url,
+        target_url,
+        extra_key,
+        source_info,
+        target_info,
+        input_ids[:source_held],
+        timings,
+    )
+    if source_held == 0:
+        return _result(plan, "", {"matched_token_size": 0}, None, None, "", "")
 
-    def nothing_to_move() -> MigrationResult:
-        return MigrationResult(
-            source_url=source_url,
-            target_url=target_url,
-            migration_id="",
-            source_held_token_size=source_held,
-            target_matched_token_size=target_held,
-            migrated_token_size=0,
-            migrated_bytes=0,
-            matched_after_commit=target_held,
-            timings=timings,
-        )
+    chosen, reason = _choose_path(path, source_info, target_info, held)
+    try:
+        return (yield from _move(plan, chosen, reason))
+    except MigrationFailed as failure:
+        if (
+            path in (None, "auto")
+            and chosen == "device"
+            and "host" in _common_paths(source_info, target_info)
+        ):
+            reason = f"device path failed at {failure.phase}: {failure.message}"
+            return (yield from _move(plan, "host", reason))
+        raise
 
-    if source_held - target_held <= 0:
-        return nothing_to_move()
 
+def _move(
+    plan: _Plan, path: str, fallback_reason: str
+) -> Generator[_Call, _Reply, MigrationResult]:
+    """Allocate on the target, transfer from the source, commit; abort on any failure."""
+    clock = time.perf_counter
+    timings = plan.timings
     t0 = clock()
     allocation = yield from _step(
         _Call(
             "allocate",
-            target_url,
+            plan.target_url,
             "/allocate_token_for_transfer",
             {
-                "input_ids": prefix,
-                "extra_key": extra_key,
-                "extra_token_size": source_held - target_held,
-                "source_fingerprints": [r["fingerprint"] for r in source_ranks.values()],
+                "input_ids": plan.prefix,
+                "extra_key": plan.extra_key,
+                "source_fingerprints": [r["fingerprint"] for r in plan.source_info["ranks"]],
+                "path": path,
+                "index_format": "pages",
+                "nothing_ok": True,
             },
         )
     )
     migration_id = allocation["migration_id"]
-    timings["allocate"] = clock() - t0
+    timings["allocate"] = timings.get("allocate", 0.0) + clock() - t0
+    if allocation["extra_token_size"] == 0:
+        _check_epoch(plan.target_url, plan.target_info, allocation)
+        return _result(plan, "", allocation, None, None, "", fallback_reason)
 
     # From here on the target holds slots: every failure must abort them.
     try:
+        _check_epoch(plan.target_url, plan.target_info, allocation)
         t0 = clock()
-        kv_indices = {(r["tp_rank"], r["pp_rank"]): r["kv_indices"] for r in allocation["ranks"]}
         transfer = yield from _step(
             _Call(
                 "transfer",
-                source_url,
+                plan.source_url,
                 "/transfer_request_kvcache",
                 {
-                    "input_ids": prefix,
-                    "extra_key": extra_key,
+                    "input_ids": plan.prefix,
+                    "extra_key": plan.extra_key,
                     "matched_token_size": allocation["matched_token_size"],
                     "extra_token_size": allocation["extra_token_size"],
                     "migration_id": migration_id,
-                    "target_per_rank": [
-                        {
-                            "tp": rank["tp_rank"],
-                            "pp": rank["pp_rank"],
-                            "session_id": rank["session_id"],
-                            "host_kv_data_ptrs": rank["host_kv_data_ptrs"],
-                            "host_kv_data_lens": rank["host_kv_data_lens"],
-                            "host_kv_item_lens": rank["host_kv_item_lens"],
-                            "kv_indices": kv_indices[position],
-                            "fingerprint": rank["fingerprint"],
-                        }
-                        for position, rank in target_ranks.items()
-                    ],
+                    "target_per_rank": _targets(plan.target_info, allocation, path),
                 },
             )
         )
@@ -297,29 +375,138 @@ def _migration_steps(
 
         t0 = clock()
         commit = yield from _step(
-            _Call("commit", target_url, "/commit", {"migration_id": migration_id})
+            _Call("commit", plan.target_url, "/commit", {"migration_id": migration_id})
         )
         timings["commit"] = clock() - t0
-    except MigrationFailed as failure:
-        failure.migration_id = migration_id
+    except (MigrationFailed, _StaleSession) as failure:
         status, _ = yield _Call(
-            "abort", target_url, "/abort_transfer", {"migration_id": migration_id}
+            "abort", plan.target_url, "/abort_transfer", {"migration_id": migration_id}
         )
-        failure.rolled_back = status is not None and status < 300
+        if isinstance(failure, MigrationFailed):
+            failure.migration_id = migration_id
+            failure.rolled_back = status is not None and status < 300
         raise
+    return _result(plan, path, allocation, transfer, commit, migration_id, fallback_reason)
 
-    timings["total"] = sum(timings.values())
+
+def _result(
+    plan: _Plan,
+    path: str,
+    allocation: dict[str, Any],
+    transfer: dict[str, Any] | None,
+    commit: dict[str, Any] | None,
+    migration_id: str,
+    fallback_reason: str,
+) -> MigrationResult:
+    timings = plan.timings
+    timings["total"] = sum(v for k, v in timings.items() if k != "total")
+    target_matched = allocation["matched_token_size"]
+    seconds = [r.get("seconds", 0.0) for r in transfer.get("ranks", [])] if transfer else []
     return MigrationResult(
-        source_url=source_url,
-        target_url=target_url,
+        source_url=plan.source_url,
+        target_url=plan.target_url,
         migration_id=migration_id,
-        source_held_token_size=source_held,
-        target_matched_token_size=allocation["matched_token_size"],
-        migrated_token_size=transfer["transferred_token_size"],
-        migrated_bytes=transfer["transferred_bytes"],
-        matched_after_commit=commit["matched_after_commit"],
+        source_held_token_size=len(plan.prefix),
+        target_matched_token_size=target_matched,
+        migrated_token_size=transfer["transferred_token_size"] if transfer else 0,
+        migrated_bytes=transfer["transferred_bytes"] if transfer else 0,
+        matched_after_commit=commit["matched_after_commit"] if commit else target_matched,
         timings=timings,
+        path=path,
+        fallback_reason=fallback_reason,
+        copy_seconds=max(seconds, default=0.0),
     )
+
+
+def _session_info(url: str, sessions: SessionCache) -> Generator[_Call, _Reply, dict[str, Any]]:
+    info = sessions.get(url)
+    if info is None:
+        info = yield from _step(_Call("session_info", url, "/get_transfer_session_info", {}))
+        sessions.put(url, info)
+    return info
+
+
+def _check_epoch(url: str, info: dict[str, Any], reply: dict[str, Any]) -> None:
+    epoch = reply.get("server_epoch", "")
+    if epoch and epoch != info.get("server_epoch", ""):
+        raise _StaleSession(url)
+
+
+def _common_paths(source_info: dict[str, Any], target_info: dict[str, Any]) -> list[str]:
+    """Paths every rank of both servers offers, in the source's order of preference."""
+    ranks = [*source_info["ranks"], *target_info["ranks"]]
+    order = list(source_info["ranks"][0].get("paths", {}) or {"host": {}})
+    return [p for p in order if all(p in (r.get("paths") or {"host": {}}) for r in ranks)]
+
+
+def _choose_path(
+    requested: str | None,
+    source_info: dict[str, Any],
+    target_info: dict[str, Any],
+    held: dict[str, Any],
+) -> tuple[str, str]:
+    """(path, why the preferred device path was not taken: "" if it was)."""
+    common = _common_paths(source_info, target_info)
+    if requested in PATHS:
+        if requested not in common:
+            raise MigrationFailed(
+                "session_info",
+                f"path {requested!r} is not offered by both servers (common: "
+                f"{', '.join(common) or 'none'})",
+            )
+        return requested, ""
+    if "device" in common:
+        reason = _device_refusal(source_info, target_info, held)
+        if not reason:
+            return "device", ""
+    else:
+        reason = "device path not offered by both servers"
+    if "host" not in common:
+        raise MigrationFailed("session_info", f"no common data path: {reason}")
+    return "host", reason
+
+
+def _device_refusal(
+    source_info: dict[str, Any], target_info: dict[str, Any], held: dict[str, Any]
+) -> str:
+    hosts = {r["paths"]["device"]["host_identity"] for r in source_info["ranks"]}
+    hosts |= {r["paths"]["device"]["host_identity"] for r in target_info["ranks"]}
+    if len(hosts) != 1:
+        return "servers are on different hosts"
+    if held.get("device_token_size", 0) < held["matched_token_size"]:
+        return (
+            f"source holds {held['matched_token_size'] - held.get('device_token_size', 0)} "
+            "of the tokens on host only"
+        )
+    return ""
+
+
+def _targets(
+    target_info: dict[str, Any], allocation: dict[str, Any], path: str
+) -> list[dict[str, Any]]:
+    slots = {(r["tp_rank"], r["pp_rank"]): r for r in allocation["ranks"]}
+    entries = []
+    for rank in target_info["ranks"]:
+        position = (rank["tp_rank"], rank["pp_rank"])
+        entry: dict[str, Any] = {
+            "tp": rank["tp_rank"],
+            "pp": rank["pp_rank"],
+            "path": path,
+            "kv_pages": slots[position]["kv_pages"],
+            "fingerprint": rank["fingerprint"],
+        }
+        if path == "device":
+            entry["device_kv"] = rank["paths"]["device"]
+        else:
+            host = rank["paths"]["host"]
+            entry.update(
+                session_id=host["session_id"],
+                host_kv_data_ptrs=host["host_kv_data_ptrs"],
+                host_kv_data_lens=host["host_kv_data_lens"],
+                host_kv_item_lens=host["host_kv_item_lens"],
+            )
+        entries.append(entry)
+    return entries
 
 
 def _step(call: _Call) -> Generator[_Call, _Reply, dict[str, Any]]:
@@ -338,16 +525,7 @@ def _checked(call: _Call, status: int | None, payload: Any) -> dict[str, Any]:
     return payload
 
 
-def _ranks_by_position(info: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
-    return {(r["tp_rank"], r["pp_rank"]): r for r in info["ranks"]}
-
-
-def _check_compatible(
-    source_info: dict[str, Any],
-    target_info: dict[str, Any],
-    source_ranks: dict[tuple[int, int], dict[str, Any]],
-    target_ranks: dict[tuple[int, int], dict[str, Any]],
-) -> None:
+def _check_compatible(source_info: dict[str, Any], target_info: dict[str, Any]) -> None:
     """Refuse before anything is allocated when the two servers cannot exchange pages."""
     for name, info in (("source", source_info), ("target", target_info)):
         if info.get("protocol_version") != PROTOCOL_VERSION:
@@ -356,6 +534,8 @@ def _check_compatible(
                 f"{name} speaks protocol {info.get('protocol_version')}, this client "
                 f"{PROTOCOL_VERSION}",
             )
+    source_ranks = {(r["tp_rank"], r["pp_rank"]): r for r in source_info["ranks"]}
+    target_ranks = {(r["tp_rank"], r["pp_rank"]): r for r in target_info["ranks"]}
     if set(source_ranks) != set(target_ranks):
         raise MigrationFailed(
             "session_info",

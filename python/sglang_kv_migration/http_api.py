@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import Callable, Coroutine
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -64,20 +64,37 @@ class AllocateBody(_Body):
     extra_key: str | None = None
     extra_token_size: NonNegative = 0
     source_fingerprints: list[dict[str, Any]] = Field(min_length=1)
+    path: Literal["host", "device"] = "host"
+    index_format: Literal["tokens", "pages"] = "tokens"
+    nothing_ok: bool = False
 
 
 class TargetRankBody(_Body):
     tp: NonNegative
     pp: NonNegative
-    session_id: str = Field(min_length=3, pattern=r"^.+:\d+$")
-    host_kv_data_ptrs: list[Address] = Field(min_length=1)
-    host_kv_data_lens: list[Address] = Field(min_length=1)
-    host_kv_item_lens: list[Annotated[int, Field(gt=0)]] = Field(min_length=1)
-    kv_indices: list[NonNegative] = Field(min_length=1)
+    path: Literal["host", "device"] = "host"
+    # Host path: the target rank's transfer session and host buffers.
+    session_id: str = Field(default="", pattern=r"^(.+:\d+)?$")
+    host_kv_data_ptrs: list[Address] = Field(default_factory=list)
+    host_kv_data_lens: list[Address] = Field(default_factory=list)
+    host_kv_item_lens: list[Annotated[int, Field(gt=0)]] = Field(default_factory=list)
+    # Device path: the target rank's `paths["device"]` from its session info.
+    device_kv: dict[str, Any] | None = None
+    # The allocated slots: token slots, or whole pages (protocol 2).
+    kv_indices: list[NonNegative] = Field(default_factory=list)
+    kv_pages: list[NonNegative] = Field(default_factory=list)
     fingerprint: dict[str, Any]
 
     @model_validator(mode="after")
-    def _same_buffer_count(self) -> TargetRankBody:
+    def _consistent(self) -> TargetRankBody:
+        if bool(self.kv_indices) == bool(self.kv_pages):
+            raise ValueError("give exactly one of kv_indices and kv_pages")
+        if self.path == "device":
+            if not self.device_kv:
+                raise ValueError("device_kv is required for path 'device'")
+            return self
+        if not self.session_id or not self.host_kv_data_ptrs:
+            raise ValueError("session_id and host_kv_data_ptrs are required for path 'host'")
         counts = {
             len(self.host_kv_data_ptrs),
             len(self.host_kv_data_lens),
@@ -108,11 +125,18 @@ class TransferBody(_Body):
                 f"{len(self.input_ids)}"
             )
         for target in self.target_per_rank:
-            if len(target.kv_indices) != self.extra_token_size:
+            if target.kv_indices and len(target.kv_indices) != self.extra_token_size:
                 raise ValueError(
                     f"target tp={target.tp} pp={target.pp}: {len(target.kv_indices)} "
                     f"kv_indices for extra_token_size={self.extra_token_size}"
                 )
+            if target.kv_pages and self.extra_token_size % len(target.kv_pages):
+                raise ValueError(
+                    f"target tp={target.tp} pp={target.pp}: {len(target.kv_pages)} kv_pages "
+                    f"do not divide extra_token_size={self.extra_token_size} into pages"
+                )
+        if len({t.path for t in self.target_per_rank}) != 1:
+            raise ValueError("every target rank must use the same path")
         ranks = [(t.tp, t.pp) for t in self.target_per_rank]
         if len(set(ranks)) != len(ranks):
             raise ValueError("target_per_rank lists a (tp, pp) rank twice")
@@ -155,7 +179,7 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     @router.post("/allocate_token_for_transfer")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def allocate_token_for_transfer(body: AllocateBody) -> JSONResponse:
-        """Target: lock the held prefix, allocate host slots for the rest."""
+        """Target: lock the held prefix, reserve slots (host or device path) for the rest."""
         migration_id = uuid.uuid4().hex  # minted here once; every rank uses it
         return await dispatch(
             AllocateTokenForTransferReqInput(**body.model_dump(), migration_id=migration_id)
@@ -165,7 +189,7 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     @router.post("/transfer_request_kvcache")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def transfer_request_kvcache(body: TransferBody) -> JSONResponse:
-        """Source: write the pages into the target ranks' host buffers."""
+        """Source: copy the pages into the target ranks' reserved slots."""
         fields = body.model_dump(exclude={"target_per_rank"})
         targets = [TransferRequestKVCacheTarget(**t.model_dump()) for t in body.target_per_rank]
         return await dispatch(TransferRequestKVCacheReqInput(**fields, target_per_rank=targets))

@@ -26,16 +26,20 @@ from sglang.srt.managers.io_struct import BaseReq
 
 @dataclass
 class RankSessionInfo:
-    """One rank's transfer endpoint and host-pool layout."""
+    """One rank's endpoints: the host path's fields at top level (protocol 1), and every
+    data path's advertisement under `paths`, in this server's order of preference."""
 
     tp_rank: int
     pp_rank: int
-    session_id: str  # "<ip>:<rpc_port>" of this rank's transfer engine
+    session_id: str  # "<ip>:<rpc_port>" of this rank's transfer engine ("" without host path)
     host_kv_data_ptrs: list[int]
     host_kv_data_lens: list[int]
     host_kv_item_lens: list[int]
     page_size: int
     fingerprint: dict  # layout.LayoutFingerprint.to_dict()
+    # Protocol 2: path name -> DataPath.advertise(); e.g. {"device": {...}, "host": {...}}.
+    paths: dict = field(default_factory=dict)
+    server_epoch: str = ""  # changes when the server restarts: cached session info is stale
 
 
 @dataclass
@@ -48,6 +52,7 @@ class GetTransferSessionInfoReqOutput(BaseReq):
     success: bool
     ranks: list[RankSessionInfo] = field(default_factory=list)
     protocol_version: int = 0
+    server_epoch: str = ""
     message: str = ""
     error_kind: str = ""
 
@@ -67,6 +72,8 @@ class GetRequestExtraTokenSizeReqOutput(BaseReq):
     matched_token_size: int = 0  # page-aligned prefix this server holds (device or host)
     extra_token_size: int = 0  # page-aligned tokens of input_ids it does not hold
     total_token_size: int = 0  # page-aligned length of input_ids
+    device_token_size: int = 0  # the part of matched_token_size held on device
+    server_epoch: str = ""
     message: str = ""
     error_kind: str = ""
 
@@ -84,13 +91,17 @@ class AllocateTokenForTransferReqInput(BaseReq):
     migration_id: str = ""  # minted once by the HTTP layer, shared by every rank
     # The source's fingerprints, one per rank; each target rank checks its counterpart.
     source_fingerprints: list[dict] = field(default_factory=list)
+    path: str = "host"  # data path whose slots to reserve (protocol 2)
+    index_format: str = "tokens"  # "tokens": kv_indices in the reply; "pages": kv_pages
+    nothing_ok: bool = False  # target holds everything: success with nothing allocated
 
 
 @dataclass
 class AllocatedRank:
     tp_rank: int
     pp_rank: int
-    kv_indices: list[int]  # host token slots on this rank, in prefix order
+    kv_indices: list[int]  # token slots on this rank, in prefix order ("tokens" format)
+    kv_pages: list[int] = field(default_factory=list)  # page ids instead ("pages" format)
 
 
 @dataclass
@@ -100,6 +111,9 @@ class AllocateTokenForTransferReqOutput(BaseReq):
     matched_token_size: int = 0  # the target prefix that was locked and kept
     extra_token_size: int = 0  # tokens allocated after it
     ranks: list[AllocatedRank] = field(default_factory=list)
+    path: str = ""
+    page_size: int = 0
+    server_epoch: str = ""
     message: str = ""
     error_kind: str = ""
 
@@ -113,12 +127,15 @@ class TransferRequestKVCacheTarget:
 
     tp: int
     pp: int
-    session_id: str
-    host_kv_data_ptrs: list[int]
-    host_kv_data_lens: list[int]
-    host_kv_item_lens: list[int]
-    kv_indices: list[int]
-    fingerprint: dict
+    session_id: str = ""  # host path
+    host_kv_data_ptrs: list[int] = field(default_factory=list)  # host path
+    host_kv_data_lens: list[int] = field(default_factory=list)  # host path
+    host_kv_item_lens: list[int] = field(default_factory=list)  # host path
+    kv_indices: list[int] = field(default_factory=list)  # token slots, or kv_pages
+    fingerprint: dict = field(default_factory=dict)
+    path: str = "host"  # protocol 2
+    kv_pages: list[int] = field(default_factory=list)  # page ids instead of kv_indices
+    device_kv: dict | None = None  # device path: the target rank's paths["device"]
 
 
 @dataclass
@@ -147,6 +164,8 @@ class TransferRequestKVCacheReqOutput(BaseReq):
     transferred_token_size: int = 0
     transferred_bytes: int = 0  # summed over ranks
     ranks: list[RankTransferResult] = field(default_factory=list)
+    path: str = ""
+    server_epoch: str = ""
     message: str = ""
     error_kind: str = ""
 

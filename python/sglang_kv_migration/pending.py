@@ -10,8 +10,8 @@ Every exit frees exactly what `allocate` took: the host slots and the lock on th
 matched prefix. Finished ids are remembered (bounded) so a late or repeated call gets a
 precise answer: a second commit is harmless, a commit after expiry is "gone".
 
-Slots are host slots in v1. `SlotKind` exists so a same-host GPU->GPU path can allocate
-device slots under the same state machine.
+Slots belong to a data path (`data_path.DataPath`): host-pool slots for the host path,
+device KV slots for the device path; the state machine is the same for both.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from sglang_kv_migration import tree_helpers
+from sglang_kv_migration import sglang_adapter
+from sglang_kv_migration.data_path import DataPath
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 
 if TYPE_CHECKING:
@@ -37,11 +38,6 @@ logger = logging.getLogger(__name__)
 
 # How many finished migration ids are remembered for precise late answers.
 FINISHED_HISTORY = 4096
-
-
-class SlotKind(StrEnum):
-    HOST = "host"
-    DEVICE = "device"  # reserved for the same-host GPU->GPU path
 
 
 class MigrationState(StrEnum):
@@ -60,8 +56,8 @@ class PendingMigration:
     key: RadixKey  # page-aligned key of the whole prefix
     matched_length: int  # tokens the target already held, locked until the end
     anchor: TreeNode  # node ending at matched_length, lock_ref held
-    root: TreeNode  # the cache's root at allocation: a reset replaces it
-    slot_kind: SlotKind
+    root: object  # sglang_adapter.cache_generation() at allocation: a reset changes it
+    path: DataPath  # owns the slots: reserve / release / insert
     slots: torch.Tensor  # int64 slots for tokens [matched_length, len(key))
     created_at: float  # on the registry's clock (time.monotonic by default)
     deadline: float  # after which the watchdog frees it
@@ -102,6 +98,7 @@ class PendingMigrations:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         lock: threading.RLock | None = None,
+        default_path: DataPath | None = None,
     ):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -109,6 +106,7 @@ class PendingMigrations:
         self.timeout_s = timeout_s
         self.clock = clock
         self.lock = lock or threading.RLock()
+        self._default_path = default_path
         self._pending: dict[str, PendingMigration] = {}
         self._finished: OrderedDict[str, _Finished] = OrderedDict()
 
@@ -116,6 +114,11 @@ class PendingMigrations:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def device_tokens_held(self) -> int:
+        """Device slots reserved by pending migrations (outside the tree and the free list)."""
+        with self.lock:
+            return sum(len(p.slots) for p in self._pending.values() if p.path.holds_device_slots)
 
     def get(self, migration_id: str) -> PendingMigration | None:
         return self._pending.get(migration_id)
@@ -126,31 +129,34 @@ class PendingMigrations:
         input_ids: list[int],
         extra_key: str | None,
         expected_extra: int = 0,
-        slot_kind: SlotKind = SlotKind.HOST,
+        *,
+        path: DataPath | None = None,
+        nothing_ok: bool = False,
     ) -> Allocation:
-        """Lock the prefix this server holds and allocate slots for the rest.
+        """Lock the prefix this server holds (for `path`) and reserve slots for the rest.
 
         `expected_extra` > 0 must equal the number of tokens to allocate (else the
-        target's cache changed since it was measured: CONFLICT).
+        target's cache changed since it was measured: CONFLICT). When the target already
+        holds everything, `nothing_ok` returns an empty allocation (no id registered)
+        instead of CONFLICT. Without `path`, host slots are reserved.
         """
-        if slot_kind is not SlotKind.HOST:
-            raise MigrationError(
-                ErrorKind.BAD_REQUEST, f"slot kind {slot_kind.value} is not supported yet"
-            )
+        path = path or self._host_path()
         with self.lock:
             if migration_id in self._pending or migration_id in self._finished:
                 raise MigrationError(
                     ErrorKind.CONFLICT, f"migration id {migration_id!r} was already used"
                 )
-            key = tree_helpers.make_key(self.cache, input_ids, extra_key)
+            key = sglang_adapter.make_key(self.cache, input_ids, extra_key)
             if len(key) == 0:
                 raise MigrationError(
                     ErrorKind.BAD_REQUEST,
                     f"{len(input_ids)} input_ids are less than one page "
                     f"(page_size={self.cache.page_size}): only whole pages migrate",
                 )
-            held = tree_helpers.match_held_prefix(self.cache, input_ids, extra_key)
+            held = path.held_prefix(input_ids, extra_key)
             extra = len(key) - held.length
+            if extra <= 0 and nothing_ok:
+                return Allocation(migration_id, held.length, 0, [])
             if extra <= 0:
                 raise MigrationError(
                     ErrorKind.CONFLICT,
@@ -166,7 +172,7 @@ class PendingMigrations:
             # may evict host nodes to make room.
             self.cache.inc_lock_ref(held.last_node)
             try:
-                slots = self._alloc_host_slots(extra)
+                slots = path.reserve(extra)
             except BaseException:
                 self.cache.dec_lock_ref(held.last_node)
                 raise
@@ -176,8 +182,8 @@ class PendingMigrations:
                 key=key,
                 matched_length=held.length,
                 anchor=held.last_node,
-                root=self.cache.root_node,
-                slot_kind=slot_kind,
+                root=sglang_adapter.cache_generation(self.cache),
+                path=path,
                 slots=slots,
                 created_at=now,
                 deadline=now + self.timeout_s,
@@ -200,27 +206,16 @@ class PendingMigrations:
                 finished = self._check_finished(migration_id, "commit")
                 return finished.matched_after_commit
             self._forget_if_flushed(pending)
-            # IMPORTANT: SGLang assumes every ancestor of a host-only node has a host copy
-            # (device eviction of a node without one asserts it is a leaf). The matched
-            # prefix, or device pages a concurrent insert added below it, may be
-            # device-only (write_through_selective, write_back, a full host pool): back
-            # them up before hanging host-only nodes below them. On failure the
-            # migration stays pending (abort or the watchdog frees it).
-            held = tree_helpers.match_held_prefix(
-                self.cache, pending.key.token_ids, pending.key.extra_key
-            )
-            tree_helpers.write_back_path(
-                self.cache, tree_helpers.path_from_root(self.cache, held.last_node)
-            )
-            already_present = tree_helpers.insert_host_pages(
-                self.cache, pending.anchor, pending.key, pending.matched_length, pending.slots
+            # On failure the migration stays pending (abort or the watchdog frees it).
+            already_present = pending.path.insert(
+                pending.anchor, pending.key, pending.matched_length, pending.slots
             )
             if already_present:
                 # A concurrent insert covered part of the range first: its nodes stay,
                 # our copies of those tokens are surplus.
-                self._free_slots(pending.slots[:already_present])
+                pending.path.release(pending.slots[:already_present])
             self.cache.dec_lock_ref(pending.anchor)
-            matched_after = tree_helpers.match_held_prefix(
+            matched_after = sglang_adapter.match_held_prefix(
                 self.cache, pending.key.token_ids, pending.key.extra_key
             ).length
             self._finish(pending, MigrationState.COMMITTED, matched_after)
@@ -253,7 +248,7 @@ class PendingMigrations:
             expired = [self._pending[i] for i in ids if i in self._pending]
             now = self.clock()
             for pending in expired:
-                if pending.root is not self.cache.root_node:
+                if pending.root is not sglang_adapter.cache_generation(self.cache):
                     self._finish(pending, MigrationState.FLUSHED)
                     continue
                 logger.warning(
@@ -270,7 +265,7 @@ class PendingMigrations:
         with self.lock:
             dropped = list(self._pending.values())
             for pending in dropped:
-                if pending.root is self.cache.root_node:
+                if pending.root is sglang_adapter.cache_generation(self.cache):
                     self._release(pending, state)
                 else:
                     self._finish(pending, MigrationState.FLUSHED)
@@ -278,26 +273,15 @@ class PendingMigrations:
 
     # ------------------------------------------------------------------ helpers
 
-    def _alloc_host_slots(self, num_tokens: int) -> torch.Tensor:
-        host_pool = self.cache.cache_controller.mem_pool_host
-        slots = host_pool.alloc(num_tokens)
-        if slots is None:
-            self.cache.evict_host(num_tokens)
-            slots = host_pool.alloc(num_tokens)
-        if slots is None:
-            raise MigrationError(
-                ErrorKind.UNAVAILABLE,
-                f"host pool is full: {num_tokens} token slots needed, "
-                f"{host_pool.available_size()} free after evicting unlocked host pages",
-            )
-        return slots
+    def _host_path(self) -> DataPath:
+        if self._default_path is None:
+            from sglang_kv_migration.host_path import HostPath
 
-    def _free_slots(self, slots: torch.Tensor) -> None:
-        if len(slots):
-            self.cache.cache_controller.mem_pool_host.free(slots)
+            self._default_path = HostPath(self.cache)  # target role only
+        return self._default_path
 
     def _release(self, pending: PendingMigration, state: MigrationState) -> None:
-        self._free_slots(pending.slots)
+        pending.path.release(pending.slots)
         self.cache.dec_lock_ref(pending.anchor)
         self._finish(pending, state)
 
@@ -313,7 +297,7 @@ class PendingMigrations:
     def _forget_if_flushed(self, pending: PendingMigration) -> None:
         """A reset replaced the tree and cleared the host pool: there is nothing left to
         free or unlock, only the entry to forget."""
-        if pending.root is not self.cache.root_node:
+        if pending.root is not sglang_adapter.cache_generation(self.cache):
             self._finish(pending, MigrationState.FLUSHED)
             self._check_finished(pending.migration_id, "commit")
 

@@ -9,7 +9,9 @@ Hooks (targets are named in `upstream.py`):
 - AFTER `Scheduler.init_request_dispatcher`: add the six handlers on every rank;
 - AFTER `Scheduler.process_input_requests`: finish transfers, run the watchdog;
 - AROUND `Scheduler.flush_cache`: drop pending allocations before the tree is reset, and
-  refuse the flush while a transfer still reads pinned host pages;
+  refuse the flush while a transfer still reads pinned pages;
+- AROUND `Scheduler._session_held_tokens`: count device slots of pending migrations, so
+  SGLang's idle memory-leak check holds;
 - AFTER `TokenizerControlMixin.init_communicators`: one communicator per operation;
 - BEFORE `http_server.launch_server`: add the HTTP routes to SGLang's FastAPI app.
 """
@@ -44,6 +46,11 @@ def register() -> None:
         ),
         (upstream.SCHEDULER_FLUSH_CACHE, scheduler_hooks.around_flush_cache, HookType.AROUND),
         (
+            upstream.SCHEDULER_SESSION_HELD_TOKENS,
+            scheduler_hooks.around_session_held_tokens,
+            HookType.AROUND,
+        ),
+        (
             upstream.TOKENIZER_INIT_COMMUNICATORS,
             communicators.after_init_communicators,
             HookType.AFTER,
@@ -68,6 +75,7 @@ def missing_hooks() -> list[str]:
         upstream.SCHEDULER_INIT_DISPATCHER: scheduler_hooks.after_init_request_dispatcher,
         upstream.SCHEDULER_PROCESS_INPUT: scheduler_hooks.after_process_input_requests,
         upstream.SCHEDULER_FLUSH_CACHE: scheduler_hooks.around_flush_cache,
+        upstream.SCHEDULER_SESSION_HELD_TOKENS: scheduler_hooks.around_session_held_tokens,
         upstream.TOKENIZER_INIT_COMMUNICATORS: communicators.after_init_communicators,
         upstream.HTTP_LAUNCH_SERVER: http_api.before_launch_server,
     }

@@ -20,30 +20,29 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
     scheduler.kv_migration = None
     if not kv_migration_enabled(scheduler.server_args):
         return
-    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-    from sglang.utils import TypeBasedDispatcher
-
+    from sglang_kv_migration import sglang_adapter
+    from sglang_kv_migration.data_path import parse_path_names
     from sglang_kv_migration.rank_context import RankContext
     from sglang_kv_migration.scheduler_side import MigrationSchedulerSide, advertised_hostname
     from sglang_kv_migration.transfer import TransportConfig
 
-    args = scheduler.server_args
-    cache = scheduler.tree_cache
-    if type(cache) is not HiRadixCache:
+    view = sglang_adapter.SchedulerView.of(scheduler)
+    args = view.server_args
+    if not sglang_adapter.is_hiradix_cache(view.tree_cache):
         raise RuntimeError(
             "--enable-kv-migration needs SGLang's HiRadixCache as the tree cache, got "
-            f"{type(cache).__name__}; other hierarchical caches are not supported yet"
+            f"{type(view.tree_cache).__name__}; other hierarchical caches are not supported yet"
         )
     ctx = RankContext(
-        tree_cache=cache,
-        tp_rank=scheduler.tp_rank,
-        tp_size=scheduler.tp_size,
-        pp_rank=scheduler.pp_rank,
-        pp_size=scheduler.pp_size,
+        tree_cache=view.tree_cache,
+        tp_rank=view.tp_rank,
+        tp_size=view.tp_size,
+        pp_rank=view.pp_rank,
+        pp_size=view.pp_size,
         # PP stages run their own loops; only TP ranks share one reply in v1.
-        cpu_group=scheduler.tp_cpu_group,
+        cpu_group=view.tp_cpu_group,
         model=args.served_model_name,
-        send_output=scheduler.send_to_tokenizer.send_output,
+        send_output=view.send_output,
     )
     transport_config = TransportConfig(
         hostname=advertised_hostname(args.kv_migration_hostname, args.host),
@@ -61,9 +60,11 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         watchdog_timeout_s=args.kv_migration_watchdog_timeout,
         transport_config=transport_config,
         metrics=metrics,
+        path_names=parse_path_names(args.kv_migration_paths),
+        enable_memory_saver=args.enable_memory_saver,
     )
     scheduler.kv_migration = side
-    scheduler._request_dispatcher += TypeBasedDispatcher(side.handlers())
+    sglang_adapter.add_request_handlers(scheduler, side.handlers())
 
 
 def after_process_input_requests(_result: None, scheduler: Any, *_args: Any) -> None:
@@ -71,6 +72,14 @@ def after_process_input_requests(_result: None, scheduler: Any, *_args: Any) -> 
     side = scheduler.kv_migration
     if side is not None:
         side.poll()
+
+
+def around_session_held_tokens(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> int:
+    """Count device slots reserved by pending migrations as held outside the tree, so
+    SGLang's memory-leak checks (strict when idle) keep their invariant."""
+    held = original(scheduler, *args, **kwargs)
+    side = scheduler.kv_migration
+    return held + side.device_tokens_held() if side is not None else held
 
 
 def around_flush_cache(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> bool:

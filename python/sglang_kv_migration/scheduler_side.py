@@ -21,10 +21,13 @@ from __future__ import annotations
 import logging
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
-from sglang_kv_migration import PROTOCOL_VERSION, tree_helpers
+from sglang_kv_migration import PROTOCOL_VERSION, sglang_adapter
+from sglang_kv_migration.data_path import DEVICE, HOST, DataPath
+from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.io_types import (
     AbortTransferReqInput,
     AbortTransferReqOutput,
@@ -44,7 +47,7 @@ from sglang_kv_migration.layout import HostPoolLayout, LayoutFingerprint
 from sglang_kv_migration.metrics import MigrationMetrics, NullMetrics
 from sglang_kv_migration.pending import MigrationState, PendingMigrations
 from sglang_kv_migration.rank_context import RankContext, check_peer_fingerprint, guarded
-from sglang_kv_migration.source_transfers import SourceTransfers, regions_of
+from sglang_kv_migration.source_transfers import SourceTransfers
 from sglang_kv_migration.transfer import KVTransport, TransportConfig, open_transport
 
 logger = logging.getLogger(__name__)
@@ -64,11 +67,13 @@ class MigrationSchedulerSide:
         transport_config: TransportConfig,
         transport: KVTransport | None = None,
         metrics: MigrationMetrics | None = None,
+        path_names: tuple[str, ...] = (HOST,),
+        enable_memory_saver: bool = False,
     ):
         self.ctx = ctx
         self.metrics = metrics or NullMetrics()
         cache = ctx.tree_cache
-        self.host_pool = cache.cache_controller.mem_pool_host
+        self.host_pool = sglang_adapter.host_pool(cache)
         self.layout = HostPoolLayout.from_host_pool(self.host_pool)
         self.fingerprint = LayoutFingerprint.from_host_pool(
             self.host_pool,
@@ -80,22 +85,25 @@ class MigrationSchedulerSide:
         )
         self.pending = PendingMigrations(cache, watchdog_timeout_s)
         self.bytes_per_token = sum(self.layout.item_lens)  # on this rank
-        # Registered once: peers write into these buffers for the server's lifetime.
-        self.transport = transport or open_transport(transport_config)
-        self.transport.register(regions_of(self.layout))
+        # A restarted server gets a new epoch: clients drop their cached session info.
+        self.server_epoch = ctx.all_gather(uuid.uuid4().hex)[0]
+        self.paths = self._open_paths(path_names, transport_config, transport, enable_memory_saver)
         self.transfers = SourceTransfers(
-            ctx, self.layout, self.fingerprint, self.transport, self.metrics
+            ctx, self.fingerprint, self.paths, self.metrics, self.server_epoch
         )
         self._iteration = 0
         logger.info(
-            "KV migration ready on tp_rank=%d pp_rank=%d: session %s, %d host buffers, "
-            "page_size=%d",
+            "KV migration ready on tp_rank=%d pp_rank=%d: paths %s, page_size=%d",
             ctx.tp_rank,
             ctx.pp_rank,
-            self.transport.session_id,
-            len(self.layout.buffers),
+            ", ".join(self.paths) or "none",
             self.layout.page_size,
         )
+
+    @property
+    def transport(self) -> KVTransport:
+        """The host path's transport (tests and the flush hook use it)."""
+        return self.paths[HOST].transport
 
     # ------------------------------------------------------------------ wiring
 
@@ -140,26 +148,37 @@ class MigrationSchedulerSide:
     def close(self) -> None:
         self.pending.abort_all()
         self.transfers.close()
-        self.transport.close()
+        for path in self.paths.values():
+            path.close()
+
+    def device_tokens_held(self) -> int:
+        """Device slots pending migrations hold (SGLang's leak check counts them)."""
+        return self.pending.device_tokens_held()
 
     # ------------------------------------------------------------------ handlers
 
     def get_transfer_session_info(
         self, req: GetTransferSessionInfoReqInput
     ) -> GetTransferSessionInfoReqOutput:
+        host = self.paths[HOST].advertise() if HOST in self.paths else {}
         local = RankSessionInfo(
             tp_rank=self.ctx.tp_rank,
             pp_rank=self.ctx.pp_rank,
-            session_id=self.transport.session_id,
-            host_kv_data_ptrs=self.layout.data_ptrs,
-            host_kv_data_lens=self.layout.data_lens,
-            host_kv_item_lens=self.layout.item_lens,
+            session_id=host.get("session_id", ""),
+            host_kv_data_ptrs=host.get("host_kv_data_ptrs", []),
+            host_kv_data_lens=host.get("host_kv_data_lens", []),
+            host_kv_item_lens=host.get("host_kv_item_lens", []),
             page_size=self.layout.page_size,
             fingerprint=self.fingerprint.to_dict(),
+            paths={name: path.advertise() for name, path in self.paths.items()},
+            server_epoch=self.server_epoch,
         )
         ranks = self.ctx.all_gather(local)
         return GetTransferSessionInfoReqOutput(
-            success=True, ranks=ranks, protocol_version=PROTOCOL_VERSION
+            success=True,
+            ranks=ranks,
+            protocol_version=PROTOCOL_VERSION,
+            server_epoch=self.server_epoch,
         )
 
     def get_request_extra_token_size(
@@ -167,13 +186,15 @@ class MigrationSchedulerSide:
     ) -> GetRequestExtraTokenSizeReqOutput:
         def run() -> GetRequestExtraTokenSizeReqOutput:
             cache = self.ctx.tree_cache
-            total = len(tree_helpers.make_key(cache, req.input_ids, req.extra_key))
-            held = tree_helpers.match_held_prefix(cache, req.input_ids, req.extra_key)
+            total = len(sglang_adapter.make_key(cache, req.input_ids, req.extra_key))
+            held = sglang_adapter.match_held_prefix(cache, req.input_ids, req.extra_key)
             return GetRequestExtraTokenSizeReqOutput(
                 success=True,
                 matched_token_size=held.length,
                 extra_token_size=total - held.length,
                 total_token_size=total,
+                device_token_size=held.device_length,
+                server_epoch=self.server_epoch,
             )
 
         # The tree is identical on every TP rank: no exchange needed.
@@ -184,15 +205,29 @@ class MigrationSchedulerSide:
     ) -> AllocateTokenForTransferReqOutput:
         def run_local() -> AllocateTokenForTransferReqOutput:
             check_peer_fingerprint(self.fingerprint, req.source_fingerprints, role="source")
+            path = self._path(req.path)
             alloc = self.pending.allocate(
-                req.migration_id, req.input_ids, req.extra_key, req.extra_token_size
+                req.migration_id,
+                req.input_ids,
+                req.extra_key,
+                req.extra_token_size,
+                path=path,
+                nothing_ok=req.nothing_ok,
             )
+            rank = AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)
+            if req.index_format == "pages":
+                rank.kv_pages = alloc.kv_indices[:: self.layout.page_size]
+                rank.kv_pages = [slot // self.layout.page_size for slot in rank.kv_pages]
+                rank.kv_indices = []
             return AllocateTokenForTransferReqOutput(
                 success=True,
-                migration_id=alloc.migration_id,
+                migration_id=alloc.migration_id if alloc.extra_length else "",
                 matched_token_size=alloc.matched_length,
                 extra_token_size=alloc.extra_length,
-                ranks=[AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)],
+                ranks=[rank],
+                path=path.name,
+                page_size=self.layout.page_size,
+                server_epoch=self.server_epoch,
             )
 
         started = time.monotonic()
@@ -215,10 +250,13 @@ class MigrationSchedulerSide:
         self.metrics.phase("allocate", time.monotonic() - started)
         return AllocateTokenForTransferReqOutput(
             success=True,
-            migration_id=req.migration_id,
+            migration_id=outputs[0].migration_id,
             matched_token_size=outputs[0].matched_token_size,
             extra_token_size=outputs[0].extra_token_size,
             ranks=[rank for o in outputs for rank in o.ranks],
+            path=outputs[0].path,
+            page_size=outputs[0].page_size,
+            server_epoch=self.server_epoch,
         )
 
     def transfer_request_kvcache(self, req: TransferRequestKVCacheReqInput) -> None:
@@ -282,6 +320,56 @@ class MigrationSchedulerSide:
         return local
 
     # ------------------------------------------------------------------ helpers
+
+    def _path(self, name: str) -> DataPath:
+        path = self.paths.get(name)
+        if path is None:
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"data path {name!r} is not available on this server (available: "
+                f"{', '.join(self.paths) or 'none'})",
+            )
+        return path
+
+    def _open_paths(
+        self,
+        names: tuple[str, ...],
+        transport_config: TransportConfig,
+        transport: KVTransport | None,
+        enable_memory_saver: bool,
+    ) -> dict[str, DataPath]:
+        """The data paths this rank serves, in preference order. A path that cannot run
+        here is left out (logged once, on the first rank); every rank leaves out the same
+        ones, since they agree through a gather."""
+        from sglang_kv_migration.host_path import HostPath
+
+        reasons: dict[str, str] = {}
+        if DEVICE in names:
+            from sglang_kv_migration.device_path import device_path_unavailable_reason
+
+            reason = device_path_unavailable_reason(self.ctx.tree_cache, enable_memory_saver)
+            if reason is not None:
+                reasons[DEVICE] = reason
+        # Offered only if every rank can: the client treats a server as one peer.
+        all_reasons = self.ctx.all_gather(reasons)
+        skipped = {name: r for rank_reasons in all_reasons for name, r in rank_reasons.items()}
+        paths: dict[str, DataPath] = {}
+        for name in names:
+            if name in skipped:
+                if self.ctx.tp_rank == 0:
+                    logger.warning("KV migration %s path off: %s", name, skipped[name])
+                continue
+            if name == HOST:
+                paths[HOST] = HostPath(
+                    self.ctx.tree_cache,
+                    self.layout,
+                    transport or open_transport(transport_config),
+                )
+            elif name == DEVICE:
+                from sglang_kv_migration.device_path import DevicePath
+
+                paths[DEVICE] = DevicePath(self.ctx.tree_cache)
+        return paths
 
     def _run_watchdog(self) -> None:
         # The deadline is judged on each rank's clock, then unioned so that every rank

@@ -16,6 +16,8 @@ from typing import Literal
 
 from sglang.srt import server_args as _upstream
 
+from sglang_kv_migration.data_path import parse_path_names
+
 # IMPORTANT: never keep a module-level alias of the upstream class here. The hook registry
 # rebinds every module attribute that holds the replaced class to the replacement, so an
 # alias would point back at KVMigrationServerArgs and recurse; reach the parent via super().
@@ -24,6 +26,7 @@ TransportProtocol = Literal["tcp", "rdma"]
 
 DEFAULT_WATCHDOG_TIMEOUT_S = 60.0
 DEFAULT_MAX_BATCH_ENTRIES = 1024
+DEFAULT_PATHS = "device,host"
 
 
 class KVMigrationArgsError(ValueError):
@@ -39,6 +42,7 @@ class KVMigrationServerArgs(_upstream.ServerArgs):
     kv_migration_protocol: TransportProtocol = "tcp"
     kv_migration_rdma_devices: str = ""
     kv_migration_max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES
+    kv_migration_paths: str = DEFAULT_PATHS
 
     def __post_init__(self):
         # IMPORTANT: check our flags before SGLang's own post-init, which reads the model
@@ -104,6 +108,15 @@ def add_kv_migration_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Most write entries submitted to one peer in one batch (Mooncake's TCP "
         "transport queues at most 1024 per peer by default).",
     )
+    group.add_argument(
+        "--kv-migration-paths",
+        type=str,
+        default=DEFAULT_PATHS,
+        help="Data paths this server offers, in order of preference: 'device' (GPU to GPU "
+        "through CUDA IPC, servers on one host) and 'host' (host pool to host pool through "
+        "Mooncake). A path that cannot run here (no CUDA, --enable-memory-saver) is left "
+        "out with a warning at start-up.",
+    )
 
 
 def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
@@ -132,6 +145,10 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
                 f"--enable-kv-migration does not support {flag} > 1 yet (got {size}); "
                 "use tensor parallelism only."
             )
+    try:
+        parse_path_names(args.kv_migration_paths)
+    except ValueError as e:
+        raise KVMigrationArgsError(f"--kv-migration-paths: {e}.") from None
     if args.kv_migration_protocol not in ("tcp", "rdma"):
         raise KVMigrationArgsError(
             f"--kv-migration-protocol must be tcp or rdma, got {args.kv_migration_protocol!r}."

@@ -1,9 +1,16 @@
-"""Functions over SGLang's `HiRadixCache` radix tree used by both migration sides.
+"""The one module that reads or calls SGLang internals: radix tree, pools, allocator,
+scheduler attributes.
 
-Everything goes through the cache's public API (`match_prefix`, `write_backup`,
-`writing_check`, `inc_lock_ref`/`dec_lock_ref`, `protect_host`/`release_host`), except
-`HiRadixCache._insert_helper_host` (the way SGLang itself inserts prefetched host pages),
-which is named in `upstream.py` and covered by the hook-existence test.
+Everything else in the package goes through these functions, so an SGLang upgrade is
+this file's work (plus the symbol names in `upstream.py`, which `test/test_plugin.py`
+resolves, and `test/test_sglang_adapter.py`, which runs these functions against the
+real classes on CPU).
+
+Tree operations use the cache's public API (`match_prefix`, `insert`, `write_backup`,
+`writing_check`, `inc_lock_ref`/`dec_lock_ref`, `protect_host`/`release_host`, `evict`,
+`evict_host`), except `HiRadixCache._insert_helper_host` (the way SGLang itself inserts
+prefetched host pages). Pools: the host pool is `cache.cache_controller.mem_pool_host`,
+the device pool `cache.kv_cache` and its allocator `cache.token_to_kv_pool_allocator`.
 
 All functions must be called on the scheduler thread (or under the lock that guards the
 tree), and in the same order on every TP rank: `write_back_path` runs collectives.
@@ -13,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 
@@ -79,6 +86,40 @@ def match_held_prefix(
     # deepest host node when there is a host hit, else the deepest device node.
     last_node = result.last_host_node if result.host_hit_length > 0 else result.last_device_node
     return HeldPrefix(length=length, last_node=last_node, device_length=device_length)
+
+
+@dataclass
+class DevicePrefix:
+    """The page-aligned prefix of a key held on device, with its device slots."""
+
+    length: int
+    last_node: TreeNode  # deepest device node of the prefix (the root when length == 0)
+    indices: torch.Tensor  # int64 device slots of tokens [0, length)
+
+    def as_held(self) -> HeldPrefix:
+        return HeldPrefix(length=self.length, last_node=self.last_node, device_length=self.length)
+
+
+def match_device_prefix(
+    cache: HiRadixCache, input_ids: list[int], extra_key: str | None
+) -> DevicePrefix:
+    """Longest page-aligned prefix of `input_ids` held on device (host-only parts excluded)."""
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    key = make_key(cache, input_ids, extra_key)
+    if len(key) == 0:
+        return DevicePrefix(0, cache.root_node, torch.empty(0, dtype=torch.int64))
+    result = cache.match_prefix(MatchPrefixParams(key=key))
+    indices = result.device_indices
+    return DevicePrefix(len(indices), result.last_device_node, indices)
+
+
+def pending_device_write_streams(cache: HiRadixCache) -> list[Any]:
+    """Streams that may still be writing device KV pages the tree already lists
+    (HiCache's host->device load-back)."""
+    stream = getattr(cache.cache_controller, "load_stream", None)
+    return [stream] if stream is not None else []
 
 
 def path_from_root(cache: HiRadixCache, node: TreeNode) -> list[TreeNode]:
@@ -207,11 +248,200 @@ def insert_host_pages(
     caller. Returns how many of the new tokens were already in the tree (a concurrent
     insert won the race); the caller frees `host_indices[:returned]`.
     """
-    from sglang_kv_migration import upstream
-
     suffix = key[anchor_length:]
     hashes = page_hashes(key, cache.page_size)[anchor_length // cache.page_size :]
-    return upstream.insert_host_value(cache, anchor, suffix, host_indices, hashes)
+    return cache._insert_helper_host(anchor, suffix, host_indices, hashes)
+
+
+def insert_device_pages(
+    cache: HiRadixCache, key: RadixKey, anchor_length: int, device_indices: torch.Tensor
+) -> int:
+    """Insert key[anchor_length:] as ordinary device nodes holding `device_indices`.
+
+    The prefix key[:anchor_length] must be held on device and locked by the caller (its
+    slots are read here and passed through unchanged). Evicted (host-only) nodes inside
+    the range adopt our slots, as SGLang does when it recomputes evicted KV; write-through
+    then backs the new nodes up to host as usual. Returns how many of the new tokens were
+    already on device (a concurrent insert won the race); the caller frees
+    `device_indices[:returned]`.
+    """
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+
+    prefix = cache.match_prefix(MatchPrefixParams(key=key[:anchor_length])).device_indices
+    if len(prefix) != anchor_length:
+        raise MigrationError(
+            ErrorKind.INTERNAL,
+            f"locked device prefix shrank to {len(prefix)} of {anchor_length} tokens",
+        )
+    value = torch.cat([prefix.to(device_indices.device), device_indices])
+    result = cache.insert(InsertParams(key=key, value=value))
+    return max(0, result.prefix_len - anchor_length)
+
+
+# --------------------------------------------------------------------------- pools
+
+
+def host_pool(cache: HiRadixCache) -> Any:
+    """The `MHATokenToKVPoolHost` / `MLATokenToKVPoolHost` of a HiRadixCache."""
+    return cache.cache_controller.mem_pool_host
+
+
+def device_pool(cache: HiRadixCache) -> Any:
+    """The `MHATokenToKVPool` / `MLATokenToKVPool` the tree's device slots index."""
+    return cache.kv_cache
+
+
+def device_kv_buffers(cache: HiRadixCache) -> list[torch.Tensor]:
+    """The device pool's per-layer buffers, one row per token slot: K layers then V
+    layers for MHA, the latent cache per layer for MLA."""
+    pool = device_pool(cache)
+    if hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer"):
+        return [*pool.k_buffer, *pool.v_buffer]
+    if hasattr(pool, "kv_buffer"):
+        return list(pool.kv_buffer)
+    raise MigrationError(
+        ErrorKind.UNAVAILABLE, f"device KV pool {type(pool).__name__} is not supported"
+    )
+
+
+def alloc_host_slots(cache: HiRadixCache, num_tokens: int) -> torch.Tensor:
+    """Host slots for `num_tokens`, evicting unlocked host-only pages if needed.
+
+    Feasibility is decided before anything is evicted: a request that cannot be met
+    leaves the host cache as it was.
+    """
+    pool = host_pool(cache)
+    slots = pool.alloc(num_tokens)
+    if slots is not None:
+        return slots
+    free = int(pool.available_size())
+    evictable = host_evictable_size(cache)
+    if free + evictable < num_tokens:
+        raise MigrationError(
+            ErrorKind.UNAVAILABLE,
+            f"host pool is full: {num_tokens} token slots needed, {free} free and "
+            f"{evictable} evictable; nothing was evicted",
+        )
+    cache.evict_host(num_tokens - free)
+    slots = pool.alloc(num_tokens)
+    if slots is None:
+        raise MigrationError(
+            ErrorKind.UNAVAILABLE,
+            f"host pool is full: {num_tokens} token slots needed, "
+            f"{pool.available_size()} free after evicting unlocked host pages",
+        )
+    return slots
+
+
+def free_host_slots(cache: HiRadixCache, slots: torch.Tensor) -> None:
+    if len(slots):
+        host_pool(cache).free(slots)
+
+
+def host_evictable_size(cache: HiRadixCache) -> int:
+    """Host tokens `evict_host` could free: host-only subtrees nobody protects."""
+
+    def walk(node: TreeNode) -> tuple[int, bool]:
+        total, whole = 0, True
+        for child in node.children.values():
+            size, child_whole = walk(child)
+            total += size
+            whole = whole and child_whole
+        if node is cache.root_node:
+            return total, False
+        if whole and node.evicted and node.host_ref_counter == 0 and node.host_value is not None:
+            return total + len(node.host_value), True
+        return total, False
+
+    return walk(cache.root_node)[0]
+
+
+def alloc_device_slots(cache: HiRadixCache, num_tokens: int) -> torch.Tensor:
+    """Device token slots for `num_tokens` (whole pages), evicting by the tree's rules.
+
+    Feasibility (free + evictable) is decided before anything is evicted.
+    """
+    allocator = cache.token_to_kv_pool_allocator
+    slots = allocator.alloc(num_tokens)
+    if slots is not None:
+        return slots
+    free = int(allocator.available_size())
+    evictable = int(cache.evictable_size())
+    if free + evictable < num_tokens:
+        raise MigrationError(
+            ErrorKind.UNAVAILABLE,
+            f"device KV pool is full: {num_tokens} token slots needed, {free} free and "
+            f"{evictable} evictable; nothing was evicted",
+        )
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cache.evict(EvictParams(num_tokens=num_tokens - free))
+    slots = allocator.alloc(num_tokens)
+    if slots is None:
+        raise MigrationError(
+            ErrorKind.UNAVAILABLE,
+            f"device KV pool is full: {num_tokens} token slots needed, "
+            f"{allocator.available_size()} free after evicting unlocked device pages",
+        )
+    return slots
+
+
+def free_device_slots(cache: HiRadixCache, slots: torch.Tensor) -> None:
+    if len(slots):
+        cache.token_to_kv_pool_allocator.free(slots)
+
+
+def device_available_size(cache: HiRadixCache) -> int:
+    return int(cache.token_to_kv_pool_allocator.available_size())
+
+
+def cache_generation(cache: HiRadixCache) -> object:
+    """Changes whenever the tree is reset (`/flush_cache` replaces the root node)."""
+    return cache.root_node
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+@dataclass(frozen=True)
+class SchedulerView:
+    """What the migration side reads from SGLang's `Scheduler`, read in one place."""
+
+    tree_cache: Any
+    server_args: Any
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    tp_cpu_group: Any
+    send_output: Any  # (output, request) -> None, SGLang's SenderWrapper.send_output
+
+    @classmethod
+    def of(cls, scheduler: Any) -> SchedulerView:
+        return cls(
+            tree_cache=scheduler.tree_cache,
+            server_args=scheduler.server_args,
+            tp_rank=scheduler.tp_rank,
+            tp_size=scheduler.tp_size,
+            pp_rank=scheduler.pp_rank,
+            pp_size=scheduler.pp_size,
+            tp_cpu_group=scheduler.tp_cpu_group,
+            send_output=scheduler.send_to_tokenizer.send_output,
+        )
+
+
+def add_request_handlers(scheduler: Any, handlers: list[tuple[type, Any]]) -> None:
+    """Append handlers to the scheduler's `TypeBasedDispatcher`."""
+    from sglang.utils import TypeBasedDispatcher
+
+    scheduler._request_dispatcher += TypeBasedDispatcher(handlers)
+
+
+def is_hiradix_cache(cache: object) -> bool:
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+
+    return type(cache) is HiRadixCache
 
 
 # --------------------------------------------------------------------------- helpers

@@ -2,23 +2,27 @@
 
 Life of a transfer on every TP rank:
 
-    start():  ranks agree the request is valid (collective) → pin the prefix's host
-              pages and queue device→host copies for device-only nodes (no waiting)
-    poll():   copies complete → plan and submit the writes to the target rank
-    poll():   every rank done (collective) → unpin, reply once, success only if all ok
+    start():  ranks agree the request is valid (collective) → the data path pins the
+              range and starts its `SendJob` (no waiting)
+    poll():   jobs WAITING for pages (host path: device->host copies) advance once the
+              copies completed; the path moves the bytes off the scheduler thread
+    poll():   every rank done (collective) → release the pins, reply once, success only
+              if every rank succeeded
 
 IMPORTANT: the collectives here depend only on state that is identical across ranks
-(the list of transfers, whether their host copies are complete), never on one rank's
-clock or one rank's error, so every rank enters them together.
+(the list of transfers, which of them wait for pages), never on one rank's clock or
+one rank's error, so every rank enters them together.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from sglang_kv_migration import tree_helpers
+from sglang_kv_migration.data_path import DataPath, KVPoll, SendJob, SendRange
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.io_types import (
     RankTransferResult,
@@ -26,10 +30,12 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheReqOutput,
     TransferRequestKVCacheTarget,
 )
-from sglang_kv_migration.layout import HostPoolLayout, LayoutFingerprint, plan_writes
+from sglang_kv_migration.layout import LayoutFingerprint
 from sglang_kv_migration.metrics import MigrationMetrics
 from sglang_kv_migration.rank_context import RankContext, check_peer_fingerprint, error_of
-from sglang_kv_migration.transfer import KVTransport, MemoryRegion, TransferHandle
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -48,37 +54,37 @@ class RankTransferStatus:
 
 @dataclass
 class InflightTransfer:
-    """One rank's part of a transfer: validated → pinned (host copies filling) → sent."""
+    """One rank's part of a transfer: validated → job started → done."""
 
     request: TransferRequestKVCacheReqInput
     started: float
-    target: TransferRequestKVCacheTarget | None = None  # this rank's peer
-    pinned: tree_helpers.PinnedHostPages | None = None
-    handle: TransferHandle | None = None  # set once the writes were submitted
+    send: SendRange | None = None  # this rank's part, once validated
+    path: DataPath | None = None
+    job: SendJob | None = None
     error: MigrationError | None = None  # failed before anything was sent
     result: RankTransferStatus | None = None
 
-    def awaiting_host_copy(self) -> bool:
-        """Pinned, waiting for device->host copies; identical on every TP rank."""
-        return self.pinned is not None and self.handle is None and self.error is None
+    @property
+    def waiting(self) -> bool:
+        """Waiting for pages; identical on every TP rank."""
+        return self.job is not None and self.error is None and self.job.waiting
 
     def local_status(self) -> RankTransferStatus:
         if self.result is not None:
             return self.result
+        if self.error is None and self.job is not None:
+            state = self.job.poll()
+            if state is KVPoll.FAILED:
+                self.error = self.job.error or MigrationError(ErrorKind.INTERNAL, "send failed")
+            elif state is KVPoll.SUCCESS:
+                stats = self.job.stats
+                self.result = RankTransferStatus(
+                    done=True, success=True, bytes=stats.bytes, seconds=stats.seconds
+                )
         if self.error is not None:
             self.result = RankTransferStatus(
                 done=True, message=self.error.message, error_kind=self.error.kind.value
             )
-        elif self.handle is not None and self.handle.done():
-            try:
-                stats = self.handle.result(timeout=0)
-                self.result = RankTransferStatus(
-                    done=True, success=True, bytes=stats.bytes, seconds=stats.seconds
-                )
-            except MigrationError as e:
-                self.result = RankTransferStatus(
-                    done=True, message=e.message, error_kind=e.kind.value
-                )
         return self.result or RankTransferStatus(done=False)
 
 
@@ -88,16 +94,16 @@ class SourceTransfers:
     def __init__(
         self,
         ctx: RankContext,
-        layout: HostPoolLayout,
         fingerprint: LayoutFingerprint,
-        transport: KVTransport,
+        paths: Mapping[str, DataPath],
         metrics: MigrationMetrics,
+        server_epoch: str = "",
     ):
         self.ctx = ctx
-        self.layout = layout
         self.fingerprint = fingerprint
-        self.transport = transport
+        self.paths = paths
         self.metrics = metrics
+        self.server_epoch = server_epoch
         self._inflight: list[InflightTransfer] = []
 
     def __len__(self) -> int:
@@ -115,19 +121,23 @@ class SourceTransfers:
         if errors:
             inflight.error = errors[0]
             return
-        # Same outcome on every rank: their trees and host pools are identical.
-        inflight.error = error_of(lambda: self._pin(req, inflight))
+        # Same outcome on every rank: their trees and pools are identical. (The device
+        # path may still refuse on one rank only, e.g. an unopenable peer buffer; the
+        # gather in `_finish_done` then fails the transfer on every rank.)
+        inflight.error = error_of(lambda: self._start_job(inflight))
 
     def poll(self) -> None:
         """Once per scheduler loop iteration while transfers are in flight."""
         if self._inflight:
-            self._send_ready()
+            if any(t.waiting for t in self._inflight):
+                # A collective: `waiting` is the same on every rank.
+                self.ctx.tree_cache.writing_check()
             self._finish_done()
 
     def close(self) -> None:
         for inflight in self._inflight:
-            if inflight.pinned is not None:
-                tree_helpers.unpin_host_pages(inflight.pinned)
+            if inflight.job is not None:
+                inflight.job.release()
         self._inflight.clear()
 
     # ------------------------------------------------------------------ helpers
@@ -141,43 +151,35 @@ class SourceTransfers:
                 ErrorKind.BAD_REQUEST,
                 f"target_per_rank has no entry for tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}",
             )
+        path = self.paths.get(target.path)
+        if path is None:
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"data path {target.path!r} is not available on this source (available: "
+                f"{', '.join(self.paths) or 'none'})",
+            )
         check_peer_fingerprint(self.fingerprint, [target.fingerprint], role="target")
-        if len(target.kv_indices) != req.extra_token_size:
+        slots = target_slots(target, self.fingerprint.page_size)
+        if len(slots) != req.extra_token_size:
             raise MigrationError(
                 ErrorKind.BAD_REQUEST,
-                f"target rank tp={target.tp} pp={target.pp} has {len(target.kv_indices)} "
-                f"kv_indices for extra_token_size={req.extra_token_size}",
+                f"target rank tp={target.tp} pp={target.pp} has {len(slots)} slots for "
+                f"extra_token_size={req.extra_token_size}",
             )
-        inflight.target = target
-
-    def _pin(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
         start = req.matched_token_size
-        inflight.pinned = tree_helpers.pin_host_pages(
-            self.ctx.tree_cache, req.input_ids, req.extra_key, start, start + req.extra_token_size
+        inflight.path = path
+        inflight.send = SendRange(
+            input_ids=req.input_ids,
+            extra_key=req.extra_key,
+            start=start,
+            end=start + req.extra_token_size,
+            target=target,
+            target_slots=slots,
+            migration_id=req.migration_id,
         )
 
-    def _submit(self, inflight: InflightTransfer) -> None:
-        """Plan and submit this rank's writes (its host copies are complete)."""
-        target = inflight.target
-        peer = HostPoolLayout.from_published(
-            data_ptrs=target.host_kv_data_ptrs,
-            data_lens=target.host_kv_data_lens,
-            item_lens=target.host_kv_item_lens,
-            page_size=self.layout.page_size,
-        )
-        writes = plan_writes(self.layout, inflight.pinned.host_indices, peer, target.kv_indices)
-        inflight.handle = self.transport.write(target.session_id, writes, regions_of(peer))
-
-    def _send_ready(self) -> None:
-        """Submit the writes of transfers whose host copies have completed."""
-        waiting = [t for t in self._inflight if t.awaiting_host_copy()]
-        if not waiting:
-            return
-        cache = self.ctx.tree_cache
-        cache.writing_check()  # a collective: `waiting` is the same on every rank
-        for inflight in waiting:
-            if tree_helpers.host_pages_ready(cache, inflight.pinned):
-                inflight.error = error_of(lambda t=inflight: self._submit(t))
+    def _start_job(self, inflight: InflightTransfer) -> None:
+        inflight.job = inflight.path.start_send(inflight.send)
 
     def _finish_done(self) -> None:
         per_rank = self.ctx.all_gather([t.local_status() for t in self._inflight])
@@ -187,8 +189,8 @@ class SourceTransfers:
             if not all(s.done for s in statuses):
                 still_running.append(inflight)
                 continue
-            if inflight.pinned is not None:
-                tree_helpers.unpin_host_pages(inflight.pinned)
+            if inflight.job is not None:
+                inflight.job.release()
             self._reply(inflight, statuses)
         self._inflight = still_running
 
@@ -214,6 +216,8 @@ class SourceTransfers:
             output = TransferRequestKVCacheReqOutput(
                 success=False,
                 ranks=ranks,
+                path=_path_name(req),
+                server_epoch=self.server_epoch,
                 message=failed[0].message,
                 error_kind=failed[0].error_kind,
             )
@@ -232,6 +236,8 @@ class SourceTransfers:
                 transferred_token_size=req.extra_token_size,
                 transferred_bytes=total_bytes,
                 ranks=ranks,
+                path=_path_name(req),
+                server_epoch=self.server_epoch,
             )
             self.metrics.outcome("source", "sent")
             # Gathers run over the TP group, in tp_rank order.
@@ -248,6 +254,19 @@ class SourceTransfers:
         self.ctx.send_output(output, req)
 
 
-def regions_of(layout: HostPoolLayout) -> list[MemoryRegion]:
-    """The memory regions of a host pool's buffers, for the transport."""
-    return [MemoryRegion(addr=b.ptr, length=b.length) for b in layout.buffers]
+def target_slots(target: TransferRequestKVCacheTarget, page_size: int) -> torch.Tensor:
+    """The target rank's token slots, from `kv_indices` or from whole pages `kv_pages`."""
+    import torch
+
+    if target.kv_pages and target.kv_indices:
+        raise MigrationError(
+            ErrorKind.BAD_REQUEST, "give kv_indices or kv_pages for a target rank, not both"
+        )
+    if target.kv_pages:
+        pages = torch.tensor(target.kv_pages, dtype=torch.int64)
+        return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+    return torch.tensor(target.kv_indices, dtype=torch.int64)
+
+
+def _path_name(req: TransferRequestKVCacheReqInput) -> str:
+    return req.target_per_rank[0].path if req.target_per_rank else ""

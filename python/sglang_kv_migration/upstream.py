@@ -2,19 +2,14 @@
 
 `HOOK_TARGETS` are patched through SGLang's `HookRegistry` (see `plugin.py`);
 `REQUIRED_SYMBOLS` are upstream attributes we call that are not hooked, including the one
-private helper we cannot avoid. `test/test_upstream_symbols.py` resolves each of them
-against the installed SGLang, so a version bump that renames one fails loudly.
+private helper we cannot avoid. The calls themselves live in `sglang_adapter.py`.
+`test/test_plugin.py` resolves each of them against the installed SGLang, so a version
+bump that renames one fails loudly.
 """
 
 from __future__ import annotations
 
 import pkgutil
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
-    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 SGLANG_VERSION = "0.5.12"
 
@@ -26,6 +21,9 @@ TOKENIZER_INIT_COMMUNICATORS = (
     "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.init_communicators"
 )
 HTTP_LAUNCH_SERVER = "sglang.srt.entrypoints.http_server.launch_server"
+# The idle/busy memory-leak checks count these tokens as held outside the tree: pending
+# device-slot allocations are added here, so SGLang's pool invariant keeps holding.
+SCHEDULER_SESSION_HELD_TOKENS = "sglang.srt.managers.scheduler.Scheduler._session_held_tokens"
 
 HOOK_TARGETS: tuple[str, ...] = (
     SERVER_ARGS_CLASS,
@@ -34,6 +32,7 @@ HOOK_TARGETS: tuple[str, ...] = (
     SCHEDULER_FLUSH_CACHE,
     TOKENIZER_INIT_COMMUNICATORS,
     HTTP_LAUNCH_SERVER,
+    SCHEDULER_SESSION_HELD_TOKENS,
 )
 
 REQUIRED_SYMBOLS: tuple[str, ...] = (
@@ -58,6 +57,17 @@ REQUIRED_SYMBOLS: tuple[str, ...] = (
     "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.inc_lock_ref",
     "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.dec_lock_ref",
     "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.evict_host",
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.evict",
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.insert",
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.evictable_size",
+    "sglang.srt.mem_cache.base_prefix_cache.InsertParams",
+    "sglang.srt.mem_cache.base_prefix_cache.EvictParams",
+    "sglang.srt.mem_cache.allocator.TokenToKVPoolAllocator.alloc",
+    "sglang.srt.mem_cache.allocator.PagedTokenToKVPoolAllocator.alloc",
+    "sglang.srt.mem_cache.allocator.BaseTokenToKVPoolAllocator.free",
+    "sglang.srt.mem_cache.allocator.BaseTokenToKVPoolAllocator.available_size",
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",
+    "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool",
     # Private: the only way to add host-only nodes, used by SGLang for storage prefetch.
     "sglang.srt.mem_cache.hiradix_cache.HiRadixCache._insert_helper_host",
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.alloc",
@@ -69,14 +79,3 @@ REQUIRED_SYMBOLS: tuple[str, ...] = (
 def resolve(dotted: str) -> object:
     """Import and return an upstream symbol; raises if the installed SGLang lacks it."""
     return pkgutil.resolve_name(dotted)
-
-
-def insert_host_value(
-    cache: HiRadixCache,
-    anchor: TreeNode,
-    key: RadixKey,
-    host_indices: torch.Tensor,
-    page_hashes: list[str],
-) -> int:
-    """Insert `key` below `anchor` as host-only nodes; returns tokens already present."""
-    return cache._insert_helper_host(anchor, key, host_indices, page_hashes)

@@ -1,0 +1,160 @@
+"""CUDA IPC for the device path: export this process's KV buffers, open a peer's.
+
+A buffer is exported once, at start-up, as a JSON-safe dict (no pickle: a description
+that arrives in a request body must never run code when decoded). The importer maps it
+with torch's own IPC primitives (`UntypedStorage._share_cuda_` / `_new_shared_cuda`, what
+`torch.multiprocessing` uses), onto the local device whose UUID the exporter advertised,
+so servers started with different `CUDA_VISIBLE_DEVICES` still find each other's GPU.
+
+`PeerBuffers` caches opened peers (one mapping per peer instance, reused by every
+migration) and closes them on `close()` or when a peer instance is replaced.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import uuid
+from collections import OrderedDict
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+
+logger = logging.getLogger(__name__)
+
+# Opened peers kept at once; the least recently used is closed beyond this.
+MAX_OPEN_PEERS = 32
+_HANDLE_FIELDS = ("handle", "ref_counter_handle", "event_handle")
+
+
+@cache
+def host_identity() -> str:
+    """Same value for every process of one booted machine, different across machines."""
+    parts = []
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            parts.append(Path(path).read_text().strip())
+        except OSError:
+            parts.append("")
+    if not any(parts):
+        # No way to prove two servers share a host: a random id never matches another.
+        return f"unknown-{uuid.uuid4().hex}"
+    return ":".join(parts)
+
+
+def gpu_uuid(device_index: int) -> str:
+    import torch
+
+    return str(torch.cuda.get_device_properties(device_index).uuid)
+
+
+def local_device_of(uuid_str: str) -> int | None:
+    """Index of the visible GPU with this UUID, or None."""
+    import torch
+
+    for i in range(torch.cuda.device_count()):
+        if gpu_uuid(i) == uuid_str:
+            return i
+    return None
+
+
+def export_tensor(t: Any) -> dict[str, Any]:
+    """Describe a CUDA tensor so another process on the same host can map it."""
+    storage = t.untyped_storage()
+    (
+        _device,
+        handle,
+        storage_size,
+        storage_offset,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = storage._share_cuda_()
+    return {
+        "handle": _b64(handle),
+        "storage_size": int(storage_size),
+        "storage_offset": int(storage_offset),
+        "ref_counter_handle": _b64(ref_counter_handle),
+        "ref_counter_offset": int(ref_counter_offset),
+        "event_handle": _b64(event_handle),
+        "event_sync_required": bool(event_sync_required),
+        "offset_bytes": int(t.storage_offset() * t.element_size()),
+        "nbytes": int(t.nbytes),
+    }
+
+
+def open_tensor(desc: dict[str, Any], device_index: int) -> Any:
+    """Map an exported buffer as a flat uint8 tensor on local device `device_index`."""
+    import torch
+
+    try:
+        raw = {k: base64.b64decode(desc[k], validate=True) for k in _HANDLE_FIELDS}
+        sizes = [int(desc[k]) for k in ("storage_size", "storage_offset", "ref_counter_offset")]
+        offset, nbytes = int(desc["offset_bytes"]), int(desc["nbytes"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise MigrationError(ErrorKind.BAD_REQUEST, f"bad device buffer description: {e}") from None
+    if offset < 0 or nbytes <= 0 or offset + nbytes > sizes[0]:
+        raise MigrationError(
+            ErrorKind.BAD_REQUEST,
+            f"device buffer [{offset}, {offset + nbytes}) lies outside its allocation of "
+            f"{sizes[0]} bytes",
+        )
+    torch.cuda._lazy_init()
+    with torch.cuda.device(device_index):
+        storage = torch.UntypedStorage._new_shared_cuda(
+            device_index,
+            raw["handle"],
+            sizes[0],
+            sizes[1],
+            raw["ref_counter_handle"],
+            sizes[2],
+            raw["event_handle"],
+            bool(desc.get("event_sync_required", False)),
+        )
+        flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device_index}")
+        flat.set_(storage, offset, (nbytes,))
+    return flat
+
+
+class PeerBuffers:
+    """Peers' KV buffers opened through CUDA IPC, one mapping per peer instance."""
+
+    def __init__(self, max_open: int = MAX_OPEN_PEERS):
+        self._open: OrderedDict[str, list[Any]] = OrderedDict()
+        self._max_open = max_open
+
+    def get(self, instance_key: str, descs: list[dict[str, Any]], device_index: int) -> list[Any]:
+        opened = self._open.get(instance_key)
+        if opened is not None:
+            self._open.move_to_end(instance_key)
+            return opened
+        try:
+            opened = [open_tensor(d, device_index) for d in descs]
+        except MigrationError:
+            raise
+        except Exception as e:  # CUDA refused the handle (other host, other namespace)
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"cannot open the target's KV buffers through CUDA IPC: {type(e).__name__}: {e}",
+            ) from None
+        self._open[instance_key] = opened
+        while len(self._open) > self._max_open:
+            _key, dropped = self._open.popitem(last=False)
+            dropped.clear()  # the last reference closes the mapping
+        logger.info("Opened %d KV buffers of peer %s through CUDA IPC", len(opened), instance_key)
+        return opened
+
+    def close(self) -> None:
+        for opened in self._open.values():
+            opened.clear()
+        self._open.clear()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+def _b64(data: bytes | None) -> str:
+    return base64.b64encode(data or b"").decode("ascii")

@@ -1,0 +1,170 @@
+"""The boundary every data path implements: where migrated KV lands and how it moves.
+
+Two implementations, chosen by name (`--kv-migration-paths`, preference order):
+
+- `host`   (`host_path.py`): host pool -> host pool through the Mooncake Transfer Engine
+  (RDMA across hosts, TCP without RDMA); commit inserts host-only radix nodes.
+- `device` (`device_path.py`): GPU -> GPU through CUDA IPC when both servers share a
+  host; commit inserts ordinary device radix nodes.
+
+A path plays both roles on every rank. As a **target** it reserves slots for a pending
+migration, releases them, and inserts them into the radix tree on commit; the pending
+registry (`pending.py`) drives those calls and owns the state machine. As a **source**
+it starts a `SendJob` per migration, which the scheduler loop polls (`source_transfers.py`)
+in the style of SGLang's disaggregation `KVPoll`.
+
+Call contracts (all methods run on the scheduler thread, in the same order on every TP
+rank, unless said otherwise):
+- `advertise()` is side-effect free; its dict is published per rank by
+  `/get_transfer_session_info` under `paths[<name>]`.
+- `held_prefix()` says how much of a key this server already holds *for this path*
+  (the host path counts device and host pages, the device path device pages only).
+- `reserve(n)` returns exactly `n` slots (whole pages) or raises
+  `MigrationError(UNAVAILABLE)` having evicted nothing.
+- `release(slots)` and `insert(...)` are each called at most once per reservation.
+- `start_send(...)` validates and pins; it raises `MigrationError` before anything moved.
+- `SendJob.poll()` never blocks. WAITING must be left on every rank in the same loop
+  iteration (the host path waits for device->host copies, which retire in lockstep);
+  `release()` is called exactly once, after the job reported SUCCESS or FAILED.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+
+if TYPE_CHECKING:
+    import torch
+    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+    from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
+    from sglang_kv_migration.sglang_adapter import HeldPrefix
+
+logger = logging.getLogger(__name__)
+
+HOST = "host"
+DEVICE = "device"
+PATH_NAMES: tuple[str, ...] = (DEVICE, HOST)
+
+
+class KVPoll(IntEnum):
+    """Where one rank's send stands (after SGLang's disaggregation `KVPoll`)."""
+
+    FAILED = 0
+    WAITING = 1  # pages not readable yet (device->host copies in flight)
+    TRANSFERRING = 2
+    SUCCESS = 3
+
+
+@dataclass
+class SendStats:
+    bytes: int = 0
+    seconds: float = 0.0  # time the path spent moving bytes (not queueing)
+
+
+@dataclass
+class SendRange:
+    """What one source rank sends: tokens [start, end) of `input_ids` to `target`."""
+
+    input_ids: list[int]
+    extra_key: str | None
+    start: int
+    end: int
+    target: TransferRequestKVCacheTarget
+    target_slots: torch.Tensor  # int64 token slots on the target rank, one per token
+    migration_id: str
+
+
+class SendJob(abc.ABC):
+    """One rank's send of one migration."""
+
+    error: MigrationError | None = None
+    stats: SendStats
+
+    @abc.abstractmethod
+    def poll(self) -> KVPoll:
+        """Advance without blocking; FAILED sets `error`, SUCCESS sets `stats`."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Unpin what `start_send` pinned. Called exactly once, when the job is over."""
+
+    @property
+    def waiting(self) -> bool:
+        """True while the job waits for pages (identical on every TP rank)."""
+        return False
+
+
+class DataPath(abc.ABC):
+    """One way of moving KV between servers (see the module docstring)."""
+
+    name: ClassVar[str]
+
+    # ------------------------------------------------------------------ both roles
+
+    @abc.abstractmethod
+    def advertise(self) -> dict[str, Any]:
+        """This rank's endpoint for peers, published in session info."""
+
+    def close(self) -> None:  # noqa: B027 - optional: paths without resources keep it
+        """Release process-wide resources (engines, opened peer buffers). Idempotent."""
+
+    # ------------------------------------------------------------------ target role
+
+    @abc.abstractmethod
+    def held_prefix(self, input_ids: list[int], extra_key: str | None) -> HeldPrefix:
+        """The page-aligned prefix this server keeps (locks) when it receives the rest."""
+
+    @abc.abstractmethod
+    def reserve(self, num_tokens: int) -> torch.Tensor:
+        """Slots for `num_tokens` tokens, whole pages, in prefix order."""
+
+    @abc.abstractmethod
+    def release(self, slots: torch.Tensor) -> None:
+        """Give reserved slots back (abort, expiry, or the surplus of a lost race)."""
+
+    @abc.abstractmethod
+    def insert(
+        self, anchor: TreeNode, key: RadixKey, anchor_length: int, slots: torch.Tensor
+    ) -> int:
+        """Insert key[anchor_length:] holding `slots`; return how many leading tokens were
+        already present (the caller releases `slots[:returned]`)."""
+
+    @property
+    def holds_device_slots(self) -> bool:
+        """Reserved slots come from the device allocator (SGLang's leak check counts them)."""
+        return False
+
+    # ------------------------------------------------------------------ source role
+
+    @abc.abstractmethod
+    def start_send(self, send: SendRange) -> SendJob:
+        """Validate the peer data, pin the source pages, start (or queue) the copy."""
+
+
+def parse_path_names(spec: str | Sequence[str]) -> tuple[str, ...]:
+    """`"device,host"` -> ("device", "host"); raises ValueError naming a bad entry."""
+    names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec)]
+    names = [n for n in names if n]
+    if not names:
+        raise ValueError("at least one data path is needed (device, host)")
+    for n in names:
+        if n not in PATH_NAMES:
+            raise ValueError(f"unknown data path {n!r} (known: {', '.join(PATH_NAMES)})")
+    if len(set(names)) != len(names):
+        raise ValueError(f"data path listed twice in {','.join(names)}")
+    return tuple(names)
+
+
+def unknown_path(name: str, available: Sequence[str]) -> MigrationError:
+    return MigrationError(
+        ErrorKind.CONFLICT,
+        f"data path {name!r} is not available on this server (available: "
+        f"{', '.join(available) or 'none'})",
+    )

@@ -1,0 +1,249 @@
+"""The device data path: GPU -> GPU through CUDA IPC between servers on one host.
+
+Target: reserves **device** KV slots from SGLang's token-to-KV allocator (evicting by
+the tree's own rules), holds them in the pending registry like host slots, and on commit
+inserts ordinary device radix nodes, so the next request hits on device with no
+load-back (write-through then backs the pages up to host as usual).
+
+Source (push): opens the target's per-layer KV buffers once per target instance
+(`cuda_ipc.PeerBuffers`), locks the prefix's device nodes, and copies page by page on a
+side stream that first waits for the streams that may still write those pages. The
+reply is sent once the copy's CUDA event has completed; the lock is held until then.
+
+Refused (the client then falls back to the host path): no CUDA, `--enable-memory-saver`
+(its KV pools are virtual-memory mappings released and resumed around training steps, so
+an IPC mapping would not survive a release), another host, a GPU this process cannot
+see, or a source range that is only partly on the source's GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from sglang_kv_migration import cuda_ipc, sglang_adapter
+from sglang_kv_migration.data_path import DEVICE, DataPath, KVPoll, SendJob, SendRange, SendStats
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+
+if TYPE_CHECKING:
+    import torch
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+logger = logging.getLogger(__name__)
+
+
+def device_path_unavailable_reason(cache: HiRadixCache, enable_memory_saver: bool) -> str | None:
+    """Why this server cannot offer the device path, or None when it can."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "CUDA is not available in this process"
+    if enable_memory_saver:
+        return (
+            "--enable-memory-saver is on: KV pools are released and resumed around "
+            "training steps, so CUDA IPC mappings of them cannot be kept"
+        )
+    try:
+        buffers = sglang_adapter.device_kv_buffers(cache)
+    except MigrationError as e:
+        return e.message
+    if not all(b.is_cuda and b.is_contiguous() for b in buffers):
+        return "device KV buffers are not contiguous CUDA tensors"
+    return None
+
+
+class DevicePath(DataPath):
+    name: ClassVar[str] = DEVICE
+
+    def __init__(self, cache: HiRadixCache):
+        import torch
+
+        self.cache = cache
+        self.page_size = int(cache.page_size)
+        self.buffers = sglang_adapter.device_kv_buffers(cache)
+        self.device = self.buffers[0].device
+        self.row_bytes = [b[0].numel() * b.element_size() for b in self.buffers]
+        self.num_rows = [int(b.shape[0]) for b in self.buffers]
+        self.bytes_per_token = sum(self.row_bytes)
+        self.instance_id = uuid.uuid4().hex  # a restarted server is a new peer
+        self._stream = torch.cuda.Stream(device=self.device)
+        self._peers = cuda_ipc.PeerBuffers()
+        self._exported = [cuda_ipc.export_tensor(b) for b in self.buffers]
+        self._gpu_uuid = cuda_ipc.gpu_uuid(self.device.index)
+
+    # ------------------------------------------------------------------ both roles
+
+    def advertise(self) -> dict[str, Any]:
+        return {
+            "host_identity": cuda_ipc.host_identity(),
+            "gpu_uuid": self._gpu_uuid,
+            "instance_id": self.instance_id,
+            "row_bytes": self.row_bytes,
+            "num_rows": self.num_rows,
+            "buffers": self._exported,
+        }
+
+    def close(self) -> None:
+        self._peers.close()
+
+    # ------------------------------------------------------------------ target role
+
+    def held_prefix(self, input_ids: list[int], extra_key: str | None) -> sglang_adapter.HeldPrefix:
+        return sglang_adapter.match_device_prefix(self.cache, input_ids, extra_key).as_held()
+
+    def reserve(self, num_tokens: int) -> torch.Tensor:
+        return sglang_adapter.alloc_device_slots(self.cache, num_tokens)
+
+    def release(self, slots: torch.Tensor) -> None:
+        sglang_adapter.free_device_slots(self.cache, slots)
+
+    def insert(
+        self, anchor: TreeNode, key: RadixKey, anchor_length: int, slots: torch.Tensor
+    ) -> int:
+        return sglang_adapter.insert_device_pages(self.cache, key, anchor_length, slots)
+
+    @property
+    def holds_device_slots(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ source role
+
+    def start_send(self, send: SendRange) -> SendJob:
+
+        peer = send.target.device_kv
+        if not peer:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST, "target_per_rank has no device_kv for the device path"
+            )
+        dst_buffers = self._open_peer(peer)
+        held = sglang_adapter.match_device_prefix(
+            self.cache, send.input_ids[: send.end], send.extra_key
+        )
+        if held.length < send.end:
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"source holds only {held.length} of {send.end} tokens on its GPU (the rest "
+                "is on host only or evicted); the device path needs them on device: use "
+                "the host path",
+            )
+        src_pages = _pages_of(held.indices[send.start : send.end], self.page_size, "source")
+        dst_pages = _pages_of(send.target_slots, self.page_size, "target")
+        self.cache.inc_lock_ref(held.last_node)
+        try:
+            job = self._launch(src_pages, dst_buffers, dst_pages, held.last_node)
+        except BaseException:
+            self.cache.dec_lock_ref(held.last_node)
+            raise
+        job.stats.bytes = (send.end - send.start) * self.bytes_per_token
+        return job
+
+    # ------------------------------------------------------------------ helpers
+
+    def _open_peer(self, peer: dict[str, Any]) -> list[torch.Tensor]:
+        try:
+            host, gpu = str(peer["host_identity"]), str(peer["gpu_uuid"])
+            instance = str(peer["instance_id"])
+            row_bytes = [int(x) for x in peer["row_bytes"]]
+            num_rows = [int(x) for x in peer["num_rows"]]
+            descs = list(peer["buffers"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise MigrationError(ErrorKind.BAD_REQUEST, f"bad device_kv description: {e}") from None
+        if host != cuda_ipc.host_identity():
+            raise MigrationError(
+                ErrorKind.CONFLICT, "target is on another host: the device path needs one host"
+            )
+        if row_bytes != self.row_bytes or len(descs) != len(self.buffers):
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"device KV rows differ: source {len(self.buffers)} buffers of "
+                f"{self.row_bytes[:2]}... bytes, target {len(descs)} of {row_bytes[:2]}...",
+            )
+        device_index = cuda_ipc.local_device_of(gpu)
+        if device_index is None:
+            raise MigrationError(
+                ErrorKind.CONFLICT, f"target GPU {gpu} is not visible to the source process"
+            )
+        opened = self._peers.get(instance, descs, device_index)
+        for flat, rows, rb in zip(opened, num_rows, row_bytes, strict=True):
+            if flat.numel() != rows * rb:
+                raise MigrationError(
+                    ErrorKind.BAD_REQUEST,
+                    f"device buffer of {flat.numel()} bytes, expected {rows} rows of {rb}",
+                )
+        return opened
+
+    def _launch(
+        self,
+        src_pages: torch.Tensor,
+        dst_buffers: list[torch.Tensor],
+        dst_pages: torch.Tensor,
+        locked: TreeNode,
+    ) -> DeviceSendJob:
+        import torch
+
+        page_bytes = [rb * self.page_size for rb in self.row_bytes]
+        for flat, pb in zip(dst_buffers, page_bytes, strict=True):
+            limit = flat.numel() // pb
+            if len(dst_pages) and int(dst_pages.max()) >= limit:
+                raise MigrationError(
+                    ErrorKind.BAD_REQUEST,
+                    f"target page {int(dst_pages.max())} lies outside its device pool of "
+                    f"{limit} pages",
+                )
+        stream = self._stream
+        # IMPORTANT: order the copy after every stream that may still write these pages
+        # (the scheduler's stream and HiCache's load-back), before reading them.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for other in sglang_adapter.pending_device_write_streams(self.cache):
+            stream.wait_stream(other)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            src_idx = src_pages.to(self.device, non_blocking=True)
+            dst_idx = dst_pages.to(dst_buffers[0].device, non_blocking=True)
+            for src, dst, pb in zip(self.buffers, dst_buffers, page_bytes, strict=True):
+                src_view = src.view(-1).view(torch.uint8).view(-1, pb)
+                dst_view = dst.view(-1, pb)
+                gathered = src_view.index_select(0, src_idx)
+                if dst_view.device != self.device:
+                    gathered = gathered.to(dst_view.device, non_blocking=True)
+                dst_view.index_copy_(0, dst_idx, gathered)
+            end.record(stream)
+        return DeviceSendJob(self.cache, locked, start, end)
+
+
+class DeviceSendJob(SendJob):
+    def __init__(self, cache: HiRadixCache, locked: TreeNode, start: Any, end: Any):
+        self._cache = cache
+        self._locked: TreeNode | None = locked
+        self._start, self._end = start, end
+        self._launched = time.monotonic()
+        self.stats = SendStats()
+
+    def poll(self) -> KVPoll:
+        if not self._end.query():
+            return KVPoll.TRANSFERRING
+        self.stats.seconds = self._start.elapsed_time(self._end) / 1e3
+        return KVPoll.SUCCESS
+
+    def release(self) -> None:
+        if self._locked is not None:
+            self._cache.dec_lock_ref(self._locked)
+            self._locked = None
+
+
+def _pages_of(slots: torch.Tensor, page_size: int, side: str) -> torch.Tensor:
+    """Page ids of whole-page token slots; raises BAD_REQUEST naming the side."""
+    import torch
+
+    from sglang_kv_migration.layout import page_runs
+
+    try:
+        runs = page_runs(slots, page_size)
+    except ValueError as e:
+        raise MigrationError(ErrorKind.BAD_REQUEST, f"{side} slots: {e}") from None
+    pages = [torch.arange(first // page_size, (first + n) // page_size) for first, n in runs]
+    return torch.cat(pages) if pages else torch.empty(0, dtype=torch.int64)

@@ -1,0 +1,175 @@
+"""The host data path: host pool -> host pool through the Mooncake Transfer Engine.
+
+Target: reserves host-pool slots (evicting unprotected host-only pages only when the
+request can then be met), and on commit inserts host-only radix nodes; the next request
+loads them to the GPU through HiCache's normal load-back.
+
+Source: pins the prefix's host pages and queues device->host copies for device-only
+nodes (`sglang_adapter.pin_host_pages`), WAITs until those copies have completed, then
+plans the writes (`layout.plan_writes`) and submits them to the transport, whose worker
+thread moves the bytes; the job is done when the transport's handle is.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from sglang_kv_migration import sglang_adapter
+from sglang_kv_migration.data_path import HOST, DataPath, KVPoll, SendJob, SendRange, SendStats
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.layout import HostPoolLayout, plan_writes
+from sglang_kv_migration.transfer import KVTransport, MemoryRegion, TransferHandle
+
+if TYPE_CHECKING:
+    import torch
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+logger = logging.getLogger(__name__)
+
+
+class HostPath(DataPath):
+    name: ClassVar[str] = HOST
+
+    def __init__(
+        self,
+        cache: HiRadixCache,
+        layout: HostPoolLayout | None = None,
+        transport: KVTransport | None = None,
+    ):
+        """Without `transport` the path plays the target role only (reserve/insert)."""
+        self.cache = cache
+        self.layout = layout or HostPoolLayout.from_host_pool(sglang_adapter.host_pool(cache))
+        self._transport = transport
+        if transport is not None:
+            # Registered once: peers write into these buffers for the server's lifetime.
+            transport.register(regions_of(self.layout))
+
+    @property
+    def transport(self) -> KVTransport:
+        if self._transport is None:
+            raise MigrationError(ErrorKind.UNAVAILABLE, "this host path has no transport")
+        return self._transport
+
+    # ------------------------------------------------------------------ both roles
+
+    def advertise(self) -> dict[str, Any]:
+        return {
+            "session_id": self.transport.session_id,
+            "host_kv_data_ptrs": self.layout.data_ptrs,
+            "host_kv_data_lens": self.layout.data_lens,
+            "host_kv_item_lens": self.layout.item_lens,
+        }
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    # ------------------------------------------------------------------ target role
+
+    def held_prefix(self, input_ids: list[int], extra_key: str | None) -> sglang_adapter.HeldPrefix:
+        return sglang_adapter.match_held_prefix(self.cache, input_ids, extra_key)
+
+    def reserve(self, num_tokens: int) -> torch.Tensor:
+        return sglang_adapter.alloc_host_slots(self.cache, num_tokens)
+
+    def release(self, slots: torch.Tensor) -> None:
+        sglang_adapter.free_host_slots(self.cache, slots)
+
+    def insert(
+        self, anchor: TreeNode, key: RadixKey, anchor_length: int, slots: torch.Tensor
+    ) -> int:
+        # IMPORTANT: SGLang assumes every ancestor of a host-only node has a host copy
+        # (device eviction of a node without one asserts it is a leaf). The matched
+        # prefix, or device pages a concurrent insert added below it, may be device-only
+        # (write_through_selective, write_back, a full host pool): back them up before
+        # hanging host-only nodes below them. On failure nothing was inserted.
+        held = sglang_adapter.match_held_prefix(self.cache, key.token_ids, key.extra_key)
+        sglang_adapter.write_back_path(
+            self.cache, sglang_adapter.path_from_root(self.cache, held.last_node)
+        )
+        return sglang_adapter.insert_host_pages(self.cache, anchor, key, anchor_length, slots)
+
+    # ------------------------------------------------------------------ source role
+
+    def start_send(self, send: SendRange) -> SendJob:
+        target = send.target
+        try:
+            peer = HostPoolLayout.from_published(
+                data_ptrs=target.host_kv_data_ptrs,
+                data_lens=target.host_kv_data_lens,
+                item_lens=target.host_kv_item_lens,
+                page_size=self.layout.page_size,
+            )
+        except ValueError as e:
+            raise MigrationError(ErrorKind.BAD_REQUEST, f"target host pool: {e}") from None
+        if not target.session_id:
+            raise MigrationError(ErrorKind.BAD_REQUEST, "target has no transfer session_id")
+        pinned = sglang_adapter.pin_host_pages(
+            self.cache, send.input_ids, send.extra_key, send.start, send.end
+        )
+        return HostSendJob(self, pinned, peer, target.session_id, send.target_slots)
+
+
+class HostSendJob(SendJob):
+    def __init__(
+        self,
+        path: HostPath,
+        pinned: sglang_adapter.PinnedHostPages,
+        peer: HostPoolLayout,
+        peer_session_id: str,
+        target_slots: torch.Tensor,
+    ):
+        self._path = path
+        self._pinned: sglang_adapter.PinnedHostPages | None = pinned
+        self._peer = peer
+        self._peer_session_id = peer_session_id
+        self._target_slots = target_slots
+        self._handle: TransferHandle | None = None
+        self.stats = SendStats()
+
+    @property
+    def waiting(self) -> bool:
+        return self._handle is None and self.error is None
+
+    def poll(self) -> KVPoll:
+        if self.error is not None:
+            return KVPoll.FAILED
+        if self._handle is None:
+            if not sglang_adapter.host_pages_ready(self._path.cache, self._pinned):
+                return KVPoll.WAITING
+            try:
+                self._submit()
+            except MigrationError as e:
+                self.error = e
+                return KVPoll.FAILED
+            except ValueError as e:  # planning rejects inconsistent peer data
+                self.error = MigrationError(ErrorKind.BAD_REQUEST, str(e))
+                return KVPoll.FAILED
+        if not self._handle.done():
+            return KVPoll.TRANSFERRING
+        try:
+            stats = self._handle.result(timeout=0)
+        except MigrationError as e:
+            self.error = e
+            return KVPoll.FAILED
+        self.stats = SendStats(bytes=stats.bytes, seconds=stats.seconds)
+        return KVPoll.SUCCESS
+
+    def release(self) -> None:
+        if self._pinned is not None:
+            sglang_adapter.unpin_host_pages(self._pinned)
+            self._pinned = None
+
+    def _submit(self) -> None:
+        layout = self._path.layout
+        writes = plan_writes(layout, self._pinned.host_indices, self._peer, self._target_slots)
+        self._handle = self._path.transport.write(
+            self._peer_session_id, writes, regions_of(self._peer)
+        )
+
+
+def regions_of(layout: HostPoolLayout) -> list[MemoryRegion]:
+    """The memory regions of a host pool's buffers, for the transport."""
+    return [MemoryRegion(addr=b.ptr, length=b.length) for b in layout.buffers]

@@ -1,0 +1,255 @@
+"""TEST STAND-IN for SGLang's `/generate`, `/abort_request`, `/v1/loads`, `/get_load` and
+`/metrics`, served by a CPU mini server (`ServerSpec(extension=standin_factory(...))`).
+
+It is not SGLang. It imitates exactly the behaviour `request_migration` and `rebalancer`
+rely on, nothing more:
+
+- `/generate` (non-streaming, ``input_ids`` in, ``output_ids`` out): requests wait in a
+  queue, highest ``priority`` first (SGLang's default order), FIFO within a priority;
+  at most ``max_running`` run. Admission is the "prefill": ``meta_info.cached_tokens`` is
+  the prefix the server's real HiRadixCache holds (device + host), and the prompt's
+  page-aligned part is inserted into that cache. Each later step emits one token per
+  running request. A request finishes with ``{"type": "length"}`` after
+  ``max_new_tokens`` tokens or ``{"type": "stop"}`` on a ``stop_token_ids`` token; then
+  prompt + output[:-1] goes into the cache (as SGLang's ``cache_finished_req``), backed
+  up to the host pool so the migration source can send it.
+- Tokens are a pure function of the sequence so far (`next_token`), so a request that is
+  stopped, moved and resumed yields the same tokens as one uninterrupted run — what
+  greedy decoding gives on a real server.
+- `/abort_request {rid}`: like SGLang, every rid that *starts with* the given one; a
+  queued request returns at once with no output ("Abort in waiting queue"), a running one
+  after one more step, with its tokens so far; both with ``finish_reason.type == "abort"``.
+- `/v1/loads` and `/get_load`: SGLang's field names; ``num_total_tokens`` counts the
+  tokens of running requests plus the prompts waiting, against ``capacity_tokens``.
+- `/metrics`: ``metrics_text`` as configured (for cost-model tests).
+
+The engine state lives in rank 0's scheduler process: HTTP handlers (uvicorn thread) put
+work into a queue, and `tick()`, called by the mini server's loop between iterations,
+does all cache work on the scheduler thread, as SGLang would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import PlainTextResponse
+
+
+@dataclasses.dataclass
+class StandinConfig:
+    max_running: int = 1
+    step_s: float = 0.01  # one token per running request per step
+    capacity_tokens: int = 4096
+    metrics_text: str = ""
+    seed: int = 7  # random KV of inserted tokens
+
+
+def next_token(seq: list[int]) -> int:
+    """The stand-in's 'greedy' model: a pure function of the last tokens and the length."""
+    a, b = seq[-1], seq[-2] if len(seq) > 1 else 0
+    return 20_000 + (a * 7919 + b * 104_729 + len(seq) * 31) % 10_000
+
+
+def standin_factory(config: StandinConfig) -> Any:
+    """A picklable `ServerSpec.extension`: builds the engine in the server process."""
+    return _Factory(config)
+
+
+@dataclasses.dataclass
+class _Factory:
+    config: StandinConfig
+
+    def __call__(self, harness: Any) -> GenerateStandin:
+        return GenerateStandin(self.config, harness)
+
+
+@dataclasses.dataclass
+class _Req:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    stop_ids: set[int]
+    priority: int
+    order: int
+    reply: Any  # (loop, future)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0
+    abort: bool = False
+
+
+class GenerateStandin:
+    def __init__(self, config: StandinConfig, harness: Any):
+        self.config = config
+        self.harness = harness
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.waiting: list[_Req] = []
+        self.running: list[_Req] = []
+        self._order = 0
+        self._last_step = 0.0
+        self._lock = threading.Lock()
+        self._load: dict[str, int] = {"running": 0, "waiting": 0, "used": 0, "total": 0}
+
+    # -- HTTP side (uvicorn thread) -------------------------------------------------------
+
+    def add_routes(self, app: Any) -> None:
+        @app.post("/generate", response_model=None)
+        async def generate(request: Request) -> Any:
+            body = await request.json()
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            self.inbox.put(("generate", (body, (loop, future))))
+            return await future
+
+        @app.post("/abort_request", response_model=None)
+        async def abort_request(request: Request) -> Any:
+            self.inbox.put(("abort", (await request.json()).get("rid", "")))
+            return PlainTextResponse("")
+
+        @app.get("/v1/loads", response_model=None)
+        async def loads() -> Any:
+            load = self._load_dict()
+            return {"dp_rank_count": 1, "loads": [load]}
+
+        @app.get("/get_load", response_model=None)
+        async def get_load() -> Any:
+            load = self._load_dict()
+            return [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                    "num_waiting_reqs": load["num_waiting_reqs"],
+                    "num_tokens": load["num_total_tokens"],
+                    "num_pending_tokens": load["num_total_tokens"] - load["num_used_tokens"],
+                    "ts_tic": time.perf_counter(),
+                }
+            ]
+
+        @app.get("/metrics", response_model=None)
+        async def metrics() -> Any:
+            return PlainTextResponse(self.config.metrics_text)
+
+    def _load_dict(self) -> dict[str, Any]:
+        with self._lock:
+            load = dict(self._load)
+        capacity = self.config.capacity_tokens
+        return {
+            "dp_rank": 0,
+            "num_running_reqs": load["running"],
+            "num_waiting_reqs": load["waiting"],
+            "num_used_tokens": load["used"],
+            "num_total_tokens": load["total"],
+            "max_total_num_tokens": capacity,
+            "token_usage": round(load["used"] / capacity, 4),
+            "max_running_requests": self.config.max_running,
+        }
+
+    # -- scheduler side (rank 0's loop) ---------------------------------------------------
+
+    def tick(self) -> None:
+        while True:
+            try:
+                kind, payload = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "generate":
+                self._enqueue(*payload)
+            else:
+                self._abort(payload)
+        now = time.monotonic()
+        if now - self._last_step >= self.config.step_s and (self.running or self.waiting):
+            self._last_step = now
+            self._step()
+        self._publish_load()
+
+    def _enqueue(self, body: dict[str, Any], reply: Any) -> None:
+        params = body.get("sampling_params") or {}
+        self._order += 1
+        self.waiting.append(
+            _Req(
+                rid=body.get("rid") or f"standin-{self._order}",
+                input_ids=list(body["input_ids"]),
+                max_new_tokens=int(params.get("max_new_tokens", 128)),
+                stop_ids=set(params.get("stop_token_ids") or []),
+                priority=int(body.get("priority") or 0),
+                order=self._order,
+                reply=reply,
+            )
+        )
+
+    def _abort(self, rid: str) -> None:
+        for req in [r for r in self.waiting if r.rid.startswith(rid)]:
+            self.waiting.remove(req)
+            self._answer(req, {"type": "abort", "message": "Abort in waiting queue"})
+        for req in self.running:
+            if req.rid.startswith(rid):
+                req.abort = True
+
+    def _step(self) -> None:
+        # Running requests first (one token each), then admissions (prefill + first token).
+        for req in list(self.running):
+            self._emit(req)
+        self.waiting.sort(key=lambda r: (-r.priority, r.order))
+        while self.waiting and len(self.running) < self.config.max_running:
+            req = self.waiting.pop(0)
+            match = self.harness.match(req.input_ids)
+            req.cached_tokens = len(match.device_indices) + match.host_hit_length
+            self._insert(req.input_ids)
+            self.running.append(req)
+            self._emit(req)
+
+    def _emit(self, req: _Req) -> None:
+        token = next_token(req.input_ids + req.output_ids)
+        req.output_ids.append(token)
+        if req.abort:
+            reason: dict[str, Any] | None = {"type": "abort", "message": "Aborted"}
+        elif token in req.stop_ids:
+            reason = {"type": "stop", "matched": token}
+        elif len(req.output_ids) >= req.max_new_tokens:
+            reason = {"type": "length", "length": req.max_new_tokens}
+        else:
+            return
+        self.running.remove(req)
+        self._insert(req.input_ids + req.output_ids[:-1])
+        self._answer(req, reason)
+
+    def _insert(self, token_ids: list[int]) -> None:
+        if len(token_ids) < self.harness.cfg.page_size:
+            return
+        self.harness.insert_random(token_ids, seed=self.config.seed)
+        self.harness.write_back_all()
+
+    def _answer(self, req: _Req, finish_reason: dict[str, Any]) -> None:
+        out = {
+            "output_ids": list(req.output_ids),
+            "meta_info": {
+                "id": req.rid,
+                "finish_reason": finish_reason,
+                "prompt_tokens": len(req.input_ids),
+                "completion_tokens": len(req.output_ids),
+                "cached_tokens": req.cached_tokens,
+            },
+        }
+        loop, future = req.reply
+        loop.call_soon_threadsafe(_set_result, future, out)
+
+    def _publish_load(self) -> None:
+        used = sum(len(r.input_ids) + len(r.output_ids) for r in self.running)
+        pending = sum(len(r.input_ids) for r in self.waiting)
+        with self._lock:
+            self._load = {
+                "running": len(self.running),
+                "waiting": len(self.waiting),
+                "used": used,
+                "total": used + pending,
+            }
+
+
+def _set_result(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)

@@ -1,0 +1,268 @@
+"""`migrate_request` against CPU mini servers with the `/generate` stand-in.
+
+The servers are `mini_server`s (real HiRadixCache, real migration routes and Mooncake TCP
+on 127.0.0.1) extended with `generate_standin`, a test stand-in for SGLang's
+`/generate` and `/abort_request` whose tokens are a pure function of the sequence: a
+request that is stopped, moved and resumed must give exactly the tokens of one
+uninterrupted run (`expected_output`). Failures are injected on the client's side of the
+migration calls (an httpx transport that answers 503 for one route), so each phase fails
+against otherwise real servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from generate_standin import StandinConfig, next_token, standin_factory
+from mini_server import ServerHandle, ServerSpec, start_servers
+from sglang_kv_migration.client import MigrationClient
+from sglang_kv_migration.cost_model import CostModel, MigrationCosts, PrefillCosts
+from sglang_kv_migration.request_migration import (
+    AsyncRequestMigrator,
+    GenerateRequest,
+    RequestMigrator,
+    migrate_request,
+)
+
+PAGE = 16
+STEP_S = 0.01
+
+
+def _seq(start: int, length: int) -> list[int]:
+    return list(range(start, start + length))
+
+
+# The source holds this conversation prefix from the start (a previous turn).
+QUEUED_HISTORY = _seq(3000, 3 * PAGE)
+
+
+@dataclass
+class Servers:
+    source: ServerHandle
+    target: ServerHandle
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[Servers]:
+    engine = standin_factory(StandinConfig(max_running=1, step_s=STEP_S))
+    handles = start_servers(
+        [
+            ServerSpec(extension=engine, preload=[(QUEUED_HISTORY, 1)]),
+            ServerSpec(extension=engine),
+        ]
+    )
+    try:
+        yield Servers(*handles)
+    finally:
+        for handle in handles:
+            handle.stop()
+
+
+def expected_output(prompt: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(next_token(prompt + out))
+    return out
+
+
+# Migration always looks cheaper than recomputation, so the moves below really migrate.
+ALWAYS_MIGRATE = CostModel(
+    MigrationCosts(bandwidth_bytes_per_s=1e12, overhead_s=0.0), PrefillCosts(seconds_per_token=1.0)
+)
+
+
+class FailOn(httpx.BaseTransport):
+    """Answers 503 for one route; everything else goes to the real server."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.hits = 0
+        self._real = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == self.path:
+            self.hits += 1
+            return httpx.Response(503, json={"success": False, "message": "injected failure"})
+        return self._real.handle_request(request)
+
+    def close(self) -> None:
+        self._real.close()
+
+
+def _wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.01)
+
+
+async def _until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        await asyncio.sleep(0.01)
+
+
+def _load(server: ServerHandle) -> dict:
+    return httpx.get(server.url + "/v1/loads", timeout=10).json()["loads"][0]
+
+
+def _start_running(migrator: RequestMigrator, server: ServerHandle, prompt: list[int], n: int):
+    """Submit a request and return its handle once it has run a few steps."""
+    handle = migrator.submit(server.url, GenerateRequest(prompt, {"max_new_tokens": n}))
+    _wait_until(lambda: _load(server)["num_running_reqs"] == 1)
+    time.sleep(0.05)
+    return handle
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_running_request_moves_with_its_kv(servers: Servers) -> None:
+    prompt = _seq(1000, 2 * PAGE + 7)
+    with RequestMigrator(cost_model=ALWAYS_MIGRATE) as migrator:
+        handle = migrator.submit(
+            servers.source.url,
+            GenerateRequest(prompt, {"max_new_tokens": 60, "temperature": 0.0}, priority=3),
+        )
+        _wait_until(lambda: _load(servers.source)["num_running_reqs"] == 1)
+        time.sleep(0.15)  # some tokens on the source
+        out = migrate_request(handle, servers.target.url)
+
+    assert out.output_ids == expected_output(prompt, 60)
+    assert out.finish_reason == {"type": "length", "length": 60}
+    assert out.prompt_ids == prompt
+    first, second = out.segments
+    assert (first.server_url, first.kind) == (servers.source.url, "original")
+    assert first.finish_reason["type"] == "abort"
+    assert 0 < len(first.output_ids) < 60
+    assert (second.server_url, second.kind) == (servers.target.url, "migrated")
+    assert len(first.output_ids) + len(second.output_ids) == 60
+    (move,) = out.moves
+    assert move.outcome == "migrated" and move.generated_before_move == len(first.output_ids)
+    assert move.estimate is not None and move.estimate.decision == "migrate"
+    # The page-aligned part of prompt + generated[:-1] moved, and the target served it
+    # from cache.
+    moved_len = (len(prompt) + len(first.output_ids) - 1) // PAGE * PAGE
+    assert move.migration.migrated_token_size == moved_len
+    assert move.migration.migrated_bytes > 0
+    assert second.cached_tokens == move.migration.matched_after_commit == moved_len
+
+
+def test_queued_request_moves_its_history(servers: Servers) -> None:
+    """A request queued behind another: nothing generated yet, but the conversation so far
+    (cached from an earlier turn) moves."""
+    blocker_prompt = _seq(4000, PAGE)
+    prompt = QUEUED_HISTORY + _seq(3100, 9)
+
+    async def scenario() -> tuple:
+        async with AsyncRequestMigrator(cost_model=ALWAYS_MIGRATE) as migrator:
+            blocker = await migrator.submit(
+                servers.source.url, GenerateRequest(blocker_prompt, {"max_new_tokens": 40})
+            )
+            await _until(lambda: _load(servers.source)["num_running_reqs"] == 1)
+            queued = await migrator.submit(
+                servers.source.url, GenerateRequest(prompt, {"max_new_tokens": 12}, priority=9)
+            )
+            await _until(lambda: _load(servers.source)["num_waiting_reqs"] == 1)
+            assert {h.request.rid for h in migrator.live()} == {
+                blocker.request.rid,
+                queued.request.rid,
+            }
+            out = await migrator.migrate_request(queued, servers.target.url)
+            return out, await blocker.result()
+
+    out, blocker_out = asyncio.run(scenario())
+    assert out.output_ids == expected_output(prompt, 12)
+    first, second = out.segments
+    assert first.output_ids == [] and first.finish_reason["type"] == "abort"
+    assert second.server_url == servers.target.url and second.kind == "migrated"
+    (move,) = out.moves
+    assert move.migration.migrated_token_size == len(QUEUED_HISTORY)
+    assert second.cached_tokens == len(QUEUED_HISTORY)
+    # The request ahead of it was not disturbed.
+    assert blocker_out.output_ids == expected_output(blocker_prompt, 40)
+    assert [s.kind for s in blocker_out.segments] == ["original"]
+
+
+PHASE_ROUTES = {
+    "session_info": "/get_transfer_session_info",
+    "extra_token_size": "/get_request_extra_token_size",
+    "allocate": "/allocate_token_for_transfer",
+    "transfer": "/transfer_request_kvcache",
+    "commit": "/commit",
+}
+
+
+@pytest.mark.parametrize("phase", list(PHASE_ROUTES))
+def test_failure_at_each_phase_falls_back_to_reprefill(servers: Servers, phase: str) -> None:
+    prompt = _seq(5000 + 100 * list(PHASE_ROUTES).index(phase), PAGE + 5)
+    transport = FailOn(PHASE_ROUTES[phase])
+    client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
+    with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as migrator:
+        handle = _start_running(migrator, servers.source, prompt, 30)
+        out = migrate_request(handle, servers.target.url)
+
+    assert transport.hits >= 1
+    assert out.output_ids == expected_output(prompt, 30)
+    assert out.finish_reason["type"] == "length"
+    (move,) = out.moves
+    assert move.outcome == "fell_back" and move.resumed_on == servers.target.url
+    assert "injected failure" in move.failure
+    assert [s.kind for s in out.segments] == ["original", "reprefill"]
+    # Nothing was committed on the target: it recomputed the whole prefix.
+    assert out.segments[1].cached_tokens == 0
+
+
+def test_failure_can_resume_on_the_source(servers: Servers) -> None:
+    prompt = _seq(6000, 2 * PAGE + 1)
+    client = MigrationClient(http_client=httpx.Client(transport=FailOn("/commit"), timeout=30))
+    with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as migrator:
+        handle = _start_running(migrator, servers.source, prompt, 30)
+        out = migrator.migrate_request(handle, servers.target.url, on_failure="source")
+
+    assert out.output_ids == expected_output(prompt, 30)
+    assert [(s.server_url, s.kind) for s in out.segments] == [
+        (servers.source.url, "original"),
+        (servers.source.url, "resumed_on_source"),
+    ]
+    # The source still held the request's KV: its resumed piece hit the cache.
+    assert out.segments[1].cached_tokens > 0
+
+
+def test_cost_model_says_recompute(servers: Servers) -> None:
+    prompt = _seq(7000, PAGE + 3)
+    slow_path = CostModel(
+        MigrationCosts(bandwidth_bytes_per_s=1.0, overhead_s=10.0),
+        PrefillCosts(seconds_per_token=1e-6),
+    )
+    with RequestMigrator(cost_model=slow_path) as migrator:
+        handle = _start_running(migrator, servers.source, prompt, 30)
+        out = migrate_request(handle, servers.target.url)
+
+    assert out.output_ids == expected_output(prompt, 30)
+    (move,) = out.moves
+    assert move.outcome == "recomputed" and move.migration is None
+    assert move.estimate.decision == "recompute"
+    assert move.estimate.migrate_s > move.estimate.recompute_s
+    assert move.estimate.tokens > 0 and move.estimate.nbytes > 0  # priced from session info
+    assert out.segments[1].kind == "reprefill"
+
+
+def test_finished_request_is_not_moved(servers: Servers) -> None:
+    prompt = _seq(8000, 5)
+    with RequestMigrator() as migrator:
+        handle = migrator.submit(servers.source.url, GenerateRequest(prompt, {"max_new_tokens": 3}))
+        done = handle.result(timeout=30)
+        report = migrator.move_request(handle, servers.target.url)
+    assert done.output_ids == expected_output(prompt, 3)
+    assert report.outcome == "finished_before_move" and report.resumed_on == ""
+    with pytest.raises(ValueError, match="already runs"):
+        RequestMigrator().move_request(handle, servers.source.url)
