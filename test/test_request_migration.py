@@ -22,6 +22,7 @@ from generate_standin import StandinConfig, next_token, standin_factory
 from mini_server import ServerHandle, ServerSpec, start_servers
 from sglang_kv_migration.client import MigrationClient
 from sglang_kv_migration.cost_model import CostModel, MigrationCosts, PrefillCosts
+from sglang_kv_migration.rebalancer import RebalancePolicy, Rebalancer
 from sglang_kv_migration.request_migration import (
     AsyncRequestMigrator,
     GenerateRequest,
@@ -47,14 +48,20 @@ class Servers:
     target: ServerHandle
 
 
+# Earlier turns of the conversations the rebalancer test queues on the source.
+REBALANCE_HISTORIES = [_seq(10_000 + 1000 * i, 2 * PAGE) for i in range(3)]
+SOURCE_CAPACITY = 200  # tokens: a few queued prompts put the source under KV pressure
+
+
 @pytest.fixture(scope="module")
 def servers() -> Iterator[Servers]:
-    engine = standin_factory(StandinConfig(max_running=1, step_s=STEP_S))
+    source = standin_factory(
+        StandinConfig(max_running=1, step_s=STEP_S, capacity_tokens=SOURCE_CAPACITY)
+    )
+    target = standin_factory(StandinConfig(max_running=1, step_s=STEP_S, capacity_tokens=100_000))
+    preload = [(QUEUED_HISTORY, 1)] + [(h, 2 + i) for i, h in enumerate(REBALANCE_HISTORIES)]
     handles = start_servers(
-        [
-            ServerSpec(extension=engine, preload=[(QUEUED_HISTORY, 1)]),
-            ServerSpec(extension=engine),
-        ]
+        [ServerSpec(extension=source, preload=preload), ServerSpec(extension=target)]
     )
     try:
         yield Servers(*handles)
@@ -266,3 +273,56 @@ def test_finished_request_is_not_moved(servers: Servers) -> None:
     assert report.outcome == "finished_before_move" and report.resumed_on == ""
     with pytest.raises(ValueError, match="already runs"):
         RequestMigrator().move_request(handle, servers.source.url)
+
+
+# --------------------------------------------------------------------------- rebalancer
+
+
+def test_rebalancer_moves_queued_high_priority_requests(servers: Servers) -> None:
+    """The source runs one long low-priority request and queues three others (each with a
+    cached earlier turn); the rebalancer moves the queued ones, highest priority first,
+    two at a time, and stops by itself once everything finished."""
+    blocker_prompt = _seq(13_000, PAGE)
+    prompts = [h + _seq(14_000 + 100 * i, 5) for i, h in enumerate(REBALANCE_HISTORIES)]
+    priorities = [1, 9, 5]
+    policy = RebalancePolicy(
+        kv_pressure=0.3, target_max_ratio=0.5, max_concurrent=2, mode="migrate"
+    )
+
+    async def scenario() -> tuple:
+        async with AsyncRequestMigrator() as migrator:
+            blocker = await migrator.submit(
+                servers.source.url,
+                GenerateRequest(blocker_prompt, {"max_new_tokens": 80}, priority=0),
+            )
+            await _until(lambda: _load(servers.source)["num_running_reqs"] == 1)
+            queued = [
+                await migrator.submit(
+                    servers.source.url, GenerateRequest(p, {"max_new_tokens": 10}, priority=prio)
+                )
+                for p, prio in zip(prompts, priorities, strict=True)
+            ]
+            await _until(lambda: _load(servers.source)["num_waiting_reqs"] == 3)
+            rebalancer = Rebalancer(migrator, [servers.source.url, servers.target.url], policy)
+            first_round = await rebalancer.step()
+            summary = await rebalancer.run(max_rounds=300, interval_s=0.02)
+            outs = [await h.result() for h in queued]
+            return first_round, summary, outs, await blocker.result(), queued
+
+    first_round, summary, outs, blocker_out, queued = asyncio.run(scenario())
+    # Round one: the two most urgent, to the idle target; the third follows later.
+    assert [m.handle for m in first_round] == [queued[1], queued[2]]
+    assert {(m.source_url, m.target_url) for m in first_round} == {
+        (servers.source.url, servers.target.url)
+    }
+    assert summary.moves_started == 3 and summary.errors == []
+    assert summary.outcomes == {"migrated": 3}
+    assert summary.rounds < 300  # stopped by itself once idle
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.output_ids == expected_output(prompt, 10)
+        assert [s.server_url for s in out.segments] == [servers.source.url, servers.target.url]
+        assert out.segments[1].cached_tokens == 2 * PAGE  # the earlier turn moved
+        assert out.moves[0].migration.migrated_token_size == 2 * PAGE
+    # The running low-priority request stayed where it was.
+    assert [s.kind for s in blocker_out.segments] == ["original"]
+    assert blocker_out.output_ids == expected_output(blocker_prompt, 80)

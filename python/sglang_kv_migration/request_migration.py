@@ -21,15 +21,16 @@ passes the in-flight response to `adopt` instead. Either way the caller then wai
    `abort_retry_s` (an abort that arrives before the tokenizer registered the rid is
    dropped by SGLang) until the source's call returns, at most `abort_timeout_s`;
 2. if the request finished on its own meanwhile, that is the result (nothing moves);
-3. else prices the move with the `CostModel` (tokens the source holds beyond the target),
-   migrates ``(prompt + generated)[:-1]`` with `AsyncMigrationClient.migrate` (SGLang
-   recomputes the last token anyway), and resumes on the target with the same sampling
+3. else migrates ``(prompt + generated)[:-1]`` with `AsyncMigrationClient.migrate` (SGLang
+   recomputes the last token anyway) and resumes on the target with the same sampling
    parameters, the remaining ``max_new_tokens`` (and ``min_new_tokens``) and the same
-   priority;
-4. if the cost model says `recompute`, the target re-prefills; if the migration fails at
-   any phase, the request resumes by re-prefill on the target (``on_failure="target"``) or
-   on the source, whose cache still holds its KV (``on_failure="source"``); if the source
-   never answers the abort (or its call failed), the request restarts on the target from
+   priority. With ``mode="auto"`` (the default) the `CostModel` first prices the tokens
+   the source holds beyond the target, and a `recompute` verdict skips the migration;
+4. with a `recompute` verdict (or ``mode="recompute"``) the target re-prefills; if the
+   migration fails at any phase, the request resumes by re-prefill on the target
+   (``on_failure="target"``) or on the source, whose cache still holds its KV
+   (``on_failure="source"``); if the source never answers the abort (or its call
+   failed), the request restarts on the target from
    the last known tokens. The caller never loses the request.
 
 Resumed pieces get new rids (SGLang aborts every rid that *starts with* the one given, so
@@ -75,6 +76,9 @@ DEFAULT_GENERATE_TIMEOUT_S = 3600.0
 SegmentKind = Literal["original", "migrated", "reprefill", "resumed_on_source", "restarted"]
 MoveOutcome = Literal["migrated", "recomputed", "fell_back", "finished_before_move", "restarted"]
 FailureTarget = Literal["target", "source"]
+# "auto": the cost model decides; "migrate": always migrate; "recompute": never (abort and
+# re-prefill on the target: the baseline every RL framework uses today).
+MoveMode = Literal["auto", "migrate", "recompute"]
 T = TypeVar("T")
 
 
@@ -336,7 +340,7 @@ class AsyncRequestMigrator:
         target_url: str,
         *,
         on_failure: FailureTarget = "target",
-        use_cost_model: bool = True,
+        mode: MoveMode = "auto",
         path: str | None = None,
     ) -> MoveReport:
         """Stop the request on its server and resume it on `target_url`; returns once the
@@ -365,7 +369,7 @@ class AsyncRequestMigrator:
                 handle._finish(reply)
                 return report
             generated = handle._add_segment(reply)
-            return await self._place(move, generated, on_failure, use_cost_model, path)
+            return await self._place(move, generated, on_failure, mode, path)
         except BaseException:
             handle._moving = False
             raise
@@ -428,7 +432,7 @@ class AsyncRequestMigrator:
         move: _Move,
         generated: list[int],
         on_failure: FailureTarget,
-        use_cost_model: bool,
+        mode: MoveMode,
         path: str | None,
     ) -> MoveReport:
         """Price, migrate and resume the rest of the request (steps 3 and 4)."""
@@ -436,9 +440,13 @@ class AsyncRequestMigrator:
         rest = handle._piece.continuation(generated)
         ids = rest.input_ids[:-1]  # SGLang computes the last token in any case
         t0 = time.perf_counter()
+        if mode == "recompute":
+            move.seconds["migrate"] = 0.0
+            report = move.report("recomputed", target_url, len(generated))
+            return self._resume(handle, rest, target_url, "reprefill", report)
         try:
             estimate = await self._estimate(source_url, target_url, ids, rest.extra_key)
-            if use_cost_model and estimate.decision == "recompute":
+            if mode == "auto" and estimate.decision == "recompute":
                 move.seconds["migrate"] = time.perf_counter() - t0
                 report = move.report("recomputed", target_url, len(generated), estimate=estimate)
                 return self._resume(handle, rest, target_url, "reprefill", report)
