@@ -12,6 +12,7 @@ against otherwise real servers.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import httpx
 import pytest
 from generate_standin import StandinConfig, next_token, standin_factory
 from mini_server import ServerHandle, ServerSpec, start_servers
+from sglang_kv_migration import cli
 from sglang_kv_migration.client import MigrationClient
 from sglang_kv_migration.cost_model import CostModel, MigrationCosts, PrefillCosts
 from sglang_kv_migration.rebalancer import RebalancePolicy, Rebalancer
@@ -50,6 +52,7 @@ class Servers:
 
 # Earlier turns of the conversations the rebalancer test queues on the source.
 REBALANCE_HISTORIES = [_seq(10_000 + 1000 * i, 2 * PAGE) for i in range(3)]
+CLI_HISTORIES = [_seq(15_000, 2 * PAGE), _seq(16_000, 2 * PAGE)]
 SOURCE_CAPACITY = 200  # tokens: a few queued prompts put the source under KV pressure
 
 
@@ -59,7 +62,8 @@ def servers() -> Iterator[Servers]:
         StandinConfig(max_running=1, step_s=STEP_S, capacity_tokens=SOURCE_CAPACITY)
     )
     target = standin_factory(StandinConfig(max_running=1, step_s=STEP_S, capacity_tokens=100_000))
-    preload = [(QUEUED_HISTORY, 1)] + [(h, 2 + i) for i, h in enumerate(REBALANCE_HISTORIES)]
+    histories = [QUEUED_HISTORY, *REBALANCE_HISTORIES, *CLI_HISTORIES]
+    preload = [(h, 1 + i) for i, h in enumerate(histories)]
     handles = start_servers(
         [ServerSpec(extension=source, preload=preload), ServerSpec(extension=target)]
     )
@@ -326,3 +330,47 @@ def test_rebalancer_moves_queued_high_priority_requests(servers: Servers) -> Non
     # The running low-priority request stayed where it was.
     assert [s.kind for s in blocker_out.segments] == ["original"]
     assert blocker_out.output_ids == expected_output(blocker_prompt, 80)
+
+
+def test_rebalance_cli_runs_a_batch(servers: Servers, tmp_path, capsys) -> None:
+    prompts = [CLI_HISTORIES[0] + _seq(15_500, 3), CLI_HISTORIES[1] + _seq(16_500, 4)]
+    lines = [
+        {"server": servers.source.url, "input_ids": prompts[0], "priority": 5,
+         "sampling_params": {"max_new_tokens": 50}},
+        {"server": servers.source.url, "input_ids": prompts[1], "priority": 1,
+         "sampling_params": {"max_new_tokens": 8}},
+    ]  # fmt: skip
+    requests = tmp_path / "work.jsonl"
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output = tmp_path / "out.jsonl"
+    server_args = ["--server", servers.source.url, "--server", servers.target.url]
+    code = cli.main(
+        ["rebalance", *server_args, "--requests", str(requests), "--output", str(output),
+         "--mode", "migrate", "--kv-pressure", "0.1", "--interval", "0.02", "--max-rounds", "300"]
+    )  # fmt: skip
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["requests"] == summary["finished"] == 2
+    assert summary["moves_started"] == 1 and summary["outcomes"] == {"migrated": 1}
+    results = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["output_ids"] for r in results] == [
+        expected_output(prompts[0], 50),
+        expected_output(prompts[1], 8),
+    ]
+    moved = [r for r in results if r["moves"]]
+    assert len(moved) == 1 and moved[0]["segments"][1]["cached_tokens"] == 2 * PAGE
+
+
+def test_rebalance_cli_watch_and_bad_arguments(servers: Servers, capsys) -> None:
+    server_args = ["--server", servers.source.url, "--server", servers.target.url]
+    assert cli.main(["rebalance", *server_args, "--max-rounds", "2", "--interval", "0.01"]) == 0
+    rounds = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["round"] for r in rounds] == [0, 1]
+    assert set(rounds[0]["loads"]) == {servers.source.url, servers.target.url}
+    assert all(load["ok"] for load in rounds[0]["loads"].values())
+    # An unreachable server makes the watch fail; a missing --server is a usage error.
+    down = ["--server", "http://127.0.0.1:9", "--max-rounds", "1"]
+    assert cli.main(["rebalance", *server_args, *down]) == 1
+    with pytest.raises(SystemExit) as usage:
+        cli.main(["rebalance"])
+    assert usage.value.code == 2

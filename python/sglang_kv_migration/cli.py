@@ -6,6 +6,9 @@
 `--input-ids-file F` reads ids from a JSON list or whitespace/comma separated text
 ("-" for stdin). Exit status: 0 migrated (or nothing to move), 1 migration failed,
 2 bad arguments.
+
+`sglang-kv-migrate rebalance --server URL --server URL ...` watches servers or runs a
+batch of requests with rebalancing (`rebalance_cli.py`; same exit statuses).
 """
 
 from __future__ import annotations
@@ -15,10 +18,14 @@ import json
 import re
 import sys
 
+from sglang_kv_migration import rebalance_cli
 from sglang_kv_migration.client import DEFAULT_TIMEOUT_S, MigrationClient, MigrationFailed
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["rebalance"]:
+        return rebalance_cli.main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:

@@ -224,6 +224,10 @@ class RequestHandle:
     async def result(self) -> RequestOutput:
         return await asyncio.shield(self._done)
 
+    def output(self) -> RequestOutput:
+        """The whole output once `done()`; raises like `asyncio.Future.result()`."""
+        return self._done.result()
+
     # -- internals used by the migrator --------------------------------------------------
 
     def _watch(self, response: Awaitable[Any]) -> asyncio.Task[Any]:
