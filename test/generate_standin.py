@@ -12,7 +12,8 @@ rely on, nothing more:
   running request. A request finishes with ``{"type": "length"}`` after
   ``max_new_tokens`` tokens or ``{"type": "stop"}`` on a ``stop_token_ids`` token; then
   prompt + output[:-1] goes into the cache (as SGLang's ``cache_finished_req``), backed
-  up to the host pool so the migration source can send it.
+  up to the host pool so the migration source can send it. ``return_logprob`` adds
+  ``meta_info.output_token_logprobs`` (a dummy logprob per output token).
 - Tokens are a pure function of the sequence so far (`next_token`), so a request that is
   stopped, moved and resumed yields the same tokens as one uninterrupted run — what
   greedy decoding gives on a real server.
@@ -78,6 +79,7 @@ class _Req:
     priority: int
     order: int
     reply: Any  # (loop, future)
+    return_logprob: bool = False
     output_ids: list[int] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
     abort: bool = False
@@ -179,6 +181,7 @@ class GenerateStandin:
                 priority=int(body.get("priority") or 0),
                 order=self._order,
                 reply=reply,
+                return_logprob=bool(body.get("return_logprob")),
             )
         )
 
@@ -235,6 +238,8 @@ class GenerateStandin:
                 "cached_tokens": req.cached_tokens,
             },
         }
+        if req.return_logprob:  # SGLang's shape: (logprob, token id, text) per token
+            out["meta_info"]["output_token_logprobs"] = [[-1.0, t, None] for t in req.output_ids]
         loop, future = req.reply
         loop.call_soon_threadsafe(_set_result, future, out)
 

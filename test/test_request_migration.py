@@ -141,7 +141,12 @@ def test_running_request_moves_with_its_kv(servers: Servers) -> None:
     with RequestMigrator(cost_model=ALWAYS_MIGRATE) as migrator:
         handle = migrator.submit(
             servers.source.url,
-            GenerateRequest(prompt, {"max_new_tokens": 60, "temperature": 0.0}, priority=3),
+            GenerateRequest(
+                prompt,
+                {"max_new_tokens": 60, "temperature": 0.0},
+                priority=3,
+                extra_body={"return_logprob": True},
+            ),
         )
         _wait_until(lambda: _load(servers.source)["num_running_reqs"] == 1)
         time.sleep(0.15)  # some tokens on the source
@@ -150,6 +155,9 @@ def test_running_request_moves_with_its_kv(servers: Servers) -> None:
     assert out.output_ids == expected_output(prompt, 60)
     assert out.finish_reason == {"type": "length", "length": 60}
     assert out.prompt_ids == prompt
+    # Per-token extras of both pieces are joined like the tokens.
+    assert [t for _, t, _ in out.meta_info["output_token_logprobs"]] == out.output_ids
+    assert out.meta_info["completion_tokens"] == 60
     first, second = out.segments
     assert (first.server_url, first.kind) == (servers.source.url, "original")
     assert first.finish_reason["type"] == "abort"

@@ -70,7 +70,13 @@ from sglang_kv_migration.cost_model import (
 
 logger = logging.getLogger(__name__)
 
-SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams.max_new_tokens in SGLang 0.5.12
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+# meta_info fields with one entry per output token: joined across pieces in the result.
+_PER_TOKEN_META = (
+    "output_token_logprobs",
+    "output_top_logprobs",
+    "output_token_ids_logprobs",
+)  # SamplingParams.max_new_tokens in SGLang 0.5.12
 DEFAULT_GENERATE_TIMEOUT_S = 3600.0
 
 SegmentKind = Literal["original", "migrated", "reprefill", "resumed_on_source", "restarted"]
@@ -135,6 +141,7 @@ class Segment:
     output_ids: list[int]
     finish_reason: dict[str, Any] | None
     cached_tokens: int | None  # the server's meta_info.cached_tokens, if it said
+    meta_info: dict[str, Any] = field(default_factory=dict)  # that piece's, as returned
 
 
 @dataclass(frozen=True)
@@ -257,6 +264,7 @@ class RequestHandle:
                 output_ids=output_ids,
                 finish_reason=meta.get("finish_reason"),
                 cached_tokens=meta.get("cached_tokens"),
+                meta_info=meta,
             )
         )
         return output_ids
@@ -268,6 +276,9 @@ class RequestHandle:
         meta = dict(reply.get("meta_info", {}))
         meta["prompt_tokens"] = len(self.request.input_ids)
         meta["completion_tokens"] = len(output_ids)
+        for key in _PER_TOKEN_META:  # e.g. logprobs: one entry per output token, per piece
+            if len(self.segments) > 1 and all(key in s.meta_info for s in self.segments):
+                meta[key] = [x for s in self.segments for x in s.meta_info[key]]
         finish = meta.get("finish_reason")
         if isinstance(finish, dict) and finish.get("type") == "length":
             finish = meta["finish_reason"] = {**finish, "length": self.request.max_new_tokens}
