@@ -12,6 +12,7 @@ against otherwise real servers.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 from collections.abc import Iterator
@@ -285,6 +286,49 @@ def test_finished_request_is_not_moved(servers: Servers) -> None:
     assert report.outcome == "finished_before_move" and report.resumed_on == ""
     with pytest.raises(ValueError, match="already runs"):
         RequestMigrator().move_request(handle, servers.source.url)
+
+
+def test_adopted_call_moves(servers: Servers) -> None:
+    """The caller sent /generate itself (with its rid) and hands the in-flight call over."""
+    prompt = _seq(8500, PAGE + 9)
+    request = GenerateRequest(prompt, {"max_new_tokens": 40})
+    with (
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+        RequestMigrator(cost_model=ALWAYS_MIGRATE) as migrator,
+    ):
+        call = pool.submit(
+            lambda: (
+                httpx.post(servers.source.url + "/generate", json=request.body(), timeout=60)
+                .raise_for_status()
+                .json()
+            )
+        )
+        _wait_until(lambda: _load(servers.source)["num_running_reqs"] == 1)
+        time.sleep(0.05)
+        handle = migrator.adopt(servers.source.url, request, call)
+        out = migrate_request(handle, servers.target.url)
+    assert out.rid == request.rid
+    assert out.output_ids == expected_output(prompt, 40)
+    assert [s.kind for s in out.segments] == ["original", "migrated"]
+    assert out.segments[0].rid == request.rid != out.segments[1].rid
+
+
+def test_source_that_never_answers_restarts_on_the_target(servers: Servers) -> None:
+    prompt = _seq(8700, 7)
+
+    async def scenario() -> tuple:
+        async with AsyncRequestMigrator(abort_retry_s=0.05, abort_timeout_s=0.3) as migrator:
+            never = asyncio.get_running_loop().create_future()  # a call that never returns
+            request = GenerateRequest(prompt, {"max_new_tokens": 5})
+            handle = await migrator.adopt(servers.source.url, request, never)
+            report = await migrator.move_request(handle, servers.target.url)
+            return report, await handle.result(), never
+
+    report, out, never = asyncio.run(scenario())
+    assert report.outcome == "restarted" and "did not return" in report.failure
+    assert never.cancelled()
+    assert out.output_ids == expected_output(prompt, 5)
+    assert [(s.server_url, s.kind) for s in out.segments] == [(servers.target.url, "restarted")]
 
 
 # --------------------------------------------------------------------------- rebalancer

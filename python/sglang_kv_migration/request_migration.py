@@ -244,8 +244,8 @@ class RequestHandle:
         return task
 
     def _on_piece_done(self, task: asyncio.Task[Any]) -> None:
-        if self._moving or self._done.done():
-            return  # `move_request` reads this piece's reply itself
+        if self._moving or self._done.done() or task is not self._call:
+            return  # `move_request` reads this piece's reply itself, or it was replaced
         if task.cancelled():
             self._done.set_exception(GenerateFailed(f"request {self.rid} was cancelled"))
         elif task.exception() is not None:
