@@ -137,6 +137,26 @@ def _start_running(migrator: RequestMigrator, server: ServerHandle, prompt: list
 # --------------------------------------------------------------------------- tests
 
 
+def test_continuation_and_finished_by() -> None:
+    params = {"max_new_tokens": 10, "min_new_tokens": 4, "stop_token_ids": [7]}
+    req = GenerateRequest([1, 2, 3], params, priority=2, extra_key="k",
+                          extra_body={"return_logprob": True})  # fmt: skip
+    rest = req.continuation([5, 6])
+    assert rest.input_ids == [1, 2, 3, 5, 6]
+    assert rest.sampling_params == {"max_new_tokens": 8, "min_new_tokens": 2, "stop_token_ids": [7]}
+    assert rest.rid != req.rid and (rest.priority, rest.extra_key) == (2, "k")
+    body = rest.body()
+    assert (body["return_logprob"], body["priority"], body["rid"]) == (True, 2, rest.rid)
+    assert req.sampling_params["max_new_tokens"] == 10  # the original is untouched
+    eos = frozenset({2})
+    assert req.finished_by([5], eos) is None
+    assert req.finished_by([5, 7], eos) == {"type": "stop", "matched": 7}
+    assert req.finished_by([5, 2], eos) == {"type": "stop", "matched": 2}
+    no_eos = GenerateRequest([1], {"max_new_tokens": 10, "ignore_eos": True})
+    assert no_eos.finished_by([5, 2], eos) is None
+    assert req.finished_by(list(range(20, 30)), eos) == {"type": "length", "length": 10}
+
+
 def test_running_request_moves_with_its_kv(servers: Servers) -> None:
     prompt = _seq(1000, 2 * PAGE + 7)
     with RequestMigrator(cost_model=ALWAYS_MIGRATE) as migrator:

@@ -50,7 +50,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -70,13 +70,9 @@ from sglang_kv_migration.cost_model import (
 
 logger = logging.getLogger(__name__)
 
-SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams.max_new_tokens in SGLang 0.5.12
 # meta_info fields with one entry per output token: joined across pieces in the result.
-_PER_TOKEN_META = (
-    "output_token_logprobs",
-    "output_top_logprobs",
-    "output_token_ids_logprobs",
-)  # SamplingParams.max_new_tokens in SGLang 0.5.12
+_PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 DEFAULT_GENERATE_TIMEOUT_S = 3600.0
 
 SegmentKind = Literal["original", "migrated", "reprefill", "resumed_on_source", "restarted"]
@@ -119,6 +115,18 @@ class GenerateRequest:
         if self.extra_key is not None:
             body["extra_key"] = self.extra_key
         return body
+
+    def finished_by(self, generated: list[int], eos_token_ids: frozenset[int]) -> dict | None:
+        """The finish reason `generated` already reached, if any. SGLang reports an abort
+        even when the aborted step hit the budget or a stop token, so a move checks."""
+        if len(generated) >= self.max_new_tokens:
+            return {"type": "length", "length": self.max_new_tokens}
+        stops = set(self.sampling_params.get("stop_token_ids") or [])
+        if not self.sampling_params.get("ignore_eos"):
+            stops |= eos_token_ids
+        if generated and generated[-1] in stops:
+            return {"type": "stop", "matched": generated[-1]}
+        return None
 
     def continuation(self, generated: list[int]) -> GenerateRequest:
         """The rest of this request after `generated`: same parameters, smaller budget."""
@@ -271,9 +279,12 @@ class RequestHandle:
 
     def _finish(self, reply: dict[str, Any]) -> None:
         self._add_segment(reply)
+        self._complete(reply.get("meta_info", {}))
+
+    def _complete(self, last_meta: dict[str, Any]) -> None:
         output_ids = [t for s in self.segments for t in s.output_ids]
         # The last piece's meta_info, with the counts and finish reason of the whole request.
-        meta = dict(reply.get("meta_info", {}))
+        meta = dict(last_meta)
         meta["prompt_tokens"] = len(self.request.input_ids)
         meta["completion_tokens"] = len(output_ids)
         for key in _PER_TOKEN_META:  # e.g. logprobs: one entry per output token, per piece
@@ -299,8 +310,10 @@ class AsyncRequestMigrator:
     """Submits, adopts and moves requests (asyncio). One per rollout manager.
 
     `migration_client` may be an `AsyncMigrationClient` or a `MigrationClient` (run in a
-    worker thread). `cost_model=None` uses the default priors; call `refresh_cost_model`
-    to learn from the servers' `/metrics`.
+    worker thread). `eos_token_ids`: the model's end-of-sequence ids, so that a request
+    whose last step before the abort emitted one is finished rather than resumed.
+    `cost_model=None` uses the default priors; `refresh_cost_model` learns from the
+    servers' `/metrics`.
     """
 
     def __init__(
@@ -313,6 +326,7 @@ class AsyncRequestMigrator:
         generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
         abort_retry_s: float = 1.0,
         abort_timeout_s: float = 30.0,
+        eos_token_ids: Iterable[int] = (),
     ):
         self._migration = migration_client or AsyncMigrationClient(api_key=api_key)
         self._owns_migration = migration_client is None
@@ -322,6 +336,9 @@ class AsyncRequestMigrator:
         self.cost_model = cost_model or CostModel()
         self.abort_retry_s = abort_retry_s
         self.abort_timeout_s = abort_timeout_s
+        # The model's EOS ids (the rollout manager's tokenizer knows them): a request whose
+        # aborted step emitted one is complete, not resumed.
+        self.eos_token_ids = frozenset(eos_token_ids)
         self._live: list[RequestHandle] = []
 
     # -- requests ------------------------------------------------------------------------
@@ -384,6 +401,12 @@ class AsyncRequestMigrator:
                 handle._finish(reply)
                 return report
             generated = handle._add_segment(reply)
+            done = handle._piece.finished_by(generated, self.eos_token_ids)
+            if done is not None:  # the aborted step completed it: nothing left to resume
+                report = move.report("finished_before_move", "", len(generated))
+                handle._moving = False
+                handle._complete({**reply.get("meta_info", {}), "finish_reason": done})
+                return report
             return await self._place(move, generated, on_failure, mode, path)
         except BaseException:
             handle._moving = False
