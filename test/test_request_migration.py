@@ -57,12 +57,39 @@ CLI_HISTORIES = [_seq(15_000, 2 * PAGE), _seq(16_000, 2 * PAGE)]
 SOURCE_CAPACITY = 200  # tokens: a few queued prompts put the source under KV pressure
 
 
+# What the servers' /metrics say: 10 GB/s, 1 MB per token and 2 ms of fixed cost per
+# migration; 1 ms of prefill per token on the target (SGLang's device-timer series).
+SOURCE_METRICS = """\
+sglang:kv_migration_bytes_total{tp_rank="0",role="source"} 1e9
+sglang:kv_migration_tokens_total{tp_rank="0",role="source"} 1000
+sglang:kv_migration_phase_seconds_sum{tp_rank="0",phase="transfer"} 0.1
+sglang:kv_migration_phase_seconds_count{tp_rank="0",phase="transfer"} 10
+"""
+TARGET_METRICS = """\
+sglang:kv_migration_phase_seconds_sum{tp_rank="0",phase="allocate"} 0.01
+sglang:kv_migration_phase_seconds_count{tp_rank="0",phase="allocate"} 10
+sglang:kv_migration_phase_seconds_sum{tp_rank="0",phase="commit"} 0.01
+sglang:kv_migration_phase_seconds_count{tp_rank="0",phase="commit"} 10
+sglang:forward_execution_seconds_total{category="extend"} 5.0
+sglang:realtime_tokens_total{mode="prefill_compute"} 5000
+"""
+
+
 @pytest.fixture(scope="module")
 def servers() -> Iterator[Servers]:
     source = standin_factory(
-        StandinConfig(max_running=1, step_s=STEP_S, capacity_tokens=SOURCE_CAPACITY)
+        StandinConfig(
+            max_running=1,
+            step_s=STEP_S,
+            capacity_tokens=SOURCE_CAPACITY,
+            metrics_text=SOURCE_METRICS,
+        )
     )
-    target = standin_factory(StandinConfig(max_running=1, step_s=STEP_S, capacity_tokens=100_000))
+    target = standin_factory(
+        StandinConfig(
+            max_running=1, step_s=STEP_S, capacity_tokens=100_000, metrics_text=TARGET_METRICS
+        )
+    )
     histories = [QUEUED_HISTORY, *REBALANCE_HISTORIES, *CLI_HISTORIES]
     preload = [(h, 1 + i) for i, h in enumerate(histories)]
     handles = start_servers(
@@ -294,6 +321,26 @@ def test_cost_model_says_recompute(servers: Servers) -> None:
     assert move.estimate.migrate_s > move.estimate.recompute_s
     assert move.estimate.tokens > 0 and move.estimate.nbytes > 0  # priced from session info
     assert out.segments[1].kind == "reprefill"
+
+
+def test_cost_model_learned_from_metrics_decides(servers: Servers) -> None:
+    prompt = _seq(7500, 3 * PAGE + 2)
+    with RequestMigrator() as migrator:
+        model = migrator.refresh_cost_model(servers.source.url, servers.target.url)
+        assert model.migration.bandwidth_bytes_per_s == pytest.approx(1e10)  # 1 GB / 0.1 s
+        assert model.migration.bytes_per_token == pytest.approx(1e6)
+        assert model.migration.overhead_s == pytest.approx(0.002 + 0.005)
+        assert model.prefill.seconds_per_token == pytest.approx(1e-3)
+        handle = _start_running(migrator, servers.source, prompt, 30)
+        out = migrate_request(handle, servers.target.url)  # mode="auto": the model decides
+
+    (move,) = out.moves
+    tokens = move.estimate.tokens
+    assert tokens > 0 and move.estimate.nbytes == tokens * 1_000_000
+    assert move.estimate.recompute_s == pytest.approx(tokens * 1e-3)
+    assert move.estimate.migrate_s == pytest.approx(0.007 + tokens * 1e-4)
+    assert move.outcome == "migrated" and move.migration.migrated_token_size == tokens
+    assert out.output_ids == expected_output(prompt, 30)
 
 
 def test_finished_request_is_not_moved(servers: Servers) -> None:
