@@ -21,7 +21,15 @@ processes over TCP on 127.0.0.1):
   plus 1 ns per byte, passes (-1). It frees the batch id in both cases.
 - `transfer_check_status(id)` is NOT usable for batches: it looks at the first entry only
   (it reported a 9-entry 32 MiB batch done after 5 ms; the batch took 100 ms) and frees the
-  batch when that entry finishes. So the worker thread waits with `get_batch_transfer_status`.
+  batch when that entry finishes. For a one-entry batch (`transfer_submit_write`) it is
+  exact and never blocks: 1 done, 0 running, -1 failed (both free the id), -2 timed out.
+- So the worker waits without spinning a core: a write of at most `_SINGLES_MAX` entries is
+  submitted as one-entry batches and polled with `transfer_check_status` between short
+  sleeps; a larger batch sleeps for most of the time its previous batch took, and only then
+  calls the spinning `get_batch_transfer_status`.
+- The cost per entry is fixed (~20 us over TCP on a 2-core box), so `write_pages` plans at
+  page granularity in the worker and gathers scattered pages into reused staging chunks
+  (`staging.py`), keeping the entry count independent of how fragmented the pools are.
 - A write to a peer address the peer did not register is refused by the peer (-1); no
   memory is touched. Over TCP the local source need not be registered, over RDMA it must;
   we require it for both.
@@ -35,20 +43,24 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from sglang_kv_migration import staging
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 
 # One copy: `length` bytes from local `src_addr` to peer `dst_addr`. Planned by the
 # layout module (pure math), sent here: one type for both.
+from sglang_kv_migration.layout import HostPoolLayout, plan_writes
 from sglang_kv_migration.layout import Write as WriteOp
 
 if TYPE_CHECKING:
+    import torch
     from mooncake.engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -61,6 +73,15 @@ TCP_MAX_QUEUED_ENTRIES = 1024
 _RETRY_DELAY_S = 0.05
 # How long close() waits for the worker beyond the configured transfer timeout.
 _CLOSE_GRACE_S = 5.0
+# Writes of at most this many entries go out as one-entry batches, polled without spinning.
+_SINGLES_MAX = 64
+# Poll interval for one-entry batches: starts short, doubles while nothing completes.
+_POLL_MIN_S = 0.0002
+_POLL_MAX_S = 0.002
+# A large batch sleeps this share of its predicted time before the spinning wait.
+_SLEEP_SHARE = 0.8
+# Default bytes per staging chunk (two chunks are kept per transport, reused).
+DEFAULT_STAGING_CHUNK_BYTES = 16 << 20
 
 
 class TransferError(MigrationError):
@@ -90,6 +111,8 @@ class TransportConfig:
     max_entries_per_batch: entries per engine batch; keep it at most 1024 for TCP.
     transfer_timeout_s: deadline for one `write()` job, checked between batches; a batch in
         flight is bounded by the engine's own timeout (see the module docstring).
+    staging_chunk_bytes: size of each of the two registered staging chunks `write_pages`
+        gathers scattered pages into; 0 never gathers (every page run is its own entry).
     """
 
     hostname: str = "127.0.0.1"
@@ -97,6 +120,7 @@ class TransportConfig:
     rdma_devices: str = ""
     max_entries_per_batch: int = TCP_MAX_QUEUED_ENTRIES
     transfer_timeout_s: float = 30.0
+    staging_chunk_bytes: int = DEFAULT_STAGING_CHUNK_BYTES
 
     def __post_init__(self) -> None:
         if not self.hostname or ":" in self.hostname:
@@ -119,6 +143,8 @@ class TransportConfig:
             )
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if self.staging_chunk_bytes < 0:
+            raise ValueError(f"staging_chunk_bytes must be >= 0, got {self.staging_chunk_bytes}")
 
 
 @dataclass(frozen=True)
@@ -139,12 +165,16 @@ class MemoryRegion:
 
 @dataclass(frozen=True)
 class TransferStats:
-    """What one completed `write()` moved; `seconds` is time on the wire, not in the queue."""
+    """What one completed write moved; `seconds` is time on the wire, not in the queue.
+
+    `plan` says how `write_pages` shaped it (see `staging.py`); `write` is always "direct".
+    """
 
     entries: int
     bytes: int
     seconds: float
     batches: int
+    plan: str = "direct"
 
 
 class TransferHandle:
@@ -208,6 +238,37 @@ class KVTransport(abc.ABC):
         destinations must not overlap.
         """
 
+    def write_pages(
+        self,
+        peer_session_id: str,
+        src_layout: HostPoolLayout,
+        src_indices: Any,
+        dst_layout: HostPoolLayout,
+        dst_indices: Any,
+        peer_regions: Sequence[MemoryRegion],
+        *,
+        dst_staging: MemoryRegion | None = None,
+    ) -> TransferHandle:
+        """Start copying local slot ``src_indices[i]`` to the peer's ``dst_indices[i]``.
+
+        Returns at once, without work proportional to the number of pages on the calling
+        thread: planning, checking and moving bytes happen in the transport's worker.
+        Checks that need no pass over the indices raise ValueError here (as
+        `layout.plan_writes` would); a bad index fails the handle with a `MigrationError`
+        of kind BAD_REQUEST before any byte moves. With ``dst_staging`` (a region inside
+        ``peer_regions`` that the target granted) every page goes into that region in the
+        format of `staging.py`, and the target must `staging.scatter_from_staging` it
+        before it commits. The indices (a list or an int64 tensor) and the source pages
+        must stay unchanged until the handle is done.
+
+        The default plans with `layout.plan_writes` on the calling thread and calls
+        `write` (enough for test doubles); `MooncakeTransport` overrides it.
+        """
+        if dst_staging is not None:
+            raise TransferError(f"{type(self).__name__} cannot write into a staging region")
+        ops = plan_writes(src_layout, src_indices, dst_layout, dst_indices)
+        return self.write(peer_session_id, ops, peer_regions)
+
     @abc.abstractmethod
     def close(self) -> None:
         """Fail the writes not yet started, wait for the one in flight, release the engine.
@@ -255,10 +316,12 @@ def coalesce(ops: Iterable[WriteOp]) -> list[WriteOp]:
 class MooncakeTransport(KVTransport):
     """`KVTransport` over the Mooncake Transfer Engine in P2P-handshake mode (no etcd).
 
-    One daemon worker thread (started by the first `write`) runs the jobs in order: it
-    splits a job into batches of at most `max_entries_per_batch` entries, submits each with
-    `batch_transfer_async_write` and waits for it before the next, so the TCP per-peer queue
-    never holds more than one batch. A failed batch is retried once.
+    One daemon worker thread (started by the first write) runs the jobs in order. A job's
+    entries go out in batches of at most `max_entries_per_batch`, one batch in flight at a
+    time, so the TCP per-peer queue never overflows; a failed batch is retried once.
+    `write_pages` jobs are planned in the worker (`staging.plan_pages`); gathered and staged
+    plans alternate between two registered staging chunks, gathering the next chunk while
+    the previous one is on the wire. No wait spins a core for long (module docstring).
     """
 
     def __init__(self, config: TransportConfig):
@@ -267,9 +330,11 @@ class MooncakeTransport(KVTransport):
         self._session_id = f"{config.hostname}:{self._engine.get_rpc_port()}"
         self._lock = threading.Lock()  # guards the fields below
         self._local = _RegionIndex(())
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | _PagesJob | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._closed = False
+        # Worker thread only: two staging chunks in one registered allocation.
+        self._staging: torch.Tensor | None = None
         logger.info("transfer engine up: session %s over %s", self._session_id, config.protocol)
 
     @property
@@ -306,18 +371,40 @@ class MooncakeTransport(KVTransport):
             done: Future[TransferStats] = Future()
             done.set_result(TransferStats(entries=0, bytes=0, seconds=0.0, batches=0))
             return TransferHandle(done)
-        with self._lock:
-            # IMPORTANT: check `_closed` and enqueue under one lock, so close() never leaves
-            # a job behind its stop marker.
-            if self._closed:
-                raise TransferError(f"transport {self._session_id} is closed")
-            if self._worker is None:
-                self._worker = threading.Thread(
-                    target=self._run_worker, name="kv-migration-transfer", daemon=True
-                )
-                self._worker.start()
-            self._jobs.put(job)
-        return TransferHandle(job.future)
+        return self._enqueue(job)
+
+    def write_pages(
+        self,
+        peer_session_id: str,
+        src_layout: HostPoolLayout,
+        src_indices: Any,
+        dst_layout: HostPoolLayout,
+        dst_indices: Any,
+        peer_regions: Sequence[MemoryRegion],
+        *,
+        dst_staging: MemoryRegion | None = None,
+    ) -> TransferHandle:
+        self._live_engine()
+        if not peer_session_id:
+            raise TransferError("peer_session_id is empty")
+        staging.check_page_args(src_layout, src_indices, dst_layout, dst_indices)
+        remote = _RegionIndex(peer_regions)
+        if dst_staging is not None and not remote.covers(dst_staging.addr, dst_staging.length):
+            raise TransferError(
+                f"refused write to peer {peer_session_id}: staging region {dst_staging} is "
+                f"outside the peer's published regions; nothing was sent"
+            )
+        job = _PagesJob(
+            peer=peer_session_id,
+            src=src_layout,
+            src_indices=src_indices,
+            dst=dst_layout,
+            dst_indices=dst_indices,
+            remote=remote,
+            dst_staging=dst_staging,
+            future=Future(),
+        )
+        return self._enqueue(job)
 
     def close(self) -> None:
         with self._lock:
@@ -337,8 +424,9 @@ class MooncakeTransport(KVTransport):
                 )
                 return
         self._engine = None  # the binding's destructor closes segments and stops the engine
+        self._staging = None  # after the engine: it was registered there
 
-    # -- private ------------------------------------------------------------
+    # -- private: jobs ------------------------------------------------------
 
     def _live_engine(self) -> TransferEngine:
         engine = self._engine
@@ -346,7 +434,22 @@ class MooncakeTransport(KVTransport):
             raise TransferError(f"transport {self._session_id} is closed")
         return engine
 
+    def _enqueue(self, job: _Job | _PagesJob) -> TransferHandle:
+        with self._lock:
+            # IMPORTANT: check `_closed` and enqueue under one lock, so close() never leaves
+            # a job behind its stop marker.
+            if self._closed:
+                raise TransferError(f"transport {self._session_id} is closed")
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._run_worker, name="kv-migration-transfer", daemon=True
+                )
+                self._worker.start()
+            self._jobs.put(job)
+        return TransferHandle(job.future)
+
     def _run_worker(self) -> None:
+        _single_threaded_torch()
         while True:
             job = self._jobs.get()
             if job is None:
@@ -360,8 +463,11 @@ class MooncakeTransport(KVTransport):
                 )
                 continue
             try:
-                stats = self._run_job(job)
-            except TransferError as exc:
+                if isinstance(job, _Job):
+                    stats = self._run_job(job)
+                else:
+                    stats = self._run_pages(job)
+            except MigrationError as exc:  # TransferError, or BAD_REQUEST from planning
                 job.future.set_exception(exc)
             except Exception as exc:  # a bug: report it on the handle, don't kill the worker
                 logger.exception("transfer worker failed on a write to %s", job.peer)
@@ -372,33 +478,168 @@ class MooncakeTransport(KVTransport):
                 job.future.set_result(stats)
 
     def _run_job(self, job: _Job) -> TransferStats:
-        size = self._config.max_entries_per_batch
-        starts = range(0, len(job.lengths), size)
-        start_time = time.monotonic()
-        deadline = start_time + self._config.transfer_timeout_s
-        for number, lo in enumerate(starts, 1):
-            hi = lo + size
-            label = f"batch {number}/{len(starts)}"
-            if time.monotonic() > deadline:
-                timeout = self._config.transfer_timeout_s
-                raise self._failure(job, label, f"the {timeout} s deadline passed", lo, hi)
-            self._write_batch(job, label, lo, hi, deadline)
+        start = time.monotonic()
+        ctx = _Context(job.peer, job.total_bytes, len(job.lengths))
+        entries = _Entries(job.srcs, job.dsts, job.lengths)
+        batches = self._send(ctx, entries, start + self._config.transfer_timeout_s)
         return TransferStats(
             entries=len(job.lengths),
             bytes=job.total_bytes,
-            seconds=time.monotonic() - start_time,
-            batches=len(starts),
+            seconds=time.monotonic() - start,
+            batches=batches,
         )
 
-    def _write_batch(self, job: _Job, label: str, lo: int, hi: int, deadline: float) -> None:
+    def _run_pages(self, job: _PagesJob) -> TransferStats:
+        start = time.monotonic()
+        deadline = start + self._config.transfer_timeout_s
+        staged = job.dst_staging
+        try:
+            plan = staging.plan_pages(
+                job.src,
+                job.src_indices,
+                job.dst,
+                job.dst_indices,
+                chunk_bytes=self._config.staging_chunk_bytes,
+                dst_staging_addr=None if staged is None else staged.addr,
+                dst_staging_length=0 if staged is None else staged.length,
+            )
+        except ValueError as exc:
+            message = f"refused write to peer {job.peer}: {exc}; nothing was sent"
+            logger.warning(message)
+            raise MigrationError(ErrorKind.BAD_REQUEST, message) from None
+        self._check_pool_regions(job, plan)
+        ctx = _Context(job.peer, plan.total_bytes, plan.entries)
+        if plan.kind == "direct":
+            assert plan.srcs is not None and plan.dsts is not None and plan.lengths is not None
+            batches = self._send(ctx, _Entries(plan.srcs, plan.dsts, plan.lengths), deadline)
+        else:
+            batches = self._send_chunks(ctx, job.src, plan, deadline)
+        return TransferStats(
+            entries=plan.entries,
+            bytes=plan.total_bytes,
+            seconds=time.monotonic() - start,
+            batches=batches,
+            plan=plan.kind,
+        )
+
+    def _check_pool_regions(self, job: _PagesJob, plan: staging.PagePlan) -> None:
+        """Whole buffers inside registered / published regions: then every entry is."""
+        with self._lock:
+            local = self._local
+        problem = None
+        for i, buf in enumerate(job.src.buffers):
+            if not local.covers(buf.ptr, buf.length):
+                problem = f"source buffer {i} is outside the locally registered regions"
+        if plan.kind != "staged":
+            for i, buf in enumerate(job.dst.buffers):
+                if not job.remote.covers(buf.ptr, buf.length):
+                    problem = f"target buffer {i} is outside the peer's published regions"
+        if problem is not None:
+            message = f"refused write to peer {job.peer}: {problem}; nothing was sent"
+            logger.warning(message)
+            raise TransferError(message)
+
+    # -- private: moving entries --------------------------------------------
+
+    def _send(self, ctx: _Context, entries: _Entries, deadline: float) -> int:
+        """Send entries in batches, one at a time; returns the number of batches."""
+        size = self._config.max_entries_per_batch
+        starts = range(0, len(entries), size)
+        previous: _BatchTiming | None = None
+        for number, lo in enumerate(starts, 1):
+            hi = min(lo + size, len(entries))
+            label = f"batch {number}/{len(starts)}"
+            srcs, dsts, lengths = entries.slice(lo, hi)
+            if time.monotonic() > deadline:
+                timeout = self._config.transfer_timeout_s
+                raise self._failure(ctx, label, f"the {timeout} s deadline passed", lengths)
+            began = time.monotonic()
+            if len(lengths) <= _SINGLES_MAX:
+                _Singles(self, ctx, label, srcs, dsts, lengths, deadline).submit().wait()
+            else:
+                self._write_batch(ctx, label, srcs, dsts, lengths, deadline, previous)
+            previous = _BatchTiming(time.monotonic() - began, len(lengths), sum(lengths))
+        return len(starts)
+
+    def _send_chunks(
+        self, ctx: _Context, src: HostPoolLayout, plan: staging.PagePlan, deadline: float
+    ) -> int:
+        """Gather chunk k+1 into one staging half while chunk k leaves from the other."""
+        halves = self._staging_halves(plan.chunk_capacity)
+        in_flight: _Singles | None = None
+        try:
+            for number, chunk in enumerate(plan.chunks, 1):
+                label = f"chunk {number}/{len(plan.chunks)}"
+                if time.monotonic() > deadline:
+                    timeout = self._config.transfer_timeout_s
+                    lengths = chunk.entry_lengths.tolist()
+                    raise self._failure(ctx, label, f"the {timeout} s deadline passed", lengths)
+                half = halves[number % 2]
+                staging.gather_chunk(src, chunk, half)
+                if in_flight is not None:
+                    in_flight.wait()
+                    in_flight = None
+                srcs = (chunk.entry_offsets + half.data_ptr()).tolist()
+                dsts, lengths = chunk.entry_dsts.tolist(), chunk.entry_lengths.tolist()
+                if len(lengths) <= _SINGLES_MAX:
+                    in_flight = _Singles(self, ctx, label, srcs, dsts, lengths, deadline)
+                    in_flight.submit()
+                else:  # gathered towards a fragmented target: many entries per chunk
+                    self._send(ctx, _Entries(srcs, dsts, lengths), deadline)
+            if in_flight is not None:
+                in_flight.wait()
+                in_flight = None
+        finally:
+            if in_flight is not None:  # failing: the staging half must not be reused early
+                in_flight.drain()
+        return len(plan.chunks)
+
+    def _staging_halves(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two registered staging chunks of at least `capacity` bytes, reused across jobs."""
+        import torch
+
+        engine = self._engine
+        assert engine is not None
+        current = self._staging
+        if current is None or current.numel() < 2 * capacity:
+            size = max(capacity, self._config.staging_chunk_bytes)
+            fresh = torch.empty(2 * size, dtype=torch.uint8)
+            self.register([MemoryRegion(fresh.data_ptr(), fresh.numel())])
+            if current is not None:
+                # No transfer uses it between jobs (this is the worker thread).
+                engine.unregister_memory(current.data_ptr())
+                with self._lock:
+                    kept = [r for r in self._local.regions if r.addr != current.data_ptr()]
+                    self._local = _RegionIndex(kept)
+            self._staging = current = fresh
+        half = current.numel() // 2
+        return current[:half], current[half:]
+
+    def _write_batch(
+        self,
+        ctx: _Context,
+        label: str,
+        srcs: list[int],
+        dsts: list[int],
+        lengths: list[int],
+        deadline: float,
+        previous: _BatchTiming | None,
+    ) -> None:
         engine = self._engine
         assert engine is not None  # close() keeps it until the worker has stopped
-        srcs, dsts, lengths = job.srcs[lo:hi], job.dsts[lo:hi], job.lengths[lo:hi]
+        nbytes = sum(lengths)
         for attempt in (1, 2):
-            batch_id = engine.batch_transfer_async_write(job.peer, srcs, dsts, lengths)
+            batch_id = engine.batch_transfer_async_write(ctx.peer, srcs, dsts, lengths)
             if batch_id in _FAILED_BATCH_IDS:
-                api, code = "batch_transfer_async_write", batch_id
+                api, code = "batch_transfer_async_write", _signed(batch_id)
             else:
+                if previous is not None:
+                    # Sleep through most of the expected time; the spinning wait below
+                    # then covers only the tail.
+                    expected = previous.seconds * min(
+                        len(lengths) / previous.entries, nbytes / previous.bytes
+                    )
+                    time.sleep(max(0.0, min(_SLEEP_SHARE * expected, deadline - time.monotonic())))
                 # Blocks this worker thread only; the binding releases the GIL.
                 api, code = (
                     "get_batch_transfer_status",
@@ -407,22 +648,24 @@ class MooncakeTransport(KVTransport):
                 if code == 0:
                     return
             if attempt == 2 or time.monotonic() > deadline or self._closed:
-                raise self._failure(job, label, f"{api} returned {code}", lo, hi)
+                raise self._failure(ctx, label, f"{api} returned {code}", lengths)
             logger.warning(
                 "write to %s, %s (%d bytes): %s returned %s; retrying once",
-                job.peer,
+                ctx.peer,
                 label,
-                sum(lengths),
+                nbytes,
                 api,
                 code,
             )
             time.sleep(_RETRY_DELAY_S)
 
-    def _failure(self, job: _Job, label: str, reason: str, lo: int, hi: int) -> TransferError:
-        batch = job.lengths[lo:hi]
+    def _failure(
+        self, ctx: _Context, label: str, reason: str, lengths: Sequence[int]
+    ) -> TransferError:
         message = (
-            f"write of {job.total_bytes} bytes ({len(job.lengths)} entries) to peer {job.peer} "
-            f"failed at {label} ({sum(batch)} bytes, {len(batch)} entries): {reason}"
+            f"write of {ctx.total_bytes} bytes ({ctx.total_entries} entries) to peer "
+            f"{ctx.peer} failed at {label} ({sum(lengths)} bytes, {len(lengths)} entries): "
+            f"{reason}"
         )
         logger.warning(message)
         return TransferError(message)
@@ -511,3 +754,167 @@ class _Job:
             dsts.append(op.dst_addr)
             lengths.append(op.length)
         return cls(peer, srcs, dsts, lengths, sum(lengths), Future())
+
+
+@dataclass
+class _PagesJob:
+    """One `write_pages()` call; planned and checked in the worker."""
+
+    peer: str
+    src: HostPoolLayout
+    src_indices: Any
+    dst: HostPoolLayout
+    dst_indices: Any
+    remote: _RegionIndex
+    dst_staging: MemoryRegion | None
+    future: Future[TransferStats]
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What a failure message says about the whole write."""
+
+    peer: str
+    total_bytes: int
+    total_entries: int
+
+
+@dataclass(frozen=True)
+class _BatchTiming:
+    seconds: float
+    entries: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class _Entries:
+    """A write's entries as lists or int64 tensors; tensors become lists one batch at a
+    time, so no single call holds the GIL for long."""
+
+    srcs: list[int] | torch.Tensor
+    dsts: list[int] | torch.Tensor
+    lengths: list[int] | torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def slice(self, lo: int, hi: int) -> tuple[list[int], list[int], list[int]]:
+        return _as_list(self.srcs[lo:hi]), _as_list(self.dsts[lo:hi]), _as_list(self.lengths[lo:hi])
+
+
+class _Singles:
+    """A few entries sent as one-entry batches and polled with `transfer_check_status`
+    between short sleeps (exact for one-entry batches, and it never blocks)."""
+
+    def __init__(
+        self,
+        transport: MooncakeTransport,
+        ctx: _Context,
+        label: str,
+        srcs: list[int],
+        dsts: list[int],
+        lengths: list[int],
+        deadline: float,
+    ):
+        self._transport = transport
+        self._ctx = ctx
+        self._label = label
+        self._srcs, self._dsts, self._lengths = srcs, dsts, lengths
+        self._deadline = deadline
+        self._submitted: list[tuple[int, int]] = []  # (entry index, batch id)
+        self._failed: list[int] = []
+        self._reason = ""
+        self._attempt = 1
+
+    def submit(self) -> _Singles:
+        self._submit(list(range(len(self._lengths))))
+        return self
+
+    def wait(self) -> None:
+        """Wait for every entry; retry the failed ones once; raise `TransferError`."""
+        while True:
+            self._poll()
+            if not self._failed:
+                return
+            failed_lengths = [self._lengths[i] for i in self._failed]
+            transport = self._transport
+            if self._attempt == 2 or time.monotonic() > self._deadline or transport._closed:
+                raise transport._failure(self._ctx, self._label, self._reason, failed_lengths)
+            logger.warning(
+                "write to %s, %s (%d bytes in %d entries): %s; retrying once",
+                self._ctx.peer,
+                self._label,
+                sum(failed_lengths),
+                len(failed_lengths),
+                self._reason,
+            )
+            time.sleep(_RETRY_DELAY_S)
+            self._attempt = 2
+            todo, self._failed = sorted(self._failed), []
+            self._submit(todo)
+
+    def drain(self) -> None:
+        """Wait for what is in flight, ignoring the outcome (on a failure path)."""
+        self._poll()
+
+    def _submit(self, todo: list[int]) -> None:
+        engine = self._transport._engine
+        assert engine is not None  # close() keeps it until the worker has stopped
+        for n, i in enumerate(todo):
+            batch_id = engine.transfer_submit_write(
+                self._ctx.peer, self._srcs[i], self._dsts[i], self._lengths[i]
+            )
+            if batch_id in _FAILED_BATCH_IDS:
+                self._failed.extend(todo[n:])
+                self._reason = f"transfer_submit_write returned {_signed(batch_id)}"
+                return
+            self._submitted.append((i, batch_id))
+
+    def _poll(self) -> None:
+        """Wait, oldest first, until every submitted entry finished; record failures."""
+        engine = self._transport._engine
+        assert engine is not None
+        give_up = max(self._deadline, time.monotonic()) + self._transport._config.transfer_timeout_s
+        pause = _POLL_MIN_S
+        for index, batch_id in self._submitted:
+            while True:
+                code = engine.transfer_check_status(batch_id)
+                if code == 0 and time.monotonic() < give_up:
+                    time.sleep(pause)
+                    pause = min(2 * pause, _POLL_MAX_S)
+                    continue
+                break
+            if code in (0, -2):
+                # Timed out (by us or the engine) and not freed: the batch wait frees it,
+                # bounded by the engine's own timeout; 0 there means it did complete.
+                code = 1 if engine.get_batch_transfer_status([batch_id]) == 0 else -2
+            if code != 1:
+                self._failed.append(index)
+                self._reason = f"transfer_check_status returned {code}"
+            pause = _POLL_MIN_S
+        self._submitted = []
+
+
+def _single_threaded_torch() -> None:
+    """Run this thread's torch copies (gather, planning) on this thread alone.
+
+    With OpenMP (torch's CPU backend) the thread count is per calling thread, so the
+    scheduler's threads keep theirs. Copies are memory-bound: one thread moves 4-7 GB/s,
+    and on a busy machine an OpenMP team waiting for a descheduled member made the same
+    copy ten times slower.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
+def _signed(batch_id: int) -> int:
+    """Batch ids are unsigned; show the binding's -1 as -1."""
+    return batch_id - 2**64 if batch_id >= 2**63 else batch_id
+
+
+def _as_list(values: list[int] | torch.Tensor) -> list[int]:
+    """A `write()` job's list slice as is, or a planned tensor slice converted."""
+    if isinstance(values, list):
+        return values
+    return values.tolist()

@@ -1,0 +1,505 @@
+"""Host path vs pool fragmentation, on CPU: migration vs raw Mooncake writes of the same bytes.
+
+Two spawned processes each hold a real SGLang host pool (``MHATokenToKVPoolHost`` built by
+the CPU harness of ``test/cpu_harness.py``) registered with its own Mooncake Transfer
+Engine (TCP on 127.0.0.1). Per host layout, page size, pool state and migration size the
+source moves ``tokens`` slots of its pool into slots the target allocated, and the same
+run times, side by side:
+
+- ``migration``: what the source's host path does for one rank, from page indices to
+  completion: ``plan_writes`` + ``write`` (``--paths plan``; the code before issue 11),
+  ``write_pages`` (``--paths pages``: planning in the transport's worker, gathered
+  through pinned staging), and ``write_pages`` into a target staging region followed by
+  the target's ``scatter_from_staging`` (``--paths staged``, the protocol extension);
+- ``raw contiguous``: one contiguous write of the same number of bytes (the transport's
+  limit for those bytes);
+- ``raw same entries``: ``write`` of the exact entry list ``plan_writes`` produced,
+  planned beforehand (Mooncake's cost for that entry count).
+
+Pool state ``fresh`` allocates from a new pool (contiguous slots); ``fragmented``
+shuffles both pools' free lists page by page first (the worst case: every page its own
+run). Every timed migration is checked byte for byte on its last repeat: the target's
+pages equal the source's. Medians over ``--repeats``; ratios are against raw contiguous.
+
+    .venv/bin/python benchmark/bench_host_fragmentation.py            # full run
+    .venv/bin/python benchmark/bench_host_fragmentation.py --quick    # small, ~2 min
+
+Prints one JSON line per cell and a markdown table at the end; ``--json PATH`` also
+writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import hashlib
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_ROOT / "test"))
+sys.path.insert(0, str(_ROOT / "python"))
+
+REPLY_S = 600.0
+START_S = 300.0
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2  # K and V, bf16
+
+
+LLAMA3_8B = Shape(layers=32, kv_heads=8, head_dim=128)  # 128 KiB per token
+QUICK = Shape(layers=8, kv_heads=8, head_dim=128)  # 32 KiB per token
+
+
+# --------------------------------------------------------------------------------------
+# The peer process: one host pool, one transport
+# --------------------------------------------------------------------------------------
+
+
+class _Peer:
+    """One server's host pool and transport; commands arrive over a Pipe."""
+
+    def __init__(self) -> None:
+        self.harness: Any = None
+        self.transport: Any = None
+        self.layout: Any = None
+        self.staging: Any = None  # target: the region sources write into (--paths staged)
+        self.scatterer: Any = None
+
+    # -- setup ----------------------------------------------------------------
+
+    def setup(
+        self, layout: str, page_size: int, shape: dict, pool_tokens: int, chunk_bytes: int | None
+    ) -> dict:
+        import cpu_harness
+        import torch
+        from sglang_kv_migration.layout import HostPoolLayout
+        from sglang_kv_migration.transfer import MemoryRegion, MooncakeTransport, TransportConfig
+
+        self.close()
+        device_tokens = 512
+        cfg = cpu_harness.HarnessConfig(
+            host_layout=layout,
+            page_size=page_size,
+            device_tokens=device_tokens,
+            hicache_ratio=pool_tokens / device_tokens,
+            layer_num=shape["layers"],
+            head_num=shape["kv_heads"],
+            head_dim=shape["head_dim"],
+        )
+        self.harness = cpu_harness.build_harness(cfg)
+        pool = self.harness.host_pool
+        self.layout = HostPoolLayout.from_host_pool(pool)
+        # Distinct 8-byte words everywhere, so a misplaced page cannot go unnoticed.
+        words = pool.kv_buffer.view(-1).view(torch.int64)
+        torch.arange(words.numel(), out=words)
+        words.mul_(0x9E3779B97F4A7C15 & 0x7FFFFFFFFFFFFFFF).add_(os.getpid())
+        config = TransportConfig(hostname="127.0.0.1")
+        if chunk_bytes is not None:
+            config = dataclasses.replace(config, staging_chunk_bytes=chunk_bytes)
+        self.transport = MooncakeTransport(config)
+        kv = pool.kv_buffer
+        self.transport.register([MemoryRegion(kv.data_ptr(), kv.nbytes)])
+        return {
+            "session_id": self.transport.session_id,
+            "data_ptrs": self.layout.data_ptrs,
+            "data_lens": self.layout.data_lens,
+            "item_lens": self.layout.item_lens,
+            "page_size": page_size,
+            "pool_slots": int(pool.size),
+            "kv_base": kv.data_ptr(),
+            "kv_nbytes": kv.nbytes,
+        }
+
+    def alloc(self, tokens: int, fragmented: bool, seed: int) -> list[int]:
+        import torch
+
+        pool = self.harness.host_pool
+        pool.clear()
+        if fragmented:
+            ps = pool.page_size
+            gen = torch.Generator().manual_seed(seed)
+            pages = torch.randperm(pool.size // ps, generator=gen)
+            pool.free_slots = (pages[:, None] * ps + torch.arange(ps)).reshape(-1)
+        return pool.alloc(tokens).tolist()
+
+    def make_staging(self, nbytes: int) -> dict:
+        import torch
+        from sglang_kv_migration.transfer import MemoryRegion
+
+        if self.staging is None or self.staging.numel() < nbytes:
+            self.staging = torch.empty(nbytes, dtype=torch.uint8)
+            self.transport.register([MemoryRegion(self.staging.data_ptr(), nbytes)])
+        return {"addr": self.staging.data_ptr(), "length": nbytes}
+
+    # -- timed operations (source) --------------------------------------------
+
+    def migrate(self, path: str, peer: dict, src: list[int], dst: list[int]) -> dict:
+        from sglang_kv_migration.layout import plan_writes
+
+        peer_layout = _peer_layout(peer)
+        regions = _regions(peer)
+        cpu = self._worker_cpu_s()
+        start = time.perf_counter()
+        if path == "plan":
+            ops = plan_writes(self.layout, src, peer_layout, dst)
+            stats = self.transport.write(peer["session_id"], ops, regions).result(REPLY_S)
+        elif path == "pages":
+            handle = self.transport.write_pages(
+                peer["session_id"], self.layout, src, peer_layout, dst, regions
+            )
+            stats = handle.result(REPLY_S)
+        else:
+            from sglang_kv_migration.transfer import MemoryRegion
+
+            staging = MemoryRegion(peer["staging"]["addr"], peer["staging"]["length"])
+            handle = self.transport.write_pages(
+                peer["session_id"],
+                self.layout,
+                src,
+                peer_layout,
+                dst,
+                [staging],
+                dst_staging=staging,
+            )
+            stats = handle.result(REPLY_S)
+        wall = time.perf_counter() - start
+        return {"s": wall, "entries": stats.entries, "cpu": (self._worker_cpu_s() - cpu) / wall}
+
+    def _worker_cpu_s(self) -> float:
+        """CPU seconds of the transport's worker thread (plans, gathers, waits)."""
+        worker = self.transport._worker  # benchmark only: the thread that waits on the wire
+        if worker is None:
+            return 0.0
+        with open(f"/proc/self/task/{worker.native_id}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+
+    def raw_contiguous(self, peer: dict, nbytes: int) -> dict:
+        from sglang_kv_migration.transfer import WriteOp
+
+        kv_base = self.harness.host_pool.kv_buffer.data_ptr()
+        ops = [WriteOp(kv_base, peer["kv_base"], nbytes)]
+        start = time.perf_counter()
+        stats = self.transport.write(peer["session_id"], ops, _regions(peer)).result(REPLY_S)
+        return {"s": time.perf_counter() - start, "entries": stats.entries}
+
+    def raw_entries(self, peer: dict, src: list[int], dst: list[int]) -> dict:
+        from sglang_kv_migration.layout import plan_writes
+
+        ops = plan_writes(self.layout, src, _peer_layout(peer), dst)
+        start = time.perf_counter()
+        stats = self.transport.write(peer["session_id"], ops, _regions(peer)).result(REPLY_S)
+        return {"s": time.perf_counter() - start, "entries": stats.entries}
+
+    # -- target side ----------------------------------------------------------
+
+    def scatter(self, dst: list[int]) -> dict:
+        from sglang_kv_migration.staging import StagingScatterer
+
+        if self.scatterer is None:
+            self.scatterer = StagingScatterer()
+        start = time.perf_counter()
+        self.scatterer.submit(self.layout, self.staging, dst).result(REPLY_S)
+        return {"s": time.perf_counter() - start}
+
+    def zero(self, slots: list[int]) -> None:
+        for b, offset in _page_views(self.layout, slots):
+            b[offset] = 0
+
+    def digest(self, slots: list[int]) -> str:
+        h = hashlib.sha256()
+        for b, offset in _page_views(self.layout, slots):
+            h.update(b[offset].tobytes())
+        return h.hexdigest()
+
+    def close(self) -> None:
+        if self.scatterer is not None:
+            self.scatterer.close()
+            self.scatterer = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        if self.harness is not None:
+            self.harness.close()
+            self.harness = None
+        self.staging = None
+        gc.collect()  # the cache's reference cycles would keep a GiB-sized pool alive
+
+
+def _page_views(layout: Any, slots: list[int]) -> list[tuple[Any, Any]]:
+    """Per buffer: (pages x page bytes uint8 view, page ids in slot order)."""
+    import ctypes
+
+    import numpy as np
+
+    ps = layout.page_size
+    page_ids = np.asarray(slots[::ps], dtype=np.int64) // ps
+    views = []
+    for buf in layout.buffers:
+        raw = (ctypes.c_uint8 * buf.length).from_address(buf.ptr)
+        arr = np.frombuffer(raw, dtype=np.uint8).reshape(-1, ps * buf.item_len)
+        views.append((arr, page_ids))
+    return views
+
+
+def _peer_layout(peer: dict) -> Any:
+    from sglang_kv_migration.layout import HostPoolLayout
+
+    return HostPoolLayout.from_published(
+        peer["data_ptrs"], peer["data_lens"], peer["item_lens"], peer["page_size"]
+    )
+
+
+def _regions(peer: dict) -> list[Any]:
+    from sglang_kv_migration.transfer import MemoryRegion
+
+    return [MemoryRegion(peer["kv_base"], peer["kv_nbytes"])]
+
+
+def peer_main(conn: Connection) -> None:
+    import cpu_harness
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cpu_harness.install_cpu_shims()
+    import sglang.srt.mem_cache.hiradix_cache  # noqa: F401  (the slow import, up front)
+
+    peer = _Peer()
+    conn.send(("ready", None))
+    try:
+        while conn.poll(REPLY_S):
+            command, *args = conn.recv()
+            if command == "quit":
+                break
+            try:
+                conn.send(("ok", getattr(peer, command)(*args)))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        peer.close()
+        conn.close()
+
+
+# --------------------------------------------------------------------------------------
+# The driver
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Remote:
+    name: str
+    conn: Connection
+    process: Any
+
+    def do(self, command: str, *args: Any) -> Any:
+        self.conn.send((command, *args))
+        if not self.conn.poll(REPLY_S):
+            raise TimeoutError(f"{self.name}: no reply to {command} in {REPLY_S} s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"{self.name} failed on {command}:\n{value}")
+        return value
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("quit",))
+        except OSError:
+            pass  # already gone
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+
+
+@dataclass
+class Row:
+    layout: str
+    page_size: int
+    pool: str
+    tokens: int
+    mib: float
+    path: str
+    entries: int
+    migration_ms: float
+    raw_contiguous_ms: float
+    raw_entries_ms: float
+    ratio: float  # migration / raw contiguous
+    raw_entries_ratio: float  # raw same entries / raw contiguous
+    worker_cores: float  # source transfer worker's CPU seconds per migration second (median)
+    ok: bool
+
+
+def _spawn(name: str) -> Remote:
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=peer_main, args=(child,), daemon=True, name=name)
+    process.start()
+    child.close()
+    return Remote(name, conn, process)
+
+
+def _median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def run_cell(
+    src: Remote,
+    dst: Remote,
+    peer: dict,
+    layout: str,
+    page_size: int,
+    pool: str,
+    tokens: int,
+    paths: list[str],
+    repeats: int,
+    bytes_per_token: int,
+    seed: int,
+) -> list[Row]:
+    fragmented = pool == "fragmented"
+    src_slots = src.do("alloc", tokens, fragmented, seed)
+    dst_slots = dst.do("alloc", tokens, fragmented, seed + 1)
+    nbytes = tokens * bytes_per_token
+    if "staged" in paths:
+        peer = {**peer, "staging": dst.do("make_staging", nbytes)}
+    want = src.do("digest", src_slots)
+    raw_c, raw_e, raw_entries = [], [], 0
+    for _ in range(repeats):
+        raw_c.append(src.do("raw_contiguous", peer, nbytes)["s"])
+        r = src.do("raw_entries", peer, src_slots, dst_slots)
+        raw_e.append(r["s"])
+        raw_entries = r["entries"]
+    rows = []
+    for path in paths:
+        times, cores, entries = [], [], 0
+        for _ in range(repeats):
+            dst.do("zero", dst_slots)
+            r = src.do("migrate", path, peer, src_slots, dst_slots)
+            cores.append(r["cpu"])
+            seconds = r["s"]
+            if path == "staged":
+                seconds += dst.do("scatter", dst_slots)["s"]
+            times.append(seconds)
+            entries = r["entries"]
+        ok = dst.do("digest", dst_slots) == want
+        rc, re_ = _median_ms(raw_c), _median_ms(raw_e)
+        m = _median_ms(times)
+        rows.append(
+            Row(
+                layout=layout,
+                page_size=page_size,
+                pool=pool,
+                tokens=tokens,
+                mib=nbytes / 2**20,
+                path=path,
+                entries=entries if path != "plan" else raw_entries,
+                migration_ms=m,
+                raw_contiguous_ms=rc,
+                raw_entries_ms=re_,
+                ratio=m / rc,
+                raw_entries_ratio=re_ / rc,
+                worker_cores=statistics.median(cores),
+                ok=ok,
+            )
+        )
+        print(json.dumps(asdict(rows[-1])), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="8 layers, 1K tokens, 2 repeats")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--tokens", type=int, nargs="+", default=None)
+    parser.add_argument("--pools", nargs="+", default=["fresh", "fragmented"])
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        default=["plan", "pages", "staged"],
+        choices=["plan", "pages", "staged"],
+    )
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--chunk-mib", type=int, default=None, help="TransportConfig.staging_chunk_bytes in MiB"
+    )
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    shape = QUICK if args.quick else LLAMA3_8B
+    tokens_list = args.tokens or ([1024] if args.quick else [1024, 4096])
+    repeats = args.repeats or (2 if args.quick else 3)
+    pool_tokens = 2 * max(tokens_list)
+
+    remotes = [_spawn("source"), _spawn("target")]
+    rows: list[Row] = []
+    try:
+        for r in remotes:
+            if not r.conn.poll(START_S):
+                raise TimeoutError(f"{r.name} did not start")
+            r.conn.recv()
+        src, dst = remotes
+        for layout in args.layouts:
+            for page_size in args.page_sizes:
+                chunk = None if args.chunk_mib is None else args.chunk_mib << 20
+                src.do("setup", layout, page_size, asdict(shape), pool_tokens, chunk)
+                peer = dst.do("setup", layout, page_size, asdict(shape), pool_tokens, chunk)
+                for pool in args.pools:
+                    for tokens in tokens_list:
+                        rows += run_cell(
+                            src,
+                            dst,
+                            peer,
+                            layout,
+                            page_size,
+                            pool,
+                            tokens,
+                            args.paths,
+                            repeats,
+                            shape.bytes_per_token,
+                            seed=tokens + page_size,
+                        )
+    finally:
+        for r in remotes:
+            r.stop()
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    print(
+        f"\nshape: {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim} "
+        f"(bf16, {shape.bytes_per_token // 1024} KiB/token); repeats {repeats}; medians\n"
+    )
+    print(
+        "| layout | page | pool | tokens | MiB | path | entries | migration ms | "
+        "raw contiguous ms | raw same entries ms | migration / contiguous | "
+        "same entries / contiguous | worker cores | bytes ok |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r.layout} | {r.page_size} | {r.pool} | {r.tokens} | {r.mib:.0f} | {r.path} | "
+            f"{r.entries} | {r.migration_ms:.1f} | {r.raw_contiguous_ms:.1f} | "
+            f"{r.raw_entries_ms:.1f} | {r.ratio:.2f} | {r.raw_entries_ratio:.2f} | "
+            f"{r.worker_cores:.2f} | {'yes' if r.ok else 'NO'} |"
+        )
+    if not all(r.ok for r in rows):
+        sys.exit("some migrations did not deliver identical bytes")
+
+
+if __name__ == "__main__":
+    main()
