@@ -447,6 +447,7 @@ def main() -> None:
     repeats = args.repeats or (2 if args.quick else 3)
     pool_tokens = 2 * max(tokens_list)
 
+    load_before = os.getloadavg()
     remotes = [_spawn("source"), _spawn("target")]
     rows: list[Row] = []
     try:
@@ -482,7 +483,9 @@ def main() -> None:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     print(
         f"\nshape: {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim} "
-        f"(bf16, {shape.bytes_per_token // 1024} KiB/token); repeats {repeats}; medians\n"
+        f"(bf16, {shape.bytes_per_token // 1024} KiB/token); repeats {repeats}; medians; "
+        f"{os.cpu_count()} CPUs, load average {load_before[0]:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after\n"
     )
     print(
         "| layout | page | pool | tokens | MiB | path | entries | migration ms | "

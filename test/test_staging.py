@@ -225,3 +225,22 @@ def test_scatter_refuses_a_short_staging_region():
     layout = make_layout(arr, "mha", "layer_first", 1)
     with pytest.raises(ValueError, match="staging holds"):
         staging.scatter_from_staging(layout, torch.zeros(10, dtype=torch.uint8), [0, 1])
+
+
+def test_arena_grants_releases_merges_and_quarantines():
+    arena = staging.StagingArena(64 * 4096)
+    base, size = arena.region
+    a = arena.grant(10_000, now=0.0)  # rounded up to 3 pages
+    b = arena.grant(4096, now=0.0)
+    assert a == (base, 3 * 4096) and b == (base + 3 * 4096, 4096)
+    assert arena.grant(61 * 4096, now=0.0) is None  # 60 pages left
+    arena.release(a)
+    arena.release(b, not_before=5.0)  # a late write may still land until t=5
+    assert arena.grant(61 * 4096, now=1.0) is None  # b is still quarantined
+    assert arena.free_bytes == 63 * 4096
+    whole = arena.grant(64 * 4096, now=5.0)  # b reclaimed and merged with its neighbours
+    assert whole == (base, size) and arena.free_bytes == 0
+    view = arena.tensor(base + 4096, 100)
+    assert view.numel() == 100 and view.data_ptr() == base + 4096
+    with pytest.raises(ValueError, match="not inside"):
+        arena.tensor(base + size - 10, 100)

@@ -272,6 +272,85 @@ class StagingScatterer:
         self._executor.shutdown(wait=True)
 
 
+class StagingArena:
+    """The target's staging memory: one region, granted in extents to staged migrations.
+
+    The scheduler side registers `region` with its transport at start-up and publishes it
+    (it must be in the peer regions a source checks writes against). `grant` hands out an
+    extent for one migration, or None when there is no room (then grant nothing: the
+    source writes into the slots directly). `release` returns an extent after commit,
+    abort or expiry; an extent released while a late write could still land passes
+    ``not_before`` (a `time.monotonic()` deadline) and is reused only after it, as the
+    host slots of an aborted migration are quarantined. Not thread-safe: call it from
+    the scheduler thread; every call is O(extents), never O(pages).
+    """
+
+    ALIGN = 4096
+
+    def __init__(self, nbytes: int):
+        import torch
+
+        if nbytes <= 0:
+            raise ValueError(f"staging arena size must be positive, got {nbytes}")
+        self._memory = torch.empty(nbytes, dtype=torch.uint8)
+        base = self._memory.data_ptr()
+        self._free: list[tuple[int, int]] = [(base, nbytes)]  # (addr, length), by address
+        self._quarantined: list[tuple[float, int, int]] = []  # (not_before, addr, length)
+
+    @property
+    def region(self) -> tuple[int, int]:
+        """``(addr, length)`` of the whole arena, to register and publish."""
+        return self._memory.data_ptr(), self._memory.numel()
+
+    def tensor(self, addr: int, length: int) -> torch.Tensor:
+        """The arena bytes of one granted extent (what `scatter_from_staging` reads)."""
+        offset = addr - self._memory.data_ptr()
+        if offset < 0 or offset + length > self._memory.numel():
+            raise ValueError(f"extent 0x{addr:x}+{length} is not inside the arena")
+        return self._memory[offset : offset + length]
+
+    def grant(self, nbytes: int, now: float) -> tuple[int, int] | None:
+        """First fit; ``(addr, length)`` or None if no free extent is large enough."""
+        self._reclaim(now)
+        need = -(-nbytes // self.ALIGN) * self.ALIGN
+        for i, (addr, length) in enumerate(self._free):
+            if length >= need:
+                if length == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (addr + need, length - need)
+                return addr, need
+        return None
+
+    def release(self, extent: tuple[int, int], not_before: float | None = None) -> None:
+        if not_before is not None:
+            self._quarantined.append((not_before, *extent))
+            return
+        self._insert_free(*extent)
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(length for _, length in self._free)
+
+    def _reclaim(self, now: float) -> None:
+        ready = [q for q in self._quarantined if q[0] <= now]
+        self._quarantined = [q for q in self._quarantined if q[0] > now]
+        for _, addr, length in ready:
+            self._insert_free(addr, length)
+
+    def _insert_free(self, addr: int, length: int) -> None:
+        """Insert, keeping address order, and merge with neighbours."""
+        import bisect
+
+        i = bisect.bisect_left(self._free, (addr, 0))
+        self._free.insert(i, (addr, length))
+        if i + 1 < len(self._free) and addr + length == self._free[i + 1][0]:
+            self._free[i] = (addr, length + self._free.pop(i + 1)[1])
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == addr:
+            prev_addr, prev_len = self._free[i - 1]
+            self._free[i - 1] = (prev_addr, prev_len + self._free.pop(i)[1])
+
+
 def staging_bytes(layout: HostPoolLayout, num_slots: int) -> int:
     """Bytes a staging region needs for ``num_slots`` slots of ``layout``."""
     return num_slots * sum(b.item_len for b in layout.buffers)
