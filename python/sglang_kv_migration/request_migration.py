@@ -90,7 +90,13 @@ def new_rid() -> str:
 
 @dataclass
 class GenerateRequest:
-    """One non-streaming `/generate` call, in the fields a move needs to know."""
+    """One non-streaming `/generate` call, in the fields a move needs to know.
+
+    `priority` is SGLang's request priority: servers order their queue by it with
+    ``--enable-priority-scheduling`` (larger first unless
+    ``--schedule-low-priority-values-first``); a server without it ignores the field, or
+    refuses the request with ``--abort-on-priority-when-disabled``.
+    """
 
     input_ids: list[int]
     sampling_params: dict[str, Any] = field(default_factory=dict)
