@@ -16,6 +16,7 @@ import base64
 import logging
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -119,20 +120,32 @@ def open_tensor(desc: dict[str, Any], device_index: int) -> Any:
     return flat
 
 
+@dataclass
+class OpenedPeer:
+    buffers: list[Any]  # flat uint8 tensors mapping the peer's buffers
+    pointers: Any  # int64 tensor of their addresses, on the device they were mapped on
+
+
 class PeerBuffers:
     """Peers' KV buffers opened through CUDA IPC, one mapping per peer instance."""
 
     def __init__(self, max_open: int = MAX_OPEN_PEERS):
-        self._open: OrderedDict[str, list[Any]] = OrderedDict()
+        self._open: OrderedDict[str, OpenedPeer] = OrderedDict()
         self._max_open = max_open
 
-    def get(self, instance_key: str, descs: list[dict[str, Any]], device_index: int) -> list[Any]:
+    def get(self, instance_key: str, descs: list[dict[str, Any]], device_index: int) -> OpenedPeer:
         opened = self._open.get(instance_key)
         if opened is not None:
             self._open.move_to_end(instance_key)
             return opened
+        import torch
+
         try:
-            opened = [open_tensor(d, device_index) for d in descs]
+            buffers = [open_tensor(d, device_index) for d in descs]
+            pointers = torch.tensor(
+                [b.data_ptr() for b in buffers], dtype=torch.int64, device=f"cuda:{device_index}"
+            )
+            opened = OpenedPeer(buffers, pointers)
         except MigrationError:
             raise
         except Exception as e:  # CUDA refused the handle (other host, other namespace)
@@ -143,13 +156,15 @@ class PeerBuffers:
         self._open[instance_key] = opened
         while len(self._open) > self._max_open:
             _key, dropped = self._open.popitem(last=False)
-            dropped.clear()  # the last reference closes the mapping
-        logger.info("Opened %d KV buffers of peer %s through CUDA IPC", len(opened), instance_key)
+            dropped.buffers.clear()  # the last reference closes the mapping
+        logger.info(
+            "Opened %d KV buffers of peer %s through CUDA IPC", len(opened.buffers), instance_key
+        )
         return opened
 
     def close(self) -> None:
         for opened in self._open.values():
-            opened.clear()
+            opened.buffers.clear()
         self._open.clear()
 
     def __len__(self) -> int:

@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from sglang_kv_migration import cuda_ipc, sglang_adapter
+from sglang_kv_migration import cuda_ipc, page_copy, sglang_adapter
 from sglang_kv_migration.data_path import DEVICE, DataPath, KVPoll, SendJob, SendRange, SendStats
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 
@@ -69,10 +69,21 @@ class DevicePath(DataPath):
         self.num_rows = [int(b.shape[0]) for b in self.buffers]
         self.bytes_per_token = sum(self.row_bytes)
         self.instance_id = uuid.uuid4().hex  # a restarted server is a new peer
-        self._stream = torch.cuda.Stream(device=self.device)
         self._peers = cuda_ipc.PeerBuffers()
-        self._exported = [cuda_ipc.export_tensor(b) for b in self.buffers]
-        self._gpu_uuid = cuda_ipc.gpu_uuid(self.device.index)
+        # The target role (reserve / release / insert) needs no CUDA: CPU tests run it on
+        # a CPU device pool. Only the source role and the advertisement need the GPU.
+        self._stream: Any = None
+        self._exported: list[dict[str, Any]] = []
+        self._gpu_uuid = ""
+        self._src_ptrs: Any = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._exported = [cuda_ipc.export_tensor(b) for b in self.buffers]
+            self._gpu_uuid = cuda_ipc.gpu_uuid(self.device.index)
+            self._src_ptrs = _pointer_table(self.buffers, self.device)
+        # One fused launch moves every buffer when all have the same row size (MHA with
+        # equal K/V head dims, MLA); otherwise two torch launches per buffer.
+        self._fused = len(set(self.row_bytes)) == 1 and self.row_bytes[0] % 8 == 0
 
     # ------------------------------------------------------------------ both roles
 
@@ -118,7 +129,7 @@ class DevicePath(DataPath):
             raise MigrationError(
                 ErrorKind.BAD_REQUEST, "target_per_rank has no device_kv for the device path"
             )
-        dst_buffers = self._open_peer(peer)
+        dst = self._open_peer(peer)
         held = sglang_adapter.match_device_prefix(
             self.cache, send.input_ids[: send.end], send.extra_key
         )
@@ -133,7 +144,7 @@ class DevicePath(DataPath):
         dst_pages = _pages_of(send.target_slots, self.page_size, "target")
         self.cache.inc_lock_ref(held.last_node)
         try:
-            job = self._launch(src_pages, dst_buffers, dst_pages, held.last_node)
+            job = self._launch(src_pages, dst, dst_pages, held.last_node)
         except BaseException:
             self.cache.dec_lock_ref(held.last_node)
             raise
@@ -142,7 +153,9 @@ class DevicePath(DataPath):
 
     # ------------------------------------------------------------------ helpers
 
-    def _open_peer(self, peer: dict[str, Any]) -> list[torch.Tensor]:
+    def _open_peer(self, peer: dict[str, Any]) -> cuda_ipc.OpenedPeer:
+        import torch
+
         try:
             host, gpu = str(peer["host_identity"]), str(peer["gpu_uuid"])
             instance = str(peer["instance_id"])
@@ -161,13 +174,22 @@ class DevicePath(DataPath):
                 f"device KV rows differ: source {len(self.buffers)} buffers of "
                 f"{self.row_bytes[:2]}... bytes, target {len(descs)} of {row_bytes[:2]}...",
             )
-        device_index = cuda_ipc.local_device_of(gpu)
-        if device_index is None:
+        target_index = cuda_ipc.local_device_of(gpu)
+        if target_index is None:
             raise MigrationError(
                 ErrorKind.CONFLICT, f"target GPU {gpu} is not visible to the source process"
             )
-        opened = self._peers.get(instance, descs, device_index)
-        for flat, rows, rb in zip(opened, num_rows, row_bytes, strict=True):
+        here = self.device.index
+        if target_index != here and not torch.cuda.can_device_access_peer(here, target_index):
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"this GPU ({here}) cannot access the target's GPU ({target_index}) as a peer",
+            )
+        # Mapped into *this* device's address space (CUDA enables peer access for a
+        # mapping of a peer GPU's memory), so the copy kernel runs here and writes the
+        # target's pages directly, over NVLink when the target is another GPU.
+        opened = self._peers.get(instance, descs, here)
+        for flat, rows, rb in zip(opened.buffers, num_rows, row_bytes, strict=True):
             if flat.numel() != rows * rb:
                 raise MigrationError(
                     ErrorKind.BAD_REQUEST,
@@ -178,14 +200,14 @@ class DevicePath(DataPath):
     def _launch(
         self,
         src_pages: torch.Tensor,
-        dst_buffers: list[torch.Tensor],
+        dst: cuda_ipc.OpenedPeer,
         dst_pages: torch.Tensor,
         locked: TreeNode,
     ) -> DeviceSendJob:
         import torch
 
         page_bytes = [rb * self.page_size for rb in self.row_bytes]
-        for flat, pb in zip(dst_buffers, page_bytes, strict=True):
+        for flat, pb in zip(dst.buffers, page_bytes, strict=True):
             limit = flat.numel() // pb
             if len(dst_pages) and int(dst_pages.max()) >= limit:
                 raise MigrationError(
@@ -201,16 +223,16 @@ class DevicePath(DataPath):
             stream.wait_stream(other)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
-            start.record(stream)
             src_idx = src_pages.to(self.device, non_blocking=True)
-            dst_idx = dst_pages.to(dst_buffers[0].device, non_blocking=True)
-            for src, dst, pb in zip(self.buffers, dst_buffers, page_bytes, strict=True):
-                src_view = src.view(-1).view(torch.uint8).view(-1, pb)
-                dst_view = dst.view(-1, pb)
-                gathered = src_view.index_select(0, src_idx)
-                if dst_view.device != self.device:
-                    gathered = gathered.to(dst_view.device, non_blocking=True)
-                dst_view.index_copy_(0, dst_idx, gathered)
+            dst_idx = dst_pages.to(self.device, non_blocking=True)
+            start.record(stream)
+            if self._fused:
+                page_copy.copy_pages(self._src_ptrs, dst.pointers, src_idx, dst_idx, page_bytes[0])
+            else:
+                for src, flat, pb in zip(self.buffers, dst.buffers, page_bytes, strict=True):
+                    page_copy.copy_pages_torch(
+                        [src.view(-1).view(torch.uint8)], [flat], src_idx, dst_idx, pb
+                    )
             end.record(stream)
         return DeviceSendJob(self.cache, locked, start, end)
 
@@ -241,9 +263,15 @@ def _pages_of(slots: torch.Tensor, page_size: int, side: str) -> torch.Tensor:
 
     from sglang_kv_migration.layout import page_runs
 
+    slots = slots.to("cpu", torch.int64)
     try:
-        runs = page_runs(slots, page_size)
+        page_runs(slots, page_size)  # validates: whole pages, page-aligned
     except ValueError as e:
         raise MigrationError(ErrorKind.BAD_REQUEST, f"{side} slots: {e}") from None
-    pages = [torch.arange(first // page_size, (first + n) // page_size) for first, n in runs]
-    return torch.cat(pages) if pages else torch.empty(0, dtype=torch.int64)
+    return slots[::page_size] // page_size
+
+
+def _pointer_table(buffers: list[torch.Tensor], device: Any) -> torch.Tensor:
+    import torch
+
+    return torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)

@@ -13,9 +13,10 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal, Protocol
 
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sglang.srt.utils.auth import AuthLevel, auth_level
@@ -154,7 +155,7 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     """The six routes; `get_backend()` returns None when migration is disabled."""
     router = APIRouter(route_class=_BadRequestOnInvalidBody, tags=["kv-migration"])
 
-    async def dispatch(request: Any) -> JSONResponse:
+    async def dispatch(request: Any) -> Response:
         backend = get_backend()
         if backend is None:
             return _error(ErrorKind.UNAVAILABLE, DISABLED_MESSAGE)
@@ -163,14 +164,14 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     # curl -X POST localhost:30000/get_transfer_session_info
     @router.post("/get_transfer_session_info")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
-    async def get_transfer_session_info() -> JSONResponse:
+    async def get_transfer_session_info() -> Response:
         """Per rank: transfer session id, host buffers and layout fingerprint."""
         return await dispatch(GetTransferSessionInfoReqInput())
 
     # curl -X POST localhost:30000/get_request_extra_token_size -d '{"input_ids": [1, 2]}'
     @router.post("/get_request_extra_token_size")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
-    async def get_request_extra_token_size(body: ExtraTokenSizeBody) -> JSONResponse:
+    async def get_request_extra_token_size(body: ExtraTokenSizeBody) -> Response:
         """How much of the page-aligned prefix of input_ids this server holds."""
         return await dispatch(GetRequestExtraTokenSizeReqInput(**body.model_dump()))
 
@@ -178,7 +179,7 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     #   -d '{"input_ids": [...], "source_fingerprints": [...]}'
     @router.post("/allocate_token_for_transfer")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
-    async def allocate_token_for_transfer(body: AllocateBody) -> JSONResponse:
+    async def allocate_token_for_transfer(body: AllocateBody) -> Response:
         """Target: lock the held prefix, reserve slots (host or device path) for the rest."""
         migration_id = uuid.uuid4().hex  # minted here once; every rank uses it
         return await dispatch(
@@ -188,7 +189,7 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     # curl -X POST localhost:30000/transfer_request_kvcache -d '{"input_ids": [...], ...}'
     @router.post("/transfer_request_kvcache")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
-    async def transfer_request_kvcache(body: TransferBody) -> JSONResponse:
+    async def transfer_request_kvcache(body: TransferBody) -> Response:
         """Source: copy the pages into the target ranks' reserved slots."""
         fields = body.model_dump(exclude={"target_per_rank"})
         targets = [TransferRequestKVCacheTarget(**t.model_dump()) for t in body.target_per_rank]
@@ -197,14 +198,14 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     # curl -X POST localhost:30000/commit -d '{"migration_id": "..."}'
     @router.post("/commit")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
-    async def commit(body: MigrationIdBody) -> JSONResponse:
+    async def commit(body: MigrationIdBody) -> Response:
         """Target: insert the written pages into the radix cache."""
         return await dispatch(CommitTransferRequestKVCacheReqInput(migration_id=body.migration_id))
 
     # curl -X POST localhost:30000/abort_transfer -d '{"migration_id": "..."}'
     @router.post("/abort_transfer")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
-    async def abort_transfer(body: MigrationIdBody) -> JSONResponse:
+    async def abort_transfer(body: MigrationIdBody) -> Response:
         """Target: free a pending allocation now instead of at the watchdog."""
         return await dispatch(AbortTransferReqInput(migration_id=body.migration_id))
 
@@ -260,12 +261,29 @@ def _sglang_backend() -> MigrationBackend | None:
     return get_global_state().tokenizer_manager.kv_migration_communicators
 
 
-def _reply(output: Any) -> JSONResponse:
-    content = {
-        k: v for k, v in dataclasses.asdict(output).items() if k not in ("rid", "http_worker_ipc")
-    }
+# BaseReq bookkeeping that never leaves the server.
+_INTERNAL_FIELDS = frozenset({"rid", "http_worker_ipc"})
+
+
+def _reply(output: Any) -> Response:
     status = 200 if output.success else ErrorKind(output.error_kind or "internal").http_status
-    return JSONResponse(content=content, status_code=status)
+    content = {
+        f.name: _plain(getattr(output, f.name))
+        for f in dataclasses.fields(output)
+        if f.name not in _INTERNAL_FIELDS
+    }
+    # orjson, and no deep copy (`dataclasses.asdict` copies every int of a 32K-token list):
+    # replies carry page lists as long as the prefix.
+    return Response(orjson.dumps(content), status_code=status, media_type="application/json")
+
+
+def _plain(value: Any) -> Any:
+    """Dataclasses (and lists of them) as dicts; everything else as it is."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _error(kind: ErrorKind, message: str) -> JSONResponse:

@@ -75,7 +75,15 @@ class Allocation:
     migration_id: str
     matched_length: int
     extra_length: int
-    kv_indices: list[int]
+    slots: torch.Tensor  # int64 token slots reserved after the matched prefix
+
+    @property
+    def kv_indices(self) -> list[int]:
+        return self.slots.tolist()
+
+    def kv_pages(self, page_size: int) -> list[int]:
+        """The reserved slots as page ids (they are whole pages)."""
+        return (self.slots[::page_size] // page_size).tolist()
 
 
 @dataclass(frozen=True)
@@ -156,7 +164,7 @@ class PendingMigrations:
             held = path.held_prefix(input_ids, extra_key)
             extra = len(key) - held.length
             if extra <= 0 and nothing_ok:
-                return Allocation(migration_id, held.length, 0, [])
+                return Allocation(migration_id, held.length, 0, sglang_adapter.no_slots())
             if extra <= 0:
                 raise MigrationError(
                     ErrorKind.CONFLICT,
@@ -192,7 +200,7 @@ class PendingMigrations:
                 migration_id=migration_id,
                 matched_length=held.length,
                 extra_length=extra,
-                kv_indices=slots.tolist(),
+                slots=slots,
             )
 
     def commit(self, migration_id: str) -> int:

@@ -214,11 +214,12 @@ class MigrationSchedulerSide:
                 path=path,
                 nothing_ok=req.nothing_ok,
             )
-            rank = AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)
             if req.index_format == "pages":
-                rank.kv_pages = alloc.kv_indices[:: self.layout.page_size]
-                rank.kv_pages = [slot // self.layout.page_size for slot in rank.kv_pages]
-                rank.kv_indices = []
+                rank = AllocatedRank(
+                    self.ctx.tp_rank, self.ctx.pp_rank, [], alloc.kv_pages(self.layout.page_size)
+                )
+            else:
+                rank = AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)
             return AllocateTokenForTransferReqOutput(
                 success=True,
                 migration_id=alloc.migration_id if alloc.extra_length else "",

@@ -334,6 +334,12 @@ def alloc_host_slots(cache: HiRadixCache, num_tokens: int) -> torch.Tensor:
     return slots
 
 
+def no_slots() -> torch.Tensor:
+    import torch
+
+    return torch.empty(0, dtype=torch.int64)
+
+
 def free_host_slots(cache: HiRadixCache, slots: torch.Tensor) -> None:
     if len(slots):
         host_pool(cache).free(slots)
