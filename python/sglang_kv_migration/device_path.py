@@ -227,8 +227,14 @@ class DevicePath(DataPath):
             dst_idx = dst_pages.to(self.device, non_blocking=True)
             start.record(stream)
             if self._fused:
-                page_copy.copy_pages(self._src_ptrs, dst.pointers, src_idx, dst_idx, page_bytes[0])
-            else:
+                try:
+                    page_copy.copy_pages(
+                        self._src_ptrs, dst.pointers, src_idx, dst_idx, page_bytes[0]
+                    )
+                except Exception:  # Triton cannot build the kernel here: fall back, once
+                    logger.exception("fused page copy unavailable; using torch copies")
+                    self._fused = False
+            if not self._fused:
                 for src, flat, pb in zip(self.buffers, dst.buffers, page_bytes, strict=True):
                     page_copy.copy_pages_torch(
                         [src.view(-1).view(torch.uint8)], [flat], src_idx, dst_idx, pb
