@@ -51,6 +51,7 @@ sys.path.insert(0, str(_ROOT / "test"))
 sys.path.insert(0, str(_ROOT / "python"))
 
 REPLY_S = 600.0
+_LOOP_S = 0.0005  # the stand-in scheduler loop's sleep between polls
 START_S = 300.0
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
@@ -154,7 +155,11 @@ class _Peer:
     # -- timed operations (source) --------------------------------------------
 
     def migrate(self, path: str, peer: dict, src: list[int], dst: list[int]) -> dict:
+        """One migration as the source's scheduler thread would run it: submit, then poll
+        the handle once per (0.5 ms) loop iteration. ``stall_ms`` is the longest the loop
+        could not run: the submit call, or the worst iteration beyond its sleep."""
         from sglang_kv_migration.layout import plan_writes
+        from sglang_kv_migration.transfer import MemoryRegion
 
         peer_layout = _peer_layout(peer)
         regions = _regions(peer)
@@ -162,28 +167,31 @@ class _Peer:
         start = time.perf_counter()
         if path == "plan":
             ops = plan_writes(self.layout, src, peer_layout, dst)
-            stats = self.transport.write(peer["session_id"], ops, regions).result(REPLY_S)
-        elif path == "pages":
-            handle = self.transport.write_pages(
-                peer["session_id"], self.layout, src, peer_layout, dst, regions
-            )
-            stats = handle.result(REPLY_S)
+            handle = self.transport.write(peer["session_id"], ops, regions)
         else:
-            from sglang_kv_migration.transfer import MemoryRegion
-
-            staging = MemoryRegion(peer["staging"]["addr"], peer["staging"]["length"])
+            staging = None
+            if path == "staged":
+                staging = MemoryRegion(peer["staging"]["addr"], peer["staging"]["length"])
+                regions = [*regions, staging]
             handle = self.transport.write_pages(
                 peer["session_id"],
                 self.layout,
                 src,
                 peer_layout,
                 dst,
-                [staging],
+                regions,
                 dst_staging=staging,
             )
-            stats = handle.result(REPLY_S)
+        stall = _poll_loop(handle, start)
+        stats = handle.result(REPLY_S)
         wall = time.perf_counter() - start
-        return {"s": wall, "entries": stats.entries, "cpu": (self._worker_cpu_s() - cpu) / wall}
+        return {
+            "s": wall,
+            "entries": stats.entries,
+            "plan": stats.plan,
+            "cpu": (self._worker_cpu_s() - cpu) / wall,
+            "stall_ms": stall * 1e3,
+        }
 
     def _worker_cpu_s(self) -> float:
         """CPU seconds of the transport's worker thread (plans, gathers, waits)."""
@@ -199,8 +207,10 @@ class _Peer:
         kv_base = self.harness.host_pool.kv_buffer.data_ptr()
         ops = [WriteOp(kv_base, peer["kv_base"], nbytes)]
         start = time.perf_counter()
-        stats = self.transport.write(peer["session_id"], ops, _regions(peer)).result(REPLY_S)
-        return {"s": time.perf_counter() - start, "entries": stats.entries}
+        handle = self.transport.write(peer["session_id"], ops, _regions(peer))
+        stall = _poll_loop(handle, start)  # the machine's own noise: no planning, one entry
+        stats = handle.result(REPLY_S)
+        return {"s": time.perf_counter() - start, "entries": stats.entries, "stall_ms": stall * 1e3}
 
     def raw_entries(self, peer: dict, src: list[int], dst: list[int]) -> dict:
         from sglang_kv_migration.layout import plan_writes
@@ -245,6 +255,20 @@ class _Peer:
         gc.collect()  # the cache's reference cycles would keep a GiB-sized pool alive
 
 
+def _poll_loop(handle: Any, start: float) -> float:
+    """Poll ``handle`` every `_LOOP_S` like a scheduler loop; return the longest the loop
+    was held: the submit call (``start`` until now) or an iteration beyond its sleep."""
+    submitted = time.perf_counter()
+    stall, last = submitted - start, submitted
+    for _ in range(int(REPLY_S / _LOOP_S)):
+        if handle.done():
+            break
+        time.sleep(_LOOP_S)
+        now = time.perf_counter()
+        stall, last = max(stall, now - last - _LOOP_S), now
+    return stall
+
+
 def _page_views(layout: Any, slots: list[int]) -> list[tuple[Any, Any]]:
     """Per buffer: (pages x page bytes uint8 view, page ids in slot order)."""
     import ctypes
@@ -282,6 +306,9 @@ def peer_main(conn: Connection) -> None:
     cpu_harness.install_cpu_shims()
     import sglang.srt.mem_cache.hiradix_cache  # noqa: F401  (the slow import, up front)
 
+    switch = os.environ.get("KVMIG_BENCH_SWITCH_INTERVAL_S")
+    if switch:  # to tell GIL hand-over delays from CPU contention in the loop stall
+        sys.setswitchinterval(float(switch))
     peer = _Peer()
     conn.send(("ready", None))
     try:
@@ -337,6 +364,7 @@ class Row:
     tokens: int
     mib: float
     path: str
+    plan: str  # what write_pages chose (direct / gather / staged); "-" for plan_writes
     entries: int
     migration_ms: float
     raw_contiguous_ms: float
@@ -344,6 +372,8 @@ class Row:
     ratio: float  # migration / raw contiguous
     raw_entries_ratio: float  # raw same entries / raw contiguous
     worker_cores: float  # source transfer worker's CPU seconds per migration second (median)
+    max_stall_ms: float  # longest the source's stand-in scheduler loop was held (max)
+    control_stall_ms: float  # the same during the raw contiguous writes: the noise floor
     ok: bool
 
 
@@ -380,21 +410,25 @@ def run_cell(
     if "staged" in paths:
         peer = {**peer, "staging": dst.do("make_staging", nbytes)}
     want = src.do("digest", src_slots)
-    raw_c, raw_e, raw_entries = [], [], 0
+    raw_c, raw_e, raw_entries, control_stalls = [], [], 0, []
     for _ in range(repeats):
-        raw_c.append(src.do("raw_contiguous", peer, nbytes)["s"])
+        r = src.do("raw_contiguous", peer, nbytes)
+        raw_c.append(r["s"])
+        control_stalls.append(r["stall_ms"])
         r = src.do("raw_entries", peer, src_slots, dst_slots)
         raw_e.append(r["s"])
         raw_entries = r["entries"]
     rows = []
     for path in paths:
-        times, cores, entries = [], [], 0
+        times, cores, stalls, entries, plan = [], [], [], 0, ""
         for _ in range(repeats):
             dst.do("zero", dst_slots)
             r = src.do("migrate", path, peer, src_slots, dst_slots)
             cores.append(r["cpu"])
             seconds = r["s"]
-            if path == "staged":
+            stalls.append(r["stall_ms"])
+            plan = r["plan"]
+            if plan == "staged":  # the target scatters before it commits
                 seconds += dst.do("scatter", dst_slots)["s"]
             times.append(seconds)
             entries = r["entries"]
@@ -409,6 +443,7 @@ def run_cell(
                 tokens=tokens,
                 mib=nbytes / 2**20,
                 path=path,
+                plan=plan if path != "plan" else "-",
                 entries=entries if path != "plan" else raw_entries,
                 migration_ms=m,
                 raw_contiguous_ms=rc,
@@ -416,6 +451,8 @@ def run_cell(
                 ratio=m / rc,
                 raw_entries_ratio=re_ / rc,
                 worker_cores=statistics.median(cores),
+                max_stall_ms=max(stalls),
+                control_stall_ms=max(control_stalls),
                 ok=ok,
             )
         )
@@ -490,15 +527,17 @@ def main() -> None:
     print(
         "| layout | page | pool | tokens | MiB | path | entries | migration ms | "
         "raw contiguous ms | raw same entries ms | migration / contiguous | "
-        "same entries / contiguous | worker cores | bytes ok |"
+        "same entries / contiguous | worker cores | loop stall ms (control) | bytes ok |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r.layout} | {r.page_size} | {r.pool} | {r.tokens} | {r.mib:.0f} | {r.path} | "
+            f"| {r.layout} | {r.page_size} | {r.pool} | {r.tokens} | {r.mib:.0f} | "
+            f"{r.path} ({r.plan}) | "
             f"{r.entries} | {r.migration_ms:.1f} | {r.raw_contiguous_ms:.1f} | "
             f"{r.raw_entries_ms:.1f} | {r.ratio:.2f} | {r.raw_entries_ratio:.2f} | "
-            f"{r.worker_cores:.2f} | {'yes' if r.ok else 'NO'} |"
+            f"{r.worker_cores:.2f} | {r.max_stall_ms:.1f} ({r.control_stall_ms:.1f}) | "
+            f"{'yes' if r.ok else 'NO'} |"
         )
     if not all(r.ok for r in rows):
         sys.exit("some migrations did not deliver identical bytes")

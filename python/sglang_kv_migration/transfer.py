@@ -333,8 +333,10 @@ class MooncakeTransport(KVTransport):
         self._jobs: queue.SimpleQueue[_Job | _PagesJob | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._closed = False
-        # Worker thread only: two staging chunks in one registered allocation.
+        # Worker thread only: two staging chunks in one registered allocation, and the
+        # timing of the last large batch (how long to sleep before waiting on the next).
         self._staging: torch.Tensor | None = None
+        self._last_batch: _BatchTiming | None = None
         logger.info("transfer engine up: session %s over %s", self._session_id, config.protocol)
 
     @property
@@ -545,7 +547,8 @@ class MooncakeTransport(KVTransport):
         """Send entries in batches, one at a time; returns the number of batches."""
         size = self._config.max_entries_per_batch
         starts = range(0, len(entries), size)
-        previous: _BatchTiming | None = None
+        # The last batch of an earlier job predicts this job's first (scaled down).
+        previous = self._last_batch
         for number, lo in enumerate(starts, 1):
             hi = min(lo + size, len(entries))
             label = f"batch {number}/{len(starts)}"
@@ -558,7 +561,8 @@ class MooncakeTransport(KVTransport):
                 _Singles(self, ctx, label, srcs, dsts, lengths, deadline).submit().wait()
             else:
                 self._write_batch(ctx, label, srcs, dsts, lengths, deadline, previous)
-            previous = _BatchTiming(time.monotonic() - began, len(lengths), sum(lengths))
+                previous = _BatchTiming(time.monotonic() - began, len(lengths), sum(lengths))
+                self._last_batch = previous
         return len(starts)
 
     def _send_chunks(
@@ -635,7 +639,8 @@ class MooncakeTransport(KVTransport):
             else:
                 if previous is not None:
                     # Sleep through most of the expected time; the spinning wait below
-                    # then covers only the tail.
+                    # then covers only the tail. Scaling by the smaller of the two ratios
+                    # underestimates rather than oversleeps.
                     expected = previous.seconds * min(
                         len(lengths) / previous.entries, nbytes / previous.bytes
                     )
