@@ -429,11 +429,6 @@ def test_host_evictable_size_matches_what_evict_host_frees(harness_factory, atte
     assert _host_freed_by_evict_host(h) == 64
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="host_evictable_size counts host-only nodes with lock_ref > 0, which evict_host "
-    "skips (SGLang drops locked nodes from evictable_host_leaves)",
-)
 def test_host_evictable_size_excludes_a_locked_host_only_leaf(harness_factory):
     h = harness_factory(page_size=16, device_tokens=512)
     locked = _tokens(64, start=7000)
@@ -450,13 +445,6 @@ def test_host_evictable_size_excludes_a_locked_host_only_leaf(harness_factory):
         h.cache.dec_lock_ref(node)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a host-only anchor locked by PendingMigrations.allocate is evicted by "
-    "evict_host once its unlocked children are gone (evict_host checks only "
-    "host_ref_counter for re-queued parents), so the committed pages hang below a "
-    "detached node and are lost",
-)
 def test_host_allocation_never_evicts_its_own_locked_host_only_anchor(harness_factory):
     ps = 16
     h = harness_factory(page_size=ps, device_tokens=512)
@@ -567,12 +555,6 @@ def test_pin_host_pages_protects_and_unpin_releases(harness_factory, page_size):
     assert h.host_pool.available_size() == host_before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_start_write_back calls write_backup(node) without write_back=True under the "
-    "write_back policy: it locks the node, and SGLang's evict() then drains the ack with "
-    "writing_check(write_back=True), which never unlocks it",
-)
 def test_pin_under_write_back_policy_leaks_no_lock_when_the_scheduler_evicts(harness_factory):
     h = harness_factory(page_size=16, write_policy="write_back")
     tokens, other = _tokens(64), _tokens(64, start=5000)

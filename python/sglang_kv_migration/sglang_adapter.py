@@ -356,7 +356,14 @@ def host_evictable_size(cache: HiRadixCache) -> int:
             whole = whole and child_whole
         if node is cache.root_node:
             return total, False
-        if whole and node.evicted and node.host_ref_counter == 0 and node.host_value is not None:
+        # `evict_host` starts from evictable host leaves, which exclude locked nodes.
+        if (
+            whole
+            and node.evicted
+            and node.host_ref_counter == 0
+            and node.lock_ref == 0
+            and node.host_value is not None
+        ):
             return total + len(node.host_value), True
         return total, False
 
@@ -459,6 +466,10 @@ def _start_write_back(cache: HiRadixCache, nodes: list[TreeNode]) -> set[int]:
     Returns the ids of path nodes whose copy is in flight, including copies the
     scheduler started earlier. Nodes must already be protected by the caller.
     """
+    # Under write_back, SGLang's `evict` retires every in-flight write without unlocking
+    # it (`writing_check(write_back=True)`), so a lock taken by an asynchronous backup
+    # could leak; back up synchronously there, as `evict` itself does.
+    write_back = cache.cache_controller.write_policy == "write_back"
     copying: set[int] = set()
     for node in nodes:
         if node.backuped:
@@ -470,11 +481,14 @@ def _start_write_back(cache: HiRadixCache, nodes: list[TreeNode]) -> set[int]:
                 copying.add(node.id)
             continue
         # Top-down, so the parent is backed up first (SGLang's write-through invariant).
-        if cache.write_backup(node) == 0:
+        if cache.write_backup(node, write_back=write_back) == 0:
             raise MigrationError(
                 ErrorKind.UNAVAILABLE,
                 "host pool is full: cannot write the prefix back to host memory "
                 f"({len(node.key)} tokens needed)",
             )
         copying.add(node.id)
+    if write_back and copying:
+        cache.writing_check(write_back=True)  # waits for the copies; takes no locks
+        copying = set()
     return copying
