@@ -33,6 +33,7 @@ from sglang_kv_migration.transfer import (
     TransferHandle,
     TransportConfig,
     WriteOp,
+    _split_entries,
     coalesce,
     open_transport,
 )
@@ -532,3 +533,10 @@ def test_large_batches_sleep_through_most_of_their_wait(local, peer):
     share = (_thread_cpu_s(worker) - cpu) / (time.monotonic() - wall)
     # Spinning through every batch measured ~0.9 here; sleeping through 80% leaves ~0.3.
     assert share < 0.6, f"the transfer worker was on a CPU {share:.0%} of the time"
+
+
+def test_split_entries_cuts_long_runs_only():
+    srcs, dsts, lengths = _split_entries([100, 5000], [900, 9000], [10, 25], 10)
+    assert lengths == [10, 10, 10, 5] and srcs == [100, 5000, 5010, 5020]
+    assert dsts == [900, 9000, 9010, 9020]
+    assert _split_entries([1], [2], [30], 0) == ([1], [2], [30])  # 0: never split
