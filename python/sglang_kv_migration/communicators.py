@@ -23,10 +23,12 @@ class KVMigrationCommunicators:
         send_to_scheduler: Any,
         fan_out: int = 1,
         before_call: Callable[[], None] | None = None,
+        weight_version: Callable[[], str] | None = None,
     ):
         from sglang.srt.managers.communicator import FanOutCommunicator
 
         self._before_call = before_call
+        self._weight_version = weight_version
         self._by_input_type = {
             input_type: FanOutCommunicator(send_to_scheduler, fan_out)
             for _name, input_type, _output_type in REQUEST_TYPES
@@ -41,6 +43,9 @@ class KVMigrationCommunicators:
         """Send `request` to the scheduler; return the first rank's reply."""
         if self._before_call is not None:
             self._before_call()
+        if self._weight_version is not None:
+            # The scheduler does not see weight updates; the tokenizer manager does.
+            request.weight_version = self._weight_version()
         results = await self._by_input_type[type(request)](request)
         return results[0]
 
@@ -56,6 +61,7 @@ def after_init_communicators(_result: None, tokenizer_manager: Any, server_args:
         tokenizer_manager.send_to_scheduler,
         server_args.dp_size,
         before_call=tokenizer_manager.auto_create_handle_loop,
+        weight_version=lambda: tokenizer_manager.server_args.weight_version,
     )
     tokenizer_manager.kv_migration_communicators = comms
     tokenizer_manager._result_dispatcher += TypeBasedDispatcher(comms.result_handlers)

@@ -46,7 +46,16 @@ class MigrationBackend(Protocol):
 
 # --------------------------------------------------------------------------- bodies
 
+# Largest body a route reads (a 1M-token prefix with its page list is ~16 MB of JSON);
+# anything larger is refused with 413 before it is read, so it cannot stall the server.
+MAX_BODY_BYTES = 32 << 20
+MAX_TOKENS = 1 << 21  # input_ids / kv_indices / kv_pages per request
+MAX_ID_CHARS = 128  # migration_id
+MAX_KEY_CHARS = 4096  # extra_key
+
 TokenId = Annotated[int, Field(ge=0)]
+TokenList = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKENS)]
+ExtraKey = Annotated[str, Field(max_length=MAX_KEY_CHARS)]
 NonNegative = Annotated[int, Field(ge=0)]
 Address = Annotated[int, Field(ge=0)]
 
@@ -56,13 +65,13 @@ class _Body(BaseModel):
 
 
 class ExtraTokenSizeBody(_Body):
-    input_ids: list[TokenId] = Field(min_length=1)
-    extra_key: str | None = None
+    input_ids: TokenList
+    extra_key: ExtraKey | None = None
 
 
 class AllocateBody(_Body):
-    input_ids: list[TokenId] = Field(min_length=1)
-    extra_key: str | None = None
+    input_ids: TokenList
+    extra_key: ExtraKey | None = None
     extra_token_size: NonNegative = 0
     source_fingerprints: list[dict[str, Any]] = Field(min_length=1)
     path: Literal["host", "device"] = "host"
@@ -82,8 +91,8 @@ class TargetRankBody(_Body):
     # Device path: the target rank's `paths["device"]` from its session info.
     device_kv: dict[str, Any] | None = None
     # The allocated slots: token slots, or whole pages (protocol 2).
-    kv_indices: list[NonNegative] = Field(default_factory=list)
-    kv_pages: list[NonNegative] = Field(default_factory=list)
+    kv_indices: list[NonNegative] = Field(default_factory=list, max_length=MAX_TOKENS)
+    kv_pages: list[NonNegative] = Field(default_factory=list, max_length=MAX_TOKENS)
     fingerprint: dict[str, Any]
 
     @model_validator(mode="after")
@@ -110,12 +119,12 @@ class TargetRankBody(_Body):
 
 
 class TransferBody(_Body):
-    input_ids: list[TokenId] = Field(min_length=1)
-    extra_key: str | None = None
+    input_ids: TokenList
+    extra_key: ExtraKey | None = None
     matched_token_size: NonNegative
     extra_token_size: Annotated[int, Field(gt=0)]
-    target_per_rank: list[TargetRankBody] = Field(min_length=1)
-    migration_id: str = ""
+    target_per_rank: list[TargetRankBody] = Field(min_length=1, max_length=1024)
+    migration_id: str = Field(default="", max_length=MAX_ID_CHARS)
 
     @model_validator(mode="after")
     def _consistent_sizes(self) -> TransferBody:
@@ -145,7 +154,7 @@ class TransferBody(_Body):
 
 
 class MigrationIdBody(_Body):
-    migration_id: str = Field(min_length=1, max_length=128)
+    migration_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
 
 
 # --------------------------------------------------------------------------- routes
@@ -301,12 +310,32 @@ class _BadRequestOnInvalidBody(APIRoute):
         handler = super().get_route_handler()
 
         async def handle(request: Request) -> Any:
+            too_large = await _read_capped_body(request)
+            if too_large is not None:
+                return _error(ErrorKind.TOO_LARGE, too_large)
             try:
                 return await handler(request)
             except RequestValidationError as e:
                 return _error(ErrorKind.BAD_REQUEST, _describe(e))
 
         return handle
+
+
+async def _read_capped_body(request: Request) -> str | None:
+    """Read the body (cached on the request for the handler) unless it is over
+    `MAX_BODY_BYTES`; return the 413 message then."""
+    limit = MAX_BODY_BYTES
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        return f"request body of {declared} bytes is over the {limit}-byte limit"
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return f"request body is over the {limit}-byte limit"
+        chunks.append(chunk)
+    request._body = b"".join(chunks)  # Starlette's cache: the handler reads it from here
+    return None
 
 
 def _describe(error: RequestValidationError) -> str:

@@ -44,7 +44,7 @@ class RankSessionInfo:
 
 @dataclass
 class GetTransferSessionInfoReqInput(BaseReq):
-    pass
+    weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
 
 
 @dataclass
@@ -64,6 +64,7 @@ class GetTransferSessionInfoReqOutput(BaseReq):
 class GetRequestExtraTokenSizeReqInput(BaseReq):
     input_ids: list[int]
     extra_key: str | None = None
+    weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
 
 
 @dataclass
@@ -94,6 +95,7 @@ class AllocateTokenForTransferReqInput(BaseReq):
     path: str = "host"  # data path whose slots to reserve (protocol 2)
     index_format: str = "tokens"  # "tokens": kv_indices in the reply; "pages": kv_pages
     nothing_ok: bool = False  # target holds everything: success with nothing allocated
+    weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
 
 
 @dataclass
@@ -146,6 +148,7 @@ class TransferRequestKVCacheReqInput(BaseReq):
     extra_token_size: int = 0
     target_per_rank: list[TransferRequestKVCacheTarget] = field(default_factory=list)
     migration_id: str = ""  # for logs only: the source keeps no state for it
+    weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
 
 
 @dataclass
@@ -176,6 +179,7 @@ class TransferRequestKVCacheReqOutput(BaseReq):
 @dataclass
 class CommitTransferRequestKVCacheReqInput(BaseReq):
     migration_id: str = ""
+    weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
 
 
 @dataclass
@@ -189,6 +193,7 @@ class CommitTransferRequestKVCacheReqOutput(BaseReq):
 @dataclass
 class AbortTransferReqInput(BaseReq):
     migration_id: str = ""
+    weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
 
 
 @dataclass

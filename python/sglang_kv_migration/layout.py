@@ -330,6 +330,9 @@ class LayoutFingerprint:
     tp_rank: int
     pp_size: int
     pp_rank: int
+    # SGLang's weight version, as the server's HTTP layer knows it when the request
+    # arrives (RL weight updates change it): KV never crosses a weight update.
+    weight_version: str = ""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -379,7 +382,7 @@ class LayoutFingerprint:
     def from_dict(cls, d: Mapping[str, Any]) -> LayoutFingerprint:
         expected = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(expected))
-        missing = [k for k in expected if k not in d]
+        missing = [k for k in expected if k not in d and k != "weight_version"]
         if unknown or missing:
             raise ValueError(
                 f"bad layout fingerprint: unknown keys {unknown}, missing keys {missing}"

@@ -46,6 +46,7 @@ class MigrationState(StrEnum):
     ABORTED = "aborted"
     EXPIRED = "expired"
     FLUSHED = "flushed"  # the radix cache was reset (e.g. /flush_cache after new weights)
+    WEIGHTS_CHANGED = "weights_changed"  # the target's weight version moved before commit
 
 
 @dataclass
@@ -61,6 +62,7 @@ class PendingMigration:
     slots: torch.Tensor  # int64 slots for tokens [matched_length, len(key))
     created_at: float  # on the registry's clock (time.monotonic by default)
     deadline: float  # after which the watchdog frees it
+    weight_version: str = ""  # the target's weights when it allocated
     state: MigrationState = MigrationState.ALLOCATED
 
     @property
@@ -140,6 +142,7 @@ class PendingMigrations:
         *,
         path: DataPath | None = None,
         nothing_ok: bool = False,
+        weight_version: str = "",
     ) -> Allocation:
         """Lock the prefix this server holds (for `path`) and reserve slots for the rest.
 
@@ -193,6 +196,7 @@ class PendingMigrations:
                 root=sglang_adapter.cache_generation(self.cache),
                 path=path,
                 slots=slots,
+                weight_version=weight_version,
                 created_at=now,
                 deadline=now + self.timeout_s,
             )
@@ -203,10 +207,12 @@ class PendingMigrations:
                 slots=slots,
             )
 
-    def commit(self, migration_id: str) -> int:
-        """Insert the written pages as host-only nodes; returns the matchable length.
+    def commit(self, migration_id: str, weight_version: str | None = None) -> int:
+        """Insert the written pages into the tree; returns the matchable length.
 
         A second commit of a committed id returns the same length and changes nothing.
+        `weight_version` (the target's now) must equal the one at allocate: KV computed
+        under other weights is dropped (GONE), never inserted.
         """
         with self.lock:
             pending = self._pending.get(migration_id)
@@ -214,6 +220,13 @@ class PendingMigrations:
                 finished = self._check_finished(migration_id, "commit")
                 return finished.matched_after_commit
             self._forget_if_flushed(pending)
+            if weight_version is not None and weight_version != pending.weight_version:
+                self._release(pending, MigrationState.WEIGHTS_CHANGED)
+                raise MigrationError(
+                    ErrorKind.GONE,
+                    f"migration {migration_id!r} was dropped: weight_version changed from "
+                    f"{pending.weight_version!r} to {weight_version!r} since allocate",
+                )
             # On failure the migration stays pending (abort or the watchdog frees it).
             already_present = pending.path.insert(
                 pending.anchor, pending.key, pending.matched_length, pending.slots
@@ -319,6 +332,12 @@ class PendingMigrations:
                 ErrorKind.GONE,
                 f"migration {migration_id!r} was dropped: the cache was flushed (for example "
                 "after a weight update) before it was committed",
+            )
+        if finished.state is MigrationState.WEIGHTS_CHANGED:
+            raise MigrationError(
+                ErrorKind.GONE,
+                f"migration {migration_id!r} was dropped: the target's weights changed "
+                "before it was committed",
             )
         if finished.state is MigrationState.EXPIRED:
             raise MigrationError(

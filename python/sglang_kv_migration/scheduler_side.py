@@ -18,6 +18,7 @@ Handlers never raise across the process boundary: errors become
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import time
@@ -169,16 +170,16 @@ class MigrationSchedulerSide:
             host_kv_data_lens=host.get("host_kv_data_lens", []),
             host_kv_item_lens=host.get("host_kv_item_lens", []),
             page_size=self.layout.page_size,
-            fingerprint=self.fingerprint.to_dict(),
+            fingerprint=self.fingerprint_for(req).to_dict(),
             paths={name: path.advertise() for name, path in self.paths.items()},
-            server_epoch=self.server_epoch,
+            server_epoch=self.epoch_for(req),
         )
         ranks = self.ctx.all_gather(local)
         return GetTransferSessionInfoReqOutput(
             success=True,
             ranks=ranks,
             protocol_version=PROTOCOL_VERSION,
-            server_epoch=self.server_epoch,
+            server_epoch=self.epoch_for(req),
         )
 
     def get_request_extra_token_size(
@@ -194,7 +195,7 @@ class MigrationSchedulerSide:
                 extra_token_size=total - held.length,
                 total_token_size=total,
                 device_token_size=held.device_length,
-                server_epoch=self.server_epoch,
+                server_epoch=self.epoch_for(req),
             )
 
         # The tree is identical on every TP rank: no exchange needed.
@@ -204,7 +205,9 @@ class MigrationSchedulerSide:
         self, req: AllocateTokenForTransferReqInput
     ) -> AllocateTokenForTransferReqOutput:
         def run_local() -> AllocateTokenForTransferReqOutput:
-            check_peer_fingerprint(self.fingerprint, req.source_fingerprints, role="source")
+            check_peer_fingerprint(
+                self.fingerprint_for(req), req.source_fingerprints, role="source"
+            )
             path = self._path(req.path)
             alloc = self.pending.allocate(
                 req.migration_id,
@@ -213,6 +216,7 @@ class MigrationSchedulerSide:
                 req.extra_token_size,
                 path=path,
                 nothing_ok=req.nothing_ok,
+                weight_version=req.weight_version,
             )
             if req.index_format == "pages":
                 rank = AllocatedRank(
@@ -228,7 +232,7 @@ class MigrationSchedulerSide:
                 ranks=[rank],
                 path=path.name,
                 page_size=self.layout.page_size,
-                server_epoch=self.server_epoch,
+                server_epoch=self.epoch_for(req),
             )
 
         started = time.monotonic()
@@ -257,7 +261,7 @@ class MigrationSchedulerSide:
             ranks=[rank for o in outputs for rank in o.ranks],
             path=outputs[0].path,
             page_size=outputs[0].page_size,
-            server_epoch=self.server_epoch,
+            server_epoch=self.epoch_for(req),
         )
 
     def transfer_request_kvcache(self, req: TransferRequestKVCacheReqInput) -> None:
@@ -269,7 +273,7 @@ class MigrationSchedulerSide:
         self, req: CommitTransferRequestKVCacheReqInput
     ) -> CommitTransferRequestKVCacheReqOutput:
         def run_local() -> CommitTransferRequestKVCacheReqOutput:
-            matched_after = self.pending.commit(req.migration_id)
+            matched_after = self.pending.commit(req.migration_id, req.weight_version)
             return CommitTransferRequestKVCacheReqOutput(
                 success=True, matched_after_commit=matched_after
             )
@@ -321,6 +325,14 @@ class MigrationSchedulerSide:
         return local
 
     # ------------------------------------------------------------------ helpers
+
+    def fingerprint_for(self, req: Any) -> LayoutFingerprint:
+        """This rank's fingerprint with the weight version the request was stamped with."""
+        return dataclasses.replace(self.fingerprint, weight_version=req.weight_version)
+
+    def epoch_for(self, req: Any) -> str:
+        """Changes on a restart and on a weight update: cached session info is stale."""
+        return f"{self.server_epoch}:{req.weight_version}"
 
     def _path(self, name: str) -> DataPath:
         path = self.paths.get(name)

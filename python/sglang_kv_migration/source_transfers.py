@@ -16,6 +16,7 @@ one rank's error, so every rank enters them together.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -158,7 +159,8 @@ class SourceTransfers:
                 f"data path {target.path!r} is not available on this source (available: "
                 f"{', '.join(self.paths) or 'none'})",
             )
-        check_peer_fingerprint(self.fingerprint, [target.fingerprint], role="target")
+        mine = dataclasses.replace(self.fingerprint, weight_version=req.weight_version)
+        check_peer_fingerprint(mine, [target.fingerprint], role="target")
         slots = target_slots(target, self.fingerprint.page_size)
         if len(slots) != req.extra_token_size:
             raise MigrationError(
@@ -217,7 +219,7 @@ class SourceTransfers:
                 success=False,
                 ranks=ranks,
                 path=_path_name(req),
-                server_epoch=self.server_epoch,
+                server_epoch=f"{self.server_epoch}:{req.weight_version}",
                 message=failed[0].message,
                 error_kind=failed[0].error_kind,
             )
@@ -237,7 +239,7 @@ class SourceTransfers:
                 transferred_bytes=total_bytes,
                 ranks=ranks,
                 path=_path_name(req),
-                server_epoch=self.server_epoch,
+                server_epoch=f"{self.server_epoch}:{req.weight_version}",
             )
             self.metrics.outcome("source", "sent")
             # Gathers run over the TP group, in tp_rank order.
