@@ -90,7 +90,13 @@ class _Peer:
     # -- setup ----------------------------------------------------------------
 
     def setup(
-        self, layout: str, page_size: int, shape: dict, pool_tokens: int, chunk_bytes: int | None
+        self,
+        layout: str,
+        page_size: int,
+        shape: dict,
+        pool_tokens: int,
+        chunk_bytes: int | None,
+        entry_bytes: int | None,
     ) -> dict:
         import cpu_harness
         import torch
@@ -118,6 +124,8 @@ class _Peer:
         config = TransportConfig(hostname="127.0.0.1")
         if chunk_bytes is not None:
             config = dataclasses.replace(config, staging_chunk_bytes=chunk_bytes)
+        if entry_bytes is not None:
+            config = dataclasses.replace(config, staging_entry_bytes=entry_bytes)
         self.transport = MooncakeTransport(config)
         kv = pool.kv_buffer
         self.transport.register([MemoryRegion(kv.data_ptr(), kv.nbytes)])
@@ -489,6 +497,9 @@ def main() -> None:
     parser.add_argument(
         "--chunk-mib", type=int, default=None, help="TransportConfig.staging_chunk_bytes in MiB"
     )
+    parser.add_argument(
+        "--entry-kib", type=int, default=None, help="TransportConfig.staging_entry_bytes in KiB"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     shape = QUICK if args.quick else LLAMA3_8B
@@ -508,8 +519,10 @@ def main() -> None:
         for layout in args.layouts:
             for page_size in args.page_sizes:
                 chunk = None if args.chunk_mib is None else args.chunk_mib << 20
-                src.do("setup", layout, page_size, asdict(shape), pool_tokens, chunk)
-                peer = dst.do("setup", layout, page_size, asdict(shape), pool_tokens, chunk)
+                entry = None if args.entry_kib is None else args.entry_kib << 10
+                common = (layout, page_size, asdict(shape), pool_tokens, chunk, entry)
+                src.do("setup", *common)
+                peer = dst.do("setup", *common)
                 for pool in args.pools:
                     for tokens in tokens_list:
                         rows += run_cell(
