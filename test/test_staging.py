@@ -244,3 +244,21 @@ def test_arena_grants_releases_merges_and_quarantines():
     assert view.numel() == 100 and view.data_ptr() == base + 4096
     with pytest.raises(ValueError, match="not inside"):
         arena.tensor(base + size - 10, 100)
+
+
+def test_no_chunk_room_means_direct_even_with_a_staging_region():
+    arr = np.zeros(pool_bytes("mha"), np.uint8)
+    layout = make_layout(arr, "mha", "layer_first", 4)
+    rng = np.random.default_rng(9)
+    src_slots = slots_of(rng.permutation(SLOTS // 4)[:50], 4)
+    dst_slots = slots_of(rng.permutation(SLOTS // 4)[:50], 4)
+    plan = staging.plan_pages(
+        layout,
+        src_slots,
+        layout,
+        dst_slots,
+        chunk_bytes=0,  # gathering disabled by the config
+        dst_staging_addr=4096,
+        dst_staging_length=1 << 20,
+    )
+    assert plan.kind == "direct" and plan.entries > 50  # the target must not scatter

@@ -188,20 +188,20 @@ def plan_pages(
         empty = torch.empty(0, dtype=torch.int64)
         return PagePlan("direct", 0, 0, empty, empty, empty)
     direct = _direct(src, sp, dst, dp, pbytes, total)
-    if dst_staging_addr is not None and total // direct.entries < STAGE_BELOW_ENTRY_BYTES:
+    can_chunk = chunk_bytes >= max(pbytes)  # else the region stays unused
+    small = total // direct.entries < STAGE_BELOW_ENTRY_BYTES
+    if dst_staging_addr is not None and can_chunk and small:
         if total > dst_staging_length:
             raise ValueError(
                 f"staging region of {dst_staging_length} bytes is too small for {total} bytes"
             )
-        if chunk_bytes < max(pbytes):
-            raise ValueError(f"chunk_bytes={chunk_bytes} is smaller than one page")
         offsets, start = [], dst_staging_addr
         for pb in pbytes:
             offsets.append(start + torch.arange(n, dtype=torch.int64) * pb)
             start += n * pb
         return _chunked("staged", sp, offsets, pbytes, chunk_bytes, total)
 
-    if chunk_bytes < max(pbytes) or total // direct.entries >= DIRECT_ENTRY_BYTES:
+    if not can_chunk or total // direct.entries >= DIRECT_ENTRY_BYTES:
         return direct
     # Gather: order pages by target address; entries = target runs x buffers.
     order = torch.argsort(dp, stable=True)
