@@ -28,6 +28,21 @@ page_size * item_len[b]`` bytes per page and ``n`` pages, its block starts at
 ``sum(n * pb[:b])`` and page ``i`` of it at ``block + i * pb[b]``. Both sides derive it
 from the layout and the indices alone, so nothing else crosses the wire.
 
+Wiring a target staging region (a protocol addition; not wired yet):
+
+1. Target, at start-up: a `StagingArena` per rank, its `region` registered with the
+   rank's transport next to the host pool; published per rank in the session info.
+2. Target, at allocate: if `count_runs` of the granted slots times the buffer count leaves
+   entries under `STAGE_BELOW_ENTRY_BYTES` on average, `grant(staging_bytes(...))` an
+   extent, keep it with the pending migration, return it per rank (optional field).
+3. Source: pass it as ``write_pages(..., dst_staging=MemoryRegion(addr, length))`` and
+   include it in the peer regions; report ``TransferStats.plan`` per rank in the transfer
+   reply (the receipt), since the source may still decide to write directly.
+4. Target, at commit: for ranks whose receipt says "staged", `StagingScatterer.submit`
+   the scatter and answer the commit only once its Future is done (poll it from the
+   scheduler loop; it is proportional to the bytes), then insert the nodes and `release`
+   the extent; on abort or expiry `release` it with the slots' quarantine deadline.
+
 Everything here is pure planning and local copies; the engine calls are in `transfer.py`.
 """
 
