@@ -11,6 +11,7 @@ Commands:
     evict_device()                         back everything up, evict every device page
     call(name, request)                    run a handler; transfer waits (bounded) for its reply
     expire_by_polling(max_iterations)      poll() until nothing is pending (watchdog)
+    end_quarantine()                       free quarantined slots as if their window closed
     snapshot()                             HarnessSnapshot
     match(tokens)                          (device length, host hit length)
     kv_digest(tokens)                      load back, then per-layer sha256 of the KV bytes
@@ -109,6 +110,9 @@ class _Server:
             self.side.poll()
             time.sleep(0.001)
         return -1
+
+    def end_quarantine(self) -> list[str]:
+        return self.side.pending.release_quarantine(now=float("inf"))
 
     def snapshot(self) -> Any:
         return self.harness.snapshot()

@@ -36,6 +36,9 @@ class ServerSpec:
     )
     tp_size: int = 1
     watchdog_timeout_s: float = 60.0
+    # Short grants and transfer timeout, so quarantined slots come back within seconds.
+    grant_ttl_s: float = 1.0
+    transfer_timeout_s: float = 2.0
     api_key: str | None = None
     admin_api_key: str | None = None
     enable_kv_migration: bool = True
@@ -352,6 +355,8 @@ def _server_args(spec: ServerSpec) -> Any:
         hicache_io_backend=cfg.effective_io_backend(),
         enable_kv_migration=spec.enable_kv_migration,
         kv_migration_watchdog_timeout=spec.watchdog_timeout_s,
+        kv_migration_grant_ttl=min(spec.grant_ttl_s, spec.watchdog_timeout_s / 2),
+        kv_migration_transfer_timeout=spec.transfer_timeout_s,
         kv_migration_hostname="127.0.0.1",
         host="127.0.0.1",
     )

@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 
-def transfer_to_self(side: object, input_ids: list[int], kv_indices: list[int], **fields: object):
-    """A transfer request from `side` into its own host slots `kv_indices` (loopback)."""
+def transfer_to_self(
+    side: object, input_ids: list[int], kv_indices: list[int], grant: str = "", **fields: object
+):
+    """A transfer request from `side` into its own host slots `kv_indices` (loopback),
+    writing under `grant` (the allocate reply's `ranks[0].grant`)."""
     from sglang_kv_migration.io_types import (
         TransferRequestKVCacheReqInput,
         TransferRequestKVCacheTarget,
     )
 
+    if grant:
+        # Loopback: the slots were allocated for another prefix on this same server (it
+        # already holds `input_ids`), so re-issue the grant for the prefix actually sent,
+        # as the target would have, signed with this server's key.
+        import dataclasses
+
+        from sglang_kv_migration import grants
+
+        issued = side.signer.decode_grant(grant)
+        grant = side.signer.encode(
+            dataclasses.replace(
+                issued,
+                tokens_digest=grants.tokens_digest(input_ids, fields.get("extra_key")),
+                migration_id=fields.get("migration_id", issued.migration_id),
+            )
+        )
     target = TransferRequestKVCacheTarget(
         tp=0,
         pp=0,
@@ -19,6 +38,7 @@ def transfer_to_self(side: object, input_ids: list[int], kv_indices: list[int], 
         host_kv_item_lens=side.layout.item_lens,
         kv_indices=kv_indices,
         fingerprint=side.fingerprint.to_dict(),
+        grant=grant,
     )
     return TransferRequestKVCacheReqInput(
         input_ids=input_ids,
@@ -27,3 +47,26 @@ def transfer_to_self(side: object, input_ids: list[int], kv_indices: list[int], 
         target_per_rank=[target],
         **fields,
     )
+
+
+def receipts_for(side: object, allocation: object, success: bool = True) -> list[str]:
+    """Receipts a source would return for `allocation` (an allocate reply), signed with
+    `side`'s key: for tests of what happens after a transfer, without running one."""
+    import torch
+    from sglang_kv_migration import grants
+
+    receipts = []
+    for rank in allocation.ranks:
+        slots = torch.tensor(rank.kv_indices, dtype=torch.int64)
+        receipt = grants.Receipt(
+            migration_id=allocation.migration_id,
+            tp=rank.tp_rank,
+            pp=rank.pp_rank,
+            path=allocation.path or "host",
+            slots_digest=grants.slots_digest(slots),
+            success=success,
+            bytes=0,
+            settled=True,
+        )
+        receipts.append(side.signer.encode(receipt))
+    return receipts

@@ -11,9 +11,10 @@ from sglang_kv_migration.io_types import (
     CommitTransferRequestKVCacheReqInput,
 )
 from sglang_kv_migration.scheduler_hooks import around_flush_cache
+from side_helpers import transfer_to_self
 
 
-def _allocate(side, ids: list[int], migration_id: str) -> None:
+def _allocate(side, ids: list[int], migration_id: str):
     out = side.allocate_token_for_transfer(
         AllocateTokenForTransferReqInput(
             input_ids=ids,
@@ -22,6 +23,7 @@ def _allocate(side, ids: list[int], migration_id: str) -> None:
         )
     )
     assert out.success, out.message
+    return out
 
 
 def _scheduler(side, idle: bool = True):
@@ -40,22 +42,42 @@ def _flush(scheduler) -> bool:
 
 def test_flush_drops_pending_allocations_and_commit_is_gone(side) -> None:
     host_pool = side.host_pool
-    _allocate(side, list(range(100, 164)), "m1")
+    alloc = _allocate(side, list(range(100, 164)), "m1")
     assert _flush(_scheduler(side)) is True
     assert len(side.pending) == 0
-    # The reset cleared the pool; nothing was freed twice.
-    assert host_pool.available_size() == host_pool.size
+    # The reset freed every slot, but a granted write may still land in the dropped
+    # allocation's slots: they are taken out of the fresh free list again.
+    slots = set(alloc.ranks[0].kv_indices)
+    assert host_pool.available_size() == host_pool.size - len(slots)
+    assert not slots & set(host_pool.free_slots.tolist())
     out = side.commit_transfer_request_kvcache(CommitTransferRequestKVCacheReqInput("m1"))
     assert not out.success and out.error_kind == "gone"
     assert "flushed" in out.message
+    # Once the write window has closed the watchdog gives them back, exactly once.
+    side.pending.clock = lambda: float("inf")
+    side.pending.expire()
+    assert host_pool.available_size() == host_pool.size
+    assert len(set(host_pool.free_slots.tolist())) == host_pool.size
 
 
-def test_flush_is_refused_while_a_transfer_reads_pinned_pages(side) -> None:
-    side.transfers._inflight.append(object())  # a transfer in flight on this rank
-    try:
-        assert _flush(_scheduler(side)) is False
-    finally:
-        side.transfers._inflight.clear()
+def test_flush_is_never_refused_and_fails_transfers_in_flight(side) -> None:
+    """SGLang asserts that the flush after a weight update succeeds: never refuse it."""
+    ids = list(range(400, 464))
+    side.harness.insert_random(ids, seed=4)
+    side.harness.write_back_all()
+    alloc = _allocate(side, list(range(500, 564)), "t")
+    request = transfer_to_self(side, ids, alloc.ranks[0].kv_indices, alloc.ranks[0].grant)
+    request.migration_id = "t"
+    side.transfer_request_kvcache(request)
+    assert len(side.transfers) == 1
+    assert _flush(_scheduler(side)) is True
+    for _ in range(100):
+        side.poll()
+        if side.replies:
+            break
+    reply = side.replies[-1]
+    assert not reply.success and "flushed" in reply.message
+    assert len(side.transfers) == 0
 
 
 def test_busy_scheduler_keeps_pending_allocations(side) -> None:

@@ -148,6 +148,7 @@ def _transfer(
                 host_kv_item_lens=info.host_kv_item_lens,
                 kv_indices=rank.kv_indices,
                 fingerprint=fingerprint or info.fingerprint,
+                grant=rank.grant,
             )
         )
     return src.call(
@@ -162,14 +163,19 @@ def _transfer(
     )
 
 
-def _commit(dst: Server, mid: str) -> Any:
+def _receipts(sent: Any) -> list[str]:
+    return [r.receipt for r in sent.ranks] if sent is not None else []
+
+
+def _commit(dst: Server, mid: str, sent: Any = None) -> Any:
+    request = CommitTransferRequestKVCacheReqInput(migration_id=mid, receipts=_receipts(sent))
+    return dst.call("commit_transfer_request_kvcache", request)
+
+
+def _abort(dst: Server, mid: str, sent: Any = None) -> Any:
     return dst.call(
-        "commit_transfer_request_kvcache", CommitTransferRequestKVCacheReqInput(migration_id=mid)
+        "abort_transfer", AbortTransferReqInput(migration_id=mid, receipts=_receipts(sent))
     )
-
-
-def _abort(dst: Server, mid: str) -> Any:
-    return dst.call("abort_transfer", AbortTransferReqInput(migration_id=mid))
 
 
 def _migrate(src: Server, dst: Server, tokens: list[int]) -> tuple[Any, Any, Any]:
@@ -178,7 +184,7 @@ def _migrate(src: Server, dst: Server, tokens: list[int]) -> tuple[Any, Any, Any
     assert alloc.success, alloc.message
     sent = _transfer(src, dst, tokens, alloc)
     assert sent.success, sent.message
-    committed = _commit(dst, mid)
+    committed = _commit(dst, mid, sent)
     assert committed.success, committed.message
     return alloc, sent, committed
 
@@ -297,6 +303,11 @@ def test_watchdog_frees_an_uncommitted_allocation(servers):
 
     iterations = dst.do("expire_by_polling", 5000)
     assert iterations > 0, "the watchdog never freed the allocation"
+    # The lock is gone; the slots stay quarantined until no granted write can land.
+    expired = dst.snapshot()
+    assert expired.total_lock_ref == dst_before.total_lock_ref
+    assert expired.host_available == during.host_available
+    assert dst.do("end_quarantine") == ["wd"]
     assert dst.snapshot() == dst_before
     refused = _commit(dst, "wd")
     assert not refused.success
@@ -337,17 +348,20 @@ def test_32_interleaved_migrations_leave_pools_exact(servers):
         for k in group:
             allocs[k] = _allocate(src, dst, seqs[k], f"il-{k}")
             assert allocs[k].success, allocs[k].message
+        sent = {}
         for k in reversed(group):
             if k % 8 == 1:
                 continue  # aborted before any byte moves
-            sent = _transfer(src, dst, seqs[k], allocs[k])
-            assert sent.success, sent.message
+            sent[k] = _transfer(src, dst, seqs[k], allocs[k])
+            assert sent[k].success, sent[k].message
         for k in [group[2], group[0], group[3], group[1]]:
             if k % 8 in (1, 6):
-                out = _abort(dst, f"il-{k}")
+                # With the source's receipt the slots are free at once; without one
+                # (nothing was sent) they wait in quarantine.
+                out = _abort(dst, f"il-{k}", sent.get(k))
                 assert out.success, out.message
                 continue
-            out = _commit(dst, f"il-{k}")
+            out = _commit(dst, f"il-{k}", sent[k])
             assert out.success, out.message
             assert out.matched_after_commit == len(seqs[k])
             committed.append(seqs[k])
@@ -357,6 +371,7 @@ def test_32_interleaved_migrations_leave_pools_exact(servers):
 
     assert len(committed) == 24
     assert src.snapshot() == src_before
+    assert sorted(dst.do("end_quarantine")) == sorted(f"il-{k}" for k in range(1, 32, 8))
     dst_after = dst.snapshot()
     assert dst_after.host_available == dst_before.host_available - len(committed_pages) * ps
     assert dst_after.total_lock_ref == 0 and dst_after.total_host_ref == 0
@@ -402,5 +417,6 @@ def test_page_size_mismatch_is_refused_before_any_byte_moves(servers):
     assert sent.transferred_bytes == 0
     assert dst.do("host_digest") == dst_bytes
     assert src.snapshot() == src_before
-    assert _abort(dst, "fp-2").success
+    # The source's receipt says nothing was sent: the slots are free at once.
+    assert _abort(dst, "fp-2", sent).success
     assert dst.snapshot() == dst_before

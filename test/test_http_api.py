@@ -397,6 +397,14 @@ def test_abort_frees_the_allocation(servers: Servers, http: httpx.Client) -> Non
 
     mid = alloc["migration_id"]
     assert _post(http, target, "/abort_transfer", {"migration_id": mid}).status_code == 200
+    # No transfer, so no receipt saying no write can land: the slots are quarantined for
+    # the grant's write window (1 s grant + 2 x 2 s transfer timeout on these servers).
+    quarantined = target.ask(0, "snapshot")
+    assert quarantined.host_available == before.host_available - len(SEQ_ABORT)
+    assert quarantined.total_lock_ref == before.total_lock_ref
+    deadline = time.monotonic() + 30
+    while target.ask(0, "snapshot") != before and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert target.ask(0, "snapshot") == before
     # Repeating an abort is harmless (rollback paths may repeat it); commit is a conflict.
     assert _post(http, target, "/abort_transfer", {"migration_id": mid}).status_code == 200

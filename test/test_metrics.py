@@ -10,7 +10,7 @@ from sglang_kv_migration.io_types import (
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
 )
-from side_helpers import transfer_to_self
+from side_helpers import receipts_for, transfer_to_self
 
 
 def _sample(name: str, **labels: str) -> float:
@@ -43,9 +43,10 @@ def test_target_outcomes_tokens_bytes_and_phases(side, caplog) -> None:
 
     out = _allocate(side, list(range(1000, 1064)), "m-commit")
     assert out.success, out.message
+    receipts = receipts_for(side, out)
     with caplog.at_level(logging.INFO, logger="sglang_kv_migration.scheduler_side"):
         assert side.commit_transfer_request_kvcache(
-            CommitTransferRequestKVCacheReqInput(migration_id="m-commit")
+            CommitTransferRequestKVCacheReqInput(migration_id="m-commit", receipts=receipts)
         ).success
     # A repeated commit is harmless and counts nothing.
     assert side.commit_transfer_request_kvcache(
@@ -86,10 +87,13 @@ def test_target_outcomes_tokens_bytes_and_phases(side, caplog) -> None:
 def test_failed_send_is_counted(side) -> None:
     before = _sample("sglang:kv_migration_total", role="source", outcome="send_failed")
     # The source does not hold this prefix: the transfer fails before any byte moves.
+    alloc = _allocate(side, list(range(6000, 6032)), "m-failed-send")
     req = transfer_to_self(
         side,
         list(range(5000, 5032)),
-        list(range(32)),
+        alloc.ranks[0].kv_indices,
+        alloc.ranks[0].grant,
+        migration_id="m-failed-send",
     )
     assert side.transfer_request_kvcache(req) is None
     side.poll()

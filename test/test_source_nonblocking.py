@@ -67,7 +67,8 @@ def test_transfer_returns_before_host_copies_finish(side_factory) -> None:
             side,
             ids,
             kv_indices,
-            migration_id="m",
+            alloc.ranks[0].grant,
+            migration_id="self",
         )
         assert side.transfer_request_kvcache(request) is None
         inflight = side.transfers._inflight[0]

@@ -52,6 +52,16 @@ class Servers:
     start_s: float
 
 
+def wait_until(check, timeout_s: float) -> bool:
+    """Poll `check` (bounded) until it holds; True if it did."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return check()
+
+
 @pytest.fixture(scope="module")
 def servers() -> Iterator[Servers]:
     t0 = time.monotonic()
@@ -176,7 +186,8 @@ def test_allocate_lists_kv_indices_for_both_ranks(servers: Servers) -> None:
     finally:
         r = post(target.url, "/abort_transfer", {"migration_id": alloc["migration_id"]})
     assert r.status_code == 200, r.text
-    assert target.ask_all("snapshot") == before
+    # No transfer, so no receipt: the slots wait out their write window in quarantine.
+    assert wait_until(lambda: target.ask_all("snapshot") == before, 30.0)
 
 
 def test_migrate_tp2_moves_each_ranks_bytes(servers: Servers) -> None:
@@ -277,9 +288,24 @@ def test_request_invalid_for_one_rank_is_refused_by_every_rank(servers: Servers)
     src, dst = servers.a, servers.b
     target_info = session_info(dst.url)
     rank0 = next(r for r in target_info["ranks"] if r["tp_rank"] == 0)
+    # Real slots and a real grant for rank 0, so only rank 1's part is invalid.
+    dst_before = dst.ask_all("snapshot")
+    source_fps = [r["fingerprint"] for r in session_info(src.url)["ranks"]]
+    alloc = post(
+        dst.url,
+        "/allocate_token_for_transfer",
+        {
+            "input_ids": aligned(GOOD_IDS)[:PAGE],
+            "extra_key": "invalid-rank",  # a namespace no other test fills
+            "source_fingerprints": source_fps,
+        },
+    ).json()
+    assert alloc["success"], alloc
+    granted = next(r for r in alloc["ranks"] if r["tp_rank"] == 0)
     src_before = src.ask_all("snapshot")
     body = {
         "input_ids": aligned(GOOD_IDS),
+        "extra_key": "invalid-rank",
         "matched_token_size": 0,
         "extra_token_size": PAGE,
         "target_per_rank": [
@@ -290,14 +316,18 @@ def test_request_invalid_for_one_rank_is_refused_by_every_rank(servers: Servers)
                 "host_kv_data_ptrs": rank0["host_kv_data_ptrs"],
                 "host_kv_data_lens": rank0["host_kv_data_lens"],
                 "host_kv_item_lens": rank0["host_kv_item_lens"],
-                "kv_indices": list(range(PAGE, 2 * PAGE)),
+                "kv_indices": granted["kv_indices"],
                 "fingerprint": rank0["fingerprint"],
+                "grant": granted["grant"],
             }
         ],
+        "migration_id": alloc["migration_id"],
     }
     r = post(src.url, "/transfer_request_kvcache", body)
     assert r.status_code == 400, r.text
     assert "no entry for tp=1" in r.json()["message"]
     assert src.ask_all("snapshot") == src_before
+    post(dst.url, "/abort_transfer", {"migration_id": alloc["migration_id"]})
+    assert wait_until(lambda: dst.ask_all("snapshot") == dst_before, 30.0)
     # Both ranks still serve the next request (no rank is stuck in a collective).
     assert session_info(src.url)["success"] is True

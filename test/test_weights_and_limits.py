@@ -78,8 +78,13 @@ def test_commit_after_a_weight_update_drops_the_pages(side) -> None:
     )
     assert not commit.success and commit.error_kind == "gone"
     assert "weight_version changed from 'v1' to 'v2'" in commit.message
-    # Nothing was inserted and everything allocate took is back.
+    # Nothing was inserted; the lock is back, the slots wait in quarantine (a source on
+    # the old weights may still be writing them) until their write window closes.
     assert side.harness.match(ids).host_hit_length == 0
+    dropped = side.harness.snapshot()
+    assert dropped.total_lock_ref == before.total_lock_ref
+    assert dropped.host_available == before.host_available - len(ids)
+    assert side.pending.release_quarantine(now=float("inf")) == ["w"]
     assert side.harness.snapshot() == before
     again = side.commit_transfer_request_kvcache(
         CommitTransferRequestKVCacheReqInput(migration_id="w", weight_version="v2")
@@ -93,7 +98,9 @@ def test_source_refuses_a_target_on_other_weights(side) -> None:
     side.harness.write_back_all()
     alloc = _allocate(side, _ids(5000), "t", source_version="v1", target_version="v1")
     assert alloc.success, alloc.message
-    request = transfer_to_self(side, ids, alloc.ranks[0].kv_indices, migration_id="t")
+    request = transfer_to_self(
+        side, ids, alloc.ranks[0].kv_indices, alloc.ranks[0].grant, migration_id="t"
+    )
     request.target_per_rank[0].fingerprint["weight_version"] = "v1"
     request.weight_version = "v2"  # the source's weights moved on since
     assert side.transfer_request_kvcache(request) is None

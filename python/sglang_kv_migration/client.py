@@ -73,6 +73,7 @@ class MigrationFailed(Exception):
         self.status_code = status_code
         self.rolled_back = rolled_back
         self.migration_id = ""
+        self.reply: dict[str, Any] | None = None  # the failed call's JSON reply, if any
 
 
 @dataclass(frozen=True)
@@ -354,6 +355,7 @@ def _move(
         return _result(plan, "", allocation, None, None, "", fallback_reason)
 
     # From here on the target holds slots: every failure must abort them.
+    transfer: dict[str, Any] | None = None
     try:
         _check_epoch(plan.target_url, plan.target_info, allocation)
         t0 = clock()
@@ -376,12 +378,24 @@ def _move(
 
         t0 = clock()
         commit = yield from _step(
-            _Call("commit", plan.target_url, "/commit", {"migration_id": migration_id})
+            _Call(
+                "commit",
+                plan.target_url,
+                "/commit",
+                {"migration_id": migration_id, "receipts": _receipts(transfer)},
+            )
         )
         timings["commit"] = clock() - t0
     except (MigrationFailed, _StaleSession) as failure:
+        # The source's receipts (even of a failed transfer) may prove no write can still
+        # land, which frees the target's slots at once instead of after quarantine.
+        failed_reply = failure.reply if isinstance(failure, MigrationFailed) else None
+        receipts = _receipts(transfer if transfer is not None else failed_reply)
         status, _ = yield _Call(
-            "abort", plan.target_url, "/abort_transfer", {"migration_id": migration_id}
+            "abort",
+            plan.target_url,
+            "/abort_transfer",
+            {"migration_id": migration_id, "receipts": receipts},
         )
         if isinstance(failure, MigrationFailed):
             failure.migration_id = migration_id
@@ -417,6 +431,12 @@ def _result(
         fallback_reason=fallback_reason,
         copy_seconds=max(seconds, default=0.0),
     )
+
+
+def _receipts(transfer_reply: dict[str, Any] | None) -> list[str]:
+    if not transfer_reply:
+        return []
+    return [r["receipt"] for r in transfer_reply.get("ranks", []) if r.get("receipt")]
 
 
 def _session_info(url: str, sessions: SessionCache) -> Generator[_Call, _Reply, dict[str, Any]]:
@@ -494,6 +514,7 @@ def _targets(
             "pp": rank["pp_rank"],
             "path": path,
             "kv_pages": slots[position]["kv_pages"],
+            "grant": slots[position].get("grant", ""),
             "fingerprint": rank["fingerprint"],
         }
         if path == "device":
@@ -522,7 +543,9 @@ def _checked(call: _Call, status: int | None, payload: Any) -> dict[str, Any]:
         raise MigrationFailed(call.phase, f"{call.url}{call.path}: {payload}")
     if status >= 300 or not isinstance(payload, dict) or not payload.get("success", False):
         message = payload.get("message", payload) if isinstance(payload, dict) else payload
-        raise MigrationFailed(call.phase, f"{call.url}{call.path}: {message}", status)
+        failure = MigrationFailed(call.phase, f"{call.url}{call.path}: {message}", status)
+        failure.reply = payload if isinstance(payload, dict) else None
+        raise failure
     return payload
 
 

@@ -100,6 +100,11 @@ class SendJob(abc.ABC):
         """True while the job waits for pages (identical on every TP rank)."""
         return False
 
+    @property
+    def started_writing(self) -> bool:
+        """True once a write may have reached the target (then only completion settles it)."""
+        return True
+
 
 class DataPath(abc.ABC):
     """One way of moving KV between servers (see the module docstring)."""
@@ -130,6 +135,11 @@ class DataPath(abc.ABC):
         """Give reserved slots back (abort, expiry, or the surplus of a lost race)."""
 
     @abc.abstractmethod
+    def retake(self, slots: torch.Tensor) -> None:
+        """Take `slots` out of the free list again after a cache reset freed them all
+        (they stay quarantined while a granted write may still land)."""
+
+    @abc.abstractmethod
     def insert(
         self, anchor: TreeNode, key: RadixKey, anchor_length: int, slots: torch.Tensor
     ) -> int:
@@ -140,6 +150,11 @@ class DataPath(abc.ABC):
     def holds_device_slots(self) -> bool:
         """Reserved slots come from the device allocator (SGLang's leak check counts them)."""
         return False
+
+    @property
+    def late_write_margin_s(self) -> float:
+        """How long after a grant's deadline a write started before it may still land."""
+        return 0.0
 
     # ------------------------------------------------------------------ source role
 

@@ -111,6 +111,9 @@ class DevicePath(DataPath):
     def release(self, slots: torch.Tensor) -> None:
         sglang_adapter.free_device_slots(self.cache, slots)
 
+    def retake(self, slots: torch.Tensor) -> None:
+        sglang_adapter.take_device_slots(self.cache, slots)
+
     def insert(
         self, anchor: TreeNode, key: RadixKey, anchor_length: int, slots: torch.Tensor
     ) -> int:
@@ -119,6 +122,11 @@ class DevicePath(DataPath):
     @property
     def holds_device_slots(self) -> bool:
         return True
+
+    @property
+    def late_write_margin_s(self) -> float:
+        # The copy is launched before the grant's deadline and runs for milliseconds.
+        return 2.0
 
     # ------------------------------------------------------------------ source role
 

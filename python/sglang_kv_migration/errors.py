@@ -14,6 +14,7 @@ from http import HTTPStatus
 class ErrorKind(StrEnum):
     BAD_REQUEST = "bad_request"  # malformed input (400)
     TOO_LARGE = "too_large"  # request body over the size limit (413)
+    FORBIDDEN = "forbidden"  # no valid grant / receipt for this write or commit (403)
     NOT_FOUND = "not_found"  # unknown migration id (404)
     CONFLICT = "conflict"  # layout mismatch, state conflict (409)
     GONE = "gone"  # migration expired by the watchdog (410)
@@ -29,6 +30,7 @@ class ErrorKind(StrEnum):
 _HTTP_STATUS: dict[ErrorKind, int] = {
     ErrorKind.BAD_REQUEST: HTTPStatus.BAD_REQUEST,
     ErrorKind.TOO_LARGE: HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+    ErrorKind.FORBIDDEN: HTTPStatus.FORBIDDEN,
     ErrorKind.NOT_FOUND: HTTPStatus.NOT_FOUND,
     ErrorKind.CONFLICT: HTTPStatus.CONFLICT,
     ErrorKind.GONE: HTTPStatus.GONE,

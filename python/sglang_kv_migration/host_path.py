@@ -37,9 +37,11 @@ class HostPath(DataPath):
         cache: HiRadixCache,
         layout: HostPoolLayout | None = None,
         transport: KVTransport | None = None,
+        transfer_timeout_s: float = 30.0,
     ):
         """Without `transport` the path plays the target role only (reserve/insert)."""
         self.cache = cache
+        self.transfer_timeout_s = transfer_timeout_s
         self.layout = layout or HostPoolLayout.from_host_pool(sglang_adapter.host_pool(cache))
         self._transport = transport
         if transport is not None:
@@ -66,6 +68,12 @@ class HostPath(DataPath):
         if self._transport is not None:
             self._transport.close()
 
+    @property
+    def late_write_margin_s(self) -> float:
+        # A job stops submitting batches at its deadline, but a batch already in flight may
+        # run up to the engine's own timeout: twice the transfer timeout bounds both.
+        return 2 * self.transfer_timeout_s
+
     # ------------------------------------------------------------------ target role
 
     def held_prefix(self, input_ids: list[int], extra_key: str | None) -> sglang_adapter.HeldPrefix:
@@ -76,6 +84,9 @@ class HostPath(DataPath):
 
     def release(self, slots: torch.Tensor) -> None:
         sglang_adapter.free_host_slots(self.cache, slots)
+
+    def retake(self, slots: torch.Tensor) -> None:
+        sglang_adapter.take_host_slots(self.cache, slots)
 
     def insert(
         self, anchor: TreeNode, key: RadixKey, anchor_length: int, slots: torch.Tensor
@@ -132,6 +143,10 @@ class HostSendJob(SendJob):
     @property
     def waiting(self) -> bool:
         return self._handle is None and self.error is None
+
+    @property
+    def started_writing(self) -> bool:
+        return self._handle is not None
 
     def poll(self) -> KVPoll:
         if self.error is not None:

@@ -52,6 +52,7 @@ MAX_BODY_BYTES = 32 << 20
 MAX_TOKENS = 1 << 21  # input_ids / kv_indices / kv_pages per request
 MAX_ID_CHARS = 128  # migration_id
 MAX_KEY_CHARS = 4096  # extra_key
+MAX_TOKEN_CHARS = 4096  # a grant or receipt
 
 TokenId = Annotated[int, Field(ge=0)]
 TokenList = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKENS)]
@@ -94,6 +95,7 @@ class TargetRankBody(_Body):
     kv_indices: list[NonNegative] = Field(default_factory=list, max_length=MAX_TOKENS)
     kv_pages: list[NonNegative] = Field(default_factory=list, max_length=MAX_TOKENS)
     fingerprint: dict[str, Any]
+    grant: str = Field(default="", max_length=MAX_TOKEN_CHARS)
 
     @model_validator(mode="after")
     def _consistent(self) -> TargetRankBody:
@@ -155,6 +157,9 @@ class TransferBody(_Body):
 
 class MigrationIdBody(_Body):
     migration_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    receipts: list[Annotated[str, Field(max_length=MAX_TOKEN_CHARS)]] = Field(
+        default_factory=list, max_length=1024
+    )
 
 
 # --------------------------------------------------------------------------- routes
@@ -209,14 +214,14 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def commit(body: MigrationIdBody) -> Response:
         """Target: insert the written pages into the radix cache."""
-        return await dispatch(CommitTransferRequestKVCacheReqInput(migration_id=body.migration_id))
+        return await dispatch(CommitTransferRequestKVCacheReqInput(**body.model_dump()))
 
     # curl -X POST localhost:30000/abort_transfer -d '{"migration_id": "..."}'
     @router.post("/abort_transfer")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def abort_transfer(body: MigrationIdBody) -> Response:
         """Target: free a pending allocation now instead of at the watchdog."""
-        return await dispatch(AbortTransferReqInput(migration_id=body.migration_id))
+        return await dispatch(AbortTransferReqInput(**body.model_dump()))
 
     return router
 

@@ -104,6 +104,7 @@ class AllocatedRank:
     pp_rank: int
     kv_indices: list[int]  # token slots on this rank, in prefix order ("tokens" format)
     kv_pages: list[int] = field(default_factory=list)  # page ids instead ("pages" format)
+    grant: str = ""  # grants.Grant for these slots: what the source may write
 
 
 @dataclass
@@ -138,6 +139,7 @@ class TransferRequestKVCacheTarget:
     path: str = "host"  # protocol 2
     kv_pages: list[int] = field(default_factory=list)  # page ids instead of kv_indices
     device_kv: dict | None = None  # device path: the target rank's paths["device"]
+    grant: str = ""  # the allocate reply's grant for this rank
 
 
 @dataclass
@@ -159,6 +161,7 @@ class RankTransferResult:
     bytes: int = 0
     seconds: float = 0.0
     message: str = ""
+    receipt: str = ""  # grants.Receipt: what /commit (or /abort_transfer) presents
 
 
 @dataclass
@@ -179,6 +182,7 @@ class TransferRequestKVCacheReqOutput(BaseReq):
 @dataclass
 class CommitTransferRequestKVCacheReqInput(BaseReq):
     migration_id: str = ""
+    receipts: list[str] = field(default_factory=list)  # the source's, one per rank
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
 
 
@@ -193,6 +197,8 @@ class CommitTransferRequestKVCacheReqOutput(BaseReq):
 @dataclass
 class AbortTransferReqInput(BaseReq):
     migration_id: str = ""
+    # Optional: settled receipts let the slots go back at once instead of quarantine.
+    receipts: list[str] = field(default_factory=list)
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
 
 

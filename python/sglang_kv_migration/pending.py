@@ -6,9 +6,14 @@ Life of a migration on the target (one `PendingMigration` per rank, same id ever
                      │──abort───> ABORTED     (slots freed, prefix unlocked)
                      └──watchdog─> EXPIRED     (same, after the timeout)
 
-Every exit frees exactly what `allocate` took: the host slots and the lock on the
-matched prefix. Finished ids are remembered (bounded) so a late or repeated call gets a
-precise answer: a second commit is harmless, a commit after expiry is "gone".
+Every exit frees exactly what `allocate` took: the slots and the lock on the matched
+prefix. Slots of an aborted, expired or weights-changed migration go back to the free
+list only when no write to them can still land: at once if the source's receipt says it
+settled (`settled=True`), else once the write window (grant deadline + the path's late
+write margin, `write_window_s` after allocate) has passed — until then they sit in
+quarantine, released by `expire()`. Finished ids are remembered (bounded) so a late or
+repeated call gets a precise answer: a second commit is harmless, a commit after expiry
+is "gone".
 
 Slots belong to a data path (`data_path.DataPath`): host-pool slots for the host path,
 device KV slots for the device path; the state machine is the same for both.
@@ -63,6 +68,7 @@ class PendingMigration:
     created_at: float  # on the registry's clock (time.monotonic by default)
     deadline: float  # after which the watchdog frees it
     weight_version: str = ""  # the target's weights when it allocated
+    write_window_end: float = 0.0  # a source may write the slots until then (registry clock)
     state: MigrationState = MigrationState.ALLOCATED
 
     @property
@@ -118,6 +124,7 @@ class PendingMigrations:
         self.lock = lock or threading.RLock()
         self._default_path = default_path
         self._pending: dict[str, PendingMigration] = {}
+        self._quarantine: dict[str, PendingMigration] = {}  # released, slots not yet freed
         self._finished: OrderedDict[str, _Finished] = OrderedDict()
 
     # ------------------------------------------------------------------ public API
@@ -126,9 +133,39 @@ class PendingMigrations:
         return len(self._pending)
 
     def device_tokens_held(self) -> int:
-        """Device slots reserved by pending migrations (outside the tree and the free list)."""
+        """Device slots reserved or quarantined (outside the tree and the free list)."""
         with self.lock:
-            return sum(len(p.slots) for p in self._pending.values() if p.path.holds_device_slots)
+            held = [*self._pending.values(), *self._quarantine.values()]
+            return sum(len(p.slots) for p in held if p.path.holds_device_slots)
+
+    def release_quarantine(self, now: float | None = None) -> list[str]:
+        """Free quarantined slots whose write window ended by `now` (default: the clock)."""
+        with self.lock:
+            now = self.clock() if now is None else now
+            ids = [m for m, p in self._quarantine.items() if p.write_window_end <= now]
+            for mid in ids:
+                self._free_quarantined(mid)
+            return ids
+
+    def committable(self, migration_id: str, weight_version: str) -> bool:
+        """True if a commit of this id would insert (not answer gone or repeat)."""
+        pending = self._pending.get(migration_id)
+        return (
+            pending is not None
+            and pending.weight_version == weight_version
+            and pending.root is sglang_adapter.cache_generation(self.cache)
+        )
+
+    def quarantined(self) -> int:
+        """Migrations whose slots wait for their write window to close."""
+        return len(self._quarantine)
+
+    def open_write_window_s(self) -> float:
+        """Seconds until no granted write to any reserved or quarantined slot can land."""
+        with self.lock:
+            now = self.clock()
+            held = (*self._pending.values(), *self._quarantine.values())
+            return max([0.0, *(p.write_window_end - now for p in held)])
 
     def get(self, migration_id: str) -> PendingMigration | None:
         return self._pending.get(migration_id)
@@ -143,6 +180,7 @@ class PendingMigrations:
         path: DataPath | None = None,
         nothing_ok: bool = False,
         weight_version: str = "",
+        write_window_s: float = 0.0,
     ) -> Allocation:
         """Lock the prefix this server holds (for `path`) and reserve slots for the rest.
 
@@ -199,6 +237,7 @@ class PendingMigrations:
                 weight_version=weight_version,
                 created_at=now,
                 deadline=now + self.timeout_s,
+                write_window_end=now + write_window_s,
             )
             return Allocation(
                 migration_id=migration_id,
@@ -242,22 +281,27 @@ class PendingMigrations:
             self._finish(pending, MigrationState.COMMITTED, matched_after)
             return matched_after
 
-    def abort(self, migration_id: str) -> None:
-        """Free the allocation now. Aborting an aborted id again is harmless (rollback paths
-        may repeat it); an expired, committed or unknown id is an error."""
+    def abort(self, migration_id: str, settled: bool = False) -> None:
+        """Release the allocation now (its slots quarantined unless `settled`). Aborting an
+        aborted id again is harmless (rollback paths may repeat it), and with `settled`
+        frees a quarantine at once; an expired, committed or unknown id is an error."""
         with self.lock:
             pending = self._pending.get(migration_id)
             if pending is None:
                 self._check_finished(migration_id, "abort")
+                if settled and migration_id in self._quarantine:
+                    self._free_quarantined(migration_id)
                 return
             self._forget_if_flushed(pending)
-            self._release(pending, MigrationState.ABORTED)
+            self._release(pending, MigrationState.ABORTED, settled)
 
     def due(self, now: float | None = None) -> list[str]:
-        """Ids whose deadline has passed on this clock, oldest first."""
+        """Pending ids past their deadline and quarantined ids past their write window."""
         with self.lock:
             now = self.clock() if now is None else now
-            return [p.migration_id for p in self._pending.values() if p.deadline <= now]
+            expired = [p.migration_id for p in self._pending.values() if p.deadline <= now]
+            free = [m for m, p in self._quarantine.items() if p.write_window_end <= now]
+            return expired + free
 
     def expire(self, migration_ids: list[str] | None = None) -> list[str]:
         """Watchdog: free the given pending ids (default: those `due()`); returns them.
@@ -266,6 +310,9 @@ class PendingMigrations:
         """
         with self.lock:
             ids = self.due() if migration_ids is None else migration_ids
+            for mid in ids:
+                if mid in self._quarantine:
+                    self._free_quarantined(mid)
             expired = [self._pending[i] for i in ids if i in self._pending]
             now = self.clock()
             for pending in expired:
@@ -281,15 +328,39 @@ class PendingMigrations:
                 self._release(pending, MigrationState.EXPIRED)
             return [p.migration_id for p in expired]
 
+    def prepare_for_reset(self) -> list[str]:
+        """Before the cache is reset: drop every pending migration (state FLUSHED) and
+        keep the slots whose write window is still open in quarantine. Returns the ids."""
+        with self.lock:
+            self.expire(
+                [m for m, p in self._quarantine.items() if p.write_window_end <= self.clock()]
+            )
+            dropped = list(self._pending.values())
+            for pending in dropped:
+                self._release(pending, MigrationState.FLUSHED)
+            return [p.migration_id for p in dropped]
+
+    def after_reset(self) -> None:
+        """After the reset freed every slot: take the quarantined ones out again, under
+        the new tree generation, until their write windows close."""
+        with self.lock:
+            generation = sglang_adapter.cache_generation(self.cache)
+            for pending in self._quarantine.values():
+                pending.path.retake(pending.slots)
+                pending.root = generation
+
     def abort_all(self, state: MigrationState = MigrationState.ABORTED) -> list[str]:
-        """Free everything: at shutdown, or with FLUSHED before the cache is reset."""
+        """Free everything, quarantine included: at shutdown, or with FLUSHED before the
+        cache is reset (the caller makes sure no write window is open)."""
         with self.lock:
             dropped = list(self._pending.values())
             for pending in dropped:
                 if pending.root is sglang_adapter.cache_generation(self.cache):
-                    self._release(pending, state)
+                    self._release(pending, state, settled=True)
                 else:
                     self._finish(pending, MigrationState.FLUSHED)
+            for mid in list(self._quarantine):
+                self._free_quarantined(mid)
             return [p.migration_id for p in dropped]
 
     # ------------------------------------------------------------------ helpers
@@ -301,10 +372,22 @@ class PendingMigrations:
             self._default_path = HostPath(self.cache)  # target role only
         return self._default_path
 
-    def _release(self, pending: PendingMigration, state: MigrationState) -> None:
-        pending.path.release(pending.slots)
+    def _release(
+        self, pending: PendingMigration, state: MigrationState, settled: bool = False
+    ) -> None:
         self.cache.dec_lock_ref(pending.anchor)
         self._finish(pending, state)
+        if settled or pending.write_window_end <= self.clock():
+            pending.path.release(pending.slots)
+        else:
+            # IMPORTANT: a write granted for these slots may still land; handing them to
+            # another prefix now could let it be overwritten.
+            self._quarantine[pending.migration_id] = pending
+
+    def _free_quarantined(self, migration_id: str) -> None:
+        pending = self._quarantine.pop(migration_id)
+        if pending.root is sglang_adapter.cache_generation(self.cache):
+            pending.path.release(pending.slots)  # a reset already freed them otherwise
 
     def _finish(
         self, pending: PendingMigration, state: MigrationState, matched_after: int = 0

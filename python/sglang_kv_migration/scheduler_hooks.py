@@ -22,6 +22,7 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         return
     from sglang_kv_migration import sglang_adapter
     from sglang_kv_migration.data_path import parse_path_names
+    from sglang_kv_migration.grants import derive_key
     from sglang_kv_migration.rank_context import RankContext
     from sglang_kv_migration.scheduler_side import MigrationSchedulerSide, advertised_hostname
     from sglang_kv_migration.transfer import TransportConfig
@@ -49,6 +50,7 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         protocol=args.kv_migration_protocol,
         rdma_devices=args.kv_migration_rdma_devices,
         max_entries_per_batch=args.kv_migration_max_batch_entries,
+        transfer_timeout_s=args.kv_migration_transfer_timeout,
     )
     metrics = None
     if args.enable_metrics:
@@ -62,6 +64,8 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         metrics=metrics,
         path_names=parse_path_names(args.kv_migration_paths),
         enable_memory_saver=args.enable_memory_saver,
+        grant_key=derive_key(args.kv_migration_grant_key, args.admin_api_key, args.api_key),
+        grant_ttl_s=args.kv_migration_grant_ttl,
     )
     scheduler.kv_migration = side
     sglang_adapter.add_request_handlers(scheduler, side.handlers())
@@ -86,6 +90,10 @@ def around_flush_cache(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     """Keep pending migrations consistent with a cache reset (e.g. after new weights)."""
     side = scheduler.kv_migration
     # Only when the flush will really happen (SGLang flushes an idle scheduler only).
-    if side is not None and scheduler.is_fully_idle() and not side.prepare_for_cache_flush():
-        return False
-    return original(scheduler, *args, **kwargs)
+    if side is None or not scheduler.is_fully_idle():
+        return original(scheduler, *args, **kwargs)
+    side.prepare_for_cache_flush()
+    flushed = original(scheduler, *args, **kwargs)
+    if flushed:
+        side.after_cache_flush()
+    return flushed

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from sglang_kv_migration import PROTOCOL_VERSION, sglang_adapter
+from sglang_kv_migration import PROTOCOL_VERSION, grants, sglang_adapter
 from sglang_kv_migration.data_path import DEVICE, HOST, DataPath
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.io_types import (
@@ -46,7 +46,7 @@ from sglang_kv_migration.io_types import (
 )
 from sglang_kv_migration.layout import HostPoolLayout, LayoutFingerprint
 from sglang_kv_migration.metrics import MigrationMetrics, NullMetrics
-from sglang_kv_migration.pending import MigrationState, PendingMigrations
+from sglang_kv_migration.pending import PendingMigrations
 from sglang_kv_migration.rank_context import RankContext, check_peer_fingerprint, guarded
 from sglang_kv_migration.source_transfers import SourceTransfers
 from sglang_kv_migration.transfer import KVTransport, TransportConfig, open_transport
@@ -70,6 +70,8 @@ class MigrationSchedulerSide:
         metrics: MigrationMetrics | None = None,
         path_names: tuple[str, ...] = (HOST,),
         enable_memory_saver: bool = False,
+        grant_key: bytes | None = None,
+        grant_ttl_s: float = 15.0,
     ):
         self.ctx = ctx
         self.metrics = metrics or NullMetrics()
@@ -85,12 +87,22 @@ class MigrationSchedulerSide:
             pp_rank=ctx.pp_rank,
         )
         self.pending = PendingMigrations(cache, watchdog_timeout_s)
+        # Grants must expire well before the watchdog frees the slots they name.
+        self.grant_ttl_s = min(grant_ttl_s, watchdog_timeout_s / 2)
+        self.signer = grants.Signer(grant_key)
+        self._transfer_timeout_s = transport_config.transfer_timeout_s
+        if not self.signer.signed and ctx.tp_rank == 0:
+            logger.warning(
+                "KV migration grants are unsigned: set --kv-migration-grant-key (the same on "
+                "every server) or an admin/API key, or any peer that reaches the transfer "
+                "network can forge a grant"
+            )
         self.bytes_per_token = sum(self.layout.item_lens)  # on this rank
         # A restarted server gets a new epoch: clients drop their cached session info.
         self.server_epoch = ctx.all_gather(uuid.uuid4().hex)[0]
         self.paths = self._open_paths(path_names, transport_config, transport, enable_memory_saver)
         self.transfers = SourceTransfers(
-            ctx, self.fingerprint, self.paths, self.metrics, self.server_epoch
+            ctx, self.fingerprint, self.paths, self.metrics, self.server_epoch, self.signer
         )
         self._iteration = 0
         logger.info(
@@ -123,28 +135,26 @@ class MigrationSchedulerSide:
         """Once per scheduler loop iteration: finish transfers, run the watchdog."""
         self._iteration += 1
         self.transfers.poll()
-        if len(self.pending) and self._iteration % WATCHDOG_EVERY_ITERATIONS == 0:
+        busy = len(self.pending) or self.pending.quarantined()
+        if busy and self._iteration % WATCHDOG_EVERY_ITERATIONS == 0:
             self._run_watchdog()
 
-    def prepare_for_cache_flush(self) -> bool:
-        """Called before SGLang resets the radix cache and clears the host pool.
+    def prepare_for_cache_flush(self) -> None:
+        """Called before SGLang resets the radix cache and clears the pools.
 
-        Pending allocations are dropped (their pages would be KV of old weights, and the
-        reset frees their slots anyway): a later commit answers "gone". Returns False to
-        refuse the flush while a transfer still reads pinned host pages; such transfers
-        end within the transport timeout, so a flush retried then succeeds.
+        Never refuses: SGLang asserts that the flush after a weight update succeeds.
+        Pending allocations are dropped (their pages would be KV of old weights): a later
+        commit answers "gone"; slots a granted write may still reach stay quarantined
+        across the reset (`after_cache_flush`). Transfers this source is sending are
+        failed: their pages are about to be reused, so their receipts say failure.
         """
-        if len(self.transfers):
-            if self.ctx.tp_rank == 0:
-                logger.warning(
-                    "Cache flush refused: %d KV migration transfer(s) still read host pages",
-                    len(self.transfers),
-                )
-            return False
-        dropped = self.pending.abort_all(MigrationState.FLUSHED)
+        self.transfers.fail_all("the source's cache was flushed during the transfer")
+        dropped = self.pending.prepare_for_reset()
         if dropped and self.ctx.tp_rank == 0:
             logger.warning("Cache flush drops pending KV migrations: %s", ", ".join(dropped))
-        return True
+
+    def after_cache_flush(self) -> None:
+        self.pending.after_reset()
 
     def close(self) -> None:
         self.pending.abort_all()
@@ -217,6 +227,7 @@ class MigrationSchedulerSide:
                 path=path,
                 nothing_ok=req.nothing_ok,
                 weight_version=req.weight_version,
+                write_window_s=self.grant_ttl_s + path.late_write_margin_s,
             )
             if req.index_format == "pages":
                 rank = AllocatedRank(
@@ -224,6 +235,22 @@ class MigrationSchedulerSide:
                 )
             else:
                 rank = AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)
+            if alloc.extra_length:
+                rank.grant = self.signer.encode(
+                    grants.Grant(
+                        migration_id=alloc.migration_id,
+                        tp=self.ctx.tp_rank,
+                        pp=self.ctx.pp_rank,
+                        path=path.name,
+                        slots_digest=grants.slots_digest(alloc.slots),
+                        num_tokens=alloc.extra_length,
+                        expires_at=time.time() + self.grant_ttl_s,
+                        tokens_digest=grants.tokens_digest(
+                            req.input_ids[: alloc.matched_length + alloc.extra_length],
+                            req.extra_key,
+                        ),
+                    )
+                )
             return AllocateTokenForTransferReqOutput(
                 success=True,
                 migration_id=alloc.migration_id if alloc.extra_length else "",
@@ -280,6 +307,17 @@ class MigrationSchedulerSide:
 
         pending = self.pending.get(req.migration_id)  # None for a repeated commit
         started = time.monotonic()
+        # Every rank needs the source's success receipt for its slots; agree first, so no
+        # rank inserts while another refuses.
+        refusal = None
+        if self.pending.committable(req.migration_id, req.weight_version):
+            refusal = self._receipt_refusal(req.receipts, pending)
+        refusals = [r for r in self.ctx.all_gather(refusal) if r is not None]
+        if refusals:
+            self.metrics.outcome("target", "commit_failed")
+            return CommitTransferRequestKVCacheReqOutput(
+                success=False, message=refusals[0], error_kind=ErrorKind.FORBIDDEN.value
+            )
         local = guarded(run_local, CommitTransferRequestKVCacheReqOutput)
         outputs = self.ctx.all_gather(local)
         failed = [o for o in outputs if not o.success]
@@ -311,10 +349,22 @@ class MigrationSchedulerSide:
 
     def abort_transfer(self, req: AbortTransferReqInput) -> AbortTransferReqOutput:
         def run_local() -> AbortTransferReqOutput:
-            self.pending.abort(req.migration_id)
+            self.pending.abort(req.migration_id, settled=settled)
             return AbortTransferReqOutput(success=True)
 
-        was_pending = self.pending.get(req.migration_id) is not None
+        pending = self.pending.get(req.migration_id)
+        was_pending = pending is not None
+        # Without the source's word that no write can still land, the slots stay
+        # quarantined until the grant's write window closes. Agreed across ranks.
+        settled = all(
+            self.ctx.all_gather(
+                bool(req.receipts)
+                and self._receipt_refusal(
+                    req.receipts, pending, need_success=False, migration_id=req.migration_id
+                )
+                is None
+            )
+        )
         local = guarded(run_local, AbortTransferReqOutput)
         outputs = self.ctx.all_gather(local)
         failed = [o for o in outputs if not o.success]
@@ -325,6 +375,35 @@ class MigrationSchedulerSide:
         return local
 
     # ------------------------------------------------------------------ helpers
+
+    def _receipt_refusal(
+        self,
+        receipts: list[str],
+        pending: Any,
+        need_success: bool = True,
+        migration_id: str | None = None,
+    ) -> str | None:
+        """Why `receipts` do not prove this rank's transfer (None when they do): a success
+        receipt for commit, a settled one (no write can still land) for abort."""
+        where = f"tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}"
+        mid = pending.migration_id if pending is not None else migration_id
+        for raw in receipts:
+            try:
+                receipt = self.signer.decode_receipt(raw)
+            except MigrationError as e:
+                return f"bad receipt: {e.message}"
+            if (receipt.tp, receipt.pp) != (self.ctx.tp_rank, self.ctx.pp_rank):
+                continue
+            if receipt.migration_id != mid:
+                return f"receipt for {where} is for migration {receipt.migration_id!r}"
+            if pending is not None and receipt.slots_digest != grants.slots_digest(pending.slots):
+                return f"receipt for {where} names other slots"
+            if need_success and not receipt.success:
+                return f"the source reported the transfer to {where} as failed"
+            if not need_success and not receipt.settled:
+                return f"the source's writes to {where} may still land"
+            return None
+        return f"no receipt from the source for {where} (pass the transfer reply's receipts)"
 
     def fingerprint_for(self, req: Any) -> LayoutFingerprint:
         """This rank's fingerprint with the weight version the request was stamped with."""
@@ -377,6 +456,7 @@ class MigrationSchedulerSide:
                     self.ctx.tree_cache,
                     self.layout,
                     transport or open_transport(transport_config),
+                    transfer_timeout_s=transport_config.transfer_timeout_s,
                 )
             elif name == DEVICE:
                 from sglang_kv_migration.device_path import DevicePath

@@ -27,6 +27,8 @@ TransportProtocol = Literal["tcp", "rdma"]
 DEFAULT_WATCHDOG_TIMEOUT_S = 60.0
 DEFAULT_MAX_BATCH_ENTRIES = 1024
 DEFAULT_PATHS = "device,host"
+DEFAULT_GRANT_TTL_S = 15.0
+DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 
 
 class KVMigrationArgsError(ValueError):
@@ -43,6 +45,9 @@ class KVMigrationServerArgs(_upstream.ServerArgs):
     kv_migration_rdma_devices: str = ""
     kv_migration_max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES
     kv_migration_paths: str = DEFAULT_PATHS
+    kv_migration_grant_key: str | None = None
+    kv_migration_grant_ttl: float = DEFAULT_GRANT_TTL_S
+    kv_migration_transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT_S
 
     def __post_init__(self):
         # IMPORTANT: check our flags before SGLang's own post-init, which reads the model
@@ -117,6 +122,29 @@ def add_kv_migration_cli_args(parser: argparse.ArgumentParser) -> None:
         "Mooncake). A path that cannot run here (no CUDA, --enable-memory-saver) is left "
         "out with a warning at start-up.",
     )
+    group.add_argument(
+        "--kv-migration-grant-key",
+        type=str,
+        default=None,
+        help="Secret shared by every server that migrates with this one: signs the write "
+        "grants and receipts that bind a source's writes to the slots the target reserved. "
+        "Defaults to one derived from --admin-api-key, else --api-key; without any, grants "
+        "are unsigned (they stop confused clients, not hostile peers on the transfer network).",
+    )
+    group.add_argument(
+        "--kv-migration-grant-ttl",
+        type=float,
+        default=DEFAULT_GRANT_TTL_S,
+        help="Seconds after allocate during which the source may start writing the reserved "
+        "slots (at most half of --kv-migration-watchdog-timeout is used).",
+    )
+    group.add_argument(
+        "--kv-migration-transfer-timeout",
+        type=float,
+        default=DEFAULT_TRANSFER_TIMEOUT_S,
+        help="Longest a host-path transfer may run. Freed slots whose writes could still land "
+        "stay quarantined until the grant's deadline plus twice this.",
+    )
 
 
 def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
@@ -133,6 +161,16 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
         raise KVMigrationArgsError(
             "--kv-migration-watchdog-timeout must be a positive number of seconds, got "
             f"{args.kv_migration_watchdog_timeout}."
+        )
+    if not args.kv_migration_grant_ttl > 0:
+        raise KVMigrationArgsError(
+            "--kv-migration-grant-ttl must be a positive number of seconds, got "
+            f"{args.kv_migration_grant_ttl}."
+        )
+    if not args.kv_migration_transfer_timeout > 0:
+        raise KVMigrationArgsError(
+            "--kv-migration-transfer-timeout must be a positive number of seconds, got "
+            f"{args.kv_migration_transfer_timeout}."
         )
     if args.kv_migration_max_batch_entries < 1:
         raise KVMigrationArgsError(

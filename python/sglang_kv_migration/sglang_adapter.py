@@ -405,6 +405,26 @@ def free_device_slots(cache: HiRadixCache, slots: torch.Tensor) -> None:
         cache.token_to_kv_pool_allocator.free(slots)
 
 
+def take_host_slots(cache: HiRadixCache, slots: torch.Tensor) -> None:
+    """Remove `slots` from the host pool's free list (after a reset freed them all)."""
+    import torch
+
+    pool = host_pool(cache)
+    taken = torch.isin(pool.free_slots, slots.to(pool.free_slots.device))
+    pool.free_slots = pool.free_slots[~taken]
+
+
+def take_device_slots(cache: HiRadixCache, slots: torch.Tensor) -> None:
+    """Remove the pages of `slots` from the device allocator's free lists (after a reset)."""
+    import torch
+
+    allocator = cache.token_to_kv_pool_allocator
+    pages = torch.unique(slots // allocator.page_size)
+    for name in ("free_pages", "release_pages"):
+        free = getattr(allocator, name)
+        setattr(allocator, name, free[~torch.isin(free, pages.to(free.device))])
+
+
 def device_available_size(cache: HiRadixCache) -> int:
     return int(cache.token_to_kv_pool_allocator.available_size())
 

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sglang_kv_migration import grants
 from sglang_kv_migration.data_path import DataPath, KVPoll, SendJob, SendRange
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.io_types import (
@@ -51,6 +52,7 @@ class RankTransferStatus:
     seconds: float = 0.0
     message: str = ""
     error_kind: str = ""
+    receipt: str = ""  # signed by this rank once done
 
 
 @dataclass
@@ -64,6 +66,7 @@ class InflightTransfer:
     job: SendJob | None = None
     error: MigrationError | None = None  # failed before anything was sent
     result: RankTransferStatus | None = None
+    slots_digest: str = ""  # of this rank's target slots, once parsed (for the receipt)
 
     @property
     def waiting(self) -> bool:
@@ -99,12 +102,15 @@ class SourceTransfers:
         paths: Mapping[str, DataPath],
         metrics: MigrationMetrics,
         server_epoch: str = "",
+        signer: grants.Signer | None = None,
     ):
         self.ctx = ctx
         self.fingerprint = fingerprint
         self.paths = paths
         self.metrics = metrics
         self.server_epoch = server_epoch
+        self.signer = signer or grants.Signer(None)
+        self._used_grants = grants.UsedGrants()
         self._inflight: list[InflightTransfer] = []
 
     def __len__(self) -> int:
@@ -135,6 +141,15 @@ class SourceTransfers:
                 self.ctx.tree_cache.writing_check()
             self._finish_done()
 
+    def fail_all(self, reason: str) -> None:
+        """Fail every transfer in flight (the reply follows from `poll`), e.g. when the
+        cache they read is about to be reset. Writes already submitted may still run."""
+        for inflight in self._inflight:
+            if inflight.result is None and inflight.error is None:
+                inflight.error = MigrationError(ErrorKind.CONFLICT, reason)
+            if inflight.job is not None:
+                inflight.job.release()  # idempotent: `_finish_done` calls it again
+
     def close(self) -> None:
         for inflight in self._inflight:
             if inflight.job is not None:
@@ -152,6 +167,8 @@ class SourceTransfers:
                 ErrorKind.BAD_REQUEST,
                 f"target_per_rank has no entry for tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}",
             )
+        slots = target_slots(target, self.fingerprint.page_size)
+        inflight.slots_digest = grants.slots_digest(slots)
         path = self.paths.get(target.path)
         if path is None:
             raise MigrationError(
@@ -161,13 +178,32 @@ class SourceTransfers:
             )
         mine = dataclasses.replace(self.fingerprint, weight_version=req.weight_version)
         check_peer_fingerprint(mine, [target.fingerprint], role="target")
-        slots = target_slots(target, self.fingerprint.page_size)
         if len(slots) != req.extra_token_size:
             raise MigrationError(
                 ErrorKind.BAD_REQUEST,
                 f"target rank tp={target.tp} pp={target.pp} has {len(slots)} slots for "
                 f"extra_token_size={req.extra_token_size}",
             )
+        # IMPORTANT: write only what the target granted, checked without trusting the
+        # client: this migration, this rank, this path, exactly these slots, in time, once.
+        if not target.grant:
+            raise MigrationError(
+                ErrorKind.FORBIDDEN,
+                f"write refused: no grant for tp={target.tp} pp={target.pp} (pass the allocate "
+                "reply's grant); nothing was written",
+            )
+        grant = self.signer.check_grant(
+            target.grant,
+            migration_id=req.migration_id,
+            tp=self.ctx.tp_rank,
+            pp=self.ctx.pp_rank,
+            path=target.path,
+            slots=slots,
+            tokens=grants.tokens_digest(
+                req.input_ids[: req.matched_token_size + req.extra_token_size], req.extra_key
+            ),
+        )
+        self._used_grants.claim(grant)
         start = req.matched_token_size
         inflight.path = path
         inflight.send = SendRange(
@@ -184,7 +220,7 @@ class SourceTransfers:
         inflight.job = inflight.path.start_send(inflight.send)
 
     def _finish_done(self) -> None:
-        per_rank = self.ctx.all_gather([t.local_status() for t in self._inflight])
+        per_rank = self.ctx.all_gather([self._status(t) for t in self._inflight])
         still_running: list[InflightTransfer] = []
         for i, inflight in enumerate(self._inflight):
             statuses = [rank_statuses[i] for rank_statuses in per_rank]
@@ -196,6 +232,26 @@ class SourceTransfers:
             self._reply(inflight, statuses)
         self._inflight = still_running
 
+    def _status(self, inflight: InflightTransfer) -> RankTransferStatus:
+        """This rank's status, with its signed receipt once the transfer is over here."""
+        status = inflight.local_status()
+        if status.done and not status.receipt:
+            send, job = inflight.send, inflight.job
+            status.receipt = self.signer.encode(
+                grants.Receipt(
+                    migration_id=inflight.request.migration_id,
+                    tp=self.ctx.tp_rank,
+                    pp=self.ctx.pp_rank,
+                    path=send.target.path if send is not None else "",
+                    slots_digest=inflight.slots_digest,
+                    success=status.success,
+                    bytes=status.bytes,
+                    # Nothing more can land once done, or if no write was ever submitted.
+                    settled=status.success or job is None or not job.started_writing,
+                )
+            )
+        return status
+
     def _reply(self, inflight: InflightTransfer, statuses: list[RankTransferStatus]) -> None:
         req = inflight.request
         ranks = [
@@ -206,6 +262,7 @@ class SourceTransfers:
                 bytes=s.bytes,
                 seconds=s.seconds,
                 message=s.message,
+                receipt=s.receipt,
             )
             for i, s in enumerate(statuses)
         ]

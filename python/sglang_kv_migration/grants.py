@@ -1,0 +1,201 @@
+"""Write grants and completion receipts: what a source may write, and proof that it did.
+
+The data plane has no authentication of its own (anyone who reaches a Mooncake port or
+holds a CUDA IPC handle can write the registered memory), and the client that relays
+slot lists between servers is not trusted either. So:
+
+- at allocate, the target binds each rank's reserved slots to the migration id, the data
+  path and a deadline, and hands out a **grant** for them;
+- the source writes only what a grant it can verify names (same migration, rank, path,
+  exactly these slots, not expired, not used before); anything else is refused with 403
+  before a byte moves;
+- the source answers every transfer with a **receipt** per rank (success or not, bytes,
+  the slots' digest, and whether no write of it can still land); `/commit` inserts only
+  with a success receipt for every rank, and `/abort_transfer` frees slots at once only
+  with a receipt saying no write can land — otherwise they stay quarantined until the
+  grant's deadline plus the transfer timeout has passed.
+
+Grants and receipts are signed with HMAC-SHA256 under a key all servers share
+(`--kv-migration-grant-key`, else derived from `--admin-api-key`, else from `--api-key`).
+Without any key they are **unsigned**: still bound to the migration, the exact slots and
+the deadline — which stops a buggy or confused client — but anyone can forge one, so a
+hostile peer on the transfer network is not stopped. Servers log a warning then.
+
+Tokens are `base64url(JSON payload) "." hex(HMAC)`, plain data: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import xxhash
+
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+
+if TYPE_CHECKING:
+    import torch
+
+_KEY_CONTEXT = b"sglang-kv-migration grant key\x00"
+# Grants used by this source (for replay refusal), remembered until they expire.
+MAX_REMEMBERED_GRANTS = 1 << 16
+
+
+def derive_key(
+    grant_key: str | None, admin_api_key: str | None, api_key: str | None
+) -> bytes | None:
+    """The shared signing key, or None when no secret is configured (unsigned tokens)."""
+    secret = grant_key or admin_api_key or api_key
+    if not secret:
+        return None
+    return hashlib.sha256(_KEY_CONTEXT + secret.encode()).digest()
+
+
+def tokens_digest(input_ids: list[int], extra_key: str | None) -> str:
+    """xxh64 of a prefix's token ids and namespace: the KV a grant's slots will hold."""
+    import numpy as np
+
+    h = xxhash.xxh64(np.asarray(input_ids, dtype=np.int64).tobytes())
+    h.update(b"\x00" + (extra_key or "").encode())
+    return h.hexdigest()
+
+
+def slots_digest(slots: torch.Tensor) -> str:
+    """xxh64 of the int64 token slots, in order."""
+    import torch
+
+    data = slots.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    return xxhash.xxh64(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Permission for one source rank to write `num_tokens` slots of one migration."""
+
+    migration_id: str
+    tp: int
+    pp: int
+    path: str
+    slots_digest: str
+    num_tokens: int
+    expires_at: float  # unix time; the source starts no write after it
+    tokens_digest: str  # the whole prefix (tokens + extra_key) the slots are for
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """A source rank's account of one transfer."""
+
+    migration_id: str
+    tp: int
+    pp: int
+    path: str
+    slots_digest: str
+    success: bool
+    bytes: int
+    settled: bool  # no write of this transfer can land any more (done, or never started)
+
+
+class Signer:
+    """Encodes and checks grants and receipts under one key (or unsigned without one)."""
+
+    def __init__(self, key: bytes | None, clock: Callable[[], float] = time.time):
+        self.key = key
+        self.clock = clock
+
+    @property
+    def signed(self) -> bool:
+        return self.key is not None
+
+    def encode(self, token: Grant | Receipt) -> str:
+        payload = base64.urlsafe_b64encode(
+            orjson.dumps({"kind": type(token).__name__, **asdict(token)})
+        )
+        return payload.decode() + "." + self._mac(payload)
+
+    def decode_grant(self, raw: str) -> Grant:
+        return self._decode(raw, Grant)
+
+    def decode_receipt(self, raw: str) -> Receipt:
+        return self._decode(raw, Receipt)
+
+    def check_grant(
+        self,
+        raw: str,
+        *,
+        migration_id: str,
+        tp: int,
+        pp: int,
+        path: str,
+        slots: torch.Tensor,
+        tokens: str,
+    ) -> Grant:
+        """The grant, if it names exactly this write and has not expired; else FORBIDDEN.
+        `tokens` is `tokens_digest` of the prefix the source is about to send."""
+        grant = self.decode_grant(raw)
+        if grant.tokens_digest != tokens:
+            raise _forbidden("grant is for another prefix (input_ids / extra_key differ)")
+        expected = {"migration_id": migration_id, "tp": tp, "pp": pp, "path": path}
+        for name, value in expected.items():
+            if getattr(grant, name) != value:
+                raise _forbidden(f"grant is for {name}={getattr(grant, name)!r}, not {value!r}")
+        if grant.num_tokens != len(slots) or grant.slots_digest != slots_digest(slots):
+            raise _forbidden("grant does not name these target slots")
+        if grant.expires_at <= self.clock():
+            raise _forbidden("grant expired")
+        return grant
+
+    # ------------------------------------------------------------------ helpers
+
+    def _mac(self, payload: bytes) -> str:
+        if self.key is None:
+            return ""
+        return hmac.new(self.key, payload, hashlib.sha256).hexdigest()
+
+    def _decode(self, raw: str, kind: type) -> Any:
+        if not isinstance(raw, str) or raw.count(".") != 1:
+            raise _forbidden(f"malformed {kind.__name__.lower()}")
+        payload, mac = raw.split(".")
+        if not hmac.compare_digest(mac, self._mac(payload.encode())):
+            what = "signature does not verify" if self.signed else "signed, but no key here"
+            raise _forbidden(f"{kind.__name__.lower()} {what}")
+        try:
+            data = orjson.loads(base64.urlsafe_b64decode(payload.encode()))
+            if data.pop("kind") != kind.__name__:
+                raise ValueError("wrong kind")
+            names = {f.name for f in fields(kind)}
+            if set(data) != names:
+                raise ValueError("wrong fields")
+            return kind(**data)
+        except (ValueError, TypeError, KeyError, orjson.JSONDecodeError) as e:
+            raise _forbidden(f"malformed {kind.__name__.lower()}: {e}") from None
+
+
+class UsedGrants:
+    """Grants a source already acted on, until they expire: a replay is refused."""
+
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self._used: OrderedDict[tuple[str, int, int], float] = OrderedDict()
+        self.clock = clock
+
+    def claim(self, grant: Grant) -> None:
+        now = self.clock()
+        while self._used and (
+            next(iter(self._used.values())) <= now or len(self._used) >= MAX_REMEMBERED_GRANTS
+        ):
+            self._used.popitem(last=False)
+        key = (grant.migration_id, grant.tp, grant.pp)
+        if key in self._used:
+            raise _forbidden("grant was already used (replay)")
+        self._used[key] = grant.expires_at
+
+
+def _forbidden(message: str) -> MigrationError:
+    return MigrationError(ErrorKind.FORBIDDEN, f"write refused: {message}; nothing was written")

@@ -1,0 +1,240 @@
+"""Nothing is written where it was not granted, and nothing is inserted without a receipt.
+
+A real one-rank scheduler side on a CPU harness with a signing key, migrating into its
+own host slots over real Mooncake TCP (loopback): every forged, replayed, expired or
+mismatched grant is refused with 403 before a byte moves (the host pool's bytes are
+compared before and after), `/commit` needs the source's success receipt, and slots of an
+abort without a settled receipt stay quarantined until their write window closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Iterator
+
+import pytest
+from sglang_kv_migration import grants
+from sglang_kv_migration.io_types import (
+    AbortTransferReqInput,
+    AllocateTokenForTransferReqInput,
+    CommitTransferRequestKVCacheReqInput,
+)
+from side_helpers import receipts_for, transfer_to_self
+
+KEY = hashlib.sha256(b"test grant key").digest()
+
+
+@pytest.fixture
+def signed_side(harness_factory) -> Iterator[object]:
+    from sglang_kv_migration.rank_context import RankContext
+    from sglang_kv_migration.scheduler_side import MigrationSchedulerSide
+    from sglang_kv_migration.transfer import TransportConfig
+
+    harness = harness_factory(page_size=16)
+    replies: list = []
+    ctx = RankContext(
+        tree_cache=harness.cache,
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        cpu_group=None,
+        model="tiny",
+        send_output=lambda out, req: replies.append(out),
+    )
+    side = MigrationSchedulerSide(
+        ctx,
+        watchdog_timeout_s=60.0,
+        transport_config=TransportConfig(hostname="127.0.0.1", transfer_timeout_s=5.0),
+        grant_key=KEY,
+        grant_ttl_s=10.0,
+    )
+    side.replies, side.harness = replies, harness
+    yield side
+    side.close()
+
+
+def _prefix(side, start: int) -> list[int]:
+    ids = list(range(start, start + 64))
+    side.harness.insert_random(ids, seed=start)
+    side.harness.write_back_all()
+    return ids
+
+
+def _allocate(side, mid: str, start: int):
+    out = side.allocate_token_for_transfer(
+        AllocateTokenForTransferReqInput(
+            input_ids=list(range(start, start + 64)),
+            migration_id=mid,
+            source_fingerprints=[side.fingerprint.to_dict()],
+        )
+    )
+    assert out.success, out.message
+    return out
+
+
+def _send(side, request):
+    side.replies.clear()
+    assert side.transfer_request_kvcache(request) is None
+    deadline = time.monotonic() + 30  # bounded: loopback TCP finishes in milliseconds
+    while time.monotonic() < deadline:
+        side.poll()
+        if side.replies:
+            return side.replies[0]
+        time.sleep(0.001)
+    raise AssertionError("no reply")
+
+
+def _host_digest(side) -> str:
+    return hashlib.sha256(side.host_pool.kv_buffer.view(-1).view(dtype=_u8()).numpy()).hexdigest()
+
+
+def _u8():
+    import torch
+
+    return torch.uint8
+
+
+def _refused(reply, fragment: str) -> None:
+    assert not reply.success
+    assert reply.error_kind == "forbidden", reply.message
+    assert fragment in reply.message
+    assert reply.transferred_bytes == 0
+
+
+def test_a_valid_grant_moves_the_bytes_and_its_receipt_commits(signed_side) -> None:
+    side = signed_side
+    ids = _prefix(side, 1000)
+    alloc = _allocate(side, "ok", 5000)
+    reply = _send(
+        side,
+        transfer_to_self(
+            side, ids, alloc.ranks[0].kv_indices, alloc.ranks[0].grant, migration_id="ok"
+        ),
+    )
+    assert reply.success, reply.message
+    receipt = side.signer.decode_receipt(reply.ranks[0].receipt)
+    assert receipt.success and receipt.settled and receipt.migration_id == "ok"
+    commit = side.commit_transfer_request_kvcache(
+        CommitTransferRequestKVCacheReqInput(migration_id="ok", receipts=[reply.ranks[0].receipt])
+    )
+    assert commit.success, commit.message
+
+
+def test_forged_grant_is_refused_and_nothing_is_written(signed_side) -> None:
+    side = signed_side
+    ids = _prefix(side, 1100)
+    alloc = _allocate(side, "forged", 5100)
+    before = _host_digest(side)
+    issued = side.signer.decode_grant(alloc.ranks[0].grant)
+    forger = grants.Signer(hashlib.sha256(b"not the key").digest())
+    forged = forger.encode(
+        dataclasses.replace(
+            issued, tokens_digest=grants.tokens_digest(ids, None), migration_id="forged"
+        )
+    )
+    request = transfer_to_self(side, ids, alloc.ranks[0].kv_indices, migration_id="forged")
+    request.target_per_rank[0].grant = forged
+    _refused(_send(side, request), "signature does not verify")
+    assert _host_digest(side) == before
+
+
+def test_missing_grant_is_refused(signed_side) -> None:
+    side = signed_side
+    ids = _prefix(side, 1200)
+    alloc = _allocate(side, "none", 5200)
+    before = _host_digest(side)
+    request = transfer_to_self(side, ids, alloc.ranks[0].kv_indices, migration_id="none")
+    _refused(_send(side, request), "no grant")
+    assert _host_digest(side) == before
+
+
+def test_replayed_grant_is_refused(signed_side) -> None:
+    side = signed_side
+    ids = _prefix(side, 1300)
+    alloc = _allocate(side, "replay", 5300)
+    request = transfer_to_self(
+        side, ids, alloc.ranks[0].kv_indices, alloc.ranks[0].grant, migration_id="replay"
+    )
+    assert _send(side, request).success
+    before = _host_digest(side)
+    _refused(_send(side, request), "already used")
+    assert _host_digest(side) == before
+
+
+def test_expired_grant_is_refused(signed_side) -> None:
+    side = signed_side
+    ids = _prefix(side, 1400)
+    alloc = _allocate(side, "late", 5400)
+    before = _host_digest(side)
+    request = transfer_to_self(
+        side, ids, alloc.ranks[0].kv_indices, alloc.ranks[0].grant, migration_id="late"
+    )
+    side.transfers.signer.clock = lambda: 4e9  # long after the grant's deadline
+    _refused(_send(side, request), "expired")
+    assert _host_digest(side) == before
+
+
+def test_grant_for_other_slots_is_refused(signed_side) -> None:
+    """A client mixing up two allocations: slots of one, grant of the other."""
+    side = signed_side
+    ids = _prefix(side, 1500)
+    first = _allocate(side, "first", 5500)
+    second = _allocate(side, "second", 5600)
+    before = _host_digest(side)
+    request = transfer_to_self(
+        side, ids, second.ranks[0].kv_indices, first.ranks[0].grant, migration_id="first"
+    )
+    _refused(_send(side, request), "does not name these target slots")
+    assert _host_digest(side) == before
+
+
+def test_commit_without_a_receipt_is_refused_and_inserts_nothing(signed_side) -> None:
+    side = signed_side
+    alloc = _allocate(side, "bare", 5700)
+    ids = list(range(5700, 5764))
+    out = side.commit_transfer_request_kvcache(
+        CommitTransferRequestKVCacheReqInput(migration_id="bare")
+    )
+    assert not out.success and out.error_kind == "forbidden"
+    assert "no receipt" in out.message
+    assert side.harness.match(ids).host_hit_length == 0
+    # A receipt signed with another key, or one that reports failure, does not do either.
+    forger = grants.Signer(hashlib.sha256(b"not the key").digest())
+    forged = [forger.encode(side.signer.decode_receipt(r)) for r in receipts_for(side, alloc)]
+    out = side.commit_transfer_request_kvcache(
+        CommitTransferRequestKVCacheReqInput(migration_id="bare", receipts=forged)
+    )
+    assert not out.success and "signature does not verify" in out.message
+    failed = receipts_for(side, alloc, success=False)
+    out = side.commit_transfer_request_kvcache(
+        CommitTransferRequestKVCacheReqInput(migration_id="bare", receipts=failed)
+    )
+    assert not out.success and "reported the transfer" in out.message
+    assert side.harness.match(ids).host_hit_length == 0
+    assert side.pending.get("bare") is not None  # still abortable
+
+
+def test_abort_quarantines_until_the_window_closes_unless_settled(signed_side) -> None:
+    side = signed_side
+    base = side.harness.snapshot()
+    alloc = _allocate(side, "q", 5800)
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="q")).success
+    held = side.harness.snapshot()
+    assert held.host_available == base.host_available - 64  # quarantined
+    assert held.total_lock_ref == base.total_lock_ref
+    assert set(alloc.ranks[0].kv_indices).isdisjoint(side.host_pool.free_slots.tolist())
+    assert side.pending.release_quarantine() == []  # the window is still open
+    # A settled receipt (the source says nothing more can land) frees them at once.
+    receipts = receipts_for(side, alloc)
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="q", receipts=receipts)).success
+    assert side.harness.snapshot() == base
+
+    alloc = _allocate(side, "q2", 5900)
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="q2")).success
+    assert side.harness.snapshot().host_available == base.host_available - 64
+    side.pending.clock = lambda: float("inf")  # the window has closed
+    assert side.pending.release_quarantine() == ["q2"]
+    assert side.harness.snapshot() == base
