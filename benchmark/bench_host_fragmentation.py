@@ -157,7 +157,7 @@ class _Peer:
         from sglang_kv_migration.transfer import MemoryRegion
 
         if self.staging is None or self.staging.numel() < nbytes:
-            self.staging = torch.empty(nbytes, dtype=torch.uint8)
+            self.staging = torch.zeros(nbytes, dtype=torch.uint8)  # as StagingArena: pre-faulted
             self.transport.register([MemoryRegion(self.staging.data_ptr(), nbytes)])
         return {"addr": self.staging.data_ptr(), "length": nbytes}
 
@@ -419,6 +419,7 @@ def run_cell(
     repeats: int,
     bytes_per_token: int,
     seed: int,
+    raw_entries_too: bool = True,
 ) -> list[Row]:
     fragmented = pool == "fragmented"
     src_slots = src.do("alloc", tokens, fragmented, seed)
@@ -433,15 +434,25 @@ def run_cell(
         raw_c.append(r["s"])
         control_stalls.append(r["stall_ms"])
         raw_p.append(src.do("raw_contiguous", peer, nbytes, RAW_PIECES)["s"])
-        r = src.do("raw_entries", peer, src_slots, dst_slots)
-        raw_e.append(r["s"])
-        raw_entries = r["entries"]
+        if raw_entries_too:
+            r = src.do("raw_entries", peer, src_slots, dst_slots)
+            raw_e.append(r["s"])
+            raw_entries = r["entries"]
+        else:  # a million entries outlast the 30 s transfer deadline
+            raw_e.append(float("nan"))
     rows = []
     for path in paths:
         times, cores, stalls, entries, plan = [], [], [], 0, ""
+        failed = ""
         for _ in range(repeats):
             dst.do("zero", dst_slots)
-            r = src.do("migrate", path, peer, src_slots, dst_slots)
+            try:
+                r = src.do("migrate", path, peer, src_slots, dst_slots)
+            except RuntimeError as e:  # e.g. the transfer deadline: report it, go on
+                failed = str(e).strip().splitlines()[-1]
+                print(f"{layout} page {page_size} {pool} {tokens} {path}: {failed}", flush=True)
+                times, cores, stalls = [float("nan")], [float("nan")], [float("nan")]
+                break
             cores.append(r["cpu"])
             seconds = r["s"]
             stalls.append(r["stall_ms"])
@@ -450,7 +461,7 @@ def run_cell(
                 seconds += dst.do("scatter", dst_slots)["s"]
             times.append(seconds)
             entries = r["entries"]
-        ok = dst.do("digest", dst_slots) == want
+        ok = not failed and dst.do("digest", dst_slots) == want
         rc, re_, rp = _median_ms(raw_c), _median_ms(raw_e), _median_ms(raw_p)
         m = _median_ms(times)
         rows.append(
@@ -462,7 +473,7 @@ def run_cell(
                 mib=nbytes / 2**20,
                 path=path,
                 plan=plan if path != "plan" else "-",
-                entries=entries if path != "plan" else raw_entries,
+                entries=entries or raw_entries,
                 migration_ms=m,
                 raw_contiguous_ms=rc,
                 raw_pieces_ms=rp,
@@ -480,6 +491,83 @@ def run_cell(
     return rows
 
 
+def planning_stall(tokens: int, shape: Shape, repeats: int) -> None:
+    """In one process, no engine: how long `staging.plan_pages` (as the transport's worker
+    runs it, on one torch thread) keeps a 0.5 ms loop on another thread from running, for
+    a fragmented layer_first pool at page size 1; the control keeps the worker busy with
+    GIL-free torch work instead (this machine's own scheduling noise)."""
+    import threading
+
+    import torch
+    from sglang_kv_migration import staging
+    from sglang_kv_migration.layout import HostPoolLayout
+
+    slots = 2 * tokens
+    nbytes = 2 * shape.layers * slots * (shape.bytes_per_token // (2 * shape.layers))
+
+    def layout(base: int) -> HostPoolLayout:  # addresses only: nothing is read or written
+        return HostPoolLayout.from_contiguous_buffer(
+            attention="mha",
+            host_layout="layer_first",
+            base_ptr=base,
+            nbytes=nbytes,
+            layer_num=shape.layers,
+            page_size=1,
+            num_slots=slots,
+        )
+
+    src, dst = layout(1 << 40), layout(1 << 42)
+    gen = torch.Generator().manual_seed(0)
+    src_slots = torch.randperm(slots, generator=gen)[:tokens]
+    dst_slots = torch.randperm(slots, generator=gen)[:tokens].tolist()  # as it arrives
+
+    def plan(kind: str) -> None:
+        extra = {"dst_staging_addr": 1 << 44, "dst_staging_length": 1 << 40}
+        staging.plan_pages(
+            src,
+            src_slots,
+            dst,
+            dst_slots,
+            chunk_bytes=16 << 20,
+            **(extra if kind == "staged" else {}),
+        )
+
+    def busy() -> None:
+        x = torch.zeros(1 << 22)
+        end = time.perf_counter() + 0.2
+        while time.perf_counter() < end:
+            x.add_(1)
+
+    for name, work in (
+        ("control", busy),
+        ("gather plan", lambda: plan("gather")),
+        ("staged plan", lambda: plan("staged")),
+    ):
+        worst = []
+        for _ in range(repeats):
+
+            def run(work=work) -> None:
+                torch.set_num_threads(1)
+                work()
+
+            thread = threading.Thread(target=run)
+            start = time.perf_counter()
+            thread.start()
+            stall, last = 0.0, time.perf_counter()
+            while thread.is_alive():
+                time.sleep(_LOOP_S)
+                now = time.perf_counter()
+                stall, last = max(stall, now - last - _LOOP_S), now
+            thread.join()
+            worst.append((stall * 1e3, (time.perf_counter() - start) * 1e3))
+        stalls = [w for w, _ in worst]
+        print(
+            f"{name}: {tokens} pages x {2 * shape.layers} buffers, worst loop stall "
+            f"{max(stalls):.2f} ms (median {statistics.median(stalls):.2f}), "
+            f"took {statistics.median(t for _, t in worst):.0f} ms"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 layers, 1K tokens, 2 repeats")
@@ -495,6 +583,17 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument(
+        "--pool-tokens", type=int, default=None, help="slots per host pool (2 x largest size)"
+    )
+    parser.add_argument(
+        "--no-raw-entries", action="store_true", help="skip the raw same-entries write"
+    )
+    parser.add_argument(
+        "--planning-stall",
+        action="store_true",
+        help="only measure how long planning holds a loop on another thread (one process)",
+    )
+    parser.add_argument(
         "--chunk-mib", type=int, default=None, help="TransportConfig.staging_chunk_bytes in MiB"
     )
     parser.add_argument(
@@ -503,9 +602,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     shape = QUICK if args.quick else LLAMA3_8B
+    if args.planning_stall:
+        for tokens in args.tokens or [4096, 16384]:
+            planning_stall(tokens, shape, args.repeats or 5)
+        return
     tokens_list = args.tokens or ([1024] if args.quick else [1024, 4096])
     repeats = args.repeats or (2 if args.quick else 3)
-    pool_tokens = 2 * max(tokens_list)
+    pool_tokens = args.pool_tokens or 2 * max(tokens_list)
 
     load_before = os.getloadavg()
     remotes = [_spawn("source"), _spawn("target")]
@@ -537,6 +640,7 @@ def main() -> None:
                             repeats,
                             shape.bytes_per_token,
                             seed=tokens + page_size,
+                            raw_entries_too=not args.no_raw_entries,
                         )
     finally:
         for r in remotes:

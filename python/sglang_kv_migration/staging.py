@@ -49,6 +49,7 @@ Everything here is pure planning and local copies; the engine calls are in `tran
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ STAGE_BELOW_ENTRY_BYTES = 24 << 10
 
 # Python lists of indices become tensors this many at a time (~0.3 ms under the GIL each).
 _LIST_SLICE = 8192
+_YIELD_S = 50e-6
 
 PlanKind = Literal["direct", "gather", "staged"]
 
@@ -210,10 +212,9 @@ def plan_pages(
             raise ValueError(
                 f"staging region of {dst_staging_length} bytes is too small for {total} bytes"
             )
-        offsets, start = [], dst_staging_addr
-        for pb in pbytes:
-            offsets.append(start + torch.arange(n, dtype=torch.int64) * pb)
-            start += n * pb
+        pb = torch.tensor(pbytes, dtype=torch.int64)[:, None]
+        block_starts = dst_staging_addr + n * (torch.cumsum(pb, 0) - pb)
+        offsets = block_starts + torch.arange(n, dtype=torch.int64)[None, :] * pb
         return _chunked("staged", sp, offsets, pbytes, chunk_bytes, total)
 
     if not can_chunk or total // direct.entries >= DIRECT_ENTRY_BYTES:
@@ -225,7 +226,9 @@ def plan_pages(
     if dst_runs * len(pbytes) * GATHER_MIN_GAIN > direct.entries:
         return direct
     sp_sorted = sp[order]
-    addrs = [b.ptr + dst_sorted * pb for b, pb in zip(dst.buffers, pbytes, strict=True)]
+    pb = torch.tensor(pbytes, dtype=torch.int64)[:, None]
+    ptrs = torch.tensor([b.ptr for b in dst.buffers], dtype=torch.int64)[:, None]
+    addrs = ptrs + dst_sorted[None, :] * pb
     return _chunked("gather", sp_sorted, addrs, pbytes, chunk_bytes, total)
 
 
@@ -308,7 +311,7 @@ class StagingArena:
 
         if nbytes <= 0:
             raise ValueError(f"staging arena size must be positive, got {nbytes}")
-        self._memory = torch.empty(nbytes, dtype=torch.uint8)
+        self._memory = torch.zeros(nbytes, dtype=torch.uint8)  # touched now, not mid-transfer
         base = self._memory.data_ptr()
         self._free: list[tuple[int, int]] = [(base, nbytes)]  # (addr, length), by address
         self._quarantined: list[tuple[float, int, int]] = []  # (not_before, addr, length)
@@ -398,37 +401,37 @@ def _direct(
     starts = brk.nonzero().reshape(-1)
     counts = torch.diff(starts, append=torch.tensor([sp.numel()]))
     s0, d0 = sp[starts], dp[starts]
-    srcs, dsts, lengths = [], [], []
-    for sb, db, pb in zip(src.buffers, dst.buffers, pbytes, strict=True):
-        srcs.append(sb.ptr + s0 * pb)
-        dsts.append(db.ptr + d0 * pb)
-        lengths.append(counts * pb)
+    # One op per array over all buffers (buffer-major), not one per buffer: a long run of
+    # small ops lets this thread keep the GIL from the scheduler loop (see `yield_gil`).
+    pb = torch.tensor(pbytes, dtype=torch.int64)[:, None]
+    src_ptrs = torch.tensor([b.ptr for b in src.buffers], dtype=torch.int64)[:, None]
+    dst_ptrs = torch.tensor([b.ptr for b in dst.buffers], dtype=torch.int64)[:, None]
     return PagePlan(
         "direct",
         total,
         int(sp.numel()),
-        torch.cat(srcs),
-        torch.cat(dsts),
-        torch.cat(lengths),
+        (src_ptrs + s0[None, :] * pb).reshape(-1),
+        (dst_ptrs + d0[None, :] * pb).reshape(-1),
+        (counts[None, :] * pb).reshape(-1),
     )
 
 
 def _chunked(
     kind: PlanKind,
     src_pages: torch.Tensor,
-    dst_addrs: list[torch.Tensor],
+    dst_addrs: torch.Tensor,
     pbytes: list[int],
     chunk_bytes: int,
     total: int,
 ) -> PagePlan:
     """Items (buffer b, page i) in buffer-major order, each of ``pbytes[b]`` bytes going
-    to ``dst_addrs[b][i]``; cut into chunks and into dst-contiguous entries."""
+    to ``dst_addrs[b, i]``; cut into chunks and into dst-contiguous entries."""
     import torch
 
     n = int(src_pages.numel())
     nbuf = len(pbytes)
-    lengths = torch.cat([torch.full((n,), pb, dtype=torch.int64) for pb in pbytes])
-    dsts = torch.cat(dst_addrs)
+    lengths = torch.tensor(pbytes, dtype=torch.int64).repeat_interleave(n)
+    dsts = dst_addrs.reshape(-1)
     buf_of = torch.arange(nbuf).repeat_interleave(n)
     page_of = src_pages.repeat(nbuf)
     ends = torch.cumsum(lengths, 0)
@@ -455,6 +458,7 @@ def _chunked(
     e_cuts = torch.searchsorted(entry_idx, torch.tensor(bounds)).tolist()
     g_cuts = torch.searchsorted(group_idx, torch.tensor(bounds)).tolist()
     for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        yield_gil()
         e = entry_idx[e_cuts[k] : e_cuts[k + 1]]
         e_end = torch.cat([e[1:], torch.tensor([hi])]) - 1
         g = group_idx[g_cuts[k] : g_cuts[k + 1]].tolist()
@@ -488,11 +492,21 @@ def as_int64(indices: Any) -> torch.Tensor:
 
     if isinstance(indices, torch.Tensor):
         return indices.to(torch.int64).reshape(-1)
-    parts = [
-        torch.tensor(indices[i : i + _LIST_SLICE], dtype=torch.int64)
-        for i in range(0, len(indices), _LIST_SLICE)
-    ]
+    parts = []
+    for i in range(0, len(indices), _LIST_SLICE):
+        parts.append(torch.tensor(indices[i : i + _LIST_SLICE], dtype=torch.int64))
+        yield_gil()
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def yield_gil() -> None:
+    """Let a thread waiting for the GIL (the scheduler loop) run now, instead of after
+    CPython's 5 ms switch interval; called between slices of GIL-holding work.
+
+    A zero sleep is not enough: this thread takes the GIL back before the woken waiter
+    gets it. 50 us lets the waiter in; the worker pays it once per slice or chunk.
+    """
+    time.sleep(_YIELD_S)
 
 
 def _pages_view(ptr: int, length: int, page_bytes: int) -> torch.Tensor:

@@ -619,7 +619,7 @@ class MooncakeTransport(KVTransport):
         current = self._staging
         if current is None or current.numel() < 2 * capacity:
             size = max(capacity, self._config.staging_chunk_bytes)
-            fresh = torch.empty(2 * size, dtype=torch.uint8)
+            fresh = torch.zeros(2 * size, dtype=torch.uint8)  # pages faulted in now
             self.register([MemoryRegion(fresh.data_ptr(), fresh.numel())])
             if current is not None:
                 # No transfer uses it between jobs (this is the worker thread).
@@ -816,6 +816,7 @@ class _Entries:
         return len(self.lengths)
 
     def slice(self, lo: int, hi: int) -> tuple[list[int], list[int], list[int]]:
+        staging.yield_gil()
         return _as_list(self.srcs[lo:hi]), _as_list(self.dsts[lo:hi]), _as_list(self.lengths[lo:hi])
 
 
