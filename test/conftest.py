@@ -61,9 +61,9 @@ def _reset_sglang_hooks() -> Iterator[None]:
 def side_factory(
     harness_factory: Callable[..., cpu_harness.Harness],
 ) -> Iterator[Callable[..., object]]:
-    """``make(**harness_fields)``: a real one-rank `MigrationSchedulerSide` on a harness
-    cache (0.05 s watchdog, metrics on), replying into `side.replies`; `side.harness` is
-    the harness it runs on."""
+    """``make(grant_key=None, watchdog_timeout_s=0.05, **harness_fields)``: a real one-rank
+    `MigrationSchedulerSide` on a harness cache (metrics on), replying into
+    `side.replies`; `side.harness` is the harness it runs on."""
     from sglang_kv_migration.metrics import MigrationMetrics
     from sglang_kv_migration.rank_context import RankContext
     from sglang_kv_migration.scheduler_side import MigrationSchedulerSide
@@ -71,7 +71,9 @@ def side_factory(
 
     built: list[MigrationSchedulerSide] = []
 
-    def make(**fields: object) -> MigrationSchedulerSide:
+    def make(
+        grant_key: bytes | None = None, watchdog_timeout_s: float = 0.05, **fields: object
+    ) -> MigrationSchedulerSide:
         harness = harness_factory(**fields)
         replies: list = []
         ctx = RankContext(
@@ -86,9 +88,10 @@ def side_factory(
         )
         side = MigrationSchedulerSide(
             ctx,
-            watchdog_timeout_s=0.05,
-            transport_config=TransportConfig(hostname="127.0.0.1"),
+            watchdog_timeout_s=watchdog_timeout_s,
+            transport_config=TransportConfig(hostname="127.0.0.1", transfer_timeout_s=5.0),
             metrics=MigrationMetrics("tiny", 0, 0),
+            grant_key=grant_key,
         )
         side.replies = replies  # test-only handles
         side.harness = harness

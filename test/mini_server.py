@@ -366,7 +366,8 @@ def _break_transport(transport: Any) -> None:
     """Make every write of this rank fail as an unreachable peer would."""
     from sglang_kv_migration.transfer import TransferError
 
-    def refuse(peer_session_id: str, ops: Any, peer_regions: Any) -> Any:
+    def refuse(peer_session_id: str, *args: Any, **kwargs: Any) -> Any:
         raise TransferError(f"injected failure: peer {peer_session_id} unreachable")
 
     transport.write = refuse
+    transport.write_pages = refuse

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Iterator
 
 import pytest
 from sglang_kv_migration import grants
@@ -27,33 +26,8 @@ KEY = hashlib.sha256(b"test grant key").digest()
 
 
 @pytest.fixture
-def signed_side(harness_factory) -> Iterator[object]:
-    from sglang_kv_migration.rank_context import RankContext
-    from sglang_kv_migration.scheduler_side import MigrationSchedulerSide
-    from sglang_kv_migration.transfer import TransportConfig
-
-    harness = harness_factory(page_size=16)
-    replies: list = []
-    ctx = RankContext(
-        tree_cache=harness.cache,
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        cpu_group=None,
-        model="tiny",
-        send_output=lambda out, req: replies.append(out),
-    )
-    side = MigrationSchedulerSide(
-        ctx,
-        watchdog_timeout_s=60.0,
-        transport_config=TransportConfig(hostname="127.0.0.1", transfer_timeout_s=5.0),
-        grant_key=KEY,
-        grant_ttl_s=10.0,
-    )
-    side.replies, side.harness = replies, harness
-    yield side
-    side.close()
+def signed_side(side_factory) -> object:
+    return side_factory(grant_key=KEY, watchdog_timeout_s=60.0, page_size=16)
 
 
 def _prefix(side, start: int) -> list[int]:

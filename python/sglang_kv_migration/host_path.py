@@ -6,8 +6,10 @@ loads them to the GPU through HiCache's normal load-back.
 
 Source: pins the prefix's host pages and queues device->host copies for device-only
 nodes (`sglang_adapter.pin_host_pages`), WAITs until those copies have completed, then
-plans the writes (`layout.plan_writes`) and submits them to the transport, whose worker
-thread moves the bytes; the job is done when the transport's handle is.
+hands the page lists to the transport (`write_pages`), whose worker thread plans the
+writes (page-level, gathering scattered pages into staging chunks where that cuts the
+entry count) and moves the bytes, so nothing proportional to the page count runs on the
+scheduler thread; the job is done when the transport's handle is.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.data_path import HOST, DataPath, KVPoll, SendJob, SendRange, SendStats
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.layout import HostPoolLayout, plan_writes
+from sglang_kv_migration.layout import HostPoolLayout
 from sglang_kv_migration.transfer import KVTransport, MemoryRegion, TransferHandle
 
 if TYPE_CHECKING:
@@ -178,10 +180,13 @@ class HostSendJob(SendJob):
             self._pinned = None
 
     def _submit(self) -> None:
-        layout = self._path.layout
-        writes = plan_writes(layout, self._pinned.host_indices, self._peer, self._target_slots)
-        self._handle = self._path.transport.write(
-            self._peer_session_id, writes, regions_of(self._peer)
+        self._handle = self._path.transport.write_pages(
+            self._peer_session_id,
+            self._path.layout,
+            self._pinned.host_indices,
+            self._peer,
+            self._target_slots,
+            regions_of(self._peer),
         )
 
 
