@@ -648,7 +648,27 @@ def test_device_kv_buffers_refuses_an_unknown_pool():
 def test_pending_device_write_streams_is_the_load_stream(harness_factory):
     h = harness_factory()
     assert adapter.pending_device_write_streams(h.cache) == [h.controller.load_stream]
-    assert adapter.pending_device_write_streams(SimpleNamespace(cache_controller=object())) == []
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_take_device_slots_after_a_reset(harness_factory, page_size):
+    h = harness_factory(page_size=page_size)
+    slots = adapter.alloc_device_slots(h.cache, 4 * page_size)
+    h.allocator.clear()  # what a cache reset does: every slot free again
+    full = h.allocator.available_size()
+    adapter.take_device_slots(h.cache, slots)
+    assert h.allocator.available_size() == full - len(slots)
+    again = adapter.alloc_device_slots(h.cache, h.allocator.available_size())
+    assert set(again.tolist()).isdisjoint(slots.tolist())
+
+
+def test_take_host_slots_after_a_reset(harness_factory):
+    h = harness_factory(page_size=16)
+    slots = adapter.alloc_host_slots(h.cache, 64)
+    h.host_pool.clear()
+    adapter.take_host_slots(h.cache, slots)
+    assert h.host_pool.available_size() == h.host_pool.size - 64
+    assert set(h.host_pool.free_slots.tolist()).isdisjoint(slots.tolist())
 
 
 def test_cache_generation_changes_on_reset(harness_factory):

@@ -118,8 +118,7 @@ def match_device_prefix(
 def pending_device_write_streams(cache: HiRadixCache) -> list[Any]:
     """Streams that may still be writing device KV pages the tree already lists
     (HiCache's host->device load-back)."""
-    stream = getattr(cache.cache_controller, "load_stream", None)
-    return [stream] if stream is not None else []
+    return [cache.cache_controller.load_stream]
 
 
 def path_from_root(cache: HiRadixCache, node: TreeNode) -> list[TreeNode]:
@@ -295,10 +294,12 @@ def device_pool(cache: HiRadixCache) -> Any:
 def device_kv_buffers(cache: HiRadixCache) -> list[torch.Tensor]:
     """The device pool's per-layer buffers, one row per token slot: K layers then V
     layers for MHA, the latent cache per layer for MLA."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
     pool = device_pool(cache)
-    if hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer"):
+    if isinstance(pool, MHATokenToKVPool):
         return [*pool.k_buffer, *pool.v_buffer]
-    if hasattr(pool, "kv_buffer"):
+    if isinstance(pool, MLATokenToKVPool):
         return list(pool.kv_buffer)
     raise MigrationError(
         ErrorKind.UNAVAILABLE, f"device KV pool {type(pool).__name__} is not supported"
