@@ -9,6 +9,9 @@ sets and this package as `../shared/gpu/README.md` says (nothing else to install
 Parameters (environment):
 - `KVMIG_ATTENTION`: `mha` (small dummy Llama) or `mla` (small dummy DeepseekV2, MLA pool).
 - `KVMIG_PAGE_SIZE`: `--page-size` of every server (1, 16, 64, ...).
+- `KVMIG_TP=2`: every server runs `--tp-size 2` on GPUs 0 and 1 (an nvidia-h200-x2
+  machine); rank r of the source copies into rank r of the target, on the same GPU.
+  Not run yet.
 - `KVMIG_TWO_GPUS=1`: the target runs on GPU 1 (`--base-gpu-id 1`, an nvidia-h200-x2
   machine), so the device path crosses GPUs; otherwise all servers share GPU 0.
 
@@ -58,6 +61,7 @@ pytestmark = pytest.mark.gpu
 PAGE_SIZE = int(os.environ.get("KVMIG_PAGE_SIZE", "1"))
 ATTENTION = os.environ.get("KVMIG_ATTENTION", "mha").lower()
 TWO_GPUS = os.environ.get("KVMIG_TWO_GPUS", "") == "1"
+TP_SIZE = int(os.environ.get("KVMIG_TP", "1"))
 MAX_TOTAL_TOKENS = 65536  # GPU KV pool per server; host pool = 2x (hicache_ratio)
 POOL_SETTLE_TIMEOUT_S = 90.0  # > the 60 s default watchdog: quarantined slots come back
 
@@ -79,6 +83,7 @@ def servers() -> Iterator[Servers]:
     write_model(shape, model_dir)
     common = ["--page-size", str(PAGE_SIZE), "--mem-fraction-static", "0.2"]
     common += ["--max-total-tokens", str(MAX_TOTAL_TOKENS), "--enable-metrics"]
+    common += ["--tp-size", str(TP_SIZE)]
     specs = [
         ServerSpec(30510, common, gpu_id=0),
         ServerSpec(30520, common, gpu_id=1 if TWO_GPUS else 0),
@@ -86,7 +91,13 @@ def servers() -> Iterator[Servers]:
     ]
     record(
         "device_path_config",
-        {"attention": ATTENTION, "page_size": PAGE_SIZE, "two_gpus": TWO_GPUS, "model": shape},
+        {
+            "attention": ATTENTION,
+            "page_size": PAGE_SIZE,
+            "two_gpus": TWO_GPUS,
+            "tp_size": TP_SIZE,
+            "model": shape,
+        },
     )
     with running_servers(model_dir, specs) as (source, target, host_only):
         yield Servers(source, target, host_only, PAGE_SIZE, int(shape["vocab_size"]))
