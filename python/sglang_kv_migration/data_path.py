@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.errors import MigrationError
 
 if TYPE_CHECKING:
     import torch
@@ -175,11 +175,3 @@ def parse_path_names(spec: str | Sequence[str]) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"data path listed twice in {','.join(names)}")
     return tuple(names)
-
-
-def unknown_path(name: str, available: Sequence[str]) -> MigrationError:
-    return MigrationError(
-        ErrorKind.CONFLICT,
-        f"data path {name!r} is not available on this server (available: "
-        f"{', '.join(available) or 'none'})",
-    )

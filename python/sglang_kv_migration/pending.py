@@ -160,13 +160,6 @@ class PendingMigrations:
         """Migrations whose slots wait for their write window to close."""
         return len(self._quarantine)
 
-    def open_write_window_s(self) -> float:
-        """Seconds until no granted write to any reserved or quarantined slot can land."""
-        with self.lock:
-            now = self.clock()
-            held = (*self._pending.values(), *self._quarantine.values())
-            return max([0.0, *(p.write_window_end - now for p in held)])
-
     def get(self, migration_id: str) -> PendingMigration | None:
         return self._pending.get(migration_id)
 
