@@ -342,7 +342,7 @@ def test_waiting_for_the_wire_does_not_spin(local, peer):
         for i in range(8)
     ]
     transport.write(peer.session_id, ops, [peer.region]).result(WAIT_S)  # worker started
-    worker = transport._worker
+    worker = transport._workers[peer.session_id][0]  # this peer's worker thread
     assert worker is not None
     cpu, wall = _thread_cpu_s(worker), time.monotonic()
     for _ in range(8):
@@ -525,7 +525,7 @@ def test_large_batches_sleep_through_most_of_their_wait(local, peer):
         for i, slot in enumerate(rng.permutation(3000))
     ]  # 3 batches of up to 1024 scattered entries
     transport.write(peer.session_id, ops, [peer.region]).result(WAIT_S)  # timings learned
-    worker = transport._worker
+    worker = transport._workers[peer.session_id][0]  # this peer's worker thread
     assert worker is not None
     cpu, wall = _thread_cpu_s(worker), time.monotonic()
     for _ in range(3):
@@ -540,3 +540,68 @@ def test_split_entries_cuts_long_runs_only():
     assert lengths == [10, 10, 10, 5] and srcs == [100, 5000, 5010, 5020]
     assert dsts == [900, 9000, 9010, 9020]
     assert _split_entries([1], [2], [30], 0) == ([1], [2], [30])  # 0: never split
+
+
+# ---------------------------------------------------------------------------
+# Head-of-line blocking
+# ---------------------------------------------------------------------------
+
+
+def test_a_stopped_peer_holds_up_only_its_own_writes(peer):
+    """A peer stopped with SIGSTOP mid-stream: writes to another peer still go through at
+    once (each peer has its own worker), and the stopped peer's write finishes after it
+    resumes."""
+    import os
+    import signal
+
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    stalled = ctx.Process(
+        target=peer_main, args=(child_conn, PEER_SIZE, PEER_REGISTERED, 9), daemon=True
+    )
+    stalled.start()
+    child_conn.close()
+    source = np.random.default_rng(13).integers(0, 256, LOCAL_SIZE, dtype=np.uint8)
+    transport = MooncakeTransport(TransportConfig(transfer_timeout_s=20.0))
+    stopped = False
+    try:
+        assert conn.poll(60), "peer did not start"
+        _tag, stalled_session, stalled_addr, _size = conn.recv()
+        transport.register([MemoryRegion(source.ctypes.data, LOCAL_SIZE)])
+        big = [
+            WriteOp(source.ctypes.data + i * MiB, stalled_addr + i * MiB, MiB) for i in range(16)
+        ]
+        # Warm both connections, then stop one peer and queue two writes to it.
+        regions = [MemoryRegion(stalled_addr, PEER_REGISTERED)]
+        transport.write(stalled_session, big[:1], regions).result(WAIT_S)
+        small = [WriteOp(source.ctypes.data, peer.addr, 4096)]
+        transport.write(peer.session_id, small, [peer.region]).result(WAIT_S)
+        os.kill(stalled.pid, signal.SIGSTOP)
+        stopped = True
+        blocked = [transport.write(stalled_session, big, regions) for _ in range(2)]
+        time.sleep(0.2)
+        started = time.monotonic()
+        stats = transport.write(peer.session_id, small, [peer.region]).result(2.0)
+        assert stats.bytes == 4096
+        assert time.monotonic() - started < 2.0
+        assert not any(h.done() for h in blocked), "the stopped peer answered"
+        os.kill(stalled.pid, signal.SIGCONT)
+        stopped = False
+        for handle in blocked:  # bounded by the transfer timeout either way
+            try:
+                handle.result(WAIT_S)
+            except TransferError:
+                pass
+    finally:
+        if stopped:
+            os.kill(stalled.pid, signal.SIGCONT)
+        transport.close()
+        try:
+            conn.send(("quit",))
+        except OSError:
+            pass
+        stalled.join(10)
+        if stalled.is_alive():
+            stalled.kill()
+            stalled.join(10)
+        conn.close()

@@ -2,17 +2,47 @@
 
 Like SGLang's own admin operations (`tokenizer_control_mixin._COMMUNICATOR_SPECS`), a
 request is sent to the scheduler and the caller awaits the reply routed back through
-the tokenizer manager's result dispatcher. A communicator keeps one request in flight
-and queues the others, so operations of one kind are serialised per server.
+the tokenizer manager's result dispatcher. A `FanOutCommunicator` keeps one request in
+flight and queues the others, so short operations of one kind are serialised per server.
+Transfers are not: they last as long as the wire does, and a stalled peer must not hold
+up transfers to other peers, so `/transfer_request_kvcache` requests go through
+`RidCommunicator`, which keeps any number in flight and matches replies by `rid`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import Callable
 from typing import Any
 
-from sglang_kv_migration.io_types import REQUEST_TYPES
+from sglang_kv_migration.io_types import REQUEST_TYPES, TransferRequestKVCacheReqInput
 from sglang_kv_migration.server_args import kv_migration_enabled
+
+
+class RidCommunicator:
+    """Any number of requests in flight; each reply is matched to its request by `rid`.
+
+    The scheduler side copies the request's `rid` onto its reply (`source_transfers`)."""
+
+    def __init__(self, send_to_scheduler: Any):
+        self._sender = send_to_scheduler
+        self._waiting: dict[str, asyncio.Future] = {}
+
+    async def __call__(self, request: Any) -> list[Any]:
+        request.rid = uuid.uuid4().hex
+        reply = asyncio.get_running_loop().create_future()
+        self._waiting[request.rid] = reply
+        try:
+            self._sender.send_pyobj(request)
+            return [await reply]
+        finally:
+            self._waiting.pop(request.rid, None)
+
+    def handle_recv(self, output: Any) -> None:
+        reply = self._waiting.get(output.rid)
+        if reply is not None and not reply.done():
+            reply.set_result(output)
 
 
 class KVMigrationCommunicators:
@@ -30,7 +60,11 @@ class KVMigrationCommunicators:
         self._before_call = before_call
         self._weight_version = weight_version
         self._by_input_type = {
-            input_type: FanOutCommunicator(send_to_scheduler, fan_out)
+            input_type: (
+                RidCommunicator(send_to_scheduler)
+                if input_type is TransferRequestKVCacheReqInput
+                else FanOutCommunicator(send_to_scheduler, fan_out)
+            )
             for _name, input_type, _output_type in REQUEST_TYPES
         }
         # (output type, receiver) pairs for the tokenizer's result dispatcher.

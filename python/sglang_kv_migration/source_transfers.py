@@ -310,6 +310,7 @@ class SourceTransfers:
                     len(statuses),
                     elapsed * 1e3,
                 )
+        output.rid = req.rid  # the tokenizer side matches concurrent transfers by rid
         self.ctx.send_output(output, req)
 
 

@@ -327,9 +327,11 @@ def coalesce(ops: Iterable[WriteOp]) -> list[WriteOp]:
 class MooncakeTransport(KVTransport):
     """`KVTransport` over the Mooncake Transfer Engine in P2P-handshake mode (no etcd).
 
-    One daemon worker thread (started by the first write) runs the jobs in order. A job's
-    entries go out in batches of at most `max_entries_per_batch`, one batch in flight at a
-    time, so the TCP per-peer queue never overflows; a failed batch is retried once.
+    One daemon worker thread per peer (started by the first write to it) runs that peer's
+    jobs in order, so a stalled peer holds up only its own jobs, never writes to other
+    peers. A job's entries go out in batches of at most `max_entries_per_batch`, one batch
+    in flight per peer at a time, so the TCP per-peer queue never overflows; a failed
+    batch is retried once.
     `write_pages` jobs are planned in the worker (`staging.plan_pages`); gathered and staged
     plans alternate between two registered staging chunks, gathering the next chunk while
     the previous one is on the wire. No wait spins a core for long (module docstring).
@@ -341,13 +343,12 @@ class MooncakeTransport(KVTransport):
         self._session_id = f"{config.hostname}:{self._engine.get_rpc_port()}"
         self._lock = threading.Lock()  # guards the fields below
         self._local = _RegionIndex(())
-        self._jobs: queue.SimpleQueue[_Job | _PagesJob | None] = queue.SimpleQueue()
-        self._worker: threading.Thread | None = None
+        # peer session id -> (its worker thread, its job queue)
+        self._workers: dict[str, tuple[threading.Thread, queue.SimpleQueue]] = {}
         self._closed = False
-        # Worker thread only: two staging chunks in one registered allocation, and the
-        # timing of the last large batch (how long to sleep before waiting on the next).
-        self._staging: torch.Tensor | None = None
-        self._last_batch: _BatchTiming | None = None
+        # Per worker thread: its two staging chunks and the timing of its last large batch.
+        self._tls = threading.local()
+        self._all_staging: list[torch.Tensor] = []  # every worker's, freed on close
         logger.info("transfer engine up: session %s over %s", self._session_id, config.protocol)
 
     @property
@@ -424,12 +425,13 @@ class MooncakeTransport(KVTransport):
             if self._closed:
                 return
             self._closed = True
-            worker = self._worker
-            if worker is not None:
-                self._jobs.put(None)
-        if worker is not None:
-            worker.join(self._config.transfer_timeout_s + _CLOSE_GRACE_S)
-            if worker.is_alive():
+            workers = list(self._workers.values())
+            for _thread, jobs in workers:
+                jobs.put(None)
+        deadline = time.monotonic() + self._config.transfer_timeout_s + _CLOSE_GRACE_S
+        for thread, _jobs in workers:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
                 # Releasing the engine under a running batch would free memory it still
                 # uses; leak it instead (the thread is a daemon).
                 logger.warning(
@@ -437,7 +439,7 @@ class MooncakeTransport(KVTransport):
                 )
                 return
         self._engine = None  # the binding's destructor closes segments and stops the engine
-        self._staging = None  # after the engine: it was registered there
+        self._all_staging.clear()  # after the engine: they were registered there
 
     # -- private: jobs ------------------------------------------------------
 
@@ -453,18 +455,26 @@ class MooncakeTransport(KVTransport):
             # a job behind its stop marker.
             if self._closed:
                 raise TransferError(f"transport {self._session_id} is closed")
-            if self._worker is None:
-                self._worker = threading.Thread(
-                    target=self._run_worker, name="kv-migration-transfer", daemon=True
+            worker = self._workers.get(job.peer)
+            if worker is None:
+                jobs: queue.SimpleQueue[_Job | _PagesJob | None] = queue.SimpleQueue()
+                thread = threading.Thread(
+                    target=self._run_worker,
+                    args=(jobs,),
+                    name=f"kv-migration-transfer-{job.peer}",
+                    daemon=True,
                 )
-                self._worker.start()
-            self._jobs.put(job)
+                worker = self._workers[job.peer] = (thread, jobs)
+                thread.start()
+            worker[1].put(job)
         return TransferHandle(job.future)
 
-    def _run_worker(self) -> None:
+    def _run_worker(self, jobs: queue.SimpleQueue) -> None:
         _single_threaded_torch()
+        self._tls.staging = None
+        self._tls.last_batch = None
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             if self._closed:
@@ -559,7 +569,7 @@ class MooncakeTransport(KVTransport):
         size = self._config.max_entries_per_batch
         starts = range(0, len(entries), size)
         # The last batch of an earlier job predicts this job's first (scaled down).
-        previous = self._last_batch
+        previous = self._tls.last_batch
         for number, lo in enumerate(starts, 1):
             hi = min(lo + size, len(entries))
             label = f"batch {number}/{len(starts)}"
@@ -573,7 +583,7 @@ class MooncakeTransport(KVTransport):
             else:
                 self._write_batch(ctx, label, srcs, dsts, lengths, deadline, previous)
                 previous = _BatchTiming(time.monotonic() - began, len(lengths), sum(lengths))
-                self._last_batch = previous
+                self._tls.last_batch = previous
         return len(starts)
 
     def _send_chunks(
@@ -619,7 +629,7 @@ class MooncakeTransport(KVTransport):
 
         engine = self._engine
         assert engine is not None
-        current = self._staging
+        current = self._tls.staging
         if current is None or current.numel() < 2 * capacity:
             size = max(capacity, self._config.staging_chunk_bytes)
             fresh = torch.zeros(2 * size, dtype=torch.uint8)  # pages faulted in now
@@ -630,7 +640,10 @@ class MooncakeTransport(KVTransport):
                 with self._lock:
                     kept = [r for r in self._local.regions if r.addr != current.data_ptr()]
                     self._local = _RegionIndex(kept)
-            self._staging = current = fresh
+            with self._lock:
+                self._all_staging = [t for t in self._all_staging if t is not current]
+                self._all_staging.append(fresh)
+            self._tls.staging = current = fresh
         half = current.numel() // 2
         return current[:half], current[half:]
 

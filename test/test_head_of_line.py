@@ -1,0 +1,121 @@
+"""One stalled target does not hold up a source's migrations to other targets.
+
+Three CPU mini servers (real scheduler side, real HTTP, real Mooncake TCP): the source
+starts a transfer into target A, A is stopped with SIGSTOP before the bytes arrive, and a
+whole migration from the same source to target B must still finish within 2 s — the
+source's HTTP layer keeps several transfers in flight and its transport has one worker
+per peer. Then A resumes and its transfer completes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from mini_server import ServerHandle, ServerSpec, start_servers
+from sglang_kv_migration.client import MigrationClient
+
+PAGE = 16
+STALLED_IDS = list(range(40_000, 40_000 + 64 * PAGE))
+FREE_IDS = list(range(50_000, 50_000 + 8 * PAGE))
+WARM_IDS = list(range(60_000, 60_000 + 2 * PAGE))
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[ServerHandle, ServerHandle, ServerHandle]]:
+    handles = start_servers(
+        [
+            ServerSpec(
+                preload=[(STALLED_IDS, 1), (FREE_IDS, 2), (WARM_IDS, 3)], transfer_timeout_s=20.0
+            ),
+            ServerSpec(),
+            ServerSpec(),
+        ]
+    )
+    try:
+        yield handles[0], handles[1], handles[2]
+    finally:
+        for handle in handles:
+            for process in handle.processes:
+                if process.is_alive():
+                    os.kill(process.pid, signal.SIGCONT)
+            handle.stop()
+
+
+def _post(url: str, path: str, body: dict, timeout: float = 30.0) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=timeout)
+
+
+def test_a_stopped_target_does_not_hold_up_another(servers) -> None:
+    source, stalled, free = servers
+    # The source has been talking to both targets (connections set up) before one stalls.
+    with MigrationClient() as client:
+        assert client.migrate(source.url, stalled.url, WARM_IDS).migrated_token_size
+    info = _post(source.url, "/get_transfer_session_info", {}).json()
+    target_info = _post(stalled.url, "/get_transfer_session_info", {}).json()
+    alloc = _post(
+        stalled.url,
+        "/allocate_token_for_transfer",
+        {
+            "input_ids": STALLED_IDS,
+            "source_fingerprints": [r["fingerprint"] for r in info["ranks"]],
+            "index_format": "pages",
+        },
+    ).json()
+    assert alloc["success"], alloc
+    rank, host = alloc["ranks"][0], target_info["ranks"][0]["paths"]["host"]
+    transfer_body = {
+        "input_ids": STALLED_IDS,
+        "matched_token_size": 0,
+        "extra_token_size": alloc["extra_token_size"],
+        "migration_id": alloc["migration_id"],
+        "target_per_rank": [
+            {
+                "tp": 0,
+                "pp": 0,
+                "path": "host",
+                "kv_pages": rank["kv_pages"],
+                "grant": rank["grant"],
+                "fingerprint": target_info["ranks"][0]["fingerprint"],
+                **host,
+            }
+        ],
+    }
+    stalled_pid = stalled.processes[0].pid
+    os.kill(stalled_pid, signal.SIGSTOP)
+    try:
+        result: dict = {}
+        blocked = threading.Thread(
+            target=lambda: result.update(
+                reply=_post(source.url, "/transfer_request_kvcache", transfer_body, 60.0)
+            ),
+            daemon=True,
+        )
+        blocked.start()
+        time.sleep(0.5)  # the transfer to the stopped target is in flight on the source
+        assert blocked.is_alive(), "the transfer to a stopped target finished"
+
+        started = time.monotonic()
+        with MigrationClient(timeout=10.0) as client:
+            moved = client.migrate(source.url, free.url, FREE_IDS)
+        elapsed = time.monotonic() - started
+        assert moved.migrated_token_size == len(FREE_IDS)
+        assert elapsed <= 2.0, f"the migration to a healthy target took {elapsed:.2f} s"
+        assert blocked.is_alive(), "the stopped target answered"
+    finally:
+        os.kill(stalled_pid, signal.SIGCONT)
+    blocked.join(60)
+    assert not blocked.is_alive()
+    reply = result["reply"].json()
+    assert reply["success"], reply
+    committed = _post(
+        stalled.url,
+        "/commit",
+        {"migration_id": alloc["migration_id"], "receipts": [r["receipt"] for r in reply["ranks"]]},
+    )
+    assert committed.status_code == 200, committed.text
