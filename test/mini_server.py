@@ -270,6 +270,25 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any) -> None:
             value = (len(value.device_indices), value.host_hit_length)
         elif name == "kv":
             value = [t.clone() for t in harness.read_device_kv(harness.load_back(args[0]))]
+        elif name == "host_slots":
+            # Every host slot is free or held by one tree node, exactly once (no leak).
+            in_tree = [
+                int(s)
+                for n in harness.iter_nodes()
+                if n.host_value is not None
+                for s in n.host_value
+            ]
+            free = harness.host_pool.free_slots.tolist()
+            value = {
+                "size": int(harness.host_pool.size),
+                "in_tree": len(in_tree),
+                "in_tree_unique": len(set(in_tree)),
+                "free": len(free),
+                "free_unique": len(set(free)),
+                "overlap": len(set(in_tree) & set(free)),
+            }
+        elif name == "evict_device":
+            value = harness.evict_device_all()
         elif name == "insert":
             harness.insert_random(args[0], seed=args[1])
             harness.write_back_all()
@@ -304,7 +323,7 @@ def _serve_http(
     from_scheduler = context.socket(zmq.PULL)
     from_scheduler.connect(f"tcp://127.0.0.1:{sched_out_port}")
 
-    comms = KVMigrationCommunicators(to_scheduler, 1) if spec.enable_kv_migration else None
+    comms = KVMigrationCommunicators(to_scheduler) if spec.enable_kv_migration else None
     app = FastAPI()
     add_routes(app, lambda: comms)
     if extension is not None:

@@ -1,12 +1,12 @@
-"""Tokenizer-manager side: one SGLang `FanOutCommunicator` per migration operation.
+"""Tokenizer-manager side: send migration requests to the scheduler, await the replies.
 
 Like SGLang's own admin operations (`tokenizer_control_mixin._COMMUNICATOR_SPECS`), a
 request is sent to the scheduler and the caller awaits the reply routed back through
-the tokenizer manager's result dispatcher. A `FanOutCommunicator` keeps one request in
-flight and queues the others, so short operations of one kind are serialised per server.
-Transfers are not: they last as long as the wire does, and a stalled peer must not hold
-up transfers to other peers, so `/transfer_request_kvcache` requests go through
-`RidCommunicator`, which keeps any number in flight and matches replies by `rid`.
+the tokenizer manager's result dispatcher. Unlike SGLang's `FanOutCommunicator`, which
+keeps one request of a kind in flight (and, in 0.5.12, trips its own assertion when a
+new caller slips in while a queued one is being woken: 500s under concurrent
+migrations), `RidCommunicator` keeps any number in flight and matches each reply to its
+request by `rid`: a transfer to a stalled peer holds up nobody else.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from sglang_kv_migration.io_types import REQUEST_TYPES, TransferRequestKVCacheReqInput
+from sglang_kv_migration.io_types import REQUEST_TYPES
 from sglang_kv_migration.server_args import kv_migration_enabled
 
 
 class RidCommunicator:
     """Any number of requests in flight; each reply is matched to its request by `rid`.
 
-    The scheduler side copies the request's `rid` onto its reply (`source_transfers`)."""
+    The scheduler side copies the request's `rid` onto its reply
+    (`MigrationSchedulerSide.handlers`, `source_transfers`)."""
 
     def __init__(self, send_to_scheduler: Any):
         self._sender = send_to_scheduler
@@ -51,20 +52,14 @@ class KVMigrationCommunicators:
     def __init__(
         self,
         send_to_scheduler: Any,
-        fan_out: int = 1,
         before_call: Callable[[], None] | None = None,
         weight_version: Callable[[], str] | None = None,
     ):
-        from sglang.srt.managers.communicator import FanOutCommunicator
-
         self._before_call = before_call
         self._weight_version = weight_version
+        # One reply per request: --dp-size > 1 is refused with migration.
         self._by_input_type = {
-            input_type: (
-                RidCommunicator(send_to_scheduler)
-                if input_type is TransferRequestKVCacheReqInput
-                else FanOutCommunicator(send_to_scheduler, fan_out)
-            )
+            input_type: RidCommunicator(send_to_scheduler)
             for _name, input_type, _output_type in REQUEST_TYPES
         }
         # (output type, receiver) pairs for the tokenizer's result dispatcher.
@@ -93,7 +88,6 @@ def after_init_communicators(_result: None, tokenizer_manager: Any, server_args:
 
     comms = KVMigrationCommunicators(
         tokenizer_manager.send_to_scheduler,
-        server_args.dp_size,
         before_call=tokenizer_manager.auto_create_handle_loop,
         weight_version=lambda: tokenizer_manager.server_args.weight_version,
     )

@@ -121,14 +121,18 @@ class MigrationSchedulerSide:
     # ------------------------------------------------------------------ wiring
 
     def handlers(self) -> list[tuple[type, Callable[[Any], Any]]]:
-        """(request type, handler) pairs for the scheduler's TypeBasedDispatcher."""
+        """(request type, handler) pairs for the scheduler's TypeBasedDispatcher. Every
+        reply carries its request's `rid` (the tokenizer side matches replies by it)."""
         return [
-            (GetTransferSessionInfoReqInput, self.get_transfer_session_info),
-            (GetRequestExtraTokenSizeReqInput, self.get_request_extra_token_size),
-            (AllocateTokenForTransferReqInput, self.allocate_token_for_transfer),
-            (TransferRequestKVCacheReqInput, self.transfer_request_kvcache),
-            (CommitTransferRequestKVCacheReqInput, self.commit_transfer_request_kvcache),
-            (AbortTransferReqInput, self.abort_transfer),
+            (GetTransferSessionInfoReqInput, _answering(self.get_transfer_session_info)),
+            (GetRequestExtraTokenSizeReqInput, _answering(self.get_request_extra_token_size)),
+            (AllocateTokenForTransferReqInput, _answering(self.allocate_token_for_transfer)),
+            (TransferRequestKVCacheReqInput, self.transfer_request_kvcache),  # replies later
+            (
+                CommitTransferRequestKVCacheReqInput,
+                _answering(self.commit_transfer_request_kvcache),
+            ),
+            (AbortTransferReqInput, _answering(self.abort_transfer)),
         ]
 
     def poll(self) -> None:
@@ -471,6 +475,15 @@ class MigrationSchedulerSide:
         due = sorted({mid for ids in self.ctx.all_gather(local_due) for mid in ids})
         for _ in self.pending.expire(due):
             self.metrics.outcome("target", "expired")
+
+
+def _answering(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def answer(req: Any) -> Any:
+        output = handler(req)
+        output.rid = req.rid
+        return output
+
+    return answer
 
 
 def advertised_hostname(configured: str | None, server_host: str) -> str:
