@@ -301,3 +301,21 @@ def record(name: str, value: object) -> None:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     with open(OUT_DIR / "results.jsonl", "a") as f:
         f.write(json.dumps({"name": name, "value": value}) + "\n")
+
+
+def settled_used_tokens(url: str) -> int:
+    """The pool's used tokens once the server is idle and two reads 0.5 s apart agree
+    (write-through backups hold node locks for a moment after a request)."""
+    previous: list[int] = []
+
+    def probe() -> tuple[int, int]:
+        usage = kv_pool_usage(url)
+        return usage["num_used_tokens"], usage["num_running_reqs"] + usage["num_waiting_reqs"]
+
+    def done(value: tuple[int, int]) -> bool:
+        used, busy = value
+        stable = bool(previous) and previous[-1] == used and busy == 0
+        previous.append(used)
+        return stable
+
+    return wait_until(probe, done, timeout_s=60, interval_s=0.5)[0]

@@ -52,6 +52,7 @@ from real_servers import (  # noqa: E402
     kv_pool_usage,
     record,
     running_servers,
+    settled_used_tokens,
     wait_until,
     write_model,
 )
@@ -123,24 +124,6 @@ def _summary(result: Any) -> dict[str, Any]:
     copy_s = float(d.get("copy_seconds") or 0.0)
     d["copy_gb_per_s"] = d["migrated_bytes"] / copy_s / 1e9 if copy_s > 0 else None
     return d
-
-
-def _settled_used_tokens(url: str) -> int:
-    """The pool's used tokens once the server is idle and two reads 0.5 s apart agree
-    (write-through backups hold node locks for a moment after a request)."""
-    previous: list[int] = []
-
-    def probe() -> tuple[int, int]:
-        usage = kv_pool_usage(url)
-        return usage["num_used_tokens"], usage["num_running_reqs"] + usage["num_waiting_reqs"]
-
-    def done(value: tuple[int, int]) -> bool:
-        used, busy = value
-        stable = bool(previous) and previous[-1] == used and busy == 0
-        previous.append(used)
-        return stable
-
-    return wait_until(probe, done, timeout_s=60, interval_s=0.5)[0]
 
 
 class _AfterAllocate(httpx.BaseTransport):
@@ -271,11 +254,11 @@ def test_host_only_server_gets_the_host_path(servers: Servers, client: Migration
     prompt = _tokens(rng, 1800, s.vocab_size)
     generate(s.source, prompt, 1)
     expected = _aligned(len(prompt) - 1, s.page_size)
-    used_before = _settled_used_tokens(s.host_only)
+    used_before = settled_used_tokens(s.host_only)
 
     with pytest.raises(MigrationFailed) as refused:
         client.migrate(s.source, s.host_only, prompt[:-1], path="device")
-    used_after_refusal = _settled_used_tokens(s.host_only)
+    used_after_refusal = settled_used_tokens(s.host_only)
 
     result = client.migrate(s.source, s.host_only, prompt[:-1])
     on_target = generate(s.host_only, prompt)
@@ -316,7 +299,7 @@ def test_abort_of_a_device_allocation_returns_the_target_pool(
     generate(s.source, prompt, 1)
     expected = _aligned(len(prompt) - 1, s.page_size)
 
-    before = _settled_used_tokens(s.target)
+    before = settled_used_tokens(s.target)
     during: dict[str, int] = {}
 
     def fail_the_copy(request: httpx.Request) -> httpx.Response:
@@ -371,7 +354,7 @@ def test_flush_drops_a_pending_device_allocation(servers: Servers, client: Migra
     expected = _aligned(len(prompt) - 1, s.page_size)
 
     flush_cache(s.target)
-    base = _settled_used_tokens(s.target)
+    base = settled_used_tokens(s.target)
     flushed: dict[str, Any] = {}
 
     def flush_then_continue(request: httpx.Request) -> None:

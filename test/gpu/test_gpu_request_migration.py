@@ -57,6 +57,7 @@ from real_servers import (  # noqa: E402
     kv_pool_usage,
     record,
     running_servers,
+    settled_used_tokens,
     wait_until,
     write_model,
 )
@@ -129,24 +130,6 @@ def _generate(url: str, request: GenerateRequest) -> dict[str, Any]:
 def _warm(url: str, prompt: list[int]) -> None:
     """Serve `prompt` once (one token): the source caches it, as an earlier turn would."""
     _generate(url, GenerateRequest(prompt, _params(1)))
-
-
-def _settled_used_tokens(url: str) -> int:
-    """The pool's used tokens once the server is idle and two reads 0.5 s apart agree
-    (write-through backups hold node locks for a moment after a request)."""
-    previous: list[int] = []
-
-    def probe() -> tuple[int, int]:
-        usage = kv_pool_usage(url)
-        return usage["num_used_tokens"], usage["num_running_reqs"] + usage["num_waiting_reqs"]
-
-    def done(value: tuple[int, int]) -> bool:
-        used, busy = value
-        stable = bool(previous) and previous[-1] == used and busy == 0
-        previous.append(used)
-        return stable
-
-    return wait_until(probe, done, timeout_s=60, interval_s=0.5)[0]
 
 
 def _wait_generating(handle: SyncRequestHandle, url: str, base_used: int) -> int:
@@ -224,7 +207,7 @@ def test_running_request_moves_with_its_kv(servers: Servers):
     prompt = _tokens(rng, PROMPT_TOKENS, s.vocab_size)
     request = GenerateRequest(prompt, _params(MAX_NEW_TOKENS), priority=LOW)
     _warm(s.source, prompt)
-    base = _settled_used_tokens(s.source)
+    base = settled_used_tokens(s.source)
 
     with RequestMigrator() as migrator:
         handle = migrator.submit(s.source, request)
@@ -372,7 +355,7 @@ def test_failed_migration_still_completes_the_request(
     prompt = _tokens(rng, PROMPT_TOKENS, s.vocab_size)
     request = GenerateRequest(prompt, _params(MAX_NEW_TOKENS), priority=LOW)
     _warm(s.source, prompt)
-    base = _settled_used_tokens(s.source)
+    base = settled_used_tokens(s.source)
 
     transport = FailOn(PHASE_ROUTES[phase])
     client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=120))
