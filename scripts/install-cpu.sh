@@ -24,6 +24,12 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
     fi
 fi
 
+# iproute2 (`ip netns`, veth) for the test that runs two servers in two network namespaces.
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+    apt-get update
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends iproute2
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi

@@ -46,6 +46,10 @@ class ServerSpec:
     preload: list[tuple[list[int], int]] = dataclasses.field(default_factory=list)
     # tp rank whose transport refuses every write (failure-injection tests).
     broken_transport_rank: int | None = None
+    # Address the HTTP server binds and the transfer engine advertises, and the network
+    # namespace (created by the test under /var/run/netns) the server's processes join.
+    host: str = "127.0.0.1"
+    netns: str | None = None
     # Optional test-only engine on rank 0 (e.g. `generate_standin.standin_factory`): a
     # picklable callable taking the harness and returning an object with
     # `add_routes(app)` (called on the HTTP app) and `tick()` (called every loop
@@ -130,7 +134,7 @@ def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
         p.start()
         processes.append(p)
         control.append(parent)
-    handle = ServerHandle(f"http://127.0.0.1:{http_port}", processes, control)
+    handle = ServerHandle(f"http://{spec.host}:{http_port}", processes, control)
     return handle, ready, spec.tp_size
 
 
@@ -212,6 +216,8 @@ def _rank_main(
     spec: ServerSpec, rank: int, gloo_port: int, http_port: int, control: Any, ready: Any
 ) -> None:
     try:
+        if spec.netns is not None:
+            _join_netns(spec.netns)  # before any socket is created
         cpu_harness.install_cpu_shims()
         import zmq
         from sglang_kv_migration import scheduler_hooks
@@ -244,7 +250,7 @@ def _rank_main(
                 args=(spec, http_port, sched_in_port, sched_out_port, extension),
                 daemon=True,
             ).start()
-            _wait_http(http_port)
+            _wait_http(http_port, spec.host)
         ready.put((rank, "ready"))
         scheduler.run(sched_in, control, harness, extension)
         if scheduler.kv_migration is not None:
@@ -343,16 +349,30 @@ def _serve_http(
 
         asyncio.get_running_loop().create_task(loop())
 
-    uvicorn.run(app, host="127.0.0.1", port=http_port, log_level="warning")
+    uvicorn.run(app, host=spec.host, port=http_port, log_level="warning")
 
 
-def _wait_http(port: int, timeout_s: float = 30.0) -> None:
+def _join_netns(name: str) -> None:
+    """Move this process into network namespace `name` (Python 3.11 has no os.setns)."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name} failed")
+    finally:
+        os.close(fd)
+
+
+def _wait_http(port: int, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
     import socket
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            if s.connect_ex((host, port)) == 0:
                 return
         time.sleep(0.05)
     raise TimeoutError(f"HTTP server on port {port} did not start")
@@ -376,8 +396,8 @@ def _server_args(spec: ServerSpec) -> Any:
         kv_migration_watchdog_timeout=spec.watchdog_timeout_s,
         kv_migration_grant_ttl=min(spec.grant_ttl_s, spec.watchdog_timeout_s / 2),
         kv_migration_transfer_timeout=spec.transfer_timeout_s,
-        kv_migration_hostname="127.0.0.1",
-        host="127.0.0.1",
+        kv_migration_hostname=spec.host,
+        host=spec.host,
     )
 
 
