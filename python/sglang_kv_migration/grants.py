@@ -134,11 +134,13 @@ class Signer:
         tp: int,
         pp: int,
         path: str,
-        slots: torch.Tensor,
+        num_slots: int,
+        slots: str,
         tokens: str,
     ) -> Grant:
         """The grant, if it names exactly this write and has not expired; else FORBIDDEN.
-        `tokens` is `tokens_digest` of the prefix the source is about to send."""
+        `slots` is `slots_digest` of the target slots named in the request and `tokens`
+        `tokens_digest` of the prefix the source is about to send."""
         grant = self.decode_grant(raw)
         if grant.tokens_digest != tokens:
             raise _forbidden("grant is for another prefix (input_ids / extra_key differ)")
@@ -146,7 +148,7 @@ class Signer:
         for name, value in expected.items():
             if getattr(grant, name) != value:
                 raise _forbidden(f"grant is for {name}={getattr(grant, name)!r}, not {value!r}")
-        if grant.num_tokens != len(slots) or grant.slots_digest != slots_digest(slots):
+        if grant.num_tokens != num_slots or grant.slots_digest != slots:
             raise _forbidden("grant does not name these target slots")
         if grant.expires_at <= self.clock():
             raise _forbidden("grant expired")

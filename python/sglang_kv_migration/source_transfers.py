@@ -198,7 +198,8 @@ class SourceTransfers:
             tp=self.ctx.tp_rank,
             pp=self.ctx.pp_rank,
             path=target.path,
-            slots=slots,
+            num_slots=len(slots),
+            slots=inflight.slots_digest,  # computed once, above; also goes into the receipt
             tokens=grants.tokens_digest(
                 req.input_ids[: req.matched_token_size + req.extra_token_size], req.extra_key
             ),
