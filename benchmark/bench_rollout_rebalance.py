@@ -278,6 +278,7 @@ def main() -> None:
     parser.add_argument("--kv-pressure", type=float, default=0.8)
     parser.add_argument("--target-max-ratio", type=float, default=0.6)
     parser.add_argument("--max-concurrent", type=int, default=4)
+    parser.add_argument("--mode-timeout", type=float, default=240.0, help="seconds per mode")
     args = parser.parse_args()
     if args.quick:
         args.conversations, args.turns, args.context = 8, 2, 1024
@@ -305,7 +306,8 @@ def main() -> None:
         target_max_ratio=args.target_max_ratio,
         max_concurrent=args.max_concurrent,
     )
-    results = []
+    results: list[ModeResult] = []
+    errors: dict[str, str] = {}
     with running_servers(model_dir, specs, sequential=True) as urls:
         rng = random.Random(1)
         for url in urls:  # compile kernels before anything is timed
@@ -316,10 +318,26 @@ def main() -> None:
             move_mode = "recompute" if mode == "recompute" else args.migrate_mode
             mode_policy = dataclasses.replace(policy, mode=move_mode)
             print(f"== {mode}", flush=True)
-            results.append(
-                asyncio.run(run_mode(mode, convs, urls, args.gen, mode_policy, args.high_delay))
-            )
+            run = run_mode(mode, convs, urls, args.gen, mode_policy, args.high_delay)
+            try:
+                results.append(asyncio.run(asyncio.wait_for(run, args.mode_timeout)))
+            except TimeoutError:  # report it and go on: the other modes still count
+                errors[mode] = f"did not finish in {args.mode_timeout} s"
+                continue
+            print(json.dumps(summarize(results[-1])), flush=True)
+            _write(args, name, results, errors)  # partial results survive a cut-short run
 
+    rows, ratios = _write(args, name, results, errors)
+    png = OUT_DIR / "bench_rollout_rebalance.png"
+    plotted = plot(rows, png) if rows else False
+    print(_markdown(rows))
+    print(json.dumps(ratios))
+    print(f"plot: {png}" if plotted else "plot: matplotlib not installed (or no rows)")
+
+
+def _write(
+    args: argparse.Namespace, name: str, results: list[ModeResult], errors: dict[str, str]
+) -> tuple[list[dict[str, Any]], dict[str, float | None]]:
     rows = [summarize(r) for r in results]
     ratios = _ratios(rows)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
@@ -327,15 +345,12 @@ def main() -> None:
         "config": {**vars(args), "shape": name},
         "rows": rows,
         "ratios": ratios,
+        "errors": errors,
         "turns": {r.mode: [asdict(t) for t in r.turns] for r in results},
         "rebalancer": {r.mode: r.rebalancer for r in results},
     }
     (OUT_DIR / "bench_rollout_rebalance.json").write_text(json.dumps(out, indent=1))
-    png = OUT_DIR / "bench_rollout_rebalance.png"
-    plotted = plot(rows, png)
-    print(_markdown(rows))
-    print(json.dumps(ratios))
-    print(f"plot: {png}" if plotted else "plot: matplotlib not installed")
+    return rows, ratios
 
 
 def _ratios(rows: list[dict[str, Any]]) -> dict[str, float | None]:

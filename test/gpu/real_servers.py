@@ -112,20 +112,55 @@ def write_model(shape: dict, model_dir: Path) -> Path:
     return model_dir
 
 
+def write_tokenizer(model_dir: Path, vocab_size: int) -> Path:
+    """A word-level tokenizer with one word per token id ("t0" ... "tN"), written into
+    `model_dir`: no download, and every id round-trips, which is all a benchmark on dummy
+    weights needs from a tokenizer (`bench_serving` reads `completion_tokens` only from
+    replies that carry text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="t1", eos_token="t2", unk_token="t0"
+    )
+    fast.save_pretrained(str(model_dir))
+    return model_dir
+
+
 def launch(
-    port: int, model_dir: Path, extra: list[str], gpu_id: int | None = None
+    port: int,
+    model_dir: Path,
+    extra: list[str],
+    gpu_id: int | None = None,
+    *,
+    migration: bool = True,
+    tokenizer: bool = False,
 ) -> subprocess.Popen:
-    """Start one server; `gpu_id` adds `--base-gpu-id` (the server's first GPU)."""
+    """Start one server; `gpu_id` adds `--base-gpu-id` (the server's first GPU).
+
+    `migration=False` leaves out the plugin's flags (HiCache stays on): the "off" server
+    of an overhead comparison. `tokenizer=True` keeps SGLang's tokenizer (the model
+    directory must hold one, see `write_tokenizer`), which `sglang.bench_serving` needs.
+    """
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     if gpu_id is not None:
         extra = [*extra, "--base-gpu-id", str(gpu_id)]
+    if migration:
+        extra = [
+            "--enable-kv-migration", "--kv-migration-hostname", "127.0.0.1",
+            "--kv-migration-protocol", "tcp", *extra,
+        ]  # fmt: skip
+    if not tokenizer:
+        extra = ["--skip-tokenizer-init", *extra]
     log = open(OUT_DIR / f"server-{port}.log", "w")
     cmd = [
         sys.executable, "-m", "sglang.launch_server",
-        "--model-path", str(model_dir), "--load-format", "dummy", "--skip-tokenizer-init",
+        "--model-path", str(model_dir), "--load-format", "dummy",
         "--attention-backend", "triton", "--sampling-backend", "pytorch",
-        "--disable-cuda-graph", "--enable-hierarchical-cache", "--enable-kv-migration",
-        "--kv-migration-hostname", "127.0.0.1", "--kv-migration-protocol", "tcp",
+        "--disable-cuda-graph", "--enable-hierarchical-cache",
         "--host", "127.0.0.1", "--port", str(port),
         *extra,
     ]  # fmt: skip
