@@ -71,6 +71,10 @@ def main() -> None:
         "longest length at once (3 x 32K + slack; 13 GiB of KV at 128 KiB/token)",
     )
     parser.add_argument("--context-length", type=int, default=40960)
+    parser.add_argument(
+        "--tp-size", type=int, default=1,
+        help="2 on nvidia-h200-x2: both servers on GPUs 0+1, rank r copies to rank r",
+    )  # fmt: skip
     parser.add_argument("--no-host", action="store_true", help="skip the host-path rows")
     parser.add_argument("--quick", action="store_true", help="1K and 4K, one repeat")
     args = parser.parse_args()
@@ -79,6 +83,8 @@ def main() -> None:
     if max(lengths) + 8 > args.context_length:
         parser.error(f"--context-length {args.context_length} < longest prompt + output")
     across_gpus = args.target_gpu != 0
+    if args.tp_size > 1 and across_gpus:
+        parser.error("--tp-size > 1 puts both servers on GPUs 0..tp-1: drop --target-gpu")
 
     shape = dict(LLAMA3_8B, max_position_embeddings=max(args.context_length, 40960))
     model_dir = write_model(shape, Path("/tmp/kvmig-llama3-8b-40k"))
@@ -86,12 +92,14 @@ def main() -> None:
     extra += ["--mem-fraction-static", str(args.mem_fraction_static)]
     extra += ["--max-total-tokens", str(args.max_total_tokens)]
     extra += ["--context-length", str(args.context_length)]
+    extra += ["--tp-size", str(args.tp_size)]
     specs = [ServerSpec(30610, extra, gpu_id=0), ServerSpec(30620, extra, args.target_gpu)]
     config = {
         "shape": shape,
         "page_size": args.page_size,
         "source_gpu": 0,
         "target_gpu": args.target_gpu,
+        "tp_size": args.tp_size,
         "lengths": lengths,
         "repeats": repeats,
         "server_flags": extra,
@@ -100,7 +108,7 @@ def main() -> None:
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
     warmup: dict[str, Any] = {}
-    # Same GPU: start one after the other (KV pool sizing measures free GPU memory).
+    # Same GPUs: start one after the other (KV pool sizing measures free GPU memory).
     with (
         running_servers(model_dir, specs, sequential=not across_gpus) as (source, target),
         MigrationClient(timeout=600) as client,

@@ -4,6 +4,9 @@ Run on the lent GPU machine (never in CI), from the repo root:
 
     KVMIG_GPU_OUT=$OUT python3 -m pytest -m gpu -s test/gpu/test_gpu_migration.py
 
+`KVMIG_TP=2` runs both servers with `--tp-size 2` on GPUs 0 and 1 (an nvidia-h200-x2
+machine): each TP rank moves its own KV heads to the same rank of the target.
+
 Each server is the stock `python -m sglang.launch_server` with this package installed
 (its plugin adds `--enable-kv-migration`), a small dummy-weight Llama written here (no
 downloads) and `--skip-tokenizer-init`. The migration runs through the installed
@@ -43,7 +46,7 @@ def servers():
     model_dir = write_model(TINY_LLAMA, MODEL_DIR)
     page_size = os.environ.get("KVMIG_PAGE_SIZE", "1")
     extra = ["--page-size", page_size, "--mem-fraction-static", "0.25", "--enable-metrics"]
-    extra += ["--max-total-tokens", "65536"]
+    extra += ["--max-total-tokens", "65536", "--tp-size", os.environ.get("KVMIG_TP", "1")]
     procs = {port: launch(port, model_dir, extra) for port in (30100, 30200)}
     try:
         urls = []
