@@ -5,11 +5,14 @@ and a skewed multi-turn rollout: every conversation starts on server A with a lo
 context, server B idles. Each conversation runs `--turns` turns; turn k's prompt is the
 previous prompt + its output + a new observation, and goes to the server where turn k-1
 finished (that is where its KV is: session affinity, as rollout managers do). A quarter
-of the conversations (`--high-fraction`) have priority 10, the rest 0 (a difference of
-10 is SGLang's default preemption threshold, so high-priority requests queue behind
-running ones instead of preempting them); they start `--high-delay` seconds after the
-low-priority ones, once A is full. The same seeded workload runs three ways, on flushed
-caches:
+of the conversations (`--high-fraction`) have priority 10, the rest 0. The high-priority
+ones start first and their first turn runs at once; the low-priority ones arrive
+`--low-delay` seconds later and fill A's KV pool, so the high-priority conversations' later
+turns — whose history A has cached — queue behind running low-priority requests (a
+difference of 10 is SGLang's default preemption threshold: no preemption). That is the
+scene migration exists for: moving such a request by re-prefill recomputes its whole
+history on B, moving it with its KV does not. The same seeded workload runs three ways,
+on flushed caches:
 
 - `none`: no rebalancing;
 - `recompute`: the `Rebalancer` moves queued requests off A by abort + re-prefill on B
@@ -130,7 +133,7 @@ async def run_mode(
     urls: list[str],
     gen: int,
     policy: RebalancePolicy,
-    high_delay_s: float = 0.0,
+    low_delay_s: float = 0.0,
 ) -> ModeResult:
     source = urls[0]
     records: list[TurnRecord] = []
@@ -141,8 +144,8 @@ async def run_mode(
 
         async def conversation(conv: Conversation) -> None:
             url, history = source, []
-            if conv.priority == HIGH:
-                await asyncio.sleep(high_delay_s)
+            if conv.priority != HIGH:
+                await asyncio.sleep(low_delay_s)
             for turn, obs in enumerate(conv.observations):
                 prompt = history + obs
                 params = {"max_new_tokens": gen, "temperature": 0.0, "ignore_eos": True}
@@ -175,7 +178,9 @@ def _record(
 ) -> TurnRecord:
     computed, prompt_len = 0, len(out.prompt_ids)
     for seg in out.segments:
-        computed += prompt_len - int(seg.cached_tokens or 0)
+        aborted = (seg.finish_reason or {}).get("type") == "abort"
+        if not (aborted and not seg.output_ids):  # stopped while queued: nothing prefilled
+            computed += prompt_len - int(seg.cached_tokens or 0)
         prompt_len += len(seg.output_ids)
     migrated = sum(m.migration.migrated_token_size for m in out.moves if m.migration)
     now = time.perf_counter()
@@ -267,7 +272,7 @@ def main() -> None:
     parser.add_argument("--observation", type=int, default=512)
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--high-fraction", type=float, default=0.25)
-    parser.add_argument("--high-delay", type=float, default=2.0, help="seconds")
+    parser.add_argument("--low-delay", type=float, default=1.0, help="seconds")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--mem-fraction-static", type=float, default=0.35)
     parser.add_argument(
@@ -283,7 +288,7 @@ def main() -> None:
     if args.quick:
         args.conversations, args.turns, args.context = 8, 2, 1024
         args.observation, args.gen, args.max_total_tokens = 128, 32, 8192
-        args.high_delay = 0.5
+        args.low_delay = 0.5
     shape, name = (TINY_LLAMA, "tiny") if args.quick else (LLAMA3_8B, "llama3-8b")
     workload = Workload(
         args.conversations, args.turns, args.context, args.observation, args.gen,
@@ -318,7 +323,7 @@ def main() -> None:
             move_mode = "recompute" if mode == "recompute" else args.migrate_mode
             mode_policy = dataclasses.replace(policy, mode=move_mode)
             print(f"== {mode}", flush=True)
-            run = run_mode(mode, convs, urls, args.gen, mode_policy, args.high_delay)
+            run = run_mode(mode, convs, urls, args.gen, mode_policy, args.low_delay)
             try:
                 results.append(asyncio.run(asyncio.wait_for(run, args.mode_timeout)))
             except TimeoutError:  # report it and go on: the other modes still count

@@ -153,8 +153,9 @@ def launch(
             "--enable-kv-migration", "--kv-migration-hostname", "127.0.0.1",
             "--kv-migration-protocol", "tcp", *extra,
         ]  # fmt: skip
-    if not tokenizer:
-        extra = ["--skip-tokenizer-init", *extra]
+    # With a tokenizer SGLang builds a grammar backend; xgrammar is not in the wheel set.
+    tokenizer_flags = ["--grammar-backend", "none"] if tokenizer else ["--skip-tokenizer-init"]
+    extra = [*tokenizer_flags, *extra]
     log = open(OUT_DIR / f"server-{port}.log", "w")
     cmd = [
         sys.executable, "-m", "sglang.launch_server",
