@@ -237,10 +237,26 @@ def part_stall(res: Results, source: str, target: str, args) -> None:
 # --------------------------------------------------------------------------- overhead
 
 
+# `sglang.bench_serving` imports Hugging Face `datasets` at module level for its MMMU and
+# LongBench loaders; the GPU image does not have it and the random-ids dataset never uses
+# it. Without it, a placeholder that fails if called stands in; SGLang's code runs as is.
+_BENCH_SERVING = """
+import importlib.util, runpy, sys, types
+if importlib.util.find_spec("datasets") is None:
+    placeholder = types.ModuleType("datasets")
+    def load_dataset(*args, **kwargs):
+        raise RuntimeError("Hugging Face datasets is not installed")
+    placeholder.load_dataset = load_dataset
+    sys.modules["datasets"] = placeholder
+sys.argv[0] = "bench_serving"
+runpy.run_module("sglang.bench_serving", run_name="__main__", alter_sys=True)
+"""
+
+
 def bench_serving(port: int, model_dir: Path, run: str, args) -> dict:
     out_file = OUT_DIR / f"bench_serving_{run}.jsonl"
     cmd = [
-        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+        sys.executable, "-c", _BENCH_SERVING, "--backend", "sglang",
         "--host", "127.0.0.1", "--port", str(port), "--model", str(model_dir),
         "--tokenizer", str(model_dir), "--dataset-name", "random-ids", "--tokenize-prompt",
         "--random-input-len", str(args.serving_input), "--random-output-len",
