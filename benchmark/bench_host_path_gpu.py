@@ -306,7 +306,10 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     parser.add_argument("--max-total-tokens", type=int, default=110_000)
-    parser.add_argument("--mem-fraction-static", type=float, default=0.28)
+    parser.add_argument(
+        "--mem-fraction-static", type=float, nargs=3, default=[0.28, 0.4, 0.65],
+        help="per server in start order (source, target, off): a share of the free memory",
+    )  # fmt: skip
     parser.add_argument("--churn-conversations", type=int, default=64)
     parser.add_argument("--churn-turns", type=int, default=4)
     parser.add_argument("--stall-migrations", type=int, default=3)
@@ -325,31 +328,32 @@ def main() -> None:
         write_tokenizer(model_dir, VOCAB)
     res = Results(OUT_DIR / "bench_host_path_gpu.json", vars(args))
     common = [
-        "--page-size", str(args.page_size), "--mem-fraction-static",
-        str(args.mem_fraction_static), "--max-total-tokens", str(args.max_total_tokens),
+        "--page-size", str(args.page_size), "--max-total-tokens", str(args.max_total_tokens),
         "--context-length", "40960",
     ]  # fmt: skip
     host_only = ["--kv-migration-paths", "host"]
     ports = {"source": 31000, "target": 31100, "off": 31200}
     url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     with_tok = "overhead" in args.parts
+    # (name, plugin on, tokenizer) in start order; the "off" server only for `overhead`.
+    servers = [("source", True, with_tok), ("target", True, False)]
+    servers += [("off", False, True)] if with_tok else []
     procs: list[subprocess.Popen] = []
     try:
         t0 = time.perf_counter()
-        # The first server compiles the Triton kernels; the others reuse its cache.
-        procs.append(launch(ports["source"], model_dir, common + host_only, tokenizer=with_tok))
-        wait_ready(url["source"], procs[-1])
-        rest = [("target", True)] + ([("off", False)] if with_tok else [])
-        started = [
-            (name, launch(ports[name], model_dir, common + (host_only if mig else []),
-                          migration=mig, tokenizer=with_tok and name == "off"))
-            for name, mig in rest
-        ]  # fmt: skip
-        procs += [p for _, p in started]
-        for name, proc in started:
-            wait_ready(url[name], proc)
+        # One after the other: SGLang sizes each KV pool from the GPU memory free when that
+        # server starts (`--mem-fraction-static` is a share of it), so the later servers
+        # get larger shares; `--max-total-tokens` caps every pool at the same size. The
+        # first server compiles the Triton kernels, the others reuse its cache.
+        fractions = args.mem_fraction_static[: len(servers)]
+        for (name, plugin, tokenizer), fraction in zip(servers, fractions, strict=True):
+            extra = [*common, "--mem-fraction-static", str(fraction)]
+            extra += host_only if plugin else []
+            procs.append(launch(ports[name], model_dir, extra, migration=plugin,
+                                tokenizer=tokenizer))  # fmt: skip
+            wait_ready(url[name], procs[-1])
         rng = random.Random(0)
-        for name in ("source", "target", "off")[: 1 + len(rest)]:
+        for name, _, _ in servers:
             generate(url[name], rand_ids(rng, 2048), 4)  # warm-up: kernels compiled
         res.put("startup_s", round(time.perf_counter() - t0, 1))
         for part in args.parts:
