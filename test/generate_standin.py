@@ -17,6 +17,10 @@ rely on, nothing more:
 - Tokens are a pure function of the sequence so far (`next_token`), so a request that is
   stopped, moved and resumed yields the same tokens as one uninterrupted run — what
   greedy decoding gives on a real server.
+- ``stream: true``: server-sent events as SGLang sends them without
+  ``--incremental-streaming-output``: one chunk per token with every output id so far and
+  ``finish_reason: null``, then the final chunk (the non-streaming reply), then
+  ``data: [DONE]``.
 - `/abort_request {rid}`: like SGLang, every rid that *starts with* the given one; a
   queued request returns at once with no output ("Abort in waiting queue"), a running one
   after one more step, with its tokens so far; both with ``finish_reason.type == "abort"``.
@@ -33,13 +37,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import queue
 import threading
 import time
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
 
 @dataclasses.dataclass
@@ -104,6 +109,10 @@ class GenerateStandin:
         async def generate(request: Request) -> Any:
             body = await request.json()
             loop = asyncio.get_running_loop()
+            if body.get("stream"):
+                chunks: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+                self.inbox.put(("generate", (body, (loop, chunks))))
+                return StreamingResponse(_events(chunks), media_type="text/event-stream")
             future = loop.create_future()
             self.inbox.put(("generate", (body, (loop, future))))
             return await future
@@ -216,6 +225,8 @@ class GenerateStandin:
         elif len(req.output_ids) >= req.max_new_tokens:
             reason = {"type": "length", "length": req.max_new_tokens}
         else:
+            if isinstance(req.reply[1], asyncio.Queue):  # streamed: one chunk per token
+                self._send(req, self._reply(req, None), final=False)
             return
         self.running.remove(req)
         self._insert(req.input_ids + req.output_ids[:-1])
@@ -228,6 +239,9 @@ class GenerateStandin:
         self.harness.write_back_all()
 
     def _answer(self, req: _Req, finish_reason: dict[str, Any]) -> None:
+        self._send(req, self._reply(req, finish_reason), final=True)
+
+    def _reply(self, req: _Req, finish_reason: dict[str, Any] | None) -> dict[str, Any]:
         out = {
             "output_ids": list(req.output_ids),
             "meta_info": {
@@ -240,8 +254,18 @@ class GenerateStandin:
         }
         if req.return_logprob:  # SGLang's shape: (logprob, token id, text) per token
             out["meta_info"]["output_token_logprobs"] = [[-1.0, t, None] for t in req.output_ids]
-        loop, future = req.reply
-        loop.call_soon_threadsafe(_set_result, future, out)
+        return out
+
+    def _send(self, req: _Req, out: dict[str, Any], final: bool) -> None:
+        """Non-streaming: the reply. Streaming: a chunk with every output id so far (as
+        SGLang without --incremental-streaming-output), then the end of the stream."""
+        loop, sink = req.reply
+        if isinstance(sink, asyncio.Queue):
+            loop.call_soon_threadsafe(sink.put_nowait, out)
+            if final:
+                loop.call_soon_threadsafe(sink.put_nowait, None)
+        else:
+            loop.call_soon_threadsafe(_set_result, sink, out)
 
     def _publish_load(self) -> None:
         used = sum(len(r.input_ids) + len(r.output_ids) for r in self.running)
@@ -253,6 +277,12 @@ class GenerateStandin:
                 "used": used,
                 "total": used + pending,
             }
+
+
+async def _events(chunks: asyncio.Queue[dict[str, Any] | None]) -> Any:
+    while (chunk := await chunks.get()) is not None:
+        yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

@@ -29,6 +29,7 @@ class FakeHandle:
     max_new: int = 100
     moving: bool = False
     finished: bool = False
+    started: bool | None = None
     request: GenerateRequest = field(init=False)
 
     def __post_init__(self) -> None:
@@ -149,3 +150,15 @@ def test_v1_loads_sum_dp_ranks() -> None:
         2000,
     )
     assert got.demand_ratio == 0.15
+
+
+def test_requests_already_decoding_stay_unless_asked() -> None:
+    loads = {A: load(A, 2, 2000), B: load(B, 0, 0)}
+    running, queued = FakeHandle(A, 9, 1.0, started=True), FakeHandle(A, 1, 2.0, started=False)
+    unknown = FakeHandle(A, 1, 3.0)  # an adopted call: its state is unknown
+    policy = RebalancePolicy(max_concurrent=4)
+    moved = [m.handle for m in plan_moves(loads, [running, queued, unknown], policy)]
+    assert moved == [unknown, queued]  # the high-priority one is running: it stays
+    everything = RebalancePolicy(max_concurrent=4, move_running=True)
+    planned = plan_moves(loads, [running, queued, unknown], everything)
+    assert planned[0].handle is running

@@ -28,9 +28,12 @@ from sglang_kv_migration.cost_model import CostModel, MigrationCosts, PrefillCos
 from sglang_kv_migration.rebalancer import RebalancePolicy, Rebalancer
 from sglang_kv_migration.request_migration import (
     AsyncRequestMigrator,
+    GenerateFailed,
     GenerateRequest,
+    PieceProgress,
     RequestMigrator,
     migrate_request,
+    read_generate_stream,
 )
 
 PAGE = 16
@@ -449,6 +452,83 @@ def test_rebalancer_moves_queued_high_priority_requests(servers: Servers) -> Non
     # The running low-priority request stayed where it was.
     assert [s.kind for s in blocker_out.segments] == ["original"]
     assert blocker_out.output_ids == expected_output(blocker_prompt, 80)
+
+
+def test_rebalancer_leaves_a_running_request_alone(servers: Servers) -> None:
+    """A high-priority request already decoding on the pressured source is not moved (the
+    migrator's streamed call saw its first token); the queued low-priority ones are."""
+    running_prompt = _seq(15_000, PAGE)
+    queued_prompts = [_seq(15_100 + 100 * i, 5) for i in range(2)]
+    policy = RebalancePolicy(
+        kv_pressure=0.1, target_max_ratio=0.9, max_concurrent=4, mode="recompute"
+    )
+
+    async def scenario() -> tuple:
+        async with AsyncRequestMigrator() as migrator:
+            running = await migrator.submit(
+                servers.source.url,
+                GenerateRequest(running_prompt, {"max_new_tokens": 60}, priority=9),
+            )
+            await _until(lambda: running.started)
+            queued = [
+                await migrator.submit(
+                    servers.source.url, GenerateRequest(p, {"max_new_tokens": 4}, priority=0)
+                )
+                for p in queued_prompts
+            ]
+            await _until(lambda: _load(servers.source)["num_waiting_reqs"] == 2)
+            states = [running.started, *(h.started for h in queued)]
+            rebalancer = Rebalancer(migrator, [servers.source.url, servers.target.url], policy)
+            first_round = await rebalancer.step()
+            outs = [await h.result() for h in (running, *queued)]
+            return states, first_round, outs, queued
+
+    states, first_round, outs, queued = asyncio.run(scenario())
+    assert states == [True, False, False]
+    # Before, the running high-priority request came first and was moved.
+    assert first_round and first_round[0].handle is queued[1]  # newest first within a priority
+    assert all(m.handle in queued for m in first_round)
+    running_out, *queued_outs = outs
+    assert [s.kind for s in running_out.segments] == ["original"]
+    assert running_out.output_ids == expected_output(running_prompt, 60)
+    assert queued_outs[1].segments[-1].server_url == servers.target.url
+    for prompt, out in zip(queued_prompts, queued_outs, strict=True):
+        assert out.output_ids == expected_output(prompt, 4)
+
+
+def test_stream_reader_folds_cumulative_and_incremental_chunks() -> None:
+    async def lines(chunks: list[str]):
+        for chunk in chunks:
+            yield chunk
+
+    def event(ids: list[int], total: int, finish: dict | None = None) -> str:
+        meta = {"completion_tokens": total, "finish_reason": finish, "cached_tokens": 3}
+        return "data: " + json.dumps({"output_ids": ids, "meta_info": meta})
+
+    done = {"type": "length", "length": 3}
+    cumulative = [event([7], 1), "", event([7, 8], 2), event([7, 8, 9], 3, done), "data: [DONE]"]
+    incremental = [event([7], 1), event([8], 2), event([9], 3, done), "data: [DONE]"]
+    aborted = {"type": "abort", "message": "Aborted"}
+    abort_repeats_last = [event([7], 1), event([7, 8], 2), event([7, 8, 9], 3), event([9], 3)]
+    for chunks in (cumulative, incremental):
+        progress = PieceProgress()
+        reply = asyncio.run(read_generate_stream(lines(chunks), progress, "srv"))
+        assert reply["output_ids"] == [7, 8, 9]
+        assert reply["meta_info"]["finish_reason"] == done
+        assert progress.tokens == 3 and progress.first_token_at is not None
+    abort_repeats_last[-1] = event([9], 3, aborted)  # SGLang's abort chunk when streaming
+    reply = asyncio.run(read_generate_stream(lines(abort_repeats_last), PieceProgress(), "srv"))
+    assert reply["output_ids"] == [7, 8, 9] and reply["meta_info"]["finish_reason"] == aborted
+    with pytest.raises(GenerateFailed, match="completion_tokens=5"):
+        asyncio.run(read_generate_stream(lines([event([7], 5)]), PieceProgress(), "srv"))
+    queued_abort = [event([], 0, {"type": "abort"}), "data: [DONE]"]
+    progress = PieceProgress()
+    reply = asyncio.run(read_generate_stream(lines(queued_abort), progress, "srv"))
+    assert reply["output_ids"] == [] and progress.first_token_at is None
+    with pytest.raises(GenerateFailed, match="srv: boom"):
+        asyncio.run(read_generate_stream(lines(['data: {"error": "boom"}']), progress, "srv"))
+    with pytest.raises(GenerateFailed, match="without a reply"):
+        asyncio.run(read_generate_stream(lines(["data: [DONE]"]), progress, "srv"))
 
 
 def test_rebalance_cli_runs_a_batch(servers: Servers, tmp_path, capsys) -> None:

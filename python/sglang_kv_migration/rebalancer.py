@@ -14,13 +14,16 @@ fallback) and plans moves with `plan_moves`, a pure function:
 - a server can *take* a request while its demand, plus that request's worst case
   (prompt + `max_new_tokens`), stays under `target_max_ratio` of its capacity;
 - from each pressured server (most pressured first) it moves the highest-priority live
-  requests the migrator tracks there — most recently submitted first within a priority,
-  as those are the ones still queued — at most as many as the server has queued, each to
-  the taker with the shortest queue and lowest demand, updating both loads as it goes;
+  requests the migrator tracks there that have not produced a token yet (still queued, or
+  being prefilled; `move_running` lifts this) — most recently submitted first within a
+  priority — at most as many as the server has queued, each to the taker with the
+  shortest queue and lowest demand, updating both loads as it goes;
 - at most `max_concurrent` moves are in flight and `max_moves_per_round` start per round.
 
 SGLang does not publish which rids are queued, so the rebalancer only moves requests the
-rollout manager submitted through the migrator (`AsyncRequestMigrator.live()`). Each move
+rollout manager submitted through the migrator (`AsyncRequestMigrator.live()`), whose
+streamed calls tell when each produced its first token (`RequestHandle.started`; an
+adopted call's state is unknown and counts as not started). Each move
 is `move_request(mode=policy.mode)`: by default the cost model, refreshed from the two
 servers' `/metrics` at most every `cost_refresh_s`, decides between migrating the KV and
 re-prefilling on the target. Every loop here is bounded by rounds or deadlines.
@@ -75,6 +78,9 @@ class RebalancePolicy:
     low_priority_values_first: bool = False
     mode: MoveMode = "auto"
     cost_refresh_s: float = 60.0
+    # Requests already decoding keep running where they are: moving one only pays the move
+    # (they do not add to the queue that makes the server pressured).
+    move_running: bool = False
 
     def is_pressured(self, load: ServerLoad) -> bool:
         return (
@@ -105,6 +111,9 @@ class Movable(Protocol):
 
     @property
     def request(self) -> Any: ...  # .input_ids, .max_new_tokens
+
+    @property
+    def started(self) -> bool | None: ...  # produced a token already; None: unknown
 
     def done(self) -> bool: ...
 
@@ -270,7 +279,12 @@ class Rebalancer:
 def _candidates(requests: Sequence[Movable], source: str, policy: RebalancePolicy) -> list[Any]:
     sign = 1 if policy.low_priority_values_first else -1
     mine = [
-        h for h in requests if h.server_url.rstrip("/") == source and not h.moving and not h.done()
+        h
+        for h in requests
+        if h.server_url.rstrip("/") == source
+        and not h.moving
+        and not h.done()
+        and (policy.move_running or not getattr(h, "started", None))
     ]
     return sorted(mine, key=lambda h: (sign * (h.priority or 0), -h.submitted_at))
 

@@ -34,7 +34,9 @@ passes the in-flight response to `adopt` instead. Either way the caller then wai
    the last known tokens. The caller never loses the request.
 
 Resumed pieces get new rids (SGLang aborts every rid that *starts with* the one given, so
-rids are never prefixes of each other). Only non-streaming `/generate` calls are moved.
+rids are never prefixes of each other). The migrator streams its own calls (to learn when
+a request leaves the queue: `RequestHandle.started`) and hands the caller the reply a
+non-streaming call returns; an adopted call must be non-streaming.
 With ``--skip-tokenizer-init`` (what RL rollouts use) requests are ``input_ids`` and
 replies ``output_ids``; a server with a tokenizer works too as long as requests carry
 ``input_ids``. `RequestMigrator` is the blocking facade: it runs the same coroutines on a
@@ -50,11 +52,12 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import httpx
+import orjson
 
 from sglang_kv_migration.client import (
     AsyncMigrationClient,
@@ -208,6 +211,60 @@ class GenerateFailed(Exception):
     """A `/generate` call answered with an error status or could not be sent."""
 
 
+@dataclass
+class PieceProgress:
+    """What the migrator saw of one piece's streamed `/generate` so far."""
+
+    first_token_at: float | None = None  # time.monotonic() of the first output token
+    tokens: int = 0
+
+
+async def read_generate_stream(
+    lines: AsyncIterator[str], progress: PieceProgress, where: str
+) -> dict[str, Any]:
+    """Fold SGLang's server-sent events for one request into the non-streaming reply.
+
+    Chunks carry every output id so far, or only the new ones when the server runs with
+    ``--incremental-streaming-output``, and an abort's chunk repeats the last token;
+    ``meta_info.completion_tokens`` (the running total) tells which. The last chunk's
+    ``meta_info`` is the reply's. Without
+    incremental output each chunk repeats the whole output, so long generations cost the
+    server O(n^2) bytes: servers that stream long outputs should enable it.
+    """
+    last: dict[str, Any] | None = None
+    output_ids: list[int] = []
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            break
+        chunk = orjson.loads(data)
+        if "error" in chunk:
+            raise GenerateFailed(f"{where}: {chunk['error']}")
+        ids = chunk.get("output_ids") or []
+        total = (chunk.get("meta_info") or {}).get("completion_tokens")
+        if total is None or len(output_ids) + len(ids) == total:
+            output_ids.extend(ids)  # only the new tokens
+        elif len(ids) == total:
+            output_ids = list(ids)  # the whole output so far
+        elif len(output_ids) >= total:
+            # An abort's chunk repeats the last token it already sent: nothing new.
+            del output_ids[total:]
+        else:
+            raise GenerateFailed(
+                f"{where}: a chunk of {len(ids)} ids after {len(output_ids)} does not make "
+                f"completion_tokens={total}"
+            )
+        if output_ids and progress.first_token_at is None:
+            progress.first_token_at = time.monotonic()
+        progress.tokens = len(output_ids)
+        last = chunk
+    if last is None:
+        raise GenerateFailed(f"{where}: the stream ended without a reply")
+    return {**last, "output_ids": output_ids}
+
+
 class RequestHandle:
     """A request the migrator can move. `result()` waits for the whole output.
 
@@ -215,7 +272,13 @@ class RequestHandle:
     loop (the sync facade wraps it in `SyncRequestHandle`).
     """
 
-    def __init__(self, server_url: str, request: GenerateRequest, response: Awaitable[Any]):
+    def __init__(
+        self,
+        server_url: str,
+        request: GenerateRequest,
+        response: Awaitable[Any],
+        progress: PieceProgress | None = None,
+    ):
         self.request = request  # as first sent; `rid` below is the piece now running
         self.server_url = server_url
         self.submitted_at = time.monotonic()
@@ -223,6 +286,7 @@ class RequestHandle:
         self.moves: list[MoveReport] = []
         self._piece = request
         self._piece_kind: SegmentKind = "original"
+        self._progress = progress  # None: the call is not the migrator's (adopted)
         self._moving = False
         self._done: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         self._call = self._watch(response)
@@ -238,6 +302,14 @@ class RequestHandle:
     @property
     def moving(self) -> bool:
         return self._moving
+
+    @property
+    def started(self) -> bool | None:
+        """Whether the piece now running has produced a token (it left the queue and was
+        prefilled); None when unknown (an adopted call the migrator does not read)."""
+        if self._progress is None:
+            return None
+        return self._progress.first_token_at is not None
 
     def done(self) -> bool:
         return self._done.done()
@@ -351,7 +423,9 @@ class AsyncRequestMigrator:
 
     async def submit(self, server_url: str, request: GenerateRequest) -> RequestHandle:
         """Send `request` to `server_url` and return its handle at once."""
-        return self._track(RequestHandle(server_url, request, self._generate(server_url, request)))
+        progress = PieceProgress()
+        call = self._generate(server_url, request, progress)
+        return self._track(RequestHandle(server_url, request, call, progress))
 
     async def adopt(
         self, server_url: str, request: GenerateRequest, response: Awaitable[dict[str, Any]]
@@ -540,20 +614,29 @@ class AsyncRequestMigrator:
         handle.server_url = url
         handle._piece = rest
         handle._piece_kind = kind
+        handle._progress = PieceProgress()
         handle._moving = False
-        handle._call = handle._watch(self._generate(url, rest))
+        handle._call = handle._watch(self._generate(url, rest, handle._progress))
         return move
 
-    async def _generate(self, url: str, request: GenerateRequest) -> dict[str, Any]:
+    async def _generate(
+        self, url: str, request: GenerateRequest, progress: PieceProgress
+    ) -> dict[str, Any]:
+        """One piece's `/generate`, streamed so that `progress` learns when its first token
+        arrives (SGLang publishes no per-request queue state); returns what the same call
+        without streaming would have returned."""
+        body = {**request.body(), "stream": True}
+        where = f"{url}/generate"
         try:
-            r = await self._http.post(
-                url.rstrip("/") + "/generate", json=request.body(), headers=self._headers
-            )
+            async with self._http.stream(
+                "POST", url.rstrip("/") + "/generate", json=body, headers=self._headers
+            ) as r:
+                if r.status_code >= 300:
+                    text = (await r.aread()).decode(errors="replace")
+                    raise GenerateFailed(f"{where}: HTTP {r.status_code}: {text[:500]}")
+                return await read_generate_stream(r.aiter_lines(), progress, where)
         except httpx.HTTPError as e:
-            raise GenerateFailed(f"{url}/generate: {type(e).__name__}: {e}") from e
-        if r.status_code >= 300:
-            raise GenerateFailed(f"{url}/generate: HTTP {r.status_code}: {r.text[:500]}")
-        return r.json()
+            raise GenerateFailed(f"{where}: {type(e).__name__}: {e}") from e
 
     async def _migrate(
         self, source: str, target: str, ids: list[int], extra_key: str | None, path: str | None
