@@ -8,7 +8,8 @@
 # Each job runs with CUDA_VISIBLE_DEVICES=GPUS and KVMIG_GPU_OUT=/tmp/o/NAME, bounded by
 # SECONDS; jobs on different GPUs run concurrently, a job on one GPU waits for the job
 # listed before it on that GPU, and a job on several GPUs ("0,1") waits for every job
-# listed before it. $OUT gets NAME.log (the tail of its output), its JSON/PNG results and
+# listed before it. A leading "+" ("+1:NAME:...") starts the job at once, waiting for none
+# (for small jobs that fit beside another on the same GPU). $OUT gets NAME.log (the tail of its output), its JSON/PNG results and
 # one all.tgz with every log.
 set -u
 budget=$1
@@ -29,7 +30,14 @@ for job in "$@"; do
   name=${rest%%:*}
   cmd=${rest#*:}
   mkdir -p "/tmp/o/$name"
-  if [[ $gpus == *,* ]]; then waitfor="${pids[*]:-}"; else waitfor=${last_pid[$gpus]:-}; fi
+  if [[ $gpus == +* ]]; then
+    gpus=${gpus#+}
+    waitfor=""
+  elif [[ $gpus == *,* ]]; then
+    waitfor="${pids[*]:-}"
+  else
+    waitfor=${last_pid[$gpus]:-}
+  fi
   (
     for pid in $waitfor; do
       while kill -0 "$pid" 2>/dev/null; do sleep 1; done
