@@ -55,6 +55,8 @@ class ServerSpec:
     # `add_routes(app)` (called on the HTTP app) and `tick()` (called every loop
     # iteration, on the scheduler thread).
     extension: Any = None
+    # Staging arena per rank (--kv-migration-staging-mb); small: tests move little.
+    staging_mb: int = 4
 
 
 @dataclasses.dataclass
@@ -397,6 +399,7 @@ def _server_args(spec: ServerSpec) -> Any:
         kv_migration_grant_ttl=min(spec.grant_ttl_s, spec.watchdog_timeout_s / 2),
         kv_migration_transfer_timeout=spec.transfer_timeout_s,
         kv_migration_hostname=spec.host,
+        kv_migration_staging_mb=spec.staging_mb,
         host=spec.host,
     )
 

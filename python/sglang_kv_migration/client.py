@@ -345,6 +345,7 @@ def _move(
                 "path": path,
                 "index_format": "pages",
                 "nothing_ok": True,
+                **({"staging": True} if _can_stage(plan, path) else {}),
             },
         )
     )
@@ -517,6 +518,8 @@ def _targets(
             "grant": slots[position].get("grant", ""),
             "fingerprint": rank["fingerprint"],
         }
+        if slots[position].get("staging"):
+            entry["staging"] = slots[position]["staging"]
         if path == "device":
             entry["device_kv"] = rank["paths"]["device"]
         else:
@@ -529,6 +532,18 @@ def _targets(
             )
         entries.append(entry)
     return entries
+
+
+def _can_stage(plan: _Plan, path: str) -> bool:
+    """Ask the target for staging extents only when every source rank can write them and
+    every target rank has an arena (servers without either never see the field)."""
+    if path != "host":
+        return False
+    sources = [r.get("paths", {}).get("host", {}) for r in plan.source_info["ranks"]]
+    targets = [r.get("paths", {}).get("host", {}) for r in plan.target_info["ranks"]]
+    return all(s.get("stage_writer") for s in sources) and all(
+        t.get("staging_region") for t in targets
+    )
 
 
 def _step(call: _Call) -> Generator[_Call, _Reply, dict[str, Any]]:

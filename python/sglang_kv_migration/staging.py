@@ -28,7 +28,7 @@ page_size * item_len[b]`` bytes per page and ``n`` pages, its block starts at
 ``sum(n * pb[:b])`` and page ``i`` of it at ``block + i * pb[b]``. Both sides derive it
 from the layout and the indices alone, so nothing else crosses the wire.
 
-Wiring a target staging region (a protocol addition; not wired yet):
+Wiring a target staging region (the protocol addition; wired in `target_staging.py`):
 
 1. Target, at start-up: a `StagingArena` per rank, its `region` registered with the
    rank's transport next to the host pool; published per rank in the session info.
@@ -306,12 +306,14 @@ class StagingArena:
 
     ALIGN = 4096
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, pin: bool = False):
         import torch
 
         if nbytes <= 0:
             raise ValueError(f"staging arena size must be positive, got {nbytes}")
-        self._memory = torch.zeros(nbytes, dtype=torch.uint8)  # touched now, not mid-transfer
+        # Pinned (page-locked) where CUDA can pin it; zeroed now so its pages are faulted
+        # in at start-up, not in the middle of a transfer.
+        self._memory = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).zero_()
         base = self._memory.data_ptr()
         self._free: list[tuple[int, int]] = [(base, nbytes)]  # (addr, length), by address
         self._quarantined: list[tuple[float, int, int]] = []  # (not_before, addr, length)
