@@ -295,6 +295,16 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any) -> None:
                 "free_unique": len(set(free)),
                 "overlap": len(set(in_tree) & set(free)),
             }
+        elif name == "fragment_host":
+            # Shuffle the host pool's free pages: later allocations are one run per page.
+            import torch
+
+            pool = harness.host_pool
+            ps = pool.page_size
+            gen = torch.Generator().manual_seed(args[0])
+            pages = pool.free_slots.reshape(-1, ps)
+            pool.free_slots = pages[torch.randperm(len(pages), generator=gen)].reshape(-1)
+            value = len(pages)
         elif name == "evict_device":
             value = harness.evict_device_all()
         elif name == "insert":

@@ -50,6 +50,10 @@ class MigrationResult:
     path: str = ""  # the data path that moved the pages ("" when nothing moved)
     fallback_reason: str = ""  # why the device path was not (or not successfully) used
     copy_seconds: float = 0.0  # time the data path spent moving bytes, on the source
+    # Host path, per rank: how each write was shaped ("direct", "gather", "staged") and
+    # how many transfer-engine entries all ranks' writes needed together.
+    plans: list[str] = field(default_factory=list)
+    entries: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -417,7 +421,8 @@ def _result(
     timings = plan.timings
     timings["total"] = sum(v for k, v in timings.items() if k != "total")
     target_matched = allocation["matched_token_size"]
-    seconds = [r.get("seconds", 0.0) for r in transfer.get("ranks", [])] if transfer else []
+    ranks = transfer.get("ranks", []) if transfer else []
+    seconds = [r.get("seconds", 0.0) for r in ranks]
     return MigrationResult(
         source_url=plan.source_url,
         target_url=plan.target_url,
@@ -431,6 +436,8 @@ def _result(
         path=path,
         fallback_reason=fallback_reason,
         copy_seconds=max(seconds, default=0.0),
+        plans=[r.get("plan", "") for r in ranks],
+        entries=sum(r.get("entries", 0) for r in ranks),
     )
 
 
