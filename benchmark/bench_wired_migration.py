@@ -11,9 +11,11 @@ target (with a staged write: the scatter off the scheduler thread, polled until 
 replies). Each side's time is measured in its own process, so only the pipe hops between
 the phases are left out. Side by side, in the same run: one contiguous raw write of the
 same bytes (source staging arena -> target staging arena, one entry) and the same bytes as
-16 entries. Variants: ``staged`` (the target has a staging arena: the default) and
-``direct`` (``--kv-migration-staging-mb 0``). The last repeat of every cell is checked
-byte for byte (KV loaded back to the device pool on both sides).
+16 entries. Variants: ``staged`` (the target grants a staging extent and copies pages
+into their slots as the progress markers arrive: the default), ``serial`` (staged, but
+the target copies everything at commit, as before the overlap) and ``direct`` (the
+client asks for no extent, as with ``--kv-migration-staging-mb 0``). The last repeat of
+every cell is checked byte for byte (KV loaded back to the device pool on both sides).
 
     .venv/bin/python benchmark/bench_wired_migration.py                 # default cells
     .venv/bin/python benchmark/bench_wired_migration.py --tokens 1024 --variants staged direct
@@ -25,6 +27,7 @@ scheduler thread in one loop iteration (`metrics.LoopTimer`: handlers + poll).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing
 import os
@@ -63,6 +66,9 @@ def _server_class() -> type:
             reply = self.call(name, request)
             return reply, time.perf_counter() - start, self.side.loop_timer.max_s
 
+        def set_overlap(self, on: bool) -> None:
+            self.side.staging.overlap = on
+
         def arena(self) -> list[int]:
             return self.side.staging.region
 
@@ -82,6 +88,16 @@ def _server_class() -> type:
                 time.sleep(0.0005)
             handle.result()
             return time.perf_counter() - start
+
+        def touch_host_pool(self) -> None:
+            """Write every byte of the host pool once. SGLang pins (and so faults in) its
+            host pool at start-up; the CPU harness's is lazily mapped, and first-touch
+            page faults would otherwise be timed inside the first write to each slot."""
+            import torch
+
+            for buf in self.side.layout.buffers:
+                view = (ctypes.c_uint8 * buf.length).from_address(buf.ptr)
+                torch.frombuffer(view, dtype=torch.uint8).fill_(0x5A)
 
         def insert_on_host(self, tokens: list[int], seed: int) -> None:
             """Insert, back up to host, free the device copy (the source's pages on host)."""
@@ -197,6 +213,10 @@ def run_cell(
     # The source keeps every repeat's prefix on host; the target evicts old ones.
     src.do("setup", {**cfg, "hicache_ratio": repeats + 0.5}, 60.0, {"staging_bytes": arena})
     dst.do("setup", {**cfg, "hicache_ratio": 2.5}, 60.0, {"staging_bytes": arena})
+    # "serial": staged, but the target copies the extent only at commit (no overlap).
+    dst.do("set_overlap", variant != "serial")
+    src.do("touch_host_pool")
+    dst.do("touch_host_pool")
     info = dst.do("call", "get_transfer_session_info", GetTransferSessionInfoReqInput())
     src_info = src.do("call", "get_transfer_session_info", GetTransferSessionInfoReqInput())
     rank = info.ranks[0]
@@ -216,7 +236,7 @@ def run_cell(
                 input_ids=prefix,
                 migration_id=mid,
                 source_fingerprints=[x.fingerprint for x in src_info.ranks],
-                staging=variant == "staged",
+                staging=variant != "direct",
             ),
         )
         assert alloc.success, alloc.message
@@ -290,7 +310,9 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=["layer_first"])
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--variants", nargs="+", default=["staged"], choices=["staged", "direct"])
+    parser.add_argument(
+        "--variants", nargs="+", default=["staged"], choices=["staged", "serial", "direct"]
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()

@@ -176,6 +176,7 @@ class _Server:
             "quarantined": len(arena._quarantined),  # test only: the arena's private list
             "granted": staging.granted,
             "refused_full": staging.refused_full,
+            "early": staging.early_bytes,
         }
 
     def expire_by_polling(self, max_iterations: int) -> int:

@@ -127,6 +127,13 @@ def test_fragmented_pools_migrate_staged_byte_for_byte(servers):
     assert sent.ranks[0].plan == "staged"
     assert sent.ranks[0].entries <= 4
     assert dst.do("staging")["free"] < STAGING  # held until the commit
+    # The source's progress markers let the target copy pages into their slots while
+    # the transfer runs, before any commit: all of them, shortly after the last chunk.
+    nbytes = 1024 * LAYERS * 2 * 64
+    deadline = time.monotonic() + 10
+    while dst.do("staging")["early"] < nbytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dst.do("staging")["early"] == nbytes
     committed = _commit(dst, "staged-1", sent)
     assert committed.success, committed.message
     assert committed.matched_after_commit == len(tokens)
@@ -185,12 +192,13 @@ def test_abort_of_staged_migration_quarantines_the_extent(servers):
     src.do("insert", second, 3, True)
     sent = _transfer_staged(src, dst, second, late)
     assert _abort(dst, "ab-3", sent).success
-    assert dst.do("staging") | {"refused_full": 0, "granted": 0} == {
+    assert dst.do("staging") | {"refused_full": 0, "granted": 0, "early": 0} == {
         "free": STAGING,
         "size": STAGING,
         "quarantined": 0,
         "refused_full": 0,
         "granted": 0,
+        "early": 0,
     }
 
 

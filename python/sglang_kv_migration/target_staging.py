@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING, Any
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import MigrationError
 from sglang_kv_migration.staging import (
+    MARKER_BYTES,
     STAGE_BELOW_ENTRY_BYTES,
     StagingArena,
-    StagingScatterer,
     staging_bytes,
 )
+from sglang_kv_migration.staging_watcher import ProgressiveScatterer, marker_word
 from sglang_kv_migration.transfer import KVTransport, MemoryRegion
 
 if TYPE_CHECKING:
@@ -80,7 +81,10 @@ class TargetStaging:
         self.arena = StagingArena(nbytes, pin=pin)
         addr, length = self.arena.region
         transport.register([MemoryRegion(addr, length)])
-        self._scatterer = StagingScatterer()
+        # Copies pages as the source's progress markers say they landed (overlapping the
+        # wire), and whatever is left at commit.
+        self._scatterer = ProgressiveScatterer(layout)
+        self.overlap = True  # False: copy everything at commit (benchmarks compare both)
         self.granted = 0  # extents handed out (tests, logs)
         self.refused_full = 0  # fragmented allocations that got no extent: arena full
 
@@ -107,7 +111,8 @@ class TargetStaging:
         """An extent for writing ``slots`` staged, or None (not fragmented, or no room)."""
         if not self.wants_staging(slots):
             return None
-        extent = self.arena.grant(staging_bytes(self.layout, len(slots)), now)
+        # The data, then room for the source's progress marker (its last 8 bytes).
+        extent = self.arena.grant(staging_bytes(self.layout, len(slots)) + MARKER_BYTES, now)
         if extent is None:
             self.refused_full += 1
             logger.info(
@@ -117,14 +122,24 @@ class TargetStaging:
             )
             return None
         self.granted += 1
+        marker_word(extent).value = 0  # a reused extent: no stale progress
+        if self.overlap:
+            self._scatterer.track(extent, slots)
         return extent
 
     def release(self, extent: tuple[int, int], not_before: float | None = None) -> None:
+        # IMPORTANT: stop copying into the migration's slots before they can be reused.
+        self._scatterer.cancel(extent)
         self.arena.release(extent, not_before)
 
     def scatter(self, extent: tuple[int, int], slots: torch.Tensor) -> Future[None]:
-        """Start copying the extent into ``slots`` on the worker thread."""
-        return self._scatterer.submit(self.layout, self.arena.tensor(*extent), slots)
+        """Copy what is not copied yet of the extent into ``slots`` (worker thread)."""
+        return self._scatterer.finish(extent, slots)
+
+    @property
+    def early_bytes(self) -> int:
+        """Staged bytes copied into slots before their commit asked (overlap)."""
+        return self._scatterer.early_bytes
 
     def close(self) -> None:
         self._scatterer.close()
