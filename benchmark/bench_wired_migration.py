@@ -100,7 +100,9 @@ def _server_class() -> type:
                 torch.frombuffer(view, dtype=torch.uint8).fill_(0x5A)
 
         def insert_on_host(self, tokens: list[int], seed: int) -> None:
-            """Insert, back up to host, free the device copy (the source's pages on host)."""
+            """Drop the previous prefix, insert this one, back it up to host, free the
+            device copy (the source's pages on host, in a pool of bounded size)."""
+            self.harness.cache.evict_host(self.harness.host_pool.size)
             self.insert(tokens, seed, True)
             self.evict_device()
 
@@ -210,8 +212,8 @@ def run_cell(
     cfg = {"attention": "mha", "host_layout": layout, "page_size": page_size, **SHAPE}
     cfg["device_tokens"] = tokens + 2 * page_size
     # Both sides have an arena (the raw writes use them); "direct" asks for no extent.
-    # The source keeps every repeat's prefix on host; the target evicts old ones.
-    src.do("setup", {**cfg, "hicache_ratio": repeats + 0.5}, 60.0, {"staging_bytes": arena})
+    # Each side keeps one or two prefixes on host (older ones are evicted).
+    src.do("setup", {**cfg, "hicache_ratio": 2.5}, 60.0, {"staging_bytes": arena})
     dst.do("setup", {**cfg, "hicache_ratio": 2.5}, 60.0, {"staging_bytes": arena})
     # "serial": staged, but the target copies the extent only at commit (no overlap).
     dst.do("set_overlap", variant != "serial")

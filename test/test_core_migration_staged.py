@@ -112,8 +112,8 @@ def test_fragmented_pools_migrate_staged_byte_for_byte(servers):
     src, dst = servers
     _setup(src, dst)
     info = dst.info.ranks[0]
-    assert info.paths["host"]["staging_region"][1] == STAGING
-    assert info.paths["host"]["stage_writer"] is True
+    assert info.staging_region[1] == STAGING
+    assert info.stage_writer is True
     tokens = _tokens(1024, start=10_000)
     src.do("insert", tokens, 7, True)
     before = dst.snapshot()
@@ -232,7 +232,8 @@ def test_peers_without_staging_still_migrate(servers):
     src, dst = servers
     # A target without an arena publishes no region and grants no extent.
     _setup(src, dst, staging=0)
-    assert "staging_region" not in dst.info.ranks[0].paths["host"]
+    assert dst.info.ranks[0].staging_region == []
+    assert dst.info.ranks[0].stage_writer is True  # it still writes extents as a source
     tokens = _tokens(512, start=80_000)
     src.do("insert", tokens, 6, True)
     alloc = _allocate(src, dst, tokens, "old-1")

@@ -341,8 +341,14 @@ def test_client_migrates_partial_then_rest_then_nothing(servers: Servers) -> Non
 
 def test_client_stages_a_fragmented_migration(servers: Servers, http: httpx.Client) -> None:
     src, dst = servers.source, servers.target
-    host = _session_info(http, dst)["ranks"][0]["paths"]["host"]
-    assert host["stage_writer"] is True and host["staging_region"][1] == 4 << 20
+    rank = _session_info(http, dst)["ranks"][0]
+    assert rank["stage_writer"] is True and rank["staging_region"][1] == 4 << 20
+    assert set(rank["paths"]["host"]) == {  # unchanged: clients copy it into transfers
+        "session_id",
+        "host_kv_data_ptrs",
+        "host_kv_data_lens",
+        "host_kv_item_lens",
+    }
     dst.ask(0, "fragment_host", 11)  # every page of the allocation its own run
     with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
         result = client.migrate(src.url, dst.url, SEQ_STAGED)

@@ -546,10 +546,9 @@ def _can_stage(plan: _Plan, path: str) -> bool:
     every target rank has an arena (servers without either never see the field)."""
     if path != "host":
         return False
-    sources = [r.get("paths", {}).get("host", {}) for r in plan.source_info["ranks"]]
-    targets = [r.get("paths", {}).get("host", {}) for r in plan.target_info["ranks"]]
-    return all(s.get("stage_writer") for s in sources) and all(
-        t.get("staging_region") for t in targets
+    sources, targets = plan.source_info["ranks"], plan.target_info["ranks"]
+    return all(r.get("stage_writer") for r in sources) and all(
+        r.get("staging_region") for r in targets
     )
 
 

@@ -46,9 +46,6 @@ class HostPath(DataPath):
         self.transfer_timeout_s = transfer_timeout_s
         self.layout = layout or HostPoolLayout.from_host_pool(sglang_adapter.host_pool(cache))
         self._transport = transport
-        # Target role: [addr, length] of the rank's staging arena when it has one
-        # (`target_staging.TargetStaging`); published, optional.
-        self.staging_region: list[int] = []
         if transport is not None:
             # Registered once: peers write into these buffers for the server's lifetime.
             transport.register(regions_of(self.layout))
@@ -62,18 +59,12 @@ class HostPath(DataPath):
     # ------------------------------------------------------------------ both roles
 
     def advertise(self) -> dict[str, Any]:
-        advert: dict[str, Any] = {
+        return {
             "session_id": self.transport.session_id,
             "host_kv_data_ptrs": self.layout.data_ptrs,
             "host_kv_data_lens": self.layout.data_lens,
             "host_kv_item_lens": self.layout.item_lens,
-            # As a source, this rank writes a granted staging extent when the target gives
-            # one (clients ask targets for extents only then).
-            "stage_writer": True,
         }
-        if self.staging_region:
-            advert["staging_region"] = self.staging_region
-        return advert
 
     def close(self) -> None:
         if self._transport is not None:

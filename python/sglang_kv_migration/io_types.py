@@ -40,6 +40,10 @@ class RankSessionInfo:
     # Protocol 2: path name -> DataPath.advertise(); e.g. {"device": {...}, "host": {...}}.
     paths: dict = field(default_factory=dict)
     server_epoch: str = ""  # changes when the server restarts: cached session info is stale
+    # Staging (optional; target_staging.py): this rank writes granted staging extents as a
+    # source, and the [addr, length] of its own staging arena as a target (empty: none).
+    stage_writer: bool = False
+    staging_region: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -220,6 +220,8 @@ class MigrationSchedulerSide:
             fingerprint=self.fingerprint_for(req).to_dict(),
             paths={name: path.advertise() for name, path in self.paths.items()},
             server_epoch=self.epoch_for(req),
+            stage_writer=HOST in self.paths,
+            staging_region=self.staging.region if self.staging is not None else [],
         )
         ranks = self.ctx.all_gather(local)
         return GetTransferSessionInfoReqOutput(
@@ -473,9 +475,7 @@ class MigrationSchedulerSide:
         """The staging arena of the host path's target role (None: staging off)."""
         if nbytes <= 0 or HOST not in self.paths:
             return None
-        host = self.paths[HOST]
-        staging = TargetStaging(self.layout, nbytes, host.transport)
-        host.staging_region = staging.region
+        staging = TargetStaging(self.layout, nbytes, self.paths[HOST].transport)
         self.pending.release_staging = staging.release
         return staging
 
