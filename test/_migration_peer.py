@@ -6,7 +6,11 @@ Runs in a spawned process. The parent drives it over a multiprocessing Pipe with
 Mooncake transfer engine (TCP on 127.0.0.1) that `MigrationSchedulerSide` owns.
 
 Commands:
-    setup(cfg_fields, watchdog_timeout_s)  build a fresh harness + scheduler side
+    setup(cfg_fields, watchdog_timeout_s, side_kwargs)  build a fresh harness + scheduler side
+    fragment_host(seed)                    shuffle the host pool's free pages (worst case)
+    staging()                              the target's staging arena counters
+    profile_calls(on)                      count Python/C calls per handler call and poll()
+    call_profile()                         (max calls in one invocation, invocations, loop max s)
     insert(tokens, seed, write_back)       insert_random (then write back and drain)
     evict_device()                         back everything up, evict every device page
     call(name, request)                    run a handler; transfer waits (bounded) for its reply
@@ -37,6 +41,8 @@ class _Server:
         self.harness: Any = None
         self.side: Any = None
         self.outputs: list[Any] = []
+        self.profile = False
+        self.call_counts: list[tuple[int, list]] = []
 
     def close(self) -> None:
         if self.side is not None:
@@ -48,12 +54,16 @@ class _Server:
 
     # -- commands -------------------------------------------------------------
 
-    def setup(self, cfg_fields: dict, watchdog_timeout_s: float) -> dict:
+    def setup(
+        self, cfg_fields: dict, watchdog_timeout_s: float, side_kwargs: dict | None = None
+    ) -> dict:
         import cpu_harness
         from sglang_kv_migration.rank_context import RankContext
         from sglang_kv_migration.scheduler_side import MigrationSchedulerSide
         from sglang_kv_migration.transfer import TransportConfig
 
+        side_kwargs = dict(side_kwargs or {})
+        transport = side_kwargs.pop("transport", {})
         self.close()
         self.outputs = []
         self.harness = cpu_harness.build_harness(cpu_harness.HarnessConfig(**cfg_fields))
@@ -70,7 +80,8 @@ class _Server:
         self.side = MigrationSchedulerSide(
             ctx,
             watchdog_timeout_s=watchdog_timeout_s,
-            transport_config=TransportConfig(hostname="127.0.0.1"),
+            transport_config=TransportConfig(hostname="127.0.0.1", **transport),
+            **side_kwargs,
         )
         return {"host_size": int(self.harness.host_pool.size)}
 
@@ -86,21 +97,87 @@ class _Server:
         return self.harness.evict_device_all()
 
     def call(self, name: str, request: Any) -> Any:
-        handler = getattr(self.side, name)
+        # Through the dispatcher's wrapped handler, as the scheduler calls it (timed).
+        handler = dict(self.side.handlers())[type(request)]
         self.outputs.clear()
-        reply = handler(request)
+        reply = self._on_loop_thread(handler, request)
         if reply is not None:
+            self.side.poll()  # the rest of the scheduler iteration that ran the handler
             return reply
-        # Deferred reply (transfer): the scheduler loop would call poll() each iteration.
+        # Deferred reply (transfer, staged commit): the loop calls poll() each iteration.
         deadline = time.monotonic() + TRANSFER_WAIT_S
         while not self.outputs:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name}: no reply within {TRANSFER_WAIT_S}s")
-            self.side.poll()
+            self._on_loop_thread(lambda _: self.side.poll(), None)
             if not self.outputs:
                 time.sleep(0.0005)
         assert len(self.outputs) == 1, self.outputs
         return self.outputs.pop()
+
+    def _on_loop_thread(self, run: Any, arg: Any) -> Any:
+        """Run one piece of scheduler-thread work, counting its calls when profiling."""
+        if not self.profile:
+            return run(arg)
+        import sys
+        from collections import Counter
+
+        calls: Counter[str] = Counter()
+
+        def count(frame: Any, event: str, arg: Any) -> None:
+            if event == "call":
+                code = frame.f_code
+                calls[f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}"] += 1
+            elif event == "c_call":
+                calls[getattr(arg, "__qualname__", "?")] += 1
+
+        sys.setprofile(count)
+        try:
+            return run(arg)
+        finally:
+            sys.setprofile(None)
+            self.call_counts.append((sum(calls.values()), calls.most_common(8)))
+
+    def profile_calls(self, on: bool) -> None:
+        self.profile = on
+        self.call_counts = []
+
+    def call_profile(self) -> tuple[int, int, float, list]:
+        """(most calls in one invocation, invocations, loop timer max s, its top callees)."""
+        counts, self.call_counts = self.call_counts, []
+        worst = max(counts, default=(0, []))
+        return worst[0], len(counts), self.side.loop_timer.max_s, worst[1]
+
+    def fragment_host(self, seed: int) -> int:
+        """Shuffle the host pool's free list page by page: every later allocation is
+        one run per page (the worst case). Returns the number of free pages."""
+        import torch
+
+        pool = self.harness.host_pool
+        ps = pool.page_size
+        free = pool.free_slots
+        pages = free.reshape(-1, ps)[:, 0] if ps > 1 else free
+        order = torch.randperm(len(pages), generator=torch.Generator().manual_seed(seed))
+        pages = pages[order]
+        if ps > 1:
+            pool.free_slots = (pages[:, None] + torch.arange(ps)).reshape(-1)
+        else:
+            pool.free_slots = pages
+        return len(pages)
+
+    def staging(self) -> dict:
+        staging = self.side.staging
+        if staging is None:
+            return {}
+        arena = staging.arena
+        return {
+            "free": arena.free_bytes,
+            "size": arena.region[1],
+            "quarantined": len(arena._quarantined),  # test only: the arena's private list
+            "granted": staging.granted,
+            "refused_full": staging.refused_full,
+            "early": staging.early_bytes,
+        }
 
     def expire_by_polling(self, max_iterations: int) -> int:
         """Run the scheduler loop's poll() until the watchdog freed everything."""

@@ -25,6 +25,16 @@ def tp_group() -> object:
     return cpu_harness.init_gloo()
 
 
+@pytest.fixture(scope="session")
+def migration_peers() -> Iterator[tuple[object, object]]:
+    """One source and one target peer process (`_migration_peer.py`), shared by the
+    two-process migration modules (spawning one costs a full SGLang import)."""
+    from test_core_migration import peer_pair
+
+    with peer_pair() as pair:
+        yield pair
+
+
 @pytest.fixture
 def harness_factory(tp_group: object) -> Iterator[Callable[..., cpu_harness.Harness]]:
     """``make(cfg=None, **fields)`` builds a Harness; every one is closed at teardown."""

@@ -55,6 +55,8 @@ class ServerSpec:
     # `add_routes(app)` (called on the HTTP app) and `tick()` (called every loop
     # iteration, on the scheduler thread).
     extension: Any = None
+    # Staging arena per rank (--kv-migration-staging-mb); small: tests move little.
+    staging_mb: int = 4
 
 
 @dataclasses.dataclass
@@ -293,6 +295,16 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any) -> None:
                 "free_unique": len(set(free)),
                 "overlap": len(set(in_tree) & set(free)),
             }
+        elif name == "fragment_host":
+            # Shuffle the host pool's free pages: later allocations are one run per page.
+            import torch
+
+            pool = harness.host_pool
+            ps = pool.page_size
+            gen = torch.Generator().manual_seed(args[0])
+            pages = pool.free_slots.reshape(-1, ps)
+            pool.free_slots = pages[torch.randperm(len(pages), generator=gen)].reshape(-1)
+            value = len(pages)
         elif name == "evict_device":
             value = harness.evict_device_all()
         elif name == "insert":
@@ -397,6 +409,7 @@ def _server_args(spec: ServerSpec) -> Any:
         kv_migration_grant_ttl=min(spec.grant_ttl_s, spec.watchdog_timeout_s / 2),
         kv_migration_transfer_timeout=spec.transfer_timeout_s,
         kv_migration_hostname=spec.host,
+        kv_migration_staging_mb=spec.staging_mb,
         host=spec.host,
     )
 

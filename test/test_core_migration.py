@@ -10,6 +10,7 @@ every test rebuilds both servers' caches with the `setup` command.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 from collections.abc import Iterator
@@ -59,9 +60,11 @@ class Server:
     def call(self, name: str, request: Any) -> Any:
         return self.do("call", name, request)
 
-    def setup(self, watchdog_timeout_s: float = 60.0, **cfg: Any) -> None:
+    def setup(
+        self, watchdog_timeout_s: float = 60.0, side_kwargs: dict | None = None, **cfg: Any
+    ) -> None:
         fields = {"layer_num": LAYERS, "load_back_threshold": 1, **cfg}
-        self.do("setup", fields, watchdog_timeout_s)
+        self.do("setup", fields, watchdog_timeout_s, side_kwargs)
         self.info = self.call("get_transfer_session_info", GetTransferSessionInfoReqInput())
         assert self.info.success and len(self.info.ranks) == 1
         assert self.info.ranks[0].session_id.startswith("127.0.0.1:")
@@ -70,16 +73,9 @@ class Server:
         return self.do("snapshot")
 
 
-def _spawn(ctx: Any, name: str) -> tuple[Server, Any]:
-    conn, child = ctx.Pipe()
-    process = ctx.Process(target=peer_main, args=(child,), daemon=True, name=name)
-    process.start()
-    child.close()
-    return Server(name, conn), process
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[Server, Server]]:
+@contextlib.contextmanager
+def peer_pair() -> Iterator[tuple[Server, Server]]:
+    """Spawn a source and a target peer process; stop them on exit."""
     ctx = multiprocessing.get_context("spawn")
     started = [_spawn(ctx, "source"), _spawn(ctx, "target")]
     try:
@@ -99,6 +95,20 @@ def servers() -> Iterator[tuple[Server, Server]]:
                 process.kill()
                 process.join(10)
             server.conn.close()
+
+
+def _spawn(ctx: Any, name: str) -> tuple[Server, Any]:
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=peer_main, args=(child,), daemon=True, name=name)
+    process.start()
+    child.close()
+    return Server(name, conn), process
+
+
+@pytest.fixture
+def servers(migration_peers: tuple[Server, Server]) -> tuple[Server, Server]:
+    """The session's pair of peer processes (conftest.py); every test calls `setup`."""
+    return migration_peers
 
 
 # --------------------------------------------------------------------------- protocol

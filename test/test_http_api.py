@@ -63,6 +63,7 @@ SEQ_BROKEN = _seq(5000, 4 * PAGE)
 SEQ_WATCHDOG = _seq(6000, 2 * PAGE)  # held by no server: allocate only
 SEQ_ABORT = _seq(6500, 2 * PAGE)  # held by no server: allocate only
 SEQ_NOT_HELD = _seq(9000, 2 * PAGE)
+SEQ_STAGED = _seq(7000, 8 * PAGE)
 
 
 @dataclass
@@ -85,6 +86,7 @@ def servers() -> Iterator[Servers]:
                 (SEQ_COMMIT, 3),
                 (SEQ_CLI, 4),
                 (SEQ_MISMATCH, 5),
+                (SEQ_STAGED, 7),
             ]
         ),
         ServerSpec(watchdog_timeout_s=WATCHDOG_S),
@@ -250,6 +252,16 @@ MALFORMED = [
         _bad_transfer_body(matched_token_size=PAGE * 2),
         "exceeds len(input_ids)",
     ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(staging=[4096])),
+        "staging",
+    ),
+    (
+        "/allocate_token_for_transfer",
+        {"input_ids": [1], "source_fingerprints": [{}], "staging": "yes"},
+        "staging",
+    ),
     ("/commit", {}, "migration_id"),
     ("/commit", {"migration_id": ""}, "migration_id"),
     ("/commit", {"migration_id": 7}, "migration_id"),
@@ -325,6 +337,27 @@ def test_client_migrates_partial_then_rest_then_nothing(servers: Servers) -> Non
         assert (again.migrated_token_size, again.migrated_bytes) == (0, 0)
         assert again.target_matched_token_size == 128
         assert again.matched_after_commit == 128
+
+
+def test_client_stages_a_fragmented_migration(servers: Servers, http: httpx.Client) -> None:
+    src, dst = servers.source, servers.target
+    rank = _session_info(http, dst)["ranks"][0]
+    assert rank["stage_writer"] is True and rank["staging_region"][1] == 4 << 20
+    assert set(rank["paths"]["host"]) == {  # unchanged: clients copy it into transfers
+        "session_id",
+        "host_kv_data_ptrs",
+        "host_kv_data_lens",
+        "host_kv_item_lens",
+    }
+    dst.ask(0, "fragment_host", 11)  # every page of the allocation its own run
+    with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
+        result = client.migrate(src.url, dst.url, SEQ_STAGED)
+    assert result.migrated_token_size == len(SEQ_STAGED)
+    # 8 scattered pages x 8 layer buffers would be 64 entries written directly.
+    assert result.plans == ["staged"] and result.entries == 1
+    assert _same_kv(src.ask(0, "kv", SEQ_STAGED), dst.ask(0, "kv", SEQ_STAGED))
+    slots = dst.ask(0, "host_slots")
+    assert slots["overlap"] == 0 and slots["in_tree"] == slots["in_tree_unique"]
 
 
 def test_client_nothing_held_by_source(servers: Servers) -> None:

@@ -100,3 +100,26 @@ def test_failed_send_is_counted(side) -> None:
     assert len(side.replies) == 1 and not side.replies[0].success
     assert "holds only 0 tokens" in side.replies[0].message
     assert _sample("sglang:kv_migration_total", role="source", outcome="send_failed") == before + 1
+
+
+def test_scheduler_time_is_recorded_per_busy_iteration(side) -> None:
+    count = "sglang:kv_migration_scheduler_seconds_count"
+    before = _sample(count)
+    timer = side.loop_timer
+    handlers = dict(side.handlers())
+    side.poll()  # idle: nothing of ours ran, nothing recorded
+    assert _sample(count) == before
+    iterations = timer.iterations
+    # A handler in this iteration, then the poll that closes it: one observation.
+    request = AllocateTokenForTransferReqInput(
+        input_ids=list(range(7000, 7032)),
+        migration_id="m-loop",
+        source_fingerprints=[side.fingerprint.to_dict()],
+    )
+    assert handlers[AllocateTokenForTransferReqInput](request).success
+    side.poll()
+    assert _sample(count) == before + 1
+    assert timer.iterations == iterations + 1
+    assert 0 < timer.max_s < 5.0
+    assert _sample("sglang:kv_migration_scheduler_seconds_sum") > 0
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="m-loop")).success

@@ -491,12 +491,32 @@ def test_insert_host_pages_hangs_host_only_nodes_below_the_anchor(harness_factor
     assert (len(m.device_indices), m.host_hit_length) == (32, 64)
     leaf = adapter.match_held_prefix(h.cache, tokens, None).last_node
     assert leaf.evicted and leaf.host_value.tolist() == slots.tolist()
-    assert leaf.hash_value == adapter.page_hashes(key, ps)[2:]
+    assert not adapter.needs_page_hashes(h.cache)  # no storage backend, no KV events
+    assert leaf.hash_value == [None] * 4  # as SGLang's own inserts leave them then
     # A second insert of the same range finds it all present.
     again = adapter.alloc_host_slots(h.cache, 64)
     assert adapter.insert_host_pages(h.cache, anchor, key, 32, again) == 64
     adapter.free_host_slots(h.cache, again)
     h.cache.dec_lock_ref(anchor)
+
+
+def test_insert_host_pages_chains_page_hashes_when_storage_needs_them(harness_factory):
+    ps = 16
+    h = harness_factory(page_size=ps)
+    tokens = _tokens(96)
+    h.insert_random(tokens[:32], seed=1)
+    h.write_back_all()
+    anchor = adapter.match_held_prefix(h.cache, tokens, None).last_node
+    key = adapter.make_key(h.cache, tokens, None)
+    slots = adapter.alloc_host_slots(h.cache, 64)
+    h.cache.enable_storage = True  # as with --hicache-storage-backend; only read here
+    try:
+        assert adapter.needs_page_hashes(h.cache)
+        assert adapter.insert_host_pages(h.cache, anchor, key, 32, slots) == 0
+    finally:
+        h.cache.enable_storage = False
+    leaf = adapter.match_held_prefix(h.cache, tokens, None).last_node
+    assert leaf.hash_value == adapter.page_hashes(key, ps)[2:]
 
 
 def test_page_hashes_chain_like_sglang(harness_factory):

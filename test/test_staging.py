@@ -262,3 +262,32 @@ def test_no_chunk_room_means_direct_even_with_a_staging_region():
         dst_staging_length=1 << 20,
     )
     assert plan.kind == "direct" and plan.entries > 50  # the target must not scatter
+
+
+@pytest.mark.parametrize(("host_layout", "page_size"), [("layer_first", 1), ("page_first", 16)])
+def test_scatter_in_ranges_equals_one_scatter(host_layout, page_size):
+    # What the staging watcher does as markers arrive: ranges of any size (cutting pages
+    # and buffers) copy each page once, and the returned boundary never skips a page.
+    rng = np.random.default_rng(5)
+    pages = rng.permutation(SLOTS // page_size)[: 96 // page_size]
+    slots = slots_of(pages, page_size)
+    whole = np.zeros(pool_bytes("mha"), np.uint8)
+    parts = np.zeros_like(whole)
+    whole_layout = make_layout(whole, "mha", host_layout, page_size)
+    parts_layout = make_layout(parts, "mha", host_layout, page_size)
+    region = rng.integers(0, 256, staging.staging_bytes(whole_layout, len(slots)), np.uint8)
+    staging.scatter_from_staging(whole_layout, torch.from_numpy(region), slots)
+
+    dst_pages = staging.page_ids(parts_layout, slots, "target")
+    total = staging.staged_size(parts_layout, dst_pages)
+    page_bytes = max(page_size * b.item_len for b in parts_layout.buffers)
+    done, steps = 0, 0
+    while done < total:  # steps below one page copy nothing and make no progress
+        hi = min(total, done + int(rng.integers(1, 3 * page_bytes)))
+        covered = staging.scatter_range(parts_layout, region.ctypes.data, dst_pages, done, hi)
+        assert done <= covered <= hi
+        done, steps = covered, steps + 1
+        assert steps < 100_000
+    assert steps > 10
+    np.testing.assert_array_equal(parts, whole)
+    assert whole.any()

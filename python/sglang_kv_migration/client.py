@@ -50,6 +50,10 @@ class MigrationResult:
     path: str = ""  # the data path that moved the pages ("" when nothing moved)
     fallback_reason: str = ""  # why the device path was not (or not successfully) used
     copy_seconds: float = 0.0  # time the data path spent moving bytes, on the source
+    # Host path, per rank: how each write was shaped ("direct", "gather", "staged") and
+    # how many transfer-engine entries all ranks' writes needed together.
+    plans: list[str] = field(default_factory=list)
+    entries: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -345,6 +349,7 @@ def _move(
                 "path": path,
                 "index_format": "pages",
                 "nothing_ok": True,
+                **({"staging": True} if _can_stage(plan, path) else {}),
             },
         )
     )
@@ -416,7 +421,8 @@ def _result(
     timings = plan.timings
     timings["total"] = sum(v for k, v in timings.items() if k != "total")
     target_matched = allocation["matched_token_size"]
-    seconds = [r.get("seconds", 0.0) for r in transfer.get("ranks", [])] if transfer else []
+    ranks = transfer.get("ranks", []) if transfer else []
+    seconds = [r.get("seconds", 0.0) for r in ranks]
     return MigrationResult(
         source_url=plan.source_url,
         target_url=plan.target_url,
@@ -430,6 +436,8 @@ def _result(
         path=path,
         fallback_reason=fallback_reason,
         copy_seconds=max(seconds, default=0.0),
+        plans=[r.get("plan", "") for r in ranks],
+        entries=sum(r.get("entries", 0) for r in ranks),
     )
 
 
@@ -517,6 +525,8 @@ def _targets(
             "grant": slots[position].get("grant", ""),
             "fingerprint": rank["fingerprint"],
         }
+        if slots[position].get("staging"):
+            entry["staging"] = slots[position]["staging"]
         if path == "device":
             entry["device_kv"] = rank["paths"]["device"]
         else:
@@ -529,6 +539,17 @@ def _targets(
             )
         entries.append(entry)
     return entries
+
+
+def _can_stage(plan: _Plan, path: str) -> bool:
+    """Ask the target for staging extents only when every source rank can write them and
+    every target rank has an arena (servers without either never see the field)."""
+    if path != "host":
+        return False
+    sources, targets = plan.source_info["ranks"], plan.target_info["ranks"]
+    return all(r.get("stage_writer") for r in sources) and all(
+        r.get("staging_region") for r in targets
+    )
 
 
 def _step(call: _Call) -> Generator[_Call, _Reply, dict[str, Any]]:

@@ -66,6 +66,8 @@ class KVPoll(IntEnum):
 class SendStats:
     bytes: int = 0
     seconds: float = 0.0  # time the path spent moving bytes (not queueing)
+    plan: str = ""  # host path: how the write was shaped (staging.PlanKind)
+    entries: int = 0  # host path: transfer-engine entries the write needed
 
 
 @dataclass

@@ -32,7 +32,7 @@ import hmac
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -87,6 +87,14 @@ class Grant:
     num_tokens: int
     expires_at: float  # unix time; the source starts no write after it
     tokens_digest: str  # the whole prefix (tokens + extra_key) the slots are for
+    # Optional: the target's staging extent the source may write instead of the slots
+    # (`target_staging.py`); left out of the token when unset (see `_OPTIONAL`).
+    staging_addr: int = 0
+    staging_length: int = 0
+
+    @property
+    def staging(self) -> tuple[int, int] | None:
+        return (self.staging_addr, self.staging_length) if self.staging_length else None
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,9 @@ class Receipt:
     success: bool
     bytes: int
     settled: bool  # no write of this transfer can land any more (done, or never started)
+    # Optional: how the source shaped the write ("staged": into the granted staging extent,
+    # which the target must scatter before commit); set only when staging was granted.
+    plan: str = ""
 
 
 class Signer:
@@ -115,9 +126,13 @@ class Signer:
         return self.key is not None
 
     def encode(self, token: Grant | Receipt) -> str:
-        payload = base64.urlsafe_b64encode(
-            orjson.dumps({"kind": type(token).__name__, **asdict(token)})
-        )
+        data = asdict(token)
+        # Optional fields at their default are left out: such a token reads the same as
+        # one from a server that predates them.
+        for f in fields(token):
+            if f.default is not MISSING and data[f.name] == f.default:
+                del data[f.name]
+        payload = base64.urlsafe_b64encode(orjson.dumps({"kind": type(token).__name__, **data}))
         return payload.decode() + "." + self._mac(payload)
 
     def decode_grant(self, raw: str) -> Grant:
@@ -137,10 +152,13 @@ class Signer:
         num_slots: int,
         slots: str,
         tokens: str,
+        staging: tuple[int, int] | None = None,
     ) -> Grant:
         """The grant, if it names exactly this write and has not expired; else FORBIDDEN.
         `slots` is `slots_digest` of the target slots named in the request and `tokens`
-        `tokens_digest` of the prefix the source is about to send."""
+        `tokens_digest` of the prefix the source is about to send; `staging` the
+        ``(addr, length)`` extent the request asks to write instead of the slots, which the
+        grant must name exactly."""
         grant = self.decode_grant(raw)
         if grant.tokens_digest != tokens:
             raise _forbidden("grant is for another prefix (input_ids / extra_key differ)")
@@ -150,6 +168,8 @@ class Signer:
                 raise _forbidden(f"grant is for {name}={getattr(grant, name)!r}, not {value!r}")
         if grant.num_tokens != num_slots or grant.slots_digest != slots:
             raise _forbidden("grant does not name these target slots")
+        if staging is not None and grant.staging != staging:
+            raise _forbidden(f"grant does not name the staging extent {list(staging)}")
         if grant.expires_at <= self.clock():
             raise _forbidden("grant expired")
         return grant
@@ -173,7 +193,8 @@ class Signer:
             if data.pop("kind") != kind.__name__:
                 raise ValueError("wrong kind")
             names = {f.name for f in fields(kind)}
-            if set(data) != names:
+            required = {f.name for f in fields(kind) if f.default is MISSING}
+            if not required <= set(data) <= names:
                 raise ValueError("wrong fields")
             return kind(**data)
         except (ValueError, TypeError, KeyError, orjson.JSONDecodeError) as e:

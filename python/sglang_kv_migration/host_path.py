@@ -119,10 +119,13 @@ class HostPath(DataPath):
             raise MigrationError(ErrorKind.BAD_REQUEST, f"target host pool: {e}") from None
         if not target.session_id:
             raise MigrationError(ErrorKind.BAD_REQUEST, "target has no transfer session_id")
+        staging = None
+        if target.staging:  # the grant check already bound it to this migration
+            staging = MemoryRegion(addr=target.staging[0], length=target.staging[1])
         pinned = sglang_adapter.pin_host_pages(
             self.cache, send.input_ids, send.extra_key, send.start, send.end
         )
-        return HostSendJob(self, pinned, peer, target.session_id, send.target_slots)
+        return HostSendJob(self, pinned, peer, target.session_id, send.target_slots, staging)
 
 
 class HostSendJob(SendJob):
@@ -133,8 +136,10 @@ class HostSendJob(SendJob):
         peer: HostPoolLayout,
         peer_session_id: str,
         target_slots: torch.Tensor,
+        staging: MemoryRegion | None = None,
     ):
         self._path = path
+        self._staging = staging
         self._pinned: sglang_adapter.PinnedHostPages | None = pinned
         self._peer = peer
         self._peer_session_id = peer_session_id
@@ -171,7 +176,9 @@ class HostSendJob(SendJob):
         except MigrationError as e:
             self.error = e
             return KVPoll.FAILED
-        self.stats = SendStats(bytes=stats.bytes, seconds=stats.seconds)
+        self.stats = SendStats(
+            bytes=stats.bytes, seconds=stats.seconds, plan=stats.plan, entries=stats.entries
+        )
         return KVPoll.SUCCESS
 
     def release(self) -> None:
@@ -180,13 +187,18 @@ class HostSendJob(SendJob):
             self._pinned = None
 
     def _submit(self) -> None:
+        # The transport decides whether the extent is worth it (its plan says which).
+        regions = regions_of(self._peer)
+        if self._staging is not None:
+            regions.append(self._staging)
         self._handle = self._path.transport.write_pages(
             self._peer_session_id,
             self._path.layout,
             self._pinned.host_indices,
             self._peer,
             self._target_slots,
-            regions_of(self._peer),
+            regions,
+            dst_staging=self._staging,
         )
 
 

@@ -78,6 +78,7 @@ class AllocateBody(_Body):
     path: Literal["host", "device"] = "host"
     index_format: Literal["tokens", "pages"] = "tokens"
     nothing_ok: bool = False
+    staging: bool = False  # the source writes staging extents (its `stage_writer`)
 
 
 class TargetRankBody(_Body):
@@ -96,11 +97,17 @@ class TargetRankBody(_Body):
     kv_pages: list[NonNegative] = Field(default_factory=list, max_length=MAX_TOKENS)
     fingerprint: dict[str, Any]
     grant: str = Field(default="", max_length=MAX_TOKEN_CHARS)
+    # Host path: the staging extent [addr, length] the allocate reply granted this rank.
+    staging: list[Address] = Field(default_factory=list, max_length=2)
 
     @model_validator(mode="after")
     def _consistent(self) -> TargetRankBody:
         if bool(self.kv_indices) == bool(self.kv_pages):
             raise ValueError("give exactly one of kv_indices and kv_pages")
+        if self.staging and (
+            self.path != "host" or len(self.staging) != 2 or min(self.staging) == 0
+        ):
+            raise ValueError("staging must be [addr, length], both > 0, on the host path")
         if self.path == "device":
             if not self.device_kv:
                 raise ValueError("device_kv is required for path 'device'")

@@ -40,6 +40,10 @@ class RankSessionInfo:
     # Protocol 2: path name -> DataPath.advertise(); e.g. {"device": {...}, "host": {...}}.
     paths: dict = field(default_factory=dict)
     server_epoch: str = ""  # changes when the server restarts: cached session info is stale
+    # Staging (optional; target_staging.py): this rank writes granted staging extents as a
+    # source, and the [addr, length] of its own staging arena as a target (empty: none).
+    stage_writer: bool = False
+    staging_region: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -96,6 +100,9 @@ class AllocateTokenForTransferReqInput(BaseReq):
     index_format: str = "tokens"  # "tokens": kv_indices in the reply; "pages": kv_pages
     nothing_ok: bool = False  # target holds everything: success with nothing allocated
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
+    # The source can write a staging extent (its session info says `stage_writer`): grant
+    # one where the reserved slots are fragmented (host path; `target_staging.py`).
+    staging: bool = False
 
 
 @dataclass
@@ -105,6 +112,7 @@ class AllocatedRank:
     kv_indices: list[int]  # token slots on this rank, in prefix order ("tokens" format)
     kv_pages: list[int] = field(default_factory=list)  # page ids instead ("pages" format)
     grant: str = ""  # grants.Grant for these slots: what the source may write
+    staging: list[int] = field(default_factory=list)  # [addr, length] granted, or empty
 
 
 @dataclass
@@ -140,6 +148,7 @@ class TransferRequestKVCacheTarget:
     kv_pages: list[int] = field(default_factory=list)  # page ids instead of kv_indices
     device_kv: dict | None = None  # device path: the target rank's paths["device"]
     grant: str = ""  # the allocate reply's grant for this rank
+    staging: list[int] = field(default_factory=list)  # the allocate reply's extent, if any
 
 
 @dataclass
@@ -162,6 +171,8 @@ class RankTransferResult:
     seconds: float = 0.0
     message: str = ""
     receipt: str = ""  # grants.Receipt: what /commit (or /abort_transfer) presents
+    plan: str = ""  # host path: "direct", "gather" or "staged" (staging.py)
+    entries: int = 0  # host path: transfer-engine write entries the plan needed
 
 
 @dataclass

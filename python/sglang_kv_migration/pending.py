@@ -70,6 +70,7 @@ class PendingMigration:
     weight_version: str = ""  # the target's weights when it allocated
     write_window_end: float = 0.0  # a source may write the slots until then (registry clock)
     state: MigrationState = MigrationState.ALLOCATED
+    staging: tuple[int, int] | None = None  # granted staging extent (target_staging.py)
 
     @property
     def extra_length(self) -> int:
@@ -126,6 +127,8 @@ class PendingMigrations:
         self._pending: dict[str, PendingMigration] = {}
         self._quarantine: dict[str, PendingMigration] = {}  # released, slots not yet freed
         self._finished: OrderedDict[str, _Finished] = OrderedDict()
+        # Gives a finished migration's staging extent back: (extent, not_before or None).
+        self.release_staging: Callable[[tuple[int, int], float | None], None] | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -369,7 +372,7 @@ class PendingMigrations:
         self, pending: PendingMigration, state: MigrationState, settled: bool = False
     ) -> None:
         self.cache.dec_lock_ref(pending.anchor)
-        self._finish(pending, state)
+        self._finish(pending, state, settled=settled)
         if settled or pending.write_window_end <= self.clock():
             pending.path.release(pending.slots)
         else:
@@ -383,8 +386,18 @@ class PendingMigrations:
             pending.path.release(pending.slots)  # a reset already freed them otherwise
 
     def _finish(
-        self, pending: PendingMigration, state: MigrationState, matched_after: int = 0
+        self,
+        pending: PendingMigration,
+        state: MigrationState,
+        matched_after: int = 0,
+        settled: bool = False,
     ) -> None:
+        if pending.staging is not None and self.release_staging is not None:
+            # IMPORTANT: like the slots, an extent a granted write may still reach is
+            # reused only after the write window (a commit saw every write complete).
+            late = state is not MigrationState.COMMITTED and not settled
+            self.release_staging(pending.staging, pending.write_window_end if late else None)
+            pending.staging = None
         pending.state = state
         del self._pending[pending.migration_id]
         self._finished[pending.migration_id] = _Finished(state, matched_after)

@@ -45,10 +45,18 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheReqInput,
 )
 from sglang_kv_migration.layout import HostPoolLayout, LayoutFingerprint
-from sglang_kv_migration.metrics import MigrationMetrics, NullMetrics
+from sglang_kv_migration.metrics import LoopTimer, MigrationMetrics, NullMetrics
 from sglang_kv_migration.pending import PendingMigrations
 from sglang_kv_migration.rank_context import RankContext, check_peer_fingerprint, guarded
 from sglang_kv_migration.source_transfers import SourceTransfers
+from sglang_kv_migration.target_staging import (
+    DeferredCommit,
+    StagedCommits,
+    TargetStaging,
+    done_future,
+    receipt_plan,
+    staged_refusal,
+)
 from sglang_kv_migration.transfer import KVTransport, TransportConfig, open_transport
 
 logger = logging.getLogger(__name__)
@@ -72,9 +80,11 @@ class MigrationSchedulerSide:
         enable_memory_saver: bool = False,
         grant_key: bytes | None = None,
         grant_ttl_s: float = 15.0,
+        staging_bytes: int = 0,
     ):
         self.ctx = ctx
         self.metrics = metrics or NullMetrics()
+        self.loop_timer = LoopTimer(self.metrics)
         cache = ctx.tree_cache
         self.host_pool = sglang_adapter.host_pool(cache)
         self.layout = HostPoolLayout.from_host_pool(self.host_pool)
@@ -104,6 +114,8 @@ class MigrationSchedulerSide:
         self.transfers = SourceTransfers(
             ctx, self.fingerprint, self.paths, self.metrics, self.server_epoch, self.signer
         )
+        self.staging = self._open_staging(staging_bytes)
+        self.staged_commits = StagedCommits(ctx)
         self._iteration = 0
         logger.info(
             "KV migration ready on tp_rank=%d pp_rank=%d: paths %s, page_size=%d",
@@ -122,26 +134,35 @@ class MigrationSchedulerSide:
 
     def handlers(self) -> list[tuple[type, Callable[[Any], Any]]]:
         """(request type, handler) pairs for the scheduler's TypeBasedDispatcher. Every
-        reply carries its request's `rid` (the tokenizer side matches replies by it)."""
-        return [
+        reply carries its request's `rid` (the tokenizer side matches replies by it); the
+        time each spends on the scheduler thread is charged to `loop_timer`."""
+        pairs = [
             (GetTransferSessionInfoReqInput, _answering(self.get_transfer_session_info)),
             (GetRequestExtraTokenSizeReqInput, _answering(self.get_request_extra_token_size)),
             (AllocateTokenForTransferReqInput, _answering(self.allocate_token_for_transfer)),
             (TransferRequestKVCacheReqInput, self.transfer_request_kvcache),  # replies later
             (
                 CommitTransferRequestKVCacheReqInput,
-                _answering(self.commit_transfer_request_kvcache),
+                _answering(self.commit_transfer_request_kvcache),  # staged: replies later
             ),
             (AbortTransferReqInput, _answering(self.abort_transfer)),
         ]
+        return [(kind, self.loop_timer.timed(handler)) for kind, handler in pairs]
 
     def poll(self) -> None:
-        """Once per scheduler loop iteration: finish transfers, run the watchdog."""
+        """Once per scheduler loop iteration: finish transfers and staged commits, run the
+        watchdog; closes the iteration's `loop_timer` account."""
+        started = time.perf_counter()
         self._iteration += 1
         self.transfers.poll()
+        for commit, error in self.staged_commits.poll():
+            self._answer_staged_commit(commit, error)
+        active = bool(len(self.transfers) or len(self.staged_commits))
         busy = len(self.pending) or self.pending.quarantined()
         if busy and self._iteration % WATCHDOG_EVERY_ITERATIONS == 0:
             self._run_watchdog()
+            active = True
+        self.loop_timer.end_iteration(time.perf_counter() - started, active)
 
     def prepare_for_cache_flush(self) -> None:
         """Called before SGLang resets the radix cache and clears the pools.
@@ -153,6 +174,15 @@ class MigrationSchedulerSide:
         failed: their pages are about to be reused, so their receipts say failure.
         """
         self.transfers.fail_all("the source's cache was flushed during the transfer")
+        for commit in self.staged_commits.drain():  # their scatters finished writing
+            self._reply_later(
+                commit.request,
+                CommitTransferRequestKVCacheReqOutput(
+                    success=False,
+                    message="the target's cache was flushed during the commit",
+                    error_kind=ErrorKind.GONE.value,
+                ),
+            )
         dropped = self.pending.prepare_for_reset()
         if dropped and self.ctx.tp_rank == 0:
             logger.warning("Cache flush drops pending KV migrations: %s", ", ".join(dropped))
@@ -161,10 +191,13 @@ class MigrationSchedulerSide:
         self.pending.after_reset()
 
     def close(self) -> None:
+        self.staged_commits.drain()  # no scatter may run into pools being released
         self.pending.abort_all()
         self.transfers.close()
         for path in self.paths.values():
             path.close()
+        if self.staging is not None:
+            self.staging.close()  # after the transport: the arena was registered there
 
     def device_tokens_held(self) -> int:
         """Device slots pending migrations hold (SGLang's leak check counts them)."""
@@ -187,6 +220,8 @@ class MigrationSchedulerSide:
             fingerprint=self.fingerprint_for(req).to_dict(),
             paths={name: path.advertise() for name, path in self.paths.items()},
             server_epoch=self.epoch_for(req),
+            stage_writer=HOST in self.paths,
+            staging_region=self.staging.region if self.staging is not None else [],
         )
         ranks = self.ctx.all_gather(local)
         return GetTransferSessionInfoReqOutput(
@@ -239,6 +274,9 @@ class MigrationSchedulerSide:
                 )
             else:
                 rank = AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)
+            extent = self._grant_staging(req, alloc, path)
+            if extent is not None:
+                rank.staging = list(extent)
             if alloc.extra_length:
                 rank.grant = self.signer.encode(
                     grants.Grant(
@@ -253,6 +291,8 @@ class MigrationSchedulerSide:
                             req.input_ids[: alloc.matched_length + alloc.extra_length],
                             req.extra_key,
                         ),
+                        staging_addr=extent[0] if extent else 0,
+                        staging_length=extent[1] if extent else 0,
                     )
                 )
             return AllocateTokenForTransferReqOutput(
@@ -302,26 +342,49 @@ class MigrationSchedulerSide:
 
     def commit_transfer_request_kvcache(
         self, req: CommitTransferRequestKVCacheReqInput
+    ) -> CommitTransferRequestKVCacheReqOutput | None:
+        """Insert the written pages; with a staged write on any rank, reply later (from
+        `poll()`), once every rank copied its staging extent into its slots."""
+        if self.staged_commits.in_progress(req.migration_id):
+            return _in_progress(req.migration_id, "commit")
+        pending = self.pending.get(req.migration_id)  # None for a repeated commit
+        started = time.monotonic()
+        # Every rank needs the source's success receipt for its slots; agree first, so no
+        # rank inserts while another refuses.
+        refusal, plan = None, ""
+        if self.pending.committable(req.migration_id, req.weight_version):
+            refusal = self._receipt_refusal(req.receipts, pending)
+            plan = receipt_plan(self.signer, req.receipts, self.ctx.tp_rank, self.ctx.pp_rank)
+            refusal = refusal or staged_refusal(plan, pending)
+        agreed = self.ctx.all_gather((refusal, plan == "staged"))
+        refusals = [r for r, _ in agreed if r is not None]
+        if refusals:
+            self.metrics.outcome("target", "commit_failed")
+            return CommitTransferRequestKVCacheReqOutput(
+                success=False, message=refusals[0], error_kind=ErrorKind.FORBIDDEN.value
+            )
+        if any(staged for _, staged in agreed):
+            assert pending is not None  # committable
+            scatter = (
+                self.staging.scatter(pending.staging, pending.slots)
+                if plan == "staged"
+                else done_future()
+            )
+            self.staged_commits.add(DeferredCommit(req, pending, started, scatter))
+            return None
+        return self._commit(req, pending, started)
+
+    def _commit(
+        self, req: CommitTransferRequestKVCacheReqInput, pending: Any, started: float
     ) -> CommitTransferRequestKVCacheReqOutput:
+        """Insert on every rank (the receipts were agreed on) and build the reply."""
+
         def run_local() -> CommitTransferRequestKVCacheReqOutput:
             matched_after = self.pending.commit(req.migration_id, req.weight_version)
             return CommitTransferRequestKVCacheReqOutput(
                 success=True, matched_after_commit=matched_after
             )
 
-        pending = self.pending.get(req.migration_id)  # None for a repeated commit
-        started = time.monotonic()
-        # Every rank needs the source's success receipt for its slots; agree first, so no
-        # rank inserts while another refuses.
-        refusal = None
-        if self.pending.committable(req.migration_id, req.weight_version):
-            refusal = self._receipt_refusal(req.receipts, pending)
-        refusals = [r for r in self.ctx.all_gather(refusal) if r is not None]
-        if refusals:
-            self.metrics.outcome("target", "commit_failed")
-            return CommitTransferRequestKVCacheReqOutput(
-                success=False, message=refusals[0], error_kind=ErrorKind.FORBIDDEN.value
-            )
         local = guarded(run_local, CommitTransferRequestKVCacheReqOutput)
         outputs = self.ctx.all_gather(local)
         failed = [o for o in outputs if not o.success]
@@ -356,6 +419,8 @@ class MigrationSchedulerSide:
             self.pending.abort(req.migration_id, settled=settled)
             return AbortTransferReqOutput(success=True)
 
+        if self.staged_commits.in_progress(req.migration_id):
+            return _in_progress(req.migration_id, "abort")
         pending = self.pending.get(req.migration_id)
         was_pending = pending is not None
         # Without the source's word that no write can still land, the slots stay
@@ -379,6 +444,40 @@ class MigrationSchedulerSide:
         return local
 
     # ------------------------------------------------------------------ helpers
+
+    def _answer_staged_commit(self, commit: DeferredCommit, error: str | None) -> None:
+        if error is not None:  # the migration stays pending: abort or the watchdog frees it
+            self.metrics.outcome("target", "commit_failed")
+            output = CommitTransferRequestKVCacheReqOutput(
+                success=False, message=error, error_kind=ErrorKind.INTERNAL.value
+            )
+        else:
+            output = self._commit(commit.request, commit.pending, commit.started)
+        self._reply_later(commit.request, output)
+
+    def _grant_staging(
+        self, req: AllocateTokenForTransferReqInput, alloc: Any, path: DataPath
+    ) -> tuple[int, int] | None:
+        """A staging extent for a fragmented host allocation, kept with the pending
+        migration; None when not asked, not fragmented or no room (never a failure)."""
+        if not (req.staging and alloc.extra_length and self.staging and path.name == HOST):
+            return None
+        extent = self.staging.grant(alloc.slots, self.pending.clock())
+        if extent is not None:
+            self.pending.get(alloc.migration_id).staging = extent
+        return extent
+
+    def _reply_later(self, req: Any, output: Any) -> None:
+        output.rid = req.rid
+        self.ctx.send_output(output, req)
+
+    def _open_staging(self, nbytes: int) -> TargetStaging | None:
+        """The staging arena of the host path's target role (None: staging off)."""
+        if nbytes <= 0 or HOST not in self.paths:
+            return None
+        staging = TargetStaging(self.layout, nbytes, self.paths[HOST].transport)
+        self.pending.release_staging = staging.release
+        return staging
 
     def _receipt_refusal(
         self,
@@ -473,6 +572,8 @@ class MigrationSchedulerSide:
         # frees the same ids and the trees stay identical.
         local_due = self.pending.due()
         due = sorted({mid for ids in self.ctx.all_gather(local_due) for mid in ids})
+        # A commit whose scatter runs owns its slots until it answers (a local copy).
+        due = [mid for mid in due if not self.staged_commits.in_progress(mid)]
         for _ in self.pending.expire(due):
             self.metrics.outcome("target", "expired")
 
@@ -480,10 +581,24 @@ class MigrationSchedulerSide:
 def _answering(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def answer(req: Any) -> Any:
         output = handler(req)
-        output.rid = req.rid
+        if output is not None:  # None: the reply is sent later, from poll()
+            output.rid = req.rid
         return output
 
     return answer
+
+
+def _in_progress(
+    migration_id: str, action: str
+) -> CommitTransferRequestKVCacheReqOutput | AbortTransferReqOutput:
+    output_type = (
+        CommitTransferRequestKVCacheReqOutput if action == "commit" else AbortTransferReqOutput
+    )
+    return output_type(
+        success=False,
+        message=f"cannot {action} migration {migration_id!r}: its commit is in progress",
+        error_kind=ErrorKind.CONFLICT.value,
+    )
 
 
 def advertised_hostname(configured: str | None, server_host: str) -> str:

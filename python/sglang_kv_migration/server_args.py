@@ -29,6 +29,7 @@ DEFAULT_MAX_BATCH_ENTRIES = 1024
 DEFAULT_PATHS = "device,host"
 DEFAULT_GRANT_TTL_S = 15.0
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+DEFAULT_STAGING_MB = 256
 
 
 class KVMigrationArgsError(ValueError):
@@ -48,6 +49,7 @@ class KVMigrationServerArgs(_upstream.ServerArgs):
     kv_migration_grant_key: str | None = None
     kv_migration_grant_ttl: float = DEFAULT_GRANT_TTL_S
     kv_migration_transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT_S
+    kv_migration_staging_mb: int = DEFAULT_STAGING_MB
 
     def __post_init__(self):
         # IMPORTANT: check our flags before SGLang's own post-init, which reads the model
@@ -145,6 +147,14 @@ def add_kv_migration_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Longest a host-path transfer may run. Freed slots whose writes could still land "
         "stay quarantined until the grant's deadline plus twice this.",
     )
+    group.add_argument(
+        "--kv-migration-staging-mb",
+        type=int,
+        default=DEFAULT_STAGING_MB,
+        help="Host memory per rank (MiB, pinned where CUDA is available) that sources may "
+        "write fragmented host-path migrations into as a few large entries; the target then "
+        "copies it into the reserved slots before commit. 0 turns staging off.",
+    )
 
 
 def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
@@ -171,6 +181,10 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
         raise KVMigrationArgsError(
             "--kv-migration-transfer-timeout must be a positive number of seconds, got "
             f"{args.kv_migration_transfer_timeout}."
+        )
+    if args.kv_migration_staging_mb < 0:
+        raise KVMigrationArgsError(
+            f"--kv-migration-staging-mb must be >= 0 (0 = off), got {args.kv_migration_staging_mb}."
         )
     if args.kv_migration_max_batch_entries < 1:
         raise KVMigrationArgsError(

@@ -248,8 +248,19 @@ def insert_host_pages(
     insert won the race); the caller frees `host_indices[:returned]`.
     """
     suffix = key[anchor_length:]
-    hashes = page_hashes(key, cache.page_size)[anchor_length // cache.page_size :]
+    if needs_page_hashes(cache):
+        hashes = page_hashes(key, cache.page_size)[anchor_length // cache.page_size :]
+    else:
+        # SGLang computes no page hashes without a storage backend or KV events either,
+        # and chaining them from the root is Python work per page on the scheduler
+        # thread (~30 ms at 4K pages). A list, not None: the insert slices it.
+        hashes = [None] * (len(suffix) // cache.page_size)
     return cache._insert_helper_host(anchor, suffix, host_indices, hashes)
+
+
+def needs_page_hashes(cache: HiRadixCache) -> bool:
+    """Whether tree nodes must carry page hashes (HiCache storage or KV cache events)."""
+    return bool(cache.enable_storage or cache.enable_kv_cache_events)
 
 
 def insert_device_pages(

@@ -53,6 +53,8 @@ class RankTransferStatus:
     message: str = ""
     error_kind: str = ""
     receipt: str = ""  # signed by this rank once done
+    plan: str = ""  # host path: how the write was shaped (staging.PlanKind)
+    entries: int = 0  # host path: transfer-engine entries
 
 
 @dataclass
@@ -83,7 +85,12 @@ class InflightTransfer:
             elif state is KVPoll.SUCCESS:
                 stats = self.job.stats
                 self.result = RankTransferStatus(
-                    done=True, success=True, bytes=stats.bytes, seconds=stats.seconds
+                    done=True,
+                    success=True,
+                    bytes=stats.bytes,
+                    seconds=stats.seconds,
+                    plan=stats.plan,
+                    entries=stats.entries,
                 )
         if self.error is not None:
             self.result = RankTransferStatus(
@@ -168,6 +175,7 @@ class SourceTransfers:
                 f"target_per_rank has no entry for tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}",
             )
         slots = target_slots(target, self.fingerprint.page_size)
+        staging = _staging_extent(target)
         inflight.slots_digest = grants.slots_digest(slots)
         path = self.paths.get(target.path)
         if path is None:
@@ -203,6 +211,7 @@ class SourceTransfers:
             tokens=grants.tokens_digest(
                 req.input_ids[: req.matched_token_size + req.extra_token_size], req.extra_key
             ),
+            staging=staging,  # a staging extent is written only if the grant names it
         )
         self._used_grants.claim(grant)
         start = req.matched_token_size
@@ -249,6 +258,8 @@ class SourceTransfers:
                     bytes=status.bytes,
                     # Nothing more can land once done, or if no write was ever submitted.
                     settled=status.success or job is None or not job.started_writing,
+                    # Told only to a target that granted an extent: it must scatter then.
+                    plan=status.plan if send is not None and send.target.staging else "",
                 )
             )
         return status
@@ -264,6 +275,8 @@ class SourceTransfers:
                 seconds=s.seconds,
                 message=s.message,
                 receipt=s.receipt,
+                plan=s.plan,
+                entries=s.entries,
             )
             for i, s in enumerate(statuses)
         ]
@@ -327,6 +340,19 @@ def target_slots(target: TransferRequestKVCacheTarget, page_size: int) -> torch.
         pages = torch.tensor(target.kv_pages, dtype=torch.int64)
         return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
     return torch.tensor(target.kv_indices, dtype=torch.int64)
+
+
+def _staging_extent(target: TransferRequestKVCacheTarget) -> tuple[int, int] | None:
+    """The ``(addr, length)`` staging extent a target rank entry asks to write, if any."""
+    if not target.staging:
+        return None
+    if target.path != "host" or len(target.staging) != 2 or min(target.staging) <= 0:
+        raise MigrationError(
+            ErrorKind.BAD_REQUEST,
+            f"target tp={target.tp} pp={target.pp}: staging must be [addr, length] > 0 on "
+            f"the host path, got {target.staging} on path {target.path!r}",
+        )
+    return target.staging[0], target.staging[1]
 
 
 def _path_name(req: TransferRequestKVCacheReqInput) -> str:

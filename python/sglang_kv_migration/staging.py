@@ -28,7 +28,7 @@ page_size * item_len[b]`` bytes per page and ``n`` pages, its block starts at
 ``sum(n * pb[:b])`` and page ``i`` of it at ``block + i * pb[b]``. Both sides derive it
 from the layout and the indices alone, so nothing else crosses the wire.
 
-Wiring a target staging region (a protocol addition; not wired yet):
+Wiring a target staging region (the protocol addition; wired in `target_staging.py`):
 
 1. Target, at start-up: a `StagingArena` per rank, its `region` registered with the
    rank's transport next to the host pool; published per rank in the session info.
@@ -42,6 +42,11 @@ Wiring a target staging region (a protocol addition; not wired yet):
    the scatter and answer the commit only once its Future is done (poll it from the
    scheduler loop; it is proportional to the bytes), then insert the nodes and `release`
    the extent; on abort or expiry `release` it with the slots' quarantine deadline.
+
+As wired, the target grants only when direct writes would need at least
+`target_staging.STAGE_MIN_ENTRIES` entries, the source passes ``plan`` in the receipt only
+to a target that granted an extent, and the arena defaults to 256 MiB per rank
+(`--kv-migration-staging-mb`): one migration larger than the free arena writes directly.
 
 Everything here is pure planning and local copies; the engine calls are in `transfer.py`.
 """
@@ -72,6 +77,12 @@ GATHER_MIN_GAIN = 2
 # of the bytes, which breaks even at about 20-25 KiB per entry (benchmark/
 # bench_host_fragmentation.py; docs/benchmarks.md).
 STAGE_BELOW_ENTRY_BYTES = 24 << 10
+
+# A granted extent reserves this many bytes at its end for the progress marker: the source
+# writes the number of staging bytes it has completed, as a little-endian int64 at
+# ``addr + length - 8``, after each chunk lands (and only where the extent has that room
+# past the data), so the target can scatter chunk k while chunk k+1 is on the wire.
+MARKER_BYTES = 64
 
 # Python lists of indices become tensors this many at a time (~0.3 ms under the GIL each).
 _LIST_SLICE = 8192
@@ -258,17 +269,38 @@ def scatter_from_staging(layout: HostPoolLayout, staging: Any, dst_indices: Any)
     bytes moved: run it off the scheduler thread (torch releases the GIL while copying).
     """
     dp = page_ids(layout, dst_indices, "target")
-    n = int(dp.numel())
-    need = n * layout.page_size * sum(b.item_len for b in layout.buffers)
+    need = staged_size(layout, dp)
     if need > staging.nbytes:
         raise ValueError(f"staging holds {staging.nbytes} bytes, the pages need {need}")
-    base, offset = staging.data_ptr(), 0
+    scatter_range(layout, staging.data_ptr(), dp, 0, need)
+
+
+def staged_size(layout: HostPoolLayout, dst_pages: torch.Tensor) -> int:
+    """Bytes of the staging region format for these target pages."""
+    return int(dst_pages.numel()) * layout.page_size * sum(b.item_len for b in layout.buffers)
+
+
+def scatter_range(
+    layout: HostPoolLayout, base: int, dst_pages: torch.Tensor, lo: int, hi: int
+) -> int:
+    """Copy the pages whose staging bytes lie inside ``[lo, hi)`` (of the region at
+    ``base``, module docstring format; ``lo`` on a page boundary) into ``dst_pages``
+    (validated page ids, as `page_ids` returns). A page cut by ``hi`` is left for the next
+    range: returns the page boundary everything below which is now copied."""
+    n = int(dst_pages.numel())
+    block, boundary = 0, None
     for buf in layout.buffers:
         pb = layout.page_size * buf.item_len
-        pool = _pages_view(buf.ptr, buf.length, pb)
-        block = _pages_view(base + offset, n * pb, pb)
-        pool.index_put_((dp,), block)
-        offset += n * pb
+        first = max(0, -(-(lo - block) // pb))
+        last = max(0, min(n, (hi - block) // pb))
+        if first < last:
+            pool = _pages_view(buf.ptr, buf.length, pb)
+            rows = _pages_view(base + block + first * pb, (last - first) * pb, pb)
+            pool.index_put_((dst_pages[first:last],), rows)
+        if boundary is None and hi < block + n * pb:
+            boundary = block + last * pb  # the last page boundary at or below hi
+        block += n * pb
+    return max(lo, block if boundary is None else boundary)
 
 
 class StagingScatterer:
@@ -306,12 +338,14 @@ class StagingArena:
 
     ALIGN = 4096
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, pin: bool = False):
         import torch
 
         if nbytes <= 0:
             raise ValueError(f"staging arena size must be positive, got {nbytes}")
-        self._memory = torch.zeros(nbytes, dtype=torch.uint8)  # touched now, not mid-transfer
+        # Pinned (page-locked) where CUDA can pin it; zeroed now so its pages are faulted
+        # in at start-up, not in the middle of a transfer.
+        self._memory = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).zero_()
         base = self._memory.data_ptr()
         self._free: list[tuple[int, int]] = [(base, nbytes)]  # (addr, length), by address
         self._quarantined: list[tuple[float, int, int]] = []  # (not_before, addr, length)

@@ -472,6 +472,7 @@ class MooncakeTransport(KVTransport):
     def _run_worker(self, jobs: queue.SimpleQueue) -> None:
         _single_threaded_torch()
         self._tls.staging = None
+        self._tls.marker = None
         self._tls.last_batch = None
         while True:
             job = jobs.get()
@@ -536,7 +537,12 @@ class MooncakeTransport(KVTransport):
             assert plan.srcs is not None and plan.dsts is not None and plan.lengths is not None
             batches = self._send(ctx, _Entries(plan.srcs, plan.dsts, plan.lengths), deadline)
         else:
-            batches = self._send_chunks(ctx, job.src, plan, deadline)
+            marker = None
+            if plan.kind == "staged" and staged is not None:
+                # Room past the data for the progress marker (the target reserves it).
+                if staged.length - plan.total_bytes >= 8:
+                    marker = staged.addr + staged.length - 8
+            batches = self._send_chunks(ctx, job.src, plan, deadline, marker)
         return TransferStats(
             entries=plan.entries,
             bytes=plan.total_bytes,
@@ -587,10 +593,22 @@ class MooncakeTransport(KVTransport):
         return len(starts)
 
     def _send_chunks(
-        self, ctx: _Context, src: HostPoolLayout, plan: staging.PagePlan, deadline: float
+        self,
+        ctx: _Context,
+        src: HostPoolLayout,
+        plan: staging.PagePlan,
+        deadline: float,
+        marker_addr: int | None = None,
     ) -> int:
-        """Gather chunk k+1 into one staging half while chunk k leaves from the other."""
+        """Gather chunk k+1 into one staging half while chunk k leaves from the other.
+
+        With ``marker_addr`` (staged plans), each submission also writes how many staging
+        bytes have landed so far (the chunks before it, all completed) to that peer
+        address, and a last write says all of them did: the target scatters as they come.
+        """
         halves = self._staging_halves(plan.chunk_capacity)
+        marker = self._marker_word() if marker_addr is not None else None
+        landed = 0
         in_flight: _Singles | None = None
         try:
             for number, chunk in enumerate(plan.chunks, 1):
@@ -610,18 +628,49 @@ class MooncakeTransport(KVTransport):
                     chunk.entry_lengths.tolist(),
                     self._config.staging_entry_bytes,
                 )
+                if marker is not None and landed and len(lengths) < _SINGLES_MAX:
+                    # IMPORTANT: only after the chunks it counts completed (waited above).
+                    marker[0] = landed
+                    srcs, dsts, lengths = (
+                        [*srcs, marker.data_ptr()],
+                        [*dsts, marker_addr],
+                        [*lengths, 8],
+                    )
                 if len(lengths) <= _SINGLES_MAX:
                     in_flight = _Singles(self, ctx, label, srcs, dsts, lengths, deadline)
                     in_flight.submit()
                 else:  # gathered towards a fragmented target: many entries per chunk
                     self._send(ctx, _Entries(srcs, dsts, lengths), deadline)
+                landed += chunk.nbytes
             if in_flight is not None:
                 in_flight.wait()
+                in_flight = None
+            if marker is not None:
+                marker[0] = landed
+                label = "progress marker"
+                in_flight = _Singles(
+                    self, ctx, label, [marker.data_ptr()], [marker_addr], [8], deadline
+                )
+                in_flight.submit().wait()
                 in_flight = None
         finally:
             if in_flight is not None:  # failing: the staging half must not be reused early
                 in_flight.drain()
         return len(plan.chunks)
+
+    def _marker_word(self) -> torch.Tensor:
+        """This worker's registered int64 the progress markers leave from (reused: every
+        marker write completes before the next one is set)."""
+        import torch
+
+        word = self._tls.marker
+        if word is None:
+            word = torch.zeros(1, dtype=torch.int64)
+            self.register([MemoryRegion(word.data_ptr(), 8)])
+            with self._lock:
+                self._all_staging.append(word)  # freed after the engine, on close
+            self._tls.marker = word
+        return word
 
     def _staging_halves(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two registered staging chunks of at least `capacity` bytes, reused across jobs."""

@@ -1,0 +1,359 @@
+"""Host-path migrations through the real wired code on CPU, against raw Mooncake writes.
+
+Two spawned processes each run a real `MigrationSchedulerSide` over a real SGLang
+`HiRadixCache` from the CPU harness (`test/_migration_peer.py`; Llama-3-8B-shaped KV,
+32 layers, 8 KV heads, head dim 128, bf16 = 128 KiB per token) with its own Mooncake
+engine (TCP on 127.0.0.1). Per cell both host pools' free lists are shuffled page by page
+(the worst case), the source holds the prefix on host, and one migration is the three
+scheduler-side operations as the HTTP layer runs them: allocate on the target, transfer
+on the source (handler, then the per-iteration poll until it replies), commit on the
+target (with a staged write: the scatter off the scheduler thread, polled until it
+replies). Each side's time is measured in its own process, so only the pipe hops between
+the phases are left out. Side by side, in the same run: one contiguous raw write of the
+same bytes (source staging arena -> target staging arena, one entry) and the same bytes as
+16 entries. Variants: ``staged`` (the target grants a staging extent and copies pages
+into their slots as the progress markers arrive: the default), ``serial`` (staged, but
+the target copies everything at commit, as before the overlap) and ``direct`` (the
+client asks for no extent, as with ``--kv-migration-staging-mb 0``). The last repeat of
+every cell is checked byte for byte (KV loaded back to the device pool on both sides).
+
+    .venv/bin/python benchmark/bench_wired_migration.py                 # default cells
+    .venv/bin/python benchmark/bench_wired_migration.py --tokens 1024 --variants staged direct
+
+Also reports, per migration, the longest time the migration code spent on either side's
+scheduler thread in one loop iteration (`metrics.LoopTimer`: handlers + poll).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_ROOT / "test"))
+sys.path.insert(0, str(_ROOT / "python"))
+
+REPLY_S = 600.0
+START_S = 300.0
+RAW_PIECES = 16
+SHAPE = {"layer_num": 32, "head_num": 8, "head_dim": 128}
+BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
+
+
+# --------------------------------------------------------------------------------------
+# The peer process: `_migration_peer._Server` plus timing commands
+# --------------------------------------------------------------------------------------
+
+
+def _server_class() -> type:
+    from _migration_peer import _Server
+
+    class BenchServer(_Server):
+        def timed_call(self, name: str, request: Any) -> tuple[Any, float, float]:
+            """(reply, seconds, longest scheduler-thread time of ours in one iteration)."""
+            self.side.loop_timer.max_s = 0.0
+            start = time.perf_counter()
+            reply = self.call(name, request)
+            return reply, time.perf_counter() - start, self.side.loop_timer.max_s
+
+        def set_overlap(self, on: bool) -> None:
+            self.side.staging.overlap = on
+
+        def arena(self) -> list[int]:
+            return self.side.staging.region
+
+        def raw_write(self, session_id: str, peer_arena: list[int], nbytes: int, pieces: int):
+            """One write of ``nbytes`` from this side's arena into the peer's."""
+            from sglang_kv_migration.transfer import MemoryRegion, WriteOp
+
+            base = self.side.staging.region[0]
+            step = -(-nbytes // pieces)
+            ops = [
+                WriteOp(base + o, peer_arena[0] + o, min(step, nbytes - o))
+                for o in range(0, nbytes, step)
+            ]
+            start = time.perf_counter()
+            handle = self.side.transport.write(session_id, ops, [MemoryRegion(*peer_arena)])
+            while not handle.done():  # as the scheduler loop would poll it
+                time.sleep(0.0005)
+            handle.result()
+            return time.perf_counter() - start
+
+        def touch_host_pool(self) -> None:
+            """Write every byte of the host pool once. SGLang pins (and so faults in) its
+            host pool at start-up; the CPU harness's is lazily mapped, and first-touch
+            page faults would otherwise be timed inside the first write to each slot."""
+            import torch
+
+            for buf in self.side.layout.buffers:
+                view = (ctypes.c_uint8 * buf.length).from_address(buf.ptr)
+                torch.frombuffer(view, dtype=torch.uint8).fill_(0x5A)
+
+        def insert_on_host(self, tokens: list[int], seed: int) -> None:
+            """Drop the previous prefix, insert this one, back it up to host, free the
+            device copy (the source's pages on host, in a pool of bounded size)."""
+            self.harness.cache.evict_host(self.harness.host_pool.size)
+            self.insert(tokens, seed, True)
+            self.evict_device()
+
+    return BenchServer
+
+
+def peer_main(conn: Connection) -> None:
+    import cpu_harness
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cpu_harness.install_cpu_shims()
+    import traceback
+
+    import sglang_kv_migration.scheduler_side  # noqa: F401  (the slow import, up front)
+
+    server = _server_class()()
+    conn.send(("ready", None))
+    try:
+        while conn.poll(REPLY_S):
+            command, *args = conn.recv()
+            if command == "quit":
+                break
+            try:
+                conn.send(("ok", getattr(server, command)(*args)))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        server.close()
+        conn.close()
+
+
+# --------------------------------------------------------------------------------------
+# The driver
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Remote:
+    name: str
+    conn: Connection
+    process: Any
+
+    def do(self, command: str, *args: Any) -> Any:
+        self.conn.send((command, *args))
+        if not self.conn.poll(REPLY_S):
+            raise TimeoutError(f"{self.name}: no reply to {command} in {REPLY_S} s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"{self.name} failed on {command}:\n{value}")
+        return value
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("quit",))
+        except OSError:
+            pass
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+@dataclass
+class Row:
+    layout: str
+    page_size: int
+    tokens: int
+    mib: float
+    variant: str
+    plan: str
+    entries: int
+    migration_ms: float  # allocate + transfer + commit, median
+    allocate_ms: float
+    transfer_ms: float
+    commit_ms: float  # includes the staged scatter
+    raw_contiguous_ms: float
+    raw_pieces_ms: float
+    ratio: float  # migration / raw contiguous
+    pieces_ratio: float
+    source_loop_max_ms: float  # longest iteration of our code on the source's loop (max)
+    target_loop_max_ms: float
+    ok: bool
+
+
+def _spawn(name: str) -> Remote:
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=peer_main, args=(child,), daemon=True, name=name)
+    process.start()
+    child.close()
+    return Remote(name, conn, process)
+
+
+def run_cell(
+    src: Remote, dst: Remote, layout: str, page_size: int, tokens: int, variant: str, repeats: int
+) -> Row:
+    from sglang_kv_migration.io_types import (
+        AllocateTokenForTransferReqInput,
+        CommitTransferRequestKVCacheReqInput,
+        GetTransferSessionInfoReqInput,
+        TransferRequestKVCacheReqInput,
+        TransferRequestKVCacheTarget,
+    )
+
+    nbytes = tokens * BYTES_PER_TOKEN
+    # Room for the migration plus the raw writes' bytes, on both sides.
+    arena = (-(-nbytes // (1 << 20)) + 1) << 20
+    cfg = {"attention": "mha", "host_layout": layout, "page_size": page_size, **SHAPE}
+    cfg["device_tokens"] = tokens + 2 * page_size
+    # Both sides have an arena (the raw writes use them); "direct" asks for no extent.
+    # Each side keeps one or two prefixes on host (older ones are evicted).
+    src.do("setup", {**cfg, "hicache_ratio": 2.5}, 60.0, {"staging_bytes": arena})
+    dst.do("setup", {**cfg, "hicache_ratio": 2.5}, 60.0, {"staging_bytes": arena})
+    # "serial": staged, but the target copies the extent only at commit (no overlap).
+    dst.do("set_overlap", variant != "serial")
+    src.do("touch_host_pool")
+    dst.do("touch_host_pool")
+    info = dst.do("call", "get_transfer_session_info", GetTransferSessionInfoReqInput())
+    src_info = src.do("call", "get_transfer_session_info", GetTransferSessionInfoReqInput())
+    rank = info.ranks[0]
+    peer_arena = dst.do("arena")
+    src.do("fragment_host", 1)
+    samples: dict[str, list[float]] = {k: [] for k in ("alloc", "xfer", "commit", "raw", "raw16")}
+    loop_src, loop_dst, plan, entries, ok = 0.0, 0.0, "", 0, True
+    for r in range(repeats):
+        prefix = list(range(1_000_000 * (r + 1), 1_000_000 * (r + 1) + tokens))
+        src.do("insert_on_host", prefix, r)
+        dst.do("fragment_host", 100 + r)
+        mid = f"bench-{layout}-{page_size}-{tokens}-{variant}-{r}"
+        alloc, t_alloc, l_alloc = dst.do(
+            "timed_call",
+            "allocate_token_for_transfer",
+            AllocateTokenForTransferReqInput(
+                input_ids=prefix,
+                migration_id=mid,
+                source_fingerprints=[x.fingerprint for x in src_info.ranks],
+                staging=variant != "direct",
+            ),
+        )
+        assert alloc.success, alloc.message
+        target = TransferRequestKVCacheTarget(
+            tp=0,
+            pp=0,
+            session_id=rank.session_id,
+            host_kv_data_ptrs=rank.host_kv_data_ptrs,
+            host_kv_data_lens=rank.host_kv_data_lens,
+            host_kv_item_lens=rank.host_kv_item_lens,
+            kv_indices=alloc.ranks[0].kv_indices,
+            fingerprint=rank.fingerprint,
+            grant=alloc.ranks[0].grant,
+            staging=alloc.ranks[0].staging,
+        )
+        sent, t_xfer, l_xfer = src.do(
+            "timed_call",
+            "transfer_request_kvcache",
+            TransferRequestKVCacheReqInput(
+                input_ids=prefix,
+                matched_token_size=alloc.matched_token_size,
+                extra_token_size=alloc.extra_token_size,
+                target_per_rank=[target],
+                migration_id=mid,
+            ),
+        )
+        assert sent.success, sent.message
+        committed, t_commit, l_commit = dst.do(
+            "timed_call",
+            "commit_transfer_request_kvcache",
+            CommitTransferRequestKVCacheReqInput(
+                migration_id=mid, receipts=[x.receipt for x in sent.ranks]
+            ),
+        )
+        assert committed.success, committed.message
+        raw = src.do("raw_write", rank.session_id, peer_arena, nbytes, 1)
+        raw16 = src.do("raw_write", rank.session_id, peer_arena, nbytes, RAW_PIECES)
+        for key, value in zip(samples, (t_alloc, t_xfer, t_commit, raw, raw16), strict=True):
+            samples[key].append(value)
+        loop_src = max(loop_src, l_xfer)
+        loop_dst = max(loop_dst, l_alloc, l_commit)
+        plan, entries = sent.ranks[0].plan, sent.ranks[0].entries
+        if r == repeats - 1:
+            ok = src.do("kv_digest", prefix) == dst.do("kv_digest", prefix)
+    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    migration = med["alloc"] + med["xfer"] + med["commit"]
+    return Row(
+        layout=layout,
+        page_size=page_size,
+        tokens=tokens,
+        mib=nbytes / (1 << 20),
+        variant=variant,
+        plan=plan,
+        entries=entries,
+        migration_ms=round(migration, 1),
+        allocate_ms=round(med["alloc"], 1),
+        transfer_ms=round(med["xfer"], 1),
+        commit_ms=round(med["commit"], 1),
+        raw_contiguous_ms=round(med["raw"], 1),
+        raw_pieces_ms=round(med["raw16"], 1),
+        ratio=round(migration / med["raw"], 2),
+        pieces_ratio=round(migration / med["raw16"], 2),
+        source_loop_max_ms=round(loop_src * 1e3, 2),
+        target_loop_max_ms=round(loop_dst * 1e3, 2),
+        ok=ok,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="+", default=["layer_first"])
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=[1])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument(
+        "--variants", nargs="+", default=["staged"], choices=["staged", "serial", "direct"]
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    src, dst = _spawn("source"), _spawn("target")
+    rows: list[Row] = []
+    try:
+        for remote in (src, dst):
+            if not remote.conn.poll(START_S) or remote.conn.recv()[0] != "ready":
+                raise RuntimeError(f"{remote.name} did not start")
+        for layout in args.layouts:
+            for page_size in args.page_sizes:
+                for tokens in args.tokens:
+                    for variant in args.variants:
+                        row = run_cell(src, dst, layout, page_size, tokens, variant, args.repeats)
+                        rows.append(row)
+                        print(json.dumps(asdict(row)), flush=True)
+    finally:
+        src.stop()
+        dst.stop()
+    print(f"load average after: {os.getloadavg()}")
+    print(
+        "| layout | page | tokens (MiB) | variant | plan, entries | migration ms "
+        "(allocate / transfer / commit) | raw contiguous ms (x16) | ratio (vs x16) | "
+        "loop max ms source / target | bytes equal |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r.layout} | {r.page_size} | {r.tokens} ({r.mib:.0f}) | {r.variant} | "
+            f"{r.plan}, {r.entries} | {r.migration_ms:.0f} ({r.allocate_ms:.0f} / "
+            f"{r.transfer_ms:.0f} / {r.commit_ms:.0f}) | {r.raw_contiguous_ms:.0f} "
+            f"({r.raw_pieces_ms:.0f}) | **{r.ratio:.2f}** ({r.pieces_ratio:.2f}) | "
+            f"{r.source_loop_max_ms:.1f} / {r.target_loop_max_ms:.1f} | {r.ok} |"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()
