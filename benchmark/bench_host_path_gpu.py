@@ -106,7 +106,8 @@ def table_row(client: MigrationClient, source: str, target: str, n: int, rng) ->
         "migrated_tokens": result.migrated_token_size,
         "bytes": result.migrated_bytes,
         "path": result.path,
-        "transfer_ranks": getattr(result, "transfer_ranks", None),
+        "plans": result.plans,  # per source rank: direct / gather / staged
+        "entries": result.entries,  # transfer-engine write entries, all ranks
     }
     row["migrate_plus_cached_over_prefill"] = round(
         (row["migrate_ms"] + row["cached_request_ms"]) / row["prefill_ms"], 3
@@ -310,6 +311,11 @@ def main() -> None:
         "--mem-fraction-static", type=float, nargs=3, default=[0.28, 0.4, 0.65],
         help="per server in start order (source, target, off): a share of the free memory",
     )  # fmt: skip
+    parser.add_argument(
+        "--staging-mb", type=int, default=None,
+        help="--kv-migration-staging-mb for the plugin's servers (the default arena, 256 MiB, "
+        "holds 2K tokens of this shape: longer migrations write directly)",
+    )  # fmt: skip
     parser.add_argument("--churn-conversations", type=int, default=64)
     parser.add_argument("--churn-turns", type=int, default=4)
     parser.add_argument("--stall-migrations", type=int, default=3)
@@ -331,7 +337,9 @@ def main() -> None:
         "--page-size", str(args.page_size), "--max-total-tokens", str(args.max_total_tokens),
         "--context-length", "40960",
     ]  # fmt: skip
-    host_only = ["--kv-migration-paths", "host"]
+    host_only = ["--kv-migration-paths", "host"]  # with the plugin's other flags
+    if args.staging_mb is not None:
+        host_only += ["--kv-migration-staging-mb", str(args.staging_mb)]
     ports = {"source": 31000, "target": 31100, "off": 31200}
     url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     with_tok = "overhead" in args.parts
