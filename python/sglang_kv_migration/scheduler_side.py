@@ -1,10 +1,12 @@
-"""Scheduler-side handlers of the six operations, run on every TP rank of a server.
+"""Scheduler-side handlers of the six operations, run on every (tp, pp) rank of a server.
 
-SGLang broadcasts every control request to all TP ranks, and only the first rank's reply
-reaches the tokenizer manager. So each handler does its rank's part, then the ranks
-exchange their parts with a collective on the scheduler's CPU (gloo) group
+SGLang broadcasts every control request to all TP ranks of a stage, and only the first
+rank's reply reaches the tokenizer manager. So each handler does its rank's part, then the
+stage's ranks exchange their parts with a collective on the TP CPU (gloo) group
 (`rank_context.py`), and every rank builds the same reply (the non-first ranks' sends
-are no-ops upstream). The source's transfers live in `source_transfers.py`.
+are no-ops). With PP every stage answers for its own ranks and stages agree forward
+through the request stream (`pp_stages.py`). The source's transfers live in
+`source_transfers.py`.
 
 IMPORTANT: collectives must be entered by every rank the same number of times in the
 same order. Handlers run in broadcast order, and `poll()` runs once per scheduler loop
@@ -42,11 +44,13 @@ from sglang_kv_migration.io_types import (
     GetTransferSessionInfoReqInput,
     GetTransferSessionInfoReqOutput,
     RankSessionInfo,
+    StageSyncReqInput,
     TransferRequestKVCacheReqInput,
 )
 from sglang_kv_migration.layout import HostPoolLayout, LayoutFingerprint
 from sglang_kv_migration.metrics import MigrationMetrics, NullMetrics
 from sglang_kv_migration.pending import PendingMigrations
+from sglang_kv_migration.pp_stages import refusal_of, refused_output
 from sglang_kv_migration.rank_context import RankContext, check_peer_fingerprint, guarded
 from sglang_kv_migration.source_transfers import SourceTransfers
 from sglang_kv_migration.transfer import KVTransport, TransportConfig, open_transport
@@ -99,7 +103,8 @@ class MigrationSchedulerSide:
             )
         self.bytes_per_token = sum(self.layout.item_lens)  # on this rank
         # A restarted server gets a new epoch: clients drop their cached session info.
-        self.server_epoch = ctx.all_gather(uuid.uuid4().hex)[0]
+        # One for the whole server: every PP stage's reply carries it.
+        self.server_epoch = ctx.all_gather_world(uuid.uuid4().hex)[0]
         self.paths = self._open_paths(path_names, transport_config, transport, enable_memory_saver)
         self.transfers = SourceTransfers(
             ctx, self.fingerprint, self.paths, self.metrics, self.server_epoch, self.signer
@@ -123,25 +128,33 @@ class MigrationSchedulerSide:
     def handlers(self) -> list[tuple[type, Callable[[Any], Any]]]:
         """(request type, handler) pairs for the scheduler's TypeBasedDispatcher. Every
         reply carries its request's `rid` (the tokenizer side matches replies by it)."""
+        answering = self._answering
         return [
-            (GetTransferSessionInfoReqInput, _answering(self.get_transfer_session_info)),
-            (GetRequestExtraTokenSizeReqInput, _answering(self.get_request_extra_token_size)),
-            (AllocateTokenForTransferReqInput, _answering(self.allocate_token_for_transfer)),
+            (GetTransferSessionInfoReqInput, answering(self.get_transfer_session_info)),
+            (GetRequestExtraTokenSizeReqInput, answering(self.get_request_extra_token_size)),
+            (AllocateTokenForTransferReqInput, answering(self.allocate_token_for_transfer)),
             (TransferRequestKVCacheReqInput, self.transfer_request_kvcache),  # replies later
             (
                 CommitTransferRequestKVCacheReqInput,
-                _answering(self.commit_transfer_request_kvcache),
+                answering(self.commit_transfer_request_kvcache),
             ),
-            (AbortTransferReqInput, _answering(self.abort_transfer)),
+            (AbortTransferReqInput, answering(self.abort_transfer)),
+            (StageSyncReqInput, self.stage_sync),  # from PP stage 0; no reply
         ]
 
-    def poll(self) -> None:
-        """Once per scheduler loop iteration: finish transfers, run the watchdog."""
+    def poll(self) -> list[Any]:
+        """Once per scheduler loop iteration: finish transfers, run the watchdog. Returns
+        messages for the later PP stages (the watchdog's decisions, on stage 0)."""
         self._iteration += 1
         self.transfers.poll()
         busy = len(self.pending) or self.pending.quarantined()
-        if busy and self._iteration % WATCHDOG_EVERY_ITERATIONS == 0:
-            self._run_watchdog()
+        # Later stages free what stage 0's watchdog freed (`stage_sync`), at the same
+        # point of the request stream, so every stage's tree stays the same.
+        if self.ctx.first_stage and busy and self._iteration % WATCHDOG_EVERY_ITERATIONS == 0:
+            expired = self._run_watchdog()
+            if expired and self.ctx.pp_size > 1:
+                return [StageSyncReqInput(expired_ids=expired)]
+        return []
 
     def prepare_for_cache_flush(self) -> None:
         """Called before SGLang resets the radix cache and clears the pools.
@@ -266,6 +279,8 @@ class MigrationSchedulerSide:
                 server_epoch=self.epoch_for(req),
             )
 
+        if req.stage_refusal is not None:  # an earlier PP stage refused: so do we
+            return refused_output(AllocateTokenForTransferReqOutput, req.stage_refusal)
         started = time.monotonic()
         local = guarded(run_local, AllocateTokenForTransferReqOutput)
         outputs = self.ctx.all_gather(local)
@@ -276,6 +291,7 @@ class MigrationSchedulerSide:
                 self.pending.abort(req.migration_id)
             self.metrics.outcome("target", "allocate_failed")
             first = failed[0]
+            req.stage_refusal = refusal_of(first)  # later PP stages do not allocate
             return AllocateTokenForTransferReqOutput(
                 success=False,
                 migration_id=req.migration_id,
@@ -309,6 +325,8 @@ class MigrationSchedulerSide:
                 success=True, matched_after_commit=matched_after
             )
 
+        if req.stage_refusal is not None:  # an earlier PP stage did not insert: nor do we
+            return refused_output(CommitTransferRequestKVCacheReqOutput, req.stage_refusal)
         pending = self.pending.get(req.migration_id)  # None for a repeated commit
         started = time.monotonic()
         # Every rank needs the source's success receipt for its slots; agree first, so no
@@ -316,17 +334,22 @@ class MigrationSchedulerSide:
         refusal = None
         if self.pending.committable(req.migration_id, req.weight_version):
             refusal = self._receipt_refusal(req.receipts, pending)
+            if refusal is None and self.ctx.first_stage:
+                refusal = self._later_stage_receipts_refusal(req.receipts, req.migration_id)
         refusals = [r for r in self.ctx.all_gather(refusal) if r is not None]
         if refusals:
             self.metrics.outcome("target", "commit_failed")
-            return CommitTransferRequestKVCacheReqOutput(
+            output = CommitTransferRequestKVCacheReqOutput(
                 success=False, message=refusals[0], error_kind=ErrorKind.FORBIDDEN.value
             )
+            req.stage_refusal = refusal_of(output)
+            return output
         local = guarded(run_local, CommitTransferRequestKVCacheReqOutput)
         outputs = self.ctx.all_gather(local)
         failed = [o for o in outputs if not o.success]
         if failed:
             self.metrics.outcome("target", "commit_failed")
+            req.stage_refusal = refusal_of(failed[0])
             return failed[0]
         matched_after = min(o.matched_after_commit for o in outputs)
         if pending is not None:
@@ -378,7 +401,27 @@ class MigrationSchedulerSide:
             self.metrics.outcome("target", "aborted")
         return local
 
+    def stage_sync(self, req: StageSyncReqInput) -> None:
+        """Later PP stages: free what stage 0's watchdog freed (skips unknown ids)."""
+        for _ in self.pending.expire(req.expired_ids):
+            self.metrics.outcome("target", "expired")
+        return None
+
     # ------------------------------------------------------------------ helpers
+
+    def _answering(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """Wrap a handler: its reply carries the request's `rid`. On stage 0 SGLang sends
+        the returned reply; a later stage sends its own (SGLang sends nothing there)."""
+
+        def answer(req: Any) -> Any:
+            output = handler(req)
+            output.rid = req.rid
+            if self.ctx.first_stage:
+                return output
+            self.ctx.send_output(output, req)
+            return None
+
+        return answer
 
     def _receipt_refusal(
         self,
@@ -408,6 +451,27 @@ class MigrationSchedulerSide:
                 return f"the source's writes to {where} may still land"
             return None
         return f"no receipt from the source for {where} (pass the transfer reply's receipts)"
+
+    def _later_stage_receipts_refusal(self, receipts: list[str], migration_id: str) -> str | None:
+        """Stage 0 checks that later PP stages hold success receipts too (signature, id,
+        outcome; each stage checks its own slots), so a later stage cannot refuse a
+        commit stage 0 already inserted."""
+        proven = set()
+        for raw in receipts:
+            try:
+                receipt = self.signer.decode_receipt(raw)
+            except MigrationError as e:
+                return f"bad receipt: {e.message}"
+            if receipt.migration_id == migration_id and receipt.success:
+                proven.add((receipt.tp, receipt.pp))
+        for pp in range(1, self.ctx.pp_size):
+            for tp in range(self.ctx.tp_size):
+                if (tp, pp) not in proven:
+                    return (
+                        f"no success receipt from the source for tp={tp} pp={pp} "
+                        "(pass the transfer reply's receipts)"
+                    )
+        return None
 
     def fingerprint_for(self, req: Any) -> LayoutFingerprint:
         """This rank's fingerprint with the weight version the request was stamped with."""
@@ -446,8 +510,8 @@ class MigrationSchedulerSide:
             reason = device_path_unavailable_reason(self.ctx.tree_cache, enable_memory_saver)
             if reason is not None:
                 reasons[DEVICE] = reason
-        # Offered only if every rank can: the client treats a server as one peer.
-        all_reasons = self.ctx.all_gather(reasons)
+        # Offered only if every (tp, pp) rank can: the client treats a server as one peer.
+        all_reasons = self.ctx.all_gather_world(reasons)
         skipped = {name: r for rank_reasons in all_reasons for name, r in rank_reasons.items()}
         paths: dict[str, DataPath] = {}
         for name in names:
@@ -468,22 +532,15 @@ class MigrationSchedulerSide:
                 paths[DEVICE] = DevicePath(self.ctx.tree_cache)
         return paths
 
-    def _run_watchdog(self) -> None:
+    def _run_watchdog(self) -> list[str]:
+        """Free what is due; returns the ids (pending and quarantined) it decided on."""
         # The deadline is judged on each rank's clock, then unioned so that every rank
         # frees the same ids and the trees stay identical.
         local_due = self.pending.due()
         due = sorted({mid for ids in self.ctx.all_gather(local_due) for mid in ids})
         for _ in self.pending.expire(due):
             self.metrics.outcome("target", "expired")
-
-
-def _answering(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def answer(req: Any) -> Any:
-        output = handler(req)
-        output.rid = req.rid
-        return output
-
-    return answer
+        return due
 
 
 def advertised_hostname(configured: str | None, server_host: str) -> str:

@@ -1,6 +1,7 @@
 """Source side of `/transfer_request_kvcache` on one rank, without stalling the scheduler.
 
-Life of a transfer on every TP rank:
+Life of a transfer on every (tp, pp) rank (each PP stage moves its own layers to the
+stage with the same pp_rank on the target, and replies for its own TP ranks):
 
     start():  ranks agree the request is valid (collective) → the data path pins the
               range and starts its `SendJob` (no waiting)
@@ -28,6 +29,7 @@ from sglang_kv_migration.data_path import DataPath, KVPoll, SendJob, SendRange
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.io_types import (
     RankTransferResult,
+    StageRefusal,
     TransferRequestKVCacheReqInput,
     TransferRequestKVCacheReqOutput,
     TransferRequestKVCacheTarget,
@@ -120,6 +122,12 @@ class SourceTransfers:
         """Handle a transfer request; the reply is sent later by `poll()`."""
         inflight = InflightTransfer(request=req, started=time.monotonic())
         self._inflight.append(inflight)
+        if req.stage_refusal is not None:
+            # An earlier PP stage refused before pinning anything: so do we (its reply
+            # fails the transfer), leaving this stage's tree as that stage left its own.
+            kind = ErrorKind(req.stage_refusal.error_kind or ErrorKind.INTERNAL.value)
+            inflight.error = MigrationError(kind, req.stage_refusal.message)
+            return
         local_error = error_of(lambda: self._validate(req, inflight))
         # IMPORTANT: agree on validity before touching the tree. A rank that pinned and
         # queued write-backs while another did not would leave the ranks' write-through
@@ -127,6 +135,7 @@ class SourceTransfers:
         errors = [e for e in self.ctx.all_gather(local_error) if e is not None]
         if errors:
             inflight.error = errors[0]
+            req.stage_refusal = StageRefusal(errors[0].message, errors[0].kind.value)
             return
         # Same outcome on every rank: their trees and pools are identical. (The device
         # path may still refuse on one rank only, e.g. an unopenable peer buffer; the
@@ -159,6 +168,17 @@ class SourceTransfers:
     # ------------------------------------------------------------------ helpers
 
     def _validate(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
+        if self.ctx.first_stage:
+            # Checked for every stage here, so a later stage cannot refuse for want of its
+            # entry after this one wrote.
+            listed = {(t.tp, t.pp) for t in req.target_per_rank}
+            for pp in range(self.ctx.pp_size):
+                for tp in range(self.ctx.tp_size):
+                    if (tp, pp) not in listed:
+                        raise MigrationError(
+                            ErrorKind.BAD_REQUEST,
+                            f"target_per_rank has no entry for tp={tp} pp={pp}",
+                        )
         for target in req.target_per_rank:
             if (target.tp, target.pp) == (self.ctx.tp_rank, self.ctx.pp_rank):
                 break
@@ -255,10 +275,11 @@ class SourceTransfers:
 
     def _reply(self, inflight: InflightTransfer, statuses: list[RankTransferStatus]) -> None:
         req = inflight.request
+        # `statuses` come from this stage's TP group, in tp_rank order.
         ranks = [
             RankTransferResult(
-                tp_rank=i % self.ctx.tp_size,
-                pp_rank=i // self.ctx.tp_size,
+                tp_rank=i,
+                pp_rank=self.ctx.pp_rank,
                 success=s.success,
                 bytes=s.bytes,
                 seconds=s.seconds,
@@ -270,7 +291,7 @@ class SourceTransfers:
         failed = [s for s in statuses if not s.success]
         elapsed = time.monotonic() - inflight.started
         self.metrics.phase("transfer", elapsed)
-        # Every rank builds this same reply; only the first one logs it.
+        # Every rank of a stage builds this same reply; only the first one logs it.
         first_rank = self.ctx.tp_rank == 0
         if failed:
             output = TransferRequestKVCacheReqOutput(
@@ -300,7 +321,7 @@ class SourceTransfers:
                 server_epoch=f"{self.server_epoch}:{req.weight_version}",
             )
             self.metrics.outcome("source", "sent")
-            # Gathers run over the TP group, in tp_rank order.
+            # Gathers run over the stage's TP group, in tp_rank order.
             self.metrics.moved("source", req.extra_token_size, statuses[self.ctx.tp_rank].bytes)
             if first_rank:
                 logger.info(
