@@ -208,3 +208,93 @@ def test_failed_allocation_is_aborted_on_every_stage_before_the_answer() -> None
         assert not merged.success and merged.message == "host pool is full"
 
     asyncio.run(run())
+
+
+# --------------------------------------------------------------------------- one stage
+# A real one-rank scheduler side on a CPU harness, playing one stage of a PP=2 server.
+
+
+def _stage_allocate(side: Any, mid: str, start: int, **fields: Any) -> Any:
+    fields.setdefault("source_fingerprints", [side.fingerprint.to_dict()])
+    req = AllocateTokenForTransferReqInput(
+        input_ids=list(range(start, start + 64)), migration_id=mid, **fields
+    )
+    req.rid = f"rid-{mid}"
+    return req
+
+
+def test_later_stage_follows_an_earlier_stages_refusal(side_factory) -> None:
+    """Stage 1 refuses what stage 0 refused without touching its pool, and replies
+    through its own sender (SGLang sends nothing for later stages)."""
+    from sglang_kv_migration.io_types import StageRefusal
+
+    side = side_factory(pp_rank=1, pp_size=2, watchdog_timeout_s=60.0, page_size=16)
+    handlers = dict(side.handlers())
+    free_before = side.harness.snapshot().host_available
+    refusal = StageRefusal("host pool is full", "unavailable")
+    req = _stage_allocate(side, "refused", 1000, stage_refusal=refusal)
+    assert handlers[AllocateTokenForTransferReqInput](req) is None  # sent, not returned
+    (reply,) = side.replies
+    assert not reply.success and reply.error_kind == "unavailable" and reply.rid == req.rid
+    assert len(side.pending) == 0 and side.harness.snapshot().host_available == free_before
+
+    # Without a refusal it allocates, and replies through its sender too.
+    side.replies.clear()
+    assert handlers[AllocateTokenForTransferReqInput](_stage_allocate(side, "ok", 2000)) is None
+    assert side.replies[0].success and len(side.pending) == 1
+
+
+def test_earlier_stage_refusal_of_a_commit(side_factory) -> None:
+    """A forbidden commit leaves this stage's allocation pending (the client may retry);
+    a commit stage 0 answered "gone" for (weights changed) drops it here too."""
+    from sglang_kv_migration.io_types import (
+        CommitTransferRequestKVCacheReqInput,
+        StageRefusal,
+    )
+
+    side = side_factory(pp_rank=1, pp_size=2, watchdog_timeout_s=60.0, page_size=16)
+    assert side.allocate_token_for_transfer(_stage_allocate(side, "m", 3000)).success
+    forbidden = CommitTransferRequestKVCacheReqInput(
+        migration_id="m", stage_refusal=StageRefusal("no receipt", "forbidden")
+    )
+    reply = side.commit_transfer_request_kvcache(forbidden)
+    assert not reply.success and reply.error_kind == "forbidden"
+    assert side.pending.get("m") is not None
+    gone = CommitTransferRequestKVCacheReqInput(
+        migration_id="m", stage_refusal=StageRefusal("weight_version changed", "gone")
+    )
+    reply = side.commit_transfer_request_kvcache(gone)
+    assert not reply.success and reply.error_kind == "gone"
+    assert side.pending.get("m") is None
+
+
+def test_stage_0_refusal_marks_the_request_for_later_stages(side_factory) -> None:
+    side = side_factory(pp_rank=0, pp_size=2, watchdog_timeout_s=60.0, page_size=16)
+    req = _stage_allocate(side, "x", 4000, source_fingerprints=[])
+    reply = side.allocate_token_for_transfer(req)
+    assert not reply.success
+    assert req.stage_refusal is not None and req.stage_refusal.message == reply.message
+
+
+def test_only_stage_0_runs_the_watchdog_and_later_stages_follow_it(side_factory) -> None:
+    import time
+
+    from sglang_kv_migration.io_types import StageSyncReqInput
+
+    first = side_factory(pp_rank=0, pp_size=2, watchdog_timeout_s=0.05, page_size=16)
+    later = side_factory(pp_rank=1, pp_size=2, watchdog_timeout_s=0.05, page_size=16)
+    for side in (first, later):
+        assert side.allocate_token_for_transfer(_stage_allocate(side, "w", 5000)).success
+    time.sleep(0.1)
+    forwarded: list[Any] = []
+    for _ in range(200):  # the watchdog runs every 64 iterations
+        assert later.poll() == []
+        forwarded += first.poll()
+        if forwarded:
+            break
+    assert len(later.pending) == 1, "a later stage must not expire on its own clock"
+    assert len(first.pending) == 0
+    (sync,) = forwarded
+    assert isinstance(sync, StageSyncReqInput) and "w" in sync.expired_ids
+    assert dict(later.handlers())[StageSyncReqInput](sync) is None
+    assert len(later.pending) == 0

@@ -326,6 +326,9 @@ class MigrationSchedulerSide:
             )
 
         if req.stage_refusal is not None:  # an earlier PP stage did not insert: nor do we
+            if req.stage_refusal.error_kind == ErrorKind.GONE.value:
+                # It dropped the allocation (weights changed since allocate): so do we.
+                self.pending.expire([req.migration_id])
             return refused_output(CommitTransferRequestKVCacheReqOutput, req.stage_refusal)
         pending = self.pending.get(req.migration_id)  # None for a repeated commit
         started = time.monotonic()
