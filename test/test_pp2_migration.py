@@ -34,6 +34,8 @@ GOOD_IDS = list(range(100, 100 + PAGE * 8 + 5))
 BROKEN_IDS = list(range(5000, 5000 + PAGE * 6 + 3))
 WATCHDOG_IDS = list(range(12000, 12000 + PAGE * 3))
 RECEIPT_IDS = list(range(15000, 15000 + PAGE * 2))
+ONE_STAGE_IDS = list(range(16000, 16000 + PAGE))
+BAD_GRANT_IDS = list(range(17000, 17000 + PAGE))
 # Fits stage 0's host pool (2 x 4096 slots), not stage 1's on B (1.1 x 4096).
 HUGE_IDS = list(range(20000, 20000 + PAGE * 320))
 TARGET_WATCHDOG_S = 8.0
@@ -246,15 +248,15 @@ def allocate(
 
 def test_transfer_missing_a_stage_is_refused_before_any_stage_writes(servers: Servers) -> None:
     src, dst = servers.a, servers.b
-    ids = aligned(GOOD_IDS)[:PAGE]
+    ids = ONE_STAGE_IDS  # held by the source, so only the checks can stop stage 0
+    assert src.ask_all("insert", ids, 11) == [True] * PP
     dst_baseline = dst.ask_all("snapshot")
-    alloc = allocate(src, dst, ids, "one-stage")
+    alloc = allocate(src, dst, ids, None)
     dst_before = dst.ask_all("snapshot")
     src_before = src.ask_all("snapshot")
     stage0 = target_entry(session_info(dst.url)["ranks"][0], alloc["ranks"][0])
     body = {
         "input_ids": ids,
-        "extra_key": "one-stage",
         "matched_token_size": 0,
         "extra_token_size": PAGE,
         "target_per_rank": [stage0],
@@ -263,6 +265,7 @@ def test_transfer_missing_a_stage_is_refused_before_any_stage_writes(servers: Se
     r = post(src.url, "/transfer_request_kvcache", body)
     assert r.status_code == 400, r.text
     assert "no entry for tp=0 pp=1" in r.json()["message"]
+    assert [(x["success"], x["bytes"]) for x in r.json()["ranks"]] == [(False, 0)] * PP
     # Neither stage pinned nor wrote: stage 1 followed stage 0's refusal.
     assert src.ask_all("snapshot") == src_before
     assert dst.ask_all("snapshot") == dst_before
@@ -271,6 +274,45 @@ def test_transfer_missing_a_stage_is_refused_before_any_stage_writes(servers: Se
     # Aborted without receipts: the slots come back once their write window closed.
     assert wait_until(lambda: dst.ask_all("snapshot") == dst_baseline, 30.0)
     assert session_info(src.url)["success"] is True
+
+
+def test_bad_grant_for_a_later_stage_is_refused_before_stage_0_writes(
+    servers: Servers,
+) -> None:
+    """Stage 0 checks stage 1's grant too: a transfer whose stage-1 entry carries stage
+    0's grant writes nothing anywhere (without that check stage 0 would have written
+    before stage 1 refused)."""
+    src, dst = servers.a, servers.b
+    ids = BAD_GRANT_IDS  # held by the source, so only the checks can stop stage 0
+    assert src.ask_all("insert", ids, 12) == [True] * PP
+    dst_baseline = dst.ask_all("snapshot")
+    alloc = allocate(src, dst, ids, None)
+    entries = [
+        target_entry(rank, granted)
+        for rank, granted in zip(session_info(dst.url)["ranks"], alloc["ranks"], strict=True)
+    ]
+    entries[1]["grant"] = entries[0]["grant"]
+    body = {
+        "input_ids": ids,
+        "matched_token_size": 0,
+        "extra_token_size": PAGE,
+        "target_per_rank": entries,
+        "migration_id": alloc["migration_id"],
+    }
+    r = post(src.url, "/transfer_request_kvcache", body)
+    assert r.status_code == 403, r.text
+    ranks = r.json()["ranks"]
+    assert [(x["pp_rank"], x["success"], x["bytes"]) for x in ranks] == [
+        (0, False, 0),
+        (1, False, 0),
+    ]
+    r = post(
+        dst.url,
+        "/abort_transfer",
+        {"migration_id": alloc["migration_id"], "receipts": [x["receipt"] for x in ranks]},
+    )
+    assert r.status_code == 200, r.text
+    assert wait_until(lambda: dst.ask_all("snapshot") == dst_baseline, 30.0)
 
 
 def test_commit_needs_every_stages_receipt(servers: Servers) -> None:

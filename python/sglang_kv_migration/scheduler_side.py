@@ -107,7 +107,15 @@ class MigrationSchedulerSide:
         self.server_epoch = ctx.all_gather_world(uuid.uuid4().hex)[0]
         self.paths = self._open_paths(path_names, transport_config, transport, enable_memory_saver)
         self.transfers = SourceTransfers(
-            ctx, self.fingerprint, self.paths, self.metrics, self.server_epoch, self.signer
+            ctx,
+            self.fingerprint,
+            self.paths,
+            self.metrics,
+            self.server_epoch,
+            self.signer,
+            server_fingerprints={
+                (fp.tp_rank, fp.pp_rank): fp for fp in ctx.all_gather_world(self.fingerprint)
+            },
         )
         self._iteration = 0
         logger.info(

@@ -105,9 +105,12 @@ class SourceTransfers:
         metrics: MigrationMetrics,
         server_epoch: str = "",
         signer: grants.Signer | None = None,
+        server_fingerprints: Mapping[tuple[int, int], LayoutFingerprint] | None = None,
     ):
         self.ctx = ctx
         self.fingerprint = fingerprint
+        # Every (tp, pp) rank's layout, for stage 0's checks of later stages' entries.
+        self.server_fingerprints = server_fingerprints or {(ctx.tp_rank, ctx.pp_rank): fingerprint}
         self.paths = paths
         self.metrics = metrics
         self.server_epoch = server_epoch
@@ -168,65 +171,21 @@ class SourceTransfers:
     # ------------------------------------------------------------------ helpers
 
     def _validate(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
+        by_rank = {(t.tp, t.pp): t for t in req.target_per_rank}
+        me = (self.ctx.tp_rank, self.ctx.pp_rank)
         if self.ctx.first_stage:
-            # Checked for every stage here, so a later stage cannot refuse for want of its
-            # entry after this one wrote.
-            listed = {(t.tp, t.pp) for t in req.target_per_rank}
-            for pp in range(self.ctx.pp_size):
-                for tp in range(self.ctx.tp_size):
-                    if (tp, pp) not in listed:
-                        raise MigrationError(
-                            ErrorKind.BAD_REQUEST,
-                            f"target_per_rank has no entry for tp={tp} pp={pp}",
-                        )
-        for target in req.target_per_rank:
-            if (target.tp, target.pp) == (self.ctx.tp_rank, self.ctx.pp_rank):
-                break
-        else:
-            raise MigrationError(
-                ErrorKind.BAD_REQUEST,
-                f"target_per_rank has no entry for tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}",
-            )
-        slots = target_slots(target, self.fingerprint.page_size)
-        inflight.slots_digest = grants.slots_digest(slots)
-        path = self.paths.get(target.path)
-        if path is None:
-            raise MigrationError(
-                ErrorKind.CONFLICT,
-                f"data path {target.path!r} is not available on this source (available: "
-                f"{', '.join(self.paths) or 'none'})",
-            )
-        mine = dataclasses.replace(self.fingerprint, weight_version=req.weight_version)
-        check_peer_fingerprint(mine, [target.fingerprint], role="target")
-        if len(slots) != req.extra_token_size:
-            raise MigrationError(
-                ErrorKind.BAD_REQUEST,
-                f"target rank tp={target.tp} pp={target.pp} has {len(slots)} slots for "
-                f"extra_token_size={req.extra_token_size}",
-            )
-        # IMPORTANT: write only what the target granted, checked without trusting the
-        # client: this migration, this rank, this path, exactly these slots, in time, once.
-        if not target.grant:
-            raise MigrationError(
-                ErrorKind.FORBIDDEN,
-                f"write refused: no grant for tp={target.tp} pp={target.pp} (pass the allocate "
-                "reply's grant); nothing was written",
-            )
-        grant = self.signer.check_grant(
-            target.grant,
-            migration_id=req.migration_id,
-            tp=self.ctx.tp_rank,
-            pp=self.ctx.pp_rank,
-            path=target.path,
-            num_slots=len(slots),
-            slots=inflight.slots_digest,  # computed once, above; also goes into the receipt
-            tokens=grants.tokens_digest(
-                req.input_ids[: req.matched_token_size + req.extra_token_size], req.extra_key
-            ),
-        )
+            # IMPORTANT: stage 0 checks every later stage's entry too (structure,
+            # fingerprint, grant), so a later stage cannot refuse after this one pinned
+            # and wrote: stages see the request one after the other (`pp_stages.py`).
+            for position, fingerprint in sorted(self.server_fingerprints.items()):
+                if position != me and position[1] != self.ctx.pp_rank:
+                    self._check_target(req, by_rank.get(position), position, fingerprint)
+        target = by_rank.get(me)
+        slots, digest, grant = self._check_target(req, target, me, self.fingerprint)
+        inflight.slots_digest = digest  # computed once; also goes into the receipt
         self._used_grants.claim(grant)
         start = req.matched_token_size
-        inflight.path = path
+        inflight.path = self.paths[target.path]
         inflight.send = SendRange(
             input_ids=req.input_ids,
             extra_key=req.extra_key,
@@ -236,6 +195,58 @@ class SourceTransfers:
             target_slots=slots,
             migration_id=req.migration_id,
         )
+
+    def _check_target(
+        self,
+        req: TransferRequestKVCacheReqInput,
+        target: TransferRequestKVCacheTarget | None,
+        position: tuple[int, int],
+        fingerprint: LayoutFingerprint,
+    ) -> tuple[torch.Tensor, str, grants.Grant]:
+        """Check the target entry of source rank `position` (whose layout is
+        `fingerprint`); returns its slots, their digest and the checked grant."""
+        tp, pp = position
+        if target is None:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST, f"target_per_rank has no entry for tp={tp} pp={pp}"
+            )
+        slots = target_slots(target, fingerprint.page_size)
+        digest = grants.slots_digest(slots)
+        if target.path not in self.paths:
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"data path {target.path!r} is not available on this source (available: "
+                f"{', '.join(self.paths) or 'none'})",
+            )
+        mine = dataclasses.replace(fingerprint, weight_version=req.weight_version)
+        check_peer_fingerprint(mine, [target.fingerprint], role="target")
+        if len(slots) != req.extra_token_size:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                f"target rank tp={tp} pp={pp} has {len(slots)} slots for "
+                f"extra_token_size={req.extra_token_size}",
+            )
+        # IMPORTANT: write only what the target granted, checked without trusting the
+        # client: this migration, this rank, this path, exactly these slots, in time, once.
+        if not target.grant:
+            raise MigrationError(
+                ErrorKind.FORBIDDEN,
+                f"write refused: no grant for tp={tp} pp={pp} (pass the allocate "
+                "reply's grant); nothing was written",
+            )
+        grant = self.signer.check_grant(
+            target.grant,
+            migration_id=req.migration_id,
+            tp=tp,
+            pp=pp,
+            path=target.path,
+            num_slots=len(slots),
+            slots=digest,
+            tokens=grants.tokens_digest(
+                req.input_ids[: req.matched_token_size + req.extra_token_size], req.extra_key
+            ),
+        )
+        return slots, digest, grant
 
     def _start_job(self, inflight: InflightTransfer) -> None:
         inflight.job = inflight.path.start_send(inflight.send)
