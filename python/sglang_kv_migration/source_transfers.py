@@ -173,6 +173,14 @@ class SourceTransfers:
     def _validate(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
         by_rank = {(t.tp, t.pp): t for t in req.target_per_rank}
         me = (self.ctx.tp_rank, self.ctx.pp_rank)
+        target = by_rank.get(me)
+        own_slots = None
+        if target is not None:
+            # First: even the receipt of a refused transfer names this rank's slots (the
+            # target frees them at once on a settled receipt). Computed once.
+            slots = target_slots(target, self.fingerprint.page_size)
+            own_slots = (slots, grants.slots_digest(slots))
+            inflight.slots_digest = own_slots[1]
         if self.ctx.first_stage:
             # IMPORTANT: stage 0 checks every later stage's entry too (structure,
             # fingerprint, grant), so a later stage cannot refuse after this one pinned
@@ -180,9 +188,7 @@ class SourceTransfers:
             for position, fingerprint in sorted(self.server_fingerprints.items()):
                 if position != me and position[1] != self.ctx.pp_rank:
                     self._check_target(req, by_rank.get(position), position, fingerprint)
-        target = by_rank.get(me)
-        slots, digest, grant = self._check_target(req, target, me, self.fingerprint)
-        inflight.slots_digest = digest  # computed once; also goes into the receipt
+        slots, _digest, grant = self._check_target(req, target, me, self.fingerprint, own_slots)
         self._used_grants.claim(grant)
         start = req.matched_token_size
         inflight.path = self.paths[target.path]
@@ -202,6 +208,7 @@ class SourceTransfers:
         target: TransferRequestKVCacheTarget | None,
         position: tuple[int, int],
         fingerprint: LayoutFingerprint,
+        slots_and_digest: tuple[torch.Tensor, str] | None = None,
     ) -> tuple[torch.Tensor, str, grants.Grant]:
         """Check the target entry of source rank `position` (whose layout is
         `fingerprint`); returns its slots, their digest and the checked grant."""
@@ -210,8 +217,10 @@ class SourceTransfers:
             raise MigrationError(
                 ErrorKind.BAD_REQUEST, f"target_per_rank has no entry for tp={tp} pp={pp}"
             )
-        slots = target_slots(target, fingerprint.page_size)
-        digest = grants.slots_digest(slots)
+        if slots_and_digest is None:
+            slots = target_slots(target, fingerprint.page_size)
+            slots_and_digest = (slots, grants.slots_digest(slots))
+        slots, digest = slots_and_digest
         if target.path not in self.paths:
             raise MigrationError(
                 ErrorKind.CONFLICT,
