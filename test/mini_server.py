@@ -27,8 +27,10 @@ import dataclasses
 import multiprocessing as mp
 import os
 import queue
+import tempfile
 import threading
 import time
+import uuid
 from typing import Any
 
 import cpu_harness
@@ -134,7 +136,8 @@ def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
     ctx = mp.get_context("spawn")
     gloo_port = cpu_harness.free_port()
     http_port = cpu_harness.free_port()
-    ports = _Ports(gloo_port, http_port, cpu_harness.free_port())
+    endpoint = os.path.join(tempfile.gettempdir(), f"kvm-tokenizer-{uuid.uuid4().hex}")
+    ports = _Ports(gloo_port, http_port, f"ipc://{endpoint}")
     ready = ctx.Queue()
     processes, control = [], []
     world = spec.tp_size * spec.pp_size
@@ -156,7 +159,9 @@ def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
 class _Ports:
     gloo: int
     http: int
-    tokenizer: int  # the "tokenizer manager" binds a PULL here; scheduler ranks push to it
+    # The "tokenizer manager" binds a PULL here and scheduler ranks push to it. An ipc://
+    # path like SGLang's own: unique, so no other process can take it before the bind.
+    tokenizer: str
 
 
 def _wait_ready(handle: ServerHandle, ready: Any, num_ranks: int, timeout_s: float) -> None:
@@ -285,9 +290,9 @@ def _rank_main(spec: ServerSpec, rank: int, ports: _Ports, control: Any, ready: 
             sched_in = context.socket(zmq.PULL)
             sched_in_port = sched_in.bind_to_random_port("tcp://127.0.0.1")
             sender = context.socket(zmq.PUSH)
-            sender.connect(f"tcp://127.0.0.1:{ports.tokenizer}")
+            sender.connect(ports.tokenizer)
         scheduler = _MiniScheduler(spec, rank, harness, sender)
-        port_args = SimpleNamespace(tokenizer_ipc_name=f"tcp://127.0.0.1:{ports.tokenizer}")
+        port_args = SimpleNamespace(tokenizer_ipc_name=ports.tokenizer)
         scheduler_hooks.after_init_ipc_channels(None, scheduler, port_args)
         scheduler_hooks.after_init_request_dispatcher(None, scheduler)
         if spec.broken_transport_rank == rank and scheduler.kv_migration is not None:
@@ -394,7 +399,7 @@ def _serve_http(
     spec: ServerSpec,
     http_port: int,
     sched_in_port: int,
-    tokenizer_port: int,
+    tokenizer_endpoint: str,
     extension: Any = None,
 ) -> None:
     import asyncio
@@ -412,7 +417,7 @@ def _serve_http(
     to_scheduler.connect(f"tcp://127.0.0.1:{sched_in_port}")
     # Bound here, like the tokenizer manager's socket: every stage's first rank pushes to it.
     from_scheduler = context.socket(zmq.PULL)
-    from_scheduler.bind(f"tcp://127.0.0.1:{tokenizer_port}")
+    from_scheduler.bind(tokenizer_endpoint)
 
     comms = (
         KVMigrationCommunicators(to_scheduler, pp_size=spec.pp_size)
