@@ -507,8 +507,7 @@ def _make_device_pool(cfg: HarnessConfig) -> Any:
             device="cpu",
             enable_memory_saver=False,
             enable_alt_stream=False,
-            start_layer=cfg.start_layer,
-            end_layer=cfg.start_layer + cfg.layer_num,
+            **_layer_range(cfg),
         )
     return MLATokenToKVPool(
         size=cfg.device_tokens,
@@ -519,9 +518,16 @@ def _make_device_pool(cfg: HarnessConfig) -> Any:
         layer_num=cfg.layer_num,
         device="cpu",
         enable_memory_saver=False,
-        start_layer=cfg.start_layer,
-        end_layer=cfg.start_layer + cfg.layer_num,
+        **_layer_range(cfg),
     )
+
+
+def _layer_range(cfg: HarnessConfig) -> dict[str, int]:
+    """A PP stage's layers, as ModelRunner passes them (end exclusive); without PP the
+    pools keep their own defaults, as the other tests expect."""
+    if cfg.pp_size == 1:
+        return {}
+    return {"start_layer": cfg.start_layer, "end_layer": cfg.start_layer + cfg.layer_num}
 
 
 def _make_allocator(cfg: HarnessConfig, device_pool: Any) -> Any:
