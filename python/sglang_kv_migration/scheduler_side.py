@@ -158,7 +158,12 @@ class MigrationSchedulerSide:
         busy = len(self.pending) or self.pending.quarantined()
         # Later stages free what stage 0's watchdog freed (`stage_sync`), at the same
         # point of the request stream, so every stage's tree stays the same.
-        if self.ctx.first_stage and busy and self._iteration % WATCHDOG_EVERY_ITERATIONS == 0:
+        if busy and self._iteration % WATCHDOG_EVERY_ITERATIONS == 0:
+            if not self.ctx.first_stage:
+                # Quarantines may differ between stages (a receipt settled on one stage
+                # only), and freeing one changes no tree: each stage frees its own.
+                self._run_watchdog(quarantine_only=True)
+                return []
             expired = self._run_watchdog()
             if expired and self.ctx.pp_size > 1:
                 return [StageSyncReqInput(expired_ids=expired)]
@@ -543,11 +548,13 @@ class MigrationSchedulerSide:
                 paths[DEVICE] = DevicePath(self.ctx.tree_cache)
         return paths
 
-    def _run_watchdog(self) -> list[str]:
+    def _run_watchdog(self, quarantine_only: bool = False) -> list[str]:
         """Free what is due; returns the ids (pending and quarantined) it decided on."""
         # The deadline is judged on each rank's clock, then unioned so that every rank
         # frees the same ids and the trees stay identical.
         local_due = self.pending.due()
+        if quarantine_only:
+            local_due = [mid for mid in local_due if self.pending.get(mid) is None]
         due = sorted({mid for ids in self.ctx.all_gather(local_due) for mid in ids})
         for _ in self.pending.expire(due):
             self.metrics.outcome("target", "expired")
