@@ -312,8 +312,9 @@ def test_bad_grant_for_a_later_stage_is_refused_before_stage_0_writes(
         {"migration_id": alloc["migration_id"], "receipts": [x["receipt"] for x in ranks]},
     )
     assert r.status_code == 200, r.text
-    settled = wait_until(lambda: dst.ask_all("snapshot") == dst_baseline, 30.0)
-    assert settled, (dst_baseline, dst.ask_all("snapshot"), dst.ask_all("pending"))
+    # Every rank's receipt (stage 1's too, though it only followed stage 0's refusal)
+    # names its slots and says nothing can land: both stages free them at once.
+    assert dst.ask_all("snapshot") == dst_baseline
 
 
 def test_commit_needs_every_stages_receipt(servers: Servers) -> None:

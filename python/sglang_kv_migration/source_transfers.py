@@ -69,6 +69,7 @@ class InflightTransfer:
     error: MigrationError | None = None  # failed before anything was sent
     result: RankTransferStatus | None = None
     slots_digest: str = ""  # of this rank's target slots, once parsed (for the receipt)
+    own_slots: tuple[torch.Tensor, str] | None = None  # (slots, digest), parsed once
 
     @property
     def waiting(self) -> bool:
@@ -125,6 +126,9 @@ class SourceTransfers:
         """Handle a transfer request; the reply is sent later by `poll()`."""
         inflight = InflightTransfer(request=req, started=time.monotonic())
         self._inflight.append(inflight)
+        # First: even a refused transfer's receipt names this rank's slots (a settled
+        # receipt lets the target free them at once); a bad entry is reported below.
+        error_of(lambda: self._parse_own_slots(req, inflight))
         if req.stage_refusal is not None:
             # An earlier PP stage refused before pinning anything: so do we (its reply
             # fails the transfer), leaving this stage's tree as that stage left its own.
@@ -174,13 +178,6 @@ class SourceTransfers:
         by_rank = {(t.tp, t.pp): t for t in req.target_per_rank}
         me = (self.ctx.tp_rank, self.ctx.pp_rank)
         target = by_rank.get(me)
-        own_slots = None
-        if target is not None:
-            # First: even the receipt of a refused transfer names this rank's slots (the
-            # target frees them at once on a settled receipt). Computed once.
-            slots = target_slots(target, self.fingerprint.page_size)
-            own_slots = (slots, grants.slots_digest(slots))
-            inflight.slots_digest = own_slots[1]
         if self.ctx.first_stage:
             # IMPORTANT: stage 0 checks every later stage's entry too (structure,
             # fingerprint, grant), so a later stage cannot refuse after this one pinned
@@ -188,7 +185,9 @@ class SourceTransfers:
             for position, fingerprint in sorted(self.server_fingerprints.items()):
                 if position != me and position[1] != self.ctx.pp_rank:
                     self._check_target(req, by_rank.get(position), position, fingerprint)
-        slots, _digest, grant = self._check_target(req, target, me, self.fingerprint, own_slots)
+        slots, _digest, grant = self._check_target(
+            req, target, me, self.fingerprint, inflight.own_slots
+        )
         self._used_grants.claim(grant)
         start = req.matched_token_size
         inflight.path = self.paths[target.path]
@@ -201,6 +200,16 @@ class SourceTransfers:
             target_slots=slots,
             migration_id=req.migration_id,
         )
+
+    def _parse_own_slots(
+        self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer
+    ) -> None:
+        for target in req.target_per_rank:
+            if (target.tp, target.pp) == (self.ctx.tp_rank, self.ctx.pp_rank):
+                slots = target_slots(target, self.fingerprint.page_size)
+                inflight.own_slots = (slots, grants.slots_digest(slots))
+                inflight.slots_digest = inflight.own_slots[1]
+                return
 
     def _check_target(
         self,
