@@ -71,8 +71,9 @@ def _reset_sglang_hooks() -> Iterator[None]:
 def side_factory(
     harness_factory: Callable[..., cpu_harness.Harness],
 ) -> Iterator[Callable[..., object]]:
-    """``make(grant_key=None, watchdog_timeout_s=0.05, **harness_fields)``: a real one-rank
-    `MigrationSchedulerSide` on a harness cache (metrics on), replying into
+    """``make(grant_key=None, watchdog_timeout_s=0.05, pp_rank=0, pp_size=1,
+    **harness_fields)``: a real one-rank `MigrationSchedulerSide` on a harness cache
+    (metrics on; with ``pp_size > 1`` one stage's only rank), replying into
     `side.replies`; `side.harness` is the harness it runs on."""
     from sglang_kv_migration.metrics import MigrationMetrics
     from sglang_kv_migration.rank_context import RankContext
@@ -82,7 +83,11 @@ def side_factory(
     built: list[MigrationSchedulerSide] = []
 
     def make(
-        grant_key: bytes | None = None, watchdog_timeout_s: float = 0.05, **fields: object
+        grant_key: bytes | None = None,
+        watchdog_timeout_s: float = 0.05,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        **fields: object,
     ) -> MigrationSchedulerSide:
         harness = harness_factory(**fields)
         replies: list = []
@@ -90,8 +95,8 @@ def side_factory(
             tree_cache=harness.cache,
             tp_rank=0,
             tp_size=1,
-            pp_rank=0,
-            pp_size=1,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
             cpu_group=None,
             model="tiny",
             send_output=lambda out, req: replies.append(out),

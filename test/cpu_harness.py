@@ -147,6 +147,10 @@ class HarnessConfig:
     model_dir: str | None = None
     tp_rank: int = 0
     tp_size: int = 1
+    # A PP stage's pools hold layers [start_layer, start_layer + layer_num) only.
+    start_layer: int = 0
+    pp_rank: int = 0
+    pp_size: int = 1
     # SGLang's init_load_back ignores host hits shorter than 10 tokens. None keeps that;
     # tests with one or two tiny pages set it lower so the load-back path still runs.
     load_back_threshold: int | None = None
@@ -385,8 +389,12 @@ class Harness:
             buf[slots] = raw.view(buf.dtype)
 
 
-def build_harness(cfg: HarnessConfig) -> Harness:
-    """Build the real SGLang objects the way ``Scheduler.init_cache_with_memory_pool`` does."""
+def build_harness(cfg: HarnessConfig, tp_group: Any = None) -> Harness:
+    """Build the real SGLang objects the way ``Scheduler.init_cache_with_memory_pool`` does.
+
+    ``tp_group``: the cache's TP group (default: the whole gloo world); a PP stage passes
+    its own stage's group.
+    """
     install_cpu_shims()
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
@@ -396,7 +404,8 @@ def build_harness(cfg: HarnessConfig) -> Harness:
         raise RuntimeError("call init_gloo(rank, world_size, port) before a tp_size > 1 harness")
     if not torch.distributed.is_initialized():
         init_gloo()  # single rank, on demand; multi-rank callers did it already
-    tp_group = torch.distributed.group.WORLD
+    if tp_group is None:
+        tp_group = torch.distributed.group.WORLD
 
     server_args = _make_server_args(cfg)
     device_pool = _make_device_pool(cfg)
@@ -410,6 +419,8 @@ def build_harness(cfg: HarnessConfig) -> Harness:
         page_size=cfg.page_size,
         tp_cache_group=tp_group,
         eviction_policy=server_args.radix_eviction_policy,
+        pp_rank=cfg.pp_rank,
+        pp_size=cfg.pp_size,
     )
     cache = HiRadixCache(params=params, server_args=server_args)
     if cfg.load_back_threshold is not None:
@@ -496,6 +507,7 @@ def _make_device_pool(cfg: HarnessConfig) -> Any:
             device="cpu",
             enable_memory_saver=False,
             enable_alt_stream=False,
+            **_layer_range(cfg),
         )
     return MLATokenToKVPool(
         size=cfg.device_tokens,
@@ -506,7 +518,16 @@ def _make_device_pool(cfg: HarnessConfig) -> Any:
         layer_num=cfg.layer_num,
         device="cpu",
         enable_memory_saver=False,
+        **_layer_range(cfg),
     )
+
+
+def _layer_range(cfg: HarnessConfig) -> dict[str, int]:
+    """A PP stage's layers, as ModelRunner passes them (end exclusive); without PP the
+    pools keep their own defaults, as the other tests expect."""
+    if cfg.pp_size == 1:
+        return {}
+    return {"start_layer": cfg.start_layer, "end_layer": cfg.start_layer + cfg.layer_num}
 
 
 def _make_allocator(cfg: HarnessConfig, device_pool: Any) -> Any:

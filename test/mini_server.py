@@ -9,9 +9,16 @@ own API-key middleware, and Mooncake TCP between servers.
 What stands in for SGLang: the loop of each rank (receive on rank 0, broadcast to the
 other ranks over gloo, dispatch, then the per-iteration hook — what
 `Scheduler.event_loop_normal` does) and the FastAPI app (SGLang's app needs a model).
+With ``pp_size > 1`` the loop is `event_loop_pp`'s request path: stage 0's first rank reads
+the tokenizer side; each stage dispatches, runs the hook, then hands the same request
+list to the next stage with SGLang's `point_to_point_pyobj` over the gloo world group,
+whose first rank receives it (blocking) and broadcasts it over its stage's TP group. Only
+stage 0's first rank holds SGLang's socket to the tokenizer side; later stages get theirs
+from our `after_init_ipc_channels` hook. Each stage's caches hold only its own layers.
 
-`start_server(ServerSpec(...))` spawns one process per TP rank and returns a handle with
-the URL once every rank is serving.
+`start_server(ServerSpec(...))` spawns one process per (tp, pp) rank (global rank
+``pp_rank * tp_size + tp_rank``, as SGLang numbers them) and returns a handle with the URL
+once every rank is serving.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ import dataclasses
 import multiprocessing as mp
 import os
 import queue
+import tempfile
 import threading
 import time
+import uuid
 from typing import Any
 
 import cpu_harness
@@ -35,6 +44,8 @@ class ServerSpec:
         default_factory=cpu_harness.HarnessConfig
     )
     tp_size: int = 1
+    # Pipeline stages; the harness's `layer_num` layers are split evenly between them.
+    pp_size: int = 1
     watchdog_timeout_s: float = 60.0
     # Short grants and transfer timeout, so quarantined slots come back within seconds.
     grant_ttl_s: float = 1.0
@@ -44,8 +55,11 @@ class ServerSpec:
     enable_kv_migration: bool = True
     # Token sequences to insert with random KV at start-up: (token_ids, seed).
     preload: list[tuple[list[int], int]] = dataclasses.field(default_factory=list)
-    # tp rank whose transport refuses every write (failure-injection tests).
+    # Global rank (pp_rank * tp_size + tp_rank) whose transport refuses every write.
     broken_transport_rank: int | None = None
+    # Global rank whose host pool is this many token slots smaller (one stage cannot
+    # allocate what the others can).
+    small_host_pool_rank: int | None = None
     # Address the HTTP server binds and the transfer engine advertises, and the network
     # namespace (created by the test under /var/run/netns) the server's processes join.
     host: str = "127.0.0.1"
@@ -66,7 +80,7 @@ class ServerHandle:
     control: list[Any]  # one command pipe per rank
 
     def ask(self, rank: int, command: str, *args: Any, timeout: float = 60.0) -> Any:
-        """Run a test-only command on one rank (snapshot, read_kv, ...)."""
+        """Run a test-only command on one rank (snapshot, read_kv, ...); `rank` is global."""
         conn = self.control[rank]
         conn.send((command, args))
         if not conn.poll(timeout):
@@ -90,7 +104,7 @@ class ServerHandle:
         return results
 
     def stop(self) -> None:
-        # Rank 0 broadcasts the stop, so every rank leaves its loop in the same iteration.
+        # Rank 0 broadcasts (and hands on) the stop: every rank leaves in the same iteration.
         try:
             self.control[0].send((STOP, ()))
         except (BrokenPipeError, OSError):
@@ -124,20 +138,32 @@ def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
     ctx = mp.get_context("spawn")
     gloo_port = cpu_harness.free_port()
     http_port = cpu_harness.free_port()
+    endpoint = os.path.join(tempfile.gettempdir(), f"kvm-tokenizer-{uuid.uuid4().hex}")
+    ports = _Ports(gloo_port, http_port, f"ipc://{endpoint}")
     ready = ctx.Queue()
     processes, control = [], []
-    for rank in range(spec.tp_size):
+    world = spec.tp_size * spec.pp_size
+    for rank in range(world):
         parent, child = ctx.Pipe()
         p = ctx.Process(
             target=_rank_main,
-            args=(spec, rank, gloo_port, http_port, child, ready),
+            args=(spec, rank, ports, child, ready),
             daemon=True,
         )
         p.start()
         processes.append(p)
         control.append(parent)
     handle = ServerHandle(f"http://{spec.host}:{http_port}", processes, control)
-    return handle, ready, spec.tp_size
+    return handle, ready, world
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ports:
+    gloo: int
+    http: int
+    # The "tokenizer manager" binds a PULL here and scheduler ranks push to it. An ipc://
+    # path like SGLang's own: unique, so no other process can take it before the bind.
+    tokenizer: str
 
 
 def _wait_ready(handle: ServerHandle, ready: Any, num_ranks: int, timeout_s: float) -> None:
@@ -162,32 +188,45 @@ class _MiniScheduler:
     """The attributes of `Scheduler` that our hooks read, plus a minimal loop."""
 
     def __init__(self, spec: ServerSpec, rank: int, harness: Any, sender: Any):
+        from types import SimpleNamespace
+
+        import torch.distributed as dist
         from sglang.srt.managers.scheduler import SenderWrapper
         from sglang.utils import TypeBasedDispatcher
 
         self.server_args = _server_args(spec)
         self.tree_cache = harness.cache
-        self.tp_rank = rank
+        self.rank = rank
+        self.tp_rank = rank % spec.tp_size
         self.tp_size = spec.tp_size
-        self.pp_rank = 0
-        self.pp_size = 1
+        self.pp_rank = rank // spec.tp_size
+        self.pp_size = spec.pp_size
         self.tp_cpu_group = harness.tp_group if spec.tp_size > 1 else None
+        self.world_group = SimpleNamespace(cpu_group=dist.group.WORLD if spec.pp_size > 1 else None)
         self.send_to_tokenizer = SenderWrapper(sender)
         self._request_dispatcher = TypeBasedDispatcher([])
 
     def run(self, receiver: Any, control: Any, harness: Any, extension: Any = None) -> None:
         import zmq
-        from sglang.srt.utils.common import broadcast_pyobj
+        from sglang.srt.utils.common import broadcast_pyobj, point_to_point_pyobj
         from sglang_kv_migration import scheduler_hooks
 
+        stage_first = self.pp_rank * self.tp_size  # global rank of this stage's tp 0
+        last_stage = self.pp_rank == self.pp_size - 1
         while True:
             reqs: list[Any] = []
-            if self.tp_rank == 0:
+            if self.tp_rank == 0 and self.pp_rank == 0:
                 while True:
                     try:
                         reqs.append(receiver.recv_pyobj(zmq.NOBLOCK))
                     except zmq.ZMQError:
                         break
+            elif self.tp_rank == 0:
+                # Like Scheduler.recv_requests on a later stage: block for the previous
+                # stage's list.
+                reqs = point_to_point_pyobj(
+                    [], self.rank, self.world_group.cpu_group, self.rank - self.tp_size, self.rank
+                )
             # Introspection commands touch only this rank's tree, between iterations.
             stop = False
             if control.poll():
@@ -195,64 +234,78 @@ class _MiniScheduler:
                 if command[0] == STOP:
                     stop = True
                 else:
-                    _answer(control, command, harness)
-            if self.tp_rank == 0 and stop:
+                    _answer(control, command, harness, self.kv_migration)
+            if self.rank == 0 and stop:
                 reqs.append(STOP)
             if self.tp_size > 1:
-                # Like Scheduler.recv_requests: rank 0's requests reach every rank.
-                reqs = broadcast_pyobj(reqs, self.tp_rank, self.tp_cpu_group, src=0)
+                # Like Scheduler.recv_requests: the stage's first rank's requests reach
+                # every rank of the stage.
+                reqs = broadcast_pyobj(reqs, self.rank, self.tp_cpu_group, src=stage_first)
+            if STOP not in reqs:
+                for req in reqs:
+                    output = self._request_dispatcher(req)
+                    if output is not None:
+                        self.send_to_tokenizer.send_output(output, req)
+                scheduler_hooks.after_process_input_requests(None, self, reqs)
+            if self.tp_rank == 0 and not last_stage:
+                # Like event_loop_pp: the same list, after the hook, to the next stage.
+                point_to_point_pyobj(
+                    reqs,
+                    self.rank,
+                    self.world_group.cpu_group,
+                    self.rank,
+                    self.rank + self.tp_size,
+                )
             if STOP in reqs:
                 return
-            for req in reqs:
-                output = self._request_dispatcher(req)
-                if output is not None:
-                    self.send_to_tokenizer.send_output(output, req)
-            scheduler_hooks.after_process_input_requests(None, self, reqs)
             if extension is not None:
                 extension.tick()
-            if not reqs:
+            if not reqs and self.pp_rank == 0:
                 time.sleep(0.001)
 
 
-def _rank_main(
-    spec: ServerSpec, rank: int, gloo_port: int, http_port: int, control: Any, ready: Any
-) -> None:
+def _rank_main(spec: ServerSpec, rank: int, ports: _Ports, control: Any, ready: Any) -> None:
     try:
         if spec.netns is not None:
             _join_netns(spec.netns)  # before any socket is created
         cpu_harness.install_cpu_shims()
+        from types import SimpleNamespace
+
         import zmq
         from sglang_kv_migration import scheduler_hooks
 
-        if spec.tp_size > 1:
-            cpu_harness.init_gloo(rank, spec.tp_size, gloo_port)
-        cfg = dataclasses.replace(spec.harness, tp_rank=rank, tp_size=spec.tp_size)
-        harness = cpu_harness.build_harness(cfg)
+        world = spec.tp_size * spec.pp_size
+        tp_rank, pp_rank = rank % spec.tp_size, rank // spec.tp_size
+        if world > 1:
+            cpu_harness.init_gloo(rank, world, ports.gloo)
+        cfg = _stage_harness_config(spec, tp_rank, pp_rank, rank)
+        harness = cpu_harness.build_harness(cfg, tp_group=_stage_tp_group(spec, pp_rank))
         for token_ids, seed in spec.preload:
             harness.insert_random(token_ids, seed=seed * 1000 + rank)
         harness.write_back_all()
         extension = spec.extension(harness) if spec.extension is not None and rank == 0 else None
 
         context = zmq.Context()
-        sched_in = sched_out = None
+        sched_in = None
         sender = None
         if rank == 0:
             sched_in = context.socket(zmq.PULL)
             sched_in_port = sched_in.bind_to_random_port("tcp://127.0.0.1")
-            sched_out = context.socket(zmq.PUSH)
-            sched_out_port = sched_out.bind_to_random_port("tcp://127.0.0.1")
-            sender = sched_out
+            sender = context.socket(zmq.PUSH)
+            sender.connect(ports.tokenizer)
         scheduler = _MiniScheduler(spec, rank, harness, sender)
+        port_args = SimpleNamespace(tokenizer_ipc_name=ports.tokenizer)
+        scheduler_hooks.after_init_ipc_channels(None, scheduler, port_args)
         scheduler_hooks.after_init_request_dispatcher(None, scheduler)
         if spec.broken_transport_rank == rank and scheduler.kv_migration is not None:
             _break_transport(scheduler.kv_migration.transport)
         if rank == 0:
             threading.Thread(
                 target=_serve_http,
-                args=(spec, http_port, sched_in_port, sched_out_port, extension),
+                args=(spec, ports.http, sched_in_port, ports.tokenizer, extension),
                 daemon=True,
             ).start()
-            _wait_http(http_port, spec.host)
+            _wait_http(ports.http, spec.host)
         ready.put((rank, "ready"))
         scheduler.run(sched_in, control, harness, extension)
         if scheduler.kv_migration is not None:
@@ -267,7 +320,40 @@ def _rank_main(
         os._exit(0)
 
 
-def _answer(control: Any, command: tuple[str, tuple], harness: Any) -> None:
+def _stage_harness_config(
+    spec: ServerSpec, tp_rank: int, pp_rank: int, rank: int
+) -> cpu_harness.HarnessConfig:
+    """This rank's harness: its TP rank, and its PP stage's slice of the layers."""
+    layers = spec.harness.layer_num // spec.pp_size
+    cfg = dataclasses.replace(
+        spec.harness,
+        tp_rank=tp_rank,
+        tp_size=spec.tp_size,
+        layer_num=layers,
+        start_layer=pp_rank * layers,
+        pp_rank=pp_rank,
+        pp_size=spec.pp_size,
+    )
+    if spec.small_host_pool_rank == rank:
+        # Just above the device pool (HiCache needs more), far below the others.
+        cfg = dataclasses.replace(cfg, hicache_ratio=1.1)
+    return cfg
+
+
+def _stage_tp_group(spec: ServerSpec, pp_rank: int) -> Any:
+    """This stage's TP group (every rank creates every stage's group, in order)."""
+    if spec.pp_size == 1:
+        return None  # the harness default: the whole world
+    import torch.distributed as dist
+
+    groups = [
+        dist.new_group(list(range(p * spec.tp_size, (p + 1) * spec.tp_size)))
+        for p in range(spec.pp_size)
+    ]
+    return groups[pp_rank]
+
+
+def _answer(control: Any, command: tuple[str, tuple], harness: Any, migration: Any = None) -> None:
     """Test-only introspection commands."""
     name, args = command
     try:
@@ -305,6 +391,9 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any) -> None:
             pages = pool.free_slots.reshape(-1, ps)
             pool.free_slots = pages[torch.randperm(len(pages), generator=gen)].reshape(-1)
             value = len(pages)
+        elif name == "pending":
+            # Allocations this rank holds (neither committed, aborted nor expired).
+            value = len(migration.pending) if migration is not None else 0
         elif name == "evict_device":
             value = harness.evict_device_all()
         elif name == "insert":
@@ -322,7 +411,7 @@ def _serve_http(
     spec: ServerSpec,
     http_port: int,
     sched_in_port: int,
-    sched_out_port: int,
+    tokenizer_endpoint: str,
     extension: Any = None,
 ) -> None:
     import asyncio
@@ -338,10 +427,15 @@ def _serve_http(
     context = zmq.asyncio.Context()
     to_scheduler = context.socket(zmq.PUSH)
     to_scheduler.connect(f"tcp://127.0.0.1:{sched_in_port}")
+    # Bound here, like the tokenizer manager's socket: every stage's first rank pushes to it.
     from_scheduler = context.socket(zmq.PULL)
-    from_scheduler.connect(f"tcp://127.0.0.1:{sched_out_port}")
+    from_scheduler.bind(tokenizer_endpoint)
 
-    comms = KVMigrationCommunicators(to_scheduler) if spec.enable_kv_migration else None
+    comms = (
+        KVMigrationCommunicators(to_scheduler, pp_size=spec.pp_size)
+        if spec.enable_kv_migration
+        else None
+    )
     app = FastAPI()
     add_routes(app, lambda: comms)
     if extension is not None:
@@ -401,6 +495,7 @@ def _server_args(spec: ServerSpec) -> Any:
         device="cpu",
         page_size=cfg.page_size,
         tp_size=spec.tp_size,
+        pp_size=spec.pp_size,
         enable_hierarchical_cache=True,
         hicache_mem_layout=cfg.host_layout,
         hicache_io_backend=cfg.effective_io_backend(),

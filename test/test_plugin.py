@@ -103,7 +103,7 @@ def test_server_args_pickle_keeps_migration_fields() -> None:
         ({"kv_migration_watchdog_timeout": 0.0}, "--kv-migration-watchdog-timeout must be"),
         ({"kv_migration_watchdog_timeout": -5.0}, "--kv-migration-watchdog-timeout must be"),
         ({"kv_migration_max_batch_entries": 0}, "--kv-migration-max-batch-entries"),
-        ({"pp_size": 2}, "does not support --pp-size > 1"),
+        ({"pp_size": 2, "nnodes": 2}, "needs every stage on one node"),
         ({"dp_size": 2}, "does not support --dp-size > 1"),
     ],
 )
@@ -122,6 +122,23 @@ def test_invalid_flags_are_refused(overrides: dict, expected: str) -> None:
         KVMigrationServerArgs(**kwargs)
     assert expected in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_pipeline_parallel_flags_are_accepted() -> None:
+    """--pp-size > 1 on one node is served: every stage answers for its own layers."""
+    from sglang_kv_migration.server_args import KVMigrationServerArgs
+
+    args = KVMigrationServerArgs(
+        model_path=cpu_harness.write_tiny_model_dir(),
+        skip_tokenizer_init=True,
+        device="cpu",
+        enable_hierarchical_cache=True,
+        enable_kv_migration=True,
+        pp_size=2,
+    )
+    assert (args.pp_size, args.enable_kv_migration) == (2, True)
+    # SGLang's own rule for PP, which our servers inherit.
+    assert args.disable_overlap_schedule is True
 
 
 def _launch_server(*argv: str) -> subprocess.CompletedProcess:
@@ -195,10 +212,12 @@ def test_flag_off_installs_nothing_on_the_scheduler() -> None:
         model_path=cpu_harness.write_tiny_model_dir(), skip_tokenizer_init=True, device="cpu"
     )
     dispatcher = TypeBasedDispatcher([])
-    scheduler = SimpleNamespace(server_args=args, _request_dispatcher=dispatcher)
+    scheduler = SimpleNamespace(server_args=args, _request_dispatcher=dispatcher, pp_rank=1)
+    scheduler_hooks.after_init_ipc_channels(None, scheduler, SimpleNamespace())
     scheduler_hooks.after_init_request_dispatcher(None, scheduler)
     scheduler_hooks.after_process_input_requests(None, scheduler, [])
     assert scheduler.kv_migration is None
+    assert scheduler.kv_migration_stage_reply is None  # no socket opened
     for _name, input_type, _output_type in REQUEST_TYPES:
         assert input_type not in dispatcher._mapping
 

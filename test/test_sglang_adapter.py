@@ -748,3 +748,65 @@ def test_add_request_handlers_extends_the_dispatcher():
     adapter.add_request_handlers(scheduler, [(Added, lambda r: "new"), (Existing, lambda r: "x")])
     assert scheduler._request_dispatcher(Added()) == "new"
     assert scheduler._request_dispatcher(Existing()) == "old"  # existing handlers win
+
+
+def test_scheduler_view_of_a_later_pp_stage():
+    """A later stage replies through its own sender and exposes the world CPU group."""
+    sent = []
+
+    def refuse(out, req):
+        raise AssertionError("stage 1 has no SGLang socket to the tokenizer")
+
+    scheduler = SimpleNamespace(
+        tree_cache="tree",
+        server_args="args",
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=1,
+        pp_size=2,
+        tp_cpu_group="stage-group",
+        world_group=SimpleNamespace(cpu_group="world-group"),
+        send_to_tokenizer=SimpleNamespace(send_output=refuse),
+        kv_migration_stage_reply=SimpleNamespace(
+            send_output=lambda out, req: sent.append((out, req))
+        ),
+    )
+    view = adapter.SchedulerView.of(scheduler)
+    assert (view.tp_cpu_group, view.world_cpu_group) == ("stage-group", "world-group")
+    view.send_output("out", "req")
+    assert sent == [("out", "req")]
+
+
+def test_stage_reply_sender_reaches_the_tokenizer_socket():
+    """The first TP rank of a later stage pushes to the socket the tokenizer manager
+    binds; other ranks (and stage 0, which has SGLang's own) get a no-op sender."""
+    import zmq
+    from sglang_kv_migration.io_types import AbortTransferReqInput, AbortTransferReqOutput
+
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        endpoint = f"tcp://127.0.0.1:{port}"
+        sender = adapter.stage_reply_sender(SimpleNamespace(pp_rank=1, tp_rank=0), endpoint)
+        req = AbortTransferReqInput(migration_id="m", rid="r1")
+        sender.send_output(AbortTransferReqOutput(success=True, rid="r1"), req)
+        assert pull.poll(10_000), "no reply reached the tokenizer side"
+        got = pull.recv_pyobj()
+        assert isinstance(got, AbortTransferReqOutput) and got.rid == "r1"
+        for pp_rank, tp_rank in ((1, 1), (0, 0)):
+            quiet = adapter.stage_reply_sender(
+                SimpleNamespace(pp_rank=pp_rank, tp_rank=tp_rank), endpoint
+            )
+            assert quiet.socket is None
+            quiet.send_output(AbortTransferReqOutput(success=True), req)  # a no-op
+        assert not pull.poll(200)
+    finally:
+        pull.close(linger=0)
+        context.term()
+
+
+def test_forward_to_later_stages_appends_after_the_iterations_requests():
+    reqs = ["a", "b"]
+    adapter.forward_to_later_stages(reqs, ["sync"])
+    assert reqs == ["a", "b", "sync"]

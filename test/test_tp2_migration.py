@@ -13,10 +13,8 @@ transport refusing every write. A -> B is the good migration; B -> A is the one 
 fails on one rank (rank 0 writes, rank 1 cannot) and must leave both ranks of A as they
 were. B also runs a short watchdog for the expiry test.
 
-Not covered here: pipeline parallelism. A PP stage holds a different slice of layers and
-SGLang forwards requests from stage to stage; the harness builds one whole-model cache
-per process and has no stage-to-stage forwarding, so PP=2 cannot be modelled honestly on
-CPU and is left to the GPU tests.
+Pipeline parallelism (stages holding different layers, requests handed from stage to
+stage) is covered by `test_pp2_migration.py`.
 """
 
 from __future__ import annotations

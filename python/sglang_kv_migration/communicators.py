@@ -16,7 +16,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from sglang_kv_migration.io_types import REQUEST_TYPES
+from sglang_kv_migration.errors import ErrorKind
+from sglang_kv_migration.io_types import REQUEST_TYPES, AbortTransferReqInput
+from sglang_kv_migration.pp_stages import merge_stage_replies, needs_rollback
 from sglang_kv_migration.server_args import kv_migration_enabled
 
 
@@ -24,26 +26,34 @@ class RidCommunicator:
     """Any number of requests in flight; each reply is matched to its request by `rid`.
 
     The scheduler side copies the request's `rid` onto its reply
-    (`MigrationSchedulerSide.handlers`, `source_transfers`)."""
+    (`MigrationSchedulerSide.handlers`, `source_transfers`). A server with PP stages sends
+    one reply per stage (`pp_stages.py`): a call returns once `replies` have arrived."""
 
-    def __init__(self, send_to_scheduler: Any):
+    def __init__(self, send_to_scheduler: Any, replies: int = 1):
+        if replies < 1:
+            raise ValueError(f"replies must be at least 1, got {replies}")
         self._sender = send_to_scheduler
-        self._waiting: dict[str, asyncio.Future] = {}
+        self._replies = replies
+        self._waiting: dict[str, tuple[asyncio.Future, list[Any]]] = {}
 
     async def __call__(self, request: Any) -> list[Any]:
         request.rid = uuid.uuid4().hex
-        reply = asyncio.get_running_loop().create_future()
-        self._waiting[request.rid] = reply
+        done = asyncio.get_running_loop().create_future()
+        self._waiting[request.rid] = (done, [])
         try:
             self._sender.send_pyobj(request)
-            return [await reply]
+            return await done
         finally:
             self._waiting.pop(request.rid, None)
 
     def handle_recv(self, output: Any) -> None:
-        reply = self._waiting.get(output.rid)
-        if reply is not None and not reply.done():
-            reply.set_result(output)
+        entry = self._waiting.get(output.rid)
+        if entry is None:
+            return
+        done, received = entry
+        received.append(output)
+        if len(received) == self._replies and not done.done():
+            done.set_result(list(received))
 
 
 class KVMigrationCommunicators:
@@ -54,12 +64,13 @@ class KVMigrationCommunicators:
         send_to_scheduler: Any,
         before_call: Callable[[], None] | None = None,
         weight_version: Callable[[], str] | None = None,
+        pp_size: int = 1,
     ):
         self._before_call = before_call
         self._weight_version = weight_version
-        # One reply per request: --dp-size > 1 is refused with migration.
+        # One reply per PP stage (--dp-size > 1 is refused with migration).
         self._by_input_type = {
-            input_type: RidCommunicator(send_to_scheduler)
+            input_type: RidCommunicator(send_to_scheduler, replies=pp_size)
             for _name, input_type, _output_type in REQUEST_TYPES
         }
         # (output type, receiver) pairs for the tokenizer's result dispatcher.
@@ -69,14 +80,31 @@ class KVMigrationCommunicators:
         ]
 
     async def call(self, request: Any) -> Any:
-        """Send `request` to the scheduler; return the first rank's reply."""
+        """Send `request` to the scheduler; return the server's reply (every stage's
+        reply merged; an allocation that failed on some stage is aborted on all first)."""
         if self._before_call is not None:
             self._before_call()
         if self._weight_version is not None:
             # The scheduler does not see weight updates; the tokenizer manager does.
             request.weight_version = self._weight_version()
-        results = await self._by_input_type[type(request)](request)
-        return results[0]
+        replies = await self._by_input_type[type(request)](request)
+        merged = merge_stage_replies(replies)
+        if needs_rollback(replies, merged):
+            # IMPORTANT: abort before answering, so the client never sees a failed
+            # allocation that still holds slots on some stage.
+            abort = AbortTransferReqInput(
+                migration_id=request.migration_id, weight_version=request.weight_version
+            )
+            undone = await self._by_input_type[AbortTransferReqInput](abort)
+            # Stages that allocated nothing answer "unknown id": nothing to undo there.
+            stuck = [
+                r.message
+                for r in undone
+                if not r.success and r.error_kind != ErrorKind.NOT_FOUND.value
+            ]
+            if stuck:
+                merged.message += f" (rolling back the other stages failed: {stuck[0]})"
+        return merged
 
 
 def after_init_communicators(_result: None, tokenizer_manager: Any, server_args: Any) -> None:
@@ -90,6 +118,7 @@ def after_init_communicators(_result: None, tokenizer_manager: Any, server_args:
         tokenizer_manager.send_to_scheduler,
         before_call=tokenizer_manager.auto_create_handle_loop,
         weight_version=lambda: tokenizer_manager.server_args.weight_version,
+        pp_size=server_args.pp_size,
     )
     tokenizer_manager.kv_migration_communicators = comms
     tokenizer_manager._result_dispatcher += TypeBasedDispatcher(comms.result_handlers)

@@ -21,6 +21,27 @@ from dataclasses import dataclass, field
 
 from sglang.srt.managers.io_struct import BaseReq
 
+# --------------------------------------------------------------------------- PP stages
+
+
+@dataclass
+class StageRefusal:
+    """Set on a request by a PP stage that refused it. SGLang hands the very request
+    objects a stage processed on to the next stage, so later stages see it and refuse
+    too, without touching their trees: all stages stay identical (`pp_stages.py`)."""
+
+    message: str
+    error_kind: str
+
+
+@dataclass
+class StageSyncReqInput(BaseReq):
+    """PP stage 0 -> later stages, in the request stream: the allocations and quarantines
+    its watchdog freed, so every stage frees the same ids at the same point."""
+
+    expired_ids: list[str] = field(default_factory=list)
+
+
 # --------------------------------------------------------------------------- session info
 
 
@@ -103,6 +124,7 @@ class AllocateTokenForTransferReqInput(BaseReq):
     # The source can write a staging extent (its session info says `stage_writer`): grant
     # one where the reserved slots are fragmented (host path; `target_staging.py`).
     staging: bool = False
+    stage_refusal: StageRefusal | None = None  # set by an earlier PP stage
 
 
 @dataclass
@@ -160,6 +182,7 @@ class TransferRequestKVCacheReqInput(BaseReq):
     target_per_rank: list[TransferRequestKVCacheTarget] = field(default_factory=list)
     migration_id: str = ""  # for logs only: the source keeps no state for it
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
+    stage_refusal: StageRefusal | None = None  # set by an earlier PP stage
 
 
 @dataclass
@@ -195,6 +218,7 @@ class CommitTransferRequestKVCacheReqInput(BaseReq):
     migration_id: str = ""
     receipts: list[str] = field(default_factory=list)  # the source's, one per rank
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
+    stage_refusal: StageRefusal | None = None  # set by an earlier PP stage
 
 
 @dataclass

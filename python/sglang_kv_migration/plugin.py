@@ -6,6 +6,7 @@ ranks, Engine) and then applies the hooks. Each hook returns at once when
 
 Hooks (targets are named in `upstream.py`):
 - REPLACE `ServerArgs` with `KVMigrationServerArgs`: our CLI flags and their checks;
+- AFTER `Scheduler.init_ipc_channels`: later PP stages get a socket to the tokenizer;
 - AFTER `Scheduler.init_request_dispatcher`: add the six handlers on every rank;
 - AFTER `Scheduler.process_input_requests`: finish transfers, run the watchdog;
 - AROUND `Scheduler.flush_cache`: drop pending allocations before the tree is reset, and
@@ -34,6 +35,7 @@ def register() -> None:
 
     for target, hook, hook_type in (
         (upstream.SERVER_ARGS_CLASS, KVMigrationServerArgs, HookType.REPLACE),
+        (upstream.SCHEDULER_INIT_IPC, scheduler_hooks.after_init_ipc_channels, HookType.AFTER),
         (
             upstream.SCHEDULER_INIT_DISPATCHER,
             scheduler_hooks.after_init_request_dispatcher,
@@ -72,6 +74,7 @@ def missing_hooks() -> list[str]:
 
     expected = {
         upstream.SERVER_ARGS_CLASS: KVMigrationServerArgs,
+        upstream.SCHEDULER_INIT_IPC: scheduler_hooks.after_init_ipc_channels,
         upstream.SCHEDULER_INIT_DISPATCHER: scheduler_hooks.after_init_request_dispatcher,
         upstream.SCHEDULER_PROCESS_INPUT: scheduler_hooks.after_process_input_requests,
         upstream.SCHEDULER_FLUSH_CACHE: scheduler_hooks.around_flush_cache,

@@ -1,9 +1,12 @@
 """What the migration handlers need from one scheduler rank, and the cross-rank helpers.
 
-SGLang broadcasts every control request to all TP ranks; only the first rank's reply
-reaches the tokenizer manager. Handlers therefore exchange their per-rank parts with
-`all_gather` on the scheduler's CPU (gloo) group. IMPORTANT: every rank must enter each
-collective the same number of times in the same order.
+SGLang broadcasts every control request to all TP ranks of a stage; only the first
+rank's reply reaches the tokenizer manager. Handlers therefore exchange their per-rank
+parts with `all_gather` on the stage's TP CPU (gloo) group. IMPORTANT: every rank must
+enter each collective the same number of times in the same order.
+
+PP stages see a request one after the other (`pp_stages.py`), so collectives spanning
+stages run only at start-up (`all_gather_world`), never in a handler.
 """
 
 from __future__ import annotations
@@ -32,22 +35,40 @@ class RankContext:
     tp_size: int
     pp_rank: int
     pp_size: int
-    cpu_group: Any  # torch.distributed ProcessGroup spanning the server's ranks, or None
+    cpu_group: Any  # torch.distributed ProcessGroup spanning this stage's TP ranks, or None
     model: str  # model identity for the layout fingerprint
-    send_output: Callable[[BaseReq, BaseReq], None]  # (output, request it answers)
+    # (output, request it answers): SGLang's socket on stage 0, ours on later stages, a
+    # no-op on every TP rank but the first.
+    send_output: Callable[[BaseReq, BaseReq], None]
+    world_group: Any = None  # CPU group over every (tp, pp) rank; None: `cpu_group`
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    def all_gather_world(self, obj: Any) -> list[Any]:
+        """Every (tp, pp) rank's `obj`. Start-up only: stages run handlers at different
+        times, so a collective across stages inside a handler would deadlock."""
+        if self.world_group is None:
+            return self.all_gather(obj)
+        return _all_gather(self.world_group, obj)
 
     def all_gather(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order (just [obj] on a single rank)."""
+        """Every TP rank's `obj` in this stage, in tp_rank order ([obj] on a single rank)."""
         if self.cpu_group is None:
             return [obj]
-        import torch.distributed as dist
+        return _all_gather(self.cpu_group, obj)
 
-        world = dist.get_world_size(self.cpu_group)
-        if world == 1:
-            return [obj]
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, obj, group=self.cpu_group)
-        return gathered
+
+def _all_gather(group: Any, obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [obj]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def guarded(run: Callable[[], Any], output_type: type) -> Any:

@@ -1,5 +1,9 @@
 """Hooks on SGLang's `Scheduler` (registered by `plugin.py`).
 
+They set two attributes on every scheduler: `kv_migration` (this rank's
+`MigrationSchedulerSide`, or None) and `kv_migration_stage_reply` (a later PP stage's
+sender to the tokenizer manager, or None).
+
 Both read only the scheduler's public attributes, so tests can drive them with a small
 stand-in loop that has the same attributes (`test/mini_scheduler.py`).
 """
@@ -12,6 +16,19 @@ from typing import Any
 from sglang_kv_migration.server_args import kv_migration_enabled
 
 logger = logging.getLogger(__name__)
+
+
+def after_init_ipc_channels(_result: None, scheduler: Any, port_args: Any) -> None:
+    """Give a later PP stage's first TP rank its own socket to the tokenizer manager
+    (SGLang connects only stage 0); every stage then answers for its own ranks."""
+    scheduler.kv_migration_stage_reply = None
+    if not kv_migration_enabled(scheduler.server_args) or scheduler.pp_rank == 0:
+        return
+    from sglang_kv_migration import sglang_adapter
+
+    scheduler.kv_migration_stage_reply = sglang_adapter.stage_reply_sender(
+        scheduler, port_args.tokenizer_ipc_name
+    )
 
 
 def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
@@ -40,10 +57,11 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         tp_size=view.tp_size,
         pp_rank=view.pp_rank,
         pp_size=view.pp_size,
-        # PP stages run their own loops; only TP ranks share one reply in v1.
+        # Handlers gather over the stage's TP ranks; each stage replies for itself.
         cpu_group=view.tp_cpu_group,
         model=args.served_model_name,
         send_output=view.send_output,
+        world_group=view.world_cpu_group,
     )
     transport_config = TransportConfig(
         hostname=advertised_hostname(args.kv_migration_hostname, args.host),
@@ -72,11 +90,16 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
     sglang_adapter.add_request_handlers(scheduler, side.handlers())
 
 
-def after_process_input_requests(_result: None, scheduler: Any, *_args: Any) -> None:
+def after_process_input_requests(_result: None, scheduler: Any, recv_reqs: Any, *_: Any) -> None:
     """Once per loop iteration, after the requests of the iteration were dispatched."""
     side = scheduler.kv_migration
     if side is not None:
-        side.poll()
+        forward = side.poll()
+        if forward:
+            # Stage 0's watchdog decisions, for the later PP stages (`pp_stages.py`).
+            from sglang_kv_migration import sglang_adapter
+
+            sglang_adapter.forward_to_later_stages(recv_reqs, forward)
 
 
 def around_session_held_tokens(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> int:

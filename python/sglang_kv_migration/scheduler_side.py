@@ -1,10 +1,12 @@
-"""Scheduler-side handlers of the six operations, run on every TP rank of a server.
+"""Scheduler-side handlers of the six operations, run on every (tp, pp) rank of a server.
 
-SGLang broadcasts every control request to all TP ranks, and only the first rank's reply
-reaches the tokenizer manager. So each handler does its rank's part, then the ranks
-exchange their parts with a collective on the scheduler's CPU (gloo) group
+SGLang broadcasts every control request to all TP ranks of a stage, and only the first
+rank's reply reaches the tokenizer manager. So each handler does its rank's part, then the
+stage's ranks exchange their parts with a collective on the TP CPU (gloo) group
 (`rank_context.py`), and every rank builds the same reply (the non-first ranks' sends
-are no-ops upstream). The source's transfers live in `source_transfers.py`.
+are no-ops). With PP every stage answers for its own ranks and stages agree forward
+through the request stream (`pp_stages.py`). The source's transfers live in
+`source_transfers.py`.
 
 IMPORTANT: collectives must be entered by every rank the same number of times in the
 same order. Handlers run in broadcast order, and `poll()` runs once per scheduler loop
@@ -42,11 +44,13 @@ from sglang_kv_migration.io_types import (
     GetTransferSessionInfoReqInput,
     GetTransferSessionInfoReqOutput,
     RankSessionInfo,
+    StageSyncReqInput,
     TransferRequestKVCacheReqInput,
 )
 from sglang_kv_migration.layout import HostPoolLayout, LayoutFingerprint
 from sglang_kv_migration.metrics import LoopTimer, MigrationMetrics, NullMetrics
 from sglang_kv_migration.pending import PendingMigrations
+from sglang_kv_migration.pp_stages import refusal_of, refused_output
 from sglang_kv_migration.rank_context import RankContext, check_peer_fingerprint, guarded
 from sglang_kv_migration.source_transfers import SourceTransfers
 from sglang_kv_migration.target_staging import (
@@ -109,10 +113,19 @@ class MigrationSchedulerSide:
             )
         self.bytes_per_token = sum(self.layout.item_lens)  # on this rank
         # A restarted server gets a new epoch: clients drop their cached session info.
-        self.server_epoch = ctx.all_gather(uuid.uuid4().hex)[0]
+        # One for the whole server: every PP stage's reply carries it.
+        self.server_epoch = ctx.all_gather_world(uuid.uuid4().hex)[0]
         self.paths = self._open_paths(path_names, transport_config, transport, enable_memory_saver)
         self.transfers = SourceTransfers(
-            ctx, self.fingerprint, self.paths, self.metrics, self.server_epoch, self.signer
+            ctx,
+            self.fingerprint,
+            self.paths,
+            self.metrics,
+            self.server_epoch,
+            self.signer,
+            server_fingerprints={
+                (fp.tp_rank, fp.pp_rank): fp for fp in ctx.all_gather_world(self.fingerprint)
+            },
         )
         self.staging = self._open_staging(staging_bytes)
         self.staged_commits = StagedCommits(ctx)
@@ -136,33 +149,47 @@ class MigrationSchedulerSide:
         """(request type, handler) pairs for the scheduler's TypeBasedDispatcher. Every
         reply carries its request's `rid` (the tokenizer side matches replies by it); the
         time each spends on the scheduler thread is charged to `loop_timer`."""
+        answering = self._answering
         pairs = [
-            (GetTransferSessionInfoReqInput, _answering(self.get_transfer_session_info)),
-            (GetRequestExtraTokenSizeReqInput, _answering(self.get_request_extra_token_size)),
-            (AllocateTokenForTransferReqInput, _answering(self.allocate_token_for_transfer)),
+            (GetTransferSessionInfoReqInput, answering(self.get_transfer_session_info)),
+            (GetRequestExtraTokenSizeReqInput, answering(self.get_request_extra_token_size)),
+            (AllocateTokenForTransferReqInput, answering(self.allocate_token_for_transfer)),
             (TransferRequestKVCacheReqInput, self.transfer_request_kvcache),  # replies later
             (
                 CommitTransferRequestKVCacheReqInput,
-                _answering(self.commit_transfer_request_kvcache),  # staged: replies later
+                answering(self.commit_transfer_request_kvcache),  # staged: replies later
             ),
-            (AbortTransferReqInput, _answering(self.abort_transfer)),
+            (AbortTransferReqInput, answering(self.abort_transfer)),
+            (StageSyncReqInput, self.stage_sync),  # from PP stage 0; no reply
         ]
         return [(kind, self.loop_timer.timed(handler)) for kind, handler in pairs]
 
-    def poll(self) -> None:
+    def poll(self) -> list[Any]:
         """Once per scheduler loop iteration: finish transfers and staged commits, run the
-        watchdog; closes the iteration's `loop_timer` account."""
+        watchdog; closes the iteration's `loop_timer` account. Returns messages for the
+        later PP stages (the watchdog's decisions, on stage 0)."""
         started = time.perf_counter()
         self._iteration += 1
         self.transfers.poll()
         for commit, error in self.staged_commits.poll():
             self._answer_staged_commit(commit, error)
         active = bool(len(self.transfers) or len(self.staged_commits))
+        messages: list[Any] = []
         busy = len(self.pending) or self.pending.quarantined()
+        # Later stages free what stage 0's watchdog freed (`stage_sync`), at the same
+        # point of the request stream, so every stage's tree stays the same.
         if busy and self._iteration % WATCHDOG_EVERY_ITERATIONS == 0:
-            self._run_watchdog()
             active = True
+            if not self.ctx.first_stage:
+                # Quarantines may differ between stages (a receipt settled on one stage
+                # only), and freeing one changes no tree: each stage frees its own.
+                self._run_watchdog(quarantine_only=True)
+            else:
+                expired = self._run_watchdog()
+                if expired and self.ctx.pp_size > 1:
+                    messages.append(StageSyncReqInput(expired_ids=expired))
         self.loop_timer.end_iteration(time.perf_counter() - started, active)
+        return messages
 
     def prepare_for_cache_flush(self) -> None:
         """Called before SGLang resets the radix cache and clears the pools.
@@ -306,6 +333,8 @@ class MigrationSchedulerSide:
                 server_epoch=self.epoch_for(req),
             )
 
+        if req.stage_refusal is not None:  # an earlier PP stage refused: so do we
+            return refused_output(AllocateTokenForTransferReqOutput, req.stage_refusal)
         started = time.monotonic()
         local = guarded(run_local, AllocateTokenForTransferReqOutput)
         outputs = self.ctx.all_gather(local)
@@ -316,6 +345,7 @@ class MigrationSchedulerSide:
                 self.pending.abort(req.migration_id)
             self.metrics.outcome("target", "allocate_failed")
             first = failed[0]
+            req.stage_refusal = refusal_of(first)  # later PP stages do not allocate
             return AllocateTokenForTransferReqOutput(
                 success=False,
                 migration_id=req.migration_id,
@@ -345,6 +375,11 @@ class MigrationSchedulerSide:
     ) -> CommitTransferRequestKVCacheReqOutput | None:
         """Insert the written pages; with a staged write on any rank, reply later (from
         `poll()`), once every rank copied its staging extent into its slots."""
+        if req.stage_refusal is not None:  # an earlier PP stage did not insert: nor do we
+            if req.stage_refusal.error_kind == ErrorKind.GONE.value:
+                # It dropped the allocation (weights changed since allocate): so do we.
+                self.pending.expire([req.migration_id])
+            return refused_output(CommitTransferRequestKVCacheReqOutput, req.stage_refusal)
         if self.staged_commits.in_progress(req.migration_id):
             return _in_progress(req.migration_id, "commit")
         pending = self.pending.get(req.migration_id)  # None for a repeated commit
@@ -354,15 +389,19 @@ class MigrationSchedulerSide:
         refusal, plan = None, ""
         if self.pending.committable(req.migration_id, req.weight_version):
             refusal = self._receipt_refusal(req.receipts, pending)
+            if refusal is None and self.ctx.first_stage:
+                refusal = self._later_stage_receipts_refusal(req.receipts, req.migration_id)
             plan = receipt_plan(self.signer, req.receipts, self.ctx.tp_rank, self.ctx.pp_rank)
             refusal = refusal or staged_refusal(plan, pending)
         agreed = self.ctx.all_gather((refusal, plan == "staged"))
         refusals = [r for r, _ in agreed if r is not None]
         if refusals:
             self.metrics.outcome("target", "commit_failed")
-            return CommitTransferRequestKVCacheReqOutput(
+            output = CommitTransferRequestKVCacheReqOutput(
                 success=False, message=refusals[0], error_kind=ErrorKind.FORBIDDEN.value
             )
+            req.stage_refusal = refusal_of(output)
+            return output
         if any(staged for _, staged in agreed):
             assert pending is not None  # committable
             scatter = (
@@ -390,6 +429,7 @@ class MigrationSchedulerSide:
         failed = [o for o in outputs if not o.success]
         if failed:
             self.metrics.outcome("target", "commit_failed")
+            req.stage_refusal = refusal_of(failed[0])
             return failed[0]
         matched_after = min(o.matched_after_commit for o in outputs)
         if pending is not None:
@@ -443,6 +483,12 @@ class MigrationSchedulerSide:
             self.metrics.outcome("target", "aborted")
         return local
 
+    def stage_sync(self, req: StageSyncReqInput) -> None:
+        """Later PP stages: free what stage 0's watchdog freed (skips unknown ids)."""
+        for _ in self.pending.expire(req.expired_ids):
+            self.metrics.outcome("target", "expired")
+        return None
+
     # ------------------------------------------------------------------ helpers
 
     def _answer_staged_commit(self, commit: DeferredCommit, error: str | None) -> None:
@@ -475,9 +521,32 @@ class MigrationSchedulerSide:
         """The staging arena of the host path's target role (None: staging off)."""
         if nbytes <= 0 or HOST not in self.paths:
             return None
+        if self.ctx.pp_size > 1:
+            # A staged commit answers later, but PP stages agree through the request as it
+            # passes (`pp_stages.py`): a scatter failing on stage 0 could not stop a later
+            # stage that already inserted. Direct writes only under PP.
+            logger.info("KV migration staging is off under PP (--pp-size > 1)")
+            return None
         staging = TargetStaging(self.layout, nbytes, self.paths[HOST].transport)
         self.pending.release_staging = staging.release
         return staging
+
+    def _answering(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """Wrap a handler: its reply carries the request's `rid`. On stage 0 SGLang sends
+        the returned reply; a later stage sends its own (SGLang sends nothing there).
+        A handler that returns None replies later, from `poll()`."""
+
+        def answer(req: Any) -> Any:
+            output = handler(req)
+            if output is None:
+                return None
+            output.rid = req.rid
+            if self.ctx.first_stage:
+                return output
+            self.ctx.send_output(output, req)
+            return None
+
+        return answer
 
     def _receipt_refusal(
         self,
@@ -507,6 +576,27 @@ class MigrationSchedulerSide:
                 return f"the source's writes to {where} may still land"
             return None
         return f"no receipt from the source for {where} (pass the transfer reply's receipts)"
+
+    def _later_stage_receipts_refusal(self, receipts: list[str], migration_id: str) -> str | None:
+        """Stage 0 checks that later PP stages hold success receipts too (signature, id,
+        outcome; each stage checks its own slots), so a later stage cannot refuse a
+        commit stage 0 already inserted."""
+        proven = set()
+        for raw in receipts:
+            try:
+                receipt = self.signer.decode_receipt(raw)
+            except MigrationError as e:
+                return f"bad receipt: {e.message}"
+            if receipt.migration_id == migration_id and receipt.success:
+                proven.add((receipt.tp, receipt.pp))
+        for pp in range(1, self.ctx.pp_size):
+            for tp in range(self.ctx.tp_size):
+                if (tp, pp) not in proven:
+                    return (
+                        f"no success receipt from the source for tp={tp} pp={pp} "
+                        "(pass the transfer reply's receipts)"
+                    )
+        return None
 
     def fingerprint_for(self, req: Any) -> LayoutFingerprint:
         """This rank's fingerprint with the weight version the request was stamped with."""
@@ -545,8 +635,8 @@ class MigrationSchedulerSide:
             reason = device_path_unavailable_reason(self.ctx.tree_cache, enable_memory_saver)
             if reason is not None:
                 reasons[DEVICE] = reason
-        # Offered only if every rank can: the client treats a server as one peer.
-        all_reasons = self.ctx.all_gather(reasons)
+        # Offered only if every (tp, pp) rank can: the client treats a server as one peer.
+        all_reasons = self.ctx.all_gather_world(reasons)
         skipped = {name: r for rank_reasons in all_reasons for name, r in rank_reasons.items()}
         paths: dict[str, DataPath] = {}
         for name in names:
@@ -567,25 +657,19 @@ class MigrationSchedulerSide:
                 paths[DEVICE] = DevicePath(self.ctx.tree_cache)
         return paths
 
-    def _run_watchdog(self) -> None:
+    def _run_watchdog(self, quarantine_only: bool = False) -> list[str]:
+        """Free what is due; returns the ids (pending and quarantined) it decided on."""
         # The deadline is judged on each rank's clock, then unioned so that every rank
         # frees the same ids and the trees stay identical.
         local_due = self.pending.due()
+        if quarantine_only:
+            local_due = [mid for mid in local_due if self.pending.get(mid) is None]
         due = sorted({mid for ids in self.ctx.all_gather(local_due) for mid in ids})
         # A commit whose scatter runs owns its slots until it answers (a local copy).
         due = [mid for mid in due if not self.staged_commits.in_progress(mid)]
         for _ in self.pending.expire(due):
             self.metrics.outcome("target", "expired")
-
-
-def _answering(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def answer(req: Any) -> Any:
-        output = handler(req)
-        if output is not None:  # None: the reply is sent later, from poll()
-            output.rid = req.rid
-        return output
-
-    return answer
+        return due
 
 
 def _in_progress(

@@ -191,12 +191,17 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
             "--kv-migration-max-batch-entries must be at least 1, got "
             f"{args.kv_migration_max_batch_entries}."
         )
-    for flag, size in (("--dp-size", args.dp_size), ("--pp-size", args.pp_size)):
-        if size > 1:
-            raise KVMigrationArgsError(
-                f"--enable-kv-migration does not support {flag} > 1 yet (got {size}); "
-                "use tensor parallelism only."
-            )
+    if args.dp_size > 1:
+        raise KVMigrationArgsError(
+            f"--enable-kv-migration does not support --dp-size > 1 yet (got {args.dp_size}); "
+            "use tensor and pipeline parallelism only."
+        )
+    if args.pp_size > 1 and args.nnodes > 1:
+        # Later PP stages reply to the tokenizer manager over its node-local IPC socket.
+        raise KVMigrationArgsError(
+            f"--enable-kv-migration with --pp-size > 1 needs every stage on one node "
+            f"(got --nnodes {args.nnodes}); multi-node pipeline parallelism is not supported yet."
+        )
     try:
         parse_path_names(args.kv_migration_paths)
     except ValueError as e:

@@ -460,10 +460,12 @@ class SchedulerView:
     pp_rank: int
     pp_size: int
     tp_cpu_group: Any
-    send_output: Any  # (output, request) -> None, SGLang's SenderWrapper.send_output
+    send_output: Any  # (output, request) -> None, a SenderWrapper.send_output
+    world_cpu_group: Any = None  # every (tp, pp) rank; None without PP (= tp_cpu_group)
 
     @classmethod
     def of(cls, scheduler: Any) -> SchedulerView:
+        pipelined = scheduler.pp_size > 1
         return cls(
             tree_cache=scheduler.tree_cache,
             server_args=scheduler.server_args,
@@ -472,8 +474,46 @@ class SchedulerView:
             pp_rank=scheduler.pp_rank,
             pp_size=scheduler.pp_size,
             tp_cpu_group=scheduler.tp_cpu_group,
-            send_output=scheduler.send_to_tokenizer.send_output,
+            # SGLang connects only stage 0 to the tokenizer manager; later stages reply
+            # through the sender `stage_reply_sender` made for them.
+            send_output=(
+                scheduler.kv_migration_stage_reply.send_output
+                if scheduler.pp_rank > 0
+                else scheduler.send_to_tokenizer.send_output
+            ),
+            world_cpu_group=scheduler.world_group.cpu_group if pipelined else None,
         )
+
+
+def stage_reply_sender(scheduler: Any, tokenizer_ipc_name: str) -> Any:
+    """A `SenderWrapper` from a later PP stage to the tokenizer manager.
+
+    SGLang opens the scheduler -> tokenizer socket on the first TP rank of stage 0 only
+    (`Scheduler.init_ipc_channels`); the tokenizer manager binds a PULL socket on
+    `port_args.tokenizer_ipc_name` that any number of PUSH sockets may connect to. The
+    first TP rank of each later stage gets its own; the other ranks a no-op sender, as
+    SGLang gives them.
+    """
+    from sglang.srt.managers.scheduler import SenderWrapper
+
+    if scheduler.pp_rank == 0 or scheduler.tp_rank != 0:
+        return SenderWrapper(None)
+    import zmq
+    from sglang.srt.utils.network import get_zmq_socket
+
+    socket = get_zmq_socket(zmq.Context(1), zmq.PUSH, tokenizer_ipc_name, False)
+    return SenderWrapper(socket)
+
+
+def forward_to_later_stages(recv_reqs: list[Any], messages: list[Any]) -> None:
+    """Append `messages` to the iteration's requests on a PP stage.
+
+    `event_loop_pp` hands the list it gave `process_input_requests` to the next stage
+    after that call returns (`_pp_send_pyobj_to_next_stage(recv_reqs)`), so what the
+    AFTER hook appends reaches every later stage, after this iteration's requests, in
+    order. Without PP the list is dropped after the iteration: appending is harmless.
+    """
+    recv_reqs.extend(messages)
 
 
 def add_request_handlers(scheduler: Any, handlers: list[tuple[type, Any]]) -> None:

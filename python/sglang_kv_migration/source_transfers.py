@@ -1,6 +1,7 @@
 """Source side of `/transfer_request_kvcache` on one rank, without stalling the scheduler.
 
-Life of a transfer on every TP rank:
+Life of a transfer on every (tp, pp) rank (each PP stage moves its own layers to the
+stage with the same pp_rank on the target, and replies for its own TP ranks):
 
     start():  ranks agree the request is valid (collective) → the data path pins the
               range and starts its `SendJob` (no waiting)
@@ -28,6 +29,7 @@ from sglang_kv_migration.data_path import DataPath, KVPoll, SendJob, SendRange
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.io_types import (
     RankTransferResult,
+    StageRefusal,
     TransferRequestKVCacheReqInput,
     TransferRequestKVCacheReqOutput,
     TransferRequestKVCacheTarget,
@@ -69,6 +71,7 @@ class InflightTransfer:
     error: MigrationError | None = None  # failed before anything was sent
     result: RankTransferStatus | None = None
     slots_digest: str = ""  # of this rank's target slots, once parsed (for the receipt)
+    own_slots: tuple[torch.Tensor, str] | None = None  # (slots, digest), parsed once
 
     @property
     def waiting(self) -> bool:
@@ -110,9 +113,12 @@ class SourceTransfers:
         metrics: MigrationMetrics,
         server_epoch: str = "",
         signer: grants.Signer | None = None,
+        server_fingerprints: Mapping[tuple[int, int], LayoutFingerprint] | None = None,
     ):
         self.ctx = ctx
         self.fingerprint = fingerprint
+        # Every (tp, pp) rank's layout, for stage 0's checks of later stages' entries.
+        self.server_fingerprints = server_fingerprints or {(ctx.tp_rank, ctx.pp_rank): fingerprint}
         self.paths = paths
         self.metrics = metrics
         self.server_epoch = server_epoch
@@ -127,6 +133,15 @@ class SourceTransfers:
         """Handle a transfer request; the reply is sent later by `poll()`."""
         inflight = InflightTransfer(request=req, started=time.monotonic())
         self._inflight.append(inflight)
+        # First: even a refused transfer's receipt names this rank's slots (a settled
+        # receipt lets the target free them at once); a bad entry is reported below.
+        error_of(lambda: self._parse_own_slots(req, inflight))
+        if req.stage_refusal is not None:
+            # An earlier PP stage refused before pinning anything: so do we (its reply
+            # fails the transfer), leaving this stage's tree as that stage left its own.
+            kind = ErrorKind(req.stage_refusal.error_kind or ErrorKind.INTERNAL.value)
+            inflight.error = MigrationError(kind, req.stage_refusal.message)
+            return
         local_error = error_of(lambda: self._validate(req, inflight))
         # IMPORTANT: agree on validity before touching the tree. A rank that pinned and
         # queued write-backs while another did not would leave the ranks' write-through
@@ -134,6 +149,7 @@ class SourceTransfers:
         errors = [e for e in self.ctx.all_gather(local_error) if e is not None]
         if errors:
             inflight.error = errors[0]
+            req.stage_refusal = StageRefusal(errors[0].message, errors[0].kind.value)
             return
         # Same outcome on every rank: their trees and pools are identical. (The device
         # path may still refuse on one rank only, e.g. an unopenable peer buffer; the
@@ -166,56 +182,22 @@ class SourceTransfers:
     # ------------------------------------------------------------------ helpers
 
     def _validate(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
-        for target in req.target_per_rank:
-            if (target.tp, target.pp) == (self.ctx.tp_rank, self.ctx.pp_rank):
-                break
-        else:
-            raise MigrationError(
-                ErrorKind.BAD_REQUEST,
-                f"target_per_rank has no entry for tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}",
-            )
-        slots = target_slots(target, self.fingerprint.page_size)
-        staging = _staging_extent(target)
-        inflight.slots_digest = grants.slots_digest(slots)
-        path = self.paths.get(target.path)
-        if path is None:
-            raise MigrationError(
-                ErrorKind.CONFLICT,
-                f"data path {target.path!r} is not available on this source (available: "
-                f"{', '.join(self.paths) or 'none'})",
-            )
-        mine = dataclasses.replace(self.fingerprint, weight_version=req.weight_version)
-        check_peer_fingerprint(mine, [target.fingerprint], role="target")
-        if len(slots) != req.extra_token_size:
-            raise MigrationError(
-                ErrorKind.BAD_REQUEST,
-                f"target rank tp={target.tp} pp={target.pp} has {len(slots)} slots for "
-                f"extra_token_size={req.extra_token_size}",
-            )
-        # IMPORTANT: write only what the target granted, checked without trusting the
-        # client: this migration, this rank, this path, exactly these slots, in time, once.
-        if not target.grant:
-            raise MigrationError(
-                ErrorKind.FORBIDDEN,
-                f"write refused: no grant for tp={target.tp} pp={target.pp} (pass the allocate "
-                "reply's grant); nothing was written",
-            )
-        grant = self.signer.check_grant(
-            target.grant,
-            migration_id=req.migration_id,
-            tp=self.ctx.tp_rank,
-            pp=self.ctx.pp_rank,
-            path=target.path,
-            num_slots=len(slots),
-            slots=inflight.slots_digest,  # computed once, above; also goes into the receipt
-            tokens=grants.tokens_digest(
-                req.input_ids[: req.matched_token_size + req.extra_token_size], req.extra_key
-            ),
-            staging=staging,  # a staging extent is written only if the grant names it
+        by_rank = {(t.tp, t.pp): t for t in req.target_per_rank}
+        me = (self.ctx.tp_rank, self.ctx.pp_rank)
+        target = by_rank.get(me)
+        if self.ctx.first_stage:
+            # IMPORTANT: stage 0 checks every later stage's entry too (structure,
+            # fingerprint, grant), so a later stage cannot refuse after this one pinned
+            # and wrote: stages see the request one after the other (`pp_stages.py`).
+            for position, fingerprint in sorted(self.server_fingerprints.items()):
+                if position != me and position[1] != self.ctx.pp_rank:
+                    self._check_target(req, by_rank.get(position), position, fingerprint)
+        slots, _digest, grant = self._check_target(
+            req, target, me, self.fingerprint, inflight.own_slots
         )
         self._used_grants.claim(grant)
         start = req.matched_token_size
-        inflight.path = path
+        inflight.path = self.paths[target.path]
         inflight.send = SendRange(
             input_ids=req.input_ids,
             extra_key=req.extra_key,
@@ -225,6 +207,72 @@ class SourceTransfers:
             target_slots=slots,
             migration_id=req.migration_id,
         )
+
+    def _parse_own_slots(
+        self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer
+    ) -> None:
+        for target in req.target_per_rank:
+            if (target.tp, target.pp) == (self.ctx.tp_rank, self.ctx.pp_rank):
+                slots = target_slots(target, self.fingerprint.page_size)
+                inflight.own_slots = (slots, grants.slots_digest(slots))
+                inflight.slots_digest = inflight.own_slots[1]
+                return
+
+    def _check_target(
+        self,
+        req: TransferRequestKVCacheReqInput,
+        target: TransferRequestKVCacheTarget | None,
+        position: tuple[int, int],
+        fingerprint: LayoutFingerprint,
+        slots_and_digest: tuple[torch.Tensor, str] | None = None,
+    ) -> tuple[torch.Tensor, str, grants.Grant]:
+        """Check the target entry of source rank `position` (whose layout is
+        `fingerprint`); returns its slots, their digest and the checked grant."""
+        tp, pp = position
+        if target is None:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST, f"target_per_rank has no entry for tp={tp} pp={pp}"
+            )
+        if slots_and_digest is None:
+            slots = target_slots(target, fingerprint.page_size)
+            slots_and_digest = (slots, grants.slots_digest(slots))
+        slots, digest = slots_and_digest
+        if target.path not in self.paths:
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"data path {target.path!r} is not available on this source (available: "
+                f"{', '.join(self.paths) or 'none'})",
+            )
+        mine = dataclasses.replace(fingerprint, weight_version=req.weight_version)
+        check_peer_fingerprint(mine, [target.fingerprint], role="target")
+        if len(slots) != req.extra_token_size:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                f"target rank tp={tp} pp={pp} has {len(slots)} slots for "
+                f"extra_token_size={req.extra_token_size}",
+            )
+        # IMPORTANT: write only what the target granted, checked without trusting the
+        # client: this migration, this rank, this path, exactly these slots, in time, once.
+        if not target.grant:
+            raise MigrationError(
+                ErrorKind.FORBIDDEN,
+                f"write refused: no grant for tp={tp} pp={pp} (pass the allocate "
+                "reply's grant); nothing was written",
+            )
+        grant = self.signer.check_grant(
+            target.grant,
+            migration_id=req.migration_id,
+            tp=tp,
+            pp=pp,
+            path=target.path,
+            num_slots=len(slots),
+            slots=digest,
+            tokens=grants.tokens_digest(
+                req.input_ids[: req.matched_token_size + req.extra_token_size], req.extra_key
+            ),
+            staging=_staging_extent(target),  # a staging extent is written only if granted
+        )
+        return slots, digest, grant
 
     def _start_job(self, inflight: InflightTransfer) -> None:
         inflight.job = inflight.path.start_send(inflight.send)
@@ -266,10 +314,11 @@ class SourceTransfers:
 
     def _reply(self, inflight: InflightTransfer, statuses: list[RankTransferStatus]) -> None:
         req = inflight.request
+        # `statuses` come from this stage's TP group, in tp_rank order.
         ranks = [
             RankTransferResult(
-                tp_rank=i % self.ctx.tp_size,
-                pp_rank=i // self.ctx.tp_size,
+                tp_rank=i,
+                pp_rank=self.ctx.pp_rank,
                 success=s.success,
                 bytes=s.bytes,
                 seconds=s.seconds,
@@ -283,7 +332,7 @@ class SourceTransfers:
         failed = [s for s in statuses if not s.success]
         elapsed = time.monotonic() - inflight.started
         self.metrics.phase("transfer", elapsed)
-        # Every rank builds this same reply; only the first one logs it.
+        # Every rank of a stage builds this same reply; only the first one logs it.
         first_rank = self.ctx.tp_rank == 0
         if failed:
             output = TransferRequestKVCacheReqOutput(
@@ -313,7 +362,7 @@ class SourceTransfers:
                 server_epoch=f"{self.server_epoch}:{req.weight_version}",
             )
             self.metrics.outcome("source", "sent")
-            # Gathers run over the TP group, in tp_rank order.
+            # Gathers run over the stage's TP group, in tp_rank order.
             self.metrics.moved("source", req.extra_token_size, statuses[self.ctx.tp_rank].bytes)
             if first_rank:
                 logger.info(

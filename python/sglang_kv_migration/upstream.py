@@ -15,6 +15,9 @@ SGLANG_VERSION = "0.5.12"
 
 SERVER_ARGS_CLASS = "sglang.srt.server_args.ServerArgs"
 SCHEDULER_INIT_DISPATCHER = "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher"
+# Runs before init_request_dispatcher; the only place a scheduler sees the tokenizer
+# manager's socket name (later PP stages reply through a socket of their own).
+SCHEDULER_INIT_IPC = "sglang.srt.managers.scheduler.Scheduler.init_ipc_channels"
 SCHEDULER_PROCESS_INPUT = "sglang.srt.managers.scheduler.Scheduler.process_input_requests"
 SCHEDULER_FLUSH_CACHE = "sglang.srt.managers.scheduler.Scheduler.flush_cache"
 TOKENIZER_INIT_COMMUNICATORS = (
@@ -27,6 +30,7 @@ SCHEDULER_SESSION_HELD_TOKENS = "sglang.srt.managers.scheduler.Scheduler._sessio
 
 HOOK_TARGETS: tuple[str, ...] = (
     SERVER_ARGS_CLASS,
+    SCHEDULER_INIT_IPC,
     SCHEDULER_INIT_DISPATCHER,
     SCHEDULER_PROCESS_INPUT,
     SCHEDULER_FLUSH_CACHE,
@@ -41,6 +45,7 @@ REQUIRED_SYMBOLS: tuple[str, ...] = (
     "sglang.srt.managers.communicator.FanOutCommunicator",
     "sglang.srt.managers.scheduler.Scheduler.is_fully_idle",
     "sglang.srt.managers.scheduler.SenderWrapper.send_output",
+    "sglang.srt.utils.network.get_zmq_socket",
     "sglang.utils.TypeBasedDispatcher",
     "sglang.srt.entrypoints.http_server.app",
     "sglang.srt.entrypoints.http_server.get_global_state",

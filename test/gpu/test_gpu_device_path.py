@@ -12,6 +12,12 @@ Parameters (environment):
 - `KVMIG_TP=2`: every server runs `--tp-size 2` on GPUs 0 and 1 (an nvidia-h200-x2
   machine); rank r of the source copies into rank r of the target, on the same GPU.
   Not run yet.
+- `KVMIG_PP=2`: every server runs `--pp-size 2` on GPUs 0 and 1: stage s (its own
+  layers, on GPU s) of the source copies into stage s of the target, on the same GPU.
+  SGLang 0.5.12 accepts `--pp-size 2` with `--enable-hierarchical-cache` and turns the
+  overlap scheduler off for PP by itself (`--disable-overlap-schedule` is passed anyway).
+  Under PP, `/v1/loads` (the pool checks below) reports stage 0 only. Not run yet.
+  `KVMIG_TP`/`KVMIG_PP` > 1 cannot be combined with `KVMIG_TWO_GPUS=1` on a 2-GPU machine.
 - `KVMIG_TWO_GPUS=1`: the target runs on GPU 1 (`--base-gpu-id 1`, an nvidia-h200-x2
   machine), so the device path crosses GPUs; otherwise all servers share GPU 0.
 
@@ -63,6 +69,7 @@ PAGE_SIZE = int(os.environ.get("KVMIG_PAGE_SIZE", "1"))
 ATTENTION = os.environ.get("KVMIG_ATTENTION", "mha").lower()
 TWO_GPUS = os.environ.get("KVMIG_TWO_GPUS", "") == "1"
 TP_SIZE = int(os.environ.get("KVMIG_TP", "1"))
+PP_SIZE = int(os.environ.get("KVMIG_PP", "1"))
 MAX_TOTAL_TOKENS = 65536  # GPU KV pool per server; host pool = 2x (hicache_ratio)
 POOL_SETTLE_TIMEOUT_S = 90.0  # > the 60 s default watchdog: quarantined slots come back
 
@@ -80,11 +87,15 @@ class Servers:
 def servers() -> Iterator[Servers]:
     if ATTENTION not in TEST_MODELS:
         raise ValueError(f"KVMIG_ATTENTION must be one of {sorted(TEST_MODELS)}, got {ATTENTION}")
+    if TWO_GPUS and TP_SIZE * PP_SIZE > 1:
+        pytest.skip("KVMIG_TWO_GPUS=1 puts the target on GPU 1; with TP/PP > 1 it needs more GPUs")
     shape, model_dir = TEST_MODELS[ATTENTION]
     write_model(shape, model_dir)
     common = ["--page-size", str(PAGE_SIZE), "--mem-fraction-static", "0.2"]
     common += ["--max-total-tokens", str(MAX_TOTAL_TOKENS), "--enable-metrics"]
-    common += ["--tp-size", str(TP_SIZE)]
+    common += ["--tp-size", str(TP_SIZE), "--pp-size", str(PP_SIZE)]
+    if PP_SIZE > 1:
+        common.append("--disable-overlap-schedule")  # SGLang forces it for PP anyway
     specs = [
         ServerSpec(30510, common, gpu_id=0),
         ServerSpec(30520, common, gpu_id=1 if TWO_GPUS else 0),
@@ -97,6 +108,7 @@ def servers() -> Iterator[Servers]:
             "page_size": PAGE_SIZE,
             "two_gpus": TWO_GPUS,
             "tp_size": TP_SIZE,
+            "pp_size": PP_SIZE,
             "model": shape,
         },
     )

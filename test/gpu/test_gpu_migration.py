@@ -1,16 +1,27 @@
-"""Two real SGLang 0.5.12 servers on one GPU: migrate a prefix, the target serves it cached.
+"""Two real SGLang 0.5.12 servers: migrate a prefix (host path), the target serves it cached.
 
 Run on the lent GPU machine (never in CI), from the repo root:
 
     KVMIG_GPU_OUT=$OUT python3 -m pytest -m gpu -s test/gpu/test_gpu_migration.py
 
-`KVMIG_TP=2` runs both servers with `--tp-size 2` on GPUs 0 and 1 (an nvidia-h200-x2
-machine): each TP rank moves its own KV heads to the same rank of the target.
-
 Each server is the stock `python -m sglang.launch_server` with this package installed
 (its plugin adds `--enable-kv-migration`), a small dummy-weight Llama written here (no
 downloads) and `--skip-tokenizer-init`. The migration runs through the installed
 `sglang-kv-migrate` console script, as an operator would run it.
+
+Parameters (environment):
+- `KVMIG_PAGE_SIZE`: `--page-size` of both servers (default 1).
+- `KVMIG_TP=2`: both servers run `--tp-size 2` on GPUs 0 and 1 (an nvidia-h200-x2
+  machine); rank r of the source writes into rank r of the target.
+- `KVMIG_PP=2`: both servers run `--pp-size 2` on GPUs 0 and 1: stage 0 holds layers
+  0-3 of the 8-layer model, stage 1 layers 4-7, and stage s of the source writes its own
+  layers into stage s of the target. SGLang 0.5.12 accepts `--pp-size 2` with
+  `--enable-hierarchical-cache`; it turns the overlap scheduler off for PP by itself
+  (`_handle_pipeline_parallelism`), piecewise CUDA graphs too, and syncs the device pool
+  size across stages (MIN over the world group), so the default `--hicache-ratio` gives
+  every stage the same host pool in tokens. `--disable-overlap-schedule` is passed
+  anyway to say so. `KVMIG_TP=2 KVMIG_PP=2` needs four GPUs.
+Under PP, `/v1/loads` and SGLang's own control replies come from stage 0 only.
 """
 
 from __future__ import annotations
@@ -39,6 +50,24 @@ from real_servers import (  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 MODEL_DIR = Path("/tmp/kvmig-tiny-llama")
+# K and V, every layer, all KV heads, bf16: summed over the ranks of a TP/PP server.
+KV_BYTES_PER_TOKEN = (
+    TINY_LLAMA["num_hidden_layers"]
+    * 2
+    * TINY_LLAMA["num_key_value_heads"]
+    * (TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"])
+    * 2
+)
+TP_SIZE = int(os.environ.get("KVMIG_TP", "1"))
+PP_SIZE = int(os.environ.get("KVMIG_PP", "1"))
+
+
+def parallel_flags() -> list[str]:
+    """Both servers on GPUs 0..TP*PP-1 (the default --base-gpu-id 0)."""
+    flags = ["--tp-size", str(TP_SIZE), "--pp-size", str(PP_SIZE)]
+    if PP_SIZE > 1:
+        flags.append("--disable-overlap-schedule")  # SGLang forces it for PP anyway
+    return flags
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +75,8 @@ def servers():
     model_dir = write_model(TINY_LLAMA, MODEL_DIR)
     page_size = os.environ.get("KVMIG_PAGE_SIZE", "1")
     extra = ["--page-size", page_size, "--mem-fraction-static", "0.25", "--enable-metrics"]
-    extra += ["--max-total-tokens", "65536", "--tp-size", os.environ.get("KVMIG_TP", "1")]
+    extra += ["--max-total-tokens", "65536", *parallel_flags()]
+    record("migration_config", {"page_size": int(page_size), "tp": TP_SIZE, "pp": PP_SIZE})
     procs = {port: launch(port, model_dir, extra) for port in (30100, 30200)}
     try:
         urls = []
@@ -79,6 +109,8 @@ def test_migrated_prefix_is_served_from_cache(servers):
     assert result["success"] is True
     assert result["migrated_token_size"] == expected
     assert result["matched_after_commit"] == expected
+    # K and V of every layer moved, whichever (tp, pp) rank holds it (bf16 KV).
+    assert result["migrated_bytes"] == expected * KV_BYTES_PER_TOKEN
 
     t0 = time.perf_counter()
     on_target = generate(target, prompt)
@@ -144,9 +176,18 @@ def test_endpoint_errors_on_real_server(servers):
     r = httpx.post(target + "/get_request_extra_token_size", json={"input_ids": "x"}, timeout=30)
     assert r.status_code == 400, r.text
     info = httpx.post(source + "/get_transfer_session_info", timeout=30).json()
-    record("session_info_rank0_fingerprint", info["ranks"][0]["fingerprint"])
-    ranks = int(os.environ.get("KVMIG_TP", "1")) * int(os.environ.get("KVMIG_PP", "1"))
-    assert info["success"] and len(info["ranks"]) == ranks
+    record("session_info_fingerprints", [r["fingerprint"] for r in info["ranks"]])
+    assert info["success"]
+    # Every (tp, pp) rank of the server answers, gathered across TP ranks and PP stages.
+    positions = [(r["tp_rank"], r["pp_rank"]) for r in info["ranks"]]
+    assert positions == [(tp, pp) for pp in range(PP_SIZE) for tp in range(TP_SIZE)]
+    for rank in info["ranks"]:
+        fp = rank["fingerprint"]
+        assert (fp["tp_size"], fp["pp_size"]) == (TP_SIZE, PP_SIZE)
+        assert (fp["tp_rank"], fp["pp_rank"]) == (rank["tp_rank"], rank["pp_rank"])
+    # Each stage's pools hold its own layers: stage starts rise from layer 0.
+    starts = [info["ranks"][pp * TP_SIZE]["fingerprint"]["start_layer"] for pp in range(PP_SIZE)]
+    assert starts[0] == 0 and starts == sorted(set(starts))
 
 
 def test_metrics_are_exported_by_real_servers(servers):
