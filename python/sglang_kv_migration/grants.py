@@ -10,7 +10,8 @@ slot lists between servers is not trusted either. So:
   exactly these slots, not expired, not used before); anything else is refused with 403
   before a byte moves;
 - the source answers every transfer with a **receipt** per rank (success or not, bytes,
-  the slots' digest, and whether no write of it can still land); `/commit` inserts only
+  the slots' digest, whether no write of it can still land, and — when the grant asked
+  for verification — a digest of the bytes it sent, `verify.py`); `/commit` inserts only
   with a success receipt for every rank, and `/abort_transfer` frees slots at once only
   with a receipt saying no write can land — otherwise they stay quarantined until the
   grant's deadline plus the transfer timeout has passed.
@@ -32,7 +33,7 @@ import hmac
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -87,6 +88,10 @@ class Grant:
     num_tokens: int
     expires_at: float  # unix time; the source starts no write after it
     tokens_digest: str  # the whole prefix (tokens + extra_key) the slots are for
+    # Unix time after which the source submits no more bytes (0: expires_at plus its own
+    # transfer timeout). Below the target's write window, so a freed slot gets no late write.
+    write_until: float = 0.0
+    verify: bool = False  # the target will check a content digest: the receipt carries one
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ class Receipt:
     success: bool
     bytes: int
     settled: bool  # no write of this transfer can land any more (done, or never started)
+    digest: str = ""  # verify.py's digest of the pages sent, when the grant asked for it
 
 
 class Signer:
@@ -173,7 +179,9 @@ class Signer:
             if data.pop("kind") != kind.__name__:
                 raise ValueError("wrong kind")
             names = {f.name for f in fields(kind)}
-            if set(data) != names:
+            required = {f.name for f in fields(kind) if f.default is MISSING}
+            # Fields with a default were added later: a token from an older server lacks them.
+            if not required <= set(data) <= names:
                 raise ValueError("wrong fields")
             return kind(**data)
         except (ValueError, TypeError, KeyError, orjson.JSONDecodeError) as e:

@@ -66,6 +66,7 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         enable_memory_saver=args.enable_memory_saver,
         grant_key=derive_key(args.kv_migration_grant_key, args.admin_api_key, args.api_key),
         grant_ttl_s=args.kv_migration_grant_ttl,
+        verify=args.kv_migration_verify,
     )
     scheduler.kv_migration = side
     sglang_adapter.add_request_handlers(scheduler, side.handlers())

@@ -72,6 +72,7 @@ class MigrationSchedulerSide:
         enable_memory_saver: bool = False,
         grant_key: bytes | None = None,
         grant_ttl_s: float = 15.0,
+        verify: bool = False,
     ):
         self.ctx = ctx
         self.metrics = metrics or NullMetrics()
@@ -90,6 +91,7 @@ class MigrationSchedulerSide:
         # Grants must expire well before the watchdog frees the slots they name.
         self.grant_ttl_s = min(grant_ttl_s, watchdog_timeout_s / 2)
         self.signer = grants.Signer(grant_key)
+        self.verify_all = verify  # --kv-migration-verify: check every commit's digest
         self._transfer_timeout_s = transport_config.transfer_timeout_s
         if not self.signer.signed and ctx.tp_rank == 0:
             logger.warning(
@@ -240,6 +242,9 @@ class MigrationSchedulerSide:
             else:
                 rank = AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)
             if alloc.extra_length:
+                verify = req.verify or self.verify_all
+                self.pending.get(alloc.migration_id).verify = verify
+                expires_at = time.time() + self.grant_ttl_s
                 rank.grant = self.signer.encode(
                     grants.Grant(
                         migration_id=alloc.migration_id,
@@ -248,11 +253,15 @@ class MigrationSchedulerSide:
                         path=path.name,
                         slots_digest=grants.slots_digest(alloc.slots),
                         num_tokens=alloc.extra_length,
-                        expires_at=time.time() + self.grant_ttl_s,
+                        expires_at=expires_at,
                         tokens_digest=grants.tokens_digest(
                             req.input_ids[: alloc.matched_length + alloc.extra_length],
                             req.extra_key,
                         ),
+                        # The source stops submitting bytes halfway through the late-write
+                        # margin; the other half bounds a batch already in flight.
+                        write_until=expires_at + path.late_write_margin_s / 2,
+                        verify=verify,
                     )
                 )
             return AllocateTokenForTransferReqOutput(
@@ -314,13 +323,30 @@ class MigrationSchedulerSide:
         # Every rank needs the source's success receipt for its slots; agree first, so no
         # rank inserts while another refuses.
         refusal = None
-        if self.pending.committable(req.migration_id, req.weight_version):
+        committable = self.pending.committable(req.migration_id, req.weight_version)
+        if committable:
             refusal = self._receipt_refusal(req.receipts, pending)
         refusals = [r for r in self.ctx.all_gather(refusal) if r is not None]
         if refusals:
             self.metrics.outcome("target", "commit_failed")
             return CommitTransferRequestKVCacheReqOutput(
                 success=False, message=refusals[0], error_kind=ErrorKind.FORBIDDEN.value
+            )
+        # Opt-in verify: every rank hashes what landed in its slots; any mismatch fails
+        # the commit on every rank and the slots go back as for an abort.
+        mismatch = None
+        if committable and (pending.verify or req.verify):
+            mismatch = guarded_refusal(lambda: self._verify_refusal(req.receipts, pending))
+        mismatches = [m for m in self.ctx.all_gather(mismatch) if m is not None]
+        if mismatches:
+            self.pending.abort(req.migration_id, settled=True)
+            self.metrics.outcome("target", "verify_failed")
+            if self.ctx.tp_rank == 0:
+                logger.warning("KV migration %s not committed: %s", req.migration_id, mismatches[0])
+            return CommitTransferRequestKVCacheReqOutput(
+                success=False,
+                message=f"{mismatches[0]}; nothing was inserted, the slots were freed",
+                error_kind=ErrorKind.CONFLICT.value,
             )
         local = guarded(run_local, CommitTransferRequestKVCacheReqOutput)
         outputs = self.ctx.all_gather(local)
@@ -409,6 +435,26 @@ class MigrationSchedulerSide:
             return None
         return f"no receipt from the source for {where} (pass the transfer reply's receipts)"
 
+    def _verify_refusal(self, receipts: list[str], pending: Any) -> str | None:
+        """Why what landed in this rank's slots is not what the source sent (None when
+        it is). Runs after `_receipt_refusal` accepted the receipts."""
+        where = f"tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}"
+        for raw in receipts:
+            receipt = self.signer.decode_receipt(raw)
+            if (receipt.tp, receipt.pp) != (self.ctx.tp_rank, self.ctx.pp_rank):
+                continue
+            if not receipt.digest:
+                return (
+                    f"receipt hash missing for {where}: the transfer was not granted with "
+                    "verify (allocate with verify: true, or start the target with "
+                    "--kv-migration-verify)"
+                )
+            landed = pending.path.content_digest(pending.slots)
+            if landed != receipt.digest:
+                return f"receipt hash does not match the bytes that landed in {where}"
+            return None
+        return f"no receipt for {where}"
+
     def fingerprint_for(self, req: Any) -> LayoutFingerprint:
         """This rank's fingerprint with the weight version the request was stamped with."""
         return dataclasses.replace(self.fingerprint, weight_version=req.weight_version)
@@ -475,6 +521,16 @@ class MigrationSchedulerSide:
         due = sorted({mid for ids in self.ctx.all_gather(local_due) for mid in ids})
         for _ in self.pending.expire(due):
             self.metrics.outcome("target", "expired")
+
+
+def guarded_refusal(check: Callable[[], str | None]) -> str | None:
+    """`check()`, with an unexpected error turned into a refusal (handlers never raise;
+    the ranks' collectives must still be entered)."""
+    try:
+        return check()
+    except Exception as e:
+        logger.exception("KV migration verify failed")
+        return f"verify failed: {e!r}"
 
 
 def _answering(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -48,6 +48,7 @@ class KVMigrationServerArgs(_upstream.ServerArgs):
     kv_migration_grant_key: str | None = None
     kv_migration_grant_ttl: float = DEFAULT_GRANT_TTL_S
     kv_migration_transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT_S
+    kv_migration_verify: bool = False
 
     def __post_init__(self):
         # IMPORTANT: check our flags before SGLang's own post-init, which reads the model
@@ -144,6 +145,15 @@ def add_kv_migration_cli_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_TRANSFER_TIMEOUT_S,
         help="Longest a host-path transfer may run. Freed slots whose writes could still land "
         "stay quarantined until the grant's deadline plus twice this.",
+    )
+    group.add_argument(
+        "--kv-migration-verify",
+        action="store_true",
+        help="As a target, check every migration before inserting it: the source sends an "
+        "xxh3-128 digest of the KV it wrote, this server hashes what landed in the reserved "
+        "slots, and /commit answers 409 (nothing inserted) on a mismatch. Costs one pass "
+        "over the migrated bytes on each side. Clients can also ask per migration "
+        "(allocate or commit with verify: true).",
     )
 
 

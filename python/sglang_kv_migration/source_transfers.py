@@ -53,6 +53,7 @@ class RankTransferStatus:
     message: str = ""
     error_kind: str = ""
     receipt: str = ""  # signed by this rank once done
+    digest: str = ""  # of the pages sent, when the grant asked for verification
 
 
 @dataclass
@@ -83,7 +84,11 @@ class InflightTransfer:
             elif state is KVPoll.SUCCESS:
                 stats = self.job.stats
                 self.result = RankTransferStatus(
-                    done=True, success=True, bytes=stats.bytes, seconds=stats.seconds
+                    done=True,
+                    success=True,
+                    bytes=stats.bytes,
+                    seconds=stats.seconds,
+                    digest=stats.digest,
                 )
         if self.error is not None:
             self.result = RankTransferStatus(
@@ -215,6 +220,9 @@ class SourceTransfers:
             target=target,
             target_slots=slots,
             migration_id=req.migration_id,
+            start_by=grant.expires_at,
+            write_until=grant.write_until or float("inf"),
+            verify=grant.verify,
         )
 
     def _start_job(self, inflight: InflightTransfer) -> None:
@@ -249,6 +257,7 @@ class SourceTransfers:
                     bytes=status.bytes,
                     # Nothing more can land once done, or if no write was ever submitted.
                     settled=status.success or job is None or not job.started_writing,
+                    digest=status.digest,
                 )
             )
         return status

@@ -259,6 +259,8 @@ class KVTransport(abc.ABC):
         peer_regions: Sequence[MemoryRegion],
         *,
         dst_staging: MemoryRegion | None = None,
+        start_by: float | None = None,
+        write_until: float | None = None,
     ) -> TransferHandle:
         """Start copying local slot ``src_indices[i]`` to the peer's ``dst_indices[i]``.
 
@@ -270,7 +272,10 @@ class KVTransport(abc.ABC):
         ``peer_regions`` that the target granted) every page goes into that region in the
         format of `staging.py`, and the target must `staging.scatter_from_staging` it
         before it commits. The indices (a list or an int64 tensor) and the source pages
-        must stay unchanged until the handle is done.
+        must stay unchanged until the handle is done. ``start_by`` and ``write_until``
+        (`time.monotonic()` values, from the target's grant) bound the job: it fails with
+        nothing sent if it would start after ``start_by``, and submits no batch after
+        ``write_until`` (nor after its own transfer timeout).
 
         The default plans with `layout.plan_writes` on the calling thread and calls
         `write` (enough for test doubles); `MooncakeTransport` overrides it.
@@ -397,6 +402,8 @@ class MooncakeTransport(KVTransport):
         peer_regions: Sequence[MemoryRegion],
         *,
         dst_staging: MemoryRegion | None = None,
+        start_by: float | None = None,
+        write_until: float | None = None,
     ) -> TransferHandle:
         self._live_engine()
         if not peer_session_id:
@@ -417,6 +424,8 @@ class MooncakeTransport(KVTransport):
             remote=remote,
             dst_staging=dst_staging,
             future=Future(),
+            start_by=start_by,
+            write_until=write_until,
         )
         return self._enqueue(job)
 
@@ -514,7 +523,18 @@ class MooncakeTransport(KVTransport):
 
     def _run_pages(self, job: _PagesJob) -> TransferStats:
         start = time.monotonic()
+        if job.start_by is not None and start > job.start_by:
+            # Queued behind other writes to this peer past the grant's deadline: the
+            # target may already have freed these slots.
+            message = (
+                f"refused write to peer {job.peer}: the grant's start deadline passed "
+                f"{start - job.start_by:.2f} s before the write could start; nothing was sent"
+            )
+            logger.warning(message)
+            raise MigrationError(ErrorKind.FORBIDDEN, message)
         deadline = start + self._config.transfer_timeout_s
+        if job.write_until is not None:
+            deadline = min(deadline, job.write_until)
         staged = job.dst_staging
         try:
             plan = staging.plan_pages(
@@ -801,6 +821,8 @@ class _PagesJob:
     remote: _RegionIndex
     dst_staging: MemoryRegion | None
     future: Future[TransferStats]
+    start_by: float | None = None  # time.monotonic(); see `KVTransport.write_pages`
+    write_until: float | None = None
 
 
 @dataclass(frozen=True)
