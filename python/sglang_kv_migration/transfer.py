@@ -354,6 +354,10 @@ class MooncakeTransport(KVTransport):
         # Per worker thread: its two staging chunks and the timing of its last large batch.
         self._tls = threading.local()
         self._all_staging: list[torch.Tensor] = []  # every worker's, freed on close
+        # Peers that answered a handshake probe since their last failed write, and the
+        # probe in flight per peer (see `_ensure_reachable`).
+        self._reachable: set[str] = set()
+        self._probes: dict[str, Future[int]] = {}
         logger.info("transfer engine up: session %s over %s", self._session_id, config.protocol)
 
     @property
@@ -500,6 +504,8 @@ class MooncakeTransport(KVTransport):
                 else:
                     stats = self._run_pages(job)
             except MigrationError as exc:  # TransferError, or BAD_REQUEST from planning
+                with self._lock:
+                    self._reachable.discard(job.peer)  # probe again before the next write
                 job.future.set_exception(exc)
             except Exception as exc:  # a bug: report it on the handle, don't kill the worker
                 logger.exception("transfer worker failed on a write to %s", job.peer)
@@ -511,6 +517,7 @@ class MooncakeTransport(KVTransport):
 
     def _run_job(self, job: _Job) -> TransferStats:
         start = time.monotonic()
+        self._ensure_reachable(job.peer, start + self._config.transfer_timeout_s)
         ctx = _Context(job.peer, job.total_bytes, len(job.lengths))
         entries = _Entries(job.srcs, job.dsts, job.lengths)
         batches = self._send(ctx, entries, start + self._config.transfer_timeout_s)
@@ -535,6 +542,7 @@ class MooncakeTransport(KVTransport):
         deadline = start + self._config.transfer_timeout_s
         if job.write_until is not None:
             deadline = min(deadline, job.write_until)
+        self._ensure_reachable(job.peer, deadline)
         staged = job.dst_staging
         try:
             plan = staging.plan_pages(
@@ -564,6 +572,59 @@ class MooncakeTransport(KVTransport):
             batches=batches,
             plan=plan.kind,
         )
+
+    def _ensure_reachable(self, peer: str, deadline: float) -> None:
+        """Before the first write to a peer (and after a failed one), wait until the peer
+        answers a handshake probe, at most until `deadline`; raise `TransferError` if not.
+
+        IMPORTANT: Mooncake's Python binding (0.3.13) opens a peer's segment — the first
+        handshake, a network round trip — while holding one engine-wide mutex that every
+        write to every peer takes. A peer that accepts the connection but never answers
+        (a stopped process) would stall all writes of this process for the handshake
+        socket timeout (~60 s). `send_probe` takes no such lock and releases the GIL: it
+        runs on a helper thread, so a peer that does not answer holds up only its own
+        worker, and its write fails at its deadline with nothing sent. A peer that stops
+        between the probe and the handshake a moment later can still stall everyone.
+        """
+        with self._lock:
+            if peer in self._reachable:
+                return
+            probe = self._probes.get(peer)
+            if probe is None or (probe.done() and probe.result() != 0):
+                probe = self._probes[peer] = Future()
+                threading.Thread(
+                    target=self._probe,
+                    args=(peer, probe),
+                    name=f"kv-migration-probe-{peer}",
+                    daemon=True,
+                ).start()
+        wait = max(0.0, deadline - time.monotonic())
+        try:
+            code = probe.result(timeout=wait)
+        except TimeoutError:
+            message = (
+                f"peer {peer} did not answer the transfer engine's handshake probe within "
+                f"{wait:.1f} s (the write's deadline); nothing was sent"
+            )
+            logger.warning(message)
+            raise TransferError(message) from None
+        if code != 0:
+            message = (
+                f"peer {peer} failed the transfer engine's handshake probe (send_probe "
+                f"returned {code}); nothing was sent"
+            )
+            logger.warning(message)
+            raise TransferError(message)
+        with self._lock:
+            self._reachable.add(peer)
+
+    def _probe(self, peer: str, result: Future[int]) -> None:
+        engine = self._engine
+        try:
+            result.set_result(-1 if engine is None else int(engine.send_probe(peer)))
+        except Exception as exc:  # a binding error: the write reports it
+            logger.warning("handshake probe of %s failed: %r", peer, exc)
+            result.set_result(-1)
 
     def _check_pool_regions(self, job: _PagesJob, plan: staging.PagePlan) -> None:
         """Whole buffers inside registered / published regions: then every entry is."""
