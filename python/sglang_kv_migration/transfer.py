@@ -73,6 +73,8 @@ TCP_MAX_QUEUED_ENTRIES = 1024
 _RETRY_DELAY_S = 0.05
 # How long close() waits for the worker beyond the configured transfer timeout.
 _CLOSE_GRACE_S = 5.0
+# Least time a write waits for a new peer to answer the handshake probe (~1 ms when up).
+_PROBE_MIN_WAIT_S = 0.5
 # Writes of at most this many entries go out as one-entry batches, polled without spinning.
 # Kept small: on the H200 host one-entry batches took ~20 ms each (the host path's 1K-token
 # migration, 64 entries, went from 74 ms to 1.45 s with 64 here); a handful is still worth
@@ -598,7 +600,9 @@ class MooncakeTransport(KVTransport):
                     name=f"kv-migration-probe-{peer}",
                     daemon=True,
                 ).start()
-        wait = max(0.0, deadline - time.monotonic())
+        # A probe sends no KV: waiting for it a little past the deadline writes nothing
+        # late (the batches check the deadline themselves).
+        wait = max(_PROBE_MIN_WAIT_S, deadline - time.monotonic())
         try:
             code = probe.result(timeout=wait)
         except TimeoutError:
