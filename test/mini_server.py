@@ -173,6 +173,9 @@ class _MiniScheduler:
         self.send_to_tokenizer = SenderWrapper(sender)
         self._request_dispatcher = TypeBasedDispatcher([])
 
+    def is_fully_idle(self) -> bool:
+        return True  # no requests run here: SGLang flushes only an idle scheduler
+
     def run(self, receiver: Any, control: Any, harness: Any, extension: Any = None) -> None:
         import zmq
         from sglang.srt.utils.common import broadcast_pyobj
@@ -193,7 +196,7 @@ class _MiniScheduler:
                 if command[0] == STOP:
                     stop = True
                 else:
-                    _answer(control, command, harness)
+                    _answer(control, command, harness, self)
             if self.tp_rank == 0 and stop:
                 reqs.append(STOP)
             if self.tp_size > 1:
@@ -265,7 +268,7 @@ def _rank_main(
         os._exit(0)
 
 
-def _answer(control: Any, command: tuple[str, tuple], harness: Any) -> None:
+def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: Any = None) -> None:
     """Test-only introspection commands."""
     name, args = command
     try:
@@ -293,6 +296,26 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any) -> None:
                 "free_unique": len(set(free)),
                 "overlap": len(set(in_tree) & set(free)),
             }
+        elif name == "slot_digest":
+            # verify.py's digest of the host pages holding these token slots.
+            from sglang_kv_migration import verify
+            from sglang_kv_migration.layout import HostPoolLayout
+
+            layout = HostPoolLayout.from_host_pool(harness.host_pool)
+            value = verify.host_pages_digest(layout, args[0])
+        elif name == "free_overlap":
+            # How many of these host slots are in the free list (could be handed out).
+            value = len(set(args[0]) & set(harness.host_pool.free_slots.tolist()))
+        elif name == "flush":
+            # What SGLang's /flush_cache does to the cache, behind our AROUND hook.
+            from sglang_kv_migration.scheduler_hooks import around_flush_cache
+
+            def reset(s: Any) -> bool:
+                s.tree_cache.reset()
+                harness.allocator.clear()
+                return True
+
+            value = around_flush_cache(reset, scheduler)
         elif name == "evict_device":
             value = harness.evict_device_all()
         elif name == "insert":
