@@ -106,3 +106,23 @@ def side_factory(
 @pytest.fixture
 def side(side_factory: Callable[..., object]) -> object:
     return side_factory(page_size=16)
+
+
+# Admin key of the shared pair below: the servers sign grants with a key derived from it.
+FAULT_PAIR_KEY = "fault-pair-admin-key"
+
+
+@pytest.fixture(scope="session")
+def fault_pair() -> Iterator[tuple[object, object]]:
+    """Two CPU mini servers with signed grants, shared by the fault suite and the soak
+    (starting servers is most of their time on a small box)."""
+    from mini_server import ServerSpec, start_servers
+
+    a, b = start_servers(
+        [ServerSpec(admin_api_key=FAULT_PAIR_KEY), ServerSpec(admin_api_key=FAULT_PAIR_KEY)]
+    )
+    try:
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()

@@ -421,6 +421,9 @@ def _server_args(spec: ServerSpec) -> Any:
         kv_migration_transfer_timeout=spec.transfer_timeout_s,
         kv_migration_hostname=spec.host,
         host=spec.host,
+        # The grant signing key derives from these (as on a real server).
+        api_key=spec.api_key,
+        admin_api_key=spec.admin_api_key,
     )
 
 
