@@ -118,9 +118,10 @@ def fault_pair() -> Iterator[tuple[object, object]]:
     (starting servers is most of their time on a small box)."""
     from mini_server import ServerSpec, start_servers
 
-    a, b = start_servers(
-        [ServerSpec(admin_api_key=FAULT_PAIR_KEY), ServerSpec(admin_api_key=FAULT_PAIR_KEY)]
-    )
+    # 5 s grants: under load (the soak on a shared 2-core box) a write may queue behind
+    # others to the same peer for over a second; its grant must not expire meanwhile.
+    spec = ServerSpec(admin_api_key=FAULT_PAIR_KEY, grant_ttl_s=5.0)
+    a, b = start_servers([spec, spec])
     try:
         yield a, b
     finally:

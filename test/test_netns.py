@@ -6,6 +6,12 @@ new one at 10.231.N.2, both advertising those addresses to each other. A migrati
 over the veth link with byte-identical KV; then the link is cut after allocate, so the
 transfer fails, only that migration fails, and once the link is back every pool returns
 to its baseline and the next migration works. Needs root (CI has it) and iproute2.
+
+With bytes really on the wire (the source's side of the link throttled with a `tc tbf`
+token bucket, so 1 MiB takes about a second): an abort and a target cache flush
+mid-transfer keep the slots out of the free list until the source has answered, and no
+byte lands in them after the write window; a cut mid-transfer fails only that migration.
+A stream that resumes after Mooncake timed it out does write late (strict xfail).
 """
 
 from __future__ import annotations

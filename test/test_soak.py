@@ -308,7 +308,7 @@ async def _allocate(http, source, target, seq) -> tuple[dict, dict]:
 
 def _check_books(handles, devices, stats) -> None:
     for handle in handles:
-        deadline = time.monotonic() + 30.0  # the longest write window is 5 s
+        deadline = time.monotonic() + 30.0  # the longest write window is 9 s
         while True:
             slots = handle.ask(0, "host_slots")
             leaked = slots["size"] - slots["in_tree"] - slots["free"]
