@@ -150,6 +150,12 @@ async def _migrate(client, source, target, seq, verify, committed, stats) -> Non
     try:
         result = await client.migrate(source.url, target.url, seq, verify=verify)
     except MigrationFailed as e:
+        if _grant_expired(e.status_code, e.message):
+            # Liveness, not safety: on a starved box the write queued past its grant's
+            # deadline and was refused with nothing sent; it must leave nothing behind.
+            assert sum(target.ask(0, "held", seq)) == 0
+            stats["refused_grant_expired_under_load"] += 1
+            return
         stats["migrations_failed"] += 1
         print(f"soak: migration failed: {e}")
         return
@@ -255,7 +261,13 @@ async def _bad_inputs(http, source, target, seqs, committed, stats) -> None:
     stats["forged_or_mismatched_grants"] += 2
 
     # The real transfer, then its replay and a commit without receipts: 403.
-    reply = (await http.post(source.url + "/transfer_request_kvcache", json=body)).json()
+    transfer = await http.post(source.url + "/transfer_request_kvcache", json=body)
+    reply = transfer.json()
+    if _grant_expired(transfer.status_code, reply.get("message", "")):
+        stats["refused_grant_expired_under_load"] += 1  # see `_migrate`
+        for mid in (alloc["migration_id"], other["migration_id"]):
+            await http.post(target.url + "/abort_transfer", json={"migration_id": mid})
+        return
     assert reply["success"], reply
     await expect(403, source.url + "/transfer_request_kvcache", json=body)
     mid = alloc["migration_id"]
@@ -268,6 +280,10 @@ async def _bad_inputs(http, source, target, seqs, committed, stats) -> None:
         target.url + "/abort_transfer", json={"migration_id": other["migration_id"]}
     )
     assert aborted.status_code == 200, aborted.text
+
+
+def _grant_expired(status: int | None, message: str) -> bool:
+    return status == 403 and ("grant expired" in message or "deadline passed" in message)
 
 
 async def _allocate(http, source, target, seq) -> tuple[dict, dict]:
