@@ -121,3 +121,24 @@ def side_factory(
 @pytest.fixture
 def side(side_factory: Callable[..., object]) -> object:
     return side_factory(page_size=16)
+
+
+# Admin key of the shared pair below: the servers sign grants with a key derived from it.
+FAULT_PAIR_KEY = "fault-pair-admin-key"
+
+
+@pytest.fixture(scope="session")
+def fault_pair() -> Iterator[tuple[object, object]]:
+    """Two CPU mini servers with signed grants, shared by the fault suite and the soak
+    (starting servers is most of their time on a small box)."""
+    from mini_server import ServerSpec, start_servers
+
+    # 5 s grants: under load (the soak on a shared 2-core box) a write may queue behind
+    # others to the same peer for over a second; its grant must not expire meanwhile.
+    spec = ServerSpec(admin_api_key=FAULT_PAIR_KEY, grant_ttl_s=5.0)
+    a, b = start_servers([spec, spec])
+    try:
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()

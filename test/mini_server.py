@@ -206,6 +206,9 @@ class _MiniScheduler:
         self.send_to_tokenizer = SenderWrapper(sender)
         self._request_dispatcher = TypeBasedDispatcher([])
 
+    def is_fully_idle(self) -> bool:
+        return True  # no requests run here: SGLang flushes only an idle scheduler
+
     def run(self, receiver: Any, control: Any, harness: Any, extension: Any = None) -> None:
         import zmq
         from sglang.srt.utils.common import broadcast_pyobj, point_to_point_pyobj
@@ -234,7 +237,7 @@ class _MiniScheduler:
                 if command[0] == STOP:
                     stop = True
                 else:
-                    _answer(control, command, harness, self.kv_migration)
+                    _answer(control, command, harness, self)
             if self.rank == 0 and stop:
                 reqs.append(STOP)
             if self.tp_size > 1:
@@ -353,7 +356,7 @@ def _stage_tp_group(spec: ServerSpec, pp_rank: int) -> Any:
     return groups[pp_rank]
 
 
-def _answer(control: Any, command: tuple[str, tuple], harness: Any, migration: Any = None) -> None:
+def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: Any = None) -> None:
     """Test-only introspection commands."""
     name, args = command
     try:
@@ -393,7 +396,28 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, migration: A
             value = len(pages)
         elif name == "pending":
             # Allocations this rank holds (neither committed, aborted nor expired).
+            migration = getattr(scheduler, "kv_migration", None)
             value = len(migration.pending) if migration is not None else 0
+        elif name == "slot_digest":
+            # verify.py's digest of the host pages holding these token slots.
+            from sglang_kv_migration import verify
+            from sglang_kv_migration.layout import HostPoolLayout
+
+            layout = HostPoolLayout.from_host_pool(harness.host_pool)
+            value = verify.host_pages_digest(layout, args[0])
+        elif name == "free_overlap":
+            # How many of these host slots are in the free list (could be handed out).
+            value = len(set(args[0]) & set(harness.host_pool.free_slots.tolist()))
+        elif name == "flush":
+            # What SGLang's /flush_cache does to the cache, behind our AROUND hook.
+            from sglang_kv_migration.scheduler_hooks import around_flush_cache
+
+            def reset(s: Any) -> bool:
+                s.tree_cache.reset()
+                harness.allocator.clear()
+                return True
+
+            value = around_flush_cache(reset, scheduler)
         elif name == "evict_device":
             value = harness.evict_device_all()
         elif name == "insert":
@@ -506,6 +530,9 @@ def _server_args(spec: ServerSpec) -> Any:
         kv_migration_hostname=spec.host,
         kv_migration_staging_mb=spec.staging_mb,
         host=spec.host,
+        # The grant signing key derives from these (as on a real server).
+        api_key=spec.api_key,
+        admin_api_key=spec.admin_api_key,
     )
 
 

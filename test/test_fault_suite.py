@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import pytest
+from conftest import FAULT_PAIR_KEY
 from mini_server import ServerHandle, ServerSpec, start_servers
 from sglang_kv_migration.client import AsyncMigrationClient, MigrationClient, MigrationFailed
 
@@ -38,20 +39,15 @@ def _wait_for(check: Callable[[], bool], timeout_s: float) -> bool:
     return check()
 
 
-@pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[ServerHandle, ServerHandle]]:
-    a, b = start_servers([ServerSpec(), ServerSpec()])
-    try:
-        yield a, b
-    finally:
-        a.stop()
-        b.stop()
+@pytest.fixture
+def pair(fault_pair) -> tuple[ServerHandle, ServerHandle]:
+    return fault_pair
 
 
 async def _migrate_all(
     a: ServerHandle, b: ServerHandle, a_seqs: list[list[int]], b_seqs: list[list[int]]
 ) -> list:
-    async with AsyncMigrationClient(timeout=60.0) as client:
+    async with AsyncMigrationClient(timeout=60.0, api_key=FAULT_PAIR_KEY) as client:
         jobs = [client.migrate(a.url, b.url, s) for s in a_seqs]
         jobs += [client.migrate(b.url, a.url, s) for s in b_seqs]
         return await asyncio.gather(*jobs, return_exceptions=True)

@@ -24,21 +24,33 @@ PAGE = 16
 STALLED_IDS = list(range(40_000, 40_000 + 64 * PAGE))
 FREE_IDS = list(range(50_000, 50_000 + 8 * PAGE))
 WARM_IDS = list(range(60_000, 60_000 + 2 * PAGE))
+FRESH_IDS = list(range(65_000, 65_000 + 8 * PAGE))
+SECOND_FREE_IDS = list(range(55_000, 55_000 + 8 * PAGE))
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[ServerHandle, ServerHandle, ServerHandle]]:
+def servers() -> Iterator[list[ServerHandle]]:
+    """Source, a target stopped mid-transfer, a healthy target, and a target stopped
+    before the source ever reached it."""
     handles = start_servers(
         [
             ServerSpec(
-                preload=[(STALLED_IDS, 1), (FREE_IDS, 2), (WARM_IDS, 3)], transfer_timeout_s=20.0
+                preload=[
+                    (STALLED_IDS, 1),
+                    (FREE_IDS, 2),
+                    (WARM_IDS, 3),
+                    (FRESH_IDS, 4),
+                    (SECOND_FREE_IDS, 5),
+                ],
+                transfer_timeout_s=20.0,
             ),
+            ServerSpec(),
             ServerSpec(),
             ServerSpec(),
         ]
     )
     try:
-        yield handles[0], handles[1], handles[2]
+        yield handles
     finally:
         for handle in handles:
             for process in handle.processes:
@@ -52,40 +64,11 @@ def _post(url: str, path: str, body: dict, timeout: float = 30.0) -> httpx.Respo
 
 
 def test_a_stopped_target_does_not_hold_up_another(servers) -> None:
-    source, stalled, free = servers
+    source, stalled, free, _fresh = servers
     # The source has been talking to both targets (connections set up) before one stalls.
     with MigrationClient() as client:
         assert client.migrate(source.url, stalled.url, WARM_IDS).migrated_token_size
-    info = _post(source.url, "/get_transfer_session_info", {}).json()
-    target_info = _post(stalled.url, "/get_transfer_session_info", {}).json()
-    alloc = _post(
-        stalled.url,
-        "/allocate_token_for_transfer",
-        {
-            "input_ids": STALLED_IDS,
-            "source_fingerprints": [r["fingerprint"] for r in info["ranks"]],
-            "index_format": "pages",
-        },
-    ).json()
-    assert alloc["success"], alloc
-    rank, host = alloc["ranks"][0], target_info["ranks"][0]["paths"]["host"]
-    transfer_body = {
-        "input_ids": STALLED_IDS,
-        "matched_token_size": 0,
-        "extra_token_size": alloc["extra_token_size"],
-        "migration_id": alloc["migration_id"],
-        "target_per_rank": [
-            {
-                "tp": 0,
-                "pp": 0,
-                "path": "host",
-                "kv_pages": rank["kv_pages"],
-                "grant": rank["grant"],
-                "fingerprint": target_info["ranks"][0]["fingerprint"],
-                **host,
-            }
-        ],
-    }
+    alloc, transfer_body = _allocate(source, stalled, STALLED_IDS)
     stalled_pid = stalled.processes[0].pid
     os.kill(stalled_pid, signal.SIGSTOP)
     try:
@@ -119,3 +102,77 @@ def test_a_stopped_target_does_not_hold_up_another(servers) -> None:
         {"migration_id": alloc["migration_id"], "receipts": [r["receipt"] for r in reply["ranks"]]},
     )
     assert committed.status_code == 200, committed.text
+
+
+def test_a_target_stopped_before_the_first_handshake_holds_up_nothing(servers) -> None:
+    """Mooncake's binding opens a peer's segment (the first handshake) under one
+    engine-wide lock; the transport probes a new peer first, on a thread of its own."""
+    source, _stalled, free, fresh = servers
+    alloc, transfer_body = _allocate(source, fresh, FRESH_IDS)  # HTTP only: no handshake
+    fresh_pid = fresh.processes[0].pid
+    os.kill(fresh_pid, signal.SIGSTOP)
+    try:
+        result: dict = {}
+        started_stalled = time.monotonic()
+
+        def send() -> None:
+            result["reply"] = _post(source.url, "/transfer_request_kvcache", transfer_body, 90.0)
+            result["seconds"] = time.monotonic() - started_stalled
+
+        blocked = threading.Thread(target=send, daemon=True)
+        blocked.start()
+        time.sleep(0.5)  # the source's worker for the stopped target is in its handshake
+        assert blocked.is_alive(), "the transfer to a stopped target finished"
+        started = time.monotonic()
+        with MigrationClient(timeout=30.0) as client:
+            moved = client.migrate(source.url, free.url, SECOND_FREE_IDS)
+        elapsed = time.monotonic() - started
+        assert moved.migrated_token_size == len(SECOND_FREE_IDS)
+        assert elapsed <= 2.0, f"the migration to a healthy target took {elapsed:.2f} s"
+        # The stalled transfer fails by its grant's write deadline (1 s grant + half the
+        # target's 4 s late-write margin), not at Mooncake's 60 s socket timeout.
+        blocked.join(30)
+        assert not blocked.is_alive(), "the transfer to the stopped target did not fail"
+    finally:
+        os.kill(fresh_pid, signal.SIGCONT)
+    reply = result["reply"]
+    assert reply.status_code == 502, reply.text
+    assert "handshake probe" in reply.json()["message"]
+    assert result["seconds"] <= 10.0, result["seconds"]
+    aborted = _post(fresh.url, "/abort_transfer", {"migration_id": alloc["migration_id"]})
+    assert aborted.status_code == 200, aborted.text
+
+
+def _allocate(source: ServerHandle, target: ServerHandle, ids: list[int]) -> tuple[dict, dict]:
+    """Allocate `ids` on `target` over HTTP; return the reply and the transfer body."""
+    info = _post(source.url, "/get_transfer_session_info", {}).json()
+    target_info = _post(target.url, "/get_transfer_session_info", {}).json()
+    alloc = _post(
+        target.url,
+        "/allocate_token_for_transfer",
+        {
+            "input_ids": ids,
+            "source_fingerprints": [r["fingerprint"] for r in info["ranks"]],
+            "index_format": "pages",
+        },
+    ).json()
+    assert alloc["success"], alloc
+    rank, host = alloc["ranks"][0], target_info["ranks"][0]["paths"]["host"]
+    body = {
+        "input_ids": ids,
+        "matched_token_size": 0,
+        "extra_token_size": alloc["extra_token_size"],
+        "migration_id": alloc["migration_id"],
+        "target_per_rank": [
+            {
+                "tp": 0,
+                "pp": 0,
+                "path": "host",
+                "kv_pages": rank["kv_pages"],
+                "grant": rank["grant"],
+                "fingerprint": target_info["ranks"][0]["fingerprint"],
+                **host,
+            }
+        ],
+    }
+    return alloc, body

@@ -615,6 +615,7 @@ def test_cli_success_json(servers: Servers) -> None:
         "--input-ids",
         _ids_arg(SEQ_CLI),
         "--json",
+        "--verify",  # the target checks the source's digest before inserting
     )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)

@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
 
     with MigrationClient(timeout=args.timeout, api_key=args.api_key) as client:
         try:
-            result = client.migrate(args.source, args.target, input_ids, args.extra_key)
+            result = client.migrate(
+                args.source, args.target, input_ids, args.extra_key, verify=args.verify
+            )
         except MigrationFailed as e:
             if args.json:
                 print(
@@ -86,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None, help="bearer key (admin key if configured)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per call")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="the target checks a digest of what landed before inserting it",
+    )
     return parser
 
 

@@ -109,15 +109,18 @@ class MigrationClient:
         extra_key: str | None = None,
         *,
         path: str | None = None,
+        verify: bool = False,
     ) -> MigrationResult:
         """Move the KV of the longest prefix of `input_ids` the source holds.
 
         `path`: None/"auto" prefers the device path (same host, pages on the source's
         GPU) and falls back to the host path, recording why in `fallback_reason`;
-        "device" or "host" uses only that path.
+        "device" or "host" uses only that path. `verify`: the target checks a digest of
+        what landed against the source's before inserting (a mismatch fails the commit
+        with 409 and inserts nothing); costs one hash pass over the bytes on each side.
         """
         steps = _migration_steps(
-            source_url, target_url, list(input_ids), extra_key, path, self._sessions
+            source_url, target_url, list(input_ids), extra_key, path, self._sessions, verify
         )
         reply: Any = None
         while True:
@@ -172,10 +175,11 @@ class AsyncMigrationClient:
         extra_key: str | None = None,
         *,
         path: str | None = None,
+        verify: bool = False,
     ) -> MigrationResult:
         """See `MigrationClient.migrate`."""
         steps = _migration_steps(
-            source_url, target_url, list(input_ids), extra_key, path, self._sessions
+            source_url, target_url, list(input_ids), extra_key, path, self._sessions, verify
         )
         reply: Any = None
         while True:
@@ -249,6 +253,7 @@ class _Plan:
     target_info: dict[str, Any]
     prefix: list[int]  # the page-aligned prefix the source holds
     timings: dict[str, float]
+    verify: bool = False  # the target checks a digest of what landed before inserting
 
 
 def _migration_steps(
@@ -258,6 +263,7 @@ def _migration_steps(
     extra_key: str | None,
     path: str | None = None,
     sessions: SessionCache | None = None,
+    verify: bool = False,
 ) -> Generator[_Call, _Reply, MigrationResult]:
     """The migration protocol as a generator of HTTP calls (see the module docstring)."""
     if path not in (None, "auto", *PATHS):
@@ -266,7 +272,9 @@ def _migration_steps(
     for attempt in (1, 2):
         try:
             return (
-                yield from _attempt(source_url, target_url, input_ids, extra_key, path, sessions)
+                yield from _attempt(
+                    source_url, target_url, input_ids, extra_key, path, sessions, verify
+                )
             )
         except _StaleSession as stale:
             sessions.drop(stale.url)
@@ -282,6 +290,7 @@ def _attempt(
     extra_key: str | None,
     path: str | None,
     sessions: SessionCache,
+    verify: bool = False,
 ) -> Generator[_Call, _Reply, MigrationResult]:
     timings: dict[str, float] = {}
     clock = time.perf_counter
@@ -312,6 +321,7 @@ def _attempt(
         target_info,
         input_ids[:source_held],
         timings,
+        verify,
     )
     if source_held == 0:
         return _result(plan, "", {"matched_token_size": 0}, None, None, "", "")
@@ -350,6 +360,7 @@ def _move(
                 "index_format": "pages",
                 "nothing_ok": True,
                 **({"staging": True} if _can_stage(plan, path) else {}),
+                **({"verify": True} if plan.verify else {}),
             },
         )
     )
@@ -387,7 +398,11 @@ def _move(
                 "commit",
                 plan.target_url,
                 "/commit",
-                {"migration_id": migration_id, "receipts": _receipts(transfer)},
+                {
+                    "migration_id": migration_id,
+                    "receipts": _receipts(transfer),
+                    **({"verify": True} if plan.verify else {}),
+                },
             )
         )
         timings["commit"] = clock() - t0

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from sglang_kv_migration.errors import MigrationError
+from sglang_kv_migration.errors import ErrorKind, MigrationError
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +68,7 @@ class SendStats:
     seconds: float = 0.0  # time the path spent moving bytes (not queueing)
     plan: str = ""  # host path: how the write was shaped (staging.PlanKind)
     entries: int = 0  # host path: transfer-engine entries the write needed
+    digest: str = ""  # `verify.py` digest of the pages sent, when the send asked for one
 
 
 @dataclass
@@ -81,6 +82,11 @@ class SendRange:
     target: TransferRequestKVCacheTarget
     target_slots: torch.Tensor  # int64 token slots on the target rank, one per token
     migration_id: str
+    # From the grant (unix time): no write starts after `start_by`, no bytes are submitted
+    # after `write_until`; `verify` asks for a digest of what was sent (`SendStats.digest`).
+    start_by: float = float("inf")
+    write_until: float = float("inf")
+    verify: bool = False
 
 
 class SendJob(abc.ABC):
@@ -147,6 +153,11 @@ class DataPath(abc.ABC):
     ) -> int:
         """Insert key[anchor_length:] holding `slots`; return how many leading tokens were
         already present (the caller releases `slots[:returned]`)."""
+
+    def content_digest(self, slots: torch.Tensor) -> str:
+        """`verify.py` digest of what the reserved `slots` hold now (target side of the
+        opt-in verify), in the same order as the source's `SendStats.digest`."""
+        raise MigrationError(ErrorKind.CONFLICT, f"the {self.name} path cannot verify")
 
     @property
     def holds_device_slots(self) -> bool:

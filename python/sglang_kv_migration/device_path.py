@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from sglang_kv_migration import cuda_ipc, page_copy, sglang_adapter
+from sglang_kv_migration import cuda_ipc, page_copy, sglang_adapter, verify
 from sglang_kv_migration.data_path import DEVICE, DataPath, KVPoll, SendJob, SendRange, SendStats
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 
@@ -119,6 +120,9 @@ class DevicePath(DataPath):
     ) -> int:
         return sglang_adapter.insert_device_pages(self.cache, key, anchor_length, slots)
 
+    def content_digest(self, slots: torch.Tensor) -> str:
+        return verify.device_rows_digest(self.buffers, slots)
+
     @property
     def holds_device_slots(self) -> bool:
         return True
@@ -157,6 +161,8 @@ class DevicePath(DataPath):
             self.cache.dec_lock_ref(held.last_node)
             raise
         job.stats.bytes = (send.end - send.start) * self.bytes_per_token
+        if send.verify:
+            job.digest_rows = (self.buffers, held.indices[send.start : send.end])
         return job
 
     # ------------------------------------------------------------------ helpers
@@ -258,10 +264,27 @@ class DeviceSendJob(SendJob):
         self._start, self._end = start, end
         self._launched = time.monotonic()
         self.stats = SendStats()
+        # verify: (source buffers, source slots) to hash once the copy completed.
+        self.digest_rows: tuple[list[torch.Tensor], torch.Tensor] | None = None
+        self._digest: Future[str] | None = None
 
     def poll(self) -> KVPoll:
         if not self._end.query():
             return KVPoll.TRANSFERRING
+        if self.digest_rows is not None:
+            if self._digest is None:
+                # The pages stay locked (unchanged) until `release`; hash them off the
+                # scheduler thread.
+                buffers, slots = self.digest_rows
+                self._digest = verify.submit(lambda: verify.device_rows_digest(buffers, slots))
+            if not self._digest.done():
+                return KVPoll.TRANSFERRING
+            try:
+                self.stats.digest = self._digest.result()
+            except Exception as e:  # a bug; the receipt must not claim a digest
+                logger.exception("digest of the sent pages failed")
+                self.error = MigrationError(ErrorKind.INTERNAL, f"verify digest failed: {e!r}")
+                return KVPoll.FAILED
         self.stats.seconds = self._start.elapsed_time(self._end) / 1e3
         return KVPoll.SUCCESS
 

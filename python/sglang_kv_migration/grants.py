@@ -10,7 +10,8 @@ slot lists between servers is not trusted either. So:
   exactly these slots, not expired, not used before); anything else is refused with 403
   before a byte moves;
 - the source answers every transfer with a **receipt** per rank (success or not, bytes,
-  the slots' digest, and whether no write of it can still land); `/commit` inserts only
+  the slots' digest, whether no write of it can still land, and — when the grant asked
+  for verification — a digest of the bytes it sent, `verify.py`); `/commit` inserts only
   with a success receipt for every rank, and `/abort_transfer` frees slots at once only
   with a receipt saying no write can land — otherwise they stay quarantined until the
   grant's deadline plus the transfer timeout has passed.
@@ -88,9 +89,13 @@ class Grant:
     expires_at: float  # unix time; the source starts no write after it
     tokens_digest: str  # the whole prefix (tokens + extra_key) the slots are for
     # Optional: the target's staging extent the source may write instead of the slots
-    # (`target_staging.py`); left out of the token when unset (see `_OPTIONAL`).
+    # (`target_staging.py`); optional, like the fields below it (see `_decode`).
     staging_addr: int = 0
     staging_length: int = 0
+    # Unix time after which the source submits no more bytes (0: expires_at plus its own
+    # transfer timeout). Below the target's write window, so a freed slot gets no late write.
+    write_until: float = 0.0
+    verify: bool = False  # the target will check a content digest: the receipt carries one
 
     @property
     def staging(self) -> tuple[int, int] | None:
@@ -112,6 +117,7 @@ class Receipt:
     # Optional: how the source shaped the write ("staged": into the granted staging extent,
     # which the target must scatter before commit); set only when staging was granted.
     plan: str = ""
+    digest: str = ""  # verify.py's digest of the pages sent, when the grant asked for it
 
 
 class Signer:
@@ -194,6 +200,7 @@ class Signer:
                 raise ValueError("wrong kind")
             names = {f.name for f in fields(kind)}
             required = {f.name for f in fields(kind) if f.default is MISSING}
+            # Fields with a default were added later: a token from an older server lacks them.
             if not required <= set(data) <= names:
                 raise ValueError("wrong fields")
             return kind(**data)

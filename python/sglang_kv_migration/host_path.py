@@ -15,9 +15,11 @@ scheduler thread; the job is done when the transport's handle is.
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from sglang_kv_migration import sglang_adapter
+from sglang_kv_migration import sglang_adapter, verify
 from sglang_kv_migration.data_path import HOST, DataPath, KVPoll, SendJob, SendRange, SendStats
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.layout import HostPoolLayout
@@ -81,6 +83,9 @@ class HostPath(DataPath):
     def held_prefix(self, input_ids: list[int], extra_key: str | None) -> sglang_adapter.HeldPrefix:
         return sglang_adapter.match_held_prefix(self.cache, input_ids, extra_key)
 
+    def content_digest(self, slots: torch.Tensor) -> str:
+        return verify.host_pages_digest(self.layout, slots)
+
     def reserve(self, num_tokens: int) -> torch.Tensor:
         return sglang_adapter.alloc_host_slots(self.cache, num_tokens)
 
@@ -125,7 +130,7 @@ class HostPath(DataPath):
         pinned = sglang_adapter.pin_host_pages(
             self.cache, send.input_ids, send.extra_key, send.start, send.end
         )
-        return HostSendJob(self, pinned, peer, target.session_id, send.target_slots, staging)
+        return HostSendJob(self, pinned, peer, target.session_id, send, staging)
 
 
 class HostSendJob(SendJob):
@@ -135,7 +140,7 @@ class HostSendJob(SendJob):
         pinned: sglang_adapter.PinnedHostPages,
         peer: HostPoolLayout,
         peer_session_id: str,
-        target_slots: torch.Tensor,
+        send: SendRange,
         staging: MemoryRegion | None = None,
     ):
         self._path = path
@@ -143,8 +148,9 @@ class HostSendJob(SendJob):
         self._pinned: sglang_adapter.PinnedHostPages | None = pinned
         self._peer = peer
         self._peer_session_id = peer_session_id
-        self._target_slots = target_slots
+        self._send = send
         self._handle: TransferHandle | None = None
+        self._digest: Future[str] | None = None  # of the pages sent, when verify asked
         self.stats = SendStats()
 
     @property
@@ -169,15 +175,27 @@ class HostSendJob(SendJob):
             except ValueError as e:  # planning rejects inconsistent peer data
                 self.error = MigrationError(ErrorKind.BAD_REQUEST, str(e))
                 return KVPoll.FAILED
-        if not self._handle.done():
+        if not self._handle.done() or (self._digest is not None and not self._digest.done()):
             return KVPoll.TRANSFERRING
         try:
             stats = self._handle.result(timeout=0)
         except MigrationError as e:
             self.error = e
             return KVPoll.FAILED
+        digest = ""
+        if self._digest is not None:
+            try:
+                digest = self._digest.result()
+            except Exception as e:  # a bug; the receipt must not claim a digest
+                logger.exception("digest of the sent pages failed")
+                self.error = MigrationError(ErrorKind.INTERNAL, f"verify digest failed: {e!r}")
+                return KVPoll.FAILED
         self.stats = SendStats(
-            bytes=stats.bytes, seconds=stats.seconds, plan=stats.plan, entries=stats.entries
+            bytes=stats.bytes,
+            seconds=stats.seconds,
+            plan=stats.plan,
+            entries=stats.entries,
+            digest=digest,
         )
         return KVPoll.SUCCESS
 
@@ -187,6 +205,16 @@ class HostSendJob(SendJob):
             self._pinned = None
 
     def _submit(self) -> None:
+        send = self._send
+        # Grant deadlines are unix times (the target's clock, as the grant check assumes);
+        # the transport counts on the monotonic clock.
+        wall, mono = time.time(), time.monotonic()
+        if wall > send.start_by:
+            raise MigrationError(
+                ErrorKind.FORBIDDEN,
+                "write refused: the grant expired while the source pages were being "
+                "prepared; nothing was written",
+            )
         # The transport decides whether the extent is worth it (its plan says which).
         regions = regions_of(self._peer)
         if self._staging is not None:
@@ -196,10 +224,20 @@ class HostSendJob(SendJob):
             self._path.layout,
             self._pinned.host_indices,
             self._peer,
-            self._target_slots,
+            send.target_slots,
             regions,
             dst_staging=self._staging,
+            start_by=_monotonic(send.start_by, wall, mono),
+            write_until=_monotonic(send.write_until, wall, mono),
         )
+        if send.verify:
+            # Off the scheduler thread; the pages stay pinned (unchanged) until `release`.
+            layout, indices = self._path.layout, self._pinned.host_indices
+            self._digest = verify.submit(lambda: verify.host_pages_digest(layout, indices))
+
+
+def _monotonic(unix_time: float, wall: float, mono: float) -> float | None:
+    return None if unix_time == float("inf") else mono + (unix_time - wall)
 
 
 def regions_of(layout: HostPoolLayout) -> list[MemoryRegion]:

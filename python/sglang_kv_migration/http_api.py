@@ -79,6 +79,7 @@ class AllocateBody(_Body):
     index_format: Literal["tokens", "pages"] = "tokens"
     nothing_ok: bool = False
     staging: bool = False  # the source writes staging extents (its `stage_writer`)
+    verify: bool = False
 
 
 class TargetRankBody(_Body):
@@ -169,6 +170,10 @@ class MigrationIdBody(_Body):
     )
 
 
+class CommitBody(MigrationIdBody):
+    verify: bool = False
+
+
 # --------------------------------------------------------------------------- routes
 
 
@@ -219,7 +224,7 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     # curl -X POST localhost:30000/commit -d '{"migration_id": "..."}'
     @router.post("/commit")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
-    async def commit(body: MigrationIdBody) -> Response:
+    async def commit(body: CommitBody) -> Response:
         """Target: insert the written pages into the radix cache."""
         return await dispatch(CommitTransferRequestKVCacheReqInput(**body.model_dump()))
 

@@ -120,6 +120,7 @@ class AllocateTokenForTransferReqInput(BaseReq):
     path: str = "host"  # data path whose slots to reserve (protocol 2)
     index_format: str = "tokens"  # "tokens": kv_indices in the reply; "pages": kv_pages
     nothing_ok: bool = False  # target holds everything: success with nothing allocated
+    verify: bool = False  # grant asks the source for a content digest; commit checks it
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
     # The source can write a staging extent (its session info says `stage_writer`): grant
     # one where the reserved slots are fragmented (host path; `target_staging.py`).
@@ -217,6 +218,7 @@ class TransferRequestKVCacheReqOutput(BaseReq):
 class CommitTransferRequestKVCacheReqInput(BaseReq):
     migration_id: str = ""
     receipts: list[str] = field(default_factory=list)  # the source's, one per rank
+    verify: bool = False  # check the receipts' content digests against what landed
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
     stage_refusal: StageRefusal | None = None  # set by an earlier PP stage
 

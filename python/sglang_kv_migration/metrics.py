@@ -5,7 +5,8 @@ process's metrics on `/metrics`; metrics created here in a scheduler process lan
 the same way SGLang's scheduler metrics do. Names follow SGLang's `sglang:` prefix:
 
 - `sglang:kv_migration_total{role, outcome}` — migrations by outcome. Target outcomes:
-  `allocated`, `allocate_failed`, `committed`, `commit_failed`, `aborted`, `expired`;
+  `allocated`, `allocate_failed`, `committed`, `commit_failed`, `verify_failed` (a
+  `verify` digest mismatch), `aborted`, `expired`;
   source outcomes: `sent`, `send_failed`.
 - `sglang:kv_migration_tokens_total{role}` / `sglang:kv_migration_bytes_total{role}` —
   tokens and bytes sent (source) or committed (target) by this rank.

@@ -69,6 +69,7 @@ class PendingMigration:
     deadline: float  # after which the watchdog frees it
     weight_version: str = ""  # the target's weights when it allocated
     write_window_end: float = 0.0  # a source may write the slots until then (registry clock)
+    verify: bool = False  # commit checks the receipt's content digest (opt-in verify)
     state: MigrationState = MigrationState.ALLOCATED
     staging: tuple[int, int] | None = None  # granted staging extent (target_staging.py)
 

@@ -85,6 +85,7 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         grant_key=derive_key(args.kv_migration_grant_key, args.admin_api_key, args.api_key),
         grant_ttl_s=args.kv_migration_grant_ttl,
         staging_bytes=args.kv_migration_staging_mb << 20,
+        verify=args.kv_migration_verify,
     )
     scheduler.kv_migration = side
     sglang_adapter.add_request_handlers(scheduler, side.handlers())

@@ -85,6 +85,7 @@ class MigrationSchedulerSide:
         grant_key: bytes | None = None,
         grant_ttl_s: float = 15.0,
         staging_bytes: int = 0,
+        verify: bool = False,
     ):
         self.ctx = ctx
         self.metrics = metrics or NullMetrics()
@@ -104,6 +105,7 @@ class MigrationSchedulerSide:
         # Grants must expire well before the watchdog frees the slots they name.
         self.grant_ttl_s = min(grant_ttl_s, watchdog_timeout_s / 2)
         self.signer = grants.Signer(grant_key)
+        self.verify_all = verify  # --kv-migration-verify: check every commit's digest
         self._transfer_timeout_s = transport_config.transfer_timeout_s
         if not self.signer.signed and ctx.tp_rank == 0:
             logger.warning(
@@ -305,6 +307,9 @@ class MigrationSchedulerSide:
             if extent is not None:
                 rank.staging = list(extent)
             if alloc.extra_length:
+                verify = req.verify or self.verify_all
+                self.pending.get(alloc.migration_id).verify = verify
+                expires_at = time.time() + self.grant_ttl_s
                 rank.grant = self.signer.encode(
                     grants.Grant(
                         migration_id=alloc.migration_id,
@@ -313,13 +318,17 @@ class MigrationSchedulerSide:
                         path=path.name,
                         slots_digest=grants.slots_digest(alloc.slots),
                         num_tokens=alloc.extra_length,
-                        expires_at=time.time() + self.grant_ttl_s,
+                        expires_at=expires_at,
                         tokens_digest=grants.tokens_digest(
                             req.input_ids[: alloc.matched_length + alloc.extra_length],
                             req.extra_key,
                         ),
                         staging_addr=extent[0] if extent else 0,
                         staging_length=extent[1] if extent else 0,
+                        # The source stops submitting bytes halfway through the late-write
+                        # margin; the other half bounds a batch already in flight.
+                        write_until=expires_at + path.late_write_margin_s / 2,
+                        verify=verify,
                     )
                 )
             return AllocateTokenForTransferReqOutput(
@@ -424,6 +433,26 @@ class MigrationSchedulerSide:
                 success=True, matched_after_commit=matched_after
             )
 
+        # Opt-in verify: every rank hashes what landed in its slots (after a staged
+        # write's scatter); any mismatch fails the commit on every rank and the slots go
+        # back as for an abort.
+        mismatch = None
+        committable = self.pending.committable(req.migration_id, req.weight_version)
+        if committable and (pending.verify or req.verify):
+            mismatch = guarded_refusal(lambda: self._verify_refusal(req.receipts, pending))
+        mismatches = [m for m in self.ctx.all_gather(mismatch) if m is not None]
+        if mismatches:
+            self.pending.abort(req.migration_id, settled=True)
+            self.metrics.outcome("target", "verify_failed")
+            if self.ctx.tp_rank == 0:
+                logger.warning("KV migration %s not committed: %s", req.migration_id, mismatches[0])
+            output = CommitTransferRequestKVCacheReqOutput(
+                success=False,
+                message=f"{mismatches[0]}; nothing was inserted, the slots were freed",
+                error_kind=ErrorKind.CONFLICT.value,
+            )
+            req.stage_refusal = refusal_of(output)
+            return output
         local = guarded(run_local, CommitTransferRequestKVCacheReqOutput)
         outputs = self.ctx.all_gather(local)
         failed = [o for o in outputs if not o.success]
@@ -598,6 +627,26 @@ class MigrationSchedulerSide:
                     )
         return None
 
+    def _verify_refusal(self, receipts: list[str], pending: Any) -> str | None:
+        """Why what landed in this rank's slots is not what the source sent (None when
+        it is). Runs after `_receipt_refusal` accepted the receipts."""
+        where = f"tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}"
+        for raw in receipts:
+            receipt = self.signer.decode_receipt(raw)
+            if (receipt.tp, receipt.pp) != (self.ctx.tp_rank, self.ctx.pp_rank):
+                continue
+            if not receipt.digest:
+                return (
+                    f"receipt hash missing for {where}: the transfer was not granted with "
+                    "verify (allocate with verify: true, or start the target with "
+                    "--kv-migration-verify)"
+                )
+            landed = pending.path.content_digest(pending.slots)
+            if landed != receipt.digest:
+                return f"receipt hash does not match the bytes that landed in {where}"
+            return None
+        return f"no receipt for {where}"
+
     def fingerprint_for(self, req: Any) -> LayoutFingerprint:
         """This rank's fingerprint with the weight version the request was stamped with."""
         return dataclasses.replace(self.fingerprint, weight_version=req.weight_version)
@@ -683,6 +732,16 @@ def _in_progress(
         message=f"cannot {action} migration {migration_id!r}: its commit is in progress",
         error_kind=ErrorKind.CONFLICT.value,
     )
+
+
+def guarded_refusal(check: Callable[[], str | None]) -> str | None:
+    """`check()`, with an unexpected error turned into a refusal (handlers never raise;
+    the ranks' collectives must still be entered)."""
+    try:
+        return check()
+    except Exception as e:
+        logger.exception("KV migration verify failed")
+        return f"verify failed: {e!r}"
 
 
 def advertised_hostname(configured: str | None, server_host: str) -> str:

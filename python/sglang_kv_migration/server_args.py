@@ -50,6 +50,7 @@ class KVMigrationServerArgs(_upstream.ServerArgs):
     kv_migration_grant_ttl: float = DEFAULT_GRANT_TTL_S
     kv_migration_transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT_S
     kv_migration_staging_mb: int = DEFAULT_STAGING_MB
+    kv_migration_verify: bool = False
 
     def __post_init__(self):
         # IMPORTANT: check our flags before SGLang's own post-init, which reads the model
@@ -154,6 +155,15 @@ def add_kv_migration_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Host memory per rank (MiB, pinned where CUDA is available) that sources may "
         "write fragmented host-path migrations into as a few large entries; the target then "
         "copies it into the reserved slots before commit. 0 turns staging off.",
+    )
+    group.add_argument(
+        "--kv-migration-verify",
+        action="store_true",
+        help="As a target, check every migration before inserting it: the source sends an "
+        "xxh3-128 digest of the KV it wrote, this server hashes what landed in the reserved "
+        "slots, and /commit answers 409 (nothing inserted) on a mismatch. Costs one pass "
+        "over the migrated bytes on each side. Clients can also ask per migration "
+        "(allocate or commit with verify: true).",
     )
 
 

@@ -57,6 +57,7 @@ class RankTransferStatus:
     receipt: str = ""  # signed by this rank once done
     plan: str = ""  # host path: how the write was shaped (staging.PlanKind)
     entries: int = 0  # host path: transfer-engine entries
+    digest: str = ""  # of the pages sent, when the grant asked for verification
 
 
 @dataclass
@@ -94,6 +95,7 @@ class InflightTransfer:
                     seconds=stats.seconds,
                     plan=stats.plan,
                     entries=stats.entries,
+                    digest=stats.digest,
                 )
         if self.error is not None:
             self.result = RankTransferStatus(
@@ -206,6 +208,9 @@ class SourceTransfers:
             target=target,
             target_slots=slots,
             migration_id=req.migration_id,
+            start_by=grant.expires_at,
+            write_until=grant.write_until or float("inf"),
+            verify=grant.verify,
         )
 
     def _parse_own_slots(
@@ -308,6 +313,7 @@ class SourceTransfers:
                     settled=status.success or job is None or not job.started_writing,
                     # Told only to a target that granted an extent: it must scatter then.
                     plan=status.plan if send is not None and send.target.staging else "",
+                    digest=status.digest,
                 )
             )
         return status

@@ -73,6 +73,8 @@ TCP_MAX_QUEUED_ENTRIES = 1024
 _RETRY_DELAY_S = 0.05
 # How long close() waits for the worker beyond the configured transfer timeout.
 _CLOSE_GRACE_S = 5.0
+# Least time a write waits for a new peer to answer the handshake probe (~1 ms when up).
+_PROBE_MIN_WAIT_S = 0.5
 # Writes of at most this many entries go out as one-entry batches, polled without spinning.
 # Kept small: on the H200 host one-entry batches took ~20 ms each (the host path's 1K-token
 # migration, 64 entries, went from 74 ms to 1.45 s with 64 here); a handful is still worth
@@ -259,6 +261,8 @@ class KVTransport(abc.ABC):
         peer_regions: Sequence[MemoryRegion],
         *,
         dst_staging: MemoryRegion | None = None,
+        start_by: float | None = None,
+        write_until: float | None = None,
     ) -> TransferHandle:
         """Start copying local slot ``src_indices[i]`` to the peer's ``dst_indices[i]``.
 
@@ -270,7 +274,10 @@ class KVTransport(abc.ABC):
         ``peer_regions`` that the target granted) every page goes into that region in the
         format of `staging.py`, and the target must `staging.scatter_from_staging` it
         before it commits. The indices (a list or an int64 tensor) and the source pages
-        must stay unchanged until the handle is done.
+        must stay unchanged until the handle is done. ``start_by`` and ``write_until``
+        (`time.monotonic()` values, from the target's grant) bound the job: it fails with
+        nothing sent if it would start after ``start_by``, and submits no batch after
+        ``write_until`` (nor after its own transfer timeout).
 
         The default plans with `layout.plan_writes` on the calling thread and calls
         `write` (enough for test doubles); `MooncakeTransport` overrides it.
@@ -349,6 +356,10 @@ class MooncakeTransport(KVTransport):
         # Per worker thread: its two staging chunks and the timing of its last large batch.
         self._tls = threading.local()
         self._all_staging: list[torch.Tensor] = []  # every worker's, freed on close
+        # Peers that answered a handshake probe since their last failed write, and the
+        # probe in flight per peer (see `_ensure_reachable`).
+        self._reachable: set[str] = set()
+        self._probes: dict[str, Future[int]] = {}
         logger.info("transfer engine up: session %s over %s", self._session_id, config.protocol)
 
     @property
@@ -397,6 +408,8 @@ class MooncakeTransport(KVTransport):
         peer_regions: Sequence[MemoryRegion],
         *,
         dst_staging: MemoryRegion | None = None,
+        start_by: float | None = None,
+        write_until: float | None = None,
     ) -> TransferHandle:
         self._live_engine()
         if not peer_session_id:
@@ -417,6 +430,8 @@ class MooncakeTransport(KVTransport):
             remote=remote,
             dst_staging=dst_staging,
             future=Future(),
+            start_by=start_by,
+            write_until=write_until,
         )
         return self._enqueue(job)
 
@@ -492,6 +507,8 @@ class MooncakeTransport(KVTransport):
                 else:
                     stats = self._run_pages(job)
             except MigrationError as exc:  # TransferError, or BAD_REQUEST from planning
+                with self._lock:
+                    self._reachable.discard(job.peer)  # probe again before the next write
                 job.future.set_exception(exc)
             except Exception as exc:  # a bug: report it on the handle, don't kill the worker
                 logger.exception("transfer worker failed on a write to %s", job.peer)
@@ -503,6 +520,7 @@ class MooncakeTransport(KVTransport):
 
     def _run_job(self, job: _Job) -> TransferStats:
         start = time.monotonic()
+        self._ensure_reachable(job.peer, start + self._config.transfer_timeout_s)
         ctx = _Context(job.peer, job.total_bytes, len(job.lengths))
         entries = _Entries(job.srcs, job.dsts, job.lengths)
         batches = self._send(ctx, entries, start + self._config.transfer_timeout_s)
@@ -515,7 +533,19 @@ class MooncakeTransport(KVTransport):
 
     def _run_pages(self, job: _PagesJob) -> TransferStats:
         start = time.monotonic()
+        if job.start_by is not None and start > job.start_by:
+            # Queued behind other writes to this peer past the grant's deadline: the
+            # target may already have freed these slots.
+            message = (
+                f"refused write to peer {job.peer}: the grant's start deadline passed "
+                f"{start - job.start_by:.2f} s before the write could start; nothing was sent"
+            )
+            logger.warning(message)
+            raise MigrationError(ErrorKind.FORBIDDEN, message)
         deadline = start + self._config.transfer_timeout_s
+        if job.write_until is not None:
+            deadline = min(deadline, job.write_until)
+        self._ensure_reachable(job.peer, deadline)
         staged = job.dst_staging
         try:
             plan = staging.plan_pages(
@@ -550,6 +580,61 @@ class MooncakeTransport(KVTransport):
             batches=batches,
             plan=plan.kind,
         )
+
+    def _ensure_reachable(self, peer: str, deadline: float) -> None:
+        """Before the first write to a peer (and after a failed one), wait until the peer
+        answers a handshake probe, at most until `deadline`; raise `TransferError` if not.
+
+        IMPORTANT: Mooncake's Python binding (0.3.13) opens a peer's segment — the first
+        handshake, a network round trip — while holding one engine-wide mutex that every
+        write to every peer takes. A peer that accepts the connection but never answers
+        (a stopped process) would stall all writes of this process for the handshake
+        socket timeout (~60 s). `send_probe` takes no such lock and releases the GIL: it
+        runs on a helper thread, so a peer that does not answer holds up only its own
+        worker, and its write fails at its deadline with nothing sent. A peer that stops
+        between the probe and the handshake a moment later can still stall everyone.
+        """
+        with self._lock:
+            if peer in self._reachable:
+                return
+            probe = self._probes.get(peer)
+            if probe is None or (probe.done() and probe.result() != 0):
+                probe = self._probes[peer] = Future()
+                threading.Thread(
+                    target=self._probe,
+                    args=(peer, probe),
+                    name=f"kv-migration-probe-{peer}",
+                    daemon=True,
+                ).start()
+        # A probe sends no KV: waiting for it a little past the deadline writes nothing
+        # late (the batches check the deadline themselves).
+        wait = max(_PROBE_MIN_WAIT_S, deadline - time.monotonic())
+        try:
+            code = probe.result(timeout=wait)
+        except TimeoutError:
+            message = (
+                f"peer {peer} did not answer the transfer engine's handshake probe within "
+                f"{wait:.1f} s (the write's deadline); nothing was sent"
+            )
+            logger.warning(message)
+            raise TransferError(message) from None
+        if code != 0:
+            message = (
+                f"peer {peer} failed the transfer engine's handshake probe (send_probe "
+                f"returned {code}); nothing was sent"
+            )
+            logger.warning(message)
+            raise TransferError(message)
+        with self._lock:
+            self._reachable.add(peer)
+
+    def _probe(self, peer: str, result: Future[int]) -> None:
+        engine = self._engine
+        try:
+            result.set_result(-1 if engine is None else int(engine.send_probe(peer)))
+        except Exception as exc:  # a binding error: the write reports it
+            logger.warning("handshake probe of %s failed: %r", peer, exc)
+            result.set_result(-1)
 
     def _check_pool_regions(self, job: _PagesJob, plan: staging.PagePlan) -> None:
         """Whole buffers inside registered / published regions: then every entry is."""
@@ -850,6 +935,8 @@ class _PagesJob:
     remote: _RegionIndex
     dst_staging: MemoryRegion | None
     future: Future[TransferStats]
+    start_by: float | None = None  # time.monotonic(); see `KVTransport.write_pages`
+    write_until: float | None = None
 
 
 @dataclass(frozen=True)
