@@ -22,11 +22,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from mini_server import ServerHandle, ServerSpec, start_servers
-from sglang_kv_migration.client import MigrationClient, MigrationFailed
+from recording_client import Recorder, post, session_info
+from sglang_kv_migration.client import MigrationFailed
 
 PP = 2
 PAGE = 16
@@ -39,7 +39,6 @@ BAD_GRANT_IDS = list(range(17000, 17000 + PAGE))
 # Fits stage 0's host pool (2 x 4096 slots), not stage 1's on B (1.1 x 4096).
 HUGE_IDS = list(range(20000, 20000 + PAGE * 320))
 TARGET_WATCHDOG_S = 8.0
-HTTP_TIMEOUT_S = 120.0
 START_S = 420.0
 
 
@@ -78,37 +77,6 @@ def servers() -> Iterator[Servers]:
     finally:
         a.stop()
         b.stop()
-
-
-class Recorder:
-    """Keeps the JSON reply of every call a client makes, by path."""
-
-    def __init__(self) -> None:
-        self.replies: list[tuple[str, int, Any]] = []
-
-    def hook(self, response: httpx.Response) -> None:
-        response.read()
-        self.replies.append((response.request.url.path, response.status_code, response.json()))
-
-    def last(self, path: str) -> tuple[int, Any]:
-        for p, status, body in reversed(self.replies):
-            if p == path:
-                return status, body
-        raise AssertionError(f"no call to {path} was recorded")
-
-    def client(self) -> MigrationClient:
-        http = httpx.Client(timeout=HTTP_TIMEOUT_S, event_hooks={"response": [self.hook]})
-        return MigrationClient(http_client=http)
-
-
-def post(url: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
-    return httpx.post(url + path, json=body or {}, timeout=HTTP_TIMEOUT_S)
-
-
-def session_info(url: str) -> dict[str, Any]:
-    r = post(url, "/get_transfer_session_info")
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def kv_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

@@ -22,13 +22,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
-import httpx
 import pytest
 import torch
 from mini_server import ServerHandle, ServerSpec, start_servers
-from sglang_kv_migration.client import MigrationClient, MigrationFailed
+from recording_client import Recorder, post, session_info
+from sglang_kv_migration.client import MigrationFailed
 
 TP = 2
 PAGE = 16
@@ -39,7 +38,6 @@ ALLOC_IDS = list(range(9000, 9000 + PAGE * 4))
 WATCHDOG_IDS = list(range(12000, 12000 + PAGE * 3))
 # Short enough to watch an expiry, long enough for a CPU migration to commit first.
 TARGET_WATCHDOG_S = 8.0
-HTTP_TIMEOUT_S = 120.0
 START_S = 420.0  # four processes importing SGLang on a slow, shared 2-core machine
 
 
@@ -80,41 +78,6 @@ def servers() -> Iterator[Servers]:
     finally:
         a.stop()
         b.stop()
-
-
-class Recorder:
-    """Keeps the JSON reply of every call a client makes, by path (httpx event hook)."""
-
-    def __init__(self) -> None:
-        self.replies: list[tuple[str, int, Any]] = []
-
-    def hook(self, response: httpx.Response) -> None:
-        response.read()
-        try:
-            body = response.json()
-        except ValueError:
-            body = response.text
-        self.replies.append((response.request.url.path, response.status_code, body))
-
-    def last(self, path: str) -> tuple[int, Any]:
-        for p, status, body in reversed(self.replies):
-            if p == path:
-                return status, body
-        raise AssertionError(f"no call to {path} was recorded")
-
-    def client(self) -> MigrationClient:
-        http = httpx.Client(timeout=HTTP_TIMEOUT_S, event_hooks={"response": [self.hook]})
-        return MigrationClient(http_client=http)
-
-
-def post(url: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
-    return httpx.post(url + path, json=body or {}, timeout=HTTP_TIMEOUT_S)
-
-
-def session_info(url: str) -> dict[str, Any]:
-    r = post(url, "/get_transfer_session_info")
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def as_bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
