@@ -15,6 +15,7 @@ import dataclasses
 import time
 
 import pytest
+from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind
 from sglang_kv_migration.io_types import (
     AllocateTokenForTransferReqInput,
@@ -298,3 +299,32 @@ def test_staging_fields_are_optional_in_grants_and_receipts():
     assert signer.decode_grant(token) == grant
     staged = dataclasses.replace(grant, staging_addr=4096, staging_length=8192)
     assert signer.decode_grant(signer.encode(staged)).staging == (4096, 8192)
+
+
+def test_verify_hashes_the_slots_after_the_staged_copy(servers):
+    """Verify and staging together: the source's digest covers its pages in prefix order,
+    the target hashes its slots after the extent's copy (in `_commit`), and they agree."""
+    src, dst = servers
+    _setup(src, dst)
+    tokens = _tokens(1024, start=30_000)
+    src.do("insert", tokens, 9, True)
+    alloc = dst.call(
+        "allocate_token_for_transfer",
+        AllocateTokenForTransferReqInput(
+            input_ids=tokens,
+            migration_id="staged-verify",
+            source_fingerprints=[r.fingerprint for r in src.info.ranks],
+            staging=True,
+            verify=True,
+        ),
+    )
+    assert alloc.success, alloc.message
+    sent = _transfer_staged(src, dst, tokens, alloc)
+    assert sent.success, sent.message
+    assert sent.ranks[0].plan == "staged"
+    receipt = grants.Signer(None).decode_receipt(sent.ranks[0].receipt)  # unsigned here
+    assert receipt.digest  # verify was granted: the source hashed what it sent
+    committed = _commit(dst, "staged-verify", sent)
+    assert committed.success, committed.message
+    _assert_same_kv(src, dst, tokens)
+    assert dst.do("pending") == 0
