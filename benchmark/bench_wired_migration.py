@@ -42,6 +42,7 @@ from typing import Any
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT / "test"))
 sys.path.insert(0, str(_ROOT / "python"))
+from pipe_rpc import Remote, serve  # noqa: E402  (test/ is on the path now)
 
 REPLY_S = 600.0
 START_S = 300.0
@@ -114,54 +115,16 @@ def peer_main(conn: Connection) -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cpu_harness.install_cpu_shims()
-    import traceback
-
     import sglang_kv_migration.scheduler_side  # noqa: F401  (the slow import, up front)
 
     server = _server_class()()
     conn.send(("ready", None))
-    try:
-        while conn.poll(REPLY_S):
-            command, *args = conn.recv()
-            if command == "quit":
-                break
-            try:
-                conn.send(("ok", getattr(server, command)(*args)))
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
-    finally:
-        server.close()
-        conn.close()
+    serve(conn, server, REPLY_S)
 
 
 # --------------------------------------------------------------------------------------
 # The driver
 # --------------------------------------------------------------------------------------
-
-
-@dataclass
-class Remote:
-    name: str
-    conn: Connection
-    process: Any
-
-    def do(self, command: str, *args: Any) -> Any:
-        self.conn.send((command, *args))
-        if not self.conn.poll(REPLY_S):
-            raise TimeoutError(f"{self.name}: no reply to {command} in {REPLY_S} s")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"{self.name} failed on {command}:\n{value}")
-        return value
-
-    def stop(self) -> None:
-        try:
-            self.conn.send(("quit",))
-        except OSError:
-            pass
-        self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
 
 
 @dataclass

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
+
+from pipe_rpc import serve
 
 IDLE_EXIT_S = 300.0
 TRANSFER_WAIT_S = 60.0
@@ -229,15 +230,4 @@ def peer_main(conn: Connection) -> None:
 
     server = _Server()
     conn.send(("ready", None))
-    try:
-        while conn.poll(IDLE_EXIT_S):
-            command, *args = conn.recv()
-            if command == "quit":
-                break
-            try:
-                conn.send(("ok", getattr(server, command)(*args)))
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
-    finally:
-        server.close()
-        conn.close()
+    serve(conn, server, IDLE_EXIT_S)

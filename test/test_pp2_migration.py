@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import torch
 from mini_server import ServerHandle, ServerSpec, start_servers
-from recording_client import Recorder, post, session_info
+from multi_rank import Recorder, aligned, kv_equal, post, session_info
 from sglang_kv_migration.client import MigrationFailed
 
 PP = 2
@@ -79,17 +78,6 @@ def servers() -> Iterator[Servers]:
         b.stop()
 
 
-def kv_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(
-        torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
-        for x, y in zip(a, b, strict=True)
-    )
-
-
-def aligned(ids: list[int]) -> list[int]:
-    return ids[: len(ids) // PAGE * PAGE]
-
-
 # --------------------------------------------------------------------------- tests
 
 
@@ -110,7 +98,7 @@ def test_session_info_gathers_every_stage(servers: Servers) -> None:
 
 def test_migrate_pp2_moves_each_stages_layers(servers: Servers) -> None:
     src, dst = servers.a, servers.b
-    ids = aligned(GOOD_IDS)
+    ids = aligned(GOOD_IDS, PAGE)
     assert dst.ask_all("held", GOOD_IDS) == [(0, 0)] * PP
     recorder = Recorder()
     with recorder.client() as client:
@@ -164,7 +152,7 @@ def test_transfer_failing_on_one_stage_rolls_back_every_stage(servers: Servers) 
     # Both target stages are back where they were; the source's stages kept their pages.
     assert dst.ask_all("snapshot") == before
     assert dst.ask_all("held", BROKEN_IDS) == [(0, 0)] * PP
-    assert src.ask_all("held", BROKEN_IDS) == [(len(aligned(BROKEN_IDS)), 0)] * PP
+    assert src.ask_all("held", BROKEN_IDS) == [(len(aligned(BROKEN_IDS, PAGE)), 0)] * PP
 
 
 def test_allocation_failing_on_one_stage_is_undone_on_every_stage(servers: Servers) -> None:

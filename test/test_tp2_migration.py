@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from mini_server import ServerHandle, ServerSpec, start_servers
-from recording_client import Recorder, post, session_info
+from multi_rank import Recorder, aligned, kv_equal, post, session_info
 from sglang_kv_migration.client import MigrationFailed
 
 TP = 2
@@ -82,16 +82,6 @@ def servers() -> Iterator[Servers]:
 
 def as_bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.contiguous().view(torch.uint8) for t in tensors]
-
-
-def kv_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(
-        torch.equal(x, y) for x, y in zip(as_bytes(a), as_bytes(b), strict=True)
-    )
-
-
-def aligned(ids: list[int]) -> list[int]:
-    return ids[: len(ids) // PAGE * PAGE]
 
 
 # --------------------------------------------------------------------------- tests
@@ -153,7 +143,7 @@ def test_allocate_lists_kv_indices_for_both_ranks(servers: Servers) -> None:
 
 def test_migrate_tp2_moves_each_ranks_bytes(servers: Servers) -> None:
     src, dst = servers.a, servers.b
-    ids = aligned(GOOD_IDS)
+    ids = aligned(GOOD_IDS, PAGE)
     assert dst.ask_all("held", GOOD_IDS) == [(0, 0)] * TP
     recorder = Recorder()
     with recorder.client() as client:
@@ -216,7 +206,7 @@ def test_failure_on_one_rank_rolls_back_every_rank(servers: Servers) -> None:
     assert r.status_code == 409, r.text
     assert "aborted" in r.json()["message"]
     # The source kept its pages and released its pins on both ranks.
-    assert src.ask_all("held", BROKEN_IDS) == [(len(aligned(BROKEN_IDS)), 0)] * TP
+    assert src.ask_all("held", BROKEN_IDS) == [(len(aligned(BROKEN_IDS, PAGE)), 0)] * TP
 
 
 def test_watchdog_frees_every_rank(servers: Servers) -> None:
@@ -256,7 +246,7 @@ def test_request_invalid_for_one_rank_is_refused_by_every_rank(servers: Servers)
         dst.url,
         "/allocate_token_for_transfer",
         {
-            "input_ids": aligned(GOOD_IDS)[:PAGE],
+            "input_ids": aligned(GOOD_IDS, PAGE)[:PAGE],
             "extra_key": "invalid-rank",  # a namespace no other test fills
             "source_fingerprints": source_fps,
         },
@@ -265,7 +255,7 @@ def test_request_invalid_for_one_rank_is_refused_by_every_rank(servers: Servers)
     granted = next(r for r in alloc["ranks"] if r["tp_rank"] == 0)
     src_before = src.ask_all("snapshot")
     body = {
-        "input_ids": aligned(GOOD_IDS),
+        "input_ids": aligned(GOOD_IDS, PAGE),
         "extra_key": "invalid-rank",
         "matched_token_size": 0,
         "extra_token_size": PAGE,

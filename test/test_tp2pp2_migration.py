@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-import torch
 from mini_server import ServerHandle, ServerSpec, start_servers
+from multi_rank import aligned, kv_equal
 from sglang_kv_migration.client import MigrationClient, MigrationFailed
 
 TP, PP = 2, 2
@@ -48,20 +48,9 @@ def servers() -> Iterator[Servers]:
         b.stop()
 
 
-def kv_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(
-        torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
-        for x, y in zip(a, b, strict=True)
-    )
-
-
-def aligned(ids: list[int]) -> list[int]:
-    return ids[: len(ids) // PAGE * PAGE]
-
-
 def test_each_rank_moves_its_own_heads_and_layers(servers: Servers) -> None:
     src, dst = servers.a, servers.b
-    ids = aligned(GOOD_IDS)
+    ids = aligned(GOOD_IDS, PAGE)
     with MigrationClient() as client:
         result = client.migrate(src.url, dst.url, GOOD_IDS)
     assert result.migrated_token_size == result.matched_after_commit == len(ids)
@@ -88,4 +77,4 @@ def test_failure_on_one_rank_of_one_stage_rolls_back_every_rank(servers: Servers
     assert [r["success"] for r in ranks] == [True, True, True, False]
     assert dst.ask_all("snapshot") == before
     assert dst.ask_all("held", BROKEN_IDS) == [(0, 0)] * len(POSITIONS)
-    assert src.ask_all("held", BROKEN_IDS) == [(len(aligned(BROKEN_IDS)), 0)] * len(POSITIONS)
+    assert src.ask_all("held", BROKEN_IDS) == [(len(aligned(BROKEN_IDS, PAGE)), 0)] * len(POSITIONS)

@@ -1,10 +1,12 @@
-"""HTTP helpers shared by the multi-rank server tests: a client that keeps every reply."""
+"""Helpers shared by the multi-rank (TP, PP, TP x PP) server tests: a client that keeps
+every reply, and comparisons of per-rank KV."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import httpx
+import torch
 from sglang_kv_migration.client import MigrationClient
 
 HTTP_TIMEOUT_S = 120.0
@@ -44,3 +46,16 @@ def session_info(url: str) -> dict[str, Any]:
     r = post(url, "/get_transfer_session_info")
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def kv_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Byte-for-byte equality of two lists of KV tensors (any dtype)."""
+    return len(a) == len(b) and all(
+        torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def aligned(ids: list[int], page: int) -> list[int]:
+    """The whole pages of `ids`: what a migration moves."""
+    return ids[: len(ids) // page * page]
