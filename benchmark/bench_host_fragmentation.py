@@ -40,7 +40,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -49,6 +48,7 @@ from typing import Any
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT / "test"))
 sys.path.insert(0, str(_ROOT / "python"))
+from pipe_rpc import Remote, serve  # noqa: E402  (test/ is on the path now)
 
 REPLY_S = 600.0
 _LOOP_S = 0.0005  # the stand-in scheduler loop's sleep between polls
@@ -203,12 +203,14 @@ class _Peer:
         }
 
     def _worker_cpu_s(self) -> float:
-        """CPU seconds of the transport's worker thread (plans, gathers, waits)."""
-        worker = self.transport._worker  # benchmark only: the thread that waits on the wire
-        if worker is None:
-            return 0.0
-        with open(f"/proc/self/task/{worker.native_id}/schedstat") as f:
-            return int(f.read().split()[0]) / 1e9
+        """CPU seconds of the transport's worker threads, one per peer (plans, gathers,
+        waits)."""
+        total = 0.0
+        # benchmark only: the threads that wait on the wire (`MooncakeTransport._workers`)
+        for thread, _jobs in list(self.transport._workers.values()):
+            with open(f"/proc/self/task/{thread.native_id}/schedstat") as f:
+                total += int(f.read().split()[0]) / 1e9
+        return total
 
     def raw_contiguous(self, peer: dict, nbytes: int, pieces: int = 1) -> dict:
         """The same bytes from one contiguous range to another, as ``pieces`` equal
@@ -326,49 +328,12 @@ def peer_main(conn: Connection) -> None:
         sys.setswitchinterval(float(switch))
     peer = _Peer()
     conn.send(("ready", None))
-    try:
-        while conn.poll(REPLY_S):
-            command, *args = conn.recv()
-            if command == "quit":
-                break
-            try:
-                conn.send(("ok", getattr(peer, command)(*args)))
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
-    finally:
-        peer.close()
-        conn.close()
+    serve(conn, peer, REPLY_S)
 
 
 # --------------------------------------------------------------------------------------
 # The driver
 # --------------------------------------------------------------------------------------
-
-
-@dataclass
-class Remote:
-    name: str
-    conn: Connection
-    process: Any
-
-    def do(self, command: str, *args: Any) -> Any:
-        self.conn.send((command, *args))
-        if not self.conn.poll(REPLY_S):
-            raise TimeoutError(f"{self.name}: no reply to {command} in {REPLY_S} s")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"{self.name} failed on {command}:\n{value}")
-        return value
-
-    def stop(self) -> None:
-        try:
-            self.conn.send(("quit",))
-        except OSError:
-            pass  # already gone
-        self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(10)
 
 
 @dataclass
