@@ -355,6 +355,9 @@ def test_client_stages_a_fragmented_migration(servers: Servers, http: httpx.Clie
     assert result.migrated_token_size == len(SEQ_STAGED)
     # 8 scattered pages x 8 layer buffers would be 64 entries written directly.
     assert result.plans == ["staged"] and result.entries == 1
+    (steps,) = result.transfer_steps_ms  # one source rank, its host-path steps in ms
+    assert {"host_copies", "queued", "probe", "plan", "wire"} <= steps.keys()
+    assert steps["wire"] > 0
     assert _same_kv(src.ask(0, "kv", SEQ_STAGED), dst.ask(0, "kv", SEQ_STAGED))
     slots = dst.ask(0, "host_slots")
     assert slots["overlap"] == 0 and slots["in_tree"] == slots["in_tree_unique"]

@@ -243,6 +243,12 @@ def test_write_pages_moves_pages_byte_for_byte(
     )
     stats = handle.result(WAIT_S)
     assert stats.plan == kind
+    # Where the time went: every step measured, none longer than the whole write.
+    assert {"queued", "probe", "plan", "wire"} <= stats.steps.keys()
+    assert all(0 <= v for v in stats.steps.values())
+    assert stats.steps["probe"] + stats.steps["plan"] + stats.steps["wire"] <= stats.seconds
+    if kind == "direct":
+        assert 0 < stats.steps["first_batch"] <= stats.steps["max_batch"] <= stats.steps["wire"]
     nbytes = n * page_size * PAGE_ITEM * 4
     assert stats.bytes == nbytes
     if kind == "gather":

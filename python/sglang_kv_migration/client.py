@@ -54,6 +54,8 @@ class MigrationResult:
     # how many transfer-engine entries all ranks' writes needed together.
     plans: list[str] = field(default_factory=list)
     entries: int = 0
+    # Per source rank: where its part of the transfer spent its time, ms (host path).
+    transfer_steps_ms: list[dict[str, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -453,6 +455,7 @@ def _result(
         copy_seconds=max(seconds, default=0.0),
         plans=[r.get("plan", "") for r in ranks],
         entries=sum(r.get("entries", 0) for r in ranks),
+        transfer_steps_ms=[r.get("steps_ms", {}) for r in ranks],
     )
 
 

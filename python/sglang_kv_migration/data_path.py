@@ -33,7 +33,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -69,6 +69,8 @@ class SendStats:
     plan: str = ""  # host path: how the write was shaped (staging.PlanKind)
     entries: int = 0  # host path: transfer-engine entries the write needed
     digest: str = ""  # `verify.py` digest of the pages sent, when the send asked for one
+    # Where the time went, seconds (host path: "host_copies" plus the transport's steps).
+    steps: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

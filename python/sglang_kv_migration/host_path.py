@@ -151,6 +151,8 @@ class HostSendJob(SendJob):
         self._send = send
         self._handle: TransferHandle | None = None
         self._digest: Future[str] | None = None  # of the pages sent, when verify asked
+        self._created = time.monotonic()
+        self._host_copies_s = 0.0  # waiting for the device->host copies of the prefix
         self.stats = SendStats()
 
     @property
@@ -196,6 +198,7 @@ class HostSendJob(SendJob):
             plan=stats.plan,
             entries=stats.entries,
             digest=digest,
+            steps={"host_copies": self._host_copies_s, **stats.steps},
         )
         return KVPoll.SUCCESS
 
@@ -206,6 +209,7 @@ class HostSendJob(SendJob):
 
     def _submit(self) -> None:
         send = self._send
+        self._host_copies_s = time.monotonic() - self._created
         # Grant deadlines are unix times (the target's clock, as the grant check assumes);
         # the transport counts on the monotonic clock.
         wall, mono = time.time(), time.monotonic()

@@ -197,6 +197,9 @@ class RankTransferResult:
     receipt: str = ""  # grants.Receipt: what /commit (or /abort_transfer) presents
     plan: str = ""  # host path: "direct", "gather" or "staged" (staging.py)
     entries: int = 0  # host path: transfer-engine write entries the plan needed
+    # Where this rank's time went, ms (host path: host_copies, queued, probe, plan, wire,
+    # first_batch, max_batch); informational, for logs and benchmarks.
+    steps_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

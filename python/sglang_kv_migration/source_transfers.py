@@ -58,6 +58,7 @@ class RankTransferStatus:
     plan: str = ""  # host path: how the write was shaped (staging.PlanKind)
     entries: int = 0  # host path: transfer-engine entries
     digest: str = ""  # of the pages sent, when the grant asked for verification
+    steps: dict[str, float] = dataclasses.field(default_factory=dict)  # SendStats.steps
 
 
 @dataclass
@@ -96,6 +97,7 @@ class InflightTransfer:
                     plan=stats.plan,
                     entries=stats.entries,
                     digest=stats.digest,
+                    steps=stats.steps,
                 )
         if self.error is not None:
             self.result = RankTransferStatus(
@@ -332,6 +334,7 @@ class SourceTransfers:
                 receipt=s.receipt,
                 plan=s.plan,
                 entries=s.entries,
+                steps_ms={k: round(v * 1e3, 2) for k, v in s.steps.items()},
             )
             for i, s in enumerate(statuses)
         ]
@@ -372,15 +375,23 @@ class SourceTransfers:
             self.metrics.moved("source", req.extra_token_size, statuses[self.ctx.tp_rank].bytes)
             if first_rank:
                 logger.info(
-                    "KV migration %s sent: %d tokens, %d bytes (%d ranks), %.1f ms",
+                    "KV migration %s sent: %d tokens, %d bytes (%d ranks), %.1f ms%s",
                     req.migration_id,
                     req.extra_token_size,
                     total_bytes,
                     len(statuses),
                     elapsed * 1e3,
+                    _steps_text(statuses[self.ctx.tp_rank].steps),
                 )
         output.rid = req.rid  # the tokenizer side matches concurrent transfers by rid
         self.ctx.send_output(output, req)
+
+
+def _steps_text(steps: Mapping[str, float]) -> str:
+    """ ", this rank: host_copies 1.2 ms, probe 0.0 ms, ..." for the log line."""
+    if not steps:
+        return ""
+    return ", this rank: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in steps.items())
 
 
 def target_slots(target: TransferRequestKVCacheTarget, page_size: int) -> torch.Tensor:

@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from sglang_kv_migration import staging
@@ -188,6 +188,10 @@ class TransferStats:
     seconds: float
     batches: int
     plan: str = "direct"
+    # Where a `write_pages` call's time went, seconds: "queued" (behind earlier writes to
+    # the same peer), "probe" (first contact), "plan", "wire" (all batches or chunks),
+    # "first_batch" and "max_batch" (direct plans). For logs and benchmarks only.
+    steps: dict[str, float] = field(default_factory=dict)
 
 
 class TransferHandle:
@@ -546,6 +550,7 @@ class MooncakeTransport(KVTransport):
         if job.write_until is not None:
             deadline = min(deadline, job.write_until)
         self._ensure_reachable(job.peer, deadline)
+        probed = time.monotonic()
         staged = job.dst_staging
         try:
             plan = staging.plan_pages(
@@ -562,6 +567,7 @@ class MooncakeTransport(KVTransport):
             logger.warning(message)
             raise MigrationError(ErrorKind.BAD_REQUEST, message) from None
         self._check_pool_regions(job, plan)
+        planned = time.monotonic()
         ctx = _Context(job.peer, plan.total_bytes, plan.entries)
         if plan.kind == "direct":
             assert plan.srcs is not None and plan.dsts is not None and plan.lengths is not None
@@ -573,12 +579,23 @@ class MooncakeTransport(KVTransport):
                 if staged.length - plan.total_bytes >= 8:
                     marker = staged.addr + staged.length - 8
             batches = self._send_chunks(ctx, job.src, plan, deadline, marker)
+        end = time.monotonic()
+        steps = {
+            "queued": start - job.enqueued,
+            "probe": probed - start,
+            "plan": planned - probed,
+            "wire": end - planned,
+        }
+        if ctx.batch_seconds:
+            steps["first_batch"] = ctx.batch_seconds[0]
+            steps["max_batch"] = max(ctx.batch_seconds)
         return TransferStats(
             entries=plan.entries,
             bytes=plan.total_bytes,
-            seconds=time.monotonic() - start,
+            seconds=end - start,
             batches=batches,
             plan=plan.kind,
+            steps=steps,
         )
 
     def _ensure_reachable(self, peer: str, deadline: float) -> None:
@@ -675,6 +692,7 @@ class MooncakeTransport(KVTransport):
                 self._write_batch(ctx, label, srcs, dsts, lengths, deadline, previous)
                 previous = _BatchTiming(time.monotonic() - began, len(lengths), sum(lengths))
                 self._tls.last_batch = previous
+            ctx.batch_seconds.append(time.monotonic() - began)
         return len(starts)
 
     def _send_chunks(
@@ -937,6 +955,7 @@ class _PagesJob:
     future: Future[TransferStats]
     start_by: float | None = None  # time.monotonic(); see `KVTransport.write_pages`
     write_until: float | None = None
+    enqueued: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -946,6 +965,8 @@ class _Context:
     peer: str
     total_bytes: int
     total_entries: int
+    # Seconds each engine batch of a direct plan took, appended as they complete.
+    batch_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
