@@ -53,6 +53,7 @@ PHASES = ("session_info", "extra_token_size", "allocate", "transfer", "commit", 
 # Issue 8 / 12 targets for the longest prefix.
 TARGET_RATIO = {False: 0.01, True: 0.02}  # whole device migration / re-prefill
 TARGET_COPY_GBPS = {False: 400.0, True: 200.0}  # keyed by "across GPUs"
+SETTLE_S = 0.5  # idle time on the source between its prefills and the migrations
 
 
 def main() -> None:
@@ -189,6 +190,11 @@ def _round(
     for p in (a, b):
         if p:
             generate(source, p, 1)
+    # Let the source finish with those requests (SGLang inserts a finished request into
+    # its radix tree and queues its host backup after the reply is sent; at 32K tokens that
+    # kept the first call of the next migration waiting ~30 ms on a TP=2 server). A
+    # rollout moves a prefix computed earlier, not one whose request is still closing.
+    time.sleep(SETTLE_S)
 
     row["device"] = _migrate_and_serve(client, source, target, a, "device")
     if host:
