@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import base64
 import logging
+import threading
 import uuid
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -127,17 +129,51 @@ class OpenedPeer:
 
 
 class PeerBuffers:
-    """Peers' KV buffers opened through CUDA IPC, one mapping per peer instance."""
+    """Peers' KV buffers opened through CUDA IPC, one mapping per peer instance.
+
+    Opening a new peer's buffers takes 60-150 ms (one IPC mapping per layer buffer), so
+    `open_async` does it on a helper thread: the scheduler thread that asks only checks a
+    future. `get` opens in the calling thread (tests, probes).
+    """
 
     def __init__(self, max_open: int = MAX_OPEN_PEERS):
         self._open: OrderedDict[str, OpenedPeer] = OrderedDict()
+        self._opening: dict[str, Future[OpenedPeer]] = {}
         self._max_open = max_open
+        self._lock = threading.Lock()
+        self._opener: ThreadPoolExecutor | None = None
+
+    def open_async(
+        self, instance_key: str, descs: list[dict[str, Any]], device_index: int
+    ) -> Future[OpenedPeer]:
+        """A future of the opened peer: done at once when it is open already."""
+        with self._lock:
+            opened = self._open.get(instance_key)
+            if opened is not None:
+                self._open.move_to_end(instance_key)
+                done: Future[OpenedPeer] = Future()
+                done.set_result(opened)
+                return done
+            pending = self._opening.get(instance_key)
+            if pending is not None:
+                return pending
+            if self._opener is None:
+                self._opener = ThreadPoolExecutor(1, thread_name_prefix="kv-migration-ipc")
+            future = self._opener.submit(self.get, instance_key, descs, device_index)
+            self._opening[instance_key] = future
+        future.add_done_callback(lambda _f: self._forget_opening(instance_key))
+        return future
+
+    def _forget_opening(self, instance_key: str) -> None:
+        with self._lock:
+            self._opening.pop(instance_key, None)
 
     def get(self, instance_key: str, descs: list[dict[str, Any]], device_index: int) -> OpenedPeer:
-        opened = self._open.get(instance_key)
-        if opened is not None:
-            self._open.move_to_end(instance_key)
-            return opened
+        with self._lock:
+            opened = self._open.get(instance_key)
+            if opened is not None:
+                self._open.move_to_end(instance_key)
+                return opened
         import torch
 
         try:
@@ -153,19 +189,25 @@ class PeerBuffers:
                 ErrorKind.CONFLICT,
                 f"cannot open the target's KV buffers through CUDA IPC: {type(e).__name__}: {e}",
             ) from None
-        self._open[instance_key] = opened
-        while len(self._open) > self._max_open:
-            _key, dropped = self._open.popitem(last=False)
-            dropped.buffers.clear()  # the last reference closes the mapping
+        with self._lock:
+            self._open[instance_key] = opened
+            while len(self._open) > self._max_open:
+                _key, dropped = self._open.popitem(last=False)
+                dropped.buffers.clear()  # the last reference closes the mapping
         logger.info(
             "Opened %d KV buffers of peer %s through CUDA IPC", len(opened.buffers), instance_key
         )
         return opened
 
     def close(self) -> None:
-        for opened in self._open.values():
-            opened.buffers.clear()
-        self._open.clear()
+        with self._lock:
+            opener, self._opener = self._opener, None
+        if opener is not None:
+            opener.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            for opened in self._open.values():
+                opened.buffers.clear()
+            self._open.clear()
 
     def __len__(self) -> int:
         return len(self._open)

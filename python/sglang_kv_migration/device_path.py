@@ -85,6 +85,7 @@ class DevicePath(DataPath):
         # One fused launch moves every buffer when all have the same row size (MHA with
         # equal K/V head dims, MLA); otherwise two torch launches per buffer.
         self._fused = len(set(self.row_bytes)) == 1 and self.row_bytes[0] % 8 == 0
+        self.warm_up()
 
     # ------------------------------------------------------------------ both roles
 
@@ -141,7 +142,7 @@ class DevicePath(DataPath):
             raise MigrationError(
                 ErrorKind.BAD_REQUEST, "target_per_rank has no device_kv for the device path"
             )
-        dst = self._open_peer(peer)
+        opening = self._open_peer(peer)
         held = sglang_adapter.match_device_prefix(
             self.cache, send.input_ids[: send.end], send.extra_key
         )
@@ -155,19 +156,35 @@ class DevicePath(DataPath):
         src_pages = _pages_of(held.indices[send.start : send.end], self.page_size, "source")
         dst_pages = _pages_of(send.target_slots, self.page_size, "target")
         self.cache.inc_lock_ref(held.last_node)
-        try:
-            job = self._launch(src_pages, dst, dst_pages, held.last_node)
-        except BaseException:
-            self.cache.dec_lock_ref(held.last_node)
-            raise
+        job = DeviceSendJob(self.cache, held.last_node)
         job.stats.bytes = (send.end - send.start) * self.bytes_per_token
         if send.verify:
             job.digest_rows = (self.buffers, held.indices[send.start : send.end])
+
+        def launch() -> None:
+            # On the scheduler thread, once the peer's buffers are open (at once when they
+            # were already): checks the mapping, then only enqueues the copy.
+            if time.time() > send.start_by:
+                raise MigrationError(
+                    ErrorKind.FORBIDDEN,
+                    "copy refused: the grant expired while the target's buffers were being "
+                    "opened; nothing was written",
+                )
+            dst = self._checked_peer(opening.result(), peer)
+            job.launched(*self._launch(src_pages, dst, dst_pages))
+
+        job.launch_when(opening, launch)
+        try:
+            job.poll_launch()
+        except BaseException:
+            job.release()
+            raise
         return job
 
     # ------------------------------------------------------------------ helpers
 
-    def _open_peer(self, peer: dict[str, Any]) -> cuda_ipc.OpenedPeer:
+    def _open_peer(self, peer: dict[str, Any]) -> Future[cuda_ipc.OpenedPeer]:
+        """Check the target's description, then open its buffers off this thread."""
         import torch
 
         try:
@@ -178,6 +195,10 @@ class DevicePath(DataPath):
             descs = list(peer["buffers"])
         except (KeyError, TypeError, ValueError) as e:
             raise MigrationError(ErrorKind.BAD_REQUEST, f"bad device_kv description: {e}") from None
+        if len(num_rows) != len(row_bytes):
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST, "bad device_kv description: num_rows and row_bytes differ"
+            )
         if host != cuda_ipc.host_identity():
             raise MigrationError(
                 ErrorKind.CONFLICT, "target is on another host: the device path needs one host"
@@ -202,7 +223,13 @@ class DevicePath(DataPath):
         # Mapped into *this* device's address space (CUDA enables peer access for a
         # mapping of a peer GPU's memory), so the copy kernel runs here and writes the
         # target's pages directly, over NVLink when the target is another GPU.
-        opened = self._peers.get(instance, descs, here)
+        return self._peers.open_async(instance, descs, here)
+
+    def _checked_peer(
+        self, opened: cuda_ipc.OpenedPeer, peer: dict[str, Any]
+    ) -> cuda_ipc.OpenedPeer:
+        row_bytes = [int(x) for x in peer["row_bytes"]]
+        num_rows = [int(x) for x in peer["num_rows"]]
         for flat, rows, rb in zip(opened.buffers, num_rows, row_bytes, strict=True):
             if flat.numel() != rows * rb:
                 raise MigrationError(
@@ -216,8 +243,8 @@ class DevicePath(DataPath):
         src_pages: torch.Tensor,
         dst: cuda_ipc.OpenedPeer,
         dst_pages: torch.Tensor,
-        locked: TreeNode,
-    ) -> DeviceSendJob:
+    ) -> tuple[Any, Any]:
+        """Enqueue the copy on the side stream; returns its (start, end) CUDA events."""
         import torch
 
         page_bytes = [rb * self.page_size for rb in self.row_bytes]
@@ -254,21 +281,75 @@ class DevicePath(DataPath):
                         [src.view(-1).view(torch.uint8)], [flat], src_idx, dst_idx, pb
                     )
             end.record(stream)
-        return DeviceSendJob(self.cache, locked, start, end)
+        return start, end
+
+    def warm_up(self) -> None:
+        """Build the copy kernel now, not in the first migration's scheduler iteration:
+        copy this pool's page 0 onto itself (nothing is cached yet: no reader to race)."""
+        if self._stream is None or not self._fused:
+            return
+        import torch
+
+        page = torch.zeros(1, dtype=torch.int64, device=self.device)
+        try:
+            with torch.cuda.stream(self._stream):
+                page_copy.copy_pages(
+                    self._src_ptrs, self._src_ptrs, page, page, self.row_bytes[0] * self.page_size
+                )
+            self._stream.synchronize()
+        except Exception:  # Triton cannot build the kernel here: torch copies instead
+            logger.exception("fused page copy unavailable; using torch copies")
+            self._fused = False
 
 
 class DeviceSendJob(SendJob):
-    def __init__(self, cache: HiRadixCache, locked: TreeNode, start: Any, end: Any):
+    """One rank's copy: launched once the target's buffers are open, done when its CUDA
+    event has completed; the source's prefix stays locked until `release`."""
+
+    def __init__(self, cache: HiRadixCache, locked: TreeNode):
         self._cache = cache
         self._locked: TreeNode | None = locked
-        self._start, self._end = start, end
-        self._launched = time.monotonic()
+        self._start: Any = None
+        self._end: Any = None
+        self._opening: Future[Any] | None = None
+        self._launch: Any = None
         self.stats = SendStats()
         # verify: (source buffers, source slots) to hash once the copy completed.
         self.digest_rows: tuple[list[torch.Tensor], torch.Tensor] | None = None
         self._digest: Future[str] | None = None
 
+    def launch_when(self, opening: Future[Any], launch: Any) -> None:
+        self._opening, self._launch = opening, launch
+
+    def launched(self, start: Any, end: Any) -> None:
+        self._start, self._end = start, end
+
+    @property
+    def started_writing(self) -> bool:
+        return self._end is not None
+
+    def poll_launch(self) -> bool:
+        """Launch once the peer is open; True once launched. Raises what the launch does."""
+        if self._end is None:
+            if self._opening is None or not self._opening.done():
+                return False
+            try:
+                self._launch()
+            except MigrationError:
+                raise
+            except Exception as e:  # the open failed: CUDA refused the handle
+                raise MigrationError(ErrorKind.CONFLICT, f"device copy not started: {e}") from e
+        return True
+
     def poll(self) -> KVPoll:
+        if self.error is not None:
+            return KVPoll.FAILED
+        try:
+            if not self.poll_launch():
+                return KVPoll.TRANSFERRING
+        except MigrationError as e:
+            self.error = e
+            return KVPoll.FAILED
         if not self._end.query():
             return KVPoll.TRANSFERRING
         if self.digest_rows is not None:
