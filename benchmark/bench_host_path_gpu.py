@@ -282,24 +282,57 @@ def bench_serving(port: int, model_dir: Path, run: str, args) -> dict:
     return {k: data.get(k) for k in keys}
 
 
+POLL_SERIES = (
+    "sglang:kv_migration_poll_seconds_total",
+    "sglang:kv_migration_poll_iterations_total",
+)
+
+
+def poll_counters(port: int) -> dict[str, float]:
+    """The plugin's per-iteration poll account on a server (summed over ranks)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    sums = dict.fromkeys(POLL_SERIES, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+    return sums
+
+
 def part_overhead(res: Results, on_port: int, off_port: int, model_dir: Path, args) -> None:
+    """Alternating off/on rounds of bench_serving; for the "on" runs also what the plugin's
+    poll cost the scheduler thread during the run (its own counters): the share of the
+    run's wall time bounds the throughput the flag can take while idle."""
     runs: list[dict] = []
     for i in range(args.serving_rounds):
         for name, port in (("off", off_port), ("on", on_port)):
             flush_cache(f"http://127.0.0.1:{port}")
+            before = poll_counters(port) if name == "on" else None
             row = {
                 "run": f"{name}{i}",
                 "flag": name,
                 **bench_serving(port, model_dir, f"{name}{i}", args),
             }
+            if before is not None:
+                after = poll_counters(port)
+                seconds = after[POLL_SERIES[0]] - before[POLL_SERIES[0]]
+                iterations = after[POLL_SERIES[1]] - before[POLL_SERIES[1]]
+                row["poll_seconds"] = seconds
+                row["poll_iterations"] = iterations
+                row["poll_us_per_iteration"] = seconds / iterations * 1e6 if iterations else None
+                row["poll_share_of_wall"] = seconds / row["duration"] if row["duration"] else None
             runs.append(row)
             res.put("overhead_runs", runs)
     on = [r["output_throughput"] for r in runs if r["flag"] == "on"]
     off = [r["output_throughput"] for r in runs if r["flag"] == "off"]
+    shares = [r["poll_share_of_wall"] for r in runs if r.get("poll_share_of_wall") is not None]
     res.put("overhead", {
         "on_output_tok_s": on, "off_output_tok_s": off,
         "on_over_off_mean": round(statistics.mean(on) / statistics.mean(off), 4),
+        "on_over_off_median": round(statistics.median(on) / statistics.median(off), 4),
         "on_over_off_per_round": [round(a / b, 4) for a, b in zip(on, off, strict=True)],
+        "off_spread": round(max(off) / min(off) - 1, 4),
+        "poll_share_of_wall_max": max(shares, default=None),
     })  # fmt: skip
 
 
@@ -315,7 +348,7 @@ def main() -> None:
     parser.add_argument("--max-total-tokens", type=int, default=110_000)
     parser.add_argument(
         "--mem-fraction-static", type=float, nargs=3, default=[0.28, 0.4, 0.65],
-        help="per server in start order (source, target, off): a share of the free memory",
+        help="per server (source, target, off; started in that order): what each may fill",
     )  # fmt: skip
     parser.add_argument(
         "--staging-mb", type=int, default=None,
@@ -323,6 +356,10 @@ def main() -> None:
         "holds 2K tokens of this shape: longer migrations write directly)",
     )  # fmt: skip
     parser.add_argument("--table-repeats", type=int, default=1)
+    parser.add_argument(
+        "--port-base", type=int, default=31000,
+        help="source port; target +100, off +200 (two runs on one machine need two bases)",
+    )  # fmt: skip
     parser.add_argument("--churn-conversations", type=int, default=64)
     parser.add_argument("--churn-turns", type=int, default=4)
     parser.add_argument("--stall-migrations", type=int, default=3)
@@ -336,7 +373,8 @@ def main() -> None:
     os.environ.setdefault("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
 
     shape = dict(LLAMA3_8B, max_position_embeddings=65536)
-    model_dir = write_model(shape, Path("/tmp/kvmig-llama3-8b-tok"))
+    # One directory per run: two runs on one machine must not write the same files.
+    model_dir = write_model(shape, Path(f"/tmp/kvmig-llama3-8b-tok-{args.port_base}"))
     if "overhead" in args.parts:
         write_tokenizer(model_dir, VOCAB)
     res = Results(OUT_DIR / "bench_host_path_gpu.json", vars(args))
@@ -344,14 +382,18 @@ def main() -> None:
         "--page-size", str(args.page_size), "--max-total-tokens", str(args.max_total_tokens),
         "--context-length", "40960",
     ]  # fmt: skip
+    if "overhead" in args.parts:
+        common.append("--enable-metrics")  # on every server: the poll account is read there
     host_only = ["--kv-migration-paths", "host"]  # with the plugin's other flags
     if args.staging_mb is not None:
         host_only += ["--kv-migration-staging-mb", str(args.staging_mb)]
-    ports = {"source": 31000, "target": 31100, "off": 31200}
+    base = args.port_base
+    ports = {"source": base, "target": base + 100, "off": base + 200}
     url = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     with_tok = "overhead" in args.parts
     # (name, plugin on, tokenizer) in start order; the "off" server only for `overhead`.
-    servers = [("source", True, with_tok), ("target", True, False)]
+    servers = [("source", True, with_tok)]
+    servers += [("target", True, False)] if {"table", "stall"} & set(args.parts) else []
     servers += [("off", False, True)] if with_tok else []
     procs: list[subprocess.Popen] = []
     try:
@@ -360,9 +402,9 @@ def main() -> None:
         # server starts (`--mem-fraction-static` is a share of it), so the later servers
         # get larger shares; `--max-total-tokens` caps every pool at the same size. The
         # first server compiles the Triton kernels, the others reuse its cache.
-        fractions = args.mem_fraction_static[: len(servers)]
-        for (name, plugin, tokenizer), fraction in zip(servers, fractions, strict=True):
-            extra = [*common, "--mem-fraction-static", str(fraction)]
+        fraction = dict(zip(("source", "target", "off"), args.mem_fraction_static, strict=True))
+        for name, plugin, tokenizer in servers:
+            extra = [*common, "--mem-fraction-static", str(fraction[name])]
             extra += host_only if plugin else []
             procs.append(launch(ports[name], model_dir, extra, migration=plugin,
                                 tokenizer=tokenizer))  # fmt: skip
