@@ -21,7 +21,10 @@ every cell is checked byte for byte (KV loaded back to the device pool on both s
     .venv/bin/python benchmark/bench_wired_migration.py --tokens 1024 --variants staged direct
 
 Also reports, per migration, the longest time the migration code spent on either side's
-scheduler thread in one loop iteration (`metrics.LoopTimer`: handlers + poll).
+scheduler thread in one loop iteration (`metrics.LoopTimer`: handlers + poll), and what
+that iteration consisted of: each handler by request type, the poll's steps, garbage
+collections inside them (`gc`), with the thread's CPU time per part (wall minus CPU:
+time off the CPU, preempted or waiting for the GIL).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -60,12 +63,15 @@ def _server_class() -> type:
     from _migration_peer import _Server
 
     class BenchServer(_Server):
-        def timed_call(self, name: str, request: Any) -> tuple[Any, float, float]:
-            """(reply, seconds, longest scheduler-thread time of ours in one iteration)."""
-            self.side.loop_timer.max_s = 0.0
+        def timed_call(self, name: str, request: Any) -> tuple[Any, float, Worst]:
+            """(reply, seconds, the longest iteration of our scheduler-thread time)."""
+            timer = self.side.loop_timer
+            timer.diagnose()  # idempotent
+            timer.reset()
             start = time.perf_counter()
             reply = self.call(name, request)
-            return reply, time.perf_counter() - start, self.side.loop_timer.max_s
+            worst = Worst(timer.max_s, dict(timer.worst_parts), dict(timer.worst_probe_parts))
+            return reply, time.perf_counter() - start, worst
 
         def set_overlap(self, on: bool) -> None:
             self.side.staging.overlap = on
@@ -128,6 +134,37 @@ def peer_main(conn: Connection) -> None:
 
 
 @dataclass
+class Worst:
+    """One side's longest iteration: its total and parts (seconds; `LoopTimer`)."""
+
+    total_s: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
+    # Per part: (thread CPU s, voluntary, involuntary context switches).
+    probe_parts: dict[str, tuple[float, int, int]] = field(default_factory=dict)
+
+    def max(self, other: Worst) -> Worst:
+        return other if other.total_s > self.total_s else self
+
+    def describe(self) -> str:
+        """Parts over 50 us, largest first: 'name wall ms (cpu ms, switches v/i)'."""
+        described = []
+        for name, seconds in sorted(self.parts.items(), key=lambda kv: -kv[1]):
+            if seconds < 5e-5:
+                continue
+            text = f"{_short(name)} {seconds * 1e3:.2f}"
+            if name in self.probe_parts:
+                cpu, voluntary, involuntary = self.probe_parts[name]
+                text += f" (cpu {cpu * 1e3:.2f}, sw {voluntary}/{involuntary})"
+            described.append(text)
+        return ", ".join(described)
+
+
+def _short(part: str) -> str:
+    """`TransferRequestKVCacheReqInput` -> `TransferRequestKVCache` (tables stay narrow)."""
+    return part.removesuffix("ReqInput")
+
+
+@dataclass
 class Row:
     layout: str
     page_size: int
@@ -147,6 +184,8 @@ class Row:
     source_loop_max_ms: float  # longest iteration of our code on the source's loop (max)
     target_loop_max_ms: float
     ok: bool
+    source_worst: str = ""  # the source's longest iteration, by part (ms)
+    target_worst: str = ""
 
 
 def _spawn(name: str) -> Remote:
@@ -188,7 +227,7 @@ def run_cell(
     peer_arena = dst.do("arena")
     src.do("fragment_host", 1)
     samples: dict[str, list[float]] = {k: [] for k in ("alloc", "xfer", "commit", "raw", "raw16")}
-    loop_src, loop_dst, plan, entries, ok = 0.0, 0.0, "", 0, True
+    loop_src, loop_dst, plan, entries, ok = Worst(), Worst(), "", 0, True
     for r in range(repeats):
         prefix = list(range(1_000_000 * (r + 1), 1_000_000 * (r + 1) + tokens))
         src.do("insert_on_host", prefix, r)
@@ -241,8 +280,8 @@ def run_cell(
         raw16 = src.do("raw_write", rank.session_id, peer_arena, nbytes, RAW_PIECES)
         for key, value in zip(samples, (t_alloc, t_xfer, t_commit, raw, raw16), strict=True):
             samples[key].append(value)
-        loop_src = max(loop_src, l_xfer)
-        loop_dst = max(loop_dst, l_alloc, l_commit)
+        loop_src = loop_src.max(l_xfer)
+        loop_dst = loop_dst.max(l_alloc).max(l_commit)
         plan, entries = sent.ranks[0].plan, sent.ranks[0].entries
         if r == repeats - 1:
             ok = src.do("kv_digest", prefix) == dst.do("kv_digest", prefix)
@@ -264,9 +303,11 @@ def run_cell(
         raw_pieces_ms=round(med["raw16"], 1),
         ratio=round(migration / med["raw"], 2),
         pieces_ratio=round(migration / med["raw16"], 2),
-        source_loop_max_ms=round(loop_src * 1e3, 2),
-        target_loop_max_ms=round(loop_dst * 1e3, 2),
+        source_loop_max_ms=round(loop_src.total_s * 1e3, 2),
+        target_loop_max_ms=round(loop_dst.total_s * 1e3, 2),
         ok=ok,
+        source_worst=loop_src.describe(),
+        target_worst=loop_dst.describe(),
     )
 
 
@@ -313,6 +354,18 @@ def main() -> None:
             f"{r.transfer_ms:.0f} / {r.commit_ms:.0f}) | {r.raw_contiguous_ms:.0f} "
             f"({r.raw_pieces_ms:.0f}) | **{r.ratio:.2f}** ({r.pieces_ratio:.2f}) | "
             f"{r.source_loop_max_ms:.1f} / {r.target_loop_max_ms:.1f} | {r.ok} |"
+        )
+    print(
+        "\nWorst iteration by part, wall ms (thread CPU ms, context switches voluntary / "
+        "involuntary); gc: collections inside our parts"
+    )
+    print("| layout | page | tokens | variant | source | target |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r.layout} | {r.page_size} | {r.tokens} | {r.variant} | "
+            f"{r.source_loop_max_ms:.2f}: {r.source_worst} | "
+            f"{r.target_loop_max_ms:.2f}: {r.target_worst} |"
         )
     if args.json is not None:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))

@@ -123,3 +123,70 @@ def test_scheduler_time_is_recorded_per_busy_iteration(side) -> None:
     assert 0 < timer.max_s < 5.0
     assert _sample("sglang:kv_migration_scheduler_seconds_sum") > 0
     assert side.abort_transfer(AbortTransferReqInput(migration_id="m-loop")).success
+
+
+def test_worst_iteration_is_broken_down_by_part(side) -> None:
+    """The worst iteration's parts name the handler that ran and the poll's steps, and
+    add up to `max_s`; a lighter iteration later does not replace them."""
+    timer = side.loop_timer
+    timer.reset()
+    handlers = dict(side.handlers())
+    request = AllocateTokenForTransferReqInput(
+        input_ids=list(range(8000, 8064)),
+        migration_id="m-parts",
+        source_fingerprints=[side.fingerprint.to_dict()],
+    )
+    assert handlers[AllocateTokenForTransferReqInput](request).success
+    side.poll()
+    parts = dict(timer.worst_parts)
+    assert set(parts) == {
+        "AllocateTokenForTransferReqInput",
+        "poll.transfers",
+        "poll.staged_commits",
+        "poll",
+    }
+    assert all(seconds >= 0 for seconds in parts.values())
+    assert sum(parts.values()) == timer.max_s > 0
+    assert parts["AllocateTokenForTransferReqInput"] == max(parts.values())
+    side.poll()  # pending: recorded, but only the poll ran
+    assert timer.worst_parts == parts
+    timer.reset()
+    assert (timer.max_s, timer.worst_parts) == (0.0, {})
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="m-parts")).success
+
+
+def test_diagnose_charges_collections_and_cpu_time_per_part() -> None:
+    """With `diagnose`, a garbage collection inside a handler is its own `gc` part (the
+    handler keeps the rest, the sum stays the total) and every part has a CPU probe;
+    outside our parts a collection is not charged."""
+    import gc
+
+    from sglang_kv_migration.metrics import LoopTimer, NullMetrics
+
+    class FakeReq:
+        pass
+
+    timer = LoopTimer(NullMetrics())
+    timer.diagnose()
+    try:
+        collecting = timer.timed(lambda req: gc.collect())
+        collecting(FakeReq())
+        gc.collect()  # between the handler and the poll: SGLang's time
+        timer.begin_poll()
+        timer.lap("poll.step")
+        timer.end_iteration(active=False)
+    finally:
+        timer.diagnose(cpu=False, collections=False)
+    assert timer._on_gc not in gc.callbacks
+    parts = timer.worst_parts
+    assert set(parts) == {"FakeReq", "gc", "poll.step", "poll"}
+    assert 0 < parts["gc"] <= timer.max_s
+    assert sum(parts.values()) == timer.max_s
+    assert set(timer.worst_probe_parts) == {"FakeReq", "poll.step", "poll"}
+    cpu, voluntary, involuntary = timer.worst_probe_parts["FakeReq"]
+    assert cpu > 0 and voluntary >= 0 and involuntary >= 0
+    # Idle: no handler ran and nothing is in flight, so nothing is recorded.
+    timer.reset()
+    timer.begin_poll()
+    timer.end_iteration(active=False)
+    assert timer.worst_parts == {} and timer.iterations == 1

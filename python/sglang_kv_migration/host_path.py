@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Checked target host-pool layouts kept per source rank (one per peer rank, typically).
+PEER_LAYOUTS_KEPT = 64
+
 
 class HostPath(DataPath):
     name: ClassVar[str] = HOST
@@ -48,6 +51,7 @@ class HostPath(DataPath):
         self.transfer_timeout_s = transfer_timeout_s
         self.layout = layout or HostPoolLayout.from_host_pool(sglang_adapter.host_pool(cache))
         self._transport = transport
+        self._peer_layouts: dict[tuple[tuple[int, ...], ...], HostPoolLayout] = {}
         if transport is not None:
             # Registered once: peers write into these buffers for the server's lifetime.
             transport.register(regions_of(self.layout))
@@ -113,15 +117,9 @@ class HostPath(DataPath):
 
     def start_send(self, send: SendRange) -> SendJob:
         target = send.target
-        try:
-            peer = HostPoolLayout.from_published(
-                data_ptrs=target.host_kv_data_ptrs,
-                data_lens=target.host_kv_data_lens,
-                item_lens=target.host_kv_item_lens,
-                page_size=self.layout.page_size,
-            )
-        except ValueError as e:
-            raise MigrationError(ErrorKind.BAD_REQUEST, f"target host pool: {e}") from None
+        peer = self._peer_layout(
+            target.host_kv_data_ptrs, target.host_kv_data_lens, target.host_kv_item_lens
+        )
         if not target.session_id:
             raise MigrationError(ErrorKind.BAD_REQUEST, "target has no transfer session_id")
         staging = None
@@ -131,6 +129,29 @@ class HostPath(DataPath):
             self.cache, send.input_ids, send.extra_key, send.start, send.end
         )
         return HostSendJob(self, pinned, peer, target.session_id, send, staging)
+
+    def _peer_layout(
+        self, data_ptrs: list[int], data_lens: list[int], item_lens: list[int]
+    ) -> HostPoolLayout:
+        """A target's published host pool, checked once per distinct publication: a peer
+        publishes the same buffers for its lifetime, and checking one buffer per layer
+        and K/V costs ~0.1 ms on the scheduler thread (an immutable value, so shared)."""
+        key = (tuple(data_ptrs), tuple(data_lens), tuple(item_lens))
+        peer = self._peer_layouts.get(key)
+        if peer is None:
+            try:
+                peer = HostPoolLayout.from_published(
+                    data_ptrs=data_ptrs,
+                    data_lens=data_lens,
+                    item_lens=item_lens,
+                    page_size=self.layout.page_size,
+                )
+            except ValueError as e:
+                raise MigrationError(ErrorKind.BAD_REQUEST, f"target host pool: {e}") from None
+            if len(self._peer_layouts) >= PEER_LAYOUTS_KEPT:
+                self._peer_layouts.pop(next(iter(self._peer_layouts)))  # the oldest
+            self._peer_layouts[key] = peer
+        return peer
 
 
 class HostSendJob(SendJob):

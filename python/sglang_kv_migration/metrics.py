@@ -62,37 +62,146 @@ class MigrationMetrics:
 
 
 class LoopTimer:
-    """Time our code spends on the scheduler thread, summed per loop iteration.
+    """Time our code spends on the scheduler thread, summed per loop iteration, by part.
 
-    Handlers are wrapped with `timed` (they run when the iteration dispatches requests);
-    `end_iteration` is called at the end of the per-iteration poll, which runs after the
-    dispatch, and records the iteration's total. `max_s` and `iterations` are kept in
-    process for benchmarks and tests; the histogram is exported.
+    Handlers are wrapped with `timed` (they run when the iteration dispatches requests)
+    and charge their time to the request type's name. The per-iteration poll, which runs
+    after the dispatch, calls `begin_poll`, then `lap(name)` after each of its steps
+    (charging the time since the previous stamp to that step), and `end_iteration` last,
+    which charges the rest to `poll` and records the iteration's total: the sum of its
+    parts. `max_s`, `worst_parts` (the parts of the iteration that set `max_s`) and
+    `iterations` are kept in process for benchmarks and tests; only the total is
+    exported (the histogram). Cost: two `perf_counter` calls per handler and per poll
+    step, and a dict of a few entries per iteration.
+
+    Benchmarks can ask for more (`diagnose`): per part, the thread's CPU time and its
+    voluntary / involuntary context switches (wall minus CPU is time off the CPU: with
+    involuntary switches the OS preempted the thread; with voluntary ones it slept,
+    e.g. waiting for the GIL another thread held), and garbage collections inside our
+    parts, charged to a `gc` part of their own.
     """
+
+    POLL = "poll"  # the poll's time not charged to a named step
+    GC = "gc"
 
     def __init__(self, metrics: MigrationMetrics):
         self._metrics = metrics
-        self._spent = 0.0
+        self._parts: dict[str, float] = {}
+        self._handled = False  # a handler ran in this iteration
+        self._stamp = 0.0
         self.max_s = 0.0
+        self.worst_parts: dict[str, float] = {}
         self.iterations = 0  # iterations recorded (ours had work)
+        # Diagnostics, off unless `diagnose` turned them on.
+        self._probe: Callable[[], tuple[float, int, int]] | None = None
+        self._probe_parts: dict[str, tuple[float, int, int]] = {}
+        self._probe_stamp = (0.0, 0, 0)
+        # Per part of the worst iteration: (CPU s, voluntary, involuntary switches).
+        self.worst_probe_parts: dict[str, tuple[float, int, int]] = {}
+        self._inside = False  # in one of our parts (a collection then is charged to `gc`)
+        self._gc_started = 0.0
+        self._gc_s = 0.0  # collected inside the part being timed, not yet charged
+
+    def reset(self) -> None:
+        """Forget the worst iteration (benchmarks measure one call at a time)."""
+        self.max_s = 0.0
+        self.worst_parts = {}
+        self.worst_probe_parts = {}
+
+    def diagnose(self, cpu: bool = True, collections: bool = True) -> None:
+        """Benchmarks: also keep the thread's CPU time and context switches per part
+        (a `getrusage` call per stamp), and charge garbage collections that run inside
+        our parts to `gc` (a process-wide `gc` callback). `diagnose(False, False)`
+        turns both off again."""
+        import gc
+
+        self._probe = _thread_probe if cpu else None
+        registered = self._on_gc in gc.callbacks
+        if collections and not registered:
+            gc.callbacks.append(self._on_gc)
+        elif not collections and registered:
+            gc.callbacks.remove(self._on_gc)
 
     def timed(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def run(req: Any) -> Any:
-            started = time.perf_counter()
+            self._begin()
             try:
                 return handler(req)
             finally:
-                self._spent += time.perf_counter() - started
+                self._charge(type(req).__name__)
+                self._handled = True
+                self._inside = False
 
         return run
 
-    def end_iteration(self, poll_s: float, active: bool) -> None:
-        spent, self._spent = self._spent + poll_s, 0.0
-        if not active and spent == poll_s:  # idle: nothing of ours ran but the empty poll
+    def begin_poll(self) -> None:
+        self._begin()
+
+    def lap(self, part: str) -> None:
+        """Charge the time since the previous stamp (`begin_poll` or `lap`) to `part`."""
+        self._charge(part)
+
+    def end_iteration(self, active: bool) -> None:
+        """Close the iteration: `active` when anything of ours was in flight or pending."""
+        self._charge(self.POLL)
+        self._inside = False
+        parts, self._parts = self._parts, {}
+        probe_parts, self._probe_parts = self._probe_parts, {}
+        handled, self._handled = self._handled, False
+        if not (active or handled):  # idle: nothing of ours ran but the empty poll
             return
+        spent = sum(parts.values())
         self.iterations += 1
-        self.max_s = max(self.max_s, spent)
+        if spent > self.max_s:
+            self.max_s = spent
+            self.worst_parts = parts
+            self.worst_probe_parts = probe_parts
         self._metrics.scheduler_time(spent)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _begin(self) -> None:
+        self._inside = True
+        self._stamp = time.perf_counter()
+        if self._probe is not None:
+            self._probe_stamp = self._probe()
+
+    def _charge(self, part: str) -> None:
+        """Charge the time since the last stamp to `part` (collections in it to `gc`)."""
+        now = time.perf_counter()
+        seconds, self._stamp = now - self._stamp, now
+        parts = self._parts
+        if self._gc_s:
+            gc_s, self._gc_s = min(self._gc_s, seconds), 0.0
+            seconds -= gc_s
+            parts[self.GC] = parts.get(self.GC, 0.0) + gc_s
+        parts[part] = parts.get(part, 0.0) + seconds
+        if self._probe is not None:
+            probe_now = self._probe()
+            before = self._probe_parts.get(part, (0.0, 0, 0))
+            self._probe_parts[part] = tuple(  # type: ignore[assignment]
+                b + n - s for b, n, s in zip(before, probe_now, self._probe_stamp, strict=True)
+            )
+            self._probe_stamp = probe_now
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        # Outside our parts: SGLang's time. Inside, a collection another thread runs
+        # holds the GIL, so it stalls the scheduler thread all the same.
+        if not self._inside:
+            return
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started:
+            self._gc_s += time.perf_counter() - self._gc_started
+            self._gc_started = 0.0
+
+
+def _thread_probe() -> tuple[float, int, int]:
+    """(this thread's CPU seconds, voluntary, involuntary context switches so far)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return time.thread_time(), usage.ru_nvcsw, usage.ru_nivcsw
 
 
 def _families() -> dict[str, Any]:

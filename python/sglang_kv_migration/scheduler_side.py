@@ -170,12 +170,16 @@ class MigrationSchedulerSide:
         """Once per scheduler loop iteration: finish transfers and staged commits, run the
         watchdog; closes the iteration's `loop_timer` account. Returns messages for the
         later PP stages (the watchdog's decisions, on stage 0)."""
-        started = time.perf_counter()
+        timer = self.loop_timer
+        timer.begin_poll()
         self._iteration += 1
+        active = bool(len(self.transfers) or len(self.staged_commits))
         self.transfers.poll()
+        timer.lap("poll.transfers")
         for commit, error in self.staged_commits.poll():
             self._answer_staged_commit(commit, error)
-        active = bool(len(self.transfers) or len(self.staged_commits))
+        timer.lap("poll.staged_commits")
+        active = active or bool(len(self.transfers) or len(self.staged_commits))
         messages: list[Any] = []
         busy = len(self.pending) or self.pending.quarantined()
         # Later stages free what stage 0's watchdog freed (`stage_sync`), at the same
@@ -190,7 +194,8 @@ class MigrationSchedulerSide:
                 expired = self._run_watchdog()
                 if expired and self.ctx.pp_size > 1:
                     messages.append(StageSyncReqInput(expired_ids=expired))
-        self.loop_timer.end_iteration(time.perf_counter() - started, active)
+            timer.lap("poll.watchdog")
+        timer.end_iteration(active)
         return messages
 
     def prepare_for_cache_flush(self) -> None:

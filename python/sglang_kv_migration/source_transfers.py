@@ -189,15 +189,19 @@ class SourceTransfers:
         by_rank = {(t.tp, t.pp): t for t in req.target_per_rank}
         me = (self.ctx.tp_rank, self.ctx.pp_rank)
         target = by_rank.get(me)
+        # One digest of the prefix for every entry checked (one pass over the tokens).
+        tokens = grants.tokens_digest(
+            req.input_ids[: req.matched_token_size + req.extra_token_size], req.extra_key
+        )
         if self.ctx.first_stage:
             # IMPORTANT: stage 0 checks every later stage's entry too (structure,
             # fingerprint, grant), so a later stage cannot refuse after this one pinned
             # and wrote: stages see the request one after the other (`pp_stages.py`).
             for position, fingerprint in sorted(self.server_fingerprints.items()):
                 if position != me and position[1] != self.ctx.pp_rank:
-                    self._check_target(req, by_rank.get(position), position, fingerprint)
+                    self._check_target(req, by_rank.get(position), position, fingerprint, tokens)
         slots, _digest, grant = self._check_target(
-            req, target, me, self.fingerprint, inflight.own_slots
+            req, target, me, self.fingerprint, tokens, inflight.own_slots
         )
         self._used_grants.claim(grant)
         start = req.matched_token_size
@@ -231,10 +235,12 @@ class SourceTransfers:
         target: TransferRequestKVCacheTarget | None,
         position: tuple[int, int],
         fingerprint: LayoutFingerprint,
+        tokens_digest: str,
         slots_and_digest: tuple[torch.Tensor, str] | None = None,
     ) -> tuple[torch.Tensor, str, grants.Grant]:
         """Check the target entry of source rank `position` (whose layout is
-        `fingerprint`); returns its slots, their digest and the checked grant."""
+        `fingerprint`) against the prefix's `tokens_digest`; returns its slots, their
+        digest and the checked grant."""
         tp, pp = position
         if target is None:
             raise MigrationError(
@@ -274,9 +280,7 @@ class SourceTransfers:
             path=target.path,
             num_slots=len(slots),
             slots=digest,
-            tokens=grants.tokens_digest(
-                req.input_ids[: req.matched_token_size + req.extra_token_size], req.extra_key
-            ),
+            tokens=tokens_digest,
             staging=_staging_extent(target),  # a staging extent is written only if granted
         )
         return slots, digest, grant
@@ -403,9 +407,21 @@ def target_slots(target: TransferRequestKVCacheTarget, page_size: int) -> torch.
             ErrorKind.BAD_REQUEST, "give kv_indices or kv_pages for a target rank, not both"
         )
     if target.kv_pages:
-        pages = torch.tensor(target.kv_pages, dtype=torch.int64)
+        pages = _int64_tensor(target.kv_pages, "kv_pages")
         return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
-    return torch.tensor(target.kv_indices, dtype=torch.int64)
+    return _int64_tensor(target.kv_indices, "kv_indices")
+
+
+def _int64_tensor(values: list[int], name: str) -> torch.Tensor:
+    """An int64 tensor of a list of ints (the HTTP layer checked they are). Through numpy:
+    a third of `torch.tensor`'s time on a list, and this runs on the scheduler thread."""
+    import numpy as np
+    import torch
+
+    try:
+        return torch.from_numpy(np.array(values, dtype=np.int64))
+    except OverflowError as e:  # a bad request, as torch.tensor's ValueError was
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _staging_extent(target: TransferRequestKVCacheTarget) -> tuple[int, int] | None:

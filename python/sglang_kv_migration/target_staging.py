@@ -18,7 +18,7 @@ Rules kept here:
 - The arena never makes an allocate fail: no room means no extent, and the source
   writes into the slots directly.
 - Nothing proportional to the page count runs on the scheduler thread: deciding to stage
-  is three vectorized torch ops over the reserved slots (as the allocation itself is),
+  is three vectorized numpy ops over the reserved slots (as the allocation itself is),
   the scatter runs on the worker and is polled once per loop iteration.
 - An extent released while a granted write may still land is reused only after the
   migration's write window (`pending.py` calls `release` with that deadline).
@@ -97,11 +97,15 @@ class TargetStaging:
         """True when a direct write into ``slots`` would need at least `STAGE_MIN_ENTRIES`
         entries (one per run of pages and buffer) averaging under
         `STAGE_BELOW_ENTRY_BYTES`."""
+        import numpy as np
+
         ps = self.layout.page_size
         if len(slots) < ps:
             return False
-        pages = slots[::ps] // ps
-        runs = 1 + int((pages[1:] != pages[:-1] + 1).sum())
+        # numpy on a view of the slots: a few us per op against torch's tens (this runs
+        # on the scheduler thread, in the allocate handler).
+        pages = slots.cpu().numpy()[::ps] // ps
+        runs = 1 + int(np.count_nonzero(np.diff(pages) != 1))
         entries = runs * len(self.layout.buffers)
         if entries < STAGE_MIN_ENTRIES:
             return False
