@@ -125,7 +125,13 @@ def peer_main(conn: Connection) -> None:
 
     server = _server_class()()
     conn.send(("ready", None))
-    serve(conn, server, REPLY_S)
+
+    # Between commands too, a spinning loop keeps polling (SGLang's does, idle or not).
+    # (Without spin: 5 ms naps; the phases are timed inside this process, not affected.)
+    def between() -> None:
+        server.idle_iteration() if server.spin else time.sleep(0.005)
+
+    serve(conn, server, REPLY_S, between)
 
 
 # --------------------------------------------------------------------------------------
@@ -321,6 +327,11 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--scheduler-loop", choices=["sleep", "spin"], default="sleep",
+        help="between polls the stand-in scheduler loop sleeps 0.5 ms (GIL free) or, like "
+        "SGLang's, spins in Python (GIL held; helper threads get it only when handed over)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     print(f"load average before: {os.getloadavg()}", flush=True)
@@ -330,6 +341,7 @@ def main() -> None:
         for remote in (src, dst):
             if not remote.conn.poll(START_S) or remote.conn.recv()[0] != "ready":
                 raise RuntimeError(f"{remote.name} did not start")
+            remote.do("set_spin", args.scheduler_loop == "spin")
         for layout in args.layouts:
             for page_size in args.page_sizes:
                 for tokens in args.tokens:

@@ -563,8 +563,12 @@ def _ceil_to(n: int, multiple: int) -> int:
 
 def _define_torchvision_ops() -> None:
     global _TORCHVISION_LIB
-    # Already there when torchvision's own extension loaded, or the .pth fix ran.
+    # Already there when torchvision's own extension loaded, or the .pth fix ran. With a
+    # CUDA build of torch (a GPU machine running the CPU benchmarks) torchvision's own
+    # extension loads and defines them: defining them first would abort its import.
     if _TORCHVISION_LIB is not None or hasattr(torch.ops.torchvision, "nms"):
+        return
+    if torch.version.cuda is not None:
         return
     lib = torch.library.Library("torchvision", "DEF")
     lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")

@@ -7,16 +7,24 @@ two-process tests and the CPU benchmarks that run real SGLang cache objects.
 
 from __future__ import annotations
 
+import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 
-def serve(conn: Connection, target: Any, idle_s: float) -> None:
-    """The child's loop: call `target`'s methods by name; close both when done."""
+def serve(
+    conn: Connection, target: Any, idle_s: float, between: Callable[[], None] | None = None
+) -> None:
+    """The child's loop: call `target`'s methods by name; close both when done.
+
+    With `between`, the loop never blocks: it calls `between()` while no command is
+    waiting (a scheduler loop that spins while idle, as SGLang's does).
+    """
     try:
-        while conn.poll(idle_s):
+        while _wait(conn, idle_s, between):
             command, *args = conn.recv()
             if command == "quit":
                 break
@@ -27,6 +35,17 @@ def serve(conn: Connection, target: Any, idle_s: float) -> None:
     finally:
         target.close()
         conn.close()
+
+
+def _wait(conn: Connection, idle_s: float, between: Callable[[], None] | None) -> bool:
+    if between is None:
+        return conn.poll(idle_s)
+    deadline = time.monotonic() + idle_s
+    while not conn.poll(0):
+        if time.monotonic() > deadline:
+            return False
+        between()
+    return True
 
 
 @dataclass

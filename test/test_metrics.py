@@ -125,6 +125,22 @@ def test_scheduler_time_is_recorded_per_busy_iteration(side) -> None:
     assert side.abort_transfer(AbortTransferReqInput(migration_id="m-loop")).success
 
 
+def test_every_iteration_is_accounted_idle_ones_too(side, monkeypatch) -> None:
+    from sglang_kv_migration import metrics
+
+    seconds, iterations = (
+        "sglang:kv_migration_poll_seconds_total",
+        "sglang:kv_migration_poll_iterations_total",
+    )
+    monkeypatch.setattr(metrics, "ACCOUNT_FLUSH_S", 0.0)  # export on every iteration
+    side.poll()  # flushes whatever the fixture's earlier iterations left
+    before_s, before_n = _sample(seconds), _sample(iterations)
+    for _ in range(5):
+        side.poll()  # idle: not in the histogram, but in the account
+    assert _sample(iterations) == before_n + 5
+    assert 0 < _sample(seconds) - before_s < 1.0
+
+
 def test_worst_iteration_is_broken_down_by_part(side) -> None:
     """The worst iteration's parts name the handler that ran and the poll's steps, and
     add up to `max_s`; a lighter iteration later does not replace them."""
@@ -143,6 +159,7 @@ def test_worst_iteration_is_broken_down_by_part(side) -> None:
         "AllocateTokenForTransferReqInput",
         "poll.transfers",
         "poll.staged_commits",
+        "poll.yield",  # a migration is pending: the GIL is offered to our helper threads
         "poll",
     }
     assert all(seconds >= 0 for seconds in parts.values())

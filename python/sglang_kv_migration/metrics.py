@@ -17,6 +17,9 @@ the same way SGLang's scheduler metrics do. Names follow SGLang's `sglang:` pref
   had work (a handler ran, or anything was in flight or pending): the time our handlers
   and our per-iteration poll spent on the scheduler thread (`LoopTimer`). The issue's
   "source loop never blocked more than 1 ms by a migration" reads off its buckets.
+- `sglang:kv_migration_poll_seconds_total` / `sglang:kv_migration_poll_iterations_total`
+  — the same time summed over every iteration, idle ones too, and the iterations: what
+  the flag costs a server that migrates nothing (added about once a second).
 
 Every series also carries `model_name`, `tp_rank` and `pp_rank`, like SGLang's.
 """
@@ -30,6 +33,7 @@ from typing import Any
 LABELS = ("model_name", "tp_rank", "pp_rank")
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LOOP_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1)
+ACCOUNT_FLUSH_S = 1.0  # how often `LoopTimer` adds its every-iteration account to /metrics
 
 # Prometheus refuses to register one name twice in a process: create them once.
 _FAMILIES: dict[str, Any] | None = None
@@ -46,6 +50,8 @@ class MigrationMetrics:
         self._bytes = families["bytes"]
         self._phase = families["phase"]
         self._loop = families["loop"]
+        self._poll_seconds = families["poll_seconds"]
+        self._poll_iterations = families["poll_iterations"]
 
     def outcome(self, role: str, outcome: str) -> None:
         self._total.labels(**self._labels, role=role, outcome=outcome).inc()
@@ -59,6 +65,10 @@ class MigrationMetrics:
 
     def scheduler_time(self, seconds: float) -> None:
         self._loop.labels(**self._labels).observe(seconds)
+
+    def poll_account(self, seconds: float, iterations: int) -> None:
+        self._poll_seconds.labels(**self._labels).inc(seconds)
+        self._poll_iterations.labels(**self._labels).inc(iterations)
 
 
 class LoopTimer:
@@ -92,6 +102,7 @@ class LoopTimer:
         self.max_s = 0.0
         self.worst_parts: dict[str, float] = {}
         self.iterations = 0  # iterations recorded (ours had work)
+        self._account_s, self._account_n, self._account_flushed = 0.0, 0, time.perf_counter()
         # Diagnostics, off unless `diagnose` turned them on.
         self._probe: Callable[[], tuple[float, int, int]] | None = None
         self._probe_parts: dict[str, tuple[float, int, int]] = {}
@@ -148,9 +159,16 @@ class LoopTimer:
         parts, self._parts = self._parts, {}
         probe_parts, self._probe_parts = self._probe_parts, {}
         handled, self._handled = self._handled, False
+        spent = sum(parts.values())
+        # Every iteration, idle ones too: what the flag costs a server that migrates
+        # nothing. Exported at most once a second (a counter update is a file write).
+        self._account_s += spent
+        self._account_n += 1
+        if self._stamp - self._account_flushed >= ACCOUNT_FLUSH_S:
+            self._metrics.poll_account(self._account_s, self._account_n)
+            self._account_s, self._account_n, self._account_flushed = 0.0, 0, self._stamp
         if not (active or handled):  # idle: nothing of ours ran but the empty poll
             return
-        spent = sum(parts.values())
         self.iterations += 1
         if spent > self.max_s:
             self.max_s = spent
@@ -239,6 +257,17 @@ def _families() -> dict[str, Any]:
                 labelnames=LABELS,
                 buckets=LOOP_BUCKETS,
             ),
+            "poll_seconds": Counter(
+                "sglang:kv_migration_poll_seconds",
+                "Time migration code spent on the scheduler thread, every loop iteration "
+                "(idle ones too).",
+                labelnames=LABELS,
+            ),
+            "poll_iterations": Counter(
+                "sglang:kv_migration_poll_iterations",
+                "Scheduler loop iterations that ran the migration poll.",
+                labelnames=LABELS,
+            ),
         }
     return _FAMILIES
 
@@ -259,4 +288,7 @@ class NullMetrics(MigrationMetrics):
         pass
 
     def scheduler_time(self, seconds: float) -> None:
+        pass
+
+    def poll_account(self, seconds: float, iterations: int) -> None:
         pass

@@ -195,6 +195,14 @@ class MigrationSchedulerSide:
                 if expired and self.ctx.pp_size > 1:
                     messages.append(StageSyncReqInput(expired_ids=expired))
             timer.lap("poll.watchdog")
+        if active or busy:
+            # Hand the GIL to our helper threads (transport worker, staging scatter,
+            # digests) once per iteration. SGLang's loop never blocks, even idle, so a
+            # thread that gave the GIL up (every torch op and engine call does) would
+            # otherwise wait out the 5 ms switch interval each time: planning a write
+            # took seconds on an idle H200 server.
+            time.sleep(0)
+            timer.lap("poll.yield")
         timer.end_iteration(active)
         return messages
 
