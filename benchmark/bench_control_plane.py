@@ -155,9 +155,7 @@ def _measure(client: Any, source: Any, target: Any, n: int, repeats: int) -> dic
         statistics.median(r.timings["transfer"] - r.copy_seconds for r in rows) * 1e3
     )
     cell["total_less_copy"] = (
-        statistics.median(
-            sum(r.timings[p] for p in PHASES[:-1]) - r.copy_seconds for r in rows
-        )
+        statistics.median(sum(r.timings[p] for p in PHASES[:-1]) - r.copy_seconds for r in rows)
         * 1e3
     )
     return cell
