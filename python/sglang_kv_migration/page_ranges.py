@@ -29,7 +29,8 @@ def to_page_ranges(slots: torch.Tensor, page_size: int) -> list[list[int]]:
     order), as `[first_page, count]` pairs."""
     import torch
 
-    pages = slots[::page_size].to(torch.int64) // page_size
+    # On the CPU: device-path slots live on the GPU, and the runs go out as JSON anyway.
+    pages = slots[::page_size].to("cpu", torch.int64) // page_size
     if len(pages) == 0:
         return []
     # A run starts where a page does not follow its predecessor.
