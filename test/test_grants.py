@@ -212,3 +212,10 @@ def test_abort_quarantines_until_the_window_closes_unless_settled(signed_side) -
     side.pending.clock = lambda: float("inf")  # the window has closed
     assert side.pending.release_quarantine() == ["q2"]
     assert side.harness.snapshot() == base
+
+
+def test_tokens_digest_bytes_are_those_of_older_servers() -> None:
+    # int64 little-endian ids, a NUL, the namespace: what numpy's int64 view gave before
+    # the struct packing, so grants stay checkable between old and new servers.
+    assert grants.tokens_digest([1, 2, 70000, (1 << 63) - 1], "ns") == "cdb8828510c5dc60"
+    assert grants.tokens_digest(list(range(300000, 300000 + 32768)), None) == "08faf38f30a01207"

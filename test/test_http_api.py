@@ -262,6 +262,52 @@ MALFORMED = [
         {"input_ids": [1], "source_fingerprints": [{}], "staging": "yes"},
         "staging",
     ),
+    ("/get_request_extra_token_size", {"input_ids": [1, 1 << 63]}, "input_ids.1"),
+    ("/get_request_extra_token_size", {"input_ids": [1, 2, 1 << 64]}, "input_ids.2"),
+    (
+        "/allocate_token_for_transfer",
+        {"input_ids": [1], "source_fingerprints": [{}], "index_format": "runs"},
+        "index_format",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(kv_indices=[-1] + list(range(1, PAGE)))),
+        "kv_indices.0",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(kv_indices=[], kv_page_ranges=[[0, 0]])),
+        "kv_page_ranges.0",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(kv_indices=[], kv_page_ranges=[[-3, 1]])),
+        "kv_page_ranges.0",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(
+            target_per_rank=_rank_with(kv_indices=[], kv_page_ranges=[[0, 1], [5, 1, 1]])
+        ),
+        "kv_page_ranges.1",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(kv_indices=[], kv_page_ranges=[[0, 3]])),
+        "do not divide extra_token_size",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(kv_page_ranges=[[0, 1]])),
+        "exactly one of kv_indices, kv_pages and kv_page_ranges",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(
+            target_per_rank=_rank_with(kv_indices=[], kv_page_ranges=[[0, 1 << 21], [0, 1]])
+        ),
+        "over the",
+    ),
     ("/commit", {}, "migration_id"),
     ("/commit", {"migration_id": ""}, "migration_id"),
     ("/commit", {"migration_id": 7}, "migration_id"),

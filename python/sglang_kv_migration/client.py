@@ -30,6 +30,7 @@ import orjson
 
 from sglang_kv_migration import PROTOCOL_VERSION
 from sglang_kv_migration.layout import LayoutFingerprint
+from sglang_kv_migration.page_ranges import FEATURE as PAGE_RANGES
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -359,7 +360,7 @@ def _move(
                 "extra_key": plan.extra_key,
                 "source_fingerprints": [r["fingerprint"] for r in plan.source_info["ranks"]],
                 "path": path,
-                "index_format": "pages",
+                "index_format": _index_format(plan),
                 "nothing_ok": True,
                 **({"staging": True} if _can_stage(plan, path) else {}),
                 **({"verify": True} if plan.verify else {}),
@@ -539,10 +540,14 @@ def _targets(
             "tp": rank["tp_rank"],
             "pp": rank["pp_rank"],
             "path": path,
-            "kv_pages": slots[position]["kv_pages"],
             "grant": slots[position].get("grant", ""),
             "fingerprint": rank["fingerprint"],
         }
+        # Runs when the target sent them (both servers speak "page_ranges"), else pages.
+        if slots[position].get("kv_page_ranges"):
+            entry["kv_page_ranges"] = slots[position]["kv_page_ranges"]
+        else:
+            entry["kv_pages"] = slots[position]["kv_pages"]
         if slots[position].get("staging"):
             entry["staging"] = slots[position]["staging"]
         if path == "device":
@@ -557,6 +562,14 @@ def _targets(
             )
         entries.append(entry)
     return entries
+
+
+def _index_format(plan: _Plan) -> str:
+    """How the target should list its slots: as `[first_page, count]` runs when both
+    servers understand them (a fresh pool gives one run where a page list has one id
+    per page), else as page ids."""
+    both = set(plan.source_info.get("features", [])) & set(plan.target_info.get("features", []))
+    return "ranges" if PAGE_RANGES in both else "pages"
 
 
 def _can_stage(plan: _Plan, path: str) -> bool:

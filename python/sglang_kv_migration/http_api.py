@@ -18,9 +18,18 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 from sglang.srt.utils.auth import AuthLevel, auth_level
 
+from sglang_kv_migration import page_ranges
 from sglang_kv_migration.errors import ErrorKind
 from sglang_kv_migration.io_types import (
     AbortTransferReqInput,
@@ -54,8 +63,32 @@ MAX_ID_CHARS = 128  # migration_id
 MAX_KEY_CHARS = 4096  # extra_key
 MAX_TOKEN_CHARS = 4096  # a grant or receipt
 
-TokenId = Annotated[int, Field(ge=0)]
-TokenList = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKENS)]
+MAX_ID = (1 << 63) - 1  # token ids and slots are int64 on the scheduler side
+
+
+def _ids_in_range(values: list[int], info: ValidationInfo) -> list[int]:
+    """Every element in [0, MAX_ID]. Two C-level passes (min, max) instead of pydantic's
+    per-element constraint, which costs three times the strict int check itself on
+    32K-token lists; the slow search for the culprit runs only on bad input."""
+    if values and (min(values) < 0 or max(values) > MAX_ID):
+        index, bad = next((i, v) for i, v in enumerate(values) if not 0 <= v <= MAX_ID)
+        raise PydanticCustomError(
+            "id_range",
+            "{field}.{index} = {value}: must be an integer in [0, 2**63)",
+            {"field": info.field_name, "index": index, "value": bad},
+        )
+    return values
+
+
+# Lists of ids: strict ints (the models are strict: no bools, no strings), range checked
+# as a whole by `_ids_in_range`.
+IdList = Annotated[list[int], Field(max_length=MAX_TOKENS), AfterValidator(_ids_in_range)]
+TokenList = Annotated[IdList, Field(min_length=1)]
+# [first_page, count] runs of page ids (`page_ranges.py`); each pair checked in the model.
+PageRanges = Annotated[
+    list[Annotated[list[int], Field(min_length=2, max_length=2)]],
+    Field(max_length=MAX_TOKENS),
+]
 ExtraKey = Annotated[str, Field(max_length=MAX_KEY_CHARS)]
 NonNegative = Annotated[int, Field(ge=0)]
 Address = Annotated[int, Field(ge=0)]
@@ -76,7 +109,7 @@ class AllocateBody(_Body):
     extra_token_size: NonNegative = 0
     source_fingerprints: list[dict[str, Any]] = Field(min_length=1)
     path: Literal["host", "device"] = "host"
-    index_format: Literal["tokens", "pages"] = "tokens"
+    index_format: Literal["tokens", "pages", "ranges"] = "tokens"
     nothing_ok: bool = False
     staging: bool = False  # the source writes staging extents (its `stage_writer`)
     verify: bool = False
@@ -93,9 +126,11 @@ class TargetRankBody(_Body):
     host_kv_item_lens: list[Annotated[int, Field(gt=0)]] = Field(default_factory=list)
     # Device path: the target rank's `paths["device"]` from its session info.
     device_kv: dict[str, Any] | None = None
-    # The allocated slots: token slots, or whole pages (protocol 2).
-    kv_indices: list[NonNegative] = Field(default_factory=list, max_length=MAX_TOKENS)
-    kv_pages: list[NonNegative] = Field(default_factory=list, max_length=MAX_TOKENS)
+    # The allocated slots: token slots, or whole pages (protocol 2), or runs of whole
+    # pages (feature "page_ranges").
+    kv_indices: IdList = Field(default_factory=list)
+    kv_pages: IdList = Field(default_factory=list)
+    kv_page_ranges: PageRanges = Field(default_factory=list)
     fingerprint: dict[str, Any]
     grant: str = Field(default="", max_length=MAX_TOKEN_CHARS)
     # Host path: the staging extent [addr, length] the allocate reply granted this rank.
@@ -103,8 +138,10 @@ class TargetRankBody(_Body):
 
     @model_validator(mode="after")
     def _consistent(self) -> TargetRankBody:
-        if bool(self.kv_indices) == bool(self.kv_pages):
-            raise ValueError("give exactly one of kv_indices and kv_pages")
+        if sum(map(bool, (self.kv_indices, self.kv_pages, self.kv_page_ranges))) != 1:
+            raise ValueError("give exactly one of kv_indices, kv_pages and kv_page_ranges")
+        if self.kv_page_ranges:
+            _check_page_ranges(self.kv_page_ranges)
         if self.staging and (
             self.path != "host" or len(self.staging) != 2 or min(self.staging) == 0
         ):
@@ -150,10 +187,12 @@ class TransferBody(_Body):
                     f"target tp={target.tp} pp={target.pp}: {len(target.kv_indices)} "
                     f"kv_indices for extra_token_size={self.extra_token_size}"
                 )
-            if target.kv_pages and self.extra_token_size % len(target.kv_pages):
+            pages = len(target.kv_pages) or page_ranges.count_pages(target.kv_page_ranges)
+            if pages and self.extra_token_size % pages:
                 raise ValueError(
-                    f"target tp={target.tp} pp={target.pp}: {len(target.kv_pages)} kv_pages "
-                    f"do not divide extra_token_size={self.extra_token_size} into pages"
+                    f"target tp={target.tp} pp={target.pp}: {pages} pages (kv_pages or "
+                    f"kv_page_ranges) do not divide extra_token_size={self.extra_token_size} "
+                    "into pages"
                 )
         if len({t.path for t in self.target_per_rank}) != 1:
             raise ValueError("every target rank must use the same path")
@@ -161,6 +200,20 @@ class TransferBody(_Body):
         if len(set(ranks)) != len(ranks):
             raise ValueError("target_per_rank lists a (tp, pp) rank twice")
         return self
+
+
+def _check_page_ranges(ranges: list[list[int]]) -> None:
+    """Each run is [first_page >= 0, count >= 1], and all of them name at most
+    MAX_TOKENS pages (the source expands them)."""
+    total = 0
+    for i, (first, count) in enumerate(ranges):
+        if first < 0 or count < 1 or first > MAX_ID - count:
+            raise ValueError(
+                f"kv_page_ranges.{i} = [{first}, {count}]: must be [first_page >= 0, count >= 1]"
+            )
+        total += count
+    if total > MAX_TOKENS:
+        raise ValueError(f"kv_page_ranges name {total} pages, over the {MAX_TOKENS} limit")
 
 
 class MigrationIdBody(_Body):
@@ -199,7 +252,7 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def get_request_extra_token_size(body: ExtraTokenSizeBody) -> Response:
         """How much of the page-aligned prefix of input_ids this server holds."""
-        return await dispatch(GetRequestExtraTokenSizeReqInput(**body.model_dump()))
+        return await dispatch(GetRequestExtraTokenSizeReqInput(**_fields(body)))
 
     # curl -X POST localhost:30000/allocate_token_for_transfer \
     #   -d '{"input_ids": [...], "source_fingerprints": [...]}'
@@ -209,7 +262,7 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
         """Target: lock the held prefix, reserve slots (host or device path) for the rest."""
         migration_id = uuid.uuid4().hex  # minted here once; every rank uses it
         return await dispatch(
-            AllocateTokenForTransferReqInput(**body.model_dump(), migration_id=migration_id)
+            AllocateTokenForTransferReqInput(**_fields(body), migration_id=migration_id)
         )
 
     # curl -X POST localhost:30000/transfer_request_kvcache -d '{"input_ids": [...], ...}'
@@ -217,23 +270,26 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def transfer_request_kvcache(body: TransferBody) -> Response:
         """Source: copy the pages into the target ranks' reserved slots."""
-        fields = body.model_dump(exclude={"target_per_rank"})
-        targets = [TransferRequestKVCacheTarget(**t.model_dump()) for t in body.target_per_rank]
-        return await dispatch(TransferRequestKVCacheReqInput(**fields, target_per_rank=targets))
+        targets = [TransferRequestKVCacheTarget(**_fields(t)) for t in body.target_per_rank]
+        return await dispatch(
+            TransferRequestKVCacheReqInput(
+                **_fields(body, exclude=frozenset({"target_per_rank"})), target_per_rank=targets
+            )
+        )
 
     # curl -X POST localhost:30000/commit -d '{"migration_id": "..."}'
     @router.post("/commit")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def commit(body: CommitBody) -> Response:
         """Target: insert the written pages into the radix cache."""
-        return await dispatch(CommitTransferRequestKVCacheReqInput(**body.model_dump()))
+        return await dispatch(CommitTransferRequestKVCacheReqInput(**_fields(body)))
 
     # curl -X POST localhost:30000/abort_transfer -d '{"migration_id": "..."}'
     @router.post("/abort_transfer")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def abort_transfer(body: MigrationIdBody) -> Response:
         """Target: free a pending allocation now instead of at the watchdog."""
-        return await dispatch(AbortTransferReqInput(**body.model_dump()))
+        return await dispatch(AbortTransferReqInput(**_fields(body)))
 
     return router
 
@@ -285,6 +341,12 @@ def _sglang_backend() -> MigrationBackend | None:
     from sglang.srt.entrypoints.http_server import get_global_state
 
     return get_global_state().tokenizer_manager.kv_migration_communicators
+
+
+def _fields(body: BaseModel, exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The body's fields as they are: `model_dump()` would copy every int of the token
+    lists, and the validated body is not used again."""
+    return {name: getattr(body, name) for name in type(body).model_fields if name not in exclude}
 
 
 # BaseReq bookkeeping that never leaves the server.
@@ -352,7 +414,20 @@ async def _read_capped_body(request: Request) -> str | None:
             return f"request body is over the {limit}-byte limit"
         chunks.append(chunk)
     request._body = b"".join(chunks)  # Starlette's cache: the handler reads it from here
+    _parse_json_fast(request)
     return None
+
+
+def _parse_json_fast(request: Request) -> None:
+    """Parse the body with orjson (3x faster than the stdlib's `json.loads` that
+    FastAPI uses on a list of 32K ids) into Starlette's cache, which FastAPI reads.
+    Input orjson refuses (malformed JSON, NaN, integers beyond 64 bits) is left for
+    FastAPI to parse, so its answer to such input is what it was."""
+    if request._body:
+        try:
+            request._json = orjson.loads(request._body)
+        except orjson.JSONDecodeError:
+            pass
 
 
 def _describe(error: RequestValidationError) -> str:

@@ -21,6 +21,11 @@ from dataclasses import dataclass, field
 
 from sglang.srt.managers.io_struct import BaseReq
 
+from sglang_kv_migration import page_ranges
+
+# Optional wire features this version understands (session info `features`).
+WIRE_FEATURES = (page_ranges.FEATURE,)
+
 # --------------------------------------------------------------------------- PP stages
 
 
@@ -80,6 +85,9 @@ class GetTransferSessionInfoReqOutput(BaseReq):
     server_epoch: str = ""
     message: str = ""
     error_kind: str = ""
+    # Optional wire features this server understands beyond its protocol version; a
+    # client uses one only when both servers list it (older servers list none).
+    features: list[str] = field(default_factory=lambda: list(WIRE_FEATURES))
 
 
 # --------------------------------------------------------------------------- extra size
@@ -118,7 +126,8 @@ class AllocateTokenForTransferReqInput(BaseReq):
     # The source's fingerprints, one per rank; each target rank checks its counterpart.
     source_fingerprints: list[dict] = field(default_factory=list)
     path: str = "host"  # data path whose slots to reserve (protocol 2)
-    index_format: str = "tokens"  # "tokens": kv_indices in the reply; "pages": kv_pages
+    # "tokens": kv_indices in the reply; "pages": kv_pages; "ranges": kv_page_ranges
+    index_format: str = "tokens"
     nothing_ok: bool = False  # target holds everything: success with nothing allocated
     verify: bool = False  # grant asks the source for a content digest; commit checks it
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
@@ -136,6 +145,8 @@ class AllocatedRank:
     kv_pages: list[int] = field(default_factory=list)  # page ids instead ("pages" format)
     grant: str = ""  # grants.Grant for these slots: what the source may write
     staging: list[int] = field(default_factory=list)  # [addr, length] granted, or empty
+    # [first_page, count] runs instead ("ranges" format; `page_ranges.py`).
+    kv_page_ranges: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -172,6 +183,8 @@ class TransferRequestKVCacheTarget:
     device_kv: dict | None = None  # device path: the target rank's paths["device"]
     grant: str = ""  # the allocate reply's grant for this rank
     staging: list[int] = field(default_factory=list)  # the allocate reply's extent, if any
+    # [first_page, count] runs instead of kv_pages (feature "page_ranges").
+    kv_page_ranges: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -49,6 +49,7 @@ from sglang_kv_migration.io_types import (
 )
 from sglang_kv_migration.layout import HostPoolLayout, LayoutFingerprint
 from sglang_kv_migration.metrics import LoopTimer, MigrationMetrics, NullMetrics
+from sglang_kv_migration.page_ranges import to_page_ranges
 from sglang_kv_migration.pending import PendingMigrations
 from sglang_kv_migration.pp_stages import refusal_of, refused_output
 from sglang_kv_migration.rank_context import RankContext, check_peer_fingerprint, guarded
@@ -313,6 +314,13 @@ class MigrationSchedulerSide:
             if req.index_format == "pages":
                 rank = AllocatedRank(
                     self.ctx.tp_rank, self.ctx.pp_rank, [], alloc.kv_pages(self.layout.page_size)
+                )
+            elif req.index_format == "ranges":  # [first_page, count] runs: page_ranges.py
+                rank = AllocatedRank(
+                    self.ctx.tp_rank,
+                    self.ctx.pp_rank,
+                    [],
+                    kv_page_ranges=to_page_ranges(alloc.slots, self.layout.page_size),
                 )
             else:
                 rank = AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)

@@ -36,6 +36,7 @@ from sglang_kv_migration.io_types import (
 )
 from sglang_kv_migration.layout import LayoutFingerprint
 from sglang_kv_migration.metrics import MigrationMetrics
+from sglang_kv_migration.page_ranges import pages_from_ranges
 from sglang_kv_migration.rank_context import RankContext, check_peer_fingerprint, error_of
 
 if TYPE_CHECKING:
@@ -399,15 +400,26 @@ def _steps_text(steps: Mapping[str, float]) -> str:
 
 
 def target_slots(target: TransferRequestKVCacheTarget, page_size: int) -> torch.Tensor:
-    """The target rank's token slots, from `kv_indices` or from whole pages `kv_pages`."""
+    """The target rank's token slots, from `kv_indices` or from whole pages: `kv_pages`,
+    or `kv_page_ranges` runs (`page_ranges.py`)."""
     import torch
 
-    if target.kv_pages and target.kv_indices:
+    if sum(map(bool, (target.kv_pages, target.kv_indices, target.kv_page_ranges))) > 1:
         raise MigrationError(
-            ErrorKind.BAD_REQUEST, "give kv_indices or kv_pages for a target rank, not both"
+            ErrorKind.BAD_REQUEST,
+            "give one of kv_indices, kv_pages and kv_page_ranges for a target rank",
         )
-    if target.kv_pages:
-        pages = _int64_tensor(target.kv_pages, "kv_pages")
+    if target.kv_pages or target.kv_page_ranges:
+        try:
+            pages = (
+                pages_from_ranges(target.kv_page_ranges)
+                if target.kv_page_ranges
+                else _int64_tensor(target.kv_pages, "kv_pages")
+            )
+        except ValueError as e:
+            raise MigrationError(ErrorKind.BAD_REQUEST, str(e)) from None
+        if page_size == 1:
+            return pages
         return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
     return _int64_tensor(target.kv_indices, "kv_indices")
 

@@ -1,0 +1,67 @@
+"""Page lists as runs: `[first_page, count]` pairs instead of one id per page.
+
+An allocation's slots travel from the target (allocate reply) through the client to the
+source (transfer body). As a page list that is one JSON int per page, parsed, validated,
+pickled and unpickled on every hop: 32K ids for a 32K-token prefix at page size 1. A fresh
+pool hands out consecutive pages, so the same slots are usually one run: `[[0, 32768]]`.
+A fragmented pool degrades to one pair per page, twice the ints of a page list, and no
+worse in kind. Both sides convert with torch, without a Python loop per page.
+
+Invariants: runs are in prefix order (the k-th page of the allocation is the k-th page
+the runs enumerate); `count >= 1`; adjacent runs are not merged across a gap, so the
+expansion is exactly the allocation's page sequence.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# Wire feature name (session info `features`): allocate takes `index_format: "ranges"`
+# and transfer targets take `kv_page_ranges`.
+FEATURE = "page_ranges"
+
+
+def to_page_ranges(slots: torch.Tensor, page_size: int) -> list[list[int]]:
+    """The runs of consecutive page ids of `slots` (int64 token slots of whole pages, in
+    order), as `[first_page, count]` pairs."""
+    import torch
+
+    # On the CPU: device-path slots live on the GPU, and the runs go out as JSON anyway.
+    pages = slots[::page_size].to("cpu", torch.int64) // page_size
+    if len(pages) == 0:
+        return []
+    # A run starts where a page does not follow its predecessor.
+    breaks = torch.nonzero(pages[1:] != pages[:-1] + 1).flatten() + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+    ends = torch.cat([breaks, torch.tensor([len(pages)], dtype=torch.int64)])
+    return torch.stack([pages[starts], ends - starts], dim=1).tolist()
+
+
+def pages_from_ranges(ranges: list[list[int]]) -> torch.Tensor:
+    """The int64 page ids the runs enumerate, in order. Raises ValueError for a pair that
+    is not `[first >= 0, count >= 1]`."""
+    import torch
+
+    if not ranges:
+        return torch.empty(0, dtype=torch.int64)
+    if any(len(pair) != 2 for pair in ranges):
+        raise ValueError("each page range must be [first_page, count]")
+    table = torch.tensor(ranges, dtype=torch.int64)
+    firsts, counts = table[:, 0], table[:, 1]
+    if int(firsts.min()) < 0 or int(counts.min()) < 1:
+        raise ValueError("page ranges need first_page >= 0 and count >= 1")
+    # Page k of run r is firsts[r] + (k - offset[r]), where offset[r] is the number of
+    # pages before run r: one arange plus a per-run shift, no loop over runs.
+    offsets = torch.cumsum(counts, 0) - counts
+    total = int(counts.sum())
+    return torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(
+        firsts - offsets, counts
+    )
+
+
+def count_pages(ranges: list[list[int]]) -> int:
+    """Pages the runs enumerate (the pairs are assumed well-formed)."""
+    return sum(pair[1] for pair in ranges)
