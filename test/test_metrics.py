@@ -132,13 +132,29 @@ def test_every_iteration_is_accounted_idle_ones_too(side, monkeypatch) -> None:
         "sglang:kv_migration_poll_seconds_total",
         "sglang:kv_migration_poll_iterations_total",
     )
-    monkeypatch.setattr(metrics, "ACCOUNT_FLUSH_S", 0.0)  # export on every iteration
-    side.poll()  # flushes whatever the fixture's earlier iterations left
+    monkeypatch.setattr(metrics, "ACCOUNT_FLUSH_S", 0.0)  # export on every timed iteration
+    monkeypatch.setattr(metrics, "IDLE_FLUSH_ITERATIONS", 4)  # and every 4 idle ones
+    timer = side.loop_timer
+    for _ in range(8):
+        side.poll()  # flushes whatever the fixture's earlier iterations left
     before_s, before_n = _sample(seconds), _sample(iterations)
-    for _ in range(5):
-        side.poll()  # idle: not in the histogram, but in the account
-    assert _sample(iterations) == before_n + 5
+    for _ in range(8):
+        side.poll()  # idle: returns at once, counted but not timed
+    assert _sample(iterations) == before_n + 8
+    assert _sample(seconds) == before_s
+    assert not timer.handled
+    # A handler ran: that iteration is timed, and its time exported.
+    request = AllocateTokenForTransferReqInput(
+        input_ids=list(range(9000, 9016)),
+        migration_id="m-account",
+        source_fingerprints=[side.fingerprint.to_dict()],
+    )
+    assert dict(side.handlers())[AllocateTokenForTransferReqInput](request).success
+    assert timer.handled
+    side.poll()
+    assert _sample(iterations) == before_n + 9
     assert 0 < _sample(seconds) - before_s < 1.0
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="m-account")).success
 
 
 def test_worst_iteration_is_broken_down_by_part(side) -> None:

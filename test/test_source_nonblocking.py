@@ -71,7 +71,7 @@ def test_transfer_returns_before_host_copies_finish(side_factory) -> None:
             migration_id="self",
         )
         assert side.transfer_request_kvcache(request) is None
-        inflight = side.transfers._inflight[0]
+        inflight = side.transfers.inflight[0]
         for _ in range(20):  # loop iterations while the copies are still running
             side.poll()
         assert inflight.waiting and inflight.job.poll() is KVPoll.WAITING

@@ -18,8 +18,9 @@ the same way SGLang's scheduler metrics do. Names follow SGLang's `sglang:` pref
   and our per-iteration poll spent on the scheduler thread (`LoopTimer`). The issue's
   "source loop never blocked more than 1 ms by a migration" reads off its buckets.
 - `sglang:kv_migration_poll_seconds_total` / `sglang:kv_migration_poll_iterations_total`
-  — the same time summed over every iteration, idle ones too, and the iterations: what
-  the flag costs a server that migrates nothing (added about once a second).
+  — the same time summed over every iteration in which anything of ours was in flight,
+  pending or handled, and every iteration (idle ones, whose poll returns at once, are
+  counted, not timed: `benchmark/bench_idle_poll.py` measures what they cost).
 
 Every series also carries `model_name`, `tp_rank` and `pp_rank`, like SGLang's.
 """
@@ -34,6 +35,7 @@ LABELS = ("model_name", "tp_rank", "pp_rank")
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LOOP_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1)
 ACCOUNT_FLUSH_S = 1.0  # how often `LoopTimer` adds its every-iteration account to /metrics
+IDLE_FLUSH_ITERATIONS = 1 << 16  # idle iterations counted between two exports
 
 # Prometheus refuses to register one name twice in a process: create them once.
 _FAMILIES: dict[str, Any] | None = None
@@ -97,12 +99,13 @@ class LoopTimer:
     def __init__(self, metrics: MigrationMetrics):
         self._metrics = metrics
         self._parts: dict[str, float] = {}
-        self._handled = False  # a handler ran in this iteration
+        self.handled = False  # a handler ran in this iteration (the poll then times it)
         self._stamp = 0.0
         self.max_s = 0.0
         self.worst_parts: dict[str, float] = {}
         self.iterations = 0  # iterations recorded (ours had work)
         self._account_s, self._account_n, self._account_flushed = 0.0, 0, time.perf_counter()
+        self._idle_n = 0
         # Diagnostics, off unless `diagnose` turned them on.
         self._probe: Callable[[], tuple[float, int, int]] | None = None
         self._probe_parts: dict[str, tuple[float, int, int]] = {}
@@ -140,10 +143,18 @@ class LoopTimer:
                 return handler(req)
             finally:
                 self._charge(type(req).__name__)
-                self._handled = True
+                self.handled = True
                 self._inside = False
 
         return run
+
+    def idle_iteration(self) -> None:
+        """An iteration with nothing of ours to do: counted, not timed (the poll returns
+        at once). The count is exported every `IDLE_FLUSH_ITERATIONS` idle iterations."""
+        self._idle_n += 1
+        if self._idle_n >= IDLE_FLUSH_ITERATIONS:
+            self._metrics.poll_account(0.0, self._idle_n)
+            self._idle_n = 0
 
     def begin_poll(self) -> None:
         self._begin()
@@ -158,10 +169,10 @@ class LoopTimer:
         self._inside = False
         parts, self._parts = self._parts, {}
         probe_parts, self._probe_parts = self._probe_parts, {}
-        handled, self._handled = self._handled, False
+        handled, self.handled = self.handled, False
         spent = sum(parts.values())
-        # Every iteration, idle ones too: what the flag costs a server that migrates
-        # nothing. Exported at most once a second (a counter update is a file write).
+        # Every timed iteration (idle ones are only counted: `idle_iteration`). Exported
+        # at most once a second (a counter update is a file write).
         self._account_s += spent
         self._account_n += 1
         if self._stamp - self._account_flushed >= ACCOUNT_FLUSH_S:

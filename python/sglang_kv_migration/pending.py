@@ -125,8 +125,9 @@ class PendingMigrations:
         self.clock = clock
         self.lock = lock or threading.RLock()
         self._default_path = default_path
-        self._pending: dict[str, PendingMigration] = {}
-        self._quarantine: dict[str, PendingMigration] = {}  # released, slots not yet freed
+        # Read-only outside this class (the scheduler's idle check reads them directly).
+        self.by_id: dict[str, PendingMigration] = {}  # allocated, not yet committed
+        self.quarantine: dict[str, PendingMigration] = {}  # released, slots not yet freed
         self._finished: OrderedDict[str, _Finished] = OrderedDict()
         # Gives a finished migration's staging extent back: (extent, not_before or None).
         self.release_staging: Callable[[tuple[int, int], float | None], None] | None = None
@@ -134,26 +135,26 @@ class PendingMigrations:
     # ------------------------------------------------------------------ public API
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self.by_id)
 
     def device_tokens_held(self) -> int:
         """Device slots reserved or quarantined (outside the tree and the free list)."""
         with self.lock:
-            held = [*self._pending.values(), *self._quarantine.values()]
+            held = [*self.by_id.values(), *self.quarantine.values()]
             return sum(len(p.slots) for p in held if p.path.holds_device_slots)
 
     def release_quarantine(self, now: float | None = None) -> list[str]:
         """Free quarantined slots whose write window ended by `now` (default: the clock)."""
         with self.lock:
             now = self.clock() if now is None else now
-            ids = [m for m, p in self._quarantine.items() if p.write_window_end <= now]
+            ids = [m for m, p in self.quarantine.items() if p.write_window_end <= now]
             for mid in ids:
                 self._free_quarantined(mid)
             return ids
 
     def committable(self, migration_id: str, weight_version: str) -> bool:
         """True if a commit of this id would insert (not answer gone or repeat)."""
-        pending = self._pending.get(migration_id)
+        pending = self.by_id.get(migration_id)
         return (
             pending is not None
             and pending.weight_version == weight_version
@@ -162,10 +163,10 @@ class PendingMigrations:
 
     def quarantined(self) -> int:
         """Migrations whose slots wait for their write window to close."""
-        return len(self._quarantine)
+        return len(self.quarantine)
 
     def get(self, migration_id: str) -> PendingMigration | None:
-        return self._pending.get(migration_id)
+        return self.by_id.get(migration_id)
 
     def allocate(
         self,
@@ -188,7 +189,7 @@ class PendingMigrations:
         """
         path = path or self._host_path()
         with self.lock:
-            if migration_id in self._pending or migration_id in self._finished:
+            if migration_id in self.by_id or migration_id in self._finished:
                 raise MigrationError(
                     ErrorKind.CONFLICT, f"migration id {migration_id!r} was already used"
                 )
@@ -223,7 +224,7 @@ class PendingMigrations:
                 self.cache.dec_lock_ref(held.last_node)
                 raise
             now = self.clock()
-            self._pending[migration_id] = PendingMigration(
+            self.by_id[migration_id] = PendingMigration(
                 migration_id=migration_id,
                 key=key,
                 matched_length=held.length,
@@ -251,7 +252,7 @@ class PendingMigrations:
         under other weights is dropped (GONE), never inserted.
         """
         with self.lock:
-            pending = self._pending.get(migration_id)
+            pending = self.by_id.get(migration_id)
             if pending is None:
                 finished = self._check_finished(migration_id, "commit")
                 return finished.matched_after_commit
@@ -283,10 +284,10 @@ class PendingMigrations:
         aborted id again is harmless (rollback paths may repeat it), and with `settled`
         frees a quarantine at once; an expired, committed or unknown id is an error."""
         with self.lock:
-            pending = self._pending.get(migration_id)
+            pending = self.by_id.get(migration_id)
             if pending is None:
                 self._check_finished(migration_id, "abort")
-                if settled and migration_id in self._quarantine:
+                if settled and migration_id in self.quarantine:
                     self._free_quarantined(migration_id)
                 return
             self._forget_if_flushed(pending)
@@ -296,8 +297,8 @@ class PendingMigrations:
         """Pending ids past their deadline and quarantined ids past their write window."""
         with self.lock:
             now = self.clock() if now is None else now
-            expired = [p.migration_id for p in self._pending.values() if p.deadline <= now]
-            free = [m for m, p in self._quarantine.items() if p.write_window_end <= now]
+            expired = [p.migration_id for p in self.by_id.values() if p.deadline <= now]
+            free = [m for m, p in self.quarantine.items() if p.write_window_end <= now]
             return expired + free
 
     def expire(self, migration_ids: list[str] | None = None) -> list[str]:
@@ -308,9 +309,9 @@ class PendingMigrations:
         with self.lock:
             ids = self.due() if migration_ids is None else migration_ids
             for mid in ids:
-                if mid in self._quarantine:
+                if mid in self.quarantine:
                     self._free_quarantined(mid)
-            expired = [self._pending[i] for i in ids if i in self._pending]
+            expired = [self.by_id[i] for i in ids if i in self.by_id]
             now = self.clock()
             for pending in expired:
                 if pending.root is not sglang_adapter.cache_generation(self.cache):
@@ -330,9 +331,9 @@ class PendingMigrations:
         keep the slots whose write window is still open in quarantine. Returns the ids."""
         with self.lock:
             self.expire(
-                [m for m, p in self._quarantine.items() if p.write_window_end <= self.clock()]
+                [m for m, p in self.quarantine.items() if p.write_window_end <= self.clock()]
             )
-            dropped = list(self._pending.values())
+            dropped = list(self.by_id.values())
             for pending in dropped:
                 self._release(pending, MigrationState.FLUSHED)
             return [p.migration_id for p in dropped]
@@ -342,7 +343,7 @@ class PendingMigrations:
         the new tree generation, until their write windows close."""
         with self.lock:
             generation = sglang_adapter.cache_generation(self.cache)
-            for pending in self._quarantine.values():
+            for pending in self.quarantine.values():
                 pending.path.retake(pending.slots)
                 pending.root = generation
 
@@ -350,13 +351,13 @@ class PendingMigrations:
         """Free everything, quarantine included: at shutdown, or with FLUSHED before the
         cache is reset (the caller makes sure no write window is open)."""
         with self.lock:
-            dropped = list(self._pending.values())
+            dropped = list(self.by_id.values())
             for pending in dropped:
                 if pending.root is sglang_adapter.cache_generation(self.cache):
                     self._release(pending, state, settled=True)
                 else:
                     self._finish(pending, MigrationState.FLUSHED)
-            for mid in list(self._quarantine):
+            for mid in list(self.quarantine):
                 self._free_quarantined(mid)
             return [p.migration_id for p in dropped]
 
@@ -379,10 +380,10 @@ class PendingMigrations:
         else:
             # IMPORTANT: a write granted for these slots may still land; handing them to
             # another prefix now could let it be overwritten.
-            self._quarantine[pending.migration_id] = pending
+            self.quarantine[pending.migration_id] = pending
 
     def _free_quarantined(self, migration_id: str) -> None:
-        pending = self._quarantine.pop(migration_id)
+        pending = self.quarantine.pop(migration_id)
         if pending.root is sglang_adapter.cache_generation(self.cache):
             pending.path.release(pending.slots)  # a reset already freed them otherwise
 
@@ -400,7 +401,7 @@ class PendingMigrations:
             self.release_staging(pending.staging, pending.write_window_end if late else None)
             pending.staging = None
         pending.state = state
-        del self._pending[pending.migration_id]
+        del self.by_id[pending.migration_id]
         self._finished[pending.migration_id] = _Finished(state, matched_after)
         while len(self._finished) > FINISHED_HISTORY:
             self._finished.popitem(last=False)

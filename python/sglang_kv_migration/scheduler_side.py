@@ -172,8 +172,21 @@ class MigrationSchedulerSide:
         watchdog; closes the iteration's `loop_timer` account. Returns messages for the
         later PP stages (the watchdog's decisions, on stage 0)."""
         timer = self.loop_timer
-        timer.begin_poll()
         self._iteration += 1
+        pending = self.pending
+        if not (
+            timer.handled
+            or self.transfers.inflight
+            or self.staged_commits.waiting
+            or pending.by_id
+            or pending.quarantine
+        ):
+            # Idle, the usual case (the same on every rank): nothing to time, poll or
+            # gather. This is all the flag costs a server that migrates nothing, every
+            # loop iteration: keep it to a few attribute reads (`bench_idle_poll.py`).
+            timer.idle_iteration()
+            return []
+        timer.begin_poll()
         active = bool(len(self.transfers) or len(self.staged_commits))
         self.transfers.poll()
         timer.lap("poll.transfers")

@@ -129,15 +129,15 @@ class SourceTransfers:
         self.server_epoch = server_epoch
         self.signer = signer or grants.Signer(None)
         self._used_grants = grants.UsedGrants()
-        self._inflight: list[InflightTransfer] = []
+        self.inflight: list[InflightTransfer] = []  # read-only outside this class
 
     def __len__(self) -> int:
-        return len(self._inflight)
+        return len(self.inflight)
 
     def start(self, req: TransferRequestKVCacheReqInput) -> None:
         """Handle a transfer request; the reply is sent later by `poll()`."""
         inflight = InflightTransfer(request=req, started=time.monotonic())
-        self._inflight.append(inflight)
+        self.inflight.append(inflight)
         # First: even a refused transfer's receipt names this rank's slots (a settled
         # receipt lets the target free them at once); a bad entry is reported below.
         error_of(lambda: self._parse_own_slots(req, inflight))
@@ -163,8 +163,8 @@ class SourceTransfers:
 
     def poll(self) -> None:
         """Once per scheduler loop iteration while transfers are in flight."""
-        if self._inflight:
-            if any(t.waiting for t in self._inflight):
+        if self.inflight:
+            if any(t.waiting for t in self.inflight):
                 # A collective: `waiting` is the same on every rank.
                 self.ctx.tree_cache.writing_check()
             self._finish_done()
@@ -172,17 +172,17 @@ class SourceTransfers:
     def fail_all(self, reason: str) -> None:
         """Fail every transfer in flight (the reply follows from `poll`), e.g. when the
         cache they read is about to be reset. Writes already submitted may still run."""
-        for inflight in self._inflight:
+        for inflight in self.inflight:
             if inflight.result is None and inflight.error is None:
                 inflight.error = MigrationError(ErrorKind.CONFLICT, reason)
             if inflight.job is not None:
                 inflight.job.release()  # idempotent: `_finish_done` calls it again
 
     def close(self) -> None:
-        for inflight in self._inflight:
+        for inflight in self.inflight:
             if inflight.job is not None:
                 inflight.job.release()
-        self._inflight.clear()
+        self.inflight.clear()
 
     # ------------------------------------------------------------------ helpers
 
@@ -290,9 +290,9 @@ class SourceTransfers:
         inflight.job = inflight.path.start_send(inflight.send)
 
     def _finish_done(self) -> None:
-        per_rank = self.ctx.all_gather([self._status(t) for t in self._inflight])
+        per_rank = self.ctx.all_gather([self._status(t) for t in self.inflight])
         still_running: list[InflightTransfer] = []
-        for i, inflight in enumerate(self._inflight):
+        for i, inflight in enumerate(self.inflight):
             statuses = [rank_statuses[i] for rank_statuses in per_rank]
             if not all(s.done for s in statuses):
                 still_running.append(inflight)
@@ -300,7 +300,7 @@ class SourceTransfers:
             if inflight.job is not None:
                 inflight.job.release()
             self._reply(inflight, statuses)
-        self._inflight = still_running
+        self.inflight = still_running
 
     def _status(self, inflight: InflightTransfer) -> RankTransferStatus:
         """This rank's status, with its signed receipt once the transfer is over here."""

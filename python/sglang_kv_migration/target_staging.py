@@ -190,37 +190,37 @@ class StagedCommits:
 
     def __init__(self, ctx: RankContext):
         self.ctx = ctx
-        self._waiting: list[DeferredCommit] = []
+        self.waiting: list[DeferredCommit] = []  # read-only outside this class
 
     def __len__(self) -> int:
-        return len(self._waiting)
+        return len(self.waiting)
 
     def in_progress(self, migration_id: str) -> bool:
-        return any(c.pending.migration_id == migration_id for c in self._waiting)
+        return any(c.pending.migration_id == migration_id for c in self.waiting)
 
     def add(self, commit: DeferredCommit) -> None:
-        self._waiting.append(commit)
+        self.waiting.append(commit)
 
     def poll(self) -> list[tuple[DeferredCommit, str | None]]:
         """Commits whose scatter is done on every rank, with the first rank's error."""
-        if not self._waiting:
+        if not self.waiting:
             return []
-        local = [_state(c.scatter) for c in self._waiting]
+        local = [_state(c.scatter) for c in self.waiting]
         per_rank = self.ctx.all_gather(local)  # a collective: same list on every rank
         ready, waiting = [], []
-        for i, commit in enumerate(self._waiting):
+        for i, commit in enumerate(self.waiting):
             states = [rank[i] for rank in per_rank]
             if all(done for done, _ in states):
                 ready.append((commit, next((e for _, e in states if e), None)))
             else:
                 waiting.append(commit)
-        self._waiting = waiting
+        self.waiting = waiting
         return ready
 
     def drain(self) -> list[DeferredCommit]:
         """Wait for every scatter in flight and hand the commits back, unanswered (before
         a cache reset or at shutdown: the pool they write is about to change)."""
-        drained, self._waiting = self._waiting, []
+        drained, self.waiting = self.waiting, []
         for commit in drained:
             try:
                 commit.scatter.result(_DRAIN_WAIT_S)
