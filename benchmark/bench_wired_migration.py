@@ -51,6 +51,8 @@ REPLY_S = 600.0
 START_S = 300.0
 RAW_PIECES = 16
 SHAPE = {"layer_num": 32, "head_num": 8, "head_dim": 128}
+# --scheduler-loops: (spin between polls, the poll offers the GIL to helper threads)
+LOOPS = {"sleep": (False, True), "spin": (True, True), "spin-no-yield": (True, False)}
 BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
 
 
@@ -192,6 +194,7 @@ class Row:
     ok: bool
     source_worst: str = ""  # the source's longest iteration, by part (ms)
     target_worst: str = ""
+    loop: str = "sleep"  # --scheduler-loops mode of the stand-in scheduler loops
 
 
 def _spawn(name: str) -> Remote:
@@ -328,9 +331,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
-        "--scheduler-loop", choices=["sleep", "spin"], default="sleep",
+        "--scheduler-loops", nargs="+", choices=list(LOOPS), default=["sleep"],
         help="between polls the stand-in scheduler loop sleeps 0.5 ms (GIL free) or, like "
-        "SGLang's, spins in Python (GIL held; helper threads get it only when handed over)",
+        "SGLang's, spins in Python (GIL held: helper threads get it when the poll offers "
+        "it, or with spin-no-yield only every 5 ms switch interval)",
     )  # fmt: skip
     args = parser.parse_args()
 
@@ -341,27 +345,34 @@ def main() -> None:
         for remote in (src, dst):
             if not remote.conn.poll(START_S) or remote.conn.recv()[0] != "ready":
                 raise RuntimeError(f"{remote.name} did not start")
-            remote.do("set_spin", args.scheduler_loop == "spin")
-        for layout in args.layouts:
-            for page_size in args.page_sizes:
-                for tokens in args.tokens:
-                    for variant in args.variants:
-                        row = run_cell(src, dst, layout, page_size, tokens, variant, args.repeats)
-                        rows.append(row)
-                        print(json.dumps(asdict(row)), flush=True)
+        cells = [
+            (loop, layout, page_size, tokens, variant)
+            for layout in args.layouts
+            for page_size in args.page_sizes
+            for tokens in args.tokens
+            for variant in args.variants
+            for loop in args.scheduler_loops
+        ]
+        for loop, layout, page_size, tokens, variant in cells:
+            for remote in (src, dst):
+                remote.do("set_spin", *LOOPS[loop])
+            row = run_cell(src, dst, layout, page_size, tokens, variant, args.repeats)
+            row.loop = loop
+            rows.append(row)
+            print(json.dumps(asdict(row)), flush=True)
     finally:
         src.stop()
         dst.stop()
     print(f"load average after: {os.getloadavg()}")
     print(
-        "| layout | page | tokens (MiB) | variant | plan, entries | migration ms "
+        "| loop | layout | page | tokens (MiB) | variant | plan, entries | migration ms "
         "(allocate / transfer / commit) | raw contiguous ms (x16) | ratio (vs x16) | "
         "loop max ms source / target | bytes equal |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r.layout} | {r.page_size} | {r.tokens} ({r.mib:.0f}) | {r.variant} | "
+            f"| {r.loop} | {r.layout} | {r.page_size} | {r.tokens} ({r.mib:.0f}) | {r.variant} | "
             f"{r.plan}, {r.entries} | {r.migration_ms:.0f} ({r.allocate_ms:.0f} / "
             f"{r.transfer_ms:.0f} / {r.commit_ms:.0f}) | {r.raw_contiguous_ms:.0f} "
             f"({r.raw_pieces_ms:.0f}) | **{r.ratio:.2f}** ({r.pieces_ratio:.2f}) | "
@@ -371,11 +382,11 @@ def main() -> None:
         "\nWorst iteration by part, wall ms (thread CPU ms, context switches voluntary / "
         "involuntary); gc: collections inside our parts"
     )
-    print("| layout | page | tokens | variant | source | target |")
-    print("|---|---|---|---|---|---|")
+    print("| loop | layout | page | tokens | variant | source | target |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r.layout} | {r.page_size} | {r.tokens} | {r.variant} | "
+            f"| {r.loop} | {r.layout} | {r.page_size} | {r.tokens} | {r.variant} | "
             f"{r.source_loop_max_ms:.2f}: {r.source_worst} | "
             f"{r.target_loop_max_ms:.2f}: {r.target_worst} |"
         )

@@ -45,6 +45,7 @@ class _Server:
         self.outputs: list[Any] = []
         self.profile = False
         self.spin = False  # see `idle_iteration`
+        self.yield_gil = True  # MigrationSchedulerSide.yield_gil of every side built
         self.call_counts: list[tuple[int, list]] = []
 
     def close(self) -> None:
@@ -86,6 +87,7 @@ class _Server:
             transport_config=TransportConfig(hostname="127.0.0.1", **transport),
             **side_kwargs,
         )
+        self.side.yield_gil = self.yield_gil
         return {"host_size": int(self.harness.host_pool.size)}
 
     def insert(self, tokens: list[int], seed: int, write_back: bool) -> int:
@@ -131,8 +133,11 @@ class _Server:
         if self.side is not None:
             self.side.poll()
 
-    def set_spin(self, on: bool) -> None:
+    def set_spin(self, on: bool, yield_gil: bool = True) -> None:
         self.spin = on
+        self.yield_gil = yield_gil
+        if self.side is not None:
+            self.side.yield_gil = yield_gil
 
     def _on_loop_thread(self, run: Any, arg: Any) -> Any:
         """Run one piece of scheduler-thread work, counting its calls when profiling."""

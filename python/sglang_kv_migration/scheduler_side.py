@@ -133,6 +133,9 @@ class MigrationSchedulerSide:
         self.staging = self._open_staging(staging_bytes)
         self.staged_commits = StagedCommits(ctx)
         self._iteration = 0
+        # Offer the GIL to our helper threads once per busy iteration (see `poll`);
+        # benchmarks turn it off to show what it is for.
+        self.yield_gil = True
         logger.info(
             "KV migration ready on tp_rank=%d pp_rank=%d: paths %s, page_size=%d",
             ctx.tp_rank,
@@ -209,7 +212,7 @@ class MigrationSchedulerSide:
                 if expired and self.ctx.pp_size > 1:
                     messages.append(StageSyncReqInput(expired_ids=expired))
             timer.lap("poll.watchdog")
-        if active or busy:
+        if (active or busy) and self.yield_gil:
             # Hand the GIL to our helper threads (transport worker, staging scatter,
             # digests) once per iteration. SGLang's loop never blocks, even idle, so a
             # thread that gave the GIL up (every torch op and engine call does) would
