@@ -34,23 +34,13 @@ def _build_side():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cpu_harness.install_cpu_shims()
     from sglang_kv_migration.metrics import MigrationMetrics
-    from sglang_kv_migration.rank_context import RankContext
     from sglang_kv_migration.scheduler_side import MigrationSchedulerSide
     from sglang_kv_migration.transfer import TransportConfig
+    from side_helpers import one_rank_context
 
     harness = cpu_harness.build_harness(cpu_harness.HarnessConfig(page_size=16))
-    ctx = RankContext(
-        tree_cache=harness.cache,
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        cpu_group=None,
-        model="idle",
-        send_output=lambda out, req: None,
-    )
     side = MigrationSchedulerSide(
-        ctx,
+        one_rank_context(harness.cache, model="idle"),
         watchdog_timeout_s=60.0,
         transport_config=TransportConfig(hostname="127.0.0.1"),
         metrics=MigrationMetrics("idle", 0, 0),  # as with --enable-metrics

@@ -62,24 +62,17 @@ class _Server:
         self, cfg_fields: dict, watchdog_timeout_s: float, side_kwargs: dict | None = None
     ) -> dict:
         import cpu_harness
-        from sglang_kv_migration.rank_context import RankContext
         from sglang_kv_migration.scheduler_side import MigrationSchedulerSide
         from sglang_kv_migration.transfer import TransportConfig
+        from side_helpers import one_rank_context
 
         side_kwargs = dict(side_kwargs or {})
         transport = side_kwargs.pop("transport", {})
         self.close()
         self.outputs = []
         self.harness = cpu_harness.build_harness(cpu_harness.HarnessConfig(**cfg_fields))
-        ctx = RankContext(
-            tree_cache=self.harness.cache,
-            tp_rank=0,
-            tp_size=1,
-            pp_rank=0,
-            pp_size=1,
-            cpu_group=None,
-            model="tiny-llama",
-            send_output=lambda output, req: self.outputs.append(output),
+        ctx = one_rank_context(
+            self.harness.cache, "tiny-llama", lambda output, req: self.outputs.append(output)
         )
         self.side = MigrationSchedulerSide(
             ctx,

@@ -76,9 +76,9 @@ def side_factory(
     (metrics on; with ``pp_size > 1`` one stage's only rank), replying into
     `side.replies`; `side.harness` is the harness it runs on."""
     from sglang_kv_migration.metrics import MigrationMetrics
-    from sglang_kv_migration.rank_context import RankContext
     from sglang_kv_migration.scheduler_side import MigrationSchedulerSide
     from sglang_kv_migration.transfer import TransportConfig
+    from side_helpers import one_rank_context
 
     built: list[MigrationSchedulerSide] = []
 
@@ -91,15 +91,8 @@ def side_factory(
     ) -> MigrationSchedulerSide:
         harness = harness_factory(**fields)
         replies: list = []
-        ctx = RankContext(
-            tree_cache=harness.cache,
-            tp_rank=0,
-            tp_size=1,
-            pp_rank=pp_rank,
-            pp_size=pp_size,
-            cpu_group=None,
-            model="tiny",
-            send_output=lambda out, req: replies.append(out),
+        ctx = one_rank_context(
+            harness.cache, "tiny", lambda out, req: replies.append(out), pp_rank, pp_size
         )
         side = MigrationSchedulerSide(
             ctx,

@@ -2,6 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+
+def one_rank_context(
+    cache: Any,
+    model: str = "tiny",
+    send_output: Callable[[Any, Any], None] | None = None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+) -> Any:
+    """The `RankContext` of a server with one TP rank (no process group), over `cache`;
+    replies go to `send_output` (dropped when None)."""
+    from sglang_kv_migration.rank_context import RankContext
+
+    return RankContext(
+        tree_cache=cache,
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        cpu_group=None,
+        model=model,
+        send_output=send_output or (lambda out, req: None),
+    )
+
 
 def transfer_to_self(
     side: object, input_ids: list[int], kv_indices: list[int], grant: str = "", **fields: object

@@ -20,6 +20,7 @@ from sglang_kv_migration import sglang_adapter as adapter
 from sglang_kv_migration.device_path import DevicePath
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.pending import MigrationState, PendingMigrations
+from side_helpers import one_rank_context
 
 TIMEOUT_S = 5.0
 CONFIGS = [("mha", 1), ("mha", 16), ("mla", 1), ("mla", 16)]
@@ -399,22 +400,12 @@ def test_scheduler_side_leaves_the_device_path_out_without_cuda(harness_factory,
         GetTransferSessionInfoReqInput,
     )
     from sglang_kv_migration.metrics import MigrationMetrics
-    from sglang_kv_migration.rank_context import RankContext
     from sglang_kv_migration.scheduler_side import MigrationSchedulerSide
     from sglang_kv_migration.transfer import TransportConfig
 
     assert not torch.cuda.is_available()
     h = harness_factory(page_size=16)
-    ctx = RankContext(
-        tree_cache=h.cache,
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        cpu_group=None,
-        model="tiny",
-        send_output=lambda out, req: None,
-    )
+    ctx = one_rank_context(h.cache)
     with caplog.at_level(logging.WARNING, logger="sglang_kv_migration"):
         side = MigrationSchedulerSide(
             ctx,
