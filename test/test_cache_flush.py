@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import pytest
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.io_types import (
+    AbortTransferReqInput,
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
 )
-from sglang_kv_migration.scheduler_hooks import around_flush_cache
+from sglang_kv_migration.scheduler_hooks import around_flush_cache, around_sleep_on_idle
 from side_helpers import transfer_to_self
 
 
@@ -101,3 +102,24 @@ def test_reset_without_the_hook_is_detected(side) -> None:
     assert host_pool.available_size() == host_pool.size
     with pytest.raises(MigrationError):
         side.pending.abort("m3")
+
+
+def test_sleep_on_idle_waits_while_a_migration_is_pending(side) -> None:
+    """`--sleep-on-idle` would park the loop up to 1 s; not while ours has work."""
+    slept: list[object] = []
+
+    def original(s, *args, **kwargs):
+        slept.append(s)
+        return "slept"
+
+    scheduler = _scheduler(side)
+    assert not side.has_work()
+    assert around_sleep_on_idle(original, scheduler) == "slept"
+    _allocate(side, list(range(700, 764)), "m-sleep")
+    assert side.has_work()
+    assert around_sleep_on_idle(original, scheduler) is None
+    assert slept == [scheduler]
+    # Flag off: SGLang's own behaviour, untouched.
+    off = SimpleNamespace(kv_migration=None)
+    assert around_sleep_on_idle(original, off) == "slept"
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="m-sleep")).success

@@ -13,6 +13,8 @@ Hooks (targets are named in `upstream.py`):
   refuse the flush while a transfer still reads pinned pages;
 - AROUND `Scheduler._session_held_tokens`: count device slots of pending migrations, so
   SGLang's idle memory-leak check holds;
+- AROUND `Scheduler.maybe_sleep_on_idle`: with `--sleep-on-idle`, keep the loop awake
+  while a migration is in flight or pending (its replies come from the poll);
 - AFTER `TokenizerControlMixin.init_communicators`: one communicator per operation;
 - BEFORE `http_server.launch_server`: add the HTTP routes to SGLang's FastAPI app.
 """
@@ -53,6 +55,11 @@ def register() -> None:
             HookType.AROUND,
         ),
         (
+            upstream.SCHEDULER_SLEEP_ON_IDLE,
+            scheduler_hooks.around_sleep_on_idle,
+            HookType.AROUND,
+        ),
+        (
             upstream.TOKENIZER_INIT_COMMUNICATORS,
             communicators.after_init_communicators,
             HookType.AFTER,
@@ -79,6 +86,7 @@ def missing_hooks() -> list[str]:
         upstream.SCHEDULER_PROCESS_INPUT: scheduler_hooks.after_process_input_requests,
         upstream.SCHEDULER_FLUSH_CACHE: scheduler_hooks.around_flush_cache,
         upstream.SCHEDULER_SESSION_HELD_TOKENS: scheduler_hooks.around_session_held_tokens,
+        upstream.SCHEDULER_SLEEP_ON_IDLE: scheduler_hooks.around_sleep_on_idle,
         upstream.TOKENIZER_INIT_COMMUNICATORS: communicators.after_init_communicators,
         upstream.HTTP_LAUNCH_SERVER: http_api.before_launch_server,
     }

@@ -122,3 +122,13 @@ def around_flush_cache(original: Any, scheduler: Any, *args: Any, **kwargs: Any)
     if flushed:
         side.after_cache_flush()
     return flushed
+
+
+def around_sleep_on_idle(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """Do not let `--sleep-on-idle` park the loop (up to 1 s on its sockets) while a
+    migration of ours is in flight or pending: its replies and scatters advance only in
+    the per-iteration poll. SGLang sees no requests of its own then, so it would sleep."""
+    side = scheduler.kv_migration
+    if side is not None and side.has_work():
+        return None
+    return original(scheduler, *args, **kwargs)

@@ -176,14 +176,7 @@ class MigrationSchedulerSide:
         later PP stages (the watchdog's decisions, on stage 0)."""
         timer = self.loop_timer
         self._iteration += 1
-        pending = self.pending
-        if not (
-            timer.handled
-            or self.transfers.inflight
-            or self.staged_commits.waiting
-            or pending.by_id
-            or pending.quarantine
-        ):
+        if not (timer.handled or self.has_work()):
             # Idle, the usual case (the same on every rank): nothing to time, poll or
             # gather. This is all the flag costs a server that migrates nothing, every
             # loop iteration: keep it to a few attribute reads (`bench_idle_poll.py`).
@@ -222,6 +215,17 @@ class MigrationSchedulerSide:
             timer.lap("poll.yield")
         timer.end_iteration(active)
         return messages
+
+    def has_work(self) -> bool:
+        """Anything of ours in flight or pending (the same on every rank). Called every
+        loop iteration: a few attribute reads."""
+        pending = self.pending
+        return bool(
+            self.transfers.inflight
+            or self.staged_commits.waiting
+            or pending.by_id
+            or pending.quarantine
+        )
 
     def prepare_for_cache_flush(self) -> None:
         """Called before SGLang resets the radix cache and clears the pools.

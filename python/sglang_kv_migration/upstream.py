@@ -27,6 +27,9 @@ HTTP_LAUNCH_SERVER = "sglang.srt.entrypoints.http_server.launch_server"
 # The idle/busy memory-leak checks count these tokens as held outside the tree: pending
 # device-slot allocations are added here, so SGLang's pool invariant keeps holding.
 SCHEDULER_SESSION_HELD_TOKENS = "sglang.srt.managers.scheduler.Scheduler._session_held_tokens"
+# With --sleep-on-idle an idle loop blocks up to 1 s on its sockets: not while a
+# migration of ours waits for its reply to be sent from the per-iteration poll.
+SCHEDULER_SLEEP_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle"
 
 HOOK_TARGETS: tuple[str, ...] = (
     SERVER_ARGS_CLASS,
@@ -37,6 +40,7 @@ HOOK_TARGETS: tuple[str, ...] = (
     TOKENIZER_INIT_COMMUNICATORS,
     HTTP_LAUNCH_SERVER,
     SCHEDULER_SESSION_HELD_TOKENS,
+    SCHEDULER_SLEEP_ON_IDLE,
 )
 
 REQUIRED_SYMBOLS: tuple[str, ...] = (
