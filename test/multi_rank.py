@@ -1,5 +1,7 @@
-"""Helpers shared by the multi-rank (TP, PP, TP x PP) server tests: a client that keeps
-every reply, and comparisons of per-rank KV."""
+"""Helpers shared by the tests that drive mini servers over HTTP (the multi-rank TP, PP,
+TP x PP tests and the network tests): a client that keeps every reply, a migration that
+fails on an injected rank, a hand-built host transfer body, and comparisons of per-rank
+KV."""
 
 from __future__ import annotations
 
@@ -36,6 +38,54 @@ class Recorder:
     def client(self) -> MigrationClient:
         http = httpx.Client(timeout=HTTP_TIMEOUT_S, event_hooks={"response": [self.hook]})
         return MigrationClient(http_client=http)
+
+
+def migrate_into_injected_failure(
+    source_url: str, target_url: str, ids: list[int]
+) -> tuple[Recorder, dict[str, Any]]:
+    """Migrate `ids` where one source rank's transport refuses every write (the
+    servers' `broken_transport_rank`): the client must fail at transfer, name the
+    injected failure and roll the target back; the transfer trip answers 502. Returns
+    the recorder (every reply) and the transfer reply."""
+    import pytest
+    from sglang_kv_migration.client import MigrationFailed
+
+    recorder = Recorder()
+    with recorder.client() as client, pytest.raises(MigrationFailed) as failed:
+        client.migrate(source_url, target_url, ids)
+    assert failed.value.phase == "transfer"
+    assert failed.value.rolled_back is True
+    assert "injected failure" in failed.value.message
+    status, transfer = recorder.last("/transfer_request_kvcache")
+    assert status == 502, transfer
+    return recorder, transfer
+
+
+def host_transfer_body(
+    ids: list[int], alloc: dict[str, Any], target_info: dict[str, Any]
+) -> dict[str, Any]:
+    """The `/transfer_request_kvcache` body that sends `ids` into a one-rank target's
+    allocation over the host path, as the client would build it (the slots as the
+    allocate reply gave them: `kv_pages` or `kv_indices`)."""
+    rank, target = alloc["ranks"][0], target_info["ranks"][0]
+    slots = "kv_pages" if rank.get("kv_pages") else "kv_indices"
+    return {
+        "input_ids": ids,
+        "matched_token_size": alloc["matched_token_size"],
+        "extra_token_size": alloc["extra_token_size"],
+        "migration_id": alloc["migration_id"],
+        "target_per_rank": [
+            {
+                "tp": 0,
+                "pp": 0,
+                "path": "host",
+                slots: rank[slots],
+                "grant": rank["grant"],
+                "fingerprint": target["fingerprint"],
+                **target["paths"]["host"],
+            }
+        ],
+    }
 
 
 def post(url: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:

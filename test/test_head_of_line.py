@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from mini_server import ServerHandle, ServerSpec, start_servers
+from multi_rank import host_transfer_body
 from sglang_kv_migration.client import MigrationClient
 
 PAGE = 16
@@ -157,22 +158,5 @@ def _allocate(source: ServerHandle, target: ServerHandle, ids: list[int]) -> tup
         },
     ).json()
     assert alloc["success"], alloc
-    rank, host = alloc["ranks"][0], target_info["ranks"][0]["paths"]["host"]
-    body = {
-        "input_ids": ids,
-        "matched_token_size": 0,
-        "extra_token_size": alloc["extra_token_size"],
-        "migration_id": alloc["migration_id"],
-        "target_per_rank": [
-            {
-                "tp": 0,
-                "pp": 0,
-                "path": "host",
-                "kv_pages": rank["kv_pages"],
-                "grant": rank["grant"],
-                "fingerprint": target_info["ranks"][0]["fingerprint"],
-                **host,
-            }
-        ],
-    }
+    body = host_transfer_body(ids, alloc, target_info)
     return alloc, body

@@ -28,6 +28,7 @@ import cpu_harness
 import httpx
 import pytest
 from mini_server import ServerHandle, ServerSpec, start_servers
+from multi_rank import host_transfer_body
 from sglang_kv_migration.client import MigrationClient, MigrationFailed
 
 pytestmark = pytest.mark.skipif(
@@ -201,24 +202,7 @@ def _start_transfer(source: ServerHandle, target: ServerHandle, ids: list[int]):
                 "source_fingerprints": [r["fingerprint"] for r in source_info["ranks"]],
             },
         )
-    rank, host = alloc["ranks"][0], target_info["ranks"][0]["paths"]["host"]
-    body = {
-        "input_ids": ids,
-        "matched_token_size": 0,
-        "extra_token_size": alloc["extra_token_size"],
-        "migration_id": alloc["migration_id"],
-        "target_per_rank": [
-            {
-                "tp": 0,
-                "pp": 0,
-                "path": "host",
-                "kv_indices": rank["kv_indices"],
-                "grant": rank["grant"],
-                "fingerprint": target_info["ranks"][0]["fingerprint"],
-                **host,
-            }
-        ],
-    }
+    body = host_transfer_body(ids, alloc, target_info)
     result: dict = {}
 
     def send() -> None:
@@ -227,7 +211,7 @@ def _start_transfer(source: ServerHandle, target: ServerHandle, ids: list[int]):
 
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
-    return rank["kv_indices"], alloc["migration_id"], thread, result
+    return alloc["ranks"][0]["kv_indices"], alloc["migration_id"], thread, result
 
 
 def _guard_quarantine(target: ServerHandle, slots: list[int], thread: threading.Thread) -> int:

@@ -24,8 +24,14 @@ from typing import Any
 
 import pytest
 from mini_server import ServerHandle, ServerSpec, start_servers
-from multi_rank import Recorder, aligned, kv_equal, post, session_info
-from sglang_kv_migration.client import MigrationFailed
+from multi_rank import (
+    Recorder,
+    aligned,
+    kv_equal,
+    migrate_into_injected_failure,
+    post,
+    session_info,
+)
 
 PP = 2
 PAGE = 16
@@ -133,15 +139,7 @@ def test_transfer_failing_on_one_stage_rolls_back_every_stage(servers: Servers) 
     src, dst = servers.b, servers.a
     assert dst.ask_all("held", BROKEN_IDS) == [(0, 0)] * PP
     before = dst.ask_all("snapshot")
-    recorder = Recorder()
-    with recorder.client() as client, pytest.raises(MigrationFailed) as failed:
-        client.migrate(src.url, dst.url, BROKEN_IDS)
-    assert failed.value.phase == "transfer"
-    assert failed.value.rolled_back is True
-    assert "injected failure" in failed.value.message
-
-    status, transfer = recorder.last("/transfer_request_kvcache")
-    assert status == 502, transfer
+    recorder, transfer = migrate_into_injected_failure(src.url, dst.url, BROKEN_IDS)
     by_stage = {x["pp_rank"]: x for x in transfer["ranks"]}
     assert sorted(by_stage) == [0, 1]
     assert by_stage[0]["success"] is True and by_stage[0]["bytes"] > 0  # stage 0 wrote

@@ -36,6 +36,7 @@ import pytest
 import torch
 from conftest import FAULT_PAIR_KEY
 from mini_server import ServerHandle, ServerSpec, start_servers
+from multi_rank import host_transfer_body
 from sglang_kv_migration.client import AsyncMigrationClient, MigrationFailed
 
 PAGE = 16
@@ -298,24 +299,7 @@ async def _allocate(http, source, target, seq) -> tuple[dict, dict]:
     )
     assert r.status_code == 200, r.text
     alloc = r.json()
-    rank, host = alloc["ranks"][0], target_info["ranks"][0]["paths"]["host"]
-    body = {
-        "input_ids": seq,
-        "matched_token_size": alloc["matched_token_size"],
-        "extra_token_size": alloc["extra_token_size"],
-        "migration_id": alloc["migration_id"],
-        "target_per_rank": [
-            {
-                "tp": 0,
-                "pp": 0,
-                "path": "host",
-                "kv_indices": rank["kv_indices"],
-                "grant": rank["grant"],
-                "fingerprint": target_info["ranks"][0]["fingerprint"],
-                **host,
-            }
-        ],
-    }
+    body = host_transfer_body(seq, alloc, target_info)
     return alloc, body
 
 

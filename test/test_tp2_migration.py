@@ -26,8 +26,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 from mini_server import ServerHandle, ServerSpec, start_servers
-from multi_rank import Recorder, aligned, kv_equal, post, session_info
-from sglang_kv_migration.client import MigrationFailed
+from multi_rank import (
+    Recorder,
+    aligned,
+    kv_equal,
+    migrate_into_injected_failure,
+    post,
+    session_info,
+)
 
 TP = 2
 PAGE = 16
@@ -181,15 +187,7 @@ def test_failure_on_one_rank_rolls_back_every_rank(servers: Servers) -> None:
     src, dst = servers.b, servers.a
     assert dst.ask_all("held", BROKEN_IDS) == [(0, 0)] * TP
     before = dst.ask_all("snapshot")
-    recorder = Recorder()
-    with recorder.client() as client, pytest.raises(MigrationFailed) as failed:
-        client.migrate(src.url, dst.url, BROKEN_IDS)
-    assert failed.value.phase == "transfer"
-    assert failed.value.rolled_back is True
-    assert "injected failure" in failed.value.message
-
-    status, transfer = recorder.last("/transfer_request_kvcache")
-    assert status == 502, transfer
+    recorder, transfer = migrate_into_injected_failure(src.url, dst.url, BROKEN_IDS)
     assert transfer["error_kind"] == "transfer_failed"
     by_rank = {x["tp_rank"]: x for x in transfer["ranks"]}
     assert sorted(by_rank) == [0, 1]
