@@ -35,7 +35,6 @@ import dataclasses
 import gc
 import hashlib
 import json
-import multiprocessing
 import os
 import statistics
 import sys
@@ -359,15 +358,6 @@ class Row:
     ok: bool
 
 
-def _spawn(name: str) -> Remote:
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    process = ctx.Process(target=peer_main, args=(child,), daemon=True, name=name)
-    process.start()
-    child.close()
-    return Remote(name, conn, process)
-
-
 def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
@@ -576,7 +566,7 @@ def main() -> None:
     pool_tokens = args.pool_tokens or 2 * max(tokens_list)
 
     load_before = os.getloadavg()
-    remotes = [_spawn("source"), _spawn("target")]
+    remotes = [Remote.spawn("source", peer_main), Remote.spawn("target", peer_main)]
     rows: list[Row] = []
     try:
         for r in remotes:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import multiprocessing
 import os
 import statistics
 import sys
@@ -197,15 +196,6 @@ class Row:
     loop: str = "sleep"  # --scheduler-loops mode of the stand-in scheduler loops
 
 
-def _spawn(name: str) -> Remote:
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    process = ctx.Process(target=peer_main, args=(child,), daemon=True, name=name)
-    process.start()
-    child.close()
-    return Remote(name, conn, process)
-
-
 def run_cell(
     src: Remote, dst: Remote, layout: str, page_size: int, tokens: int, variant: str, repeats: int
 ) -> Row:
@@ -339,7 +329,7 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"load average before: {os.getloadavg()}", flush=True)
-    src, dst = _spawn("source"), _spawn("target")
+    src, dst = Remote.spawn("source", peer_main), Remote.spawn("target", peer_main)
     rows: list[Row] = []
     try:
         for remote in (src, dst):

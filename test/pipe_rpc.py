@@ -57,6 +57,18 @@ class Remote:
     process: Any
     reply_s: float = 600.0
 
+    @classmethod
+    def spawn(cls, name: str, main: Callable[[Connection], None]) -> Remote:
+        """Start `main(conn)` in a fresh (spawned) daemon process; it ends with `serve`."""
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        conn, child = ctx.Pipe()
+        process = ctx.Process(target=main, args=(child,), daemon=True, name=name)
+        process.start()
+        child.close()
+        return cls(name, conn, process)
+
     def do(self, command: str, *args: Any) -> Any:
         self.conn.send((command, *args))
         if not self.conn.poll(self.reply_s):
