@@ -49,7 +49,7 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from sglang_kv_migration import staging
 from sglang_kv_migration.errors import ErrorKind, MigrationError
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from mooncake.engine import TransferEngine
 
 logger = logging.getLogger(__name__)
+_E = TypeVar("_E", bound=MigrationError)
 
 # The TCP transport queues at most this many entries per peer by default
 # (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER); an oversized batch fails and keeps the queue busy.
@@ -381,8 +382,7 @@ class MooncakeTransport(KVTransport):
                 f"registering {len(regions)} regions ({total} bytes) on {self._session_id} "
                 f"failed: batch_register_memory returned {rc}"
             )
-            logger.warning(message)
-            raise TransferError(message)
+            raise _logged(TransferError(message))
         with self._lock:
             self._local = _RegionIndex((*self._local.regions, *regions))
 
@@ -544,8 +544,7 @@ class MooncakeTransport(KVTransport):
                 f"refused write to peer {job.peer}: the grant's start deadline passed "
                 f"{start - job.start_by:.2f} s before the write could start; nothing was sent"
             )
-            logger.warning(message)
-            raise MigrationError(ErrorKind.FORBIDDEN, message)
+            raise _logged(MigrationError(ErrorKind.FORBIDDEN, message))
         deadline = start + self._config.transfer_timeout_s
         if job.write_until is not None:
             deadline = min(deadline, job.write_until)
@@ -564,8 +563,7 @@ class MooncakeTransport(KVTransport):
             )
         except ValueError as exc:
             message = f"refused write to peer {job.peer}: {exc}; nothing was sent"
-            logger.warning(message)
-            raise MigrationError(ErrorKind.BAD_REQUEST, message) from None
+            raise _logged(MigrationError(ErrorKind.BAD_REQUEST, message)) from None
         self._check_pool_regions(job, plan)
         planned = time.monotonic()
         ctx = _Context(job.peer, plan.total_bytes, plan.entries)
@@ -633,15 +631,13 @@ class MooncakeTransport(KVTransport):
                 f"peer {peer} did not answer the transfer engine's handshake probe within "
                 f"{wait:.1f} s (the write's deadline); nothing was sent"
             )
-            logger.warning(message)
-            raise TransferError(message) from None
+            raise _logged(TransferError(message)) from None
         if code != 0:
             message = (
                 f"peer {peer} failed the transfer engine's handshake probe (send_probe "
                 f"returned {code}); nothing was sent"
             )
-            logger.warning(message)
-            raise TransferError(message)
+            raise _logged(TransferError(message))
         with self._lock:
             self._reachable.add(peer)
 
@@ -667,8 +663,7 @@ class MooncakeTransport(KVTransport):
                     problem = f"target buffer {i} is outside the peer's published regions"
         if problem is not None:
             message = f"refused write to peer {job.peer}: {problem}; nothing was sent"
-            logger.warning(message)
-            raise TransferError(message)
+            raise _logged(TransferError(message))
 
     # -- private: moving entries --------------------------------------------
 
@@ -852,12 +847,20 @@ class MooncakeTransport(KVTransport):
             f"{ctx.peer} failed at {label} ({sum(lengths)} bytes, {len(lengths)} entries): "
             f"{reason}"
         )
-        logger.warning(message)
-        return TransferError(message)
+        return _logged(TransferError(message))
 
 
 # ---------------------------------------------------------------------------
 # Private helpers
+
+
+def _logged(error: _E) -> _E:
+    """Log a refused or failed write (the caller's reply carries the same message) and
+    return the error to raise."""
+    logger.warning(error.message)
+    return error
+
+
 # ---------------------------------------------------------------------------
 
 # 0 is the documented failure id; the upstream source also returns -1 (seen as 2**64 - 1
@@ -885,8 +888,7 @@ def _start_engine(config: TransportConfig) -> TransferEngine:
             f"starting the transfer engine on {config.hostname} over {config.protocol} "
             f"(devices {config.rdma_devices or 'auto'}) failed: initialize returned {rc}"
         )
-        logger.warning(message)
-        raise TransferError(message)
+        raise _logged(TransferError(message))
     return engine
 
 
