@@ -5,13 +5,47 @@ KV."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import torch
+from mini_server import ServerHandle, ServerSpec, start_servers
 from sglang_kv_migration.client import MigrationClient
 
 HTTP_TIMEOUT_S = 120.0
+
+
+@dataclass
+class ServerPair:
+    a: ServerHandle
+    b: ServerHandle
+    start_s: float  # how long starting both took
+
+
+@contextlib.contextmanager
+def server_pair(spec_a: ServerSpec, spec_b: ServerSpec, timeout_s: float) -> Iterator[ServerPair]:
+    """Two mini servers started together (each rank a process), stopped on exit."""
+    t0 = time.monotonic()
+    a, b = start_servers([spec_a, spec_b], timeout_s=timeout_s)
+    try:
+        yield ServerPair(a, b, time.monotonic() - t0)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll `check` (bounded) until it holds; True if it did."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return check()
 
 
 class Recorder:

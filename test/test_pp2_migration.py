@@ -17,20 +17,21 @@ undone on stage 0 too; B's watchdog (decided on stage 0) frees both stages.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from mini_server import ServerHandle, ServerSpec, start_servers
+from mini_server import ServerHandle, ServerSpec
 from multi_rank import (
     Recorder,
+    ServerPair,
     aligned,
     kv_equal,
     migrate_into_injected_failure,
     post,
+    server_pair,
     session_info,
+    wait_until,
 )
 
 PP = 2
@@ -47,47 +48,26 @@ TARGET_WATCHDOG_S = 8.0
 START_S = 420.0
 
 
-@dataclass
-class Servers:
-    a: ServerHandle
-    b: ServerHandle
-
-
-def wait_until(check, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.2)
-    return check()
-
-
 @pytest.fixture(scope="module")
-def servers() -> Iterator[Servers]:
-    a, b = start_servers(
-        [
-            ServerSpec(pp_size=PP, preload=[(GOOD_IDS, 1)]),
-            ServerSpec(
-                pp_size=PP,
-                preload=[(BROKEN_IDS, 2)],
-                broken_transport_rank=1,  # stage 1
-                small_host_pool_rank=1,
-                watchdog_timeout_s=TARGET_WATCHDOG_S,
-            ),
-        ],
+def servers() -> Iterator[ServerPair]:
+    with server_pair(
+        ServerSpec(pp_size=PP, preload=[(GOOD_IDS, 1)]),
+        ServerSpec(
+            pp_size=PP,
+            preload=[(BROKEN_IDS, 2)],
+            broken_transport_rank=1,  # stage 1
+            small_host_pool_rank=1,
+            watchdog_timeout_s=TARGET_WATCHDOG_S,
+        ),
         timeout_s=START_S,
-    )
-    try:
-        yield Servers(a, b)
-    finally:
-        a.stop()
-        b.stop()
+    ) as pair:
+        yield pair
 
 
 # --------------------------------------------------------------------------- tests
 
 
-def test_session_info_gathers_every_stage(servers: Servers) -> None:
+def test_session_info_gathers_every_stage(servers: ServerPair) -> None:
     infos = [session_info(url) for url in (servers.a.url, servers.b.url)]
     for info in infos:
         ranks = info["ranks"]
@@ -102,7 +82,7 @@ def test_session_info_gathers_every_stage(servers: Servers) -> None:
     assert len(sessions) == 2 * PP
 
 
-def test_migrate_pp2_moves_each_stages_layers(servers: Servers) -> None:
+def test_migrate_pp2_moves_each_stages_layers(servers: ServerPair) -> None:
     src, dst = servers.a, servers.b
     ids = aligned(GOOD_IDS, PAGE)
     assert dst.ask_all("held", GOOD_IDS) == [(0, 0)] * PP
@@ -135,7 +115,7 @@ def test_migrate_pp2_moves_each_stages_layers(servers: Servers) -> None:
     assert dst.ask_all("held", GOOD_IDS) == [(len(ids), 0)] * PP
 
 
-def test_transfer_failing_on_one_stage_rolls_back_every_stage(servers: Servers) -> None:
+def test_transfer_failing_on_one_stage_rolls_back_every_stage(servers: ServerPair) -> None:
     src, dst = servers.b, servers.a
     assert dst.ask_all("held", BROKEN_IDS) == [(0, 0)] * PP
     before = dst.ask_all("snapshot")
@@ -153,7 +133,7 @@ def test_transfer_failing_on_one_stage_rolls_back_every_stage(servers: Servers) 
     assert src.ask_all("held", BROKEN_IDS) == [(len(aligned(BROKEN_IDS, PAGE)), 0)] * PP
 
 
-def test_allocation_failing_on_one_stage_is_undone_on_every_stage(servers: Servers) -> None:
+def test_allocation_failing_on_one_stage_is_undone_on_every_stage(servers: ServerPair) -> None:
     dst = servers.b
     before = dst.ask_all("snapshot")
     fps = [r["fingerprint"] for r in session_info(servers.a.url)["ranks"]]
@@ -200,7 +180,7 @@ def allocate(
     return r.json()
 
 
-def test_transfer_missing_a_stage_is_refused_before_any_stage_writes(servers: Servers) -> None:
+def test_transfer_missing_a_stage_is_refused_before_any_stage_writes(servers: ServerPair) -> None:
     src, dst = servers.a, servers.b
     ids = ONE_STAGE_IDS  # held by the source, so only the checks can stop stage 0
     assert src.ask_all("insert", ids, 11) == [True] * PP
@@ -231,7 +211,7 @@ def test_transfer_missing_a_stage_is_refused_before_any_stage_writes(servers: Se
 
 
 def test_bad_grant_for_a_later_stage_is_refused_before_stage_0_writes(
-    servers: Servers,
+    servers: ServerPair,
 ) -> None:
     """Stage 0 checks stage 1's grant too: a transfer whose stage-1 entry carries stage
     0's grant writes nothing anywhere (without that check stage 0 would have written
@@ -271,7 +251,7 @@ def test_bad_grant_for_a_later_stage_is_refused_before_stage_0_writes(
     assert dst.ask_all("snapshot") == dst_baseline
 
 
-def test_commit_needs_every_stages_receipt(servers: Servers) -> None:
+def test_commit_needs_every_stages_receipt(servers: ServerPair) -> None:
     """Stage 0 refuses a commit without stage 1's receipt, and stage 1 follows: nothing
     is inserted on either stage. With both receipts both stages commit."""
     src, dst = servers.a, servers.b
@@ -311,7 +291,7 @@ def test_commit_needs_every_stages_receipt(servers: Servers) -> None:
     assert all(kv_equal(dst_kv[s], src_kv[s]) for s in range(PP))
 
 
-def test_watchdog_on_stage_0_frees_every_stage(servers: Servers) -> None:
+def test_watchdog_on_stage_0_frees_every_stage(servers: ServerPair) -> None:
     dst = servers.b
     before = dst.ask_all("snapshot")
     alloc = allocate(servers.a, dst, WATCHDOG_IDS, "watchdog")

@@ -21,18 +21,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import torch
-from mini_server import ServerHandle, ServerSpec, start_servers
+from mini_server import ServerSpec
 from multi_rank import (
     Recorder,
+    ServerPair,
     aligned,
     kv_equal,
     migrate_into_injected_failure,
     post,
+    server_pair,
     session_info,
+    wait_until,
 )
 
 TP = 2
@@ -47,43 +49,19 @@ TARGET_WATCHDOG_S = 8.0
 START_S = 420.0  # four processes importing SGLang on a slow, shared 2-core machine
 
 
-@dataclass
-class Servers:
-    a: ServerHandle  # healthy; source of the good migration, target of the failing one
-    b: ServerHandle  # rank 1 cannot write; target of the good migration
-    start_s: float
-
-
-def wait_until(check, timeout_s: float) -> bool:
-    """Poll `check` (bounded) until it holds; True if it did."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.2)
-    return check()
-
-
 @pytest.fixture(scope="module")
-def servers() -> Iterator[Servers]:
-    t0 = time.monotonic()
-    a, b = start_servers(
-        [
-            ServerSpec(tp_size=TP, preload=[(GOOD_IDS, 1)]),
-            ServerSpec(
-                tp_size=TP,
-                preload=[(BROKEN_IDS, 2)],
-                broken_transport_rank=1,
-                watchdog_timeout_s=TARGET_WATCHDOG_S,
-            ),
-        ],
+def servers() -> Iterator[ServerPair]:
+    with server_pair(
+        ServerSpec(tp_size=TP, preload=[(GOOD_IDS, 1)]),
+        ServerSpec(
+            tp_size=TP,
+            preload=[(BROKEN_IDS, 2)],
+            broken_transport_rank=1,
+            watchdog_timeout_s=TARGET_WATCHDOG_S,
+        ),
         timeout_s=START_S,
-    )
-    try:
-        yield Servers(a, b, time.monotonic() - t0)
-    finally:
-        a.stop()
-        b.stop()
+    ) as pair:
+        yield pair
 
 
 def as_bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -93,7 +71,7 @@ def as_bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 # --------------------------------------------------------------------------- tests
 
 
-def test_session_info_lists_both_ranks(servers: Servers) -> None:
+def test_session_info_lists_both_ranks(servers: ServerPair) -> None:
     print(f"\ntwo tp{TP} servers started in {servers.start_s:.1f}s")
     for url in (servers.a.url, servers.b.url):
         info = session_info(url)
@@ -118,7 +96,7 @@ def test_session_info_lists_both_ranks(servers: Servers) -> None:
     assert len(sessions) == 2 * TP
 
 
-def test_allocate_lists_kv_indices_for_both_ranks(servers: Servers) -> None:
+def test_allocate_lists_kv_indices_for_both_ranks(servers: ServerPair) -> None:
     target = servers.b
     before = target.ask_all("snapshot")
     source_fps = [r["fingerprint"] for r in session_info(servers.a.url)["ranks"]]
@@ -147,7 +125,7 @@ def test_allocate_lists_kv_indices_for_both_ranks(servers: Servers) -> None:
     assert wait_until(lambda: target.ask_all("snapshot") == before, 30.0)
 
 
-def test_migrate_tp2_moves_each_ranks_bytes(servers: Servers) -> None:
+def test_migrate_tp2_moves_each_ranks_bytes(servers: ServerPair) -> None:
     src, dst = servers.a, servers.b
     ids = aligned(GOOD_IDS, PAGE)
     assert dst.ask_all("held", GOOD_IDS) == [(0, 0)] * TP
@@ -183,7 +161,7 @@ def test_migrate_tp2_moves_each_ranks_bytes(servers: Servers) -> None:
     assert dst.ask_all("held", GOOD_IDS) == [(len(ids), 0)] * TP
 
 
-def test_failure_on_one_rank_rolls_back_every_rank(servers: Servers) -> None:
+def test_failure_on_one_rank_rolls_back_every_rank(servers: ServerPair) -> None:
     src, dst = servers.b, servers.a
     assert dst.ask_all("held", BROKEN_IDS) == [(0, 0)] * TP
     before = dst.ask_all("snapshot")
@@ -207,7 +185,7 @@ def test_failure_on_one_rank_rolls_back_every_rank(servers: Servers) -> None:
     assert src.ask_all("held", BROKEN_IDS) == [(len(aligned(BROKEN_IDS, PAGE)), 0)] * TP
 
 
-def test_watchdog_frees_every_rank(servers: Servers) -> None:
+def test_watchdog_frees_every_rank(servers: ServerPair) -> None:
     dst = servers.b
     before = dst.ask_all("snapshot")
     source_fps = [r["fingerprint"] for r in session_info(servers.a.url)["ranks"]]
@@ -231,7 +209,7 @@ def test_watchdog_frees_every_rank(servers: Servers) -> None:
     assert r.status_code == 410, r.text
 
 
-def test_request_invalid_for_one_rank_is_refused_by_every_rank(servers: Servers) -> None:
+def test_request_invalid_for_one_rank_is_refused_by_every_rank(servers: ServerPair) -> None:
     """A transfer whose target list misses rank 1: the ranks agree it is invalid before
     either touches its tree, so neither pins nor writes back, and nothing deadlocks."""
     src, dst = servers.a, servers.b

@@ -11,11 +11,10 @@ migration from B fails there only and leaves all four ranks of A as they were.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
-from mini_server import ServerHandle, ServerSpec, start_servers
-from multi_rank import aligned, kv_equal
+from mini_server import ServerSpec
+from multi_rank import ServerPair, aligned, kv_equal, server_pair
 from sglang_kv_migration.client import MigrationClient, MigrationFailed
 
 TP, PP = 2, 2
@@ -26,29 +25,17 @@ POSITIONS = [(tp, pp) for pp in range(PP) for tp in range(TP)]  # global rank or
 START_S = 600.0  # eight processes importing SGLang on a small shared machine
 
 
-@dataclass
-class Servers:
-    a: ServerHandle
-    b: ServerHandle
-
-
 @pytest.fixture(scope="module")
-def servers() -> Iterator[Servers]:
-    a, b = start_servers(
-        [
-            ServerSpec(tp_size=TP, pp_size=PP, preload=[(GOOD_IDS, 1)]),
-            ServerSpec(tp_size=TP, pp_size=PP, preload=[(BROKEN_IDS, 2)], broken_transport_rank=3),
-        ],
+def servers() -> Iterator[ServerPair]:
+    with server_pair(
+        ServerSpec(tp_size=TP, pp_size=PP, preload=[(GOOD_IDS, 1)]),
+        ServerSpec(tp_size=TP, pp_size=PP, preload=[(BROKEN_IDS, 2)], broken_transport_rank=3),
         timeout_s=START_S,
-    )
-    try:
-        yield Servers(a, b)
-    finally:
-        a.stop()
-        b.stop()
+    ) as pair:
+        yield pair
 
 
-def test_each_rank_moves_its_own_heads_and_layers(servers: Servers) -> None:
+def test_each_rank_moves_its_own_heads_and_layers(servers: ServerPair) -> None:
     src, dst = servers.a, servers.b
     ids = aligned(GOOD_IDS, PAGE)
     with MigrationClient() as client:
@@ -66,7 +53,7 @@ def test_each_rank_moves_its_own_heads_and_layers(servers: Servers) -> None:
     assert result.migrated_bytes == per_rank * len(POSITIONS)
 
 
-def test_failure_on_one_rank_of_one_stage_rolls_back_every_rank(servers: Servers) -> None:
+def test_failure_on_one_rank_of_one_stage_rolls_back_every_rank(servers: ServerPair) -> None:
     src, dst = servers.b, servers.a
     before = dst.ask_all("snapshot")
     with MigrationClient() as client, pytest.raises(MigrationFailed) as failed:
