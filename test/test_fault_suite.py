@@ -17,6 +17,7 @@ import httpx
 import pytest
 from conftest import FAULT_PAIR_KEY
 from mini_server import ServerHandle, ServerSpec, start_servers
+from multi_rank import wait_until
 from sglang_kv_migration.client import AsyncMigrationClient, MigrationClient, MigrationFailed
 
 PAGE = 16
@@ -28,15 +29,6 @@ def _seqs(base: int) -> list[list[int]]:
     return [
         list(range(base + 1000 * i, base + 1000 * i + (2 + i % 3) * PAGE)) for i in range(PER_SIDE)
     ]
-
-
-def _wait_for(check: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.2)
-    return check()
 
 
 @pytest.fixture
@@ -111,7 +103,7 @@ def test_a_target_killed_mid_migration_leaves_the_source_clean() -> None:
         assert info.value.phase == "transfer"
         assert not info.value.rolled_back  # the target is gone: nothing to roll back
         # The source unpinned everything and keeps serving.
-        assert _wait_for(lambda: source.ask(0, "snapshot") == baseline, 60.0)
+        assert wait_until(lambda: source.ask(0, "snapshot") == baseline, 60.0)
         info_reply = httpx.post(source.url + "/get_transfer_session_info", timeout=10)
         assert info_reply.status_code == 200
     finally:
@@ -140,7 +132,7 @@ def test_a_source_killed_after_allocate_is_cleaned_up_by_the_watchdog() -> None:
         # The client's abort came without a receipt: quarantined, then freed after the
         # write window (0.5 s grant + 2 x 2 s transfer timeout); locks released at once.
         assert target.ask(0, "snapshot").total_lock_ref == baseline.total_lock_ref
-        assert _wait_for(lambda: target.ask(0, "snapshot") == baseline, 30.0)
+        assert wait_until(lambda: target.ask(0, "snapshot") == baseline, 30.0)
         assert sum(target.ask(0, "held", ids)) == 0
     finally:
         source.stop()
@@ -181,7 +173,7 @@ def test_commit_racing_the_watchdog_is_all_or_nothing() -> None:
                     assert sum(target.ask(0, "held", seq)) == len(seq)
                     committed += len(seq)
         # Quarantined slots of expired migrations come back once their windows close.
-        assert _wait_for(
+        assert wait_until(
             lambda: target.ask(0, "snapshot").host_available == baseline.host_available - committed,
             30.0,
         )

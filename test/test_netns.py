@@ -22,13 +22,13 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import cpu_harness
 import httpx
 import pytest
 from mini_server import ServerHandle, ServerSpec, start_servers
-from multi_rank import host_transfer_body
+from multi_rank import host_transfer_body, wait_until
 from sglang_kv_migration.client import MigrationClient, MigrationFailed
 
 pytestmark = pytest.mark.skipif(
@@ -49,15 +49,6 @@ LATE_WRITE_MARGIN_S = 4.0
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def _wait_for(check: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.2)
-    return check()
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +128,8 @@ def test_a_cut_link_fails_only_that_migration(hosts, servers) -> None:
         _ip("link", "set", link, "up")
     # The source gave back its pins; the target's allocation is freed by the watchdog (the
     # abort could not reach it) and its slots after the write window.
-    assert _wait_for(lambda: source.ask(0, "snapshot") == source_base, 30.0)
-    assert _wait_for(lambda: target.ask(0, "snapshot") == target_base, 60.0)
+    assert wait_until(lambda: source.ask(0, "snapshot") == source_base, 30.0)
+    assert wait_until(lambda: target.ask(0, "snapshot") == target_base, 60.0)
     assert sum(target.ask(0, "held", SECOND)) == 0
     # The link is back: migrations work again once TCP has retransmitted on the old
     # connection (its back-off can outlast the first attempts), within a bounded wait.
@@ -152,7 +143,7 @@ def test_a_cut_link_fails_only_that_migration(hosts, servers) -> None:
                 return False
         return True
 
-    assert _wait_for(migrated, 90.0), "no migration succeeded after the link came back"
+    assert wait_until(migrated, 90.0), "no migration succeeded after the link came back"
     assert results[-1].migrated_token_size == len(THIRD)
     assert _same_kv(source, target, THIRD)
 
@@ -231,7 +222,7 @@ def _guard_quarantine(target: ServerHandle, slots: list[int], thread: threading.
 
 def _assert_no_late_write(target: ServerHandle, slots: list[int]) -> None:
     """Once the write window is over, the freed slots' bytes stay as they are."""
-    assert _wait_for(lambda: target.ask(0, "free_overlap", slots) == len(slots), 30.0)
+    assert wait_until(lambda: target.ask(0, "free_overlap", slots) == len(slots), 30.0)
     before = target.ask(0, "slot_digest", slots)
     time.sleep(LATE_WRITE_MARGIN_S + 1.0)
     assert target.ask(0, "slot_digest", slots) == before, "a late write landed in freed slots"
@@ -252,8 +243,8 @@ def test_abort_while_bytes_are_on_the_wire_leaves_freed_slots_alone(hosts, serve
         assert _guard_quarantine(target, slots, thread) >= 1
     assert "reply" in result
     _assert_no_late_write(target, slots)
-    assert _wait_for(lambda: target.ask(0, "snapshot") == target_base, 30.0)
-    assert _wait_for(lambda: source.ask(0, "snapshot") == source_base, 30.0)
+    assert wait_until(lambda: target.ask(0, "snapshot") == target_base, 30.0)
+    assert wait_until(lambda: source.ask(0, "snapshot") == source_base, 30.0)
     assert sum(target.ask(0, "held", BIG[0])) == 0
 
 
@@ -276,8 +267,8 @@ def test_a_link_cut_while_bytes_are_on_the_wire_fails_only_that_migration(hosts,
     # The abort could not reach the target: its watchdog frees the allocation and its
     # slots come back after the write window. (Whether bytes of the cut stream land
     # after that is `test_a_stream_resumed_after_its_timeout_writes_late`.)
-    assert _wait_for(lambda: source.ask(0, "snapshot") == source_base, 30.0)
-    assert _wait_for(lambda: target.ask(0, "snapshot") == target_base, 30.0)
+    assert wait_until(lambda: source.ask(0, "snapshot") == source_base, 30.0)
+    assert wait_until(lambda: target.ask(0, "snapshot") == target_base, 30.0)
     assert sum(target.ask(0, "held", BIG[1])) == 0
     results: list = []
 
@@ -289,7 +280,7 @@ def test_a_link_cut_while_bytes_are_on_the_wire_fails_only_that_migration(hosts,
                 return False
         return True
 
-    assert _wait_for(migrated, 90.0), "no migration succeeded after the link came back"
+    assert wait_until(migrated, 90.0), "no migration succeeded after the link came back"
     assert _same_kv(source, target, AFTER_CUT)
     assert time.monotonic() - started < 120.0
 
@@ -313,7 +304,7 @@ def test_flush_while_bytes_are_on_the_wire_leaves_freed_slots_alone(hosts, serve
     assert flushed.total_lock_ref == 0 and flushed.total_host_ref == 0
     committed = httpx.post(target.url + "/commit", json={"migration_id": mid}, timeout=10)
     assert committed.status_code == 410, committed.text
-    assert _wait_for(lambda: source.ask(0, "snapshot") == source_base, 30.0)
+    assert wait_until(lambda: source.ask(0, "snapshot") == source_base, 30.0)
 
 
 @pytest.mark.xfail(
@@ -333,7 +324,7 @@ def test_a_stream_resumed_after_its_timeout_writes_late(hosts, servers) -> None:
             thread.join(30.0)
             assert not result["reply"]["success"]
             # The link stays down until the write window closed and the slots are free.
-            assert _wait_for(lambda: target.ask(0, "free_overlap", slots) == len(slots), 30.0)
+            assert wait_until(lambda: target.ask(0, "free_overlap", slots) == len(slots), 30.0)
             before = target.ask(0, "slot_digest", slots)
         finally:
             _ip("link", "set", link, "up")
