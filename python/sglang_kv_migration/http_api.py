@@ -294,21 +294,10 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     return router
 
 
-def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
-    """Hook: add the routes to SGLang's app before the HTTP server starts."""
+def add_routes_to_sglang_app() -> None:
+    """Add the routes to SGLang's own FastAPI app, once (`plugin.before_launch_server`)."""
     from sglang.srt.entrypoints import http_server
 
-    from sglang_kv_migration.server_args import kv_migration_enabled
-
-    if kv_migration_enabled(server_args):
-        from sglang_kv_migration.plugin import missing_hooks
-
-        missing = missing_hooks()
-        if missing:
-            raise RuntimeError(
-                "sglang-kv-migration could not hook into this SGLang (expected "
-                f"sglang==0.5.12); not installed on: {', '.join(missing)}"
-            )
     if not any(getattr(r, "path", None) == "/commit" for r in http_server.app.routes):
         add_routes(http_server.app, _sglang_backend)
 

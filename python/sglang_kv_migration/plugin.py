@@ -16,26 +16,73 @@ Hooks (targets are named in `upstream.py`):
 - AROUND `Scheduler.maybe_sleep_on_idle`: with `--sleep-on-idle`, keep the loop awake
   while a migration is in flight or pending (its replies come from the poll);
 - AFTER `TokenizerControlMixin.init_communicators`: one communicator per operation;
-- BEFORE `http_server.launch_server`: add the HTTP routes to SGLang's FastAPI app.
+- BEFORE `http_server.launch_server`: check that every hook above is installed, then add
+  the HTTP routes to SGLang's FastAPI app.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sglang_kv_migration import upstream
+from sglang_kv_migration import sglang_adapter, upstream
 
 logger = logging.getLogger(__name__)
 
 
 def register() -> None:
     """Register every hook. Idempotent: a second call registers nothing more."""
-    from sglang_kv_migration import communicators, http_api, scheduler_hooks
+    for target, hook, hook_type in _hook_table():
+        if not any(h is hook for h in sglang_adapter.registered_hooks(target)):
+            HookRegistry.register(target, hook, hook_type)
+
+
+def missing_hooks() -> list[str]:
+    """Hook targets whose installed object does not (yet) carry our hook.
+
+    The registry logs and carries on when a target cannot be patched; this lets start-up
+    fail loudly instead (`before_launch_server`, the last hook to run).
+    """
+    missing = []
+    for target, hook, _hook_type in _hook_table():
+        try:
+            installed = upstream.resolve(target)
+        except (ImportError, AttributeError):
+            missing.append(target)
+            continue
+        if installed is not hook and not _wraps_hook(installed, hook):
+            missing.append(target)
+    return missing
+
+
+def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """Hook: refuse to serve with a hook missing, then add the routes to SGLang's app."""
+    from sglang_kv_migration import http_api
+    from sglang_kv_migration.server_args import kv_migration_enabled
+
+    if kv_migration_enabled(server_args):
+        missing = missing_hooks()
+        if missing:
+            raise RuntimeError(
+                "sglang-kv-migration could not hook into this SGLang (expected "
+                f"sglang=={upstream.SGLANG_VERSION}); not installed on: {', '.join(missing)}"
+            )
+    http_api.add_routes_to_sglang_app()
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _hook_table() -> list[tuple[str, object, HookType]]:
+    """(target, hook, type) for every hook, in registration order: the one list both
+    `register` and `missing_hooks` read. Imported here, not at module level: SGLang loads
+    this module in every process before it parses arguments."""
+    from sglang_kv_migration import communicators, scheduler_hooks
     from sglang_kv_migration.server_args import KVMigrationServerArgs
 
-    for target, hook, hook_type in (
+    return [
         (upstream.SERVER_ARGS_CLASS, KVMigrationServerArgs, HookType.REPLACE),
         (upstream.SCHEDULER_INIT_IPC, scheduler_hooks.after_init_ipc_channels, HookType.AFTER),
         (
@@ -54,56 +101,14 @@ def register() -> None:
             scheduler_hooks.around_session_held_tokens,
             HookType.AROUND,
         ),
-        (
-            upstream.SCHEDULER_SLEEP_ON_IDLE,
-            scheduler_hooks.around_sleep_on_idle,
-            HookType.AROUND,
-        ),
+        (upstream.SCHEDULER_SLEEP_ON_IDLE, scheduler_hooks.around_sleep_on_idle, HookType.AROUND),
         (
             upstream.TOKENIZER_INIT_COMMUNICATORS,
             communicators.after_init_communicators,
             HookType.AFTER,
         ),
-        (upstream.HTTP_LAUNCH_SERVER, http_api.before_launch_server, HookType.BEFORE),
-    ):
-        if not _is_registered(target, hook):
-            HookRegistry.register(target, hook, hook_type)
-
-
-def missing_hooks() -> list[str]:
-    """Hook targets whose installed object does not (yet) carry our hook.
-
-    The registry logs and carries on when a target cannot be patched; this lets start-up
-    fail loudly instead (see `server_args.KVMigrationServerArgs.__post_init__`).
-    """
-    from sglang_kv_migration import communicators, http_api, scheduler_hooks
-    from sglang_kv_migration.server_args import KVMigrationServerArgs
-
-    expected = {
-        upstream.SERVER_ARGS_CLASS: KVMigrationServerArgs,
-        upstream.SCHEDULER_INIT_IPC: scheduler_hooks.after_init_ipc_channels,
-        upstream.SCHEDULER_INIT_DISPATCHER: scheduler_hooks.after_init_request_dispatcher,
-        upstream.SCHEDULER_PROCESS_INPUT: scheduler_hooks.after_process_input_requests,
-        upstream.SCHEDULER_FLUSH_CACHE: scheduler_hooks.around_flush_cache,
-        upstream.SCHEDULER_SESSION_HELD_TOKENS: scheduler_hooks.around_session_held_tokens,
-        upstream.SCHEDULER_SLEEP_ON_IDLE: scheduler_hooks.around_sleep_on_idle,
-        upstream.TOKENIZER_INIT_COMMUNICATORS: communicators.after_init_communicators,
-        upstream.HTTP_LAUNCH_SERVER: http_api.before_launch_server,
-    }
-    missing = []
-    for target, hook in expected.items():
-        try:
-            installed = upstream.resolve(target)
-        except (ImportError, AttributeError):
-            missing.append(target)
-            continue
-        if installed is not hook and not _wraps_hook(installed, hook):
-            missing.append(target)
-    return missing
-
-
-def _is_registered(target: str, hook: object) -> bool:
-    return any(h is hook for _type, h, _src in HookRegistry._hooks.get(target, []))
+        (upstream.HTTP_LAUNCH_SERVER, before_launch_server, HookType.BEFORE),
+    ]
 
 
 def _wraps_hook(fn: object, hook: object) -> bool:

@@ -4,8 +4,9 @@ They set two attributes on every scheduler: `kv_migration` (this rank's
 `MigrationSchedulerSide`, or None) and `kv_migration_stage_reply` (a later PP stage's
 sender to the tokenizer manager, or None).
 
-Both read only the scheduler's public attributes, so tests can drive them with a small
-stand-in loop that has the same attributes (`test/mini_scheduler.py`).
+What they read of the scheduler goes through `sglang_adapter.SchedulerView`, so tests
+drive them with stand-in objects that have the same attributes (`test/test_plugin.py`,
+the mini servers of `test/mini_server.py`).
 """
 
 from __future__ import annotations
