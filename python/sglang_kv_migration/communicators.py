@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.errors import ErrorKind
 from sglang_kv_migration.io_types import REQUEST_TYPES, AbortTransferReqInput
 from sglang_kv_migration.pp_stages import merge_stage_replies, needs_rollback
@@ -112,8 +113,6 @@ def after_init_communicators(_result: None, tokenizer_manager: Any, server_args:
     tokenizer_manager.kv_migration_communicators = None
     if not kv_migration_enabled(server_args):
         return
-    from sglang.utils import TypeBasedDispatcher
-
     comms = KVMigrationCommunicators(
         tokenizer_manager.send_to_scheduler,
         before_call=tokenizer_manager.auto_create_handle_loop,
@@ -121,4 +120,4 @@ def after_init_communicators(_result: None, tokenizer_manager: Any, server_args:
         pp_size=server_args.pp_size,
     )
     tokenizer_manager.kv_migration_communicators = comms
-    tokenizer_manager._result_dispatcher += TypeBasedDispatcher(comms.result_handlers)
+    sglang_adapter.add_result_handlers(tokenizer_manager, comms.result_handlers)

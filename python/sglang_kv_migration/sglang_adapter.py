@@ -523,6 +523,21 @@ def add_request_handlers(scheduler: Any, handlers: list[tuple[type, Any]]) -> No
     scheduler._request_dispatcher += TypeBasedDispatcher(handlers)
 
 
+def add_result_handlers(tokenizer_manager: Any, handlers: list[tuple[type, Any]]) -> None:
+    """Append handlers to the tokenizer manager's reply `TypeBasedDispatcher`."""
+    from sglang.utils import TypeBasedDispatcher
+
+    tokenizer_manager._result_dispatcher += TypeBasedDispatcher(handlers)
+
+
+def registered_hooks(target: str) -> list[object]:
+    """The hook callables SGLang's `HookRegistry` holds for `target` (registered, maybe not
+    applied yet). The registry has no public reader; this is its one private read."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return [hook for _type, hook, _source in HookRegistry._hooks.get(target, [])]
+
+
 def is_hiradix_cache(cache: object) -> bool:
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 
