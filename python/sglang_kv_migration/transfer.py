@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import abc
 import bisect
+import contextlib
 import itertools
 import logging
 import os
@@ -46,7 +47,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -113,7 +114,8 @@ class TransportConfig:
 
     hostname: the address peers use to reach this process, without a port (the engine
         binds its own RPC port; `session_id` carries it).
-    protocol: "tcp" sets MC_FORCE_TCP=1 in this process's environment; "rdma" clears it.
+    protocol: "tcp" sets MC_FORCE_TCP=1 while the engine initializes; "rdma" clears it
+        then (the process's environment is restored afterwards).
     rdma_devices: comma-separated HCA names for "rdma"; empty lets Mooncake use every HCA it
         finds (its auto-detection), which is right on most single-NIC-per-GPU hosts.
     max_entries_per_batch: entries per engine batch; keep it at most 1024 for TCP.
@@ -868,6 +870,27 @@ def _logged(error: _E) -> _E:
 _FAILED_BATCH_IDS = frozenset({0, 2**64 - 1})
 
 
+@contextlib.contextmanager
+def _force_tcp(tcp: bool) -> Iterator[None]:
+    """MC_FORCE_TCP set (tcp) or unset (rdma) while the engine initializes, then as it was.
+
+    The engine ignores its protocol argument and picks RDMA whenever an HCA is visible,
+    unless MC_FORCE_TCP is set; it reads the variable only while initializing, so the
+    rest of the process (and another engine started later) keeps its own environment."""
+    before = os.environ.get("MC_FORCE_TCP")
+    if tcp:
+        os.environ["MC_FORCE_TCP"] = "1"
+    else:
+        os.environ.pop("MC_FORCE_TCP", None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MC_FORCE_TCP", None)
+        else:
+            os.environ["MC_FORCE_TCP"] = before
+
+
 def _start_engine(config: TransportConfig) -> TransferEngine:
     try:
         from mooncake.engine import TransferEngine
@@ -875,14 +898,11 @@ def _start_engine(config: TransportConfig) -> TransferEngine:
         raise TransferError(
             "mooncake is not installed: install sglang-kv-migration[gpu] (or [cpu])"
         ) from exc
-    # The engine ignores its protocol argument and picks RDMA whenever an HCA is visible,
-    # unless MC_FORCE_TCP is set; it reads the variable while initializing.
-    if config.protocol == "tcp":
-        os.environ["MC_FORCE_TCP"] = "1"
-    else:
-        os.environ.pop("MC_FORCE_TCP", None)
     engine = TransferEngine()
-    rc = engine.initialize(config.hostname, "P2PHANDSHAKE", config.protocol, config.rdma_devices)
+    with _force_tcp(config.protocol == "tcp"):
+        rc = engine.initialize(
+            config.hostname, "P2PHANDSHAKE", config.protocol, config.rdma_devices
+        )
     if rc != 0:
         message = (
             f"starting the transfer engine on {config.hostname} over {config.protocol} "
