@@ -381,6 +381,35 @@ class DevicePath(DataPath):
         except Exception:  # Triton cannot build the kernel here: torch copies instead
             logger.exception("fused page copy unavailable; using torch copies")
             self._fused = False
+        self._warm_up_host_tier()
+
+    def _warm_up_host_tier(self) -> None:
+        """Build the strided kernel with the argument values a host-tier copy will pass
+        (Triton specializes on them): host page 0 into a scratch page per buffer."""
+        if self._host_ptrs is None or not self._fused or self._host.geometry.is_contiguous:
+            return
+        import torch
+
+        into = page_copy.PageGeometry.contiguous(self.page_size, self.row_bytes[0])
+        scratch = [
+            torch.empty(into.page_bytes, dtype=torch.uint8, device=self.device)
+            for _ in self.buffers
+        ]
+        page = torch.zeros(1, dtype=torch.int64, device=self.device)
+        try:
+            with torch.cuda.stream(self._stream):
+                page_copy.copy_pages_strided(
+                    self._host_ptrs,
+                    _pointer_table(scratch, self.device),
+                    page,
+                    page,
+                    self._host.geometry,
+                    into,
+                )
+            self._stream.synchronize()
+        except Exception:  # Triton cannot build the kernel here: torch copies instead
+            logger.exception("fused host page copy unavailable; using torch copies")
+            self._fused = False
 
 
 class DeviceSendJob(SendJob):
