@@ -203,10 +203,16 @@ def _round(
 
 
 def _migrate_and_serve(
-    client: MigrationClient, source: str, target: str, prompt: list[int], path: str
+    client: MigrationClient,
+    source: str,
+    target: str,
+    prompt: list[int],
+    path: str,
+    auto: bool = False,
 ) -> dict[str, Any]:
+    """`auto`: let the client choose (it must choose `path`)."""
     t0 = time.perf_counter()
-    r = client.migrate(source, target, prompt[:-1], path=path)
+    r = client.migrate(source, target, prompt[:-1], path=None if auto else path)
     wall_s = time.perf_counter() - t0
     served, ttft_s = timed_generate(target, prompt, 1)
     if r.path != path:
@@ -225,6 +231,7 @@ def _migrate_and_serve(
         "ttft_ms": ttft_s * 1e3,
         "cached_tokens": cached_tokens(served),
         "cached_details": cached_details(served),
+        "transfer_steps_ms": r.transfer_steps_ms,
     }
 
 

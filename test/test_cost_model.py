@@ -153,3 +153,46 @@ def test_bytes_per_token_from_session_info() -> None:
         ]
     }
     assert bytes_per_token_from_session_info(info) == 512
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def test_route_bytes_by_path_and_tier():
+    from sglang_kv_migration.cost_model import route_bytes
+
+    held = {"matched_token_size": 100, "device_token_size": 40}
+    assert route_bytes("device", held, 2.0) == {"gpu_to_gpu": 80, "host_to_gpu": 120}
+    assert route_bytes("host", held, 2.0) == {"host_to_host": 200}
+
+
+def test_routes_combine_rates_and_fixed_costs():
+    from sglang_kv_migration.cost_model import RouteCost, migration_costs_for_routes
+
+    routes = {"gpu_to_gpu": RouteCost(1000.0, 0.5), "host_to_gpu": RouteCost(100.0, 0.25)}
+    costs = migration_costs_for_routes({"gpu_to_gpu": 1000, "host_to_gpu": 100}, routes)
+    # 1 s + 1 s for 1100 bytes, behind the larger fixed cost.
+    assert costs.bandwidth_bytes_per_s == pytest.approx(550.0)
+    assert costs.overhead_s == 0.5
+    model = CostModel(migration=costs, prefill=PrefillCosts(seconds_per_token=1.0))
+    assert model.estimate(3, nbytes=1100).migrate_s == pytest.approx(2.5)
+    only_host = migration_costs_for_routes({"gpu_to_gpu": 0, "host_to_gpu": 100}, routes)
+    assert (only_host.bandwidth_bytes_per_s, only_host.overhead_s) == (100.0, 0.25)
+    with pytest.raises(ValueError, match="host_to_host"):
+        migration_costs_for_routes({"host_to_host": 1}, routes)
+
+
+def test_route_priors_favour_the_device_path_for_host_held_prefixes():
+    # A 32K prefix of an 8B model held on the source's host tier: host -> GPU beats
+    # host -> host by more than 10x with the measured priors.
+    from sglang_kv_migration.cost_model import migration_costs_for_routes, route_bytes
+
+    held = {"matched_token_size": 32768, "device_token_size": 0}
+    per_token = 131072.0
+    device = CostModel(
+        migration=migration_costs_for_routes(route_bytes("device", held, per_token))
+    ).estimate(32768, nbytes=round(32768 * per_token))
+    host = CostModel(
+        migration=migration_costs_for_routes(route_bytes("host", held, per_token))
+    ).estimate(32768, nbytes=round(32768 * per_token))
+    assert device.migrate_s * 10 < host.migrate_s

@@ -116,8 +116,9 @@ class MigrationClient:
     ) -> MigrationResult:
         """Move the KV of the longest prefix of `input_ids` the source holds.
 
-        `path`: None/"auto" prefers the device path (same host, pages on the source's
-        GPU) and falls back to the host path, recording why in `fallback_reason`;
+        `path`: None/"auto" prefers the device path (same host; pages on the source's
+        GPU or, where it reads them in place, its host pool) and falls back to the host
+        path, recording why in `fallback_reason`;
         "device" or "host" uses only that path. `verify`: the target checks a digest of
         what landed against the source's before inserting (a mismatch fails the commit
         with 409 and inserts nothing); costs one hash pass over the bytes on each side.
@@ -521,11 +522,13 @@ def _device_refusal(
     hosts |= {r["paths"]["device"]["host_identity"] for r in target_info["ranks"]}
     if len(hosts) != 1:
         return "servers are on different hosts"
-    if held.get("device_token_size", 0) < held["matched_token_size"]:
-        return (
-            f"source holds {held['matched_token_size'] - held.get('device_token_size', 0)} "
-            "of the tokens on host only"
-        )
+    host_only = held["matched_token_size"] - held.get("device_token_size", 0)
+    # Issue 19: a source that reads its host pool in place (`tiers` lists "host") sends
+    # host-only pages on the device path too; older sources read device pages only.
+    if host_only > 0 and not all(
+        "host" in r["paths"]["device"].get("tiers", ()) for r in source_info["ranks"]
+    ):
+        return f"source holds {host_only} of the tokens on host only (it reads device pages only)"
     return ""
 
 

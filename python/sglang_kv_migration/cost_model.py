@@ -132,6 +132,67 @@ class CostModel:
         return dataclasses.replace(base, migration=migration, prefill=prefill)
 
 
+# --------------------------------------------------------------------------- routes
+
+# How a migration's bytes travel. The device path (one host) copies the pages the
+# source holds on its GPU GPU -> GPU and those only in its host pool host -> GPU, one
+# after the other on one stream; the host path moves everything host -> host.
+GPU_TO_GPU = "gpu_to_gpu"
+HOST_TO_GPU = "host_to_gpu"
+HOST_TO_HOST = "host_to_host"
+
+
+@dataclass(frozen=True)
+class RouteCost:
+    bandwidth_bytes_per_s: float
+    overhead_s: float  # fixed cost of a migration that takes this route (control plane)
+
+
+# Priors measured on the H200 (issue 19, Llama-3-8B shape): the page kernel GPU -> GPU
+# ~1.7 TB/s, pinned host -> GPU 51.3 GB/s (93% of PCIe Gen5); one 8K device-path
+# migration 43 ms end to end, so ~40 ms is fixed; Mooncake TCP over loopback 3.4 GB/s.
+ROUTE_PRIORS: Mapping[str, RouteCost] = {
+    GPU_TO_GPU: RouteCost(1.7e12, 0.04),
+    HOST_TO_GPU: RouteCost(51.3e9, 0.04),
+    HOST_TO_HOST: RouteCost(3.4e9, DEFAULT_MIGRATION_OVERHEAD_S),
+}
+
+
+def route_bytes(path: str, held: Mapping[str, Any], bytes_per_token: float) -> dict[str, int]:
+    """Bytes per route for moving what the size query `held` reports (tokens held beyond
+    what the target has are approximated by the source's tiers: device first)."""
+    total = int(held.get("matched_token_size", 0))
+    on_device = min(total, int(held.get("device_token_size", 0)))
+    if path == "host":
+        return {HOST_TO_HOST: round(total * bytes_per_token)}
+    return {
+        GPU_TO_GPU: round(on_device * bytes_per_token),
+        HOST_TO_GPU: round((total - on_device) * bytes_per_token),
+    }
+
+
+def migration_costs_for_routes(
+    nbytes_by_route: Mapping[str, int],
+    routes: Mapping[str, RouteCost] = ROUTE_PRIORS,
+    bytes_per_token: float | None = None,
+) -> MigrationCosts:
+    """One `MigrationCosts` for bytes that take several routes in turn: the largest fixed
+    cost of the routes used, and the bandwidth that moves all bytes in the summed time."""
+    used = {r: n for r, n in nbytes_by_route.items() if n > 0}
+    if not used:
+        return MigrationCosts(overhead_s=0.0, bytes_per_token=bytes_per_token, origin="routes")
+    unknown = set(used) - set(routes)
+    if unknown:
+        raise ValueError(f"no cost for route(s) {sorted(unknown)}")
+    seconds = sum(n / routes[r].bandwidth_bytes_per_s for r, n in used.items())
+    return MigrationCosts(
+        bandwidth_bytes_per_s=sum(used.values()) / seconds,
+        overhead_s=max(routes[r].overhead_s for r in used),
+        bytes_per_token=bytes_per_token,
+        origin="routes",
+    )
+
+
 # --------------------------------------------------------------------------- learning
 
 

@@ -10,10 +10,17 @@ Source (push): opens the target's per-layer KV buffers once per target instance
 side stream that first waits for the streams that may still write those pages. The
 reply is sent once the copy's CUDA event has completed; the lock is held until then.
 
+Any tier (`tiers.py`): pages the source holds only in its pinned host pool (evicted from
+its GPU) are read in place by the source's GPU through unified addressing and written
+into the same target slots, one launch per tier, in the same migration; their host
+nodes are protected from host eviction until the copy's event. Advertised as
+`tiers: ["device", "host"]`; without a readable host pool (not pinned, a layout the
+kernel cannot address) only `["device"]`, and such ranges are refused.
+
 Refused (the client then falls back to the host path): no CUDA, `--enable-memory-saver`
 (its KV pools are virtual-memory mappings released and resumed around training steps, so
 an IPC mapping would not survive a release), another host, a GPU this process cannot
-see, or a source range that is only partly on the source's GPU.
+see, or host pages this server cannot read in place.
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ import logging
 import time
 import uuid
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from sglang_kv_migration import cuda_ipc, page_copy, sglang_adapter, verify
+from sglang_kv_migration import cuda_ipc, page_copy, sglang_adapter, tiers, verify
 from sglang_kv_migration.data_path import DEVICE, DataPath, KVPoll, SendJob, SendRange, SendStats
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 
@@ -85,6 +93,12 @@ class DevicePath(DataPath):
         # One fused launch moves every buffer when all have the same row size (MHA with
         # equal K/V head dims, MLA); otherwise two torch launches per buffer.
         self._fused = len(set(self.row_bytes)) == 1 and self.row_bytes[0] % 8 == 0
+        self._host, self._host_refusal = self._host_tier()
+        self._host_ptrs: Any = None
+        if self._host is not None and self.device.type == "cuda":
+            self._host_ptrs = torch.tensor(
+                self._host.addresses(), dtype=torch.int64, device=self.device
+            )
         self.warm_up()
 
     # ------------------------------------------------------------------ both roles
@@ -97,6 +111,8 @@ class DevicePath(DataPath):
             "row_bytes": self.row_bytes,
             "num_rows": self.num_rows,
             "buffers": self._exported,
+            # Tiers this source copies from (absent: a server that reads device pages only).
+            "tiers": [tiers.DEVICE_TIER] + ([tiers.HOST_TIER] if self._host is not None else []),
         }
 
     def close(self) -> None:
@@ -143,23 +159,18 @@ class DevicePath(DataPath):
                 ErrorKind.BAD_REQUEST, "target_per_rank has no device_kv for the device path"
             )
         opening = self._open_peer(peer)
-        held = sglang_adapter.match_device_prefix(
-            self.cache, send.input_ids[: send.end], send.extra_key
-        )
-        if held.length < send.end:
+        tiered = prepare_tiered_send(self.cache, send, self.page_size)
+        if tiered.plan.tokens(tiers.HOST_TIER) and self._host is None:
             raise MigrationError(
                 ErrorKind.CONFLICT,
-                f"source holds only {held.length} of {send.end} tokens on its GPU (the rest "
-                "is on host only or evicted); the device path needs them on device: use "
+                f"source holds {tiered.plan.tokens(tiers.HOST_TIER)} of the tokens on host "
+                f"only and cannot read its host pool in place ({self._host_refusal}): use "
                 "the host path",
             )
-        src_pages = _pages_of(held.indices[send.start : send.end], self.page_size, "source")
-        dst_pages = _pages_of(send.target_slots, self.page_size, "target")
-        self.cache.inc_lock_ref(held.last_node)
-        job = DeviceSendJob(self.cache, held.last_node)
+        job = DeviceSendJob(TierPin.take(self.cache, tiered.prefix))
         job.stats.bytes = (send.end - send.start) * self.bytes_per_token
         if send.verify:
-            job.digest_rows = (self.buffers, held.indices[send.start : send.end])
+            job.digest_pieces = self._digest_pieces(tiered.plan)
 
         def launch() -> None:
             # On the scheduler thread, once the peer's buffers are open (at once when they
@@ -171,7 +182,7 @@ class DevicePath(DataPath):
                     "opened; nothing was written",
                 )
             dst = self._checked_peer(opening.result(), peer)
-            job.launched(*self._launch(src_pages, dst, dst_pages))
+            job.launched(*self._launch(tiered.plan, dst))
 
         job.launch_when(opening, launch)
         try:
@@ -239,22 +250,20 @@ class DevicePath(DataPath):
         return opened
 
     def _launch(
-        self,
-        src_pages: torch.Tensor,
-        dst: cuda_ipc.OpenedPeer,
-        dst_pages: torch.Tensor,
-    ) -> tuple[Any, Any]:
-        """Enqueue the copy on the side stream; returns its (start, end) CUDA events."""
+        self, plan: tiers.TierPlan, dst: cuda_ipc.OpenedPeer
+    ) -> tuple[Any, Any, dict[str, tuple[Any, Any]]]:
+        """Enqueue one copy per tier on the side stream; returns the (start, end) CUDA
+        events of the whole copy and of each tier."""
         import torch
 
         page_bytes = [rb * self.page_size for rb in self.row_bytes]
+        highest = max((int(p.dst_pages.max()) for p in plan.tiers.values()), default=-1)
         for flat, pb in zip(dst.buffers, page_bytes, strict=True):
             limit = flat.numel() // pb
-            if len(dst_pages) and int(dst_pages.max()) >= limit:
+            if highest >= limit:
                 raise MigrationError(
                     ErrorKind.BAD_REQUEST,
-                    f"target page {int(dst_pages.max())} lies outside its device pool of "
-                    f"{limit} pages",
+                    f"target page {highest} lies outside its device pool of {limit} pages",
                 )
         stream = self._stream
         # IMPORTANT: order the copy after every stream that may still write these pages
@@ -262,26 +271,98 @@ class DevicePath(DataPath):
         stream.wait_stream(torch.cuda.current_stream(self.device))
         for other in sglang_adapter.pending_device_write_streams(self.cache):
             stream.wait_stream(other)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        events: dict[str, tuple[Any, Any]] = {}
         with torch.cuda.stream(stream):
-            src_idx = src_pages.to(self.device, non_blocking=True)
-            dst_idx = dst_pages.to(self.device, non_blocking=True)
-            start.record(stream)
-            if self._fused:
-                try:
-                    page_copy.copy_pages(
-                        self._src_ptrs, dst.pointers, src_idx, dst_idx, page_bytes[0]
-                    )
-                except Exception:  # Triton cannot build the kernel here: fall back, once
-                    logger.exception("fused page copy unavailable; using torch copies")
-                    self._fused = False
-            if not self._fused:
-                for src, flat, pb in zip(self.buffers, dst.buffers, page_bytes, strict=True):
-                    page_copy.copy_pages_torch(
-                        [src.view(-1).view(torch.uint8)], [flat], src_idx, dst_idx, pb
-                    )
-            end.record(stream)
-        return start, end
+            for tier, pages in plan.tiers.items():
+                src_idx = pages.src_pages.to(self.device, non_blocking=True)
+                dst_idx = pages.dst_pages.to(self.device, non_blocking=True)
+                events[tier] = (_timed_event(), _timed_event())
+                events[tier][0].record(stream)
+                if tier == tiers.HOST_TIER:
+                    self._copy_host_pages(src_idx, dst, dst_idx)
+                else:
+                    self._copy_device_pages(src_idx, dst, dst_idx, page_bytes)
+                events[tier][1].record(stream)
+        ordered = list(events.values())
+        return ordered[0][0], ordered[-1][1], events
+
+    def _copy_device_pages(
+        self, src_idx: Any, dst: cuda_ipc.OpenedPeer, dst_idx: Any, page_bytes: list[int]
+    ) -> None:
+        import torch
+
+        if self._fused:
+            try:
+                page_copy.copy_pages(self._src_ptrs, dst.pointers, src_idx, dst_idx, page_bytes[0])
+            except Exception:  # Triton cannot build the kernel here: fall back, once
+                logger.exception("fused page copy unavailable; using torch copies")
+                self._fused = False
+        if not self._fused:
+            for src, flat, pb in zip(self.buffers, dst.buffers, page_bytes, strict=True):
+                page_copy.copy_pages_torch(
+                    [src.view(-1).view(torch.uint8)], [flat], src_idx, dst_idx, pb
+                )
+
+    def _copy_host_pages(self, src_idx: Any, dst: cuda_ipc.OpenedPeer, dst_idx: Any) -> None:
+        """Pinned host pages -> the target's device pages, read by this GPU in place."""
+        host = self._host
+        assert host is not None  # start_send refused host pages without a host tier
+        into = page_copy.PageGeometry.contiguous(self.page_size, self.row_bytes[0])
+        if self._fused:
+            try:
+                page_copy.copy_pages_strided(
+                    self._host_ptrs, dst.pointers, src_idx, dst_idx, host.geometry, into
+                )
+                return
+            except Exception:  # Triton cannot build the kernel here: fall back, once
+                logger.exception("fused host page copy unavailable; using torch copies")
+                self._fused = False
+        dst_views = tiers.TierBuffers(
+            tuple(dst.buffers),
+            (0,) * len(dst.buffers),
+            into,
+            int(dst.buffers[0].numel()) // into.page_bytes,
+        ).views()
+        page_copy.copy_pages_strided_torch(host.views(), dst_views, src_idx.cpu(), dst_idx)
+
+    def _host_tier(self) -> tuple[tiers.TierBuffers | None, str]:
+        """The host pool as a tier this path reads in place, or (None, why not)."""
+        try:
+            shape = sglang_adapter.host_pool_shape(self.cache)
+            offsets, geometry = tiers.host_buffer_geometry(
+                shape.attention,
+                shape.layout,
+                shape.layer_num,
+                shape.page_num,
+                shape.page_size,
+                shape.row_bytes,
+            )
+        except (MigrationError, ValueError) as e:
+            return None, str(e)
+        if len(offsets) != len(self.buffers) or {shape.row_bytes} != set(self.row_bytes):
+            return None, "host pool rows differ from the device pool's"
+        if self.device.type == "cuda" and not shape.pinned:
+            return None, "the host pool is not pinned, so the GPU cannot read it in place"
+        if self.device.type == "cuda" and shape.row_bytes % 8:
+            return None, f"host rows of {shape.row_bytes} bytes are not whole 8-byte words"
+        return tiers.TierBuffers.of_host(shape.kv_buffer, offsets, geometry, shape.page_num), ""
+
+    @property
+    def host_tier_refusal(self) -> str:
+        """Why host-only pages cannot be sent by this path ("" when they can)."""
+        return self._host_refusal
+
+    def source_tiers(self) -> dict[str, tiers.TierBuffers]:
+        """The tiers this source reads pages from, as torch-addressable buffers."""
+        found = {tiers.DEVICE_TIER: tiers.TierBuffers.of_device(self.buffers, self.page_size)}
+        if self._host is not None:
+            found[tiers.HOST_TIER] = self._host
+        return found
+
+    def _digest_pieces(self, plan: tiers.TierPlan) -> list[tuple[list[Any], Any]]:
+        """(per-buffer views, pages) in prefix order, for `verify.tier_pages_digest`."""
+        views = {tier: buffers.views() for tier, buffers in self.source_tiers().items()}
+        return [(views[tier], pages) for tier, pages in tiers.prefix_order_pages(plan)]
 
     def warm_up(self) -> None:
         """Build the copy kernel now, not in the first migration's scheduler iteration:
@@ -300,29 +381,58 @@ class DevicePath(DataPath):
         except Exception:  # Triton cannot build the kernel here: torch copies instead
             logger.exception("fused page copy unavailable; using torch copies")
             self._fused = False
+        self._warm_up_host_tier()
+
+    def _warm_up_host_tier(self) -> None:
+        """Build the strided kernel with the argument values a host-tier copy will pass
+        (Triton specializes on them): host page 0 into a scratch page per buffer."""
+        if self._host_ptrs is None or not self._fused or self._host.geometry.is_contiguous:
+            return
+        import torch
+
+        into = page_copy.PageGeometry.contiguous(self.page_size, self.row_bytes[0])
+        scratch = [
+            torch.empty(into.page_bytes, dtype=torch.uint8, device=self.device)
+            for _ in self.buffers
+        ]
+        page = torch.zeros(1, dtype=torch.int64, device=self.device)
+        try:
+            with torch.cuda.stream(self._stream):
+                page_copy.copy_pages_strided(
+                    self._host_ptrs,
+                    _pointer_table(scratch, self.device),
+                    page,
+                    page,
+                    self._host.geometry,
+                    into,
+                )
+            self._stream.synchronize()
+        except Exception:  # Triton cannot build the kernel here: torch copies instead
+            logger.exception("fused host page copy unavailable; using torch copies")
+            self._fused = False
 
 
 class DeviceSendJob(SendJob):
     """One rank's copy: launched once the target's buffers are open, done when its CUDA
     event has completed; the source's prefix stays locked until `release`."""
 
-    def __init__(self, cache: HiRadixCache, locked: TreeNode):
-        self._cache = cache
-        self._locked: TreeNode | None = locked
+    def __init__(self, pin: TierPin):
+        self._pin: TierPin | None = pin
         self._start: Any = None
         self._end: Any = None
         self._opening: Future[Any] | None = None
         self._launch: Any = None
         self.stats = SendStats()
-        # verify: (source buffers, source slots) to hash once the copy completed.
-        self.digest_rows: tuple[list[torch.Tensor], torch.Tensor] | None = None
+        # verify: (per-buffer page views, pages) in prefix order, hashed once copied.
+        self.digest_pieces: list[tuple[list[Any], Any]] | None = None
         self._digest: Future[str] | None = None
+        self._tier_events: dict[str, tuple[Any, Any]] = {}
 
     def launch_when(self, opening: Future[Any], launch: Any) -> None:
         self._opening, self._launch = opening, launch
 
-    def launched(self, start: Any, end: Any) -> None:
-        self._start, self._end = start, end
+    def launched(self, start: Any, end: Any, tier_events: dict[str, tuple[Any, Any]]) -> None:
+        self._start, self._end, self._tier_events = start, end, tier_events
 
     @property
     def started_writing(self) -> bool:
@@ -352,12 +462,12 @@ class DeviceSendJob(SendJob):
             return KVPoll.FAILED
         if not self._end.query():
             return KVPoll.TRANSFERRING
-        if self.digest_rows is not None:
+        if self.digest_pieces is not None:
             if self._digest is None:
                 # The pages stay locked (unchanged) until `release`; hash them off the
                 # scheduler thread.
-                buffers, slots = self.digest_rows
-                self._digest = verify.submit(lambda: verify.device_rows_digest(buffers, slots))
+                pieces = self.digest_pieces
+                self._digest = verify.submit(lambda: verify.tier_pages_digest(pieces))
             if not self._digest.done():
                 return KVPoll.TRANSFERRING
             try:
@@ -367,26 +477,70 @@ class DeviceSendJob(SendJob):
                 self.error = MigrationError(ErrorKind.INTERNAL, f"verify digest failed: {e!r}")
                 return KVPoll.FAILED
         self.stats.seconds = self._start.elapsed_time(self._end) / 1e3
+        for tier, (start, end) in self._tier_events.items():
+            self.stats.steps[f"copy_{tier}"] = start.elapsed_time(end) / 1e3
         return KVPoll.SUCCESS
 
     def release(self) -> None:
-        if self._locked is not None:
-            self._cache.dec_lock_ref(self._locked)
-            self._locked = None
+        if self._pin is not None:
+            self._pin.release()
+            self._pin = None
 
 
-def _pages_of(slots: torch.Tensor, page_size: int, side: str) -> torch.Tensor:
-    """Page ids of whole-page token slots; raises BAD_REQUEST naming the side."""
+@dataclass
+class TieredSend:
+    prefix: sglang_adapter.TieredPrefix
+    plan: tiers.TierPlan
+
+
+def prepare_tiered_send(cache: HiRadixCache, send: SendRange, page_size: int) -> TieredSend:
+    """Where each page of the send lies on this source and where it goes (no CUDA, no
+    locks): raises CONFLICT when the source no longer holds the range, BAD_REQUEST for
+    slots that are not whole pages."""
+    prefix = sglang_adapter.match_tiered_prefix(cache, send.input_ids[: send.end], send.extra_key)
+    if prefix.length < send.end:
+        raise MigrationError(
+            ErrorKind.CONFLICT,
+            f"source holds only {prefix.length} of {send.end} tokens on device or host "
+            "(evicted since it was measured?)",
+        )
+    try:
+        plan = tiers.plan_tiers(prefix.segments, send.start, send.end, send.target_slots, page_size)
+    except ValueError as e:
+        raise MigrationError(ErrorKind.BAD_REQUEST, f"device copy plan: {e}") from None
+    return TieredSend(prefix, plan)
+
+
+class TierPin:
+    """What a send holds until its copy's event: a lock on the deepest device node
+    (and so its ancestors) and host protection on the host-only nodes it reads."""
+
+    def __init__(self, cache: HiRadixCache, device_node: TreeNode, host_nodes: list[TreeNode]):
+        self._cache = cache
+        self._device_node: TreeNode | None = device_node
+        self._host_nodes = host_nodes
+
+    @classmethod
+    def take(cls, cache: HiRadixCache, prefix: sglang_adapter.TieredPrefix) -> TierPin:
+        # IMPORTANT: lock only the device part: `inc_lock_ref` on an evicted node would
+        # count its tokens out of the device pool's evictable size.
+        cache.inc_lock_ref(prefix.last_device_node)
+        sglang_adapter.protect_host_nodes(prefix.host_nodes)
+        return cls(cache, prefix.last_device_node, list(prefix.host_nodes))
+
+    def release(self) -> None:
+        """Idempotent."""
+        if self._device_node is not None:
+            self._cache.dec_lock_ref(self._device_node)
+            self._device_node = None
+        sglang_adapter.release_host_nodes(self._host_nodes)
+        self._host_nodes = []
+
+
+def _timed_event() -> Any:
     import torch
 
-    from sglang_kv_migration.layout import page_runs
-
-    slots = slots.to("cpu", torch.int64)
-    try:
-        page_runs(slots, page_size)  # validates: whole pages, page-aligned
-    except ValueError as e:
-        raise MigrationError(ErrorKind.BAD_REQUEST, f"{side} slots: {e}") from None
-    return slots[::page_size] // page_size
+    return torch.cuda.Event(enable_timing=True)
 
 
 def _pointer_table(buffers: list[torch.Tensor], device: Any) -> torch.Tensor:

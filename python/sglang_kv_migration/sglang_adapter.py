@@ -115,6 +115,92 @@ def match_device_prefix(
     return DevicePrefix(len(indices), result.last_device_node, indices)
 
 
+@dataclass
+class TieredPrefix:
+    """The page-aligned prefix of a key held on device or host, node by node, with the
+    tier each node's KV is read from (device when it is on device, else host)."""
+
+    length: int
+    segments: list[Any]  # tiers.Segment, prefix order, covering [0, length)
+    last_device_node: TreeNode  # deepest node still on device (the root when none)
+    host_nodes: list[TreeNode]  # nodes read from the host pool (evicted from device)
+
+
+def match_tiered_prefix(
+    cache: HiRadixCache, input_ids: list[int], extra_key: str | None
+) -> TieredPrefix:
+    """Longest page-aligned prefix of `input_ids` held on device or host, by tier.
+
+    HiCache keeps evicted nodes below device nodes only, so the device segments come
+    first; the plan does not rely on it.
+    """
+    from sglang_kv_migration.tiers import DEVICE_TIER, HOST_TIER, Segment
+
+    held = match_held_prefix(cache, input_ids, extra_key)
+    segments: list[Any] = []
+    host_nodes: list[TreeNode] = []
+    last_device = cache.root_node
+    for node in path_from_root(cache, held.last_node):
+        if node.evicted:
+            segments.append(Segment(HOST_TIER, node.host_value))
+            host_nodes.append(node)
+        else:
+            segments.append(Segment(DEVICE_TIER, node.value))
+            last_device = node
+    return TieredPrefix(held.length, segments, last_device, host_nodes)
+
+
+def protect_host_nodes(nodes: list[TreeNode]) -> None:
+    """Keep the host values of `nodes` from host eviction (`evict_host` skips them)."""
+    for node in nodes:
+        node.protect_host()
+
+
+def release_host_nodes(nodes: list[TreeNode]) -> None:
+    for node in nodes:
+        node.release_host()
+
+
+@dataclass(frozen=True)
+class HostPoolShape:
+    """What the device path needs to read a host pool's pages in place."""
+
+    attention: str  # "mha" or "mla"
+    layout: str  # hicache_mem_layout
+    layer_num: int
+    page_num: int
+    page_size: int
+    row_bytes: int  # one token of one layer (one plane)
+    kv_buffer: torch.Tensor  # the one contiguous host tensor every layout uses
+    pinned: bool  # page-locked, so the GPU can read it through unified addressing
+
+
+def host_pool_shape(cache: HiRadixCache) -> HostPoolShape:
+    from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+
+    pool = host_pool(cache)
+    if isinstance(pool, MHATokenToKVPoolHost):
+        attention = "mha"
+    elif isinstance(pool, MLATokenToKVPoolHost):
+        attention = "mla"
+    else:
+        raise MigrationError(
+            ErrorKind.UNAVAILABLE, f"host KV pool {type(pool).__name__} is not supported"
+        )
+    buffer = pool.kv_buffer
+    pinned = bool(pool.pin_memory) and buffer.device.type == "cpu" and _is_pinned(buffer)
+    return HostPoolShape(
+        attention=attention,
+        layout=str(pool.layout),
+        layer_num=int(pool.layer_num),
+        page_num=int(pool.page_num),
+        page_size=int(pool.page_size),
+        row_bytes=int(pool.token_stride_size),
+        kv_buffer=buffer,
+        pinned=pinned,
+    )
+
+
 def pending_device_write_streams(cache: HiRadixCache) -> list[Any]:
     """Streams that may still be writing device KV pages the tree already lists
     (HiCache's host->device load-back)."""
@@ -545,6 +631,13 @@ def is_hiradix_cache(cache: object) -> bool:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    import torch
+
+    # `is_pinned` asks the CUDA driver; without CUDA nothing is pinned (and asking may raise).
+    return torch.cuda.is_available() and t.is_pinned()
 
 
 def _start_write_back(cache: HiRadixCache, nodes: list[TreeNode]) -> set[int]:

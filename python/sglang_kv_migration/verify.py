@@ -8,7 +8,9 @@ does not depend on where the pages sit in either pool:
   ``[t * item_len, (t + page_size) * item_len)`` of its buffer). Source and target agree
   on the host layout (the fingerprint checks it), so their buffers match one to one.
 - device path: for each device KV buffer (K layers, then V layers; MLA: one per layer),
-  the rows of the slots in prefix order.
+  the rows of the slots in prefix order. A source that reads some pages from its host
+  pool (`tiers.py`) hashes the same stream: per buffer, each page's rows in prefix order,
+  from whichever tier holds it (`tier_pages_digest`).
 
 The digest is xxh3_128 over that byte stream (`xxhash`), hex. It is computed only when
 a grant asks for it (`Grant.verify`), off the scheduler thread on the source (`submit`),
@@ -74,4 +76,20 @@ def device_rows_digest(buffers: Sequence[torch.Tensor], slots: torch.Tensor) -> 
         idx = slots.to(buf.device, torch.int64)
         rows = buf.index_select(0, idx).contiguous().view(-1).view(torch.uint8)
         h.update(rows.cpu().numpy())
+    return h.hexdigest()
+
+
+def tier_pages_digest(pieces: Sequence[tuple[Sequence[torch.Tensor], torch.Tensor]]) -> str:
+    """xxh3_128 of pages read from several tiers, equal to `device_rows_digest` of the
+    same rows: for each buffer, for each (views, pages) piece in prefix order, the
+    pages of that buffer's `(num_pages, rows, row_bytes)` view (`tiers.TierBuffers`)."""
+    h = xxhash.xxh3_128()
+    num_buffers = len(pieces[0][0]) if pieces else 0
+    for b in range(num_buffers):
+        for views, pages in pieces:
+            view = views[b]
+            idx = pages.to(view.device)
+            for lo in range(0, len(idx), _PAGES_PER_GATHER):
+                chunk = view.index_select(0, idx[lo : lo + _PAGES_PER_GATHER])
+                h.update(chunk.contiguous().cpu().numpy())
     return h.hexdigest()

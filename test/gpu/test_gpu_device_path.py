@@ -409,35 +409,33 @@ def test_flush_drops_a_pending_device_allocation(servers: Servers, client: Migra
     assert cached_details(on_target)["device"] >= expected
 
 
-def test_auto_falls_back_when_the_source_holds_the_prefix_only_on_host(
-    servers: Servers, client: MigrationClient
-):
-    """Evict the prompt from the source's GPU (write-through keeps it on host) by pushing
-    ~1.3 pools of other prompts through it; auto must then take the host path."""
-    s = servers
-    rng = random.Random(6)
-    flush_cache(s.source)
-    prompt = _tokens(rng, 2001, s.vocab_size)
-    generate(s.source, prompt, 1)
-    expected = _aligned(len(prompt) - 1, s.page_size)
-
+def _push_to_host(s: Servers, rng: random.Random) -> int:
+    """Push ~1.3 pools of other prompts through the source: what it held on GPU goes to
+    its host tier (write-through kept a copy; < 2 pools, so the host tier still has it)."""
     pool = kv_pool_usage(s.source)["max_total_num_tokens"]
     flood_len = 7000  # fits the 8192-token context of both test models
     flood = 0
-    while flood < 1.3 * pool:  # < 2 pools: the host tier (2x) still holds the prompt
+    while flood < 1.3 * pool:
         generate(s.source, _tokens(rng, flood_len, s.vocab_size), 1)
         flood += flood_len
-    held = client.call(s.source, "/get_request_extra_token_size", {"input_ids": prompt[:-1]})
-    assert held["matched_token_size"] == expected, held  # still on the source, host tier
+    return flood
 
+
+def _check_any_tier_migration(
+    s: Servers, client: MigrationClient, prompt: list[int], name: str, host_tokens: int
+) -> None:
+    """Auto must take the device path with no fallback; the target serves every migrated
+    token from its GPU and answers as the source does from its own cache."""
+    expected = _aligned(len(prompt) - 1, s.page_size)
+    held = client.call(s.source, "/get_request_extra_token_size", {"input_ids": prompt[:-1]})
+    assert held["matched_token_size"] == expected, held  # still on the source
+    assert held["matched_token_size"] - held["device_token_size"] >= host_tokens, held
     result = client.migrate(s.source, s.target, prompt[:-1])  # auto
     on_target = generate(s.target, prompt)
     reference = generate(s.source, prompt)
     record(
-        "auto_source_on_host",
+        name,
         {
-            "flooded_tokens": flood,
-            "source_pool_tokens": pool,
             "source_held": held,
             "result": _summary(result),
             "target_cached_details": cached_details(on_target),
@@ -445,9 +443,43 @@ def test_auto_falls_back_when_the_source_holds_the_prefix_only_on_host(
             "outputs_equal": on_target["output_ids"] == reference["output_ids"],
         },
     )
-    assert cached_details(reference)["host"] > 0, "the prompt never left the source's GPU"
-    assert result.path == "host", result
-    assert result.fallback_reason, "auto fell back without saying why"
+    assert result.path == "device" and not result.fallback_reason, result
     assert result.migrated_token_size == expected
     assert on_target["output_ids"] == reference["output_ids"]
-    assert cached_tokens(on_target) >= expected
+    assert cached_details(on_target)["device"] >= expected, cached_details(on_target)
+
+
+def test_device_path_when_the_source_holds_the_prefix_only_on_host(
+    servers: Servers, client: MigrationClient
+):
+    """(b) The prompt evicted from the source's GPU (host tier only): the device path reads
+    the source's pinned host pool in place; the size query says device_token_size 0."""
+    s = servers
+    rng = random.Random(6)
+    flush_cache(s.source)
+    flush_cache(s.target)
+    prompt = _tokens(rng, 2001, s.vocab_size)
+    generate(s.source, prompt, 1)
+    _push_to_host(s, rng)
+    expected = _aligned(len(prompt) - 1, s.page_size)
+    _check_any_tier_migration(s, client, prompt, "device_source_on_host", expected)
+
+
+def test_device_path_when_the_source_holds_half_on_device_half_on_host(
+    servers: Servers, client: MigrationClient
+):
+    """(c) Mixed: after the push to host, a request that shares the first half loads that
+    half back to the source's GPU; the second half stays on host only."""
+    s = servers
+    rng = random.Random(7)
+    flush_cache(s.source)
+    flush_cache(s.target)
+    prompt = _tokens(rng, 2001, s.vocab_size)
+    generate(s.source, prompt, 1)
+    _push_to_host(s, rng)
+    half = _aligned(1000, s.page_size)
+    generate(s.source, prompt[:half] + _tokens(rng, 64, s.vocab_size), 1)  # loads half back
+    held = client.call(s.source, "/get_request_extra_token_size", {"input_ids": prompt[:-1]})
+    assert held["device_token_size"] >= half, held
+    expected = _aligned(len(prompt) - 1, s.page_size)
+    _check_any_tier_migration(s, client, prompt, "device_source_mixed", expected - half)

@@ -1,0 +1,210 @@
+"""Same host, any tier: device path from the source's GPU, its host tier, or both, vs the
+host path and re-prefill; then six concurrent 8K device-path migrations to one target.
+
+Llama-3-8B shape, dummy weights, two real SGLang servers on one GPU. Per prefix length N
+(default 4K/16K/32K) and source tier (`--tiers gpu host mixed`), on flushed caches:
+1. re-prefill: the target serves a fresh N-token prompt (max_new_tokens=1: its TTFT);
+2. the source prefills prompts A and B; for `host` other prompts are pushed through the
+   source until the size query of A and B says `device_token_size` 0 (still held: on
+   its host tier only); for `mixed` a request sharing the first half of each loads that
+   half back to the source's GPU;
+3. A moves with the auto path (it must pick the device path), B with `path="host"`
+   (Mooncake TCP on one host); each time every phase of `result.timings`, bytes,
+   GB/s = bytes / copy_seconds, the source's per-tier copy times (`copy_device`,
+   `copy_host` in `transfer_steps_ms`), then the target serves the prompt (TTFT and
+   `cached_tokens_details`).
+Last, concurrency: 7 prompts of 8K on the source's GPU; one migrates alone, then six at
+once (threads, one client), wall time of each and of all.
+
+    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_any_tier.py --page-size 1
+    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_any_tier.py --page-size 16
+    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_any_tier.py --quick   # 4K only, smoke run
+
+Writes `$KVMIG_GPU_OUT/bench_any_tier_page<P>.json` and prints one line per row. Budget
+on an H200 for one page size: start-ups ~3.5 min + rounds ~3 min.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from sglang_kv_migration.client import MigrationClient
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE.parent / "test" / "gpu"))
+sys.path.insert(0, str(_HERE))
+from bench_device_path import SETTLE_S, _migrate_and_serve, _ms, _tokens  # noqa: E402
+from real_servers import (  # noqa: E402
+    LLAMA3_8B,
+    OUT_DIR,
+    ServerSpec,
+    cached_tokens,
+    flush_cache,
+    generate,
+    running_servers,
+    timed_generate,
+    write_model,
+)
+
+DEFAULT_LENGTHS = [4096, 16384, 32768]
+FLOOD_TOKENS = 16384  # one pushing prompt
+MAX_FLOOD_PROMPTS = 40
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS)
+    parser.add_argument("--tiers", nargs="+", default=["gpu", "host", "mixed"])
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--mem-fraction-static", type=float, default=0.4)
+    parser.add_argument("--max-total-tokens", type=int, default=106496)
+    parser.add_argument("--context-length", type=int, default=40960)
+    parser.add_argument("--concurrent", type=int, default=6)
+    parser.add_argument("--concurrent-tokens", type=int, default=8192)
+    parser.add_argument("--quick", action="store_true", help="4K only")
+    args = parser.parse_args()
+    lengths = [4096] if args.quick else args.lengths
+
+    shape = dict(LLAMA3_8B, max_position_embeddings=max(args.context_length, 40960))
+    model_dir = write_model(shape, Path("/tmp/kvmig-llama3-8b-40k"))
+    extra = ["--page-size", str(args.page_size)]
+    extra += ["--mem-fraction-static", str(args.mem_fraction_static)]
+    extra += ["--max-total-tokens", str(args.max_total_tokens)]
+    extra += ["--context-length", str(args.context_length)]
+    specs = [ServerSpec(30710, extra, gpu_id=0), ServerSpec(30720, extra, gpu_id=0)]
+    config = {"shape": shape, "page_size": args.page_size, "lengths": lengths,
+              "tiers": args.tiers, "server_flags": extra}  # fmt: skip
+    started = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    with (
+        running_servers(model_dir, specs, sequential=True) as (source, target),
+        MigrationClient(timeout=600) as client,
+    ):
+        config["startup_s"] = time.monotonic() - started
+        rng = random.Random(0)
+        _warm_up(client, source, target, rng)
+        for n in lengths:
+            for tier in args.tiers:
+                row = _round(client, source, target, n, tier, args.page_size, rng)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        concurrency = _concurrency(
+            client, source, target, args.concurrent, args.concurrent_tokens, rng
+        )
+        print(json.dumps({"concurrency": concurrency}), flush=True)
+    result = {"config": config, "rows": rows, "concurrency": concurrency,
+              "wall_s": time.monotonic() - started}  # fmt: skip
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    out = OUT_DIR / f"bench_any_tier_page{args.page_size}.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}; wall time {result['wall_s']:.0f} s", flush=True)
+
+
+def _warm_up(client: MigrationClient, source: str, target: str, rng: random.Random) -> None:
+    """Compile both servers' kernels, open the device and host paths once."""
+    for url in (source, target):
+        p = _tokens(rng, 2048)
+        generate(url, p, 1)
+        generate(url, p, 1)
+    for path in ("device", "host"):
+        p = _tokens(rng, 1024)
+        generate(source, p, 1)
+        client.migrate(source, target, p[:-1], path=path)
+    for url in (source, target):
+        flush_cache(url)
+
+
+def _held(client: MigrationClient, url: str, prompt: list[int]) -> dict[str, Any]:
+    return client.call(url, "/get_request_extra_token_size", {"input_ids": prompt[:-1]})
+
+
+def _push_to_host(
+    client: MigrationClient, source: str, prompts: list[list[int]], rng: random.Random
+) -> int:
+    """Push other prompts through the source until none of `prompts` is on its GPU."""
+    pushed = 0
+    for _ in range(MAX_FLOOD_PROMPTS):
+        if all(_held(client, source, p)["device_token_size"] == 0 for p in prompts):
+            return pushed
+        generate(source, _tokens(rng, FLOOD_TOKENS), 1)
+        pushed += FLOOD_TOKENS
+    raise RuntimeError(f"prompts still on the source's GPU after {pushed} pushed tokens")
+
+
+def _round(
+    client: MigrationClient,
+    source: str,
+    target: str,
+    n: int,
+    tier: str,
+    page_size: int,
+    rng: random.Random,
+) -> dict[str, Any]:
+    for url in (source, target):
+        flush_cache(url)
+    row: dict[str, Any] = {"tokens": n, "tier": tier}
+    baseline, prefill_s = timed_generate(target, _tokens(rng, n), 1)
+    assert cached_tokens(baseline) == 0, baseline["meta_info"]
+    row["reprefill_ttft_ms"] = prefill_s * 1e3
+    a, b = _tokens(rng, n), _tokens(rng, n)
+    for p in (a, b):
+        generate(source, p, 1)
+    if tier in ("host", "mixed"):
+        row["pushed_tokens"] = _push_to_host(client, source, [a, b], rng)
+    if tier == "mixed":
+        half = n // 2
+        for p in (a, b):
+            generate(source, p[:half] + _tokens(rng, 16), 1)  # loads the half back
+    time.sleep(SETTLE_S)
+    row["size_query_a"] = _held(client, source, a)
+    row["size_query_b"] = _held(client, source, b)
+    expected = (n - 1) // page_size * page_size
+    for key in ("size_query_a", "size_query_b"):
+        if row[key]["matched_token_size"] < expected:
+            raise RuntimeError(f"{key}: the source lost part of the prefix: {row[key]}")
+    row["device"] = _migrate_and_serve(client, source, target, a, "device", auto=True)
+    row["host"] = _migrate_and_serve(client, source, target, b, "host")
+    for path in ("device", "host"):
+        total = row[path]["timings_ms"].get("total")
+        row[path]["total_over_reprefill"] = total / row["reprefill_ttft_ms"]
+        row[path]["total_plus_ttft_over_reprefill"] = (total + row[path]["ttft_ms"]) / row[
+            "reprefill_ttft_ms"
+        ]
+    return row
+
+
+def _concurrency(
+    client: MigrationClient, source: str, target: str, k: int, n: int, rng: random.Random
+) -> dict[str, Any]:
+    for url in (source, target):
+        flush_cache(url)
+    prompts = [_tokens(rng, n) for _ in range(k + 1)]
+    for p in prompts:
+        generate(source, p, 1)
+    time.sleep(SETTLE_S)
+
+    def move(p: list[int]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        r = client.migrate(source, target, p[:-1])
+        return {"path": r.path, "wall_ms": (time.perf_counter() - t0) * 1e3,
+                "copy_ms": r.copy_seconds * 1e3, "timings_ms": _ms(r.timings),
+                "fallback_reason": r.fallback_reason}  # fmt: skip
+
+    one = move(prompts[0])
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(k) as pool:
+        many = list(pool.map(move, prompts[1:]))
+    all_ms = (time.perf_counter() - t0) * 1e3
+    return {"tokens": n, "one": one, "concurrent": many, "concurrent_wall_ms": all_ms,
+            "ratio": all_ms / one["wall_ms"]}  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
