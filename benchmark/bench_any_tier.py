@@ -55,7 +55,7 @@ from real_servers import (  # noqa: E402
 
 DEFAULT_LENGTHS = [4096, 16384, 32768]
 FLOOD_TOKENS = 16384  # one pushing prompt
-MAX_FLOOD_PROMPTS = 40
+MAX_FLOOD_PROMPTS = 8  # rounds of 4 more after the first 1.1 pools
 
 
 def main() -> None:
@@ -92,7 +92,9 @@ def main() -> None:
         _warm_up(client, source, target, rng)
         for n in lengths:
             for tier in args.tiers:
-                row = _round(client, source, target, n, tier, args.page_size, rng)
+                row = _round(
+                    client, source, target, n, tier, args.page_size, rng, args.max_total_tokens
+                )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         concurrency = _concurrency(
@@ -126,15 +128,27 @@ def _held(client: MigrationClient, url: str, prompt: list[int]) -> dict[str, Any
 
 
 def _push_to_host(
-    client: MigrationClient, source: str, prompts: list[list[int]], rng: random.Random
+    client: MigrationClient,
+    source: str,
+    prompts: list[list[int]],
+    rng: random.Random,
+    pool_tokens: int,
 ) -> int:
-    """Push other prompts through the source until none of `prompts` is on its GPU."""
+    """Push other prompts through the source until none of `prompts` is on its GPU.
+
+    IMPORTANT: the size query is a radix match, and a match refreshes the nodes' LRU
+    time: query only after ~1.1 pools of flood, or the prompts never age out. Less than
+    the host tier's 2 pools, so the host copies (write-through) stay."""
     pushed = 0
+    while pushed < 1.1 * pool_tokens:
+        generate(source, _tokens(rng, FLOOD_TOKENS), 1)
+        pushed += FLOOD_TOKENS
     for _ in range(MAX_FLOOD_PROMPTS):
         if all(_held(client, source, p)["device_token_size"] == 0 for p in prompts):
             return pushed
-        generate(source, _tokens(rng, FLOOD_TOKENS), 1)
-        pushed += FLOOD_TOKENS
+        for _ in range(4):
+            generate(source, _tokens(rng, FLOOD_TOKENS), 1)
+            pushed += FLOOD_TOKENS
     raise RuntimeError(f"prompts still on the source's GPU after {pushed} pushed tokens")
 
 
@@ -146,6 +160,7 @@ def _round(
     tier: str,
     page_size: int,
     rng: random.Random,
+    pool_tokens: int,
 ) -> dict[str, Any]:
     for url in (source, target):
         flush_cache(url)
@@ -157,7 +172,7 @@ def _round(
     for p in (a, b):
         generate(source, p, 1)
     if tier in ("host", "mixed"):
-        row["pushed_tokens"] = _push_to_host(client, source, [a, b], rng)
+        row["pushed_tokens"] = _push_to_host(client, source, [a, b], rng, pool_tokens)
     if tier == "mixed":
         half = n // 2
         for p in (a, b):

@@ -80,11 +80,11 @@ def test_host_pages_to_gpu_equal_the_torch_reference(attention, row_bytes, layou
         torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 64])
 def _table(bufs: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device="cuda")
 
 
+@pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_gpu_pages_to_gpu_equal_the_torch_reference(page_size):
     rows, row_bytes = 40 * page_size, 512
     src = [
