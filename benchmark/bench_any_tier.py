@@ -119,6 +119,7 @@ def _warm_up(client: MigrationClient, source: str, target: str, rng: random.Rand
         p = _tokens(rng, 1024)
         generate(source, p, 1)
         client.migrate(source, target, p[:-1], path=path)
+        generate(target, p, 1)  # the first extend over a cached prefix compiles kernels
     for url in (source, target):
         flush_cache(url)
 
