@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         parser.error(str(e))
 
-    with MigrationClient(timeout=args.timeout, api_key=args.api_key) as client:
+    client = MigrationClient(
+        timeout=args.timeout, api_key=args.api_key, admin_api_key=args.admin_api_key
+    )
+    with client:
         try:
             result = client.migrate(
                 args.source, args.target, input_ids, args.extra_key, verify=args.verify
@@ -86,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     ids.add_argument("--input-ids-file", help="token ids file (JSON list or text), - for stdin")
     parser.add_argument("--extra-key", default=None, help="radix-cache namespace (e.g. LoRA id)")
     parser.add_argument("--api-key", default=None, help="bearer key (admin key if configured)")
+    parser.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the servers' --admin-api-key: sent on the migration routes instead of --api-key",
+    )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per call")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(

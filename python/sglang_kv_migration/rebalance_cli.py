@@ -58,7 +58,9 @@ def main(argv: list[str]) -> int:
 
 
 async def _watch(args: argparse.Namespace, policy: RebalancePolicy) -> int:
-    async with AsyncRequestMigrator(api_key=args.api_key) as migrator:
+    async with AsyncRequestMigrator(
+        api_key=args.api_key, admin_api_key=args.admin_api_key
+    ) as migrator:
         rebalancer = Rebalancer(migrator, args.server, policy)
         loads = {}
         for round_no in range(args.max_rounds):
@@ -77,8 +79,9 @@ async def _watch(args: argparse.Namespace, policy: RebalancePolicy) -> int:
 async def _run(
     args: argparse.Namespace, policy: RebalancePolicy, work: list[tuple[str, GenerateRequest]]
 ) -> int:
-    client = AsyncMigrationClient(timeout=args.timeout, api_key=args.api_key)
-    async with client, AsyncRequestMigrator(client, api_key=args.api_key) as migrator:
+    keys = {"api_key": args.api_key, "admin_api_key": args.admin_api_key}
+    client = AsyncMigrationClient(timeout=args.timeout, **keys)
+    async with client, AsyncRequestMigrator(client, **keys) as migrator:
         handles = [await migrator.submit(url, request) for url, request in work]
         rebalancer = Rebalancer(migrator, args.server, policy)
         summary = await rebalancer.run(max_rounds=args.max_rounds, interval_s=args.interval)
@@ -131,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rounds", type=int, default=1200, help="rounds before stopping")
     p.add_argument("--drain-timeout", type=float, default=600.0, help="wait for the rest (s)")
     p.add_argument("--api-key", default=None, help="bearer key (admin key if configured)")
+    p.add_argument("--admin-api-key", default=None, help="the servers' --admin-api-key")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per call")
     return p
 

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sglang_kv_migration.client import AuthFailed
 from sglang_kv_migration.request_migration import (
     AsyncRequestMigrator,
     MoveMode,
@@ -186,7 +187,10 @@ class Rebalancer:
     """Watches `servers` and moves the migrator's live requests off pressured ones.
 
     Call contract: use from the migrator's event loop; `step()` and `run()` are not
-    re-entrant (one rebalancer per migrator).
+    re-entrant (one rebalancer per migrator). The keys are the migrator's
+    (`AsyncRequestMigrator(api_key=..., admin_api_key=...)`); a key a server refuses
+    raises `AuthFailed` from `step()`/`run()` (a move that met one: at the next round),
+    since every later round would be refused too.
     """
 
     def __init__(
@@ -201,6 +205,7 @@ class Rebalancer:
         self.summary = RebalanceSummary()
         self._tasks: set[asyncio.Task[None]] = set()
         self._costs_learned: dict[tuple[str, str], float] = {}
+        self._refused: AuthFailed | None = None  # a move's refused key, raised by step()
 
     async def poll(self) -> dict[str, ServerLoad]:
         loads = await asyncio.gather(*(self._load(url) for url in self.servers))
@@ -208,6 +213,8 @@ class Rebalancer:
 
     async def step(self) -> list[PlannedMove]:
         """One round: poll, plan, start the planned moves (they run in the background)."""
+        if self._refused is not None:
+            raise self._refused
         loads = await self.poll()
         self.summary.last_loads = loads
         self.summary.rounds += 1
@@ -251,6 +258,9 @@ class Rebalancer:
                 handle, move.target_url, mode=self.policy.mode
             )
             self.summary.reports.append(report)
+        except AuthFailed as e:  # every later move would be refused as well: stop
+            self.summary.errors.append(f"{handle.request.rid}: {e}")
+            self._refused = e
         except Exception as e:  # one failed move must not stop the loop
             logger.exception("moving %s to %s failed", handle.request.rid, move.target_url)
             self.summary.errors.append(f"{handle.request.rid}: {type(e).__name__}: {e}")
@@ -267,10 +277,14 @@ class Rebalancer:
         try:
             reply = await self.migrator.get_json(url, "/v1/loads?include=core")
             return _from_v1_loads(url, reply["loads"])
+        except AuthFailed:
+            raise
         except Exception as e:  # older server or a hiccup: try the legacy route
             logger.debug("%s/v1/loads: %s", url, e)
         try:
             return _from_get_load(url, await self.migrator.get_json(url, "/get_load"))
+        except AuthFailed:
+            raise
         except Exception as e:  # an unreachable server is reported, not raised
             logger.warning("%s: load unavailable: %s", url, e)
             return ServerLoad(url, ok=False)
