@@ -12,6 +12,7 @@ and the request keeps running where it was.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -215,9 +216,11 @@ def test_wrong_admin_key_fails_the_client_and_the_cli(servers: tuple, capsys) ->
     ids = ["--input-ids", ",".join(map(str, CLI_HISTORY))]
     assert cli.main([*urls, *ids, "--api-key", API_KEY]) == 1
     assert "--admin-api-key" in capsys.readouterr().err
-    code = cli.main([*urls, *ids, "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY])
-    assert code == 0
-    assert f"migrated {len(CLI_HISTORY)} tokens" in capsys.readouterr().out
+    keys = ["--api-key", API_KEY, "--admin-api-key", ADMIN_KEY]
+    assert cli.main([*urls, *ids, *keys, "--path", "host", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["migrated_token_size"] == len(CLI_HISTORY)
+    assert result["path"] == "host"
 
 
 def test_rebalancer_with_both_keys_and_with_a_refused_one(servers: tuple) -> None:
