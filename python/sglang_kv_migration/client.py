@@ -610,6 +610,21 @@ def _choose_path(
     return "host", reason
 
 
+def predict_path(
+    source_info: dict[str, Any],
+    target_info: dict[str, Any],
+    held: dict[str, Any],
+    requested: str | None = None,
+) -> str:
+    """The path `migrate` will try first for what the source holds (`held`: its
+    `/get_request_extra_token_size` reply), "" when the servers share none. For pricing
+    a move before it is made (`request_migration`, `rebalancer`)."""
+    try:
+        return _choose_path(requested, source_info, target_info, held)[0]
+    except MigrationFailed:
+        return ""
+
+
 def _device_refusal(
     source_info: dict[str, Any], target_info: dict[str, Any], held: dict[str, Any]
 ) -> str:

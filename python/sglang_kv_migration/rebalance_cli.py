@@ -52,6 +52,9 @@ def main(argv: list[str]) -> int:
         low_priority_values_first=args.low_priority_values_first,
         mode=args.mode,
         move_running=args.move_running,
+        min_priority=args.min_priority,
+        min_held_tokens=args.min_held_tokens,
+        max_moves_per_request=args.max_moves_per_request,
     )
     if not work:
         return asyncio.run(_watch(args, policy))
@@ -138,10 +141,13 @@ batch mode (--requests FILE): one JSON object per line,
     {"requests", "finished", "rounds", "moves_started", "outcomes": {outcome: count},
      "errors": [...]}
   outcome: migrated | recomputed | fell_back | finished_before_move | restarted.
+  A server is pressured when it has --min-waiting queued requests and its KV demand
+  reaches --kv-pressure or its running slots are full; what moves is its queued
+  requests (not those decoding, unless --move-running), most urgent first.
 
 watch mode (no --requests): moves nothing; prints one JSON line per round to stdout,
   {"round": N, "loads": {URL: {"url", "num_running", "num_waiting", "used_tokens",
-   "demand_tokens", "capacity_tokens", "ok"}}, "pressured": [URL, ...]}
+   "demand_tokens", "capacity_tokens", "ok", "max_running"}}, "pressured": [URL, ...]}
   for --max-rounds rounds, --interval seconds apart ("pressured": the servers the
   policy options below would move requests off).
 
@@ -217,6 +223,25 @@ def _parser() -> argparse.ArgumentParser:
         "--move-running",
         action="store_true",
         help="also move requests already decoding (default: only those without a token yet)",
+    )
+    add(
+        "--min-priority",
+        type=int,
+        default=policy.min_priority,
+        help="only requests at least this urgent move (none: any priority)",
+    )
+    add(
+        "--min-held-tokens",
+        type=int,
+        default=policy.min_held_tokens,
+        help="only requests whose KV the source holds at least this many tokens of (GPU or "
+        "host pool) move; 0: any",
+    )
+    add(
+        "--max-moves-per-request",
+        type=int,
+        default=policy.max_moves_per_request,
+        help="how often one request may move",
     )
     add("--interval", type=float, default=0.5, help="seconds between rounds")
     add("--max-rounds", type=int, default=1200, help="rounds before stopping")

@@ -67,6 +67,7 @@ from sglang_kv_migration.client import (
     MigrationFailed,
     MigrationResult,
     auth_hint,
+    predict_path,
 )
 from sglang_kv_migration.cost_model import (
     CostEstimate,
@@ -523,6 +524,14 @@ class AsyncRequestMigrator:
         r.raise_for_status()
         return r.json()
 
+    async def held_kv(
+        self, url: str, input_ids: list[int], extra_key: str | None = None
+    ) -> dict[str, Any]:
+        """What `url` holds of `input_ids` (its `/get_request_extra_token_size` reply:
+        ``matched_token_size``, device and host tier, and ``device_token_size``)."""
+        body = {"input_ids": input_ids, "extra_key": extra_key}
+        return await self._call(url, "/get_request_extra_token_size", body)
+
     async def aclose(self) -> None:
         if self._owns_http:
             await self._http.aclose()
@@ -607,7 +616,7 @@ class AsyncRequestMigrator:
             report = move.report("recomputed", target_url, len(generated))
             return self._resume(handle, rest, target_url, "reprefill", report)
         try:
-            estimate = await self._estimate(source_url, target_url, ids, rest.extra_key)
+            estimate = await self._estimate(source_url, target_url, ids, rest.extra_key, path)
             if mode == "auto" and estimate.decision == "recompute":
                 move.seconds["migrate"] = time.perf_counter() - t0
                 report = move.report("recomputed", target_url, len(generated), estimate=estimate)
@@ -627,13 +636,18 @@ class AsyncRequestMigrator:
         return self._resume(handle, rest, target_url, "migrated", report)
 
     async def _estimate(
-        self, source_url: str, target_url: str, ids: list[int], extra_key: str | None
+        self,
+        source_url: str,
+        target_url: str,
+        ids: list[int],
+        extra_key: str | None,
+        path: str | None = None,
     ) -> CostEstimate:
-        """The cost model's verdict on the tokens the source holds beyond the target."""
+        """The cost model's verdict on the tokens the source holds beyond the target,
+        priced on the path the migration will take (`client.predict_path`)."""
         body = {"input_ids": ids, "extra_key": extra_key}
-        source_held = (await self._call(source_url, "/get_request_extra_token_size", body))[
-            "matched_token_size"
-        ]
+        held = await self._call(source_url, "/get_request_extra_token_size", body)
+        source_held = held["matched_token_size"]
         target_held = 0
         if source_held:
             body = {"input_ids": ids[:source_held], "extra_key": extra_key}
@@ -641,11 +655,15 @@ class AsyncRequestMigrator:
                 "matched_token_size"
             ]
         tokens = max(0, source_held - target_held)
+        if not tokens:
+            return self.cost_model.estimate(0)
+        source_info = await self._session_info(source_url)
+        target_info = await self._session_info(target_url)
+        chosen = predict_path(source_info, target_info, held, path) or None
         nbytes = None
-        if tokens and self.cost_model.migration.bytes_per_token is None:
-            info = await self._call(source_url, "/get_transfer_session_info", {})
-            nbytes = tokens * bytes_per_token_from_session_info(info)
-        return self.cost_model.estimate(tokens, nbytes)
+        if self.cost_model.costs_for(chosen).bytes_per_token is None:
+            nbytes = tokens * bytes_per_token_from_session_info(source_info)
+        return self.cost_model.estimate(tokens, nbytes, path=chosen)
 
     def _resume(
         self,
