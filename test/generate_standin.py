@@ -21,9 +21,10 @@ rely on, nothing more:
   ``--incremental-streaming-output``: one chunk per token with every output id so far and
   ``finish_reason: null``, then the final chunk (the non-streaming reply), then
   ``data: [DONE]``.
-- `/abort_request {rid}`: like SGLang, every rid that *starts with* the given one; a
-  queued request returns at once with no output ("Abort in waiting queue"), a running one
-  after one more step, with its tokens so far; both with ``finish_reason.type == "abort"``.
+- `/abort_request {rid}` (an admin route, as in SGLang): like SGLang, every rid that
+  *starts with* the given one; a queued request returns at once with no output ("Abort
+  in waiting queue"), a running one after one more step, with its tokens so far; both
+  with ``finish_reason.type == "abort"``.
 - `/v1/loads` and `/get_load`: SGLang's field names; ``num_total_tokens`` counts the
   tokens of running requests plus the prompts waiting, against ``capacity_tokens``.
 - `/metrics`: ``metrics_text`` as configured (for cost-model tests).
@@ -45,6 +46,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
+from sglang.srt.utils.auth import AuthLevel, auth_level
 
 
 @dataclasses.dataclass
@@ -117,7 +119,10 @@ class GenerateStandin:
             self.inbox.put(("generate", (body, (loop, future))))
             return await future
 
+        # SGLang marks /abort_request ADMIN_OPTIONAL: with --admin-api-key set, only the
+        # admin key opens it (the mini server serves SGLang's own API-key middleware).
         @app.post("/abort_request", response_model=None)
+        @auth_level(AuthLevel.ADMIN_OPTIONAL)
         async def abort_request(request: Request) -> Any:
             self.inbox.put(("abort", (await request.json()).get("rid", "")))
             return PlainTextResponse("")

@@ -196,3 +196,30 @@ def test_route_priors_favour_the_device_path_for_host_held_prefixes():
         migration=migration_costs_for_routes(route_bytes("host", held, per_token))
     ).estimate(32768, nbytes=round(32768 * per_token))
     assert device.migrate_s * 10 < host.migrate_s
+
+
+def test_each_path_is_priced_on_its_own_terms() -> None:
+    """The device path has its own prior (no load-back, ~50 GB/s); the host path uses
+    `migration`; path-labelled series teach only their own path."""
+    model = CostModel(
+        MigrationCosts(bandwidth_bytes_per_s=1e9, overhead_s=0.01, bytes_per_token=1000),
+        PrefillCosts(seconds_per_token=1e-6),
+    )
+    host = model.estimate(8000, path="host")
+    device = model.estimate(8000, path="device")
+    assert (host.path, device.path) == ("host", "device")
+    assert host.migrate_s == pytest.approx(0.01 + 8e6 / 1e9)
+    assert device.migrate_s == pytest.approx(0.02 + 8e6 / 50e9)  # bytes/token shared
+    assert host.decision == device.decision == "recompute"  # 8 ms of prefill is cheaper
+    labelled = (
+        'sglang:kv_migration_bytes_total{tp_rank="0",role="source",path="device"} 4e9\n'
+        'sglang:kv_migration_tokens_total{tp_rank="0",role="source",path="device"} 1000\n'
+        'sglang:kv_migration_phase_seconds_sum{tp_rank="0",phase="transfer",path="device"} 0.01\n'
+        'sglang:kv_migration_phase_seconds_count{tp_rank="0",phase="transfer",path="device"} 1\n'
+    )
+    learned = CostModel.from_metrics(labelled, "", prior=model)
+    assert learned.costs_for("device").bandwidth_bytes_per_s == pytest.approx(4e11)
+    # Unlabelled series would teach both; labelled ones reach the generic terms too.
+    learned_host = CostModel.from_metrics(SOURCE_METRICS, TARGET_METRICS, prior=model)
+    assert learned_host.costs_for("device").bandwidth_bytes_per_s == pytest.approx(50e9)
+    assert learned_host.costs_for("host").bandwidth_bytes_per_s == pytest.approx(2e9)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sglang_kv_migration.rebalancer import (
+    HeldKV,
     RebalancePolicy,
     ServerLoad,
     _from_get_load,
@@ -30,6 +31,7 @@ class FakeHandle:
     moving: bool = False
     finished: bool = False
     started: bool | None = None
+    moves: list = field(default_factory=list)
     request: GenerateRequest = field(init=False)
 
     def __post_init__(self) -> None:
@@ -162,3 +164,65 @@ def test_requests_already_decoding_stay_unless_asked() -> None:
     everything = RebalancePolicy(max_concurrent=4, move_running=True)
     planned = plan_moves(loads, [running, queued, unknown], everything)
     assert planned[0].handle is running
+
+
+def test_full_running_slots_are_pressure() -> None:
+    """KV has room (30%) but every running slot is taken and requests queue: pressured."""
+    slots_full = ServerLoad(A, 8, 2, 300, 300, 1000, True, max_running=8)
+    room = ServerLoad(A, 7, 2, 300, 300, 1000, True, max_running=8)
+    policy = RebalancePolicy(kv_pressure=0.9)
+    assert policy.is_pressured(slots_full) and not policy.is_pressured(room)
+    handles = [FakeHandle(A, 5, 1.0)]
+    moves = plan_moves({A: slots_full, B: load(B, 0, 0)}, handles, policy)
+    assert [m.handle for m in moves] == [handles[0]]
+    assert plan_moves({A: room, B: load(B, 0, 0)}, handles, policy) == []
+
+
+def test_scene_policy_moves_only_urgent_requests_whose_kv_the_source_holds() -> None:
+    """min_priority keeps low-priority requests home; min_held_tokens keeps home those the
+    source holds no KV for, on either tier (host-only counts)."""
+    loads = {A: load(A, 5, 2000), B: load(B, 0, 0, 100_000)}
+    on_host = FakeHandle(A, 10, 1.0)
+    on_gpu = FakeHandle(A, 10, 2.0)
+    uncached = FakeHandle(A, 10, 3.0)
+    low = FakeHandle(A, 0, 4.0)
+    decoding = FakeHandle(A, 10, 5.0, started=True)
+    handles = [on_host, on_gpu, uncached, low, decoding]
+    held = {
+        id(on_host): HeldKV(4096, device_tokens=0),
+        id(on_gpu): HeldKV(4096, device_tokens=4096),
+        id(low): HeldKV(4096, device_tokens=4096),
+        id(decoding): HeldKV(4096, device_tokens=4096),
+    }
+    policy = RebalancePolicy(min_priority=10, min_held_tokens=16, max_concurrent=8)
+    moves = plan_moves(loads, handles, policy, held=held)
+    assert [m.handle for m in moves] == [on_gpu, on_host]  # newest first, both tiers
+    assert [m.held.device_tokens for m in moves] == [4096, 0]
+    # Without the held sizes nothing qualifies; without the filters the others move too.
+    assert plan_moves(loads, handles, policy) == []
+    anything = plan_moves(loads, handles, RebalancePolicy(max_concurrent=8))
+    assert [m.handle for m in anything] == [uncached, on_gpu, on_host, low]
+    # With smaller values more urgent, min_priority is an upper bound.
+    inverted = RebalancePolicy(min_priority=0, low_priority_values_first=True, max_concurrent=8)
+    assert [m.handle for m in plan_moves(loads, handles, inverted)] == [low]
+
+
+def test_v1_loads_running_slots() -> None:
+    rank = {
+        "num_running_reqs": 2,
+        "num_waiting_reqs": 1,
+        "num_used_tokens": 100,
+        "num_total_tokens": 150,
+        "max_total_num_tokens": 1000,
+        "max_running_requests": 48,
+    }
+    assert _from_v1_loads(A, [rank, rank]).max_running == 96
+
+
+def test_a_request_moves_once_unless_allowed_more() -> None:
+    loads = {A: load(A, 2, 2000), B: load(B, 0, 0)}
+    moved_before, fresh = FakeHandle(A, 9, 1.0, moves=["a move"]), FakeHandle(A, 1, 2.0)
+    policy = RebalancePolicy(max_concurrent=4)
+    assert [m.handle for m in plan_moves(loads, [moved_before, fresh], policy)] == [fresh]
+    twice = RebalancePolicy(max_concurrent=4, max_moves_per_request=2)
+    assert plan_moves(loads, [moved_before, fresh], twice)[0].handle is moved_before

@@ -57,6 +57,8 @@ class Servers:
 # Earlier turns of the conversations the rebalancer test queues on the source.
 REBALANCE_HISTORIES = [_seq(10_000 + 1000 * i, 2 * PAGE) for i in range(3)]
 CLI_HISTORIES = [_seq(15_000, 2 * PAGE), _seq(16_000, 2 * PAGE)]
+# Earlier turns of the scene test's conversations (two high-priority, one low).
+SCENE_HISTORIES = [_seq(30_000 + 1000 * i, 2 * PAGE) for i in range(3)]
 SOURCE_CAPACITY = 200  # tokens: a few queued prompts put the source under KV pressure
 
 
@@ -93,7 +95,7 @@ def servers() -> Iterator[Servers]:
             max_running=1, step_s=STEP_S, capacity_tokens=100_000, metrics_text=TARGET_METRICS
         )
     )
-    histories = [QUEUED_HISTORY, *REBALANCE_HISTORIES, *CLI_HISTORIES]
+    histories = [QUEUED_HISTORY, *REBALANCE_HISTORIES, *CLI_HISTORIES, *SCENE_HISTORIES]
     preload = [(h, 1 + i) for i, h in enumerate(histories)]
     handles = start_servers(
         [ServerSpec(extension=source, preload=preload), ServerSpec(extension=target)]
@@ -494,6 +496,64 @@ def test_rebalancer_leaves_a_running_request_alone(servers: Servers) -> None:
     assert queued_outs[1].segments[-1].server_url == servers.target.url
     for prompt, out in zip(queued_prompts, queued_outs, strict=True):
         assert out.output_ids == expected_output(prompt, 4)
+
+
+def test_rebalancer_sees_the_scene(servers: Servers) -> None:
+    """The seed's scene on a mini server: its one running slot is taken by a decoding
+    high-priority request (KV has room: the pressure is the full slot); queued behind it
+    are two high-priority conversations whose earlier turns the source holds — in its
+    host pool only, after evicting its GPU tier — a high-priority request it holds no
+    KV for, and a low-priority conversation. The scene policy moves exactly the two
+    conversations, in one round, priced and moved on the host path."""
+    servers.source.ask(0, "evict_device")
+    high_a, high_b, low_history = (
+        h + _seq(36_000 + 100 * i, 5) for i, h in enumerate(SCENE_HISTORIES)
+    )
+    uncached = _seq(37_000, 5)
+    decoding_prompt = _seq(38_000, PAGE)
+    policy = RebalancePolicy(
+        kv_pressure=0.99, min_priority=5, min_held_tokens=PAGE, max_concurrent=4, mode="auto"
+    )
+
+    async def scenario() -> tuple:
+        async with AsyncRequestMigrator() as migrator:
+            decoding = await migrator.submit(
+                servers.source.url,
+                GenerateRequest(decoding_prompt, {"max_new_tokens": 60}, priority=9),
+            )
+            await _until(lambda: decoding.started)
+            queued = [
+                await migrator.submit(
+                    servers.source.url, GenerateRequest(p, {"max_new_tokens": 6}, priority=prio)
+                )
+                for p, prio in ((high_a, 9), (high_b, 9), (uncached, 9), (low_history, 0))
+            ]
+            await _until(lambda: _load(servers.source)["num_waiting_reqs"] == 4)
+            load = _load(servers.source)
+            rebalancer = Rebalancer(migrator, [servers.source.url, servers.target.url], policy)
+            first_round = await rebalancer.step()
+            summary = await rebalancer.run(max_rounds=300, interval_s=0.02)
+            outs = [await h.result() for h in (decoding, *queued)]
+            return load, first_round, summary, queued, outs
+
+    load, first_round, summary, queued, outs = asyncio.run(scenario())
+    assert load["num_total_tokens"] < 0.99 * load["max_total_num_tokens"]  # KV has room
+    assert [m.handle for m in first_round] == [queued[1], queued[0]]  # newest first
+    assert [(m.held.tokens, m.held.device_tokens) for m in first_round] == [(2 * PAGE, 0)] * 2
+    assert summary.moves_started == 2 and summary.errors == []
+    assert summary.outcomes == {"migrated": 2}
+    for report in summary.reports:
+        assert report.estimate.path == "host" and report.migration.path == "host"
+        assert report.migration.migrated_token_size == 2 * PAGE
+    decoding_out, a_out, b_out, uncached_out, low_out = outs
+    for out in (a_out, b_out):
+        assert [s.server_url for s in out.segments] == [servers.source.url, servers.target.url]
+        assert out.segments[1].cached_tokens == 2 * PAGE
+    for out in (decoding_out, uncached_out, low_out):
+        assert [(s.server_url, s.kind) for s in out.segments] == [(servers.source.url, "original")]
+    prompts = (decoding_prompt, high_a, high_b, uncached, low_history)
+    for prompt, out, n in zip(prompts, outs, (60, 6, 6, 6, 6), strict=True):
+        assert out.output_ids == expected_output(prompt, n)
 
 
 def test_stream_reader_folds_cumulative_and_incremental_chunks() -> None:

@@ -1,7 +1,8 @@
 """`sglang-kv-migrate`: run one migration from the shell.
 
     sglang-kv-migrate --source http://10.0.0.1:30000 --target http://10.0.0.2:30000 \\
-        --input-ids 1,2,3,... [--extra-key K] [--api-key KEY] [--json]
+        --input-ids 1,2,3,... [--extra-key K] [--path auto|device|host] \\
+        [--api-key KEY] [--admin-api-key KEY] [--json]
 
 `--input-ids-file F` reads ids from a JSON list or whitespace/comma separated text
 ("-" for stdin). Exit status: 0 migrated (or nothing to move), 1 migration failed,
@@ -19,7 +20,12 @@ import re
 import sys
 
 from sglang_kv_migration import rebalance_cli
-from sglang_kv_migration.client import DEFAULT_TIMEOUT_S, MigrationClient, MigrationFailed
+from sglang_kv_migration.client import (
+    DEFAULT_TIMEOUT_S,
+    PATHS,
+    MigrationClient,
+    MigrationFailed,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,10 +39,18 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         parser.error(str(e))
 
-    with MigrationClient(timeout=args.timeout, api_key=args.api_key) as client:
+    client = MigrationClient(
+        timeout=args.timeout, api_key=args.api_key, admin_api_key=args.admin_api_key
+    )
+    with client:
         try:
             result = client.migrate(
-                args.source, args.target, input_ids, args.extra_key, verify=args.verify
+                args.source,
+                args.target,
+                input_ids,
+                args.extra_key,
+                path=args.path,
+                verify=args.verify,
             )
         except MigrationFailed as e:
             if args.json:
@@ -74,10 +88,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+EPILOG = """\
+exit status:
+  0  migrated, or nothing to move (the source holds no whole page of the ids, or the
+     target already holds them)
+  1  the migration failed, including a key a server refused (401/403): the phase,
+     route and HTTP status are printed, and whether the target's allocation was
+     released
+  2  bad arguments
+
+keys (SGLang's rules): with only --api-key set on the servers, that key opens every
+route; with --admin-api-key also set, the six migration routes take only the admin key.
+Pass the one your servers use, or both.
+
+subcommand:
+  sglang-kv-migrate rebalance --server URL --server URL [...]
+     watch servers' load, or run a batch of requests and move queued ones off
+     KV-pressured servers (sglang-kv-migrate rebalance --help)
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sglang-kv-migrate",
-        description="Move the KV cache of a token prefix from one SGLang server to another.",
+        description="Move the KV cache of a token prefix from one SGLang server to another "
+        "(the `rebalance` subcommand moves whole requests off pressured servers).",
+        epilog=EPILOG,
+        formatter_class=rebalance_cli.HelpFormatter,
     )
     parser.add_argument("--source", required=True, help="URL of the server holding the KV")
     parser.add_argument("--target", required=True, help="URL of the server to move it to")
@@ -85,9 +122,30 @@ def _parser() -> argparse.ArgumentParser:
     ids.add_argument("--input-ids", help="comma-separated token ids")
     ids.add_argument("--input-ids-file", help="token ids file (JSON list or text), - for stdin")
     parser.add_argument("--extra-key", default=None, help="radix-cache namespace (e.g. LoRA id)")
-    parser.add_argument("--api-key", default=None, help="bearer key (admin key if configured)")
+    parser.add_argument(
+        "--path",
+        choices=("auto", *PATHS),
+        default="auto",
+        help="data path: auto prefers device (same host, pages on the source's GPU) and "
+        "falls back to host; device or host pins one (fails if both servers do not offer it)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="the servers' --api-key (also sent as the admin key "
+        "when --admin-api-key is not given)",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the servers' --admin-api-key: sent on the migration routes instead of --api-key",
+    )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per call")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (MigrationResult's fields, or phase/status/message)",
+    )
     parser.add_argument(
         "--verify",
         action="store_true",

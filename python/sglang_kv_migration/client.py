@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -33,6 +33,7 @@ from sglang_kv_migration.layout import LayoutFingerprint
 from sglang_kv_migration.page_ranges import FEATURE as PAGE_RANGES
 
 DEFAULT_TIMEOUT_S = 120.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,76 @@ class MigrationFailed(Exception):
         self.reply: dict[str, Any] | None = None  # the failed call's JSON reply, if any
 
 
+class AuthFailed(MigrationFailed):
+    """A server refused the key a call carried (HTTP 401 or 403). Never retried: a wrong
+    key does not become right by waiting. `route` is the refused route."""
+
+    def __init__(self, phase: str, route: str, message: str, status_code: int):
+        super().__init__(phase, message, status_code)
+        self.route = route
+
+
+# SGLang 0.5.12's auth levels (sglang/srt/utils/auth.py) for the routes this package
+# calls: these are ADMIN_OPTIONAL (with --admin-api-key set, only the admin key opens them;
+# with only --api-key, the API key does); /generate, /v1/loads and /get_load are NORMAL
+# (only the API key, when set); /metrics and /health are always open.
+ADMIN_ROUTES = frozenset(
+    {
+        "/get_transfer_session_info",
+        "/get_request_extra_token_size",
+        "/allocate_token_for_transfer",
+        "/transfer_request_kvcache",
+        "/commit",
+        "/abort_transfer",
+        "/abort_request",
+        "/flush_cache",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    """SGLang's two keys as a client holds them: `api_key` for /generate and the load
+    routes, `admin_api_key` for the admin routes (`ADMIN_ROUTES`). One key alone is sent
+    everywhere, which is what a server with one key set accepts."""
+
+    api_key: str | None = None
+    admin_api_key: str | None = None
+
+    def key_for(self, path: str) -> str | None:
+        if route_of(path) in ADMIN_ROUTES:
+            return self.admin_api_key or self.api_key
+        return self.api_key or self.admin_api_key
+
+    def headers(self, path: str) -> dict[str, str]:
+        key = self.key_for(path)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def sent(self, path: str) -> str:
+        """Which key a call to `path` carries, in words (for error messages)."""
+        key = self.key_for(path)
+        if not key:
+            return "no key"
+        if key == self.admin_api_key:
+            return "the admin API key (admin_api_key / --admin-api-key)"
+        return "the API key (api_key / --api-key)"
+
+
+def route_of(path: str) -> str:
+    return "/" + path.split("?", 1)[0].strip("/")
+
+
+def auth_hint(path: str) -> str:
+    """What to do about a 401/403 from `path` (SGLang's rules, see `ADMIN_ROUTES`)."""
+    route = route_of(path)
+    if route in ADMIN_ROUTES:
+        return (
+            f"{route} takes the admin API key when the server sets --admin-api-key (else "
+            "its --api-key): pass admin_api_key= / --admin-api-key"
+        )
+    return f"{route} takes the server's --api-key: pass api_key= / --api-key"
+
+
 @dataclass(frozen=True)
 class _Call:
     phase: str
@@ -99,9 +170,13 @@ class MigrationClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         api_key: str | None = None,
         http_client: httpx.Client | None = None,
+        *,
+        admin_api_key: str | None = None,
     ):
+        """`api_key`, `admin_api_key`: see `ApiKeys` (every route here is an admin route,
+        so `admin_api_key` is used when given, else `api_key`)."""
         self._http = http_client or httpx.Client(timeout=timeout)
-        self._headers = _auth_headers(api_key)
+        self.keys = ApiKeys(api_key, admin_api_key)
         self._sessions = SessionCache()
 
     def migrate(
@@ -123,9 +198,18 @@ class MigrationClient:
         what landed against the source's before inserting (a mismatch fails the commit
         with 409 and inserts nothing); costs one hash pass over the bytes on each side.
         """
-        steps = _migration_steps(
-            source_url, target_url, list(input_ids), extra_key, path, self._sessions, verify
+        return self._drive(
+            _migration_steps(
+                source_url, target_url, list(input_ids), extra_key, path, self._sessions, verify
+            )
         )
+
+    def session_info(self, url: str) -> dict[str, Any]:
+        """`/get_transfer_session_info` of `url`, from the cache migrations share (one
+        call per server until it restarts)."""
+        return self._drive(_session_info(url, self._sessions))
+
+    def _drive(self, steps: Generator[_Call, _Reply, T]) -> T:
         reply: Any = None
         while True:
             try:
@@ -154,7 +238,8 @@ class MigrationClient:
             return None, f"{type(e).__name__}: {e}"
 
     def _raw(self, url: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
-        r = self._http.post(_join(url, path), content=_encode(body), headers=self._headers)
+        headers = {**_JSON, **self.keys.headers(path)}
+        r = self._http.post(_join(url, path), content=_encode(body), headers=headers)
         return r.status_code, _json_or_text(r)
 
 
@@ -166,9 +251,11 @@ class AsyncMigrationClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         api_key: str | None = None,
         http_client: httpx.AsyncClient | None = None,
+        *,
+        admin_api_key: str | None = None,
     ):
         self._http = http_client or httpx.AsyncClient(timeout=timeout)
-        self._headers = _auth_headers(api_key)
+        self.keys = ApiKeys(api_key, admin_api_key)
         self._sessions = SessionCache()
 
     async def migrate(
@@ -182,9 +269,17 @@ class AsyncMigrationClient:
         verify: bool = False,
     ) -> MigrationResult:
         """See `MigrationClient.migrate`."""
-        steps = _migration_steps(
-            source_url, target_url, list(input_ids), extra_key, path, self._sessions, verify
+        return await self._drive(
+            _migration_steps(
+                source_url, target_url, list(input_ids), extra_key, path, self._sessions, verify
+            )
         )
+
+    async def session_info(self, url: str) -> dict[str, Any]:
+        """See `MigrationClient.session_info`."""
+        return await self._drive(_session_info(url, self._sessions))
+
+    async def _drive(self, steps: Generator[_Call, _Reply, T]) -> T:
         reply: Any = None
         while True:
             try:
@@ -213,7 +308,8 @@ class AsyncMigrationClient:
             return None, f"{type(e).__name__}: {e}"
 
     async def _raw(self, url: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
-        r = await self._http.post(_join(url, path), content=_encode(body), headers=self._headers)
+        headers = {**_JSON, **self.keys.headers(path)}
+        r = await self._http.post(_join(url, path), content=_encode(body), headers=headers)
         return r.status_code, _json_or_text(r)
 
 
@@ -515,6 +611,21 @@ def _choose_path(
     return "host", reason
 
 
+def predict_path(
+    source_info: dict[str, Any],
+    target_info: dict[str, Any],
+    held: dict[str, Any],
+    requested: str | None = None,
+) -> str:
+    """The path `migrate` will try first for what the source holds (`held`: its
+    `/get_request_extra_token_size` reply), "" when the servers share none. For pricing
+    a move before it is made (`request_migration`, `rebalancer`)."""
+    try:
+        return _choose_path(requested, source_info, target_info, held)[0]
+    except MigrationFailed:
+        return ""
+
+
 def _device_refusal(
     source_info: dict[str, Any], target_info: dict[str, Any], held: dict[str, Any]
 ) -> str:
@@ -596,6 +707,9 @@ def _checked(call: _Call, status: int | None, payload: Any) -> dict[str, Any]:
     """The JSON reply of a successful call, else `MigrationFailed` naming the phase."""
     if status is None:
         raise MigrationFailed(call.phase, f"{call.url}{call.path}: {payload}")
+    if status in (401, 403):
+        message = f"{call.url}{call.path} refused the key: {payload}; {auth_hint(call.path)}"
+        raise AuthFailed(call.phase, route_of(call.path), message, status)
     if status >= 300 or not isinstance(payload, dict) or not payload.get("success", False):
         message = payload.get("message", payload) if isinstance(payload, dict) else payload
         failure = MigrationFailed(call.phase, f"{call.url}{call.path}: {message}", status)
@@ -629,11 +743,7 @@ def _check_compatible(source_info: dict[str, Any], target_info: dict[str, Any]) 
             raise MigrationFailed("session_info", f"KV layouts differ: {mismatch}")
 
 
-def _auth_headers(api_key: str | None) -> dict[str, str]:
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    return headers
+_JSON = {"Content-Type": "application/json"}
 
 
 def _encode(body: dict[str, Any] | None) -> bytes:

@@ -29,6 +29,15 @@ built with: by default the H200 numbers of `docs/benchmarks.md` / DESIGN.md (Moo
 ≈ 2.5 GB/s, Llama-3-8B-shaped re-prefill of 32K tokens ≈ 2.65 s). Series that carry a
 `path` label (added with the device data path) are filtered by `path=` when one is given;
 series without it count for every path.
+
+Per path. A move is priced by the path it will take (`estimate(..., path=)`):
+`by_path[path]` where the model has one, else `migration`. By default only the device path
+has its own prior (same host: pinned host pool or GPU pages copied into the target's GPU
+slots, 51.3 GB/s measured on the H200 for host-tier pages, more for GPU pages; no
+load-back on the target), so a model built with one `MigrationCosts` prices the host path
+with it, as before. `from_metrics` learns `migration` from every series and
+`by_path[p]` only from series labelled ``path="p"``: the servers' series carry no path
+label yet, so until they do the device prior stands.
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ DEFAULT_BANDWIDTH_BYTES_PER_S = 2.5e9
 DEFAULT_MIGRATION_OVERHEAD_S = 0.02
 DEFAULT_PREFILL_S_PER_TOKEN = 8.0e-5
 DEFAULT_HTTP_OVERHEAD_S = 0.005  # six small HTTP calls on one network
+# Same host, any tier (DESIGN.md): the slower of its two copies, host pool -> target GPU.
+DEFAULT_DEVICE_BANDWIDTH_BYTES_PER_S = 50e9
 
 
 @dataclass(frozen=True)
@@ -75,9 +86,14 @@ class CostEstimate:
     nbytes: int
     migrate_s: float
     recompute_s: float
+    path: str = ""  # the path the migration was priced for ("": the model's default)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _default_path_costs() -> dict[str, MigrationCosts]:
+    return {"device": MigrationCosts(bandwidth_bytes_per_s=DEFAULT_DEVICE_BANDWIDTH_BYTES_PER_S)}
 
 
 @dataclass(frozen=True)
@@ -86,27 +102,39 @@ class CostModel:
     prefill: PrefillCosts = PrefillCosts()
     # Migrate only when it is this much cheaper (>1 favours recomputation).
     margin: float = 1.0
+    # Paths priced on their own (see the module docstring); others use `migration`.
+    by_path: Mapping[str, MigrationCosts] = dataclasses.field(default_factory=_default_path_costs)
 
-    def estimate(self, tokens: int, nbytes: int | None = None) -> CostEstimate:
-        """Both estimates for moving `tokens` tokens (`nbytes` bytes on all ranks).
+    def costs_for(self, path: str | None) -> MigrationCosts:
+        """The migration terms of `path`; bytes per token are the layout's, on any path."""
+        costs = self.by_path.get(path or "", self.migration)
+        if costs.bytes_per_token is None and self.migration.bytes_per_token is not None:
+            costs = dataclasses.replace(costs, bytes_per_token=self.migration.bytes_per_token)
+        return costs
 
-        `nbytes` defaults to ``tokens * migration.bytes_per_token``; with neither, the
-        model cannot price the transfer and raises `ValueError`. Nothing to move
-        (``tokens <= 0``) is always `recompute`, at zero cost both ways.
+    def estimate(
+        self, tokens: int, nbytes: int | None = None, *, path: str | None = None
+    ) -> CostEstimate:
+        """Both estimates for moving `tokens` tokens (`nbytes` bytes on all ranks) over
+        `path` (None: `migration`'s terms).
+
+        `nbytes` defaults to ``tokens * bytes_per_token``; with neither, the model cannot
+        price the transfer and raises `ValueError`. Nothing to move (``tokens <= 0``) is
+        always `recompute`, at zero cost both ways.
         """
         if tokens <= 0:
-            return CostEstimate("recompute", 0, 0, 0.0, 0.0)
+            return CostEstimate("recompute", 0, 0, 0.0, 0.0, path or "")
+        m = self.costs_for(path)
         if nbytes is None:
-            if self.migration.bytes_per_token is None:
+            if m.bytes_per_token is None:
                 raise ValueError("bytes unknown: pass nbytes or learn bytes_per_token")
-            nbytes = round(tokens * self.migration.bytes_per_token)
-        m = self.migration
+            nbytes = round(tokens * m.bytes_per_token)
         migrate_s = (
             m.overhead_s + nbytes / m.bandwidth_bytes_per_s + tokens * m.load_back_s_per_token
         )
         recompute_s = self.prefill.overhead_s + tokens * self.prefill.seconds_per_token
         decision: Decision = "migrate" if migrate_s * self.margin < recompute_s else "recompute"
-        return CostEstimate(decision, tokens, nbytes, migrate_s, recompute_s)
+        return CostEstimate(decision, tokens, nbytes, migrate_s, recompute_s, path or "")
 
     @classmethod
     def from_metrics(
@@ -128,8 +156,18 @@ class CostModel:
         migration = learn_migration_costs(
             source, target, path=path, prior=base.migration, http_overhead_s=http_overhead_s
         )
+        by_path = {
+            name: learn_migration_costs(
+                _labelled(source, name),
+                _labelled(target, name),
+                path=name,
+                prior=prior_costs,
+                http_overhead_s=http_overhead_s,
+            )
+            for name, prior_costs in base.by_path.items()
+        }
         prefill = learn_prefill_costs(target, prior=base.prefill)
-        return dataclasses.replace(base, migration=migration, prefill=prefill)
+        return dataclasses.replace(base, migration=migration, prefill=prefill, by_path=by_path)
 
 
 # --------------------------------------------------------------------------- routes
@@ -303,6 +341,11 @@ def _mean(samples: Iterable[Sample], histogram: str, **labels: str) -> float | N
     if count <= 0:
         return None
     return _total(samples, histogram + "_sum", **labels) / count
+
+
+def _labelled(samples: list[Sample], path: str) -> list[Sample]:
+    """Only the samples that name `path` (what a path's own terms are learned from)."""
+    return [s for s in samples if s.labels.get("path") == path]
 
 
 def _on_path(samples: list[Sample], path: str | None) -> list[Sample]:

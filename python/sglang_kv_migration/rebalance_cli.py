@@ -51,6 +51,10 @@ def main(argv: list[str]) -> int:
         max_moves_per_round=args.max_moves_per_round,
         low_priority_values_first=args.low_priority_values_first,
         mode=args.mode,
+        move_running=args.move_running,
+        min_priority=args.min_priority,
+        min_held_tokens=args.min_held_tokens,
+        max_moves_per_request=args.max_moves_per_request,
     )
     if not work:
         return asyncio.run(_watch(args, policy))
@@ -58,7 +62,9 @@ def main(argv: list[str]) -> int:
 
 
 async def _watch(args: argparse.Namespace, policy: RebalancePolicy) -> int:
-    async with AsyncRequestMigrator(api_key=args.api_key) as migrator:
+    async with AsyncRequestMigrator(
+        api_key=args.api_key, admin_api_key=args.admin_api_key
+    ) as migrator:
         rebalancer = Rebalancer(migrator, args.server, policy)
         loads = {}
         for round_no in range(args.max_rounds):
@@ -77,8 +83,9 @@ async def _watch(args: argparse.Namespace, policy: RebalancePolicy) -> int:
 async def _run(
     args: argparse.Namespace, policy: RebalancePolicy, work: list[tuple[str, GenerateRequest]]
 ) -> int:
-    client = AsyncMigrationClient(timeout=args.timeout, api_key=args.api_key)
-    async with client, AsyncRequestMigrator(client, api_key=args.api_key) as migrator:
+    keys = {"api_key": args.api_key, "admin_api_key": args.admin_api_key}
+    client = AsyncMigrationClient(timeout=args.timeout, **keys)
+    async with client, AsyncRequestMigrator(client, **keys) as migrator:
         handles = [await migrator.submit(url, request) for url, request in work]
         rebalancer = Rebalancer(migrator, args.server, policy)
         summary = await rebalancer.run(max_rounds=args.max_rounds, interval_s=args.interval)
@@ -112,26 +119,145 @@ def _result_line(handle: RequestHandle) -> dict[str, Any]:
     return {"success": True, **out.to_dict()}
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help line; the epilog printed as written."""
+
+
+EPILOG = """\
+batch mode (--requests FILE): one JSON object per line,
+  {"server": URL, "input_ids": [...], "sampling_params": {...}, "priority": 5,
+   "extra_key": "...", "rid": "..."}   (server and input_ids required)
+  Every request is submitted to its server; each round the rebalancer moves queued ones
+  off KV-pressured servers. When all have finished (or --max-rounds / --drain-timeout
+  ran out) it writes one line per request to --output, in input order:
+    {"success": true, "rid", "prompt_ids", "output_ids", "finish_reason", "meta_info",
+     "segments": [{"server_url", "rid", "kind", "output_ids", "finish_reason",
+                   "cached_tokens", "meta_info"}, ...],
+     "moves": [{"rid", "source_url", "target_url", "outcome", "resumed_on",
+                "generated_before_move", "estimate", "migration", "failure",
+                "seconds"}, ...]}
+    or {"success": false, "rid", "error"}
+  and one summary line to stdout:
+    {"requests", "finished", "rounds", "moves_started", "outcomes": {outcome: count},
+     "errors": [...]}
+  outcome: migrated | recomputed | fell_back | finished_before_move | restarted.
+  A server is pressured when it has --min-waiting queued requests and its KV demand
+  reaches --kv-pressure or its running slots are full; what moves is its queued
+  requests (not those decoding, unless --move-running), most urgent first.
+
+watch mode (no --requests): moves nothing; prints one JSON line per round to stdout,
+  {"round": N, "loads": {URL: {"url", "num_running", "num_waiting", "used_tokens",
+   "demand_tokens", "capacity_tokens", "ok", "max_running"}}, "pressured": [URL, ...]}
+  for --max-rounds rounds, --interval seconds apart ("pressured": the servers the
+  policy options below would move requests off).
+
+exit status:
+  0  batch: every request finished; watch: every server answered in the last round
+  1  batch: some request failed or did not finish; watch: a server did not answer;
+     either: a server refused a key (401/403, the route is named on stderr)
+  2  bad arguments
+
+keys: --api-key goes with /generate and /v1/loads, --admin-api-key with /abort_request
+and the migration routes; one alone is sent everywhere (a server with one key set
+accepts it on every route).
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sglang-kv-migrate rebalance",
         description="Move queued requests off KV-pressured SGLang servers.",
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--server", action="append", required=True, help="server URL (repeat)")
-    p.add_argument("--requests", default=None, help="JSON-lines requests file, - for stdin")
-    p.add_argument("--output", default=None, help="JSON-lines results file (default: none)")
-    p.add_argument("--mode", choices=("auto", "migrate", "recompute"), default="auto")
-    p.add_argument("--kv-pressure", type=float, default=RebalancePolicy.kv_pressure)
-    p.add_argument("--min-waiting", type=int, default=RebalancePolicy.min_waiting)
-    p.add_argument("--target-max-ratio", type=float, default=RebalancePolicy.target_max_ratio)
-    p.add_argument("--max-concurrent", type=int, default=RebalancePolicy.max_concurrent)
-    p.add_argument("--max-moves-per-round", type=int, default=RebalancePolicy.max_moves_per_round)
-    p.add_argument("--low-priority-values-first", action="store_true")
-    p.add_argument("--interval", type=float, default=0.5, help="seconds between rounds")
-    p.add_argument("--max-rounds", type=int, default=1200, help="rounds before stopping")
-    p.add_argument("--drain-timeout", type=float, default=600.0, help="wait for the rest (s)")
-    p.add_argument("--api-key", default=None, help="bearer key (admin key if configured)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per call")
+    policy = RebalancePolicy()
+    add = p.add_argument
+    add("--server", action="append", required=True, help="server URL (repeat for each)")
+    add("--requests", default=None, help="JSON-lines requests file, - for stdin (batch mode)")
+    add("--output", default=None, help="JSON-lines results file (batch mode; none: not written)")
+    add(
+        "--mode",
+        choices=("auto", "migrate", "recompute"),
+        default=policy.mode,
+        help="auto: the cost model picks migrate or re-prefill per move; migrate: always "
+        "move the KV; recompute: abort and re-prefill on the target",
+    )
+    add(
+        "--kv-pressure",
+        type=float,
+        default=policy.kv_pressure,
+        help="a server is pressured when its KV demand (used + queued prompts) reaches "
+        "this share of its capacity",
+    )
+    add(
+        "--min-waiting",
+        type=int,
+        default=policy.min_waiting,
+        help="... and it has at least this many queued requests",
+    )
+    add(
+        "--target-max-ratio",
+        type=float,
+        default=policy.target_max_ratio,
+        help="a target takes a request while its demand plus the request's worst case "
+        "(prompt + max_new_tokens) stays under this share of its capacity",
+    )
+    add(
+        "--max-concurrent",
+        type=int,
+        default=policy.max_concurrent,
+        help="moves in flight at once, over all servers",
+    )
+    add(
+        "--max-moves-per-round",
+        type=int,
+        default=policy.max_moves_per_round,
+        help="moves started per round",
+    )
+    add(
+        "--low-priority-values-first",
+        action="store_true",
+        help="the servers run --schedule-low-priority-values-first (smaller = more urgent)",
+    )
+    add(
+        "--move-running",
+        action="store_true",
+        help="also move requests already decoding (default: only those without a token yet)",
+    )
+    add(
+        "--min-priority",
+        type=int,
+        default=policy.min_priority,
+        help="only requests at least this urgent move (none: any priority)",
+    )
+    add(
+        "--min-held-tokens",
+        type=int,
+        default=policy.min_held_tokens,
+        help="only requests whose KV the source holds at least this many tokens of (GPU or "
+        "host pool) move; 0: any",
+    )
+    add(
+        "--max-moves-per-request",
+        type=int,
+        default=policy.max_moves_per_request,
+        help="how often one request may move",
+    )
+    add("--interval", type=float, default=0.5, help="seconds between rounds")
+    add("--max-rounds", type=int, default=1200, help="rounds before stopping")
+    add(
+        "--drain-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for unfinished requests after the last round",
+    )
+    add(
+        "--api-key",
+        default=None,
+        help="the servers' --api-key (also the admin key when --admin-api-key is not given)",
+    )
+    add("--admin-api-key", default=None, help="the servers' --admin-api-key")
+    add("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per migration call")
     return p
 
 

@@ -60,10 +60,14 @@ import httpx
 import orjson
 
 from sglang_kv_migration.client import (
+    ApiKeys,
     AsyncMigrationClient,
+    AuthFailed,
     MigrationClient,
     MigrationFailed,
     MigrationResult,
+    auth_hint,
+    predict_path,
 )
 from sglang_kv_migration.cost_model import (
     CostEstimate,
@@ -391,7 +395,10 @@ class AsyncRequestMigrator:
     worker thread). `eos_token_ids`: the model's end-of-sequence ids, so that a request
     whose last step before the abort emitted one is finished rather than resumed.
     `cost_model=None` uses the default priors; `refresh_cost_model` learns from the
-    servers' `/metrics`.
+    servers' `/metrics`. `api_key` goes with `/generate` and the load routes,
+    `admin_api_key` with `/abort_request` and the migration routes (`client.ApiKeys`);
+    one alone is sent everywhere, as today. A key a server refuses raises `AuthFailed`
+    naming the route, before the request is touched.
     """
 
     def __init__(
@@ -400,17 +407,20 @@ class AsyncRequestMigrator:
         *,
         cost_model: CostModel | None = None,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         http_client: httpx.AsyncClient | None = None,
         generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
         abort_retry_s: float = 1.0,
         abort_timeout_s: float = 30.0,
         eos_token_ids: Iterable[int] = (),
     ):
-        self._migration = migration_client or AsyncMigrationClient(api_key=api_key)
+        self.keys = ApiKeys(api_key, admin_api_key)
+        self._migration = migration_client or AsyncMigrationClient(
+            api_key=api_key, admin_api_key=admin_api_key
+        )
         self._owns_migration = migration_client is None
         self._http = http_client or httpx.AsyncClient(timeout=generate_timeout_s)
         self._owns_http = http_client is None
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.cost_model = cost_model or CostModel()
         self.abort_retry_s = abort_retry_s
         self.abort_timeout_s = abort_timeout_s
@@ -466,6 +476,8 @@ class AsyncRequestMigrator:
             return move.report("finished_before_move", "", 0)
         handle._moving = True
         try:
+            if mode != "recompute":
+                await self._check_admin_key(handle.server_url, target_url)
             reply = await self._stop(handle)
             move.seconds["abort"] = time.perf_counter() - move.started
             if reply is None:
@@ -503,10 +515,22 @@ class AsyncRequestMigrator:
         return self.cost_model
 
     async def get_json(self, url: str, path: str) -> Any:
-        """GET a JSON endpoint (e.g. `/v1/loads`); raises `httpx.HTTPError` on failure."""
-        r = await self._http.get(url.rstrip("/") + path, headers=self._headers, timeout=10.0)
+        """GET a JSON endpoint (e.g. `/v1/loads`); raises `AuthFailed` when the server
+        refuses the key, `httpx.HTTPError` on other failures."""
+        r = await self._http.get(
+            url.rstrip("/") + path, headers=self.keys.headers(path), timeout=10.0
+        )
+        self._raise_if_refused(url, path, r)
         r.raise_for_status()
         return r.json()
+
+    async def held_kv(
+        self, url: str, input_ids: list[int], extra_key: str | None = None
+    ) -> dict[str, Any]:
+        """What `url` holds of `input_ids` (its `/get_request_extra_token_size` reply:
+        ``matched_token_size``, device and host tier, and ``device_token_size``)."""
+        body = {"input_ids": input_ids, "extra_key": extra_key}
+        return await self._call(url, "/get_request_extra_token_size", body)
 
     async def aclose(self) -> None:
         if self._owns_http:
@@ -522,18 +546,47 @@ class AsyncRequestMigrator:
 
     # -- the steps of a move -------------------------------------------------------------
 
+    async def _check_admin_key(self, source_url: str, target_url: str) -> None:
+        """Read both servers' session info (cached by the client: free after the first
+        move) so that a refused admin key raises here, before the abort, instead of
+        turning every move into a silent re-prefill. Other failures are left to the
+        migration, whose fallbacks handle them."""
+        for url in (source_url, target_url):
+            try:
+                await self._session_info(url)
+            except AuthFailed:
+                raise
+            except (MigrationFailed, httpx.HTTPError) as e:
+                logger.debug("session info of %s: %s", url, e)
+
+    def _raise_if_refused(self, url: str, path: str, response: httpx.Response) -> None:
+        """A 401/403 is a wrong or missing key: raise at once, naming route and key."""
+        if response.status_code not in (401, 403):
+            return
+        route = path.split("?", 1)[0]
+        raise AuthFailed(
+            route.strip("/"),
+            route,
+            f"{url.rstrip('/')}{route} refused {self.keys.sent(path)} (HTTP "
+            f"{response.status_code}: {response.text[:200]}); {auth_hint(path)}",
+            response.status_code,
+        )
+
     async def _stop(self, handle: RequestHandle) -> dict[str, Any] | None:
-        """Abort the running piece and return its reply; None if the source never answers."""
+        """Abort the running piece and return its reply; None if the source never answers.
+        A refused key raises `AuthFailed` at the first reply (the request keeps running
+        on the source): retrying cannot help."""
         call = handle._call
         deadline = time.monotonic() + self.abort_timeout_s
         while not call.done() and time.monotonic() < deadline:
             try:
-                await self._http.post(
+                r = await self._http.post(
                     handle.server_url.rstrip("/") + "/abort_request",
                     json={"rid": handle.rid},
-                    headers=self._headers,
+                    headers=self.keys.headers("/abort_request"),
                     timeout=10.0,
                 )
+                self._raise_if_refused(handle.server_url, "/abort_request", r)
             except httpx.HTTPError as e:
                 logger.warning("abort of %s on %s failed: %s", handle.rid, handle.server_url, e)
             wait = min(self.abort_retry_s, max(0.0, deadline - time.monotonic()))
@@ -563,7 +616,7 @@ class AsyncRequestMigrator:
             report = move.report("recomputed", target_url, len(generated))
             return self._resume(handle, rest, target_url, "reprefill", report)
         try:
-            estimate = await self._estimate(source_url, target_url, ids, rest.extra_key)
+            estimate = await self._estimate(source_url, target_url, ids, rest.extra_key, path)
             if mode == "auto" and estimate.decision == "recompute":
                 move.seconds["migrate"] = time.perf_counter() - t0
                 report = move.report("recomputed", target_url, len(generated), estimate=estimate)
@@ -583,13 +636,18 @@ class AsyncRequestMigrator:
         return self._resume(handle, rest, target_url, "migrated", report)
 
     async def _estimate(
-        self, source_url: str, target_url: str, ids: list[int], extra_key: str | None
+        self,
+        source_url: str,
+        target_url: str,
+        ids: list[int],
+        extra_key: str | None,
+        path: str | None = None,
     ) -> CostEstimate:
-        """The cost model's verdict on the tokens the source holds beyond the target."""
+        """The cost model's verdict on the tokens the source holds beyond the target,
+        priced on the path the migration will take (`client.predict_path`)."""
         body = {"input_ids": ids, "extra_key": extra_key}
-        source_held = (await self._call(source_url, "/get_request_extra_token_size", body))[
-            "matched_token_size"
-        ]
+        held = await self._call(source_url, "/get_request_extra_token_size", body)
+        source_held = held["matched_token_size"]
         target_held = 0
         if source_held:
             body = {"input_ids": ids[:source_held], "extra_key": extra_key}
@@ -597,11 +655,15 @@ class AsyncRequestMigrator:
                 "matched_token_size"
             ]
         tokens = max(0, source_held - target_held)
+        if not tokens:
+            return self.cost_model.estimate(0)
+        source_info = await self._session_info(source_url)
+        target_info = await self._session_info(target_url)
+        chosen = predict_path(source_info, target_info, held, path) or None
         nbytes = None
-        if tokens and self.cost_model.migration.bytes_per_token is None:
-            info = await self._call(source_url, "/get_transfer_session_info", {})
-            nbytes = tokens * bytes_per_token_from_session_info(info)
-        return self.cost_model.estimate(tokens, nbytes)
+        if self.cost_model.costs_for(chosen).bytes_per_token is None:
+            nbytes = tokens * bytes_per_token_from_session_info(source_info)
+        return self.cost_model.estimate(tokens, nbytes, path=chosen)
 
     def _resume(
         self,
@@ -628,12 +690,16 @@ class AsyncRequestMigrator:
         body = {**request.body(), "stream": True}
         where = f"{url}/generate"
         try:
+            headers = self.keys.headers("/generate")
             async with self._http.stream(
-                "POST", url.rstrip("/") + "/generate", json=body, headers=self._headers
+                "POST", url.rstrip("/") + "/generate", json=body, headers=headers
             ) as r:
                 if r.status_code >= 300:
                     text = (await r.aread()).decode(errors="replace")
-                    raise GenerateFailed(f"{where}: HTTP {r.status_code}: {text[:500]}")
+                    hint = ""
+                    if r.status_code in (401, 403):
+                        hint = f" (sent {self.keys.sent('/generate')}; {auth_hint('/generate')})"
+                    raise GenerateFailed(f"{where}: HTTP {r.status_code}: {text[:500]}{hint}")
                 return await read_generate_stream(r.aiter_lines(), progress, where)
         except httpx.HTTPError as e:
             raise GenerateFailed(f"{where}: {type(e).__name__}: {e}") from e
@@ -648,6 +714,12 @@ class AsyncRequestMigrator:
             return await client.migrate(source, target, ids, extra_key, **kwargs)
         return await asyncio.to_thread(client.migrate, source, target, ids, extra_key, **kwargs)
 
+    async def _session_info(self, url: str) -> dict[str, Any]:
+        client = self._migration
+        if isinstance(client, AsyncMigrationClient):
+            return await client.session_info(url)
+        return await asyncio.to_thread(client.session_info, url)
+
     async def _call(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         client = self._migration
         if isinstance(client, AsyncMigrationClient):
@@ -656,7 +728,8 @@ class AsyncRequestMigrator:
 
     async def _get_text(self, url: str, path: str) -> str | None:
         try:
-            r = await self._http.get(url.rstrip("/") + path, headers=self._headers, timeout=10.0)
+            headers = self.keys.headers(path)
+            r = await self._http.get(url.rstrip("/") + path, headers=headers, timeout=10.0)
         except httpx.HTTPError:
             return None
         return r.text if r.status_code < 300 else None
