@@ -43,6 +43,7 @@ def _allocate(side, mid: str, start: int):
             input_ids=list(range(start, start + 64)),
             migration_id=mid,
             source_fingerprints=[side.fingerprint.to_dict()],
+            source_instance=side.server_epoch,
         )
     )
     assert out.success, out.message

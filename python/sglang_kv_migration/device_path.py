@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
+    from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
+
 logger = logging.getLogger(__name__)
 
 
@@ -98,6 +100,9 @@ class DevicePath(DataPath):
             "num_rows": self.num_rows,
             "buffers": self._exported,
         }
+
+    def destination_of(self, target: TransferRequestKVCacheTarget) -> dict[str, Any]:
+        return target.device_kv or {}
 
     def close(self) -> None:
         self._peers.close()
