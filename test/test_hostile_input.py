@@ -247,6 +247,34 @@ def test_one_grant_sent_to_two_sources_at_once(servers: Servers, http: httpx.Cli
     assert commit.status_code == 200, commit.text
 
 
+def test_a_grant_allocated_for_no_source_is_used_by_none(
+    servers: Servers, http: httpx.Client
+) -> None:
+    """An allocate without source_instance (an older client) still allocates, but its
+    grant names no source: every source of this version refuses it before writing."""
+    source_info = _info(http, servers.s1)
+    r = _post(
+        http,
+        servers.t2,
+        "/allocate_token_for_transfer",
+        {
+            "input_ids": SEQ_UNBOUND,
+            "source_fingerprints": [x["fingerprint"] for x in source_info["ranks"]],
+            "index_format": "ranges",
+        },
+    )
+    assert r.status_code == 200, r.text
+    allocation = r.json()
+    body = _transfer_body(_info(http, servers.t2), allocation, SEQ_UNBOUND)
+    before = _digest(servers.t2)
+    for source in (servers.s1, servers.s2):
+        reply = _post(http, source, "/transfer_request_kvcache", body)
+        _refused_403(reply)
+        assert "names no source" in reply.json()["message"]
+    assert _digest(servers.t2) == before
+    _abort(http, servers.t2, allocation)
+
+
 # --------------------------------------------------------------------------- crashes
 
 
