@@ -239,6 +239,7 @@ def run_cell(
                 input_ids=prefix,
                 migration_id=mid,
                 source_fingerprints=[x.fingerprint for x in src_info.ranks],
+                source_instance=src_info.instance_id,
                 staging=variant != "direct",
             ),
         )

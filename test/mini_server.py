@@ -405,6 +405,19 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
 
             layout = HostPoolLayout.from_host_pool(harness.host_pool)
             value = verify.host_pages_digest(layout, args[0])
+        elif name == "pool_digest":
+            # sha256 of every byte of this rank's host pool and device KV buffers.
+            import hashlib
+
+            import torch
+
+            h = hashlib.sha256(harness.host_pool.kv_buffer.reshape(-1).view(torch.uint8).numpy())
+            dev = harness.device_pool
+            mha = harness.cfg.attention == "mha"
+            buffers = [*dev.k_buffer, *dev.v_buffer] if mha else list(dev.kv_buffer)
+            for b in buffers:
+                h.update(b.reshape(-1).view(torch.uint8).numpy())
+            value = h.hexdigest()
         elif name == "free_overlap":
             # How many of these host slots are in the free list (could be handed out).
             value = len(set(args[0]) & set(harness.host_pool.free_slots.tolist()))

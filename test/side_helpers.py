@@ -53,6 +53,9 @@ def transfer_to_self(
                 issued,
                 tokens_digest=grants.tokens_digest(input_ids, fields.get("extra_key")),
                 migration_id=fields.get("migration_id", issued.migration_id),
+                # The loopback source is this same server, writing where it publishes.
+                source=side.server_epoch,
+                destination=grants.destination_digest(side.paths["host"].advertise()),
             )
         )
     target = TransferRequestKVCacheTarget(
@@ -81,6 +84,9 @@ def receipts_for(side: object, allocation: object, success: bool = True) -> list
     import torch
     from sglang_kv_migration import grants
 
+    # From the source the grant names (this same server, unless allocate named another).
+    granted = [side.signer.decode_grant(r.grant) for r in allocation.ranks if r.grant]
+    source = granted[0].source if granted else side.server_epoch
     receipts = []
     for rank in allocation.ranks:
         slots = torch.tensor(rank.kv_indices, dtype=torch.int64)
@@ -93,6 +99,7 @@ def receipts_for(side: object, allocation: object, success: bool = True) -> list
             success=success,
             bytes=0,
             settled=True,
+            source=source,
         )
         receipts.append(side.signer.encode(receipt))
     return receipts

@@ -132,6 +132,7 @@ def _allocate(
             extra_token_size=size.extra_token_size,
             migration_id=mid,
             source_fingerprints=fingerprints or [r.fingerprint for r in src.info.ranks],
+            source_instance=src.info.instance_id,
         ),
     )
 

@@ -61,6 +61,7 @@ def _allocate(
             input_ids=tokens,
             migration_id=mid,
             source_fingerprints=[r.fingerprint for r in src.info.ranks],
+            source_instance=src.info.instance_id,
             staging=staging,
         ),
     )
@@ -314,6 +315,7 @@ def test_verify_hashes_the_slots_after_the_staged_copy(servers):
             input_ids=tokens,
             migration_id="staged-verify",
             source_fingerprints=[r.fingerprint for r in src.info.ranks],
+            source_instance=src.info.instance_id,
             staging=True,
             verify=True,
         ),

@@ -43,6 +43,7 @@ def _allocate(side, mid: str, start: int):
             input_ids=list(range(start, start + 64)),
             migration_id=mid,
             source_fingerprints=[side.fingerprint.to_dict()],
+            source_instance=side.server_epoch,
         )
     )
     assert out.success, out.message
@@ -219,3 +220,81 @@ def test_tokens_digest_bytes_are_those_of_older_servers() -> None:
     # the struct packing, so grants stay checkable between old and new servers.
     assert grants.tokens_digest([1, 2, 70000, (1 << 63) - 1], "ns") == "cdb8828510c5dc60"
     assert grants.tokens_digest(list(range(300000, 300000 + 32768)), None) == "08faf38f30a01207"
+
+
+# --------------------------------------------------------------------------- issue 17
+
+
+def _token(payload: bytes) -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(payload).decode() + "."
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        _token(b"1"),
+        _token(b"null"),
+        _token(b"[]"),
+        _token(b'{"kind": "Receipt", "migration_id": 3}'),
+        _token(
+            b'{"kind": "Receipt", "migration_id": "m", "tp": "0", "pp": 0, "path": "host", '
+            b'"slots_digest": "", "success": 1, "bytes": 0, "settled": true}'
+        ),
+        "\u00e9.",
+        "a.b.c",
+    ],
+)
+def test_a_token_that_is_not_a_token_object_is_forbidden(raw: str) -> None:
+    """Payloads that decode to a number, null, a list, wrong field types or non-ASCII
+    raise FORBIDDEN (they raised AttributeError / TypeError and killed the scheduler)."""
+    signer = grants.Signer(None)
+    for decode in (signer.decode_receipt, signer.decode_grant):
+        with pytest.raises(grants.MigrationError) as info:
+            decode(raw)
+        assert info.value.kind.value == "forbidden"
+
+
+def _bound_grant(**changes) -> grants.Grant:
+    fields = {
+        "migration_id": "m",
+        "tp": 0,
+        "pp": 0,
+        "path": "host",
+        "slots_digest": "s",
+        "num_tokens": 16,
+        "expires_at": time.time() + 60,
+        "tokens_digest": "t",
+        "destination": "d",
+        "source": "src",
+    }
+    return grants.Grant(**{**fields, **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [
+        ({"source": ""}, "names no source"),
+        ({"source": "other"}, "another source"),
+        ({"destination": ""}, "names no destination"),
+        ({"destination": "elsewhere"}, "another destination"),
+    ],
+)
+def test_check_grant_binds_the_destination_and_the_source(changes, fragment) -> None:
+    signer = grants.Signer(KEY)
+    check = dict(migration_id="m", tp=0, pp=0, path="host", num_slots=16, slots="s", tokens="t")
+    good = signer.encode(_bound_grant())
+    assert signer.check_grant(good, **check, destination="d", source="src").source == "src"
+    with pytest.raises(grants.MigrationError, match=fragment) as info:
+        signer.check_grant(
+            signer.encode(_bound_grant(**changes)), **check, destination="d", source="src"
+        )
+    assert info.value.kind.value == "forbidden"
+
+
+def test_destination_digest_is_canonical() -> None:
+    a = {"session_id": "h:1", "host_kv_data_ptrs": [1, 2]}
+    b = {"host_kv_data_ptrs": [1, 2], "session_id": "h:1"}
+    assert grants.destination_digest(a) == grants.destination_digest(b)
+    assert grants.destination_digest(a) != grants.destination_digest({**a, "session_id": "h:2"})

@@ -154,6 +154,7 @@ def _allocate(source: ServerHandle, target: ServerHandle, ids: list[int]) -> tup
         {
             "input_ids": ids,
             "source_fingerprints": [r["fingerprint"] for r in info["ranks"]],
+            "source_instance": info["instance_id"],
             "index_format": "pages",
         },
     ).json()

@@ -520,6 +520,20 @@ def test_fingerprint_from_dict_rejects_unknown_and_missing_keys():
         LayoutFingerprint.from_dict(d)
 
 
+def test_fingerprint_attn_cp_size_differs_and_defaults_to_one():
+    """Issue 17: servers with different attention CP layouts are refused; a fingerprint
+    from an older server (no attn_cp_size) reads as CP 1, and a CP-1 fingerprint is
+    what such a server publishes and reads (no new key)."""
+    assert (
+        fingerprint().first_mismatch(fingerprint(attn_cp_size=2))
+        == "attn_cp_size: source=1 target=2"
+    )
+    old = fingerprint().to_dict()
+    assert "attn_cp_size" not in old
+    assert LayoutFingerprint.from_dict(old).attn_cp_size == 1
+    assert LayoutFingerprint.from_dict(fingerprint(attn_cp_size=2).to_dict()).attn_cp_size == 2
+
+
 @pytest.mark.parametrize(("field", "value"), [("page_size", "16"), ("tp_rank", True), ("model", 3)])
 def test_fingerprint_rejects_wrong_types(field, value):
     with pytest.raises(ValueError, match=f"fingerprint field {field} must be"):

@@ -191,6 +191,7 @@ def _start_transfer(source: ServerHandle, target: ServerHandle, ids: list[int]):
             {
                 "input_ids": ids,
                 "source_fingerprints": [r["fingerprint"] for r in source_info["ranks"]],
+                "source_instance": source_info["instance_id"],
             },
         )
     body = host_transfer_body(ids, alloc, target_info)

@@ -165,6 +165,7 @@ def test_runs_other_than_granted_are_refused(pair: tuple[ServerHandle, ServerHan
         {
             "input_ids": FORGED,
             "source_fingerprints": [x["fingerprint"] for x in session_info(source.url)["ranks"]],
+            "source_instance": session_info(source.url)["instance_id"],
             "index_format": "ranges",
         },
     )
@@ -191,3 +192,26 @@ def test_runs_other_than_granted_are_refused(pair: tuple[ServerHandle, ServerHan
     finally:
         r = post(target.url, "/abort_transfer", {"migration_id": allocation["migration_id"]})
         assert r.status_code == 200, r.text
+
+
+def test_huge_runs_are_refused_before_expansion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17: one pair naming 2**21 pages (32M slots at page 16) is refused from its
+    count alone; nothing is expanded (the spy would fail)."""
+    from sglang_kv_migration import page_ranges, source_transfers
+    from sglang_kv_migration.errors import MigrationError
+    from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
+
+    def spy(_ranges: Any) -> Any:
+        raise AssertionError("pages_from_ranges was called")
+
+    monkeypatch.setattr(page_ranges, "pages_from_ranges", spy)
+    target = TransferRequestKVCacheTarget(tp=0, pp=0, kv_page_ranges=[[0, 1 << 21]])
+    with pytest.raises(MigrationError, match="kv_page_ranges name 33554432 slots") as info:
+        source_transfers.target_slots(target, 16, 1 << 21)
+    assert info.value.kind.value == "bad_request"
+    pages = TransferRequestKVCacheTarget(tp=0, pp=0, kv_pages=[0] * 3)
+    with pytest.raises(MigrationError, match="kv_pages name 48 slots"):
+        source_transfers.target_slots(pages, 16, 32)
+    monkeypatch.undo()
+    good = TransferRequestKVCacheTarget(tp=0, pp=0, kv_page_ranges=[[2, 2]])
+    assert source_transfers.target_slots(good, 4, 8).tolist() == list(range(8, 16))

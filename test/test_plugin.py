@@ -105,6 +105,7 @@ def test_server_args_pickle_keeps_migration_fields() -> None:
         ({"kv_migration_max_batch_entries": 0}, "--kv-migration-max-batch-entries"),
         ({"pp_size": 2, "nnodes": 2}, "needs every stage on one node"),
         ({"dp_size": 2}, "does not support --dp-size > 1"),
+        ({"attn_cp_size": 2, "tp_size": 2}, "does not support --attn-cp-size > 1"),
     ],
 )
 def test_invalid_flags_are_refused(overrides: dict, expected: str) -> None:

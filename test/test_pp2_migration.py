@@ -170,11 +170,17 @@ def target_entry(rank: dict[str, Any], granted: dict[str, Any]) -> dict[str, Any
 def allocate(
     src: ServerHandle, dst: ServerHandle, ids: list[int], key: str | None
 ) -> dict[str, Any]:
-    fps = [r["fingerprint"] for r in session_info(src.url)["ranks"]]
+    info = session_info(src.url)
+    fps = [r["fingerprint"] for r in info["ranks"]]
     r = post(
         dst.url,
         "/allocate_token_for_transfer",
-        {"input_ids": ids, "extra_key": key, "source_fingerprints": fps},
+        {
+            "input_ids": ids,
+            "extra_key": key,
+            "source_fingerprints": fps,
+            "source_instance": info["instance_id"],
+        },
     )
     assert r.status_code == 200, r.text
     return r.json()

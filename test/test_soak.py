@@ -295,6 +295,7 @@ async def _allocate(http, source, target, seq) -> tuple[dict, dict]:
         json={
             "input_ids": seq,
             "source_fingerprints": [x["fingerprint"] for x in source_info["ranks"]],
+            "source_instance": source_info["instance_id"],
         },
     )
     assert r.status_code == 200, r.text

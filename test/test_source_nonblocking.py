@@ -46,6 +46,7 @@ def test_transfer_returns_before_host_copies_finish(side_factory) -> None:
             input_ids=list(range(9000, 9064)),
             migration_id="self",
             source_fingerprints=[side.fingerprint.to_dict()],
+            source_instance=side.server_epoch,
         )
     )
     assert alloc.success, alloc.message

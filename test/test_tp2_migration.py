@@ -225,6 +225,7 @@ def test_request_invalid_for_one_rank_is_refused_by_every_rank(servers: ServerPa
             "input_ids": aligned(GOOD_IDS, PAGE)[:PAGE],
             "extra_key": "invalid-rank",  # a namespace no other test fills
             "source_fingerprints": source_fps,
+            "source_instance": session_info(src.url)["instance_id"],
         },
     ).json()
     assert alloc["success"], alloc

@@ -43,6 +43,7 @@ def _migrate_to_self(side, mid: str, start: int, *, verify_grant: bool):
             migration_id=mid,
             source_fingerprints=[side.fingerprint.to_dict()],
             verify=verify_grant,
+            source_instance=side.server_epoch,
         )
     )
     assert alloc.success, alloc.message

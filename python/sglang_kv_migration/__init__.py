@@ -13,5 +13,6 @@ __version__ = "0.1.0"
 #       ("pages" puts page ids on the wire) and `nothing_ok`; transfer targets carry
 #       `path`, `kv_pages`, `device_kv`. Protocol-1 fields keep their meaning.
 # Additions no older peer can receive are advertised in session info `features` instead
-# of a version bump (clients use one only when both servers list it): "page_ranges".
+# of a version bump (clients use one only when both servers list it): "page_ranges",
+# "bound_grants" (allocate's `source_instance`; grants bind destination and source).
 PROTOCOL_VERSION = 2

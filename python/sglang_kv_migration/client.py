@@ -29,6 +29,7 @@ import httpx
 import orjson
 
 from sglang_kv_migration import PROTOCOL_VERSION
+from sglang_kv_migration.grants import FEATURE as BOUND_GRANTS
 from sglang_kv_migration.layout import LayoutFingerprint
 from sglang_kv_migration.page_ranges import FEATURE as PAGE_RANGES
 
@@ -459,6 +460,7 @@ def _move(
                 "path": path,
                 "index_format": _index_format(plan),
                 "nothing_ok": True,
+                **_source_instance(plan),
                 **({"staging": True} if _can_stage(plan, path) else {}),
                 **({"verify": True} if plan.verify else {}),
             },
@@ -684,6 +686,14 @@ def _index_format(plan: _Plan) -> str:
     per page), else as page ids."""
     both = set(plan.source_info.get("features", [])) & set(plan.target_info.get("features", []))
     return "ranges" if PAGE_RANGES in both else "pages"
+
+
+def _source_instance(plan: _Plan) -> dict[str, str]:
+    """Name the source in the allocate body, so only it may use the grant; sent only to
+    a target that lists the feature (older ones refuse unknown fields)."""
+    if BOUND_GRANTS not in plan.target_info.get("features", []):
+        return {}
+    return {"source_instance": plan.source_info.get("instance_id", "")}
 
 
 def _can_stage(plan: _Plan, path: str) -> bool:

@@ -127,6 +127,11 @@ class DataPath(abc.ABC):
     def advertise(self) -> dict[str, Any]:
         """This rank's endpoint for peers, published in session info."""
 
+    @abc.abstractmethod
+    def destination_of(self, target: TransferRequestKVCacheTarget) -> dict[str, Any]:
+        """Source role: the part of a transfer body's target entry that says where the
+        bytes go, shaped as this path's `advertise()` (the grant binds its digest)."""
+
     def close(self) -> None:  # noqa: B027 - optional: paths without resources keep it
         """Release process-wide resources (engines, opened peer buffers). Idempotent."""
 

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
+    from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
+
 logger = logging.getLogger(__name__)
 
 
@@ -114,6 +116,9 @@ class DevicePath(DataPath):
             # Tiers this source copies from (absent: a server that reads device pages only).
             "tiers": [tiers.DEVICE_TIER] + ([tiers.HOST_TIER] if self._host is not None else []),
         }
+
+    def destination_of(self, target: TransferRequestKVCacheTarget) -> dict[str, Any]:
+        return target.device_kv or {}
 
     def close(self) -> None:
         self._peers.close()

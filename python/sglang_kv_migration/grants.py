@@ -45,6 +45,9 @@ from sglang_kv_migration.errors import ErrorKind, MigrationError
 if TYPE_CHECKING:
     import torch
 
+# Wire feature (session info `features`): allocate takes `source_instance`, and grants
+# bind their destination and source.
+FEATURE = "bound_grants"
 _KEY_CONTEXT = b"sglang-kv-migration grant key\x00"
 # Grants used by this source (for replay refusal), remembered until they expire.
 MAX_REMEMBERED_GRANTS = 1 << 16
@@ -68,6 +71,17 @@ def tokens_digest(input_ids: list[int], extra_key: str | None) -> str:
     h = xxhash.xxh64(struct.pack(f"<{len(input_ids)}q", *input_ids))
     h.update(b"\x00" + (extra_key or "").encode())
     return h.hexdigest()
+
+
+def destination_digest(descriptor: Any) -> str:
+    """sha256 of a data path's destination descriptor (`DataPath.destination_of`), as
+    canonical JSON: what the target published and what a transfer body names hash the
+    same exactly when they are the same. BAD_REQUEST for a descriptor that is not JSON."""
+    try:
+        canonical = orjson.dumps(descriptor, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, orjson.JSONEncodeError) as e:
+        raise MigrationError(ErrorKind.BAD_REQUEST, f"bad destination description: {e}") from None
+    return hashlib.sha256(canonical).hexdigest()
 
 
 def slots_digest(slots: torch.Tensor) -> str:
@@ -100,6 +114,14 @@ class Grant:
     # transfer timeout). Below the target's write window, so a freed slot gets no late write.
     write_until: float = 0.0
     verify: bool = False  # the target will check a content digest: the receipt carries one
+    # `destination_digest` of what the target rank published for this path: the source
+    # writes only there (host: session and buffers; device: the IPC buffer description).
+    # Empty in grants of servers that predate it: this version's sources refuse those.
+    destination: str = ""
+    # The source server the grant was issued to (its session info `instance_id`, passed
+    # at allocate as `source_instance`); a source refuses a grant naming another one, or
+    # none, so one grant is used by one source.
+    source: str = ""
 
     @property
     def staging(self) -> tuple[int, int] | None:
@@ -122,6 +144,7 @@ class Receipt:
     # which the target must scatter before commit); set only when staging was granted.
     plan: str = ""
     digest: str = ""  # verify.py's digest of the pages sent, when the grant asked for it
+    source: str = ""  # the sending server's instance id: the target takes its grant's only
 
 
 class Signer:
@@ -165,13 +188,30 @@ class Signer:
         slots: str,
         tokens: str,
         staging: tuple[int, int] | None = None,
+        destination: str = "",
+        source: str = "",
     ) -> Grant:
         """The grant, if it names exactly this write and has not expired; else FORBIDDEN.
         `slots` is `slots_digest` of the target slots named in the request and `tokens`
         `tokens_digest` of the prefix the source is about to send; `staging` the
         ``(addr, length)`` extent the request asks to write instead of the slots, which the
-        grant must name exactly."""
+        grant must name exactly; `destination` the `destination_digest` of where the
+        request asks to write, and `source` this source server's instance id."""
         grant = self.decode_grant(raw)
+        if not grant.source:
+            raise _forbidden(
+                "grant names no source (allocate without source_instance, or a target that "
+                "predates source binding): no source may use it"
+            )
+        if grant.source != source:
+            raise _forbidden("grant was issued to another source server")
+        if not grant.destination:
+            raise _forbidden("grant names no destination (a target that predates it)")
+        if grant.destination != destination:
+            raise _forbidden(
+                "grant is for another destination: session_id, host buffers or device_kv "
+                "differ from what the target published"
+            )
         if grant.tokens_digest != tokens:
             raise _forbidden("grant is for another prefix (input_ids / extra_key differ)")
         expected = {"migration_id": migration_id, "tp": tp, "pp": pp, "path": path}
@@ -194,24 +234,52 @@ class Signer:
         return hmac.new(self.key, payload, hashlib.sha256).hexdigest()
 
     def _decode(self, raw: str, kind: type) -> Any:
-        if not isinstance(raw, str) or raw.count(".") != 1:
-            raise _forbidden(f"malformed {kind.__name__.lower()}")
+        name = kind.__name__.lower()
+        # ASCII only: `hmac.compare_digest` raises on other strings, and a token is ASCII.
+        if not isinstance(raw, str) or not raw.isascii() or raw.count(".") != 1:
+            raise _forbidden(f"malformed {name}")
         payload, mac = raw.split(".")
         if not hmac.compare_digest(mac, self._mac(payload.encode())):
             what = "signature does not verify" if self.signed else "signed, but no key here"
-            raise _forbidden(f"{kind.__name__.lower()} {what}")
+            raise _forbidden(f"{name} {what}")
         try:
             data = orjson.loads(base64.urlsafe_b64decode(payload.encode()))
-            if data.pop("kind") != kind.__name__:
-                raise ValueError("wrong kind")
-            names = {f.name for f in fields(kind)}
-            required = {f.name for f in fields(kind) if f.default is MISSING}
-            # Fields with a default were added later: a token from an older server lacks them.
-            if not required <= set(data) <= names:
-                raise ValueError("wrong fields")
-            return kind(**data)
-        except (ValueError, TypeError, KeyError, orjson.JSONDecodeError) as e:
-            raise _forbidden(f"malformed {kind.__name__.lower()}: {e}") from None
+        except (ValueError, orjson.JSONDecodeError) as e:  # binascii.Error is a ValueError
+            raise _forbidden(f"malformed {name}: {e}") from None
+        problem = _payload_problem(data, kind)
+        if problem is not None:
+            raise _forbidden(f"malformed {name}: {problem}")
+        del data["kind"]
+        return kind(**data)
+
+
+# A token field's annotation -> the JSON values it accepts (bool is not an int here).
+_FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+}
+
+
+def _payload_problem(data: Any, kind: type) -> str | None:
+    """Why a decoded payload is not a `kind` token (None when it is): a JSON object with
+    its `kind`, every required field, no unknown one, each of its declared type. Fields
+    with a default were added later: a token from an older server lacks them."""
+    if not isinstance(data, dict):
+        return f"payload is a JSON {type(data).__name__}, not an object"
+    if data.get("kind") != kind.__name__:
+        return "wrong kind"
+    declared = {f.name: f for f in fields(kind)}
+    given = set(data) - {"kind"}
+    required = {n for n, f in declared.items() if f.default is MISSING}
+    if not required <= given <= set(declared):
+        unknown = sorted(given - set(declared))
+        return f"wrong fields (missing {sorted(required - given)}, unknown {unknown})"
+    for name in given:
+        if not _FIELD_CHECKS[str(declared[name].type)](data[name]):
+            return f"{name} must be {declared[name].type}, got {type(data[name]).__name__}"
+    return None
 
 
 class UsedGrants:

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
+    from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
+
 logger = logging.getLogger(__name__)
 
 # Checked target host-pool layouts kept per source rank (one per peer rank, typically).
@@ -70,6 +72,14 @@ class HostPath(DataPath):
             "host_kv_data_ptrs": self.layout.data_ptrs,
             "host_kv_data_lens": self.layout.data_lens,
             "host_kv_item_lens": self.layout.item_lens,
+        }
+
+    def destination_of(self, target: TransferRequestKVCacheTarget) -> dict[str, Any]:
+        return {
+            "session_id": target.session_id,
+            "host_kv_data_ptrs": target.host_kv_data_ptrs,
+            "host_kv_data_lens": target.host_kv_data_lens,
+            "host_kv_item_lens": target.host_kv_item_lens,
         }
 
     def close(self) -> None:

@@ -113,6 +113,8 @@ class AllocateBody(_Body):
     nothing_ok: bool = False
     staging: bool = False  # the source writes staging extents (its `stage_writer`)
     verify: bool = False
+    # The source's session info `instance_id` (feature "bound_grants").
+    source_instance: str = Field(default="", max_length=MAX_ID_CHARS)
 
 
 class TargetRankBody(_Body):

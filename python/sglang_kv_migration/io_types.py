@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 
 from sglang.srt.managers.io_struct import BaseReq
 
-from sglang_kv_migration import page_ranges
+from sglang_kv_migration import grants, page_ranges
 
 # Optional wire features this version understands (session info `features`).
-WIRE_FEATURES = (page_ranges.FEATURE,)
+# "bound_grants": allocate takes `source_instance` (the source's session info
+# `instance_id`); grants name their destination and source (`grants.py`).
+WIRE_FEATURES = (page_ranges.FEATURE, grants.FEATURE)
 
 # --------------------------------------------------------------------------- PP stages
 
@@ -88,6 +90,10 @@ class GetTransferSessionInfoReqOutput(BaseReq):
     # Optional wire features this server understands beyond its protocol version; a
     # client uses one only when both servers list it (older servers list none).
     features: list[str] = field(default_factory=lambda: list(WIRE_FEATURES))
+    # This server's identity as a source: pass it to the target's allocate as
+    # `source_instance`, and only this server may write under the grant (changes on
+    # a restart, like server_epoch).
+    instance_id: str = ""
 
 
 # --------------------------------------------------------------------------- extra size
@@ -134,6 +140,9 @@ class AllocateTokenForTransferReqInput(BaseReq):
     # The source can write a staging extent (its session info says `stage_writer`): grant
     # one where the reserved slots are fragmented (host path; `target_staging.py`).
     staging: bool = False
+    # The source server's session info `instance_id`: the grant binds it (feature
+    # "bound_grants"). Without it the grant names no source, and no source uses it.
+    source_instance: str = ""
     stage_refusal: StageRefusal | None = None  # set by an earlier PP stage
 
 

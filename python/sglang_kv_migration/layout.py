@@ -330,6 +330,10 @@ class LayoutFingerprint:
     tp_rank: int
     pp_size: int
     pp_rank: int
+    # SGLang's attention context parallelism (--attn-cp-size): > 1 spreads a sequence's
+    # KV pages over CP ranks. Left out of `to_dict` at 1, so older peers (which lack
+    # the field and refuse unknown keys) read the same fingerprint; missing means 1.
+    attn_cp_size: int = 1
     # SGLang's weight version, as the server's HTTP layer knows it when the request
     # arrives (RL weight updates change it): KV never crosses a weight update.
     weight_version: str = ""
@@ -351,6 +355,7 @@ class LayoutFingerprint:
         tp_rank: int,
         pp_size: int,
         pp_rank: int,
+        attn_cp_size: int = 1,
     ) -> LayoutFingerprint:
         attention = _attention_kind(pool)
         dev = pool.device_pool
@@ -373,16 +378,21 @@ class LayoutFingerprint:
             tp_rank=tp_rank,
             pp_size=pp_size,
             pp_rank=pp_rank,
+            attn_cp_size=attn_cp_size,
         )
 
     def to_dict(self) -> dict[str, int | str]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["attn_cp_size"] == 1:
+            del d["attn_cp_size"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LayoutFingerprint:
         expected = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(expected))
-        missing = [k for k in expected if k not in d and k != "weight_version"]
+        optional = ("weight_version", "attn_cp_size")
+        missing = [k for k in expected if k not in d and k not in optional]
         if unknown or missing:
             raise ValueError(
                 f"bad layout fingerprint: unknown keys {unknown}, missing keys {missing}"

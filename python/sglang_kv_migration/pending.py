@@ -72,6 +72,7 @@ class PendingMigration:
     verify: bool = False  # commit checks the receipt's content digest (opt-in verify)
     state: MigrationState = MigrationState.ALLOCATED
     staging: tuple[int, int] | None = None  # granted staging extent (target_staging.py)
+    source: str = ""  # the source instance the grant names: receipts must come from it
 
     @property
     def extra_length(self) -> int:

@@ -87,6 +87,7 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         grant_ttl_s=args.kv_migration_grant_ttl,
         staging_bytes=args.kv_migration_staging_mb << 20,
         verify=args.kv_migration_verify,
+        attn_cp_size=args.attn_cp_size,
     )
     scheduler.kv_migration = side
     sglang_adapter.add_request_handlers(scheduler, side.handlers())

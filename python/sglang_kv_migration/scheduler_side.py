@@ -32,6 +32,7 @@ from sglang_kv_migration import PROTOCOL_VERSION, grants, sglang_adapter
 from sglang_kv_migration.data_path import DEVICE, HOST, DataPath
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.io_types import (
+    REQUEST_TYPES,
     AbortTransferReqInput,
     AbortTransferReqOutput,
     AllocatedRank,
@@ -87,6 +88,7 @@ class MigrationSchedulerSide:
         grant_ttl_s: float = 15.0,
         staging_bytes: int = 0,
         verify: bool = False,
+        attn_cp_size: int = 1,
     ):
         self.ctx = ctx
         self.metrics = metrics or NullMetrics()
@@ -101,6 +103,7 @@ class MigrationSchedulerSide:
             tp_rank=ctx.tp_rank,
             pp_size=ctx.pp_size,
             pp_rank=ctx.pp_rank,
+            attn_cp_size=attn_cp_size,
         )
         self.pending = PendingMigrations(cache, watchdog_timeout_s)
         # Grants must expire well before the watchdog frees the slots they name.
@@ -129,7 +132,9 @@ class MigrationSchedulerSide:
             server_fingerprints={
                 (fp.tp_rank, fp.pp_rank): fp for fp in ctx.all_gather_world(self.fingerprint)
             },
+            max_tokens=self.layout.num_slots,
         )
+        self._destinations: dict[str, str] = {}  # path name -> destination digest
         self.staging = self._open_staging(staging_bytes)
         self.staged_commits = StagedCommits(ctx)
         self._iteration = 0
@@ -166,9 +171,11 @@ class MigrationSchedulerSide:
                 answering(self.commit_transfer_request_kvcache),  # staged: replies later
             ),
             (AbortTransferReqInput, answering(self.abort_transfer)),
-            (StageSyncReqInput, self.stage_sync),  # from PP stage 0; no reply
         ]
-        return [(kind, self.loop_timer.timed(handler)) for kind, handler in pairs]
+        outputs = {request: output for _name, request, output in REQUEST_TYPES}
+        guarded_pairs = [(kind, self._guarding(h, outputs[kind])) for kind, h in pairs]
+        guarded_pairs.append((StageSyncReqInput, self._guarding(self.stage_sync, None)))
+        return [(kind, self.loop_timer.timed(handler)) for kind, handler in guarded_pairs]
 
     def poll(self) -> list[Any]:
         """Once per scheduler loop iteration: finish transfers and staged commits, run the
@@ -292,6 +299,7 @@ class MigrationSchedulerSide:
             ranks=ranks,
             protocol_version=PROTOCOL_VERSION,
             server_epoch=self.epoch_for(req),
+            instance_id=self.server_epoch,
         )
 
     def get_request_extra_token_size(
@@ -349,7 +357,8 @@ class MigrationSchedulerSide:
                 rank.staging = list(extent)
             if alloc.extra_length:
                 verify = req.verify or self.verify_all
-                self.pending.get(alloc.migration_id).verify = verify
+                pending = self.pending.get(alloc.migration_id)
+                pending.verify, pending.source = verify, req.source_instance
                 expires_at = time.time() + self.grant_ttl_s
                 rank.grant = self.signer.encode(
                     grants.Grant(
@@ -370,6 +379,8 @@ class MigrationSchedulerSide:
                         # margin; the other half bounds a batch already in flight.
                         write_until=expires_at + path.late_write_margin_s / 2,
                         verify=verify,
+                        destination=self._destination(path),
+                        source=req.source_instance,
                     )
                 )
             return AllocateTokenForTransferReqOutput(
@@ -583,6 +594,14 @@ class MigrationSchedulerSide:
             self.pending.get(alloc.migration_id).staging = extent
         return extent
 
+    def _destination(self, path: DataPath) -> str:
+        """`grants.destination_digest` of what this rank publishes for `path` (fixed for
+        the server's lifetime: buffers are registered and exported once, at start-up)."""
+        digest = self._destinations.get(path.name)
+        if digest is None:
+            digest = self._destinations[path.name] = grants.destination_digest(path.advertise())
+        return digest
+
     def _reply_later(self, req: Any, output: Any) -> None:
         output.rid = req.rid
         self.ctx.send_output(output, req)
@@ -600,6 +619,30 @@ class MigrationSchedulerSide:
         staging = TargetStaging(self.layout, nbytes, self.paths[HOST].transport)
         self.pending.release_staging = staging.release
         return staging
+
+    def _guarding(
+        self, handler: Callable[[Any], Any], output_type: type | None
+    ) -> Callable[[Any], Any]:
+        """Wrap a handler's whole body: an exception escaping it would leave SGLang's
+        scheduler loop and take the server down. It becomes a failed reply of
+        `output_type` (INTERNAL, or the `MigrationError`'s kind), logged once with its
+        traceback; `output_type` None: no reply (stage_sync)."""
+
+        def guard(req: Any) -> Any:
+            try:
+                return handler(req)
+            except Exception as e:
+                if isinstance(e, MigrationError):
+                    message, kind = e.message, e.kind
+                else:
+                    logger.exception("KV migration handler for %s failed", type(req).__name__)
+                    message, kind = f"internal error: {type(e).__name__}: {e}", ErrorKind.INTERNAL
+                if output_type is None:
+                    return None
+                output = output_type(success=False, message=message, error_kind=kind.value)
+                return self._answering(lambda _req: output)(req)
+
+        return guard
 
     def _answering(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """Wrap a handler: its reply carries the request's `rid`. On stage 0 SGLang sends
@@ -640,6 +683,8 @@ class MigrationSchedulerSide:
                 return f"receipt for {where} is for migration {receipt.migration_id!r}"
             if pending is not None and receipt.slots_digest != grants.slots_digest(pending.slots):
                 return f"receipt for {where} names other slots"
+            if pending is not None and receipt.source != pending.source:
+                return f"receipt for {where} is from another source than the grant's"
             if need_success and not receipt.success:
                 return f"the source reported the transfer to {where} as failed"
             if not need_success and not receipt.settled:

@@ -206,6 +206,13 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
             f"--enable-kv-migration does not support --dp-size > 1 yet (got {args.dp_size}); "
             "use tensor and pipeline parallelism only."
         )
+    if args.attn_cp_size > 1:
+        # CP ranks own different pages of one sequence: a rank's pool is not the prefix.
+        raise KVMigrationArgsError(
+            f"--enable-kv-migration does not support --attn-cp-size > 1 yet (got "
+            f"{args.attn_cp_size}): with attention context parallelism a prefix's KV pages "
+            "are spread over CP ranks."
+        )
     if args.pp_size > 1 and args.nnodes > 1:
         # Later PP stages reply to the tokenizer manager over its node-local IPC socket.
         raise KVMigrationArgsError(

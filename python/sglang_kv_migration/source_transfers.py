@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sglang_kv_migration import grants
+from sglang_kv_migration import grants, page_ranges
 from sglang_kv_migration.data_path import DataPath, KVPoll, SendJob, SendRange
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.io_types import (
@@ -36,7 +36,6 @@ from sglang_kv_migration.io_types import (
 )
 from sglang_kv_migration.layout import LayoutFingerprint
 from sglang_kv_migration.metrics import MigrationMetrics
-from sglang_kv_migration.page_ranges import pages_from_ranges
 from sglang_kv_migration.rank_context import RankContext, check_peer_fingerprint, error_of
 
 if TYPE_CHECKING:
@@ -119,6 +118,7 @@ class SourceTransfers:
         server_epoch: str = "",
         signer: grants.Signer | None = None,
         server_fingerprints: Mapping[tuple[int, int], LayoutFingerprint] | None = None,
+        max_tokens: int = 1 << 62,
     ):
         self.ctx = ctx
         self.fingerprint = fingerprint
@@ -128,6 +128,7 @@ class SourceTransfers:
         self.metrics = metrics
         self.server_epoch = server_epoch
         self.signer = signer or grants.Signer(None)
+        self.max_tokens = max_tokens  # the most slots one transfer can name (host pool)
         self._used_grants = grants.UsedGrants()
         self.inflight: list[InflightTransfer] = []  # read-only outside this class
 
@@ -135,9 +136,15 @@ class SourceTransfers:
         return len(self.inflight)
 
     def start(self, req: TransferRequestKVCacheReqInput) -> None:
-        """Handle a transfer request; the reply is sent later by `poll()`."""
+        """Handle a transfer request; the reply is sent later by `poll()`, also when
+        something here failed unexpectedly (then it says so: never two replies)."""
         inflight = InflightTransfer(request=req, started=time.monotonic())
         self.inflight.append(inflight)
+        error = error_of(lambda: self._start(req, inflight))
+        if error is not None and inflight.error is None:
+            inflight.error = error
+
+    def _start(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
         # First: even a refused transfer's receipt names this rank's slots (a settled
         # receipt lets the target free them at once); a bad entry is reported below.
         error_of(lambda: self._parse_own_slots(req, inflight))
@@ -186,7 +193,20 @@ class SourceTransfers:
 
     # ------------------------------------------------------------------ helpers
 
+    def _check_size(self, req: TransferRequestKVCacheReqInput) -> None:
+        """Refuse, before any per-token work, a range no pool of this server could hold
+        (the host pool is larger than the device pool, and holds every page sent)."""
+        end = req.matched_token_size + req.extra_token_size
+        if req.extra_token_size > self.max_tokens or end > len(req.input_ids):
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                f"extra_token_size={req.extra_token_size} from {req.matched_token_size} is "
+                f"more than this server can send ({self.max_tokens} slots) or than "
+                f"input_ids holds ({len(req.input_ids)})",
+            )
+
     def _validate(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
+        self._check_size(req)
         by_rank = {(t.tp, t.pp): t for t in req.target_per_rank}
         me = (self.ctx.tp_rank, self.ctx.pp_rank)
         target = by_rank.get(me)
@@ -225,7 +245,8 @@ class SourceTransfers:
     ) -> None:
         for target in req.target_per_rank:
             if (target.tp, target.pp) == (self.ctx.tp_rank, self.ctx.pp_rank):
-                slots = target_slots(target, self.fingerprint.page_size)
+                self._check_size(req)
+                slots = target_slots(target, self.fingerprint.page_size, req.extra_token_size)
                 inflight.own_slots = (slots, grants.slots_digest(slots))
                 inflight.slots_digest = inflight.own_slots[1]
                 return
@@ -248,7 +269,7 @@ class SourceTransfers:
                 ErrorKind.BAD_REQUEST, f"target_per_rank has no entry for tp={tp} pp={pp}"
             )
         if slots_and_digest is None:
-            slots = target_slots(target, fingerprint.page_size)
+            slots = target_slots(target, fingerprint.page_size, req.extra_token_size)
             slots_and_digest = (slots, grants.slots_digest(slots))
         slots, digest = slots_and_digest
         if target.path not in self.paths:
@@ -283,6 +304,10 @@ class SourceTransfers:
             slots=digest,
             tokens=tokens_digest,
             staging=_staging_extent(target),  # a staging extent is written only if granted
+            # Where the body says the bytes go must be what the target published, and
+            # the grant must have been issued to this server.
+            destination=grants.destination_digest(self.paths[target.path].destination_of(target)),
+            source=self.server_epoch,
         )
         return slots, digest, grant
 
@@ -321,6 +346,7 @@ class SourceTransfers:
                     # Told only to a target that granted an extent: it must scatter then.
                     plan=status.plan if send is not None and send.target.staging else "",
                     digest=status.digest,
+                    source=self.server_epoch,
                 )
             )
         return status
@@ -399,9 +425,14 @@ def _steps_text(steps: Mapping[str, float]) -> str:
     return ", this rank: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in steps.items())
 
 
-def target_slots(target: TransferRequestKVCacheTarget, page_size: int) -> torch.Tensor:
+def target_slots(
+    target: TransferRequestKVCacheTarget, page_size: int, num_tokens: int
+) -> torch.Tensor:
     """The target rank's token slots, from `kv_indices` or from whole pages: `kv_pages`,
-    or `kv_page_ranges` runs (`page_ranges.py`)."""
+    or `kv_page_ranges` runs (`page_ranges.py`); exactly `num_tokens` of them.
+
+    IMPORTANT: the count is checked from the lists' lengths and the runs' counts before
+    anything is expanded: a few bytes of runs can name gigabytes of slots."""
     import torch
 
     if sum(map(bool, (target.kv_pages, target.kv_indices, target.kv_page_ranges))) > 1:
@@ -409,10 +440,11 @@ def target_slots(target: TransferRequestKVCacheTarget, page_size: int) -> torch.
             ErrorKind.BAD_REQUEST,
             "give one of kv_indices, kv_pages and kv_page_ranges for a target rank",
         )
+    _check_slot_count(target, page_size, num_tokens)
     if target.kv_pages or target.kv_page_ranges:
         try:
             pages = (
-                pages_from_ranges(target.kv_page_ranges)
+                page_ranges.pages_from_ranges(target.kv_page_ranges)
                 if target.kv_page_ranges
                 else _int64_tensor(target.kv_pages, "kv_pages")
             )
@@ -422,6 +454,30 @@ def target_slots(target: TransferRequestKVCacheTarget, page_size: int) -> torch.
             return pages
         return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
     return _int64_tensor(target.kv_indices, "kv_indices")
+
+
+def _check_slot_count(
+    target: TransferRequestKVCacheTarget, page_size: int, num_tokens: int
+) -> None:
+    """BAD_REQUEST unless the entry names exactly `num_tokens` slots, by arithmetic."""
+    if target.kv_page_ranges:
+        name = "kv_page_ranges"
+        if not all(
+            isinstance(pair, list | tuple) and len(pair) == 2 and isinstance(pair[1], int)
+            for pair in target.kv_page_ranges
+        ):
+            raise MigrationError(ErrorKind.BAD_REQUEST, "each page range must be [first, count]")
+        count = page_ranges.count_pages(target.kv_page_ranges) * page_size
+    elif target.kv_pages:
+        name, count = "kv_pages", len(target.kv_pages) * page_size
+    else:
+        name, count = "kv_indices", len(target.kv_indices)
+    if count != num_tokens:
+        raise MigrationError(
+            ErrorKind.BAD_REQUEST,
+            f"target rank tp={target.tp} pp={target.pp}: {name} name {count} slots "
+            f"(page_size={page_size}) for extra_token_size={num_tokens}",
+        )
 
 
 def _int64_tensor(values: list[int], name: str) -> torch.Tensor:
