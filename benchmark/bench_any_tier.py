@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sglang_kv_migration.client import MigrationClient
+from sglang_kv_migration.client.migration import MigrationClient
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent / "test" / "gpu"))

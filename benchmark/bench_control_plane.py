@@ -1,6 +1,6 @@
 """The control plane of a migration on CPU: what each HTTP round trip costs per token.
 
-Two CPU mini servers (`test/mini_server.py`: our FastAPI routes under uvicorn, the real
+Two CPU mini servers (`test/support/mini_server.py`: our FastAPI routes under uvicorn, the real
 zmq communicators, SGLang's HiRadixCache from the CPU harness, the real scheduler hooks
 and handlers, Mooncake TCP on 127.0.0.1), page size 1. The source preloads one prefix per
 length; each repeat flushes the target and migrates the prefix again through
@@ -38,7 +38,7 @@ from typing import Any
 from fastapi import Request  # module level: FastAPI resolves the annotation by name
 
 _ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(_ROOT / "test"))
+sys.path.insert(0, str(_ROOT / "test" / "support"))
 sys.path.insert(0, str(_ROOT / "python"))
 
 PHASES = ("extra_token_size", "allocate", "transfer", "commit", "total")
@@ -236,7 +236,7 @@ def main() -> None:
     if unknown:
         parser.error(f"lengths must be among {sorted(FIRST_TOKEN)}: {unknown}")
 
-    from sglang_kv_migration.client import MigrationClient
+    from sglang_kv_migration.client.migration import MigrationClient
 
     lengths = sorted(set(args.tokens + args.profile))
     started = time.perf_counter()

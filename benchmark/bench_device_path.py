@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sglang_kv_migration.client import MigrationClient
+from sglang_kv_migration.client.migration import MigrationClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
 from real_servers import (  # noqa: E402

@@ -1,7 +1,7 @@
 """Host path vs pool fragmentation, on CPU: migration vs raw Mooncake writes of the same bytes.
 
 Two spawned processes each hold a real SGLang host pool (``MHATokenToKVPoolHost`` built by
-the CPU harness of ``test/cpu_harness.py``) registered with its own Mooncake Transfer
+the CPU harness of ``test/support/cpu_harness.py``) registered with its own Mooncake Transfer
 Engine (TCP on 127.0.0.1). Per host layout, page size, pool state and migration size the
 source moves ``tokens`` slots of its pool into slots the target allocated, and the same
 run times, side by side:
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 _ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(_ROOT / "test"))
+sys.path.insert(0, str(_ROOT / "test" / "support"))
 sys.path.insert(0, str(_ROOT / "python"))
 from pipe_rpc import Remote, serve  # noqa: E402  (test/ is on the path now)
 
@@ -99,8 +99,12 @@ class _Peer:
     ) -> dict:
         import cpu_harness
         import torch
-        from sglang_kv_migration.layout import HostPoolLayout
-        from sglang_kv_migration.transfer import MemoryRegion, MooncakeTransport, TransportConfig
+        from sglang_kv_migration.paths.host.layout import HostPoolLayout
+        from sglang_kv_migration.paths.host.mooncake import (
+            MemoryRegion,
+            MooncakeTransport,
+            TransportConfig,
+        )
 
         self.close()
         device_tokens = 512
@@ -153,7 +157,7 @@ class _Peer:
 
     def make_staging(self, nbytes: int) -> dict:
         import torch
-        from sglang_kv_migration.transfer import MemoryRegion
+        from sglang_kv_migration.paths.host.mooncake import MemoryRegion
 
         if self.staging is None or self.staging.numel() < nbytes:
             self.staging = torch.zeros(nbytes, dtype=torch.uint8)  # as StagingArena: pre-faulted
@@ -166,8 +170,8 @@ class _Peer:
         """One migration as the source's scheduler thread would run it: submit, then poll
         the handle once per (0.5 ms) loop iteration. ``stall_ms`` is the longest the loop
         could not run: the submit call, or the worst iteration beyond its sleep."""
-        from sglang_kv_migration.layout import plan_writes
-        from sglang_kv_migration.transfer import MemoryRegion
+        from sglang_kv_migration.paths.host.layout import plan_writes
+        from sglang_kv_migration.paths.host.mooncake import MemoryRegion
 
         peer_layout = _peer_layout(peer)
         regions = _regions(peer)
@@ -214,7 +218,7 @@ class _Peer:
     def raw_contiguous(self, peer: dict, nbytes: int, pieces: int = 1) -> dict:
         """The same bytes from one contiguous range to another, as ``pieces`` equal
         entries (the engine moves the entries of a batch concurrently)."""
-        from sglang_kv_migration.transfer import WriteOp
+        from sglang_kv_migration.paths.host.mooncake import WriteOp
 
         kv_base = self.harness.host_pool.kv_buffer.data_ptr()
         step = -(-nbytes // pieces)
@@ -229,7 +233,7 @@ class _Peer:
         return {"s": time.perf_counter() - start, "entries": stats.entries, "stall_ms": stall * 1e3}
 
     def raw_entries(self, peer: dict, src: list[int], dst: list[int]) -> dict:
-        from sglang_kv_migration.layout import plan_writes
+        from sglang_kv_migration.paths.host.layout import plan_writes
 
         ops = plan_writes(self.layout, src, _peer_layout(peer), dst)
         start = time.perf_counter()
@@ -239,7 +243,7 @@ class _Peer:
     # -- target side ----------------------------------------------------------
 
     def scatter(self, dst: list[int]) -> dict:
-        from sglang_kv_migration.staging import StagingScatterer
+        from sglang_kv_migration.paths.host.staging import StagingScatterer
 
         if self.scatterer is None:
             self.scatterer = StagingScatterer()
@@ -302,7 +306,7 @@ def _page_views(layout: Any, slots: list[int]) -> list[tuple[Any, Any]]:
 
 
 def _peer_layout(peer: dict) -> Any:
-    from sglang_kv_migration.layout import HostPoolLayout
+    from sglang_kv_migration.paths.host.layout import HostPoolLayout
 
     return HostPoolLayout.from_published(
         peer["data_ptrs"], peer["data_lens"], peer["item_lens"], peer["page_size"]
@@ -310,7 +314,7 @@ def _peer_layout(peer: dict) -> Any:
 
 
 def _regions(peer: dict) -> list[Any]:
-    from sglang_kv_migration.transfer import MemoryRegion
+    from sglang_kv_migration.paths.host.mooncake import MemoryRegion
 
     return [MemoryRegion(peer["kv_base"], peer["kv_nbytes"])]
 
@@ -454,8 +458,8 @@ def planning_stall(tokens: int, shape: Shape, repeats: int) -> None:
     import threading
 
     import torch
-    from sglang_kv_migration import staging
-    from sglang_kv_migration.layout import HostPoolLayout
+    from sglang_kv_migration.paths.host import staging
+    from sglang_kv_migration.paths.host.layout import HostPoolLayout
 
     slots = 2 * tokens
     nbytes = 2 * shape.layers * slots * (shape.bytes_per_token // (2 * shape.layers))

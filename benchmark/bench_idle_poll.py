@@ -24,7 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 _ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(_ROOT / "test"))
+sys.path.insert(0, str(_ROOT / "test" / "support"))
 sys.path.insert(0, str(_ROOT / "python"))
 
 
@@ -33,9 +33,9 @@ def _build_side():
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cpu_harness.install_cpu_shims()
-    from sglang_kv_migration.metrics import MigrationMetrics
-    from sglang_kv_migration.scheduler_side import MigrationSchedulerSide
-    from sglang_kv_migration.transfer import TransportConfig
+    from sglang_kv_migration.paths.host.mooncake import TransportConfig
+    from sglang_kv_migration.server.metrics import MigrationMetrics
+    from sglang_kv_migration.server.scheduler_side import MigrationSchedulerSide
     from side_helpers import one_rank_context
 
     harness = cpu_harness.build_harness(cpu_harness.HarnessConfig(page_size=16))
@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
-    from sglang_kv_migration.scheduler_hooks import after_process_input_requests as hook
+    from sglang_kv_migration.server.scheduler_hooks import after_process_input_requests as hook
 
     harness, side = _build_side()
     off = SimpleNamespace(kv_migration=None)  # flag off: the hook finds no side

@@ -52,9 +52,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from sglang_kv_migration.cost_model import parse_prometheus
-from sglang_kv_migration.rebalancer import RebalancePolicy, Rebalancer
-from sglang_kv_migration.request_migration import (
+from sglang_kv_migration.rollout.cost_model import parse_prometheus
+from sglang_kv_migration.rollout.rebalancer import RebalancePolicy, Rebalancer
+from sglang_kv_migration.rollout.request_migration import (
     AsyncRequestMigrator,
     GenerateRequest,
     RequestHandle,

@@ -1,7 +1,7 @@
 """Host-path migrations through the real wired code on CPU, against raw Mooncake writes.
 
 Two spawned processes each run a real `MigrationSchedulerSide` over a real SGLang
-`HiRadixCache` from the CPU harness (`test/_migration_peer.py`; Llama-3-8B-shaped KV,
+`HiRadixCache` from the CPU harness (`test/support/_migration_peer.py`; Llama-3-8B-shaped KV,
 32 layers, 8 KV heads, head dim 128, bf16 = 128 KiB per token) with its own Mooncake
 engine (TCP on 127.0.0.1). Per cell both host pools' free lists are shuffled page by page
 (the worst case), the source holds the prefix on host, and one migration is the three
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 _ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(_ROOT / "test"))
+sys.path.insert(0, str(_ROOT / "test" / "support"))
 sys.path.insert(0, str(_ROOT / "python"))
 from pipe_rpc import Remote, serve  # noqa: E402  (test/ is on the path now)
 
@@ -82,7 +82,7 @@ def _server_class() -> type:
 
         def raw_write(self, session_id: str, peer_arena: list[int], nbytes: int, pieces: int):
             """One write of ``nbytes`` from this side's arena into the peer's."""
-            from sglang_kv_migration.transfer import MemoryRegion, WriteOp
+            from sglang_kv_migration.paths.host.mooncake import MemoryRegion, WriteOp
 
             base = self.side.staging.region[0]
             step = -(-nbytes // pieces)
@@ -122,7 +122,7 @@ def peer_main(conn: Connection) -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cpu_harness.install_cpu_shims()
-    import sglang_kv_migration.scheduler_side  # noqa: F401  (the slow import, up front)
+    import sglang_kv_migration.server.scheduler_side  # noqa: F401  (the slow import, up front)
 
     server = _server_class()()
     conn.send(("ready", None))

@@ -1,5 +1,5 @@
 """Raw device-path copy between two processes (GPU machine only): no SGLang, just
-`sglang_kv_migration.cuda_ipc` and the page copy the device path runs.
+`sglang_kv_migration.paths.device.cuda_ipc` and the page copy the device path runs.
 
 A "target" process allocates Llama-3-8B-shaped per-layer KV buffers (64 buffers of
 `rows` x 2 KiB) and exports them; a "source" process with its own buffers maps them
@@ -23,7 +23,7 @@ LAYERS, ROW_BYTES = 32, 8 * 128 * 2  # 8 KV heads x head dim 128 x bf16
 
 def _target(conn, gpu: int, rows: int) -> None:
     import torch
-    from sglang_kv_migration import cuda_ipc
+    from sglang_kv_migration.paths.device import cuda_ipc
 
     torch.cuda.set_device(gpu)
     bufs = [torch.zeros(rows, ROW_BYTES, dtype=torch.uint8, device=gpu) for _ in range(2 * LAYERS)]
@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     import torch
-    from sglang_kv_migration import cuda_ipc, page_copy
+    from sglang_kv_migration.paths.device import cuda_ipc, page_copy
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -11,7 +11,7 @@ import pytest
 
 # IMPORTANT: the shims must be in place before anything imports sglang, and child
 # processes started with "spawn" find cpu_harness through the inherited sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import cpu_harness  # noqa: E402
@@ -29,7 +29,7 @@ def tp_group() -> object:
 def migration_peers() -> Iterator[tuple[object, object]]:
     """One source and one target peer process (`_migration_peer.py`), shared by the
     two-process migration modules (spawning one costs a full SGLang import)."""
-    from test_core_migration import peer_pair
+    from core_peers import peer_pair
 
     with peer_pair() as pair:
         yield pair
@@ -75,9 +75,9 @@ def side_factory(
     **harness_fields)``: a real one-rank `MigrationSchedulerSide` on a harness cache
     (metrics on; with ``pp_size > 1`` one stage's only rank), replying into
     `side.replies`; `side.harness` is the harness it runs on."""
-    from sglang_kv_migration.metrics import MigrationMetrics
-    from sglang_kv_migration.scheduler_side import MigrationSchedulerSide
-    from sglang_kv_migration.transfer import TransportConfig
+    from sglang_kv_migration.paths.host.mooncake import TransportConfig
+    from sglang_kv_migration.server.metrics import MigrationMetrics
+    from sglang_kv_migration.server.scheduler_side import MigrationSchedulerSide
     from side_helpers import one_rank_context
 
     built: list[MigrationSchedulerSide] = []

@@ -2,8 +2,8 @@
 scheduler attributes.
 
 Everything else in the package goes through these functions, so an SGLang upgrade is
-this file's work (plus the symbol names in `upstream.py`, which `test/test_plugin.py`
-resolves, and `test/test_sglang_adapter.py`, which runs these functions against the
+this file's work (plus the symbol names in `upstream.py`, which `test/integration/test_plugin.py`
+resolves, and `test/unit/test_sglang_adapter.py`, which runs these functions against the
 real classes on CPU).
 
 Tree operations use the cache's public API (`match_prefix`, `insert`, `write_backup`,
@@ -134,7 +134,7 @@ def match_tiered_prefix(
     HiCache keeps evicted nodes below device nodes only, so the device segments come
     first; the plan does not rely on it.
     """
-    from sglang_kv_migration.tiers import DEVICE_TIER, HOST_TIER, Segment
+    from sglang_kv_migration.paths.device.tiers import DEVICE_TIER, HOST_TIER, Segment
 
     held = match_held_prefix(cache, input_ids, extra_key)
     segments: list[Any] = []

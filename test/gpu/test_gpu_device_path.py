@@ -45,7 +45,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sglang_kv_migration.client import MigrationClient, MigrationFailed
+from sglang_kv_migration.client.migration import MigrationClient, MigrationFailed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_servers import (  # noqa: E402

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang_kv_migration import page_copy, tiers
+from sglang_kv_migration.paths.device import page_copy, tiers
 
 pytestmark = [
     pytest.mark.gpu,

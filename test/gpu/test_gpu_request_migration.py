@@ -40,8 +40,8 @@ from typing import Any
 
 import httpx
 import pytest
-from sglang_kv_migration.client import MigrationClient
-from sglang_kv_migration.request_migration import (
+from sglang_kv_migration.client.migration import MigrationClient
+from sglang_kv_migration.rollout.request_migration import (
     GenerateRequest,
     RequestMigrator,
     RequestOutput,

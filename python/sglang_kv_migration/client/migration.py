@@ -1,0 +1,772 @@
+"""Client for rollout managers: run a whole migration between two servers, with rollback.
+
+    from sglang_kv_migration.client.migration import MigrationClient
+
+    result = MigrationClient().migrate("http://src:30000", "http://dst:30000", input_ids)
+    print(result.migrated_token_size, result.timings)
+
+`AsyncMigrationClient` has the same surface with `await`. Both drive one protocol
+description (`_migration_steps`), a generator that yields HTTP calls and receives their
+JSON replies, so the sync and asyncio versions cannot drift apart.
+
+A migration: session info on both (cached per server until its epoch changes) →
+fingerprint check → what the source holds → choose the data path (device when both
+servers share a host and the pages are on the source's GPU, else host) → allocate on the
+target (which reports what it already holds) → transfer from the source → commit on the
+target. Any failure after allocate aborts the allocation on the target before
+`MigrationFailed` is raised; a failed device-path attempt falls back to the host path
+when the caller did not pin a path. Four round trips once session info is cached.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+import orjson
+
+from sglang_kv_migration import PROTOCOL_VERSION
+from sglang_kv_migration.grants import FEATURE as BOUND_GRANTS
+from sglang_kv_migration.page_ranges import FEATURE as PAGE_RANGES
+from sglang_kv_migration.paths.host.layout import LayoutFingerprint
+
+DEFAULT_TIMEOUT_S = 120.0
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    """What a migration did. Sizes are tokens; timings are seconds per phase."""
+
+    source_url: str
+    target_url: str
+    migration_id: str  # "" when nothing had to move
+    source_held_token_size: int  # page-aligned prefix the source held
+    target_matched_token_size: int  # what the target already held (kept, not moved)
+    migrated_token_size: int
+    migrated_bytes: int
+    matched_after_commit: int  # prefix the target can now serve from cache
+    timings: dict[str, float] = field(default_factory=dict)
+    path: str = ""  # the data path that moved the pages ("" when nothing moved)
+    fallback_reason: str = ""  # why the device path was not (or not successfully) used
+    copy_seconds: float = 0.0  # time the data path spent moving bytes, on the source
+    # Host path, per rank: how each write was shaped ("direct", "gather", "staged") and
+    # how many transfer-engine entries all ranks' writes needed together.
+    plans: list[str] = field(default_factory=list)
+    entries: int = 0
+    # Per source rank: where its part of the transfer spent its time, ms (host path).
+    transfer_steps_ms: list[dict[str, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+class MigrationFailed(Exception):
+    """A phase failed. `rolled_back` says whether the target allocation was released;
+    `migration_id` is set once the target had allocated (for logs and manual clean-up)."""
+
+    def __init__(
+        self,
+        phase: str,
+        message: str,
+        status_code: int | None = None,
+        rolled_back: bool = False,
+    ):
+        status = f" (HTTP {status_code})" if status_code is not None else ""
+        super().__init__(f"{phase} failed{status}: {message}")
+        self.phase = phase
+        self.message = message
+        self.status_code = status_code
+        self.rolled_back = rolled_back
+        self.migration_id = ""
+        self.reply: dict[str, Any] | None = None  # the failed call's JSON reply, if any
+
+
+class AuthFailed(MigrationFailed):
+    """A server refused the key a call carried (HTTP 401 or 403). Never retried: a wrong
+    key does not become right by waiting. `route` is the refused route."""
+
+    def __init__(self, phase: str, route: str, message: str, status_code: int):
+        super().__init__(phase, message, status_code)
+        self.route = route
+
+
+# SGLang 0.5.12's auth levels (sglang/srt/utils/auth.py) for the routes this package
+# calls: these are ADMIN_OPTIONAL (with --admin-api-key set, only the admin key opens them;
+# with only --api-key, the API key does); /generate, /v1/loads and /get_load are NORMAL
+# (only the API key, when set); /metrics and /health are always open.
+ADMIN_ROUTES = frozenset(
+    {
+        "/get_transfer_session_info",
+        "/get_request_extra_token_size",
+        "/allocate_token_for_transfer",
+        "/transfer_request_kvcache",
+        "/commit",
+        "/abort_transfer",
+        "/abort_request",
+        "/flush_cache",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    """SGLang's two keys as a client holds them: `api_key` for /generate and the load
+    routes, `admin_api_key` for the admin routes (`ADMIN_ROUTES`). One key alone is sent
+    everywhere, which is what a server with one key set accepts."""
+
+    api_key: str | None = None
+    admin_api_key: str | None = None
+
+    def key_for(self, path: str) -> str | None:
+        if route_of(path) in ADMIN_ROUTES:
+            return self.admin_api_key or self.api_key
+        return self.api_key or self.admin_api_key
+
+    def headers(self, path: str) -> dict[str, str]:
+        key = self.key_for(path)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def sent(self, path: str) -> str:
+        """Which key a call to `path` carries, in words (for error messages)."""
+        key = self.key_for(path)
+        if not key:
+            return "no key"
+        if key == self.admin_api_key:
+            return "the admin API key (admin_api_key / --admin-api-key)"
+        return "the API key (api_key / --api-key)"
+
+
+def route_of(path: str) -> str:
+    return "/" + path.split("?", 1)[0].strip("/")
+
+
+def auth_hint(path: str) -> str:
+    """What to do about a 401/403 from `path` (SGLang's rules, see `ADMIN_ROUTES`)."""
+    route = route_of(path)
+    if route in ADMIN_ROUTES:
+        return (
+            f"{route} takes the admin API key when the server sets --admin-api-key (else "
+            "its --api-key): pass admin_api_key= / --admin-api-key"
+        )
+    return f"{route} takes the server's --api-key: pass api_key= / --api-key"
+
+
+@dataclass(frozen=True)
+class _Call:
+    phase: str
+    url: str
+    path: str
+    body: dict[str, Any]
+
+
+class MigrationClient:
+    """Synchronous client (httpx)."""
+
+    def __init__(
+        self,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        http_client: httpx.Client | None = None,
+        *,
+        admin_api_key: str | None = None,
+    ):
+        """`api_key`, `admin_api_key`: see `ApiKeys` (every route here is an admin route,
+        so `admin_api_key` is used when given, else `api_key`)."""
+        self._http = http_client or httpx.Client(timeout=timeout)
+        self.keys = ApiKeys(api_key, admin_api_key)
+        self._sessions = SessionCache()
+
+    def migrate(
+        self,
+        source_url: str,
+        target_url: str,
+        input_ids: list[int],
+        extra_key: str | None = None,
+        *,
+        path: str | None = None,
+        verify: bool = False,
+    ) -> MigrationResult:
+        """Move the KV of the longest prefix of `input_ids` the source holds.
+
+        `path`: None/"auto" prefers the device path (same host; pages on the source's
+        GPU or, where it reads them in place, its host pool) and falls back to the host
+        path, recording why in `fallback_reason`;
+        "device" or "host" uses only that path. `verify`: the target checks a digest of
+        what landed against the source's before inserting (a mismatch fails the commit
+        with 409 and inserts nothing); costs one hash pass over the bytes on each side.
+        """
+        return self._drive(
+            _migration_steps(
+                source_url, target_url, list(input_ids), extra_key, path, self._sessions, verify
+            )
+        )
+
+    def session_info(self, url: str) -> dict[str, Any]:
+        """`/get_transfer_session_info` of `url`, from the cache migrations share (one
+        call per server until it restarts)."""
+        return self._drive(_session_info(url, self._sessions))
+
+    def _drive(self, steps: Generator[_Call, _Reply, T]) -> T:
+        reply: Any = None
+        while True:
+            try:
+                call = steps.send(reply)
+            except StopIteration as done:
+                return done.value
+            reply = self._post(call)
+
+    def call(self, url: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One raw endpoint call; raises `MigrationFailed` on a non-2xx reply."""
+        return _checked(_Call(path.strip("/"), url, path, body or {}), *self._raw(url, path, body))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> MigrationClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _post(self, call: _Call) -> tuple[int | None, Any]:
+        try:
+            return self._raw(call.url, call.path, call.body)
+        except httpx.HTTPError as e:
+            return None, f"{type(e).__name__}: {e}"
+
+    def _raw(self, url: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
+        headers = {**_JSON, **self.keys.headers(path)}
+        r = self._http.post(_join(url, path), content=_encode(body), headers=headers)
+        return r.status_code, _json_or_text(r)
+
+
+class AsyncMigrationClient:
+    """asyncio client (httpx.AsyncClient); same surface as `MigrationClient`."""
+
+    def __init__(
+        self,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        http_client: httpx.AsyncClient | None = None,
+        *,
+        admin_api_key: str | None = None,
+    ):
+        self._http = http_client or httpx.AsyncClient(timeout=timeout)
+        self.keys = ApiKeys(api_key, admin_api_key)
+        self._sessions = SessionCache()
+
+    async def migrate(
+        self,
+        source_url: str,
+        target_url: str,
+        input_ids: list[int],
+        extra_key: str | None = None,
+        *,
+        path: str | None = None,
+        verify: bool = False,
+    ) -> MigrationResult:
+        """See `MigrationClient.migrate`."""
+        return await self._drive(
+            _migration_steps(
+                source_url, target_url, list(input_ids), extra_key, path, self._sessions, verify
+            )
+        )
+
+    async def session_info(self, url: str) -> dict[str, Any]:
+        """See `MigrationClient.session_info`."""
+        return await self._drive(_session_info(url, self._sessions))
+
+    async def _drive(self, steps: Generator[_Call, _Reply, T]) -> T:
+        reply: Any = None
+        while True:
+            try:
+                call = steps.send(reply)
+            except StopIteration as done:
+                return done.value
+            reply = await self._post(call)
+
+    async def call(self, url: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        status, payload = await self._raw(url, path, body)
+        return _checked(_Call(path.strip("/"), url, path, body or {}), status, payload)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncMigrationClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _post(self, call: _Call) -> tuple[int | None, Any]:
+        try:
+            return await self._raw(call.url, call.path, call.body)
+        except httpx.HTTPError as e:
+            return None, f"{type(e).__name__}: {e}"
+
+    async def _raw(self, url: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
+        headers = {**_JSON, **self.keys.headers(path)}
+        r = await self._http.post(_join(url, path), content=_encode(body), headers=headers)
+        return r.status_code, _json_or_text(r)
+
+
+# --------------------------------------------------------------------------- protocol
+
+_Reply = tuple[int | None, Any]  # (HTTP status or None on a connection error, JSON/text)
+PATHS = ("device", "host")
+
+
+class SessionCache:
+    """Session info per server URL, reused across migrations until the server's epoch
+    changes (a restart); a stale entry is dropped and the migration restarts once."""
+
+    def __init__(self) -> None:
+        self._infos: dict[str, dict[str, Any]] = {}
+
+    def get(self, url: str) -> dict[str, Any] | None:
+        return self._infos.get(url.rstrip("/"))
+
+    def put(self, url: str, info: dict[str, Any]) -> None:
+        self._infos[url.rstrip("/")] = info
+
+    def drop(self, url: str) -> None:
+        self._infos.pop(url.rstrip("/"), None)
+
+
+class _StaleSession(Exception):
+    def __init__(self, url: str):
+        super().__init__(f"{url} restarted since its session info was read")
+        self.url = url
+
+
+@dataclass
+class _Plan:
+    """What one attempt knows before it moves anything."""
+
+    source_url: str
+    target_url: str
+    extra_key: str | None
+    source_info: dict[str, Any]
+    target_info: dict[str, Any]
+    prefix: list[int]  # the page-aligned prefix the source holds
+    timings: dict[str, float]
+    verify: bool = False  # the target checks a digest of what landed before inserting
+
+
+def _migration_steps(
+    source_url: str,
+    target_url: str,
+    input_ids: list[int],
+    extra_key: str | None,
+    path: str | None = None,
+    sessions: SessionCache | None = None,
+    verify: bool = False,
+) -> Generator[_Call, _Reply, MigrationResult]:
+    """The migration protocol as a generator of HTTP calls (see the module docstring)."""
+    if path not in (None, "auto", *PATHS):
+        raise ValueError(f"path must be one of auto, {', '.join(PATHS)}; got {path!r}")
+    sessions = sessions or SessionCache()
+    for attempt in (1, 2):
+        try:
+            return (
+                yield from _attempt(
+                    source_url, target_url, input_ids, extra_key, path, sessions, verify
+                )
+            )
+        except _StaleSession as stale:
+            sessions.drop(stale.url)
+            if attempt == 2:
+                raise MigrationFailed("session_info", str(stale)) from None
+    raise AssertionError("unreachable")
+
+
+def _attempt(
+    source_url: str,
+    target_url: str,
+    input_ids: list[int],
+    extra_key: str | None,
+    path: str | None,
+    sessions: SessionCache,
+    verify: bool = False,
+) -> Generator[_Call, _Reply, MigrationResult]:
+    timings: dict[str, float] = {}
+    clock = time.perf_counter
+
+    t0 = clock()
+    source_info = yield from _session_info(source_url, sessions)
+    target_info = yield from _session_info(target_url, sessions)
+    _check_compatible(source_info, target_info)
+    timings["session_info"] = clock() - t0
+
+    t0 = clock()
+    held = yield from _step(
+        _Call(
+            "extra_token_size",
+            source_url,
+            "/get_request_extra_token_size",
+            {"input_ids": input_ids, "extra_key": extra_key},
+        )
+    )
+    _check_epoch(source_url, source_info, held)
+    source_held = held["matched_token_size"]
+    timings["extra_token_size"] = clock() - t0
+    plan = _Plan(
+        source_url,
+        target_url,
+        extra_key,
+        source_info,
+        target_info,
+        input_ids[:source_held],
+        timings,
+        verify,
+    )
+    if source_held == 0:
+        return _result(plan, "", {"matched_token_size": 0}, None, None, "", "")
+
+    chosen, reason = _choose_path(path, source_info, target_info, held)
+    try:
+        return (yield from _move(plan, chosen, reason))
+    except MigrationFailed as failure:
+        if (
+            path in (None, "auto")
+            and chosen == "device"
+            and "host" in _common_paths(source_info, target_info)
+        ):
+            reason = f"device path failed at {failure.phase}: {failure.message}"
+            return (yield from _move(plan, "host", reason))
+        raise
+
+
+def _move(
+    plan: _Plan, path: str, fallback_reason: str
+) -> Generator[_Call, _Reply, MigrationResult]:
+    """Allocate on the target, transfer from the source, commit; abort on any failure."""
+    clock = time.perf_counter
+    timings = plan.timings
+    t0 = clock()
+    allocation = yield from _step(
+        _Call(
+            "allocate",
+            plan.target_url,
+            "/allocate_token_for_transfer",
+            {
+                "input_ids": plan.prefix,
+                "extra_key": plan.extra_key,
+                "source_fingerprints": [r["fingerprint"] for r in plan.source_info["ranks"]],
+                "path": path,
+                "index_format": _index_format(plan),
+                "nothing_ok": True,
+                **_source_instance(plan),
+                **({"staging": True} if _can_stage(plan, path) else {}),
+                **({"verify": True} if plan.verify else {}),
+            },
+        )
+    )
+    migration_id = allocation["migration_id"]
+    timings["allocate"] = timings.get("allocate", 0.0) + clock() - t0
+    if allocation["extra_token_size"] == 0:
+        _check_epoch(plan.target_url, plan.target_info, allocation)
+        return _result(plan, "", allocation, None, None, "", fallback_reason)
+
+    # From here on the target holds slots: every failure must abort them.
+    transfer: dict[str, Any] | None = None
+    try:
+        _check_epoch(plan.target_url, plan.target_info, allocation)
+        t0 = clock()
+        transfer = yield from _step(
+            _Call(
+                "transfer",
+                plan.source_url,
+                "/transfer_request_kvcache",
+                {
+                    "input_ids": plan.prefix,
+                    "extra_key": plan.extra_key,
+                    "matched_token_size": allocation["matched_token_size"],
+                    "extra_token_size": allocation["extra_token_size"],
+                    "migration_id": migration_id,
+                    "target_per_rank": _targets(plan.target_info, allocation, path),
+                },
+            )
+        )
+        timings["transfer"] = clock() - t0
+
+        t0 = clock()
+        commit = yield from _step(
+            _Call(
+                "commit",
+                plan.target_url,
+                "/commit",
+                {
+                    "migration_id": migration_id,
+                    "receipts": _receipts(transfer),
+                    **({"verify": True} if plan.verify else {}),
+                },
+            )
+        )
+        timings["commit"] = clock() - t0
+    except (MigrationFailed, _StaleSession) as failure:
+        # The source's receipts (even of a failed transfer) may prove no write can still
+        # land, which frees the target's slots at once instead of after quarantine.
+        failed_reply = failure.reply if isinstance(failure, MigrationFailed) else None
+        receipts = _receipts(transfer if transfer is not None else failed_reply)
+        status, _ = yield _Call(
+            "abort",
+            plan.target_url,
+            "/abort_transfer",
+            {"migration_id": migration_id, "receipts": receipts},
+        )
+        if isinstance(failure, MigrationFailed):
+            failure.migration_id = migration_id
+            failure.rolled_back = status is not None and status < 300
+        raise
+    return _result(plan, path, allocation, transfer, commit, migration_id, fallback_reason)
+
+
+def _result(
+    plan: _Plan,
+    path: str,
+    allocation: dict[str, Any],
+    transfer: dict[str, Any] | None,
+    commit: dict[str, Any] | None,
+    migration_id: str,
+    fallback_reason: str,
+) -> MigrationResult:
+    timings = plan.timings
+    timings["total"] = sum(v for k, v in timings.items() if k != "total")
+    target_matched = allocation["matched_token_size"]
+    ranks = transfer.get("ranks", []) if transfer else []
+    seconds = [r.get("seconds", 0.0) for r in ranks]
+    return MigrationResult(
+        source_url=plan.source_url,
+        target_url=plan.target_url,
+        migration_id=migration_id,
+        source_held_token_size=len(plan.prefix),
+        target_matched_token_size=target_matched,
+        migrated_token_size=transfer["transferred_token_size"] if transfer else 0,
+        migrated_bytes=transfer["transferred_bytes"] if transfer else 0,
+        matched_after_commit=commit["matched_after_commit"] if commit else target_matched,
+        timings=timings,
+        path=path,
+        fallback_reason=fallback_reason,
+        copy_seconds=max(seconds, default=0.0),
+        plans=[r.get("plan", "") for r in ranks],
+        entries=sum(r.get("entries", 0) for r in ranks),
+        transfer_steps_ms=[r.get("steps_ms", {}) for r in ranks],
+    )
+
+
+def _receipts(transfer_reply: dict[str, Any] | None) -> list[str]:
+    if not transfer_reply:
+        return []
+    return [r["receipt"] for r in transfer_reply.get("ranks", []) if r.get("receipt")]
+
+
+def _session_info(url: str, sessions: SessionCache) -> Generator[_Call, _Reply, dict[str, Any]]:
+    info = sessions.get(url)
+    if info is None:
+        info = yield from _step(_Call("session_info", url, "/get_transfer_session_info", {}))
+        sessions.put(url, info)
+    return info
+
+
+def _check_epoch(url: str, info: dict[str, Any], reply: dict[str, Any]) -> None:
+    epoch = reply.get("server_epoch", "")
+    if epoch and epoch != info.get("server_epoch", ""):
+        raise _StaleSession(url)
+
+
+def _common_paths(source_info: dict[str, Any], target_info: dict[str, Any]) -> list[str]:
+    """Paths every rank of both servers offers, in the source's order of preference."""
+    ranks = [*source_info["ranks"], *target_info["ranks"]]
+    order = list(source_info["ranks"][0].get("paths", {}) or {"host": {}})
+    return [p for p in order if all(p in (r.get("paths") or {"host": {}}) for r in ranks)]
+
+
+def _choose_path(
+    requested: str | None,
+    source_info: dict[str, Any],
+    target_info: dict[str, Any],
+    held: dict[str, Any],
+) -> tuple[str, str]:
+    """(path, why the preferred device path was not taken: "" if it was)."""
+    common = _common_paths(source_info, target_info)
+    if requested in PATHS:
+        if requested not in common:
+            raise MigrationFailed(
+                "session_info",
+                f"path {requested!r} is not offered by both servers (common: "
+                f"{', '.join(common) or 'none'})",
+            )
+        return requested, ""
+    if "device" in common:
+        reason = _device_refusal(source_info, target_info, held)
+        if not reason:
+            return "device", ""
+    else:
+        reason = "device path not offered by both servers"
+    if "host" not in common:
+        raise MigrationFailed("session_info", f"no common data path: {reason}")
+    return "host", reason
+
+
+def predict_path(
+    source_info: dict[str, Any],
+    target_info: dict[str, Any],
+    held: dict[str, Any],
+    requested: str | None = None,
+) -> str:
+    """The path `migrate` will try first for what the source holds (`held`: its
+    `/get_request_extra_token_size` reply), "" when the servers share none. For pricing
+    a move before it is made (`request_migration`, `rebalancer`)."""
+    try:
+        return _choose_path(requested, source_info, target_info, held)[0]
+    except MigrationFailed:
+        return ""
+
+
+def _device_refusal(
+    source_info: dict[str, Any], target_info: dict[str, Any], held: dict[str, Any]
+) -> str:
+    hosts = {r["paths"]["device"]["host_identity"] for r in source_info["ranks"]}
+    hosts |= {r["paths"]["device"]["host_identity"] for r in target_info["ranks"]}
+    if len(hosts) != 1:
+        return "servers are on different hosts"
+    host_only = held["matched_token_size"] - held.get("device_token_size", 0)
+    # Issue 19: a source that reads its host pool in place (`tiers` lists "host") sends
+    # host-only pages on the device path too; older sources read device pages only.
+    if host_only > 0 and not all(
+        "host" in r["paths"]["device"].get("tiers", ()) for r in source_info["ranks"]
+    ):
+        return f"source holds {host_only} of the tokens on host only (it reads device pages only)"
+    return ""
+
+
+def _targets(
+    target_info: dict[str, Any], allocation: dict[str, Any], path: str
+) -> list[dict[str, Any]]:
+    slots = {(r["tp_rank"], r["pp_rank"]): r for r in allocation["ranks"]}
+    entries = []
+    for rank in target_info["ranks"]:
+        position = (rank["tp_rank"], rank["pp_rank"])
+        entry: dict[str, Any] = {
+            "tp": rank["tp_rank"],
+            "pp": rank["pp_rank"],
+            "path": path,
+            "grant": slots[position].get("grant", ""),
+            "fingerprint": rank["fingerprint"],
+        }
+        # Runs when the target sent them (both servers speak "page_ranges"), else pages.
+        if slots[position].get("kv_page_ranges"):
+            entry["kv_page_ranges"] = slots[position]["kv_page_ranges"]
+        else:
+            entry["kv_pages"] = slots[position]["kv_pages"]
+        if slots[position].get("staging"):
+            entry["staging"] = slots[position]["staging"]
+        if path == "device":
+            entry["device_kv"] = rank["paths"]["device"]
+        else:
+            host = rank["paths"]["host"]
+            entry.update(
+                session_id=host["session_id"],
+                host_kv_data_ptrs=host["host_kv_data_ptrs"],
+                host_kv_data_lens=host["host_kv_data_lens"],
+                host_kv_item_lens=host["host_kv_item_lens"],
+            )
+        entries.append(entry)
+    return entries
+
+
+def _index_format(plan: _Plan) -> str:
+    """How the target should list its slots: as `[first_page, count]` runs when both
+    servers understand them (a fresh pool gives one run where a page list has one id
+    per page), else as page ids."""
+    both = set(plan.source_info.get("features", [])) & set(plan.target_info.get("features", []))
+    return "ranges" if PAGE_RANGES in both else "pages"
+
+
+def _source_instance(plan: _Plan) -> dict[str, str]:
+    """Name the source in the allocate body, so only it may use the grant; sent only to
+    a target that lists the feature (older ones refuse unknown fields)."""
+    if BOUND_GRANTS not in plan.target_info.get("features", []):
+        return {}
+    return {"source_instance": plan.source_info.get("instance_id", "")}
+
+
+def _can_stage(plan: _Plan, path: str) -> bool:
+    """Ask the target for staging extents only when every source rank can write them and
+    every target rank has an arena (servers without either never see the field)."""
+    if path != "host":
+        return False
+    sources, targets = plan.source_info["ranks"], plan.target_info["ranks"]
+    return all(r.get("stage_writer") for r in sources) and all(
+        r.get("staging_region") for r in targets
+    )
+
+
+def _step(call: _Call) -> Generator[_Call, _Reply, dict[str, Any]]:
+    """Yield one call; return its checked JSON reply."""
+    status, payload = yield call
+    return _checked(call, status, payload)
+
+
+def _checked(call: _Call, status: int | None, payload: Any) -> dict[str, Any]:
+    """The JSON reply of a successful call, else `MigrationFailed` naming the phase."""
+    if status is None:
+        raise MigrationFailed(call.phase, f"{call.url}{call.path}: {payload}")
+    if status in (401, 403):
+        message = f"{call.url}{call.path} refused the key: {payload}; {auth_hint(call.path)}"
+        raise AuthFailed(call.phase, route_of(call.path), message, status)
+    if status >= 300 or not isinstance(payload, dict) or not payload.get("success", False):
+        message = payload.get("message", payload) if isinstance(payload, dict) else payload
+        failure = MigrationFailed(call.phase, f"{call.url}{call.path}: {message}", status)
+        failure.reply = payload if isinstance(payload, dict) else None
+        raise failure
+    return payload
+
+
+def _check_compatible(source_info: dict[str, Any], target_info: dict[str, Any]) -> None:
+    """Refuse before anything is allocated when the two servers cannot exchange pages."""
+    for name, info in (("source", source_info), ("target", target_info)):
+        if info.get("protocol_version") != PROTOCOL_VERSION:
+            raise MigrationFailed(
+                "session_info",
+                f"{name} speaks protocol {info.get('protocol_version')}, this client "
+                f"{PROTOCOL_VERSION}",
+            )
+    source_ranks = {(r["tp_rank"], r["pp_rank"]): r for r in source_info["ranks"]}
+    target_ranks = {(r["tp_rank"], r["pp_rank"]): r for r in target_info["ranks"]}
+    if set(source_ranks) != set(target_ranks):
+        raise MigrationFailed(
+            "session_info",
+            f"rank sets differ: source (tp, pp) {sorted(source_ranks)} vs target "
+            f"{sorted(target_ranks)}",
+        )
+    for position, source_rank in source_ranks.items():
+        source_fp = LayoutFingerprint.from_dict(source_rank["fingerprint"])
+        target_fp = LayoutFingerprint.from_dict(target_ranks[position]["fingerprint"])
+        mismatch = source_fp.first_mismatch(target_fp)
+        if mismatch is not None:
+            raise MigrationFailed("session_info", f"KV layouts differ: {mismatch}")
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _encode(body: dict[str, Any] | None) -> bytes:
+    # orjson: bodies carry token lists as long as the prefix (stdlib json is ~10x slower).
+    return orjson.dumps(body or {})
+
+
+def _join(url: str, path: str) -> str:
+    return url.rstrip("/") + "/" + path.lstrip("/")
+
+
+def _json_or_text(response: httpx.Response) -> Any:
+    try:
+        return orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return response.text

@@ -1,0 +1,556 @@
+"""The device data path: GPU -> GPU through CUDA IPC between servers on one host.
+
+Target: reserves **device** KV slots from SGLang's token-to-KV allocator (evicting by
+the tree's own rules), holds them in the pending registry like host slots, and on commit
+inserts ordinary device radix nodes, so the next request hits on device with no
+load-back (write-through then backs the pages up to host as usual).
+
+Source (push): opens the target's per-layer KV buffers once per target instance
+(`cuda_ipc.PeerBuffers`), locks the prefix's device nodes, and copies page by page on a
+side stream that first waits for the streams that may still write those pages. The
+reply is sent once the copy's CUDA event has completed; the lock is held until then.
+
+Any tier (`tiers.py`): pages the source holds only in its pinned host pool (evicted from
+its GPU) are read in place by the source's GPU through unified addressing and written
+into the same target slots, one launch per tier, in the same migration; their host
+nodes are protected from host eviction until the copy's event. Advertised as
+`tiers: ["device", "host"]`; without a readable host pool (not pinned, a layout the
+kernel cannot address) only `["device"]`, and such ranges are refused.
+
+Refused (the client then falls back to the host path): no CUDA, `--enable-memory-saver`
+(its KV pools are virtual-memory mappings released and resumed around training steps, so
+an IPC mapping would not survive a release), another host, a GPU this process cannot
+see, or host pages this server cannot read in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from sglang_kv_migration import sglang_adapter
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.paths import verify
+from sglang_kv_migration.paths.base import DEVICE, DataPath, KVPoll, SendJob, SendRange, SendStats
+from sglang_kv_migration.paths.device import cuda_ipc, page_copy, tiers
+
+if TYPE_CHECKING:
+    import torch
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+    from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
+
+logger = logging.getLogger(__name__)
+
+
+def device_path_unavailable_reason(cache: HiRadixCache, enable_memory_saver: bool) -> str | None:
+    """Why this server cannot offer the device path, or None when it can."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "CUDA is not available in this process"
+    if enable_memory_saver:
+        return (
+            "--enable-memory-saver is on: KV pools are released and resumed around "
+            "training steps, so CUDA IPC mappings of them cannot be kept"
+        )
+    try:
+        buffers = sglang_adapter.device_kv_buffers(cache)
+    except MigrationError as e:
+        return e.message
+    if not all(b.is_cuda and b.is_contiguous() for b in buffers):
+        return "device KV buffers are not contiguous CUDA tensors"
+    return None
+
+
+class DevicePath(DataPath):
+    name: ClassVar[str] = DEVICE
+
+    def __init__(self, cache: HiRadixCache):
+        import torch
+
+        self.cache = cache
+        self.page_size = int(cache.page_size)
+        self.buffers = sglang_adapter.device_kv_buffers(cache)
+        self.device = self.buffers[0].device
+        self.row_bytes = [b[0].numel() * b.element_size() for b in self.buffers]
+        self.num_rows = [int(b.shape[0]) for b in self.buffers]
+        self.bytes_per_token = sum(self.row_bytes)
+        self.instance_id = uuid.uuid4().hex  # a restarted server is a new peer
+        self._peers = cuda_ipc.PeerBuffers()
+        # The target role (reserve / release / insert) needs no CUDA: CPU tests run it on
+        # a CPU device pool. Only the source role and the advertisement need the GPU.
+        self._stream: Any = None
+        self._exported: list[dict[str, Any]] = []
+        self._gpu_uuid = ""
+        self._src_ptrs: Any = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._exported = [cuda_ipc.export_tensor(b) for b in self.buffers]
+            self._gpu_uuid = cuda_ipc.gpu_uuid(self.device.index)
+            self._src_ptrs = _pointer_table(self.buffers, self.device)
+        # One fused launch moves every buffer when all have the same row size (MHA with
+        # equal K/V head dims, MLA); otherwise two torch launches per buffer.
+        self._fused = len(set(self.row_bytes)) == 1 and self.row_bytes[0] % 8 == 0
+        self._host, self._host_refusal = self._host_tier()
+        self._host_ptrs: Any = None
+        if self._host is not None and self.device.type == "cuda":
+            self._host_ptrs = torch.tensor(
+                self._host.addresses(), dtype=torch.int64, device=self.device
+            )
+        self.warm_up()
+
+    # ------------------------------------------------------------------ both roles
+
+    def advertise(self) -> dict[str, Any]:
+        return {
+            "host_identity": cuda_ipc.host_identity(),
+            "gpu_uuid": self._gpu_uuid,
+            "instance_id": self.instance_id,
+            "row_bytes": self.row_bytes,
+            "num_rows": self.num_rows,
+            "buffers": self._exported,
+            # Tiers this source copies from (absent: a server that reads device pages only).
+            "tiers": [tiers.DEVICE_TIER] + ([tiers.HOST_TIER] if self._host is not None else []),
+        }
+
+    def destination_of(self, target: TransferRequestKVCacheTarget) -> dict[str, Any]:
+        return target.device_kv or {}
+
+    def close(self) -> None:
+        self._peers.close()
+
+    # ------------------------------------------------------------------ target role
+
+    def held_prefix(self, input_ids: list[int], extra_key: str | None) -> sglang_adapter.HeldPrefix:
+        return sglang_adapter.match_device_prefix(self.cache, input_ids, extra_key).as_held()
+
+    def reserve(self, num_tokens: int) -> torch.Tensor:
+        return sglang_adapter.alloc_device_slots(self.cache, num_tokens)
+
+    def release(self, slots: torch.Tensor) -> None:
+        sglang_adapter.free_device_slots(self.cache, slots)
+
+    def retake(self, slots: torch.Tensor) -> None:
+        sglang_adapter.take_device_slots(self.cache, slots)
+
+    def insert(
+        self, anchor: TreeNode, key: RadixKey, anchor_length: int, slots: torch.Tensor
+    ) -> int:
+        return sglang_adapter.insert_device_pages(self.cache, key, anchor_length, slots)
+
+    def content_digest(self, slots: torch.Tensor) -> str:
+        return verify.device_rows_digest(self.buffers, slots)
+
+    @property
+    def holds_device_slots(self) -> bool:
+        return True
+
+    @property
+    def late_write_margin_s(self) -> float:
+        # The copy is launched before the grant's deadline and runs for milliseconds.
+        return 2.0
+
+    # ------------------------------------------------------------------ source role
+
+    def start_send(self, send: SendRange) -> SendJob:
+
+        peer = send.target.device_kv
+        if not peer:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST, "target_per_rank has no device_kv for the device path"
+            )
+        opening = self._open_peer(peer)
+        tiered = prepare_tiered_send(self.cache, send, self.page_size)
+        if tiered.plan.tokens(tiers.HOST_TIER) and self._host is None:
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"source holds {tiered.plan.tokens(tiers.HOST_TIER)} of the tokens on host "
+                f"only and cannot read its host pool in place ({self._host_refusal}): use "
+                "the host path",
+            )
+        job = DeviceSendJob(TierPin.take(self.cache, tiered.prefix))
+        job.stats.bytes = (send.end - send.start) * self.bytes_per_token
+        if send.verify:
+            job.digest_pieces = self._digest_pieces(tiered.plan)
+
+        def launch() -> None:
+            # On the scheduler thread, once the peer's buffers are open (at once when they
+            # were already): checks the mapping, then only enqueues the copy.
+            if time.time() > send.start_by:
+                raise MigrationError(
+                    ErrorKind.FORBIDDEN,
+                    "copy refused: the grant expired while the target's buffers were being "
+                    "opened; nothing was written",
+                )
+            dst = self._checked_peer(opening.result(), peer)
+            job.launched(*self._launch(tiered.plan, dst))
+
+        job.launch_when(opening, launch)
+        try:
+            job.poll_launch()
+        except BaseException:
+            job.release()
+            raise
+        return job
+
+    # ------------------------------------------------------------------ helpers
+
+    def _open_peer(self, peer: dict[str, Any]) -> Future[cuda_ipc.OpenedPeer]:
+        """Check the target's description, then open its buffers off this thread."""
+        import torch
+
+        try:
+            host, gpu = str(peer["host_identity"]), str(peer["gpu_uuid"])
+            instance = str(peer["instance_id"])
+            row_bytes = [int(x) for x in peer["row_bytes"]]
+            num_rows = [int(x) for x in peer["num_rows"]]
+            descs = list(peer["buffers"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise MigrationError(ErrorKind.BAD_REQUEST, f"bad device_kv description: {e}") from None
+        if len(num_rows) != len(row_bytes):
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST, "bad device_kv description: num_rows and row_bytes differ"
+            )
+        if host != cuda_ipc.host_identity():
+            raise MigrationError(
+                ErrorKind.CONFLICT, "target is on another host: the device path needs one host"
+            )
+        if row_bytes != self.row_bytes or len(descs) != len(self.buffers):
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"device KV rows differ: source {len(self.buffers)} buffers of "
+                f"{self.row_bytes[:2]}... bytes, target {len(descs)} of {row_bytes[:2]}...",
+            )
+        target_index = cuda_ipc.local_device_of(gpu)
+        if target_index is None:
+            raise MigrationError(
+                ErrorKind.CONFLICT, f"target GPU {gpu} is not visible to the source process"
+            )
+        here = self.device.index
+        if target_index != here and not torch.cuda.can_device_access_peer(here, target_index):
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"this GPU ({here}) cannot access the target's GPU ({target_index}) as a peer",
+            )
+        # Mapped into *this* device's address space (CUDA enables peer access for a
+        # mapping of a peer GPU's memory), so the copy kernel runs here and writes the
+        # target's pages directly, over NVLink when the target is another GPU.
+        return self._peers.open_async(instance, descs, here)
+
+    def _checked_peer(
+        self, opened: cuda_ipc.OpenedPeer, peer: dict[str, Any]
+    ) -> cuda_ipc.OpenedPeer:
+        row_bytes = [int(x) for x in peer["row_bytes"]]
+        num_rows = [int(x) for x in peer["num_rows"]]
+        for flat, rows, rb in zip(opened.buffers, num_rows, row_bytes, strict=True):
+            if flat.numel() != rows * rb:
+                raise MigrationError(
+                    ErrorKind.BAD_REQUEST,
+                    f"device buffer of {flat.numel()} bytes, expected {rows} rows of {rb}",
+                )
+        return opened
+
+    def _launch(
+        self, plan: tiers.TierPlan, dst: cuda_ipc.OpenedPeer
+    ) -> tuple[Any, Any, dict[str, tuple[Any, Any]]]:
+        """Enqueue one copy per tier on the side stream; returns the (start, end) CUDA
+        events of the whole copy and of each tier."""
+        import torch
+
+        page_bytes = [rb * self.page_size for rb in self.row_bytes]
+        highest = max((int(p.dst_pages.max()) for p in plan.tiers.values()), default=-1)
+        for flat, pb in zip(dst.buffers, page_bytes, strict=True):
+            limit = flat.numel() // pb
+            if highest >= limit:
+                raise MigrationError(
+                    ErrorKind.BAD_REQUEST,
+                    f"target page {highest} lies outside its device pool of {limit} pages",
+                )
+        stream = self._stream
+        # IMPORTANT: order the copy after every stream that may still write these pages
+        # (the scheduler's stream and HiCache's load-back), before reading them.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for other in sglang_adapter.pending_device_write_streams(self.cache):
+            stream.wait_stream(other)
+        events: dict[str, tuple[Any, Any]] = {}
+        with torch.cuda.stream(stream):
+            for tier, pages in plan.tiers.items():
+                src_idx = pages.src_pages.to(self.device, non_blocking=True)
+                dst_idx = pages.dst_pages.to(self.device, non_blocking=True)
+                events[tier] = (_timed_event(), _timed_event())
+                events[tier][0].record(stream)
+                if tier == tiers.HOST_TIER:
+                    self._copy_host_pages(src_idx, dst, dst_idx)
+                else:
+                    self._copy_device_pages(src_idx, dst, dst_idx, page_bytes)
+                events[tier][1].record(stream)
+        ordered = list(events.values())
+        return ordered[0][0], ordered[-1][1], events
+
+    def _copy_device_pages(
+        self, src_idx: Any, dst: cuda_ipc.OpenedPeer, dst_idx: Any, page_bytes: list[int]
+    ) -> None:
+        import torch
+
+        if self._fused:
+            try:
+                page_copy.copy_pages(self._src_ptrs, dst.pointers, src_idx, dst_idx, page_bytes[0])
+            except Exception:  # Triton cannot build the kernel here: fall back, once
+                logger.exception("fused page copy unavailable; using torch copies")
+                self._fused = False
+        if not self._fused:
+            for src, flat, pb in zip(self.buffers, dst.buffers, page_bytes, strict=True):
+                page_copy.copy_pages_torch(
+                    [src.view(-1).view(torch.uint8)], [flat], src_idx, dst_idx, pb
+                )
+
+    def _copy_host_pages(self, src_idx: Any, dst: cuda_ipc.OpenedPeer, dst_idx: Any) -> None:
+        """Pinned host pages -> the target's device pages, read by this GPU in place."""
+        host = self._host
+        assert host is not None  # start_send refused host pages without a host tier
+        into = page_copy.PageGeometry.contiguous(self.page_size, self.row_bytes[0])
+        if self._fused:
+            try:
+                page_copy.copy_pages_strided(
+                    self._host_ptrs, dst.pointers, src_idx, dst_idx, host.geometry, into
+                )
+                return
+            except Exception:  # Triton cannot build the kernel here: fall back, once
+                logger.exception("fused host page copy unavailable; using torch copies")
+                self._fused = False
+        dst_views = tiers.TierBuffers(
+            tuple(dst.buffers),
+            (0,) * len(dst.buffers),
+            into,
+            int(dst.buffers[0].numel()) // into.page_bytes,
+        ).views()
+        page_copy.copy_pages_strided_torch(host.views(), dst_views, src_idx.cpu(), dst_idx)
+
+    def _host_tier(self) -> tuple[tiers.TierBuffers | None, str]:
+        """The host pool as a tier this path reads in place, or (None, why not)."""
+        try:
+            shape = sglang_adapter.host_pool_shape(self.cache)
+            offsets, geometry = tiers.host_buffer_geometry(
+                shape.attention,
+                shape.layout,
+                shape.layer_num,
+                shape.page_num,
+                shape.page_size,
+                shape.row_bytes,
+            )
+        except (MigrationError, ValueError) as e:
+            return None, str(e)
+        if len(offsets) != len(self.buffers) or {shape.row_bytes} != set(self.row_bytes):
+            return None, "host pool rows differ from the device pool's"
+        if self.device.type == "cuda" and not shape.pinned:
+            return None, "the host pool is not pinned, so the GPU cannot read it in place"
+        if self.device.type == "cuda" and shape.row_bytes % 8:
+            return None, f"host rows of {shape.row_bytes} bytes are not whole 8-byte words"
+        return tiers.TierBuffers.of_host(shape.kv_buffer, offsets, geometry, shape.page_num), ""
+
+    @property
+    def host_tier_refusal(self) -> str:
+        """Why host-only pages cannot be sent by this path ("" when they can)."""
+        return self._host_refusal
+
+    def source_tiers(self) -> dict[str, tiers.TierBuffers]:
+        """The tiers this source reads pages from, as torch-addressable buffers."""
+        found = {tiers.DEVICE_TIER: tiers.TierBuffers.of_device(self.buffers, self.page_size)}
+        if self._host is not None:
+            found[tiers.HOST_TIER] = self._host
+        return found
+
+    def _digest_pieces(self, plan: tiers.TierPlan) -> list[tuple[list[Any], Any]]:
+        """(per-buffer views, pages) in prefix order, for `verify.tier_pages_digest`."""
+        views = {tier: buffers.views() for tier, buffers in self.source_tiers().items()}
+        return [(views[tier], pages) for tier, pages in tiers.prefix_order_pages(plan)]
+
+    def warm_up(self) -> None:
+        """Build the copy kernel now, not in the first migration's scheduler iteration:
+        copy this pool's page 0 onto itself (nothing is cached yet: no reader to race)."""
+        if self._stream is None or not self._fused:
+            return
+        import torch
+
+        page = torch.zeros(1, dtype=torch.int64, device=self.device)
+        try:
+            with torch.cuda.stream(self._stream):
+                page_copy.copy_pages(
+                    self._src_ptrs, self._src_ptrs, page, page, self.row_bytes[0] * self.page_size
+                )
+            self._stream.synchronize()
+        except Exception:  # Triton cannot build the kernel here: torch copies instead
+            logger.exception("fused page copy unavailable; using torch copies")
+            self._fused = False
+        self._warm_up_host_tier()
+
+    def _warm_up_host_tier(self) -> None:
+        """Build the strided kernel with the argument values a host-tier copy will pass
+        (Triton specializes on them): host page 0 into a scratch page per buffer."""
+        if self._host_ptrs is None or not self._fused or self._host.geometry.is_contiguous:
+            return
+        import torch
+
+        into = page_copy.PageGeometry.contiguous(self.page_size, self.row_bytes[0])
+        scratch = [
+            torch.empty(into.page_bytes, dtype=torch.uint8, device=self.device)
+            for _ in self.buffers
+        ]
+        page = torch.zeros(1, dtype=torch.int64, device=self.device)
+        try:
+            with torch.cuda.stream(self._stream):
+                page_copy.copy_pages_strided(
+                    self._host_ptrs,
+                    _pointer_table(scratch, self.device),
+                    page,
+                    page,
+                    self._host.geometry,
+                    into,
+                )
+            self._stream.synchronize()
+        except Exception:  # Triton cannot build the kernel here: torch copies instead
+            logger.exception("fused host page copy unavailable; using torch copies")
+            self._fused = False
+
+
+class DeviceSendJob(SendJob):
+    """One rank's copy: launched once the target's buffers are open, done when its CUDA
+    event has completed; the source's prefix stays locked until `release`."""
+
+    def __init__(self, pin: TierPin):
+        self._pin: TierPin | None = pin
+        self._start: Any = None
+        self._end: Any = None
+        self._opening: Future[Any] | None = None
+        self._launch: Any = None
+        self.stats = SendStats()
+        # verify: (per-buffer page views, pages) in prefix order, hashed once copied.
+        self.digest_pieces: list[tuple[list[Any], Any]] | None = None
+        self._digest: Future[str] | None = None
+        self._tier_events: dict[str, tuple[Any, Any]] = {}
+
+    def launch_when(self, opening: Future[Any], launch: Any) -> None:
+        self._opening, self._launch = opening, launch
+
+    def launched(self, start: Any, end: Any, tier_events: dict[str, tuple[Any, Any]]) -> None:
+        self._start, self._end, self._tier_events = start, end, tier_events
+
+    @property
+    def started_writing(self) -> bool:
+        return self._end is not None
+
+    def poll_launch(self) -> bool:
+        """Launch once the peer is open; True once launched. Raises what the launch does."""
+        if self._end is None:
+            if self._opening is None or not self._opening.done():
+                return False
+            try:
+                self._launch()
+            except MigrationError:
+                raise
+            except Exception as e:  # the open failed: CUDA refused the handle
+                raise MigrationError(ErrorKind.CONFLICT, f"device copy not started: {e}") from e
+        return True
+
+    def poll(self) -> KVPoll:
+        if self.error is not None:
+            return KVPoll.FAILED
+        try:
+            if not self.poll_launch():
+                return KVPoll.TRANSFERRING
+        except MigrationError as e:
+            self.error = e
+            return KVPoll.FAILED
+        if not self._end.query():
+            return KVPoll.TRANSFERRING
+        if self.digest_pieces is not None:
+            if self._digest is None:
+                # The pages stay locked (unchanged) until `release`; hash them off the
+                # scheduler thread.
+                pieces = self.digest_pieces
+                self._digest = verify.submit(lambda: verify.tier_pages_digest(pieces))
+            if not self._digest.done():
+                return KVPoll.TRANSFERRING
+            try:
+                self.stats.digest = self._digest.result()
+            except Exception as e:  # a bug; the receipt must not claim a digest
+                logger.exception("digest of the sent pages failed")
+                self.error = MigrationError(ErrorKind.INTERNAL, f"verify digest failed: {e!r}")
+                return KVPoll.FAILED
+        self.stats.seconds = self._start.elapsed_time(self._end) / 1e3
+        for tier, (start, end) in self._tier_events.items():
+            self.stats.steps[f"copy_{tier}"] = start.elapsed_time(end) / 1e3
+        return KVPoll.SUCCESS
+
+    def release(self) -> None:
+        if self._pin is not None:
+            self._pin.release()
+            self._pin = None
+
+
+@dataclass
+class TieredSend:
+    prefix: sglang_adapter.TieredPrefix
+    plan: tiers.TierPlan
+
+
+def prepare_tiered_send(cache: HiRadixCache, send: SendRange, page_size: int) -> TieredSend:
+    """Where each page of the send lies on this source and where it goes (no CUDA, no
+    locks): raises CONFLICT when the source no longer holds the range, BAD_REQUEST for
+    slots that are not whole pages."""
+    prefix = sglang_adapter.match_tiered_prefix(cache, send.input_ids[: send.end], send.extra_key)
+    if prefix.length < send.end:
+        raise MigrationError(
+            ErrorKind.CONFLICT,
+            f"source holds only {prefix.length} of {send.end} tokens on device or host "
+            "(evicted since it was measured?)",
+        )
+    try:
+        plan = tiers.plan_tiers(prefix.segments, send.start, send.end, send.target_slots, page_size)
+    except ValueError as e:
+        raise MigrationError(ErrorKind.BAD_REQUEST, f"device copy plan: {e}") from None
+    return TieredSend(prefix, plan)
+
+
+class TierPin:
+    """What a send holds until its copy's event: a lock on the deepest device node
+    (and so its ancestors) and host protection on the host-only nodes it reads."""
+
+    def __init__(self, cache: HiRadixCache, device_node: TreeNode, host_nodes: list[TreeNode]):
+        self._cache = cache
+        self._device_node: TreeNode | None = device_node
+        self._host_nodes = host_nodes
+
+    @classmethod
+    def take(cls, cache: HiRadixCache, prefix: sglang_adapter.TieredPrefix) -> TierPin:
+        # IMPORTANT: lock only the device part: `inc_lock_ref` on an evicted node would
+        # count its tokens out of the device pool's evictable size.
+        cache.inc_lock_ref(prefix.last_device_node)
+        sglang_adapter.protect_host_nodes(prefix.host_nodes)
+        return cls(cache, prefix.last_device_node, list(prefix.host_nodes))
+
+    def release(self) -> None:
+        """Idempotent."""
+        if self._device_node is not None:
+            self._cache.dec_lock_ref(self._device_node)
+            self._device_node = None
+        sglang_adapter.release_host_nodes(self._host_nodes)
+        self._host_nodes = []
+
+
+def _timed_event() -> Any:
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _pointer_table(buffers: list[torch.Tensor], device: Any) -> torch.Tensor:
+    import torch
+
+    return torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)

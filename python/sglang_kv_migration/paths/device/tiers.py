@@ -1,0 +1,260 @@
+"""Same host, any tier: which source pages come from which tier, into which target slots.
+
+A source holds a prefix as a root-to-leaf path of radix nodes; each node's KV is on the
+GPU (device slots) or only in the pinned host pool (host slots, the node evicted from
+device). The device path copies every page from where it is into the target's reserved
+device slots: device pages GPU -> GPU, host pages pinned host -> GPU read by the
+source's own GPU through unified addressing (no bounce through its device pool, which
+is what a pressured source has no room in). One launch per tier.
+
+Pure parts, tested with literal values and against the real HiRadixCache on CPU:
+- `plan_tiers`: segments of the path (tier, slots) + the range + the target's slots ->
+  per tier the source pages and the target pages, in prefix order, plus the runs that
+  give prefix order back (the verify digest hashes pages in prefix order).
+- `host_buffer_geometry`: where layer `l`'s page `p` lies in a host pool of each layout,
+  as (byte offset of the buffer, `page_copy.PageGeometry`), for the buffers in device
+  order (MHA: K layers then V layers; MLA: one per layer).
+
+`TierBuffers` binds a geometry to memory (torch views for the reference copy and the
+digest, raw addresses for the kernel); `copy_plan_torch` runs a plan with torch ops
+(the CPU path and the fallback when Triton cannot run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sglang_kv_migration.paths.device.page_copy import (
+    PageGeometry,
+    copy_pages_strided_torch,
+    strided_pages,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICE_TIER = "device"
+HOST_TIER = "host"
+TIERS: tuple[str, ...] = (DEVICE_TIER, HOST_TIER)
+
+# Host layouts whose layer pages are (page-strided) blocks of rows. `page_head` puts
+# heads outside tokens, so one layer's row is not contiguous: not supported here.
+HOST_LAYOUTS: tuple[str, ...] = ("layer_first", "page_first", "page_first_direct")
+_PLANES = {"mha": 2, "mla": 1}
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive tokens of the prefix held in one tier: their slots in that tier."""
+
+    tier: str
+    slots: torch.Tensor  # int64 token slots, one per token, prefix order
+
+
+@dataclass(frozen=True)
+class TierPages:
+    """The pages one tier contributes: `src_pages[i]` of that tier -> target `dst_pages[i]`."""
+
+    src_pages: torch.Tensor  # int64, CPU
+    dst_pages: torch.Tensor  # int64, CPU
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.src_pages.numel())
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """A migration's pages by tier. `runs` lists (tier, count) in prefix order: reading
+    that many pages of each tier in turn walks the range from its start."""
+
+    page_size: int
+    tiers: Mapping[str, TierPages]
+    runs: tuple[tuple[str, int], ...]
+
+    def tokens(self, tier: str) -> int:
+        pages = self.tiers.get(tier)
+        return pages.num_pages * self.page_size if pages is not None else 0
+
+    @property
+    def num_pages(self) -> int:
+        return sum(p.num_pages for p in self.tiers.values())
+
+
+def pages_of(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Page ids of token slots that fill whole, aligned pages; raises ValueError."""
+    import torch
+
+    slots = slots.to("cpu", torch.int64).reshape(-1)
+    if slots.numel() % page_size:
+        raise ValueError(f"{slots.numel()} slots are not whole pages of {page_size}")
+    rows = slots.view(-1, page_size)
+    first = rows[:, :1]
+    if bool((first % page_size).any()) or not torch.equal(
+        rows, first + torch.arange(page_size, dtype=torch.int64)
+    ):
+        raise ValueError(f"slots are not whole, aligned pages of {page_size}")
+    return first.reshape(-1) // page_size
+
+
+def plan_tiers(
+    segments: Sequence[Segment],
+    start: int,
+    end: int,
+    target_slots: torch.Tensor,
+    page_size: int,
+) -> TierPlan:
+    """Pages of tokens [start, end) by tier, into `target_slots` (one per token).
+
+    `segments` cover the prefix from token 0 on, in order (at least up to `end`).
+    Raises ValueError for a range or slots that are not whole pages, segments that do
+    not cover the range, or an unknown tier.
+    """
+    import torch
+
+    if start % page_size or end % page_size or not 0 <= start < end:
+        raise ValueError(f"[{start}, {end}) is not a non-empty range of whole pages of {page_size}")
+    if int(target_slots.numel()) != end - start:
+        raise ValueError(f"{target_slots.numel()} target slots for {end - start} tokens")
+    dst_all = pages_of(target_slots, page_size)
+    src: dict[str, list[torch.Tensor]] = {}
+    dst: dict[str, list[torch.Tensor]] = {}
+    runs: list[tuple[str, int]] = []
+    offset = 0
+    for seg in segments:
+        if seg.tier not in TIERS:
+            raise ValueError(f"unknown tier {seg.tier!r}")
+        seg_start, n = offset, int(seg.slots.numel())
+        offset += n
+        lo, hi = max(seg_start, start), min(seg_start + n, end)
+        if lo >= hi:
+            continue
+        pages = pages_of(seg.slots[lo - seg_start : hi - seg_start], page_size)
+        src.setdefault(seg.tier, []).append(pages)
+        dst.setdefault(seg.tier, []).append(
+            dst_all[(lo - start) // page_size : (hi - start) // page_size]
+        )
+        if runs and runs[-1][0] == seg.tier:
+            runs[-1] = (seg.tier, runs[-1][1] + len(pages))
+        else:
+            runs.append((seg.tier, len(pages)))
+    if offset < end:
+        raise ValueError(f"the source's segments cover {offset} tokens, {end} needed")
+    tiers = {t: TierPages(torch.cat(src[t]), torch.cat(dst[t])) for t in src}
+    return TierPlan(page_size=page_size, tiers=tiers, runs=tuple(runs))
+
+
+# --------------------------------------------------------------------------- host layouts
+
+
+def host_buffer_geometry(
+    attention: str,
+    layout: str,
+    layer_num: int,
+    page_num: int,
+    page_size: int,
+    row_bytes: int,
+) -> tuple[list[int], PageGeometry]:
+    """Byte offsets (in the host pool's one kv_buffer) of each buffer, device order, and
+    the page geometry they share. `row_bytes`: one token of one layer (one plane).
+
+    Shapes (SGLang 0.5.12 `init_kv_buffer`, S = page_num * page_size slots):
+    layer_first (planes, L, S, row); page_first (planes, S, L, row);
+    page_first_direct (planes, page_num, L, page_size, row).
+    """
+    planes = _PLANES.get(attention)
+    if planes is None:
+        raise ValueError(f"unknown attention kind {attention!r}")
+    size, L, row, ps = page_num * page_size, layer_num, row_bytes, page_size
+    plane_bytes = L * size * row
+    if layout == "layer_first":
+        layer_offset, geometry = size * row, PageGeometry.contiguous(ps, row)
+    elif layout == "page_first":
+        layer_offset, geometry = row, PageGeometry(ps, row, ps * L * row, L * row)
+    elif layout == "page_first_direct":
+        layer_offset, geometry = ps * row, PageGeometry(ps, row, L * ps * row, row)
+    else:
+        raise ValueError(
+            f"host layout {layout!r} cannot be read by the device path "
+            f"(supported: {', '.join(HOST_LAYOUTS)})"
+        )
+    offsets = [
+        kv * plane_bytes + layer * layer_offset for kv in range(planes) for layer in range(L)
+    ]
+    return offsets, geometry
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@dataclass(frozen=True)
+class TierBuffers:
+    """One tier's copy of every KV buffer (device order): where each one's pages lie."""
+
+    flats: tuple[torch.Tensor, ...]  # flat uint8 tensors, one per buffer (may repeat)
+    offsets: tuple[int, ...]  # byte offset of each buffer in its flat tensor
+    geometry: PageGeometry
+    num_pages: int
+
+    @classmethod
+    def of_device(cls, buffers: Sequence[torch.Tensor], page_size: int) -> TierBuffers:
+        """A device pool's per-layer buffers (one row per token slot, contiguous)."""
+        import torch
+
+        flats = tuple(b.view(-1).view(torch.uint8) for b in buffers)
+        row_bytes = {f.numel() // int(b.shape[0]) for f, b in zip(flats, buffers, strict=True)}
+        if len(row_bytes) != 1:
+            raise ValueError(f"device buffers have different row sizes {sorted(row_bytes)}")
+        rows = int(buffers[0].shape[0])
+        return cls(
+            flats,
+            (0,) * len(flats),
+            PageGeometry.contiguous(page_size, row_bytes.pop()),
+            rows // page_size,
+        )
+
+    @classmethod
+    def of_host(
+        cls, kv_buffer: torch.Tensor, offsets: Sequence[int], geometry: PageGeometry, page_num: int
+    ) -> TierBuffers:
+        """A host pool's one contiguous kv_buffer split per `host_buffer_geometry`."""
+        import torch
+
+        flat = kv_buffer.view(-1).view(torch.uint8)
+        return cls((flat,) * len(offsets), tuple(offsets), geometry, page_num)
+
+    def views(self) -> list[torch.Tensor]:
+        """`(num_pages, rows, row_bytes)` uint8 views, no copy."""
+        return [
+            strided_pages(f, o, self.geometry, self.num_pages)
+            for f, o in zip(self.flats, self.offsets, strict=True)
+        ]
+
+    def addresses(self) -> list[int]:
+        """Base address of each buffer (what the kernel's pointer table holds)."""
+        return [f.data_ptr() + o for f, o in zip(self.flats, self.offsets, strict=True)]
+
+
+def copy_plan_torch(
+    plan: TierPlan, sources: Mapping[str, TierBuffers], destination: TierBuffers
+) -> None:
+    """Run `plan` with torch indexing: each tier's pages into the destination's."""
+    dst_views = destination.views()
+    for tier, pages in plan.tiers.items():
+        copy_pages_strided_torch(sources[tier].views(), dst_views, pages.src_pages, pages.dst_pages)
+
+
+def prefix_order_pages(plan: TierPlan) -> list[tuple[str, torch.Tensor]]:
+    """(tier, source pages) pieces that walk the range in prefix order."""
+    taken = dict.fromkeys(plan.tiers, 0)
+    pieces = []
+    for tier, count in plan.runs:
+        lo = taken[tier]
+        pieces.append((tier, plan.tiers[tier].src_pages[lo : lo + count]))
+        taken[tier] = lo + count
+    return pieces

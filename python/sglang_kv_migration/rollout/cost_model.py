@@ -1,0 +1,354 @@
+"""When does moving KV beat recomputing it? A two-line cost model, fed by `/metrics`.
+
+    migrate_s   = overhead_s + bytes / bandwidth + tokens * load_back_s_per_token
+    recompute_s = prefill_overhead_s + tokens * prefill_s_per_token
+
+`tokens` are the page-aligned tokens the source holds beyond what the target already
+holds (what a migration would move, and what the target would otherwise prefill). The
+decision is `migrate` when ``migrate_s * margin < recompute_s``, else `recompute`; a
+`CostEstimate` carries both numbers so callers can log why.
+
+Where the numbers come from (`CostModel.from_metrics`), all from the servers' own
+Prometheus text (`--enable-metrics`):
+
+- migration, source side (`sglang_kv_migration.server.metrics`): bandwidth = bytes sent by all
+  ranks ÷ the mean per-rank transfer time (`sglang:kv_migration_bytes_total{role="source"}`,
+  `sglang:kv_migration_phase_seconds{phase="transfer"}`); bytes per token = bytes ÷ tokens
+  (`sglang:kv_migration_tokens_total{role="source"}`, counted once per rank);
+- migration, target side: fixed overhead = mean allocate + mean commit phase time
+  (`sglang:kv_migration_phase_seconds{phase="allocate"|"commit"}`) plus the client's HTTP
+  round trips (`http_overhead_s`); load-back cost per token, host path only, from
+  HiCache's `sglang:load_back_duration_seconds` ÷ `sglang:load_back_tokens_total`;
+- re-prefill, target side (SGLang's own collector): seconds per token =
+  `sglang:forward_execution_seconds_total{category="extend"}` ÷
+  `sglang:realtime_tokens_total{mode="prefill_compute"}`. SGLang records the former only
+  with `SGLANG_ENABLE_METRICS_DEVICE_TIMER=1`; without it the prior below stays.
+
+Anything the metrics cannot tell (no migration yet, timer off) keeps the prior it was
+built with: by default the H200 numbers of `docs/benchmarks.md` / DESIGN.md (Mooncake TCP
+≈ 2.5 GB/s, Llama-3-8B-shaped re-prefill of 32K tokens ≈ 2.65 s). Series that carry a
+`path` label (added with the device data path) are filtered by `path=` when one is given;
+series without it count for every path.
+
+Per path. A move is priced by the path it will take (`estimate(..., path=)`):
+`by_path[path]` where the model has one, else `migration`. By default only the device path
+has its own prior (same host: pinned host pool or GPU pages copied into the target's GPU
+slots, 51.3 GB/s measured on the H200 for host-tier pages, more for GPU pages; no
+load-back on the target), so a model built with one `MigrationCosts` prices the host path
+with it, as before. `from_metrics` learns `migration` from every series and
+`by_path[p]` only from series labelled ``path="p"``: the servers' series carry no path
+label yet, so until they do the device prior stands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Decision = Literal["migrate", "recompute"]
+
+# Priors (see the module docstring): used where no metric says otherwise.
+DEFAULT_BANDWIDTH_BYTES_PER_S = 2.5e9
+DEFAULT_MIGRATION_OVERHEAD_S = 0.02
+DEFAULT_PREFILL_S_PER_TOKEN = 8.0e-5
+DEFAULT_HTTP_OVERHEAD_S = 0.005  # six small HTTP calls on one network
+# Same host, any tier (DESIGN.md): the slower of its two copies, host pool -> target GPU.
+DEFAULT_DEVICE_BANDWIDTH_BYTES_PER_S = 50e9
+
+
+@dataclass(frozen=True)
+class MigrationCosts:
+    """What a migration costs on one path."""
+
+    bandwidth_bytes_per_s: float = DEFAULT_BANDWIDTH_BYTES_PER_S
+    overhead_s: float = DEFAULT_MIGRATION_OVERHEAD_S
+    bytes_per_token: float | None = None  # None: the caller must give bytes
+    load_back_s_per_token: float = 0.0  # host path: target's host -> GPU load
+    origin: str = "prior"  # "prior" or "metrics"
+
+
+@dataclass(frozen=True)
+class PrefillCosts:
+    """What re-running prefill on the target costs."""
+
+    seconds_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN
+    overhead_s: float = 0.0
+    origin: str = "prior"
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    decision: Decision
+    tokens: int
+    nbytes: int
+    migrate_s: float
+    recompute_s: float
+    path: str = ""  # the path the migration was priced for ("": the model's default)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _default_path_costs() -> dict[str, MigrationCosts]:
+    return {"device": MigrationCosts(bandwidth_bytes_per_s=DEFAULT_DEVICE_BANDWIDTH_BYTES_PER_S)}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    migration: MigrationCosts = MigrationCosts()
+    prefill: PrefillCosts = PrefillCosts()
+    # Migrate only when it is this much cheaper (>1 favours recomputation).
+    margin: float = 1.0
+    # Paths priced on their own (see the module docstring); others use `migration`.
+    by_path: Mapping[str, MigrationCosts] = dataclasses.field(default_factory=_default_path_costs)
+
+    def costs_for(self, path: str | None) -> MigrationCosts:
+        """The migration terms of `path`; bytes per token are the layout's, on any path."""
+        costs = self.by_path.get(path or "", self.migration)
+        if costs.bytes_per_token is None and self.migration.bytes_per_token is not None:
+            costs = dataclasses.replace(costs, bytes_per_token=self.migration.bytes_per_token)
+        return costs
+
+    def estimate(
+        self, tokens: int, nbytes: int | None = None, *, path: str | None = None
+    ) -> CostEstimate:
+        """Both estimates for moving `tokens` tokens (`nbytes` bytes on all ranks) over
+        `path` (None: `migration`'s terms).
+
+        `nbytes` defaults to ``tokens * bytes_per_token``; with neither, the model cannot
+        price the transfer and raises `ValueError`. Nothing to move (``tokens <= 0``) is
+        always `recompute`, at zero cost both ways.
+        """
+        if tokens <= 0:
+            return CostEstimate("recompute", 0, 0, 0.0, 0.0, path or "")
+        m = self.costs_for(path)
+        if nbytes is None:
+            if m.bytes_per_token is None:
+                raise ValueError("bytes unknown: pass nbytes or learn bytes_per_token")
+            nbytes = round(tokens * m.bytes_per_token)
+        migrate_s = (
+            m.overhead_s + nbytes / m.bandwidth_bytes_per_s + tokens * m.load_back_s_per_token
+        )
+        recompute_s = self.prefill.overhead_s + tokens * self.prefill.seconds_per_token
+        decision: Decision = "migrate" if migrate_s * self.margin < recompute_s else "recompute"
+        return CostEstimate(decision, tokens, nbytes, migrate_s, recompute_s, path or "")
+
+    @classmethod
+    def from_metrics(
+        cls,
+        source_metrics: str | None,
+        target_metrics: str | None,
+        *,
+        path: str | None = None,
+        prior: CostModel | None = None,
+        http_overhead_s: float = DEFAULT_HTTP_OVERHEAD_S,
+    ) -> CostModel:
+        """A model whose terms come from the two servers' `/metrics` text where they can.
+
+        Either text may be None (server unreachable, metrics off): its terms keep `prior`.
+        """
+        base = prior or cls()
+        source = parse_prometheus(source_metrics or "")
+        target = parse_prometheus(target_metrics or "")
+        migration = learn_migration_costs(
+            source, target, path=path, prior=base.migration, http_overhead_s=http_overhead_s
+        )
+        by_path = {
+            name: learn_migration_costs(
+                _labelled(source, name),
+                _labelled(target, name),
+                path=name,
+                prior=prior_costs,
+                http_overhead_s=http_overhead_s,
+            )
+            for name, prior_costs in base.by_path.items()
+        }
+        prefill = learn_prefill_costs(target, prior=base.prefill)
+        return dataclasses.replace(base, migration=migration, prefill=prefill, by_path=by_path)
+
+
+# --------------------------------------------------------------------------- routes
+
+# How a migration's bytes travel. The device path (one host) copies the pages the
+# source holds on its GPU GPU -> GPU and those only in its host pool host -> GPU, one
+# after the other on one stream; the host path moves everything host -> host.
+GPU_TO_GPU = "gpu_to_gpu"
+HOST_TO_GPU = "host_to_gpu"
+HOST_TO_HOST = "host_to_host"
+
+
+@dataclass(frozen=True)
+class RouteCost:
+    bandwidth_bytes_per_s: float
+    overhead_s: float  # fixed cost of a migration that takes this route (control plane)
+
+
+# Priors measured on the H200 (issue 19, Llama-3-8B shape): the page kernel GPU -> GPU
+# ~1.7 TB/s, pinned host -> GPU 51.3 GB/s (93% of PCIe Gen5); one 8K device-path
+# migration 43 ms end to end, so ~40 ms is fixed; Mooncake TCP over loopback 3.4 GB/s.
+ROUTE_PRIORS: Mapping[str, RouteCost] = {
+    GPU_TO_GPU: RouteCost(1.7e12, 0.04),
+    HOST_TO_GPU: RouteCost(51.3e9, 0.04),
+    HOST_TO_HOST: RouteCost(3.4e9, DEFAULT_MIGRATION_OVERHEAD_S),
+}
+
+
+def route_bytes(path: str, held: Mapping[str, Any], bytes_per_token: float) -> dict[str, int]:
+    """Bytes per route for moving what the size query `held` reports (tokens held beyond
+    what the target has are approximated by the source's tiers: device first)."""
+    total = int(held.get("matched_token_size", 0))
+    on_device = min(total, int(held.get("device_token_size", 0)))
+    if path == "host":
+        return {HOST_TO_HOST: round(total * bytes_per_token)}
+    return {
+        GPU_TO_GPU: round(on_device * bytes_per_token),
+        HOST_TO_GPU: round((total - on_device) * bytes_per_token),
+    }
+
+
+def migration_costs_for_routes(
+    nbytes_by_route: Mapping[str, int],
+    routes: Mapping[str, RouteCost] = ROUTE_PRIORS,
+    bytes_per_token: float | None = None,
+) -> MigrationCosts:
+    """One `MigrationCosts` for bytes that take several routes in turn: the largest fixed
+    cost of the routes used, and the bandwidth that moves all bytes in the summed time."""
+    used = {r: n for r, n in nbytes_by_route.items() if n > 0}
+    if not used:
+        return MigrationCosts(overhead_s=0.0, bytes_per_token=bytes_per_token, origin="routes")
+    unknown = set(used) - set(routes)
+    if unknown:
+        raise ValueError(f"no cost for route(s) {sorted(unknown)}")
+    seconds = sum(n / routes[r].bandwidth_bytes_per_s for r, n in used.items())
+    return MigrationCosts(
+        bandwidth_bytes_per_s=sum(used.values()) / seconds,
+        overhead_s=max(routes[r].overhead_s for r in used),
+        bytes_per_token=bytes_per_token,
+        origin="routes",
+    )
+
+
+# --------------------------------------------------------------------------- learning
+
+
+def learn_migration_costs(
+    source: list[Sample],
+    target: list[Sample],
+    *,
+    path: str | None = None,
+    prior: MigrationCosts = MigrationCosts(),
+    http_overhead_s: float = DEFAULT_HTTP_OVERHEAD_S,
+) -> MigrationCosts:
+    """Migration terms from parsed source and target samples (see the module docstring)."""
+    costs = prior
+    source = _on_path(source, path)
+    target = _on_path(target, path)
+
+    transfer_count = _samples(source, "sglang:kv_migration_phase_seconds_count", phase="transfer")
+    transfer_s = _total(source, "sglang:kv_migration_phase_seconds_sum", phase="transfer")
+    sent_bytes = _total(source, "sglang:kv_migration_bytes_total", role="source")
+    token_series = _samples(source, "sglang:kv_migration_tokens_total", role="source")
+    ranks = len(transfer_count)
+    if ranks and transfer_s > 0 and sent_bytes > 0:
+        costs = dataclasses.replace(
+            costs, bandwidth_bytes_per_s=sent_bytes / (transfer_s / ranks), origin="metrics"
+        )
+    sent_tokens = sum(s.value for s in token_series) / max(1, len(token_series))
+    if sent_tokens > 0 and sent_bytes > 0:
+        costs = dataclasses.replace(costs, bytes_per_token=sent_bytes / sent_tokens)
+
+    allocate = _mean(target, "sglang:kv_migration_phase_seconds", phase="allocate")
+    commit = _mean(target, "sglang:kv_migration_phase_seconds", phase="commit")
+    if allocate is not None and commit is not None:
+        costs = dataclasses.replace(
+            costs, overhead_s=allocate + commit + http_overhead_s, origin="metrics"
+        )
+
+    load_s = _total(target, "sglang:load_back_duration_seconds_sum")
+    load_tokens = _total(target, "sglang:load_back_tokens_total")
+    if load_s > 0 and load_tokens > 0 and path != "device":
+        costs = dataclasses.replace(costs, load_back_s_per_token=load_s / load_tokens)
+    return costs
+
+
+def learn_prefill_costs(
+    target: list[Sample], *, prior: PrefillCosts = PrefillCosts()
+) -> PrefillCosts:
+    """Re-prefill seconds per token from SGLang's own counters, else `prior`."""
+    seconds = _total(target, "sglang:forward_execution_seconds_total", category="extend")
+    tokens = _total(target, "sglang:realtime_tokens_total", mode="prefill_compute")
+    if seconds > 0 and tokens > 0:
+        return dataclasses.replace(prior, seconds_per_token=seconds / tokens, origin="metrics")
+    return prior
+
+
+def bytes_per_token_from_session_info(info: Mapping[str, Any]) -> int:
+    """KV bytes one token occupies on all ranks together, from a `/get_transfer_session_info`
+    reply: every host buffer holds ``item_len`` bytes per token slot."""
+    return sum(sum(rank["host_kv_item_lens"]) for rank in info["ranks"])
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: Mapping[str, str]
+    value: float
+
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[Sample]:
+    """Samples of the Prometheus text format; comments and malformed lines are skipped."""
+    samples = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _LINE.match(line)
+        if match is None:
+            continue
+        try:
+            value = float(match.group(4))
+        except ValueError:
+            continue
+        labels = {k: v.replace('\\"', '"') for k, v in _LABEL.findall(match.group(3) or "")}
+        samples.append(Sample(match.group(1), labels, value))
+    return samples
+
+
+def _samples(samples: Iterable[Sample], name: str, **labels: str) -> list[Sample]:
+    return [
+        s
+        for s in samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
+
+
+def _total(samples: Iterable[Sample], name: str, **labels: str) -> float:
+    return sum(s.value for s in _samples(samples, name, **labels))
+
+
+def _mean(samples: Iterable[Sample], histogram: str, **labels: str) -> float | None:
+    count = _total(samples, histogram + "_count", **labels)
+    if count <= 0:
+        return None
+    return _total(samples, histogram + "_sum", **labels) / count
+
+
+def _labelled(samples: list[Sample], path: str) -> list[Sample]:
+    """Only the samples that name `path` (what a path's own terms are learned from)."""
+    return [s for s in samples if s.labels.get("path") == path]
+
+
+def _on_path(samples: list[Sample], path: str | None) -> list[Sample]:
+    if path is None:
+        return samples
+    return [s for s in samples if s.labels.get("path", path) == path]

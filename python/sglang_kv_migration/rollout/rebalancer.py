@@ -1,0 +1,427 @@
+"""Rebalance live requests across SGLang servers: who is pressured, what moves, where to.
+
+    async with AsyncRequestMigrator() as migrator:
+        handles = [await migrator.submit(url, req) for url, req in work]
+        rebalancer = Rebalancer(migrator, [url_a, url_b], RebalancePolicy(max_concurrent=2))
+        summary = await rebalancer.run(max_rounds=600, interval_s=0.5)   # stops when idle
+
+Each round polls every server's `/v1/loads?include=core` (SGLang 0.5.12; `/get_load` as a
+fallback) and plans moves with `plan_moves`, a pure function:
+
+- a server is *pressured* when it has at least `min_waiting` queued requests and either
+  its KV demand — tokens in use plus the prompts waiting (`num_total_tokens`) — is at
+  least `kv_pressure` of its capacity (`max_total_num_tokens`), or its running slots are
+  full (`num_running_reqs` ≥ `max_running_requests`);
+- a server can *take* a request while its demand, plus that request's worst case
+  (prompt + `max_new_tokens`), stays under `target_max_ratio` of its capacity;
+- from each pressured server (most pressured first) it moves the highest-priority live
+  requests the migrator tracks there that have not produced a token yet (still queued, or
+  being prefilled; `move_running` lifts this) — most recently submitted first within a
+  priority — at most as many as the server has queued, each to the taker with the
+  shortest queue and lowest demand, updating both loads as it goes; with `min_priority`
+  only requests at least that urgent, and with `min_held_tokens` only those whose KV the
+  source holds at least that many tokens of, on its GPU or in its host pool (asked with
+  `/get_request_extra_token_size` each round, for the candidates only);
+- at most `max_concurrent` moves are in flight and `max_moves_per_round` start per round,
+  and a request moves at most `max_moves_per_request` times (default once).
+
+The scene the project exists for — high-priority conversations queued behind long
+low-priority decodes on a worker whose slots or KV are full, their earlier turns' KV in
+that worker's cache — is ``RebalancePolicy(min_priority=HIGH, min_held_tokens=page_size)``:
+exactly those move, several at once, each priced on the path it will take.
+
+SGLang does not publish which rids are queued, so the rebalancer only moves requests the
+rollout manager submitted through the migrator (`AsyncRequestMigrator.live()`), whose
+streamed calls tell when each produced its first token (`RequestHandle.started`; an
+adopted call's state is unknown and counts as not started). Each move
+is `move_request(mode=policy.mode)`: by default the cost model, refreshed from the two
+servers' `/metrics` at most every `cost_refresh_s`, decides between migrating the KV and
+re-prefilling on the target. Every loop here is bounded by rounds or deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sglang_kv_migration.client.migration import AuthFailed
+from sglang_kv_migration.rollout.request_migration import (
+    AsyncRequestMigrator,
+    MoveMode,
+    MoveReport,
+    RequestHandle,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    url: str
+    num_running: int = 0
+    num_waiting: int = 0
+    used_tokens: int = 0
+    demand_tokens: int = 0  # used + prompts waiting for prefill
+    capacity_tokens: int = 0  # 0: unknown (`/get_load` does not say)
+    ok: bool = True  # False: the server did not answer
+    max_running: int = 0  # running-request slots; 0: unknown
+
+    @property
+    def demand_ratio(self) -> float:
+        if self.capacity_tokens <= 0:
+            return 0.0
+        return self.demand_tokens / self.capacity_tokens
+
+
+@dataclass(frozen=True)
+class RebalancePolicy:
+    kv_pressure: float = 0.9
+    min_waiting: int = 1
+    target_max_ratio: float = 0.7
+    max_concurrent: int = 2
+    max_moves_per_round: int = 4
+    # SGLang's --schedule-low-priority-values-first (default: larger value = more urgent).
+    low_priority_values_first: bool = False
+    mode: MoveMode = "auto"
+    cost_refresh_s: float = 60.0
+    # Requests already decoding keep running where they are: moving one only pays the move
+    # (they do not add to the queue that makes the server pressured).
+    move_running: bool = False
+    # Only requests at least this urgent move (None: any). Larger is more urgent unless
+    # `low_priority_values_first`.
+    min_priority: int | None = None
+    # Only requests whose KV the source holds at least this many tokens of (device or
+    # host tier) move; 0: any request, whether its KV is cached or not.
+    min_held_tokens: int = 0
+    # A request moves at most this often: once moved, the target's own queue is where it
+    # waits (without it, slot pressure on a small target would bounce requests back).
+    max_moves_per_request: int = 1
+
+    def is_pressured(self, load: ServerLoad) -> bool:
+        if not load.ok or load.num_waiting < self.min_waiting:
+            return False
+        slots_full = 0 < load.max_running <= load.num_running
+        return slots_full or load.capacity_tokens <= 0 or load.demand_ratio >= self.kv_pressure
+
+    def urgent_enough(self, priority: int | None) -> bool:
+        if self.min_priority is None:
+            return True
+        value = priority or 0
+        if self.low_priority_values_first:
+            return value <= self.min_priority
+        return value >= self.min_priority
+
+    def can_take(self, load: ServerLoad, tokens: int) -> bool:
+        if not load.ok or self.is_pressured(load):
+            return False
+        if load.capacity_tokens <= 0:
+            return load.num_waiting == 0
+        return (load.demand_tokens + tokens) / load.capacity_tokens <= self.target_max_ratio
+
+
+class Movable(Protocol):
+    """What planning reads of a request (a `RequestHandle` has all of it)."""
+
+    server_url: str
+    submitted_at: float
+
+    @property
+    def priority(self) -> int | None: ...
+
+    @property
+    def moving(self) -> bool: ...
+
+    @property
+    def request(self) -> Any: ...  # .input_ids, .max_new_tokens
+
+    @property
+    def started(self) -> bool | None: ...  # produced a token already; None: unknown
+
+    @property
+    def moves(self) -> list[Any]: ...  # the moves it made so far
+
+    def done(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class HeldKV:
+    """What a source holds of a request's prompt (its `/get_request_extra_token_size`)."""
+
+    tokens: int  # page-aligned prefix held, device and host tier together
+    device_tokens: int = 0  # the part of it on the source's GPU
+
+
+@dataclass(frozen=True)
+class PlannedMove:
+    handle: Any  # Movable
+    source_url: str
+    target_url: str
+    tokens: int  # worst-case KV demand the request brings to the target
+    held: HeldKV | None = None  # what the source held when planned (None: not asked)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rid": self.handle.request.rid,
+            "priority": self.handle.priority,
+            "source_url": self.source_url,
+            "target_url": self.target_url,
+            "tokens": self.tokens,
+            "held_tokens": self.held.tokens if self.held else None,
+            "device_tokens": self.held.device_tokens if self.held else None,
+        }
+
+
+def plan_moves(
+    loads: dict[str, ServerLoad],
+    requests: Sequence[Movable],
+    policy: RebalancePolicy,
+    in_flight: int = 0,
+    held: Mapping[int, HeldKV] | None = None,
+) -> list[PlannedMove]:
+    """The moves of one round (see the module docstring). Pure: reads, never mutates.
+    `held`: what each source holds, by ``id(handle)``; needed when
+    `policy.min_held_tokens` is set (a request missing from it does not move)."""
+    budget = min(policy.max_moves_per_round, policy.max_concurrent - in_flight)
+    if budget <= 0:
+        return []
+    state = dict(loads)
+    sources = sorted(
+        (url for url, load in state.items() if policy.is_pressured(load)),
+        key=lambda url: -state[url].demand_ratio,
+    )
+    moves: list[PlannedMove] = []
+    for source in sources:
+        for handle in _candidates(requests, source, policy)[: state[source].num_waiting]:
+            if len(moves) >= budget or not policy.is_pressured(state[source]):
+                break
+            kv = (held or {}).get(id(handle))
+            if policy.min_held_tokens > 0 and (kv is None or kv.tokens < policy.min_held_tokens):
+                continue
+            tokens = len(handle.request.input_ids) + handle.request.max_new_tokens
+            takers = [
+                u for u, load in state.items() if u != source and policy.can_take(load, tokens)
+            ]
+            if not takers:
+                break
+            target = min(takers, key=lambda u: (state[u].num_waiting, state[u].demand_ratio, u))
+            moves.append(PlannedMove(handle, source, target, tokens, kv))
+            state[source] = _shift(state[source], -1, -tokens)
+            state[target] = _shift(state[target], +1, +tokens)
+    return moves
+
+
+@dataclass
+class RebalanceSummary:
+    rounds: int = 0
+    moves_started: int = 0
+    reports: list[MoveReport] = field(default_factory=list)
+    planned: list[PlannedMove] = field(default_factory=list)  # every move started
+    errors: list[str] = field(default_factory=list)
+    last_loads: dict[str, ServerLoad] = field(default_factory=dict)
+
+    @property
+    def outcomes(self) -> dict[str, int]:
+        return dict(Counter(r.outcome for r in self.reports))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "moves_started": self.moves_started,
+            "outcomes": self.outcomes,
+            "errors": self.errors,
+            "reports": [r.to_dict() for r in self.reports],
+            "planned": [m.to_dict() for m in self.planned],
+            "last_loads": {u: dataclasses.asdict(load) for u, load in self.last_loads.items()},
+        }
+
+
+class Rebalancer:
+    """Watches `servers` and moves the migrator's live requests off pressured ones.
+
+    Call contract: use from the migrator's event loop; `step()` and `run()` are not
+    re-entrant (one rebalancer per migrator). The keys are the migrator's
+    (`AsyncRequestMigrator(api_key=..., admin_api_key=...)`); a key a server refuses
+    raises `AuthFailed` from `step()`/`run()` (a move that met one: at the next round),
+    since every later round would be refused too.
+    """
+
+    def __init__(
+        self,
+        migrator: AsyncRequestMigrator,
+        servers: Sequence[str],
+        policy: RebalancePolicy | None = None,
+    ):
+        self.migrator = migrator
+        self.servers = [s.rstrip("/") for s in servers]
+        self.policy = policy or RebalancePolicy()
+        self.summary = RebalanceSummary()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._costs_learned: dict[tuple[str, str], float] = {}
+        self._refused: AuthFailed | None = None  # a move's refused key, raised by step()
+
+    async def poll(self) -> dict[str, ServerLoad]:
+        loads = await asyncio.gather(*(self._load(url) for url in self.servers))
+        return dict(zip(self.servers, loads, strict=True))
+
+    async def step(self) -> list[PlannedMove]:
+        """One round: poll, plan, start the planned moves (they run in the background)."""
+        if self._refused is not None:
+            raise self._refused
+        loads = await self.poll()
+        self.summary.last_loads = loads
+        self.summary.rounds += 1
+        live = [h for h in self.migrator.live() if not h.moving]
+        held = await self._held(loads, live) if self.policy.min_held_tokens > 0 else None
+        moves = plan_moves(loads, live, self.policy, in_flight=len(self._tasks), held=held)
+        self.summary.planned.extend(moves)
+        for move in moves:
+            task = asyncio.ensure_future(self._move(move))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self.summary.moves_started += len(moves)
+        return moves
+
+    async def run(
+        self,
+        *,
+        max_rounds: int,
+        interval_s: float = 0.5,
+        stop_when_idle: bool = True,
+        drain_timeout_s: float = 300.0,
+    ) -> RebalanceSummary:
+        """Up to `max_rounds` rounds, `interval_s` apart; with `stop_when_idle`, ends
+        early once no tracked request is live and no move is in flight. Waits at most
+        `drain_timeout_s` for moves still running at the end."""
+        for _ in range(max_rounds):
+            await self.step()
+            if stop_when_idle and not self.migrator.live() and not self._tasks:
+                break
+            await asyncio.sleep(interval_s)
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=drain_timeout_s)
+        return self.summary
+
+    # -- internals ------------------------------------------------------------------------
+
+    async def _move(self, move: PlannedMove) -> None:
+        handle: RequestHandle = move.handle
+        try:
+            if self.policy.mode == "auto":
+                await self._learn_costs(move.source_url, move.target_url)
+            report = await self.migrator.move_request(
+                handle, move.target_url, mode=self.policy.mode
+            )
+            self.summary.reports.append(report)
+        except AuthFailed as e:  # every later move would be refused as well: stop
+            self.summary.errors.append(f"{handle.request.rid}: {e}")
+            self._refused = e
+        except Exception as e:  # one failed move must not stop the loop
+            logger.exception("moving %s to %s failed", handle.request.rid, move.target_url)
+            self.summary.errors.append(f"{handle.request.rid}: {type(e).__name__}: {e}")
+
+    async def _held(
+        self, loads: dict[str, ServerLoad], live: list[RequestHandle]
+    ) -> dict[int, HeldKV]:
+        """What each pressured source holds of its candidates' prompts (at most as many
+        candidates as it has queued, and `_MAX_HELD_QUERIES` in all)."""
+        asks: list[tuple[RequestHandle, str]] = []
+        for url, load in loads.items():
+            if self.policy.is_pressured(load):
+                asks += [(h, url) for h in _candidates(live, url, self.policy)[: load.num_waiting]]
+        asks = asks[:_MAX_HELD_QUERIES]
+        replies = await asyncio.gather(
+            *(
+                self.migrator.held_kv(url, h.request.input_ids, h.request.extra_key)
+                for h, url in asks
+            ),
+            return_exceptions=True,
+        )
+        held: dict[int, HeldKV] = {}
+        for (handle, url), reply in zip(asks, replies, strict=True):
+            if isinstance(reply, AuthFailed):
+                raise reply
+            if isinstance(reply, BaseException):  # not held, as far as we can tell
+                logger.debug("%s: held size of %s: %s", url, handle.request.rid, reply)
+                continue
+            held[id(handle)] = HeldKV(
+                reply["matched_token_size"], reply.get("device_token_size", 0)
+            )
+        return held
+
+    async def _learn_costs(self, source: str, target: str) -> None:
+        now = time.monotonic()
+        last = self._costs_learned.get((source, target))
+        if last is not None and now - last < self.policy.cost_refresh_s:
+            return
+        self._costs_learned[(source, target)] = now
+        await self.migrator.refresh_cost_model(source, target)
+
+    async def _load(self, url: str) -> ServerLoad:
+        try:
+            reply = await self.migrator.get_json(url, "/v1/loads?include=core")
+            return _from_v1_loads(url, reply["loads"])
+        except AuthFailed:
+            raise
+        except Exception as e:  # older server or a hiccup: try the legacy route
+            logger.debug("%s/v1/loads: %s", url, e)
+        try:
+            return _from_get_load(url, await self.migrator.get_json(url, "/get_load"))
+        except AuthFailed:
+            raise
+        except Exception as e:  # an unreachable server is reported, not raised
+            logger.warning("%s: load unavailable: %s", url, e)
+            return ServerLoad(url, ok=False)
+
+
+_MAX_HELD_QUERIES = 64  # size queries per round: each is one cheap scheduler round trip
+
+
+def _candidates(requests: Sequence[Movable], source: str, policy: RebalancePolicy) -> list[Any]:
+    sign = 1 if policy.low_priority_values_first else -1
+    mine = [
+        h
+        for h in requests
+        if h.server_url.rstrip("/") == source
+        and not h.moving
+        and not h.done()
+        and (policy.move_running or not h.started)
+        and policy.urgent_enough(h.priority)
+        and len(h.moves) < policy.max_moves_per_request
+    ]
+    return sorted(mine, key=lambda h: (sign * (h.priority or 0), -h.submitted_at))
+
+
+def _shift(load: ServerLoad, waiting: int, tokens: int) -> ServerLoad:
+    return dataclasses.replace(
+        load,
+        num_waiting=max(0, load.num_waiting + waiting),
+        demand_tokens=max(0, load.demand_tokens + tokens),
+    )
+
+
+def _from_v1_loads(url: str, loads: list[dict[str, Any]]) -> ServerLoad:
+    return ServerLoad(
+        url,
+        num_running=sum(d["num_running_reqs"] for d in loads),
+        num_waiting=sum(d["num_waiting_reqs"] for d in loads),
+        used_tokens=sum(d["num_used_tokens"] for d in loads),
+        demand_tokens=sum(d["num_total_tokens"] for d in loads),
+        capacity_tokens=sum(d.get("max_total_num_tokens", 0) for d in loads),
+        max_running=sum(d.get("max_running_requests", 0) for d in loads),
+    )
+
+
+def _from_get_load(url: str, loads: list[dict[str, Any]]) -> ServerLoad:
+    return ServerLoad(
+        url,
+        num_running=sum(d["num_reqs"] - d["num_waiting_reqs"] for d in loads),
+        num_waiting=sum(d["num_waiting_reqs"] for d in loads),
+        used_tokens=sum(d["num_tokens"] - d["num_pending_tokens"] for d in loads),
+        demand_tokens=sum(d["num_tokens"] for d in loads),
+    )

@@ -1,0 +1,887 @@
+"""Move a live request — queued or running on one SGLang server — to another, with its KV.
+
+    migrator = AsyncRequestMigrator()                     # RequestMigrator: same, blocking
+    handle = await migrator.submit(src, GenerateRequest(prompt_ids, {"max_new_tokens": 512},
+                                                        priority=5))
+    ...                                                   # later, e.g. from a rebalancer:
+    out = await migrator.migrate_request(handle, dst)     # abort, migrate, resume, wait
+    out.output_ids, out.finish_reason, out.segments       # as if it had run in one piece
+
+Why the migrator issues the `/generate` call. SGLang hands the tokens a request generated
+so far to one place only: the caller's own `/generate` call, which returns with
+``finish_reason.type == "abort"`` and the partial ``output_ids`` once `/abort_request`
+stops the request (a queued request returns with no output; a running one after one more
+decode step). So whoever moves a request must hold that call. `submit` sends it (with a
+fresh `rid`) and keeps it in a `RequestHandle`; a rollout manager that sends its own calls
+passes the in-flight response to `adopt` instead. Either way the caller then waits on
+`handle.result()`, which returns the whole output however often the request moved.
+
+`move_request(handle, target)`:
+1. marks the handle as moving and sends `/abort_request {rid}` to the source, again every
+   `abort_retry_s` (an abort that arrives before the tokenizer registered the rid is
+   dropped by SGLang) until the source's call returns, at most `abort_timeout_s`;
+2. if the request finished on its own meanwhile, that is the result (nothing moves);
+3. else migrates ``(prompt + generated)[:-1]`` with `AsyncMigrationClient.migrate` (SGLang
+   recomputes the last token anyway) and resumes on the target with the same sampling
+   parameters, the remaining ``max_new_tokens`` (and ``min_new_tokens``) and the same
+   priority. With ``mode="auto"`` (the default) the `CostModel` first prices the tokens
+   the source holds beyond the target, and a `recompute` verdict skips the migration;
+4. with a `recompute` verdict (or ``mode="recompute"``) the target re-prefills; if the
+   migration fails at any phase, the request resumes by re-prefill on the target
+   (``on_failure="target"``) or on the source, whose cache still holds its KV
+   (``on_failure="source"``); if the source never answers the abort (or its call
+   failed), the request restarts on the target from
+   the last known tokens. The caller never loses the request.
+
+Resumed pieces get new rids (SGLang aborts every rid that *starts with* the one given, so
+rids are never prefixes of each other). The migrator streams its own calls (to learn when
+a request leaves the queue: `RequestHandle.started`) and hands the caller the reply a
+non-streaming call returns; an adopted call must be non-streaming.
+With ``--skip-tokenizer-init`` (what RL rollouts use) requests are ``input_ids`` and
+replies ``output_ids``; a server with a tokenizer works too as long as requests carry
+``input_ids``. `RequestMigrator` is the blocking facade: it runs the same coroutines on a
+private event loop thread, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import httpx
+import orjson
+
+from sglang_kv_migration.client.migration import (
+    ApiKeys,
+    AsyncMigrationClient,
+    AuthFailed,
+    MigrationClient,
+    MigrationFailed,
+    MigrationResult,
+    auth_hint,
+    predict_path,
+)
+from sglang_kv_migration.rollout.cost_model import (
+    CostEstimate,
+    CostModel,
+    bytes_per_token_from_session_info,
+)
+
+logger = logging.getLogger(__name__)
+
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams.max_new_tokens in SGLang 0.5.12
+# meta_info fields with one entry per output token: joined across pieces in the result.
+_PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+DEFAULT_GENERATE_TIMEOUT_S = 3600.0
+
+SegmentKind = Literal["original", "migrated", "reprefill", "resumed_on_source", "restarted"]
+MoveOutcome = Literal["migrated", "recomputed", "fell_back", "finished_before_move", "restarted"]
+FailureTarget = Literal["target", "source"]
+# "auto": the cost model decides; "migrate": always migrate; "recompute": never (abort and
+# re-prefill on the target: the baseline every RL framework uses today).
+MoveMode = Literal["auto", "migrate", "recompute"]
+T = TypeVar("T")
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class GenerateRequest:
+    """One non-streaming `/generate` call, in the fields a move needs to know.
+
+    `priority` is SGLang's request priority: servers order their queue by it with
+    ``--enable-priority-scheduling`` (larger first unless
+    ``--schedule-low-priority-values-first``); a server without it ignores the field, or
+    refuses the request with ``--abort-on-priority-when-disabled``.
+    """
+
+    input_ids: list[int]
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    priority: int | None = None
+    extra_key: str | None = None  # radix-cache namespace, passed to /generate and migrate
+    extra_body: dict[str, Any] = field(default_factory=dict)  # other /generate fields, as is
+    rid: str = field(default_factory=new_rid)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return int(self.sampling_params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS))
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            **self.extra_body,
+            "input_ids": self.input_ids,
+            "sampling_params": self.sampling_params,
+            "rid": self.rid,
+        }
+        if self.priority is not None:
+            body["priority"] = self.priority
+        if self.extra_key is not None:
+            body["extra_key"] = self.extra_key
+        return body
+
+    def finished_by(self, generated: list[int], eos_token_ids: frozenset[int]) -> dict | None:
+        """The finish reason `generated` already reached, if any. SGLang reports an abort
+        even when the aborted step hit the budget or a stop token, so a move checks."""
+        if len(generated) >= self.max_new_tokens:
+            return {"type": "length", "length": self.max_new_tokens}
+        stops = set(self.sampling_params.get("stop_token_ids") or [])
+        if not self.sampling_params.get("ignore_eos"):
+            stops |= eos_token_ids
+        if generated and generated[-1] in stops:
+            return {"type": "stop", "matched": generated[-1]}
+        return None
+
+    def continuation(self, generated: list[int]) -> GenerateRequest:
+        """The rest of this request after `generated`: same parameters, smaller budget."""
+        params = dict(self.sampling_params)
+        params["max_new_tokens"] = max(0, self.max_new_tokens - len(generated))
+        if "min_new_tokens" in params:
+            params["min_new_tokens"] = max(0, int(params["min_new_tokens"]) - len(generated))
+        return dataclasses.replace(
+            self, input_ids=self.input_ids + list(generated), sampling_params=params, rid=new_rid()
+        )
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of a request: where it ran and what it produced there."""
+
+    server_url: str
+    rid: str
+    kind: SegmentKind
+    output_ids: list[int]
+    finish_reason: dict[str, Any] | None
+    cached_tokens: int | None  # the server's meta_info.cached_tokens, if it said
+    meta_info: dict[str, Any] = field(default_factory=dict)  # that piece's, as returned
+
+
+@dataclass(frozen=True)
+class MoveReport:
+    """What one `move_request` did. `seconds`: abort (source stop), migrate, total."""
+
+    rid: str  # the request's original rid
+    source_url: str
+    target_url: str
+    outcome: MoveOutcome
+    resumed_on: str  # "" when the request had already finished
+    generated_before_move: int
+    estimate: CostEstimate | None = None
+    migration: MigrationResult | None = None
+    failure: str = ""  # why a migration did not happen as planned
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["migration"] = self.migration.to_dict() if self.migration else None
+        d["estimate"] = self.estimate.to_dict() if self.estimate else None
+        return d
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The output one uninterrupted request would have given, plus where it ran."""
+
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: dict[str, Any] | None
+    meta_info: dict[str, Any]  # the last piece's meta_info
+    segments: list[Segment]
+    moves: list[MoveReport]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rid": self.rid,
+            "prompt_ids": self.prompt_ids,
+            "output_ids": self.output_ids,
+            "finish_reason": self.finish_reason,
+            "meta_info": self.meta_info,
+            "segments": [dataclasses.asdict(s) for s in self.segments],
+            "moves": [m.to_dict() for m in self.moves],
+        }
+
+
+class GenerateFailed(Exception):
+    """A `/generate` call answered with an error status or could not be sent."""
+
+
+@dataclass
+class PieceProgress:
+    """What the migrator saw of one piece's streamed `/generate` so far."""
+
+    first_token_at: float | None = None  # time.monotonic() of the first output token
+    tokens: int = 0
+
+
+async def read_generate_stream(
+    lines: AsyncIterator[str], progress: PieceProgress, where: str
+) -> dict[str, Any]:
+    """Fold SGLang's server-sent events for one request into the non-streaming reply.
+
+    Chunks carry every output id so far, or only the new ones when the server runs with
+    ``--incremental-streaming-output``, and an abort's chunk repeats the last token;
+    ``meta_info.completion_tokens`` (the running total) tells which. The last chunk's
+    ``meta_info`` is the reply's. Without
+    incremental output each chunk repeats the whole output, so long generations cost the
+    server O(n^2) bytes: servers that stream long outputs should enable it.
+    """
+    last: dict[str, Any] | None = None
+    output_ids: list[int] = []
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            break
+        chunk = orjson.loads(data)
+        if "error" in chunk:
+            raise GenerateFailed(f"{where}: {chunk['error']}")
+        ids = chunk.get("output_ids") or []
+        total = (chunk.get("meta_info") or {}).get("completion_tokens")
+        if total is None or len(output_ids) + len(ids) == total:
+            output_ids.extend(ids)  # only the new tokens
+        elif len(ids) == total:
+            output_ids = list(ids)  # the whole output so far
+        elif len(output_ids) >= total:
+            # An abort's chunk repeats the last token it already sent: nothing new.
+            del output_ids[total:]
+        else:
+            raise GenerateFailed(
+                f"{where}: a chunk of {len(ids)} ids after {len(output_ids)} does not make "
+                f"completion_tokens={total}"
+            )
+        if output_ids and progress.first_token_at is None:
+            progress.first_token_at = time.monotonic()
+        progress.tokens = len(output_ids)
+        last = chunk
+    if last is None:
+        raise GenerateFailed(f"{where}: the stream ended without a reply")
+    return {**last, "output_ids": output_ids}
+
+
+class RequestHandle:
+    """A request the migrator can move. `result()` waits for the whole output.
+
+    Call contract: create only through `submit`/`adopt`; use from the migrator's event
+    loop (the sync facade wraps it in `SyncRequestHandle`).
+    """
+
+    def __init__(
+        self,
+        server_url: str,
+        request: GenerateRequest,
+        response: Awaitable[Any],
+        progress: PieceProgress | None = None,
+    ):
+        self.request = request  # as first sent; `rid` below is the piece now running
+        self.server_url = server_url
+        self.submitted_at = time.monotonic()
+        self.segments: list[Segment] = []
+        self.moves: list[MoveReport] = []
+        self._piece = request
+        self._piece_kind: SegmentKind = "original"
+        self._progress = progress  # None: the call is not the migrator's (adopted)
+        self._moving = False
+        self._done: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
+        self._call = self._watch(response)
+
+    @property
+    def rid(self) -> str:
+        return self._piece.rid
+
+    @property
+    def priority(self) -> int | None:
+        return self.request.priority
+
+    @property
+    def moving(self) -> bool:
+        return self._moving
+
+    @property
+    def started(self) -> bool | None:
+        """Whether the piece now running has produced a token (it left the queue and was
+        prefilled); None when unknown (an adopted call the migrator does not read)."""
+        if self._progress is None:
+            return None
+        return self._progress.first_token_at is not None
+
+    def done(self) -> bool:
+        return self._done.done()
+
+    async def result(self) -> RequestOutput:
+        return await asyncio.shield(self._done)
+
+    def output(self) -> RequestOutput:
+        """The whole output once `done()`; raises like `asyncio.Future.result()`."""
+        return self._done.result()
+
+    # -- internals used by the migrator --------------------------------------------------
+
+    def _watch(self, response: Awaitable[Any]) -> asyncio.Task[Any]:
+        """Run (or adopt) one piece's call; finish the handle unless a move consumes it."""
+        task = asyncio.ensure_future(response)
+        task.add_done_callback(self._on_piece_done)
+        return task
+
+    def _on_piece_done(self, task: asyncio.Task[Any]) -> None:
+        if self._moving or self._done.done() or task is not self._call:
+            return  # `move_request` reads this piece's reply itself, or it was replaced
+        if task.cancelled():
+            self._done.set_exception(GenerateFailed(f"request {self.rid} was cancelled"))
+        elif task.exception() is not None:
+            self._done.set_exception(task.exception())
+        else:
+            self._finish(task.result())
+
+    def _add_segment(self, reply: dict[str, Any]) -> list[int]:
+        meta = reply.get("meta_info", {})
+        output_ids = list(reply.get("output_ids", []))
+        self.segments.append(
+            Segment(
+                server_url=self.server_url,
+                rid=self._piece.rid,
+                kind=self._piece_kind,
+                output_ids=output_ids,
+                finish_reason=meta.get("finish_reason"),
+                cached_tokens=meta.get("cached_tokens"),
+                meta_info=meta,
+            )
+        )
+        return output_ids
+
+    def _finish(self, reply: dict[str, Any]) -> None:
+        self._add_segment(reply)
+        self._complete(reply.get("meta_info", {}))
+
+    def _complete(self, last_meta: dict[str, Any]) -> None:
+        output_ids = [t for s in self.segments for t in s.output_ids]
+        # The last piece's meta_info, with the counts and finish reason of the whole request.
+        meta = dict(last_meta)
+        meta["prompt_tokens"] = len(self.request.input_ids)
+        meta["completion_tokens"] = len(output_ids)
+        for key in _PER_TOKEN_META:  # e.g. logprobs: one entry per output token, per piece
+            if len(self.segments) > 1 and all(key in s.meta_info for s in self.segments):
+                meta[key] = [x for s in self.segments for x in s.meta_info[key]]
+        finish = meta.get("finish_reason")
+        if isinstance(finish, dict) and finish.get("type") == "length":
+            finish = meta["finish_reason"] = {**finish, "length": self.request.max_new_tokens}
+        self._done.set_result(
+            RequestOutput(
+                rid=self.request.rid,
+                prompt_ids=list(self.request.input_ids),
+                output_ids=output_ids,
+                finish_reason=finish,
+                meta_info=meta,
+                segments=list(self.segments),
+                moves=list(self.moves),
+            )
+        )
+
+
+class AsyncRequestMigrator:
+    """Submits, adopts and moves requests (asyncio). One per rollout manager.
+
+    `migration_client` may be an `AsyncMigrationClient` or a `MigrationClient` (run in a
+    worker thread). `eos_token_ids`: the model's end-of-sequence ids, so that a request
+    whose last step before the abort emitted one is finished rather than resumed.
+    `cost_model=None` uses the default priors; `refresh_cost_model` learns from the
+    servers' `/metrics`. `api_key` goes with `/generate` and the load routes,
+    `admin_api_key` with `/abort_request` and the migration routes (`client.ApiKeys`);
+    one alone is sent everywhere, as today. A key a server refuses raises `AuthFailed`
+    naming the route, before the request is touched.
+    """
+
+    def __init__(
+        self,
+        migration_client: AsyncMigrationClient | MigrationClient | None = None,
+        *,
+        cost_model: CostModel | None = None,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        http_client: httpx.AsyncClient | None = None,
+        generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
+        abort_retry_s: float = 1.0,
+        abort_timeout_s: float = 30.0,
+        eos_token_ids: Iterable[int] = (),
+    ):
+        self.keys = ApiKeys(api_key, admin_api_key)
+        self._migration = migration_client or AsyncMigrationClient(
+            api_key=api_key, admin_api_key=admin_api_key
+        )
+        self._owns_migration = migration_client is None
+        self._http = http_client or httpx.AsyncClient(timeout=generate_timeout_s)
+        self._owns_http = http_client is None
+        self.cost_model = cost_model or CostModel()
+        self.abort_retry_s = abort_retry_s
+        self.abort_timeout_s = abort_timeout_s
+        # The model's EOS ids (the rollout manager's tokenizer knows them): a request whose
+        # aborted step emitted one is complete, not resumed.
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._live: list[RequestHandle] = []
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def submit(self, server_url: str, request: GenerateRequest) -> RequestHandle:
+        """Send `request` to `server_url` and return its handle at once."""
+        progress = PieceProgress()
+        call = self._generate(server_url, request, progress)
+        return self._track(RequestHandle(server_url, request, call, progress))
+
+    async def adopt(
+        self, server_url: str, request: GenerateRequest, response: Awaitable[dict[str, Any]]
+    ) -> RequestHandle:
+        """Take over a `/generate` call the caller already sent (with ``request.rid``);
+        `response` resolves to that call's JSON reply."""
+        return self._track(RequestHandle(server_url, request, response))
+
+    def live(self) -> list[RequestHandle]:
+        """Handles whose request has not finished, oldest first."""
+        self._live = [h for h in self._live if not h.done()]
+        return list(self._live)
+
+    async def migrate_request(
+        self, handle: RequestHandle, target_url: str, **options: Any
+    ) -> RequestOutput:
+        """`move_request`, then wait for the whole output (see the module docstring)."""
+        await self.move_request(handle, target_url, **options)
+        return await handle.result()
+
+    async def move_request(
+        self,
+        handle: RequestHandle,
+        target_url: str,
+        *,
+        on_failure: FailureTarget = "target",
+        mode: MoveMode = "auto",
+        path: str | None = None,
+    ) -> MoveReport:
+        """Stop the request on its server and resume it on `target_url`; returns once the
+        resumed piece is sent. Raises `ValueError` if it is already moving or on the target."""
+        if handle.moving:
+            raise ValueError(f"request {handle.request.rid} is already being moved")
+        if target_url.rstrip("/") == handle.server_url.rstrip("/"):
+            raise ValueError(f"request {handle.request.rid} already runs on {target_url}")
+        move = _Move(handle, handle.server_url, target_url)
+        if handle.done():
+            return move.report("finished_before_move", "", 0)
+        handle._moving = True
+        try:
+            if mode != "recompute":
+                await self._check_admin_key(handle.server_url, target_url)
+            reply = await self._stop(handle)
+            move.seconds["abort"] = time.perf_counter() - move.started
+            if reply is None:
+                # The source never answered: start over on the target from what we know.
+                piece = dataclasses.replace(handle._piece, rid=new_rid())
+                failure = "the source did not return the request"
+                report = move.report("restarted", target_url, 0, failure=failure)
+                return self._resume(handle, piece, target_url, "restarted", report)
+            finish = reply.get("meta_info", {}).get("finish_reason") or {}
+            if finish.get("type") != "abort":
+                report = move.report("finished_before_move", "", len(reply.get("output_ids", [])))
+                handle._moving = False
+                handle._finish(reply)
+                return report
+            generated = handle._add_segment(reply)
+            done = handle._piece.finished_by(generated, self.eos_token_ids)
+            if done is not None:  # the aborted step completed it: nothing left to resume
+                report = move.report("finished_before_move", "", len(generated))
+                handle._moving = False
+                handle._complete({**reply.get("meta_info", {}), "finish_reason": done})
+                return report
+            return await self._place(move, generated, on_failure, mode, path)
+        except BaseException:
+            handle._moving = False
+            raise
+
+    async def refresh_cost_model(
+        self, source_url: str, target_url: str, *, path: str | None = None
+    ) -> CostModel:
+        """Re-learn the cost model from both servers' `/metrics` (missing ones keep priors)."""
+        source, target = await asyncio.gather(
+            self._get_text(source_url, "/metrics"), self._get_text(target_url, "/metrics")
+        )
+        self.cost_model = CostModel.from_metrics(source, target, path=path, prior=self.cost_model)
+        return self.cost_model
+
+    async def get_json(self, url: str, path: str) -> Any:
+        """GET a JSON endpoint (e.g. `/v1/loads`); raises `AuthFailed` when the server
+        refuses the key, `httpx.HTTPError` on other failures."""
+        r = await self._http.get(
+            url.rstrip("/") + path, headers=self.keys.headers(path), timeout=10.0
+        )
+        self._raise_if_refused(url, path, r)
+        r.raise_for_status()
+        return r.json()
+
+    async def held_kv(
+        self, url: str, input_ids: list[int], extra_key: str | None = None
+    ) -> dict[str, Any]:
+        """What `url` holds of `input_ids` (its `/get_request_extra_token_size` reply:
+        ``matched_token_size``, device and host tier, and ``device_token_size``)."""
+        body = {"input_ids": input_ids, "extra_key": extra_key}
+        return await self._call(url, "/get_request_extra_token_size", body)
+
+    async def aclose(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+        if self._owns_migration:
+            await _maybe_await(_close(self._migration))
+
+    async def __aenter__(self) -> AsyncRequestMigrator:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- the steps of a move -------------------------------------------------------------
+
+    async def _check_admin_key(self, source_url: str, target_url: str) -> None:
+        """Read both servers' session info (cached by the client: free after the first
+        move) so that a refused admin key raises here, before the abort, instead of
+        turning every move into a silent re-prefill. Other failures are left to the
+        migration, whose fallbacks handle them."""
+        for url in (source_url, target_url):
+            try:
+                await self._session_info(url)
+            except AuthFailed:
+                raise
+            except (MigrationFailed, httpx.HTTPError) as e:
+                logger.debug("session info of %s: %s", url, e)
+
+    def _raise_if_refused(self, url: str, path: str, response: httpx.Response) -> None:
+        """A 401/403 is a wrong or missing key: raise at once, naming route and key."""
+        if response.status_code not in (401, 403):
+            return
+        route = path.split("?", 1)[0]
+        raise AuthFailed(
+            route.strip("/"),
+            route,
+            f"{url.rstrip('/')}{route} refused {self.keys.sent(path)} (HTTP "
+            f"{response.status_code}: {response.text[:200]}); {auth_hint(path)}",
+            response.status_code,
+        )
+
+    async def _stop(self, handle: RequestHandle) -> dict[str, Any] | None:
+        """Abort the running piece and return its reply; None if the source never answers.
+        A refused key raises `AuthFailed` at the first reply (the request keeps running
+        on the source): retrying cannot help."""
+        call = handle._call
+        deadline = time.monotonic() + self.abort_timeout_s
+        while not call.done() and time.monotonic() < deadline:
+            try:
+                r = await self._http.post(
+                    handle.server_url.rstrip("/") + "/abort_request",
+                    json={"rid": handle.rid},
+                    headers=self.keys.headers("/abort_request"),
+                    timeout=10.0,
+                )
+                self._raise_if_refused(handle.server_url, "/abort_request", r)
+            except httpx.HTTPError as e:
+                logger.warning("abort of %s on %s failed: %s", handle.rid, handle.server_url, e)
+            wait = min(self.abort_retry_s, max(0.0, deadline - time.monotonic()))
+            await asyncio.wait([call], timeout=wait)
+        if not call.done():
+            call.cancel()  # closes the connection; SGLang aborts a disconnected request
+            return None
+        if call.cancelled() or call.exception() is not None:
+            return None
+        return call.result()
+
+    async def _place(
+        self,
+        move: _Move,
+        generated: list[int],
+        on_failure: FailureTarget,
+        mode: MoveMode,
+        path: str | None,
+    ) -> MoveReport:
+        """Price, migrate and resume the rest of the request (steps 3 and 4)."""
+        handle, source_url, target_url = move.handle, move.source_url, move.target_url
+        rest = handle._piece.continuation(generated)
+        ids = rest.input_ids[:-1]  # SGLang computes the last token in any case
+        t0 = time.perf_counter()
+        if mode == "recompute":
+            move.seconds["migrate"] = 0.0
+            report = move.report("recomputed", target_url, len(generated))
+            return self._resume(handle, rest, target_url, "reprefill", report)
+        try:
+            estimate = await self._estimate(source_url, target_url, ids, rest.extra_key, path)
+            if mode == "auto" and estimate.decision == "recompute":
+                move.seconds["migrate"] = time.perf_counter() - t0
+                report = move.report("recomputed", target_url, len(generated), estimate=estimate)
+                return self._resume(handle, rest, target_url, "reprefill", report)
+            result = await self._migrate(source_url, target_url, ids, rest.extra_key, path)
+        except (MigrationFailed, httpx.HTTPError) as failure:
+            move.seconds["migrate"] = time.perf_counter() - t0
+            fallback = target_url if on_failure == "target" else source_url
+            kind: SegmentKind = "reprefill" if on_failure == "target" else "resumed_on_source"
+            logger.warning("moving %s: %s; resuming on %s", handle.request.rid, failure, fallback)
+            report = move.report("fell_back", fallback, len(generated), failure=str(failure))
+            return self._resume(handle, rest, fallback, kind, report)
+        move.seconds["migrate"] = time.perf_counter() - t0
+        report = move.report(
+            "migrated", target_url, len(generated), estimate=estimate, migration=result
+        )
+        return self._resume(handle, rest, target_url, "migrated", report)
+
+    async def _estimate(
+        self,
+        source_url: str,
+        target_url: str,
+        ids: list[int],
+        extra_key: str | None,
+        path: str | None = None,
+    ) -> CostEstimate:
+        """The cost model's verdict on the tokens the source holds beyond the target,
+        priced on the path the migration will take (`client.predict_path`)."""
+        body = {"input_ids": ids, "extra_key": extra_key}
+        held = await self._call(source_url, "/get_request_extra_token_size", body)
+        source_held = held["matched_token_size"]
+        target_held = 0
+        if source_held:
+            body = {"input_ids": ids[:source_held], "extra_key": extra_key}
+            target_held = (await self._call(target_url, "/get_request_extra_token_size", body))[
+                "matched_token_size"
+            ]
+        tokens = max(0, source_held - target_held)
+        if not tokens:
+            return self.cost_model.estimate(0)
+        source_info = await self._session_info(source_url)
+        target_info = await self._session_info(target_url)
+        chosen = predict_path(source_info, target_info, held, path) or None
+        nbytes = None
+        if self.cost_model.costs_for(chosen).bytes_per_token is None:
+            nbytes = tokens * bytes_per_token_from_session_info(source_info)
+        return self.cost_model.estimate(tokens, nbytes, path=chosen)
+
+    def _resume(
+        self,
+        handle: RequestHandle,
+        rest: GenerateRequest,
+        url: str,
+        kind: SegmentKind,
+        move: MoveReport,
+    ) -> MoveReport:
+        handle.server_url = url
+        handle._piece = rest
+        handle._piece_kind = kind
+        handle._progress = PieceProgress()
+        handle._moving = False
+        handle._call = handle._watch(self._generate(url, rest, handle._progress))
+        return move
+
+    async def _generate(
+        self, url: str, request: GenerateRequest, progress: PieceProgress
+    ) -> dict[str, Any]:
+        """One piece's `/generate`, streamed so that `progress` learns when its first token
+        arrives (SGLang publishes no per-request queue state); returns what the same call
+        without streaming would have returned."""
+        body = {**request.body(), "stream": True}
+        where = f"{url}/generate"
+        try:
+            headers = self.keys.headers("/generate")
+            async with self._http.stream(
+                "POST", url.rstrip("/") + "/generate", json=body, headers=headers
+            ) as r:
+                if r.status_code >= 300:
+                    text = (await r.aread()).decode(errors="replace")
+                    hint = ""
+                    if r.status_code in (401, 403):
+                        hint = f" (sent {self.keys.sent('/generate')}; {auth_hint('/generate')})"
+                    raise GenerateFailed(f"{where}: HTTP {r.status_code}: {text[:500]}{hint}")
+                return await read_generate_stream(r.aiter_lines(), progress, where)
+        except httpx.HTTPError as e:
+            raise GenerateFailed(f"{where}: {type(e).__name__}: {e}") from e
+
+    async def _migrate(
+        self, source: str, target: str, ids: list[int], extra_key: str | None, path: str | None
+    ) -> MigrationResult:
+        # `path` only when asked for, so clients without the keyword keep working.
+        kwargs: dict[str, Any] = {"path": path} if path is not None else {}
+        client = self._migration
+        if isinstance(client, AsyncMigrationClient):
+            return await client.migrate(source, target, ids, extra_key, **kwargs)
+        return await asyncio.to_thread(client.migrate, source, target, ids, extra_key, **kwargs)
+
+    async def _session_info(self, url: str) -> dict[str, Any]:
+        client = self._migration
+        if isinstance(client, AsyncMigrationClient):
+            return await client.session_info(url)
+        return await asyncio.to_thread(client.session_info, url)
+
+    async def _call(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        client = self._migration
+        if isinstance(client, AsyncMigrationClient):
+            return await client.call(url, path, body)
+        return await asyncio.to_thread(client.call, url, path, body)
+
+    async def _get_text(self, url: str, path: str) -> str | None:
+        try:
+            headers = self.keys.headers(path)
+            r = await self._http.get(url.rstrip("/") + path, headers=headers, timeout=10.0)
+        except httpx.HTTPError:
+            return None
+        return r.text if r.status_code < 300 else None
+
+    def _track(self, handle: RequestHandle) -> RequestHandle:
+        self.live()  # drop finished ones
+        self._live.append(handle)
+        return handle
+
+
+@dataclass
+class _Move:
+    """One `move_request` in progress: where from, where to, and its clock."""
+
+    handle: RequestHandle
+    source_url: str
+    target_url: str
+    started: float = field(default_factory=time.perf_counter)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def report(
+        self, outcome: MoveOutcome, resumed_on: str, generated: int, **kw: Any
+    ) -> MoveReport:
+        self.seconds["total"] = time.perf_counter() - self.started
+        report = MoveReport(
+            rid=self.handle.request.rid,
+            source_url=self.source_url,
+            target_url=self.target_url,
+            outcome=outcome,
+            resumed_on=resumed_on,
+            generated_before_move=generated,
+            seconds=dict(self.seconds),
+            **kw,
+        )
+        self.handle.moves.append(report)
+        return report
+
+
+# --------------------------------------------------------------------------- sync facade
+
+
+class SyncRequestHandle:
+    """Blocking view of a `RequestHandle` owned by a `RequestMigrator`."""
+
+    def __init__(self, migrator: RequestMigrator, handle: RequestHandle):
+        self.migrator = migrator
+        self.handle = handle
+
+    @property
+    def rid(self) -> str:
+        return self.handle.rid
+
+    @property
+    def server_url(self) -> str:
+        return self.handle.server_url
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        return self.migrator._run(self.handle.result(), timeout)
+
+
+class RequestMigrator:
+    """Blocking facade of `AsyncRequestMigrator`: same arguments, same behaviour; its
+    coroutines run on a private event-loop thread. `close()` (or `with`) stops it."""
+
+    def __init__(self, migration_client: MigrationClient | None = None, **options: Any):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="request-migrator", daemon=True
+        )
+        self._thread.start()
+
+        async def build() -> AsyncRequestMigrator:
+            return AsyncRequestMigrator(migration_client, **options)
+
+        self.inner = self._run(build())
+
+    def submit(self, server_url: str, request: GenerateRequest) -> SyncRequestHandle:
+        return SyncRequestHandle(self, self._run(self.inner.submit(server_url, request)))
+
+    def adopt(
+        self,
+        server_url: str,
+        request: GenerateRequest,
+        response: concurrent.futures.Future[dict[str, Any]],
+    ) -> SyncRequestHandle:
+        async def adopt() -> RequestHandle:
+            return await self.inner.adopt(server_url, request, asyncio.wrap_future(response))
+
+        return SyncRequestHandle(self, self._run(adopt()))
+
+    def move_request(
+        self, handle: SyncRequestHandle, target_url: str, **options: Any
+    ) -> MoveReport:
+        return self._run(self.inner.move_request(handle.handle, target_url, **options))
+
+    def migrate_request(
+        self, handle: SyncRequestHandle, target_url: str, **options: Any
+    ) -> RequestOutput:
+        return self._run(self.inner.migrate_request(handle.handle, target_url, **options))
+
+    def refresh_cost_model(self, source_url: str, target_url: str, **options: Any) -> CostModel:
+        return self._run(self.inner.refresh_cost_model(source_url, target_url, **options))
+
+    @property
+    def cost_model(self) -> CostModel:
+        return self.inner.cost_model
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self.inner.aclose(), timeout=30)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self._loop.close()
+
+    def __enter__(self) -> RequestMigrator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+
+# --------------------------------------------------------------------------- one-call API
+
+
+def migrate_request(handle: SyncRequestHandle, target_url: str, **options: Any) -> RequestOutput:
+    """Move `handle`'s request to `target_url` and wait for its whole output (blocking)."""
+    return handle.migrator.migrate_request(handle, target_url, **options)
+
+
+async def async_migrate_request(
+    migrator: AsyncRequestMigrator, handle: RequestHandle, target_url: str, **options: Any
+) -> RequestOutput:
+    """Move `handle`'s request to `target_url` and wait for its whole output (asyncio)."""
+    return await migrator.migrate_request(handle, target_url, **options)
+
+
+def _close(client: AsyncMigrationClient | MigrationClient) -> Any:
+    if isinstance(client, AsyncMigrationClient):
+        return client.aclose()
+    client.close()
+    return None
+
+
+async def _maybe_await(value: Any) -> None:
+    if asyncio.iscoroutine(value):
+        await value

@@ -1,0 +1,446 @@
+"""Target side: allocations waiting for /commit, /abort_transfer or the watchdog.
+
+Life of a migration on the target (one `PendingMigration` per rank, same id everywhere):
+
+    allocate ──> ALLOCATED ──commit──> COMMITTED   (pages become host-only radix nodes)
+                     │──abort───> ABORTED     (slots freed, prefix unlocked)
+                     └──watchdog─> EXPIRED     (same, after the timeout)
+
+Every exit frees exactly what `allocate` took: the slots and the lock on the matched
+prefix. Slots of an aborted, expired or weights-changed migration go back to the free
+list only when no write to them can still land: at once if the source's receipt says it
+settled (`settled=True`), else once the write window (grant deadline + the path's late
+write margin, `write_window_s` after allocate) has passed — until then they sit in
+quarantine, released by `expire()`. Finished ids are remembered (bounded) so a late or
+repeated call gets a precise answer: a second commit is harmless, a commit after expiry
+is "gone".
+
+Slots belong to a data path (`data_path.DataPath`): host-pool slots for the host path,
+device KV slots for the device path; the state machine is the same for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from sglang_kv_migration import sglang_adapter
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.paths.base import DataPath
+
+if TYPE_CHECKING:
+    import torch
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+logger = logging.getLogger(__name__)
+
+# How many finished migration ids are remembered for precise late answers.
+FINISHED_HISTORY = 4096
+
+
+class MigrationState(StrEnum):
+    ALLOCATED = "allocated"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+    FLUSHED = "flushed"  # the radix cache was reset (e.g. /flush_cache after new weights)
+    WEIGHTS_CHANGED = "weights_changed"  # the target's weight version moved before commit
+
+
+@dataclass
+class PendingMigration:
+    """One rank's in-flight allocation for a migration."""
+
+    migration_id: str
+    key: RadixKey  # page-aligned key of the whole prefix
+    matched_length: int  # tokens the target already held, locked until the end
+    anchor: TreeNode  # node ending at matched_length, lock_ref held
+    root: object  # sglang_adapter.cache_generation() at allocation: a reset changes it
+    path: DataPath  # owns the slots: reserve / release / insert
+    slots: torch.Tensor  # int64 slots for tokens [matched_length, len(key))
+    created_at: float  # on the registry's clock (time.monotonic by default)
+    deadline: float  # after which the watchdog frees it
+    weight_version: str = ""  # the target's weights when it allocated
+    write_window_end: float = 0.0  # a source may write the slots until then (registry clock)
+    verify: bool = False  # commit checks the receipt's content digest (opt-in verify)
+    state: MigrationState = MigrationState.ALLOCATED
+    staging: tuple[int, int] | None = None  # granted staging extent (target_staging.py)
+    source: str = ""  # the source instance the grant names: receipts must come from it
+
+    @property
+    def extra_length(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What `allocate` reports back."""
+
+    migration_id: str
+    matched_length: int
+    extra_length: int
+    slots: torch.Tensor  # int64 token slots reserved after the matched prefix
+
+    @property
+    def kv_indices(self) -> list[int]:
+        return self.slots.tolist()
+
+    def kv_pages(self, page_size: int) -> list[int]:
+        """The reserved slots as page ids (they are whole pages)."""
+        return (self.slots[::page_size] // page_size).tolist()
+
+
+@dataclass(frozen=True)
+class _Finished:
+    state: MigrationState
+    matched_after_commit: int = 0
+
+
+class PendingMigrations:
+    """Registry of one rank's pending migrations over one `HiRadixCache`.
+
+    Not tied to the scheduler: the caller serialises access with the tree (SGLang's
+    scheduler thread does), and calls `expire()` periodically. An internal lock still
+    guards the registry so a watchdog thread sharing `lock` cannot race the handlers.
+    """
+
+    def __init__(
+        self,
+        cache: HiRadixCache,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        lock: threading.RLock | None = None,
+        default_path: DataPath | None = None,
+    ):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.cache = cache
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.lock = lock or threading.RLock()
+        self._default_path = default_path
+        # Read-only outside this class (the scheduler's idle check reads them directly).
+        self.by_id: dict[str, PendingMigration] = {}  # allocated, not yet committed
+        self.quarantine: dict[str, PendingMigration] = {}  # released, slots not yet freed
+        self._finished: OrderedDict[str, _Finished] = OrderedDict()
+        # Gives a finished migration's staging extent back: (extent, not_before or None).
+        self.release_staging: Callable[[tuple[int, int], float | None], None] | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def device_tokens_held(self) -> int:
+        """Device slots reserved or quarantined (outside the tree and the free list)."""
+        with self.lock:
+            held = [*self.by_id.values(), *self.quarantine.values()]
+            return sum(len(p.slots) for p in held if p.path.holds_device_slots)
+
+    def release_quarantine(self, now: float | None = None) -> list[str]:
+        """Free quarantined slots whose write window ended by `now` (default: the clock)."""
+        with self.lock:
+            now = self.clock() if now is None else now
+            ids = [m for m, p in self.quarantine.items() if p.write_window_end <= now]
+            for mid in ids:
+                self._free_quarantined(mid)
+            return ids
+
+    def committable(self, migration_id: str, weight_version: str) -> bool:
+        """True if a commit of this id would insert (not answer gone or repeat)."""
+        pending = self.by_id.get(migration_id)
+        return (
+            pending is not None
+            and pending.weight_version == weight_version
+            and pending.root is sglang_adapter.cache_generation(self.cache)
+        )
+
+    def quarantined(self) -> int:
+        """Migrations whose slots wait for their write window to close."""
+        return len(self.quarantine)
+
+    def get(self, migration_id: str) -> PendingMigration | None:
+        return self.by_id.get(migration_id)
+
+    def allocate(
+        self,
+        migration_id: str,
+        input_ids: list[int],
+        extra_key: str | None,
+        expected_extra: int = 0,
+        *,
+        path: DataPath | None = None,
+        nothing_ok: bool = False,
+        weight_version: str = "",
+        write_window_s: float = 0.0,
+    ) -> Allocation:
+        """Lock the prefix this server holds (for `path`) and reserve slots for the rest.
+
+        `expected_extra` > 0 must equal the number of tokens to allocate (else the
+        target's cache changed since it was measured: CONFLICT). When the target already
+        holds everything, `nothing_ok` returns an empty allocation (no id registered)
+        instead of CONFLICT. Without `path`, host slots are reserved.
+        """
+        path = path or self._host_path()
+        with self.lock:
+            if migration_id in self.by_id or migration_id in self._finished:
+                raise MigrationError(
+                    ErrorKind.CONFLICT, f"migration id {migration_id!r} was already used"
+                )
+            key = sglang_adapter.make_key(self.cache, input_ids, extra_key)
+            if len(key) == 0:
+                raise MigrationError(
+                    ErrorKind.BAD_REQUEST,
+                    f"{len(input_ids)} input_ids are less than one page "
+                    f"(page_size={self.cache.page_size}): only whole pages migrate",
+                )
+            held = path.held_prefix(input_ids, extra_key)
+            extra = len(key) - held.length
+            if extra <= 0 and nothing_ok:
+                return Allocation(migration_id, held.length, 0, sglang_adapter.no_slots())
+            if extra <= 0:
+                raise MigrationError(
+                    ErrorKind.CONFLICT,
+                    f"target already holds all {len(key)} page-aligned tokens; nothing to migrate",
+                )
+            if expected_extra and expected_extra != extra:
+                raise MigrationError(
+                    ErrorKind.CONFLICT,
+                    f"target now needs {extra} tokens after a held prefix of {held.length}, "
+                    f"but {expected_extra} were expected; measure again",
+                )
+            # IMPORTANT: lock the matched prefix before allocating, because allocating
+            # may evict host nodes to make room.
+            self.cache.inc_lock_ref(held.last_node)
+            try:
+                slots = path.reserve(extra)
+            except BaseException:
+                self.cache.dec_lock_ref(held.last_node)
+                raise
+            now = self.clock()
+            self.by_id[migration_id] = PendingMigration(
+                migration_id=migration_id,
+                key=key,
+                matched_length=held.length,
+                anchor=held.last_node,
+                root=sglang_adapter.cache_generation(self.cache),
+                path=path,
+                slots=slots,
+                weight_version=weight_version,
+                created_at=now,
+                deadline=now + self.timeout_s,
+                write_window_end=now + write_window_s,
+            )
+            return Allocation(
+                migration_id=migration_id,
+                matched_length=held.length,
+                extra_length=extra,
+                slots=slots,
+            )
+
+    def commit(self, migration_id: str, weight_version: str | None = None) -> int:
+        """Insert the written pages into the tree; returns the matchable length.
+
+        A second commit of a committed id returns the same length and changes nothing.
+        `weight_version` (the target's now) must equal the one at allocate: KV computed
+        under other weights is dropped (GONE), never inserted.
+        """
+        with self.lock:
+            pending = self.by_id.get(migration_id)
+            if pending is None:
+                finished = self._check_finished(migration_id, "commit")
+                return finished.matched_after_commit
+            self._forget_if_flushed(pending)
+            if weight_version is not None and weight_version != pending.weight_version:
+                self._release(pending, MigrationState.WEIGHTS_CHANGED)
+                raise MigrationError(
+                    ErrorKind.GONE,
+                    f"migration {migration_id!r} was dropped: weight_version changed from "
+                    f"{pending.weight_version!r} to {weight_version!r} since allocate",
+                )
+            # On failure the migration stays pending (abort or the watchdog frees it).
+            already_present = pending.path.insert(
+                pending.anchor, pending.key, pending.matched_length, pending.slots
+            )
+            if already_present:
+                # A concurrent insert covered part of the range first: its nodes stay,
+                # our copies of those tokens are surplus.
+                pending.path.release(pending.slots[:already_present])
+            self.cache.dec_lock_ref(pending.anchor)
+            matched_after = sglang_adapter.match_held_prefix(
+                self.cache, pending.key.token_ids, pending.key.extra_key
+            ).length
+            self._finish(pending, MigrationState.COMMITTED, matched_after)
+            return matched_after
+
+    def abort(self, migration_id: str, settled: bool = False) -> None:
+        """Release the allocation now (its slots quarantined unless `settled`). Aborting an
+        aborted id again is harmless (rollback paths may repeat it), and with `settled`
+        frees a quarantine at once; an expired, committed or unknown id is an error."""
+        with self.lock:
+            pending = self.by_id.get(migration_id)
+            if pending is None:
+                self._check_finished(migration_id, "abort")
+                if settled and migration_id in self.quarantine:
+                    self._free_quarantined(migration_id)
+                return
+            self._forget_if_flushed(pending)
+            self._release(pending, MigrationState.ABORTED, settled)
+
+    def due(self, now: float | None = None) -> list[str]:
+        """Pending ids past their deadline and quarantined ids past their write window."""
+        with self.lock:
+            now = self.clock() if now is None else now
+            expired = [p.migration_id for p in self.by_id.values() if p.deadline <= now]
+            free = [m for m, p in self.quarantine.items() if p.write_window_end <= now]
+            return expired + free
+
+    def expire(self, migration_ids: list[str] | None = None) -> list[str]:
+        """Watchdog: free the given pending ids (default: those `due()`); returns them.
+
+        Ids that are no longer pending are skipped, so ranks can expire a union of ids.
+        """
+        with self.lock:
+            ids = self.due() if migration_ids is None else migration_ids
+            for mid in ids:
+                if mid in self.quarantine:
+                    self._free_quarantined(mid)
+            expired = [self.by_id[i] for i in ids if i in self.by_id]
+            now = self.clock()
+            for pending in expired:
+                if pending.root is not sglang_adapter.cache_generation(self.cache):
+                    self._finish(pending, MigrationState.FLUSHED)
+                    continue
+                logger.warning(
+                    "KV migration %s expired after %.1fs without commit; freeing %d slots",
+                    pending.migration_id,
+                    now - pending.created_at,
+                    pending.extra_length,
+                )
+                self._release(pending, MigrationState.EXPIRED)
+            return [p.migration_id for p in expired]
+
+    def prepare_for_reset(self) -> list[str]:
+        """Before the cache is reset: drop every pending migration (state FLUSHED) and
+        keep the slots whose write window is still open in quarantine. Returns the ids."""
+        with self.lock:
+            self.expire(
+                [m for m, p in self.quarantine.items() if p.write_window_end <= self.clock()]
+            )
+            dropped = list(self.by_id.values())
+            for pending in dropped:
+                self._release(pending, MigrationState.FLUSHED)
+            return [p.migration_id for p in dropped]
+
+    def after_reset(self) -> None:
+        """After the reset freed every slot: take the quarantined ones out again, under
+        the new tree generation, until their write windows close."""
+        with self.lock:
+            generation = sglang_adapter.cache_generation(self.cache)
+            for pending in self.quarantine.values():
+                pending.path.retake(pending.slots)
+                pending.root = generation
+
+    def abort_all(self, state: MigrationState = MigrationState.ABORTED) -> list[str]:
+        """Free everything, quarantine included: at shutdown, or with FLUSHED before the
+        cache is reset (the caller makes sure no write window is open)."""
+        with self.lock:
+            dropped = list(self.by_id.values())
+            for pending in dropped:
+                if pending.root is sglang_adapter.cache_generation(self.cache):
+                    self._release(pending, state, settled=True)
+                else:
+                    self._finish(pending, MigrationState.FLUSHED)
+            for mid in list(self.quarantine):
+                self._free_quarantined(mid)
+            return [p.migration_id for p in dropped]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _host_path(self) -> DataPath:
+        if self._default_path is None:
+            from sglang_kv_migration.paths.host.path import HostPath
+
+            self._default_path = HostPath(self.cache)  # target role only
+        return self._default_path
+
+    def _release(
+        self, pending: PendingMigration, state: MigrationState, settled: bool = False
+    ) -> None:
+        self.cache.dec_lock_ref(pending.anchor)
+        self._finish(pending, state, settled=settled)
+        if settled or pending.write_window_end <= self.clock():
+            pending.path.release(pending.slots)
+        else:
+            # IMPORTANT: a write granted for these slots may still land; handing them to
+            # another prefix now could let it be overwritten.
+            self.quarantine[pending.migration_id] = pending
+
+    def _free_quarantined(self, migration_id: str) -> None:
+        pending = self.quarantine.pop(migration_id)
+        if pending.root is sglang_adapter.cache_generation(self.cache):
+            pending.path.release(pending.slots)  # a reset already freed them otherwise
+
+    def _finish(
+        self,
+        pending: PendingMigration,
+        state: MigrationState,
+        matched_after: int = 0,
+        settled: bool = False,
+    ) -> None:
+        if pending.staging is not None and self.release_staging is not None:
+            # IMPORTANT: like the slots, an extent a granted write may still reach is
+            # reused only after the write window (a commit saw every write complete).
+            late = state is not MigrationState.COMMITTED and not settled
+            self.release_staging(pending.staging, pending.write_window_end if late else None)
+            pending.staging = None
+        pending.state = state
+        del self.by_id[pending.migration_id]
+        self._finished[pending.migration_id] = _Finished(state, matched_after)
+        while len(self._finished) > FINISHED_HISTORY:
+            self._finished.popitem(last=False)
+
+    def _forget_if_flushed(self, pending: PendingMigration) -> None:
+        """A reset replaced the tree and cleared the host pool: there is nothing left to
+        free or unlock, only the entry to forget."""
+        if pending.root is not sglang_adapter.cache_generation(self.cache):
+            self._finish(pending, MigrationState.FLUSHED)
+            self._check_finished(pending.migration_id, "commit")
+
+    def _check_finished(self, migration_id: str, action: str) -> _Finished:
+        """Answer for an id that is not pending: harmless repeat or a precise error."""
+        finished = self._finished.get(migration_id)
+        if finished is None:
+            raise MigrationError(ErrorKind.NOT_FOUND, f"unknown migration id {migration_id!r}")
+        if finished.state is MigrationState.FLUSHED:
+            raise MigrationError(
+                ErrorKind.GONE,
+                f"migration {migration_id!r} was dropped: the cache was flushed (for example "
+                "after a weight update) before it was committed",
+            )
+        if finished.state is MigrationState.WEIGHTS_CHANGED:
+            raise MigrationError(
+                ErrorKind.GONE,
+                f"migration {migration_id!r} was dropped: the target's weights changed "
+                "before it was committed",
+            )
+        if finished.state is MigrationState.EXPIRED:
+            raise MigrationError(
+                ErrorKind.GONE,
+                f"migration {migration_id!r} expired after the {self.timeout_s:g}s watchdog "
+                "timeout; its slots were freed",
+            )
+        repeat_ok = {"commit": MigrationState.COMMITTED, "abort": MigrationState.ABORTED}
+        if finished.state is repeat_ok[action]:
+            return finished
+        raise MigrationError(
+            ErrorKind.CONFLICT,
+            f"cannot {action} migration {migration_id!r}: it was already {finished.state.value}",
+        )

@@ -1,0 +1,125 @@
+"""SGLang plugin entry point (`sglang.srt.plugins` group): registers hooks, nothing else.
+
+`load_plugins()` calls `register()` early in every SGLang process (launcher, scheduler
+ranks, Engine) and then applies the hooks. Each hook returns at once when
+`--enable-kv-migration` is off, so a server without the flag runs upstream code only.
+
+Hooks (targets are named in `upstream.py`):
+- REPLACE `ServerArgs` with `KVMigrationServerArgs`: our CLI flags and their checks;
+- AFTER `Scheduler.init_ipc_channels`: later PP stages get a socket to the tokenizer;
+- AFTER `Scheduler.init_request_dispatcher`: add the six handlers on every rank;
+- AFTER `Scheduler.process_input_requests`: finish transfers, run the watchdog;
+- AROUND `Scheduler.flush_cache`: drop pending allocations before the tree is reset, and
+  refuse the flush while a transfer still reads pinned pages;
+- AROUND `Scheduler._session_held_tokens`: count device slots of pending migrations, so
+  SGLang's idle memory-leak check holds;
+- AROUND `Scheduler.maybe_sleep_on_idle`: with `--sleep-on-idle`, keep the loop awake
+  while a migration is in flight or pending (its replies come from the poll);
+- AFTER `TokenizerControlMixin.init_communicators`: one communicator per operation;
+- BEFORE `http_server.launch_server`: check that every hook above is installed, then add
+  the HTTP routes to SGLang's FastAPI app.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from sglang_kv_migration import sglang_adapter
+from sglang_kv_migration.server import upstream
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Register every hook. Idempotent: a second call registers nothing more."""
+    for target, hook, hook_type in _hook_table():
+        if not any(h is hook for h in sglang_adapter.registered_hooks(target)):
+            HookRegistry.register(target, hook, hook_type)
+
+
+def missing_hooks() -> list[str]:
+    """Hook targets whose installed object does not (yet) carry our hook.
+
+    The registry logs and carries on when a target cannot be patched; this lets start-up
+    fail loudly instead (`before_launch_server`, the last hook to run).
+    """
+    missing = []
+    for target, hook, _hook_type in _hook_table():
+        try:
+            installed = upstream.resolve(target)
+        except (ImportError, AttributeError):
+            missing.append(target)
+            continue
+        if installed is not hook and not _wraps_hook(installed, hook):
+            missing.append(target)
+    return missing
+
+
+def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """Hook: refuse to serve with a hook missing, then add the routes to SGLang's app."""
+    from sglang_kv_migration.server import http_api
+    from sglang_kv_migration.server.server_args import kv_migration_enabled
+
+    if kv_migration_enabled(server_args):
+        missing = missing_hooks()
+        if missing:
+            raise RuntimeError(
+                "sglang-kv-migration could not hook into this SGLang (expected "
+                f"sglang=={upstream.SGLANG_VERSION}); not installed on: {', '.join(missing)}"
+            )
+    http_api.add_routes_to_sglang_app()
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _hook_table() -> list[tuple[str, object, HookType]]:
+    """(target, hook, type) for every hook, in registration order: the one list both
+    `register` and `missing_hooks` read. Imported here, not at module level: SGLang loads
+    this module in every process before it parses arguments."""
+    from sglang_kv_migration.server import communicators, scheduler_hooks
+    from sglang_kv_migration.server.server_args import KVMigrationServerArgs
+
+    return [
+        (upstream.SERVER_ARGS_CLASS, KVMigrationServerArgs, HookType.REPLACE),
+        (upstream.SCHEDULER_INIT_IPC, scheduler_hooks.after_init_ipc_channels, HookType.AFTER),
+        (
+            upstream.SCHEDULER_INIT_DISPATCHER,
+            scheduler_hooks.after_init_request_dispatcher,
+            HookType.AFTER,
+        ),
+        (
+            upstream.SCHEDULER_PROCESS_INPUT,
+            scheduler_hooks.after_process_input_requests,
+            HookType.AFTER,
+        ),
+        (upstream.SCHEDULER_FLUSH_CACHE, scheduler_hooks.around_flush_cache, HookType.AROUND),
+        (
+            upstream.SCHEDULER_SESSION_HELD_TOKENS,
+            scheduler_hooks.around_session_held_tokens,
+            HookType.AROUND,
+        ),
+        (upstream.SCHEDULER_SLEEP_ON_IDLE, scheduler_hooks.around_sleep_on_idle, HookType.AROUND),
+        (
+            upstream.TOKENIZER_INIT_COMMUNICATORS,
+            communicators.after_init_communicators,
+            HookType.AFTER,
+        ),
+        (upstream.HTTP_LAUNCH_SERVER, before_launch_server, HookType.BEFORE),
+    ]
+
+
+def _wraps_hook(fn: object, hook: object) -> bool:
+    """True if a registry wrapper chain around `fn` closes over `hook`."""
+    seen = 0
+    while fn is not None and seen < 32:  # bounded: chains are a few wrappers deep
+        fn = getattr(fn, "__func__", fn)  # unwrap classmethod/staticmethod objects
+        for cell in getattr(fn, "__closure__", None) or ():
+            if cell.cell_contents is hook:
+                return True
+        fn = getattr(fn, "__wrapped__", None)
+        seen += 1
+    return False

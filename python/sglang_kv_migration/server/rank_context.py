@@ -1,0 +1,125 @@
+"""What the migration handlers need from one scheduler rank, and the cross-rank helpers.
+
+SGLang broadcasts every control request to all TP ranks of a stage; only the first
+rank's reply reaches the tokenizer manager. Handlers therefore exchange their per-rank
+parts with `all_gather` on the stage's TP CPU (gloo) group. IMPORTANT: every rank must
+enter each collective the same number of times in the same order.
+
+PP stages see a request one after the other (`pp_stages.py`), so collectives spanning
+stages run only at start-up (`all_gather_world`), never in a handler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.paths.host.layout import LayoutFingerprint
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.io_struct import BaseReq
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RankContext:
+    """One scheduler rank, decoupled from SGLang's `Scheduler` (tests drive it directly)."""
+
+    tree_cache: HiRadixCache
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    cpu_group: Any  # torch.distributed ProcessGroup spanning this stage's TP ranks, or None
+    model: str  # model identity for the layout fingerprint
+    # (output, request it answers): SGLang's socket on stage 0, ours on later stages, a
+    # no-op on every TP rank but the first.
+    send_output: Callable[[BaseReq, BaseReq], None]
+    world_group: Any = None  # CPU group over every (tp, pp) rank; None: `cpu_group`
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    def all_gather_world(self, obj: Any) -> list[Any]:
+        """Every (tp, pp) rank's `obj`. Start-up only: stages run handlers at different
+        times, so a collective across stages inside a handler would deadlock."""
+        if self.world_group is None:
+            return self.all_gather(obj)
+        return _all_gather(self.world_group, obj)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every TP rank's `obj` in this stage, in tp_rank order ([obj] on a single rank)."""
+        if self.cpu_group is None:
+            return [obj]
+        return _all_gather(self.cpu_group, obj)
+
+
+def _all_gather(group: Any, obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [obj]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def guarded(run: Callable[[], Any], output_type: type) -> Any:
+    """Run a handler body; turn every exception into a failed output of `output_type`."""
+    try:
+        return run()
+    except MigrationError as e:
+        return output_type(success=False, message=e.message, error_kind=e.kind.value)
+    except Exception as e:
+        logger.exception("KV migration handler %s failed", output_type.__name__)
+        return output_type(
+            success=False,
+            message=f"internal error: {type(e).__name__}: {e}",
+            error_kind=ErrorKind.INTERNAL.value,
+        )
+
+
+def error_of(run: Callable[[], None]) -> MigrationError | None:
+    """Run a step; return its error as a `MigrationError` instead of raising it."""
+    try:
+        run()
+        return None
+    except MigrationError as e:
+        return e
+    except ValueError as e:  # layout planning rejects inconsistent peer data
+        return MigrationError(ErrorKind.BAD_REQUEST, str(e))
+    except Exception as e:
+        logger.exception("KV migration step failed")
+        return MigrationError(ErrorKind.INTERNAL, f"{type(e).__name__}: {e}")
+
+
+def check_peer_fingerprint(
+    mine: LayoutFingerprint, peer_fingerprints: list[dict], role: str
+) -> None:
+    """Compare this rank's fingerprint with the `role` peer rank at the same (tp, pp)."""
+    for raw in peer_fingerprints:
+        try:
+            peer = LayoutFingerprint.from_dict(raw)
+        except ValueError as e:
+            raise MigrationError(ErrorKind.BAD_REQUEST, f"{role} fingerprint: {e}") from None
+        if (peer.tp_rank, peer.pp_rank) == (mine.tp_rank, mine.pp_rank):
+            this_side = "target" if role == "source" else "source"
+            mismatch = peer.first_mismatch(mine, self_name=role, other_name=this_side)
+            if mismatch is not None:
+                raise MigrationError(
+                    ErrorKind.CONFLICT,
+                    f"KV layouts differ between {role} and this server: {mismatch}",
+                )
+            return
+    raise MigrationError(
+        ErrorKind.BAD_REQUEST,
+        f"no {role} fingerprint for tp_rank={mine.tp_rank} pp_rank={mine.pp_rank} "
+        f"({len(peer_fingerprints)} given)",
+    )

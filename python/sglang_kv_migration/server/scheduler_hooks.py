@@ -1,0 +1,139 @@
+"""Hooks on SGLang's `Scheduler` (registered by `plugin.py`).
+
+They set two attributes on every scheduler: `kv_migration` (this rank's
+`MigrationSchedulerSide`, or None) and `kv_migration_stage_reply` (a later PP stage's
+sender to the tokenizer manager, or None).
+
+What they read of the scheduler goes through `sglang_adapter.SchedulerView`, so tests
+drive them with stand-in objects that have the same attributes (`test/integration/test_plugin.py`,
+the mini servers of `test/support/mini_server.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sglang_kv_migration.server.server_args import kv_migration_enabled
+
+logger = logging.getLogger(__name__)
+
+
+def after_init_ipc_channels(_result: None, scheduler: Any, port_args: Any) -> None:
+    """Give a later PP stage's first TP rank its own socket to the tokenizer manager
+    (SGLang connects only stage 0); every stage then answers for its own ranks."""
+    scheduler.kv_migration_stage_reply = None
+    if not kv_migration_enabled(scheduler.server_args) or scheduler.pp_rank == 0:
+        return
+    from sglang_kv_migration import sglang_adapter
+
+    scheduler.kv_migration_stage_reply = sglang_adapter.stage_reply_sender(
+        scheduler, port_args.tokenizer_ipc_name
+    )
+
+
+def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
+    """Build this rank's migration side and add its handlers to the dispatcher."""
+    # Set on every scheduler so the per-iteration hook needs no attribute probing.
+    scheduler.kv_migration = None
+    if not kv_migration_enabled(scheduler.server_args):
+        return
+    from sglang_kv_migration import sglang_adapter
+    from sglang_kv_migration.grants import derive_key
+    from sglang_kv_migration.paths.base import parse_path_names
+    from sglang_kv_migration.paths.host.mooncake import TransportConfig
+    from sglang_kv_migration.server.rank_context import RankContext
+    from sglang_kv_migration.server.scheduler_side import (
+        MigrationSchedulerSide,
+        advertised_hostname,
+    )
+
+    view = sglang_adapter.SchedulerView.of(scheduler)
+    args = view.server_args
+    if not sglang_adapter.is_hiradix_cache(view.tree_cache):
+        raise RuntimeError(
+            "--enable-kv-migration needs SGLang's HiRadixCache as the tree cache, got "
+            f"{type(view.tree_cache).__name__}; other hierarchical caches are not supported yet"
+        )
+    ctx = RankContext(
+        tree_cache=view.tree_cache,
+        tp_rank=view.tp_rank,
+        tp_size=view.tp_size,
+        pp_rank=view.pp_rank,
+        pp_size=view.pp_size,
+        # Handlers gather over the stage's TP ranks; each stage replies for itself.
+        cpu_group=view.tp_cpu_group,
+        model=args.served_model_name,
+        send_output=view.send_output,
+        world_group=view.world_cpu_group,
+    )
+    transport_config = TransportConfig(
+        hostname=advertised_hostname(args.kv_migration_hostname, args.host),
+        protocol=args.kv_migration_protocol,
+        rdma_devices=args.kv_migration_rdma_devices,
+        max_entries_per_batch=args.kv_migration_max_batch_entries,
+        transfer_timeout_s=args.kv_migration_transfer_timeout,
+    )
+    metrics = None
+    if args.enable_metrics:
+        from sglang_kv_migration.server.metrics import MigrationMetrics
+
+        metrics = MigrationMetrics(args.served_model_name, ctx.tp_rank, ctx.pp_rank)
+    side = MigrationSchedulerSide(
+        ctx,
+        watchdog_timeout_s=args.kv_migration_watchdog_timeout,
+        transport_config=transport_config,
+        metrics=metrics,
+        path_names=parse_path_names(args.kv_migration_paths),
+        enable_memory_saver=args.enable_memory_saver,
+        grant_key=derive_key(args.kv_migration_grant_key, args.admin_api_key, args.api_key),
+        grant_ttl_s=args.kv_migration_grant_ttl,
+        staging_bytes=args.kv_migration_staging_mb << 20,
+        verify=args.kv_migration_verify,
+        attn_cp_size=args.attn_cp_size,
+    )
+    scheduler.kv_migration = side
+    sglang_adapter.add_request_handlers(scheduler, side.handlers())
+
+
+def after_process_input_requests(_result: None, scheduler: Any, recv_reqs: Any, *_: Any) -> None:
+    """Once per loop iteration, after the requests of the iteration were dispatched."""
+    side = scheduler.kv_migration
+    if side is not None:
+        forward = side.poll()
+        if forward:
+            # Stage 0's watchdog decisions, for the later PP stages (`pp_stages.py`).
+            from sglang_kv_migration import sglang_adapter
+
+            sglang_adapter.forward_to_later_stages(recv_reqs, forward)
+
+
+def around_session_held_tokens(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> int:
+    """Count device slots reserved by pending migrations as held outside the tree, so
+    SGLang's memory-leak checks (strict when idle) keep their invariant."""
+    held = original(scheduler, *args, **kwargs)
+    side = scheduler.kv_migration
+    return held + side.device_tokens_held() if side is not None else held
+
+
+def around_flush_cache(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> bool:
+    """Keep pending migrations consistent with a cache reset (e.g. after new weights)."""
+    side = scheduler.kv_migration
+    # Only when the flush will really happen (SGLang flushes an idle scheduler only).
+    if side is None or not scheduler.is_fully_idle():
+        return original(scheduler, *args, **kwargs)
+    side.prepare_for_cache_flush()
+    flushed = original(scheduler, *args, **kwargs)
+    if flushed:
+        side.after_cache_flush()
+    return flushed
+
+
+def around_sleep_on_idle(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """Do not let `--sleep-on-idle` park the loop (up to 1 s on its sockets) while a
+    migration of ours is in flight or pending: its replies and scatters advance only in
+    the per-iteration poll. SGLang sees no requests of its own then, so it would sleep."""
+    side = scheduler.kv_migration
+    if side is not None and side.has_work():
+        return None
+    return original(scheduler, *args, **kwargs)

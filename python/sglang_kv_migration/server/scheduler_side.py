@@ -1,0 +1,843 @@
+"""Scheduler-side handlers of the six operations, run on every (tp, pp) rank of a server.
+
+SGLang broadcasts every control request to all TP ranks of a stage, and only the first
+rank's reply reaches the tokenizer manager. So each handler does its rank's part, then the
+stage's ranks exchange their parts with a collective on the TP CPU (gloo) group
+(`rank_context.py`), and every rank builds the same reply (the non-first ranks' sends
+are no-ops). With PP every stage answers for its own ranks and stages agree forward
+through the request stream (`pp_stages.py`). The source's transfers live in
+`source_transfers.py`.
+
+IMPORTANT: collectives must be entered by every rank the same number of times in the
+same order. Handlers run in broadcast order, and `poll()` runs once per scheduler loop
+iteration (which TP ranks run in lockstep); its collectives depend only on state that is
+identical across ranks (in-flight transfers, pending ids, the iteration counter), never
+on a rank's own clock.
+
+Handlers never raise across the process boundary: errors become
+`Output(success=False, error_kind=..., message=...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from sglang_kv_migration import PROTOCOL_VERSION, grants, sglang_adapter
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.io_types import (
+    REQUEST_TYPES,
+    AbortTransferReqInput,
+    AbortTransferReqOutput,
+    AllocatedRank,
+    AllocateTokenForTransferReqInput,
+    AllocateTokenForTransferReqOutput,
+    CommitTransferRequestKVCacheReqInput,
+    CommitTransferRequestKVCacheReqOutput,
+    GetRequestExtraTokenSizeReqInput,
+    GetRequestExtraTokenSizeReqOutput,
+    GetTransferSessionInfoReqInput,
+    GetTransferSessionInfoReqOutput,
+    RankSessionInfo,
+    StageSyncReqInput,
+    TransferRequestKVCacheReqInput,
+)
+from sglang_kv_migration.page_ranges import to_page_ranges
+from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
+from sglang_kv_migration.paths.host.layout import HostPoolLayout, LayoutFingerprint
+from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig, open_transport
+from sglang_kv_migration.paths.host.target_staging import (
+    DeferredCommit,
+    StagedCommits,
+    TargetStaging,
+    done_future,
+    receipt_plan,
+    staged_refusal,
+)
+from sglang_kv_migration.server.metrics import LoopTimer, MigrationMetrics, NullMetrics
+from sglang_kv_migration.server.pending import PendingMigrations
+from sglang_kv_migration.server.pp_stages import refusal_of, refused_output
+from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, guarded
+from sglang_kv_migration.server.source_transfers import SourceTransfers
+
+logger = logging.getLogger(__name__)
+
+# The watchdog's collective runs every this many loop iterations while anything is pending.
+WATCHDOG_EVERY_ITERATIONS = 64
+
+
+class MigrationSchedulerSide:
+    """The six operations on one rank, plus the watchdog and transfer completion."""
+
+    def __init__(
+        self,
+        ctx: RankContext,
+        *,
+        watchdog_timeout_s: float,
+        transport_config: TransportConfig,
+        transport: KVTransport | None = None,
+        metrics: MigrationMetrics | None = None,
+        path_names: tuple[str, ...] = (HOST,),
+        enable_memory_saver: bool = False,
+        grant_key: bytes | None = None,
+        grant_ttl_s: float = 15.0,
+        staging_bytes: int = 0,
+        verify: bool = False,
+        attn_cp_size: int = 1,
+    ):
+        self.ctx = ctx
+        self.metrics = metrics or NullMetrics()
+        self.loop_timer = LoopTimer(self.metrics)
+        cache = ctx.tree_cache
+        self.host_pool = sglang_adapter.host_pool(cache)
+        self.layout = HostPoolLayout.from_host_pool(self.host_pool)
+        self.fingerprint = LayoutFingerprint.from_host_pool(
+            self.host_pool,
+            model=ctx.model,
+            tp_size=ctx.tp_size,
+            tp_rank=ctx.tp_rank,
+            pp_size=ctx.pp_size,
+            pp_rank=ctx.pp_rank,
+            attn_cp_size=attn_cp_size,
+        )
+        self.pending = PendingMigrations(cache, watchdog_timeout_s)
+        # Grants must expire well before the watchdog frees the slots they name.
+        self.grant_ttl_s = min(grant_ttl_s, watchdog_timeout_s / 2)
+        self.signer = grants.Signer(grant_key)
+        self.verify_all = verify  # --kv-migration-verify: check every commit's digest
+        self._transfer_timeout_s = transport_config.transfer_timeout_s
+        if not self.signer.signed and ctx.tp_rank == 0:
+            logger.warning(
+                "KV migration grants are unsigned: set --kv-migration-grant-key (the same on "
+                "every server) or an admin/API key, or any peer that reaches the transfer "
+                "network can forge a grant"
+            )
+        self.bytes_per_token = sum(self.layout.item_lens)  # on this rank
+        # A restarted server gets a new epoch: clients drop their cached session info.
+        # One for the whole server: every PP stage's reply carries it.
+        self.server_epoch = ctx.all_gather_world(uuid.uuid4().hex)[0]
+        self.paths = self._open_paths(path_names, transport_config, transport, enable_memory_saver)
+        self.transfers = SourceTransfers(
+            ctx,
+            self.fingerprint,
+            self.paths,
+            self.metrics,
+            self.server_epoch,
+            self.signer,
+            server_fingerprints={
+                (fp.tp_rank, fp.pp_rank): fp for fp in ctx.all_gather_world(self.fingerprint)
+            },
+            max_tokens=self.layout.num_slots,
+        )
+        self._destinations: dict[str, str] = {}  # path name -> destination digest
+        self.staging = self._open_staging(staging_bytes)
+        self.staged_commits = StagedCommits(ctx)
+        self._iteration = 0
+        # Offer the GIL to our helper threads once per busy iteration (see `poll`);
+        # benchmarks turn it off to show what it is for.
+        self.yield_gil = True
+        logger.info(
+            "KV migration ready on tp_rank=%d pp_rank=%d: paths %s, page_size=%d",
+            ctx.tp_rank,
+            ctx.pp_rank,
+            ", ".join(self.paths) or "none",
+            self.layout.page_size,
+        )
+
+    @property
+    def transport(self) -> KVTransport:
+        """The host path's transport (tests and the flush hook use it)."""
+        return self.paths[HOST].transport
+
+    # ------------------------------------------------------------------ wiring
+
+    def handlers(self) -> list[tuple[type, Callable[[Any], Any]]]:
+        """(request type, handler) pairs for the scheduler's TypeBasedDispatcher. Every
+        reply carries its request's `rid` (the tokenizer side matches replies by it); the
+        time each spends on the scheduler thread is charged to `loop_timer`."""
+        answering = self._answering
+        pairs = [
+            (GetTransferSessionInfoReqInput, answering(self.get_transfer_session_info)),
+            (GetRequestExtraTokenSizeReqInput, answering(self.get_request_extra_token_size)),
+            (AllocateTokenForTransferReqInput, answering(self.allocate_token_for_transfer)),
+            (TransferRequestKVCacheReqInput, self.transfer_request_kvcache),  # replies later
+            (
+                CommitTransferRequestKVCacheReqInput,
+                answering(self.commit_transfer_request_kvcache),  # staged: replies later
+            ),
+            (AbortTransferReqInput, answering(self.abort_transfer)),
+        ]
+        outputs = {request: output for _name, request, output in REQUEST_TYPES}
+        guarded_pairs = [(kind, self._guarding(h, outputs[kind])) for kind, h in pairs]
+        guarded_pairs.append((StageSyncReqInput, self._guarding(self.stage_sync, None)))
+        return [(kind, self.loop_timer.timed(handler)) for kind, handler in guarded_pairs]
+
+    def poll(self) -> list[Any]:
+        """Once per scheduler loop iteration: finish transfers and staged commits, run the
+        watchdog; closes the iteration's `loop_timer` account. Returns messages for the
+        later PP stages (the watchdog's decisions, on stage 0)."""
+        timer = self.loop_timer
+        self._iteration += 1
+        if not (timer.handled or self.has_work()):
+            # Idle, the usual case (the same on every rank): nothing to time, poll or
+            # gather. This is all the flag costs a server that migrates nothing, every
+            # loop iteration: keep it to a few attribute reads (`bench_idle_poll.py`).
+            timer.idle_iteration()
+            return []
+        timer.begin_poll()
+        active = bool(len(self.transfers) or len(self.staged_commits))
+        self.transfers.poll()
+        timer.lap("poll.transfers")
+        for commit, error in self.staged_commits.poll():
+            self._answer_staged_commit(commit, error)
+        timer.lap("poll.staged_commits")
+        active = active or bool(len(self.transfers) or len(self.staged_commits))
+        messages: list[Any] = []
+        busy = len(self.pending) or self.pending.quarantined()
+        # Later stages free what stage 0's watchdog freed (`stage_sync`), at the same
+        # point of the request stream, so every stage's tree stays the same.
+        if busy and self._iteration % WATCHDOG_EVERY_ITERATIONS == 0:
+            active = True
+            if not self.ctx.first_stage:
+                # Quarantines may differ between stages (a receipt settled on one stage
+                # only), and freeing one changes no tree: each stage frees its own.
+                self._run_watchdog(quarantine_only=True)
+            else:
+                expired = self._run_watchdog()
+                if expired and self.ctx.pp_size > 1:
+                    messages.append(StageSyncReqInput(expired_ids=expired))
+            timer.lap("poll.watchdog")
+        if (active or busy) and self.yield_gil:
+            # Hand the GIL to our helper threads (transport worker, staging scatter,
+            # digests) once per iteration. SGLang's loop never blocks, even idle, so a
+            # thread that gave the GIL up (every torch op and engine call does) would
+            # otherwise wait out the 5 ms switch interval each time: planning a write
+            # took seconds on an idle H200 server.
+            time.sleep(0)
+            timer.lap("poll.yield")
+        timer.end_iteration(active)
+        return messages
+
+    def has_work(self) -> bool:
+        """Anything of ours in flight or pending (the same on every rank). Called every
+        loop iteration: a few attribute reads."""
+        pending = self.pending
+        return bool(
+            self.transfers.inflight
+            or self.staged_commits.waiting
+            or pending.by_id
+            or pending.quarantine
+        )
+
+    def prepare_for_cache_flush(self) -> None:
+        """Called before SGLang resets the radix cache and clears the pools.
+
+        Never refuses: SGLang asserts that the flush after a weight update succeeds.
+        Pending allocations are dropped (their pages would be KV of old weights): a later
+        commit answers "gone"; slots a granted write may still reach stay quarantined
+        across the reset (`after_cache_flush`). Transfers this source is sending are
+        failed: their pages are about to be reused, so their receipts say failure.
+        """
+        self.transfers.fail_all("the source's cache was flushed during the transfer")
+        for commit in self.staged_commits.drain():  # their scatters finished writing
+            self._reply_later(
+                commit.request,
+                CommitTransferRequestKVCacheReqOutput(
+                    success=False,
+                    message="the target's cache was flushed during the commit",
+                    error_kind=ErrorKind.GONE.value,
+                ),
+            )
+        dropped = self.pending.prepare_for_reset()
+        if dropped and self.ctx.tp_rank == 0:
+            logger.warning("Cache flush drops pending KV migrations: %s", ", ".join(dropped))
+
+    def after_cache_flush(self) -> None:
+        self.pending.after_reset()
+
+    def close(self) -> None:
+        self.staged_commits.drain()  # no scatter may run into pools being released
+        self.pending.abort_all()
+        self.transfers.close()
+        for path in self.paths.values():
+            path.close()
+        if self.staging is not None:
+            self.staging.close()  # after the transport: the arena was registered there
+
+    def device_tokens_held(self) -> int:
+        """Device slots pending migrations hold (SGLang's leak check counts them)."""
+        return self.pending.device_tokens_held()
+
+    # ------------------------------------------------------------------ handlers
+
+    def get_transfer_session_info(
+        self, req: GetTransferSessionInfoReqInput
+    ) -> GetTransferSessionInfoReqOutput:
+        host = self.paths[HOST].advertise() if HOST in self.paths else {}
+        local = RankSessionInfo(
+            tp_rank=self.ctx.tp_rank,
+            pp_rank=self.ctx.pp_rank,
+            session_id=host.get("session_id", ""),
+            host_kv_data_ptrs=host.get("host_kv_data_ptrs", []),
+            host_kv_data_lens=host.get("host_kv_data_lens", []),
+            host_kv_item_lens=host.get("host_kv_item_lens", []),
+            page_size=self.layout.page_size,
+            fingerprint=self.fingerprint_for(req).to_dict(),
+            paths={name: path.advertise() for name, path in self.paths.items()},
+            server_epoch=self.epoch_for(req),
+            stage_writer=HOST in self.paths,
+            staging_region=self.staging.region if self.staging is not None else [],
+        )
+        ranks = self.ctx.all_gather(local)
+        return GetTransferSessionInfoReqOutput(
+            success=True,
+            ranks=ranks,
+            protocol_version=PROTOCOL_VERSION,
+            server_epoch=self.epoch_for(req),
+            instance_id=self.server_epoch,
+        )
+
+    def get_request_extra_token_size(
+        self, req: GetRequestExtraTokenSizeReqInput
+    ) -> GetRequestExtraTokenSizeReqOutput:
+        def run() -> GetRequestExtraTokenSizeReqOutput:
+            cache = self.ctx.tree_cache
+            total = len(sglang_adapter.make_key(cache, req.input_ids, req.extra_key))
+            held = sglang_adapter.match_held_prefix(cache, req.input_ids, req.extra_key)
+            return GetRequestExtraTokenSizeReqOutput(
+                success=True,
+                matched_token_size=held.length,
+                extra_token_size=total - held.length,
+                total_token_size=total,
+                device_token_size=held.device_length,
+                server_epoch=self.epoch_for(req),
+            )
+
+        # The tree is identical on every TP rank: no exchange needed.
+        return guarded(run, GetRequestExtraTokenSizeReqOutput)
+
+    def allocate_token_for_transfer(
+        self, req: AllocateTokenForTransferReqInput
+    ) -> AllocateTokenForTransferReqOutput:
+        def run_local() -> AllocateTokenForTransferReqOutput:
+            check_peer_fingerprint(
+                self.fingerprint_for(req), req.source_fingerprints, role="source"
+            )
+            path = self._path(req.path)
+            alloc = self.pending.allocate(
+                req.migration_id,
+                req.input_ids,
+                req.extra_key,
+                req.extra_token_size,
+                path=path,
+                nothing_ok=req.nothing_ok,
+                weight_version=req.weight_version,
+                write_window_s=self.grant_ttl_s + path.late_write_margin_s,
+            )
+            if req.index_format == "pages":
+                rank = AllocatedRank(
+                    self.ctx.tp_rank, self.ctx.pp_rank, [], alloc.kv_pages(self.layout.page_size)
+                )
+            elif req.index_format == "ranges":  # [first_page, count] runs: page_ranges.py
+                rank = AllocatedRank(
+                    self.ctx.tp_rank,
+                    self.ctx.pp_rank,
+                    [],
+                    kv_page_ranges=to_page_ranges(alloc.slots, self.layout.page_size),
+                )
+            else:
+                rank = AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)
+            extent = self._grant_staging(req, alloc, path)
+            if extent is not None:
+                rank.staging = list(extent)
+            if alloc.extra_length:
+                verify = req.verify or self.verify_all
+                pending = self.pending.get(alloc.migration_id)
+                pending.verify, pending.source = verify, req.source_instance
+                expires_at = time.time() + self.grant_ttl_s
+                rank.grant = self.signer.encode(
+                    grants.Grant(
+                        migration_id=alloc.migration_id,
+                        tp=self.ctx.tp_rank,
+                        pp=self.ctx.pp_rank,
+                        path=path.name,
+                        slots_digest=grants.slots_digest(alloc.slots),
+                        num_tokens=alloc.extra_length,
+                        expires_at=expires_at,
+                        tokens_digest=grants.tokens_digest(
+                            req.input_ids[: alloc.matched_length + alloc.extra_length],
+                            req.extra_key,
+                        ),
+                        staging_addr=extent[0] if extent else 0,
+                        staging_length=extent[1] if extent else 0,
+                        # The source stops submitting bytes halfway through the late-write
+                        # margin; the other half bounds a batch already in flight.
+                        write_until=expires_at + path.late_write_margin_s / 2,
+                        verify=verify,
+                        destination=self._destination(path),
+                        source=req.source_instance,
+                    )
+                )
+            return AllocateTokenForTransferReqOutput(
+                success=True,
+                migration_id=alloc.migration_id if alloc.extra_length else "",
+                matched_token_size=alloc.matched_length,
+                extra_token_size=alloc.extra_length,
+                ranks=[rank],
+                path=path.name,
+                page_size=self.layout.page_size,
+                server_epoch=self.epoch_for(req),
+            )
+
+        if req.stage_refusal is not None:  # an earlier PP stage refused: so do we
+            return refused_output(AllocateTokenForTransferReqOutput, req.stage_refusal)
+        started = time.monotonic()
+        local = guarded(run_local, AllocateTokenForTransferReqOutput)
+        outputs = self.ctx.all_gather(local)
+        failed = [o for o in outputs if not o.success]
+        if failed:
+            # All or nothing: ranks that did allocate give it back.
+            if local.success:
+                self.pending.abort(req.migration_id)
+            self.metrics.outcome("target", "allocate_failed")
+            first = failed[0]
+            req.stage_refusal = refusal_of(first)  # later PP stages do not allocate
+            return AllocateTokenForTransferReqOutput(
+                success=False,
+                migration_id=req.migration_id,
+                message=first.message,
+                error_kind=first.error_kind,
+            )
+        self.metrics.outcome("target", "allocated")
+        self.metrics.phase("allocate", time.monotonic() - started)
+        return AllocateTokenForTransferReqOutput(
+            success=True,
+            migration_id=outputs[0].migration_id,
+            matched_token_size=outputs[0].matched_token_size,
+            extra_token_size=outputs[0].extra_token_size,
+            ranks=[rank for o in outputs for rank in o.ranks],
+            path=outputs[0].path,
+            page_size=outputs[0].page_size,
+            server_epoch=self.epoch_for(req),
+        )
+
+    def transfer_request_kvcache(self, req: TransferRequestKVCacheReqInput) -> None:
+        """Source: start this rank's part; the reply is sent later, from `poll()`."""
+        self.transfers.start(req)
+        return None
+
+    def commit_transfer_request_kvcache(
+        self, req: CommitTransferRequestKVCacheReqInput
+    ) -> CommitTransferRequestKVCacheReqOutput | None:
+        """Insert the written pages; with a staged write on any rank, reply later (from
+        `poll()`), once every rank copied its staging extent into its slots."""
+        if req.stage_refusal is not None:  # an earlier PP stage did not insert: nor do we
+            if req.stage_refusal.error_kind == ErrorKind.GONE.value:
+                # It dropped the allocation (weights changed since allocate): so do we.
+                self.pending.expire([req.migration_id])
+            return refused_output(CommitTransferRequestKVCacheReqOutput, req.stage_refusal)
+        if self.staged_commits.in_progress(req.migration_id):
+            return _in_progress(req.migration_id, "commit")
+        pending = self.pending.get(req.migration_id)  # None for a repeated commit
+        started = time.monotonic()
+        # Every rank needs the source's success receipt for its slots; agree first, so no
+        # rank inserts while another refuses.
+        refusal, plan = None, ""
+        if self.pending.committable(req.migration_id, req.weight_version):
+            refusal = self._receipt_refusal(req.receipts, pending)
+            if refusal is None and self.ctx.first_stage:
+                refusal = self._later_stage_receipts_refusal(req.receipts, req.migration_id)
+            plan = receipt_plan(self.signer, req.receipts, self.ctx.tp_rank, self.ctx.pp_rank)
+            refusal = refusal or staged_refusal(plan, pending)
+        agreed = self.ctx.all_gather((refusal, plan == "staged"))
+        refusals = [r for r, _ in agreed if r is not None]
+        if refusals:
+            self.metrics.outcome("target", "commit_failed")
+            output = CommitTransferRequestKVCacheReqOutput(
+                success=False, message=refusals[0], error_kind=ErrorKind.FORBIDDEN.value
+            )
+            req.stage_refusal = refusal_of(output)
+            return output
+        if any(staged for _, staged in agreed):
+            assert pending is not None  # committable
+            scatter = (
+                self.staging.scatter(pending.staging, pending.slots)
+                if plan == "staged"
+                else done_future()
+            )
+            self.staged_commits.add(DeferredCommit(req, pending, started, scatter))
+            return None
+        return self._commit(req, pending, started)
+
+    def _commit(
+        self, req: CommitTransferRequestKVCacheReqInput, pending: Any, started: float
+    ) -> CommitTransferRequestKVCacheReqOutput:
+        """Insert on every rank (the receipts were agreed on) and build the reply."""
+
+        def run_local() -> CommitTransferRequestKVCacheReqOutput:
+            matched_after = self.pending.commit(req.migration_id, req.weight_version)
+            return CommitTransferRequestKVCacheReqOutput(
+                success=True, matched_after_commit=matched_after
+            )
+
+        # Opt-in verify: every rank hashes what landed in its slots (after a staged
+        # write's scatter); any mismatch fails the commit on every rank and the slots go
+        # back as for an abort.
+        mismatch = None
+        committable = self.pending.committable(req.migration_id, req.weight_version)
+        if committable and (pending.verify or req.verify):
+            mismatch = guarded_refusal(lambda: self._verify_refusal(req.receipts, pending))
+        mismatches = [m for m in self.ctx.all_gather(mismatch) if m is not None]
+        if mismatches:
+            self.pending.abort(req.migration_id, settled=True)
+            self.metrics.outcome("target", "verify_failed")
+            if self.ctx.tp_rank == 0:
+                logger.warning("KV migration %s not committed: %s", req.migration_id, mismatches[0])
+            output = CommitTransferRequestKVCacheReqOutput(
+                success=False,
+                message=f"{mismatches[0]}; nothing was inserted, the slots were freed",
+                error_kind=ErrorKind.CONFLICT.value,
+            )
+            req.stage_refusal = refusal_of(output)
+            return output
+        local = guarded(run_local, CommitTransferRequestKVCacheReqOutput)
+        outputs = self.ctx.all_gather(local)
+        failed = [o for o in outputs if not o.success]
+        if failed:
+            self.metrics.outcome("target", "commit_failed")
+            req.stage_refusal = refusal_of(failed[0])
+            return failed[0]
+        matched_after = min(o.matched_after_commit for o in outputs)
+        if pending is not None:
+            nbytes = pending.extra_length * self.bytes_per_token
+            now = time.monotonic()
+            self.metrics.outcome("target", "committed")
+            self.metrics.moved("target", pending.extra_length, nbytes)
+            self.metrics.phase("commit", now - started)
+            self.metrics.phase("pending", now - pending.created_at)
+            if self.ctx.tp_rank == 0:
+                logger.info(
+                    "KV migration %s committed: %d tokens, %d bytes (%d ranks), %.1f ms after "
+                    "allocate; prefix now %d tokens",
+                    req.migration_id,
+                    pending.extra_length,
+                    nbytes * len(outputs),
+                    len(outputs),
+                    (now - pending.created_at) * 1e3,
+                    matched_after,
+                )
+        return CommitTransferRequestKVCacheReqOutput(
+            success=True, matched_after_commit=matched_after
+        )
+
+    def abort_transfer(self, req: AbortTransferReqInput) -> AbortTransferReqOutput:
+        def run_local() -> AbortTransferReqOutput:
+            self.pending.abort(req.migration_id, settled=settled)
+            return AbortTransferReqOutput(success=True)
+
+        if self.staged_commits.in_progress(req.migration_id):
+            return _in_progress(req.migration_id, "abort")
+        pending = self.pending.get(req.migration_id)
+        was_pending = pending is not None
+        # Without the source's word that no write can still land, the slots stay
+        # quarantined until the grant's write window closes. Agreed across ranks.
+        settled = all(
+            self.ctx.all_gather(
+                bool(req.receipts)
+                and self._receipt_refusal(
+                    req.receipts, pending, need_success=False, migration_id=req.migration_id
+                )
+                is None
+            )
+        )
+        local = guarded(run_local, AbortTransferReqOutput)
+        outputs = self.ctx.all_gather(local)
+        failed = [o for o in outputs if not o.success]
+        if failed:
+            return failed[0]
+        if was_pending:
+            self.metrics.outcome("target", "aborted")
+        return local
+
+    def stage_sync(self, req: StageSyncReqInput) -> None:
+        """Later PP stages: free what stage 0's watchdog freed (skips unknown ids)."""
+        for _ in self.pending.expire(req.expired_ids):
+            self.metrics.outcome("target", "expired")
+        return None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _answer_staged_commit(self, commit: DeferredCommit, error: str | None) -> None:
+        if error is not None:  # the migration stays pending: abort or the watchdog frees it
+            self.metrics.outcome("target", "commit_failed")
+            output = CommitTransferRequestKVCacheReqOutput(
+                success=False, message=error, error_kind=ErrorKind.INTERNAL.value
+            )
+        else:
+            output = self._commit(commit.request, commit.pending, commit.started)
+        self._reply_later(commit.request, output)
+
+    def _grant_staging(
+        self, req: AllocateTokenForTransferReqInput, alloc: Any, path: DataPath
+    ) -> tuple[int, int] | None:
+        """A staging extent for a fragmented host allocation, kept with the pending
+        migration; None when not asked, not fragmented or no room (never a failure)."""
+        if not (req.staging and alloc.extra_length and self.staging and path.name == HOST):
+            return None
+        extent = self.staging.grant(alloc.slots, self.pending.clock())
+        if extent is not None:
+            self.pending.get(alloc.migration_id).staging = extent
+        return extent
+
+    def _destination(self, path: DataPath) -> str:
+        """`grants.destination_digest` of what this rank publishes for `path` (fixed for
+        the server's lifetime: buffers are registered and exported once, at start-up)."""
+        digest = self._destinations.get(path.name)
+        if digest is None:
+            digest = self._destinations[path.name] = grants.destination_digest(path.advertise())
+        return digest
+
+    def _reply_later(self, req: Any, output: Any) -> None:
+        output.rid = req.rid
+        self.ctx.send_output(output, req)
+
+    def _open_staging(self, nbytes: int) -> TargetStaging | None:
+        """The staging arena of the host path's target role (None: staging off)."""
+        if nbytes <= 0 or HOST not in self.paths:
+            return None
+        if self.ctx.pp_size > 1:
+            # A staged commit answers later, but PP stages agree through the request as it
+            # passes (`pp_stages.py`): a scatter failing on stage 0 could not stop a later
+            # stage that already inserted. Direct writes only under PP.
+            logger.info("KV migration staging is off under PP (--pp-size > 1)")
+            return None
+        staging = TargetStaging(self.layout, nbytes, self.paths[HOST].transport)
+        self.pending.release_staging = staging.release
+        return staging
+
+    def _guarding(
+        self, handler: Callable[[Any], Any], output_type: type | None
+    ) -> Callable[[Any], Any]:
+        """Wrap a handler's whole body: an exception escaping it would leave SGLang's
+        scheduler loop and take the server down. It becomes a failed reply of
+        `output_type` (INTERNAL, or the `MigrationError`'s kind), logged once with its
+        traceback; `output_type` None: no reply (stage_sync)."""
+
+        def guard(req: Any) -> Any:
+            try:
+                return handler(req)
+            except Exception as e:
+                if isinstance(e, MigrationError):
+                    message, kind = e.message, e.kind
+                else:
+                    logger.exception("KV migration handler for %s failed", type(req).__name__)
+                    message, kind = f"internal error: {type(e).__name__}: {e}", ErrorKind.INTERNAL
+                if output_type is None:
+                    return None
+                output = output_type(success=False, message=message, error_kind=kind.value)
+                return self._answering(lambda _req: output)(req)
+
+        return guard
+
+    def _answering(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """Wrap a handler: its reply carries the request's `rid`. On stage 0 SGLang sends
+        the returned reply; a later stage sends its own (SGLang sends nothing there).
+        A handler that returns None replies later, from `poll()`."""
+
+        def answer(req: Any) -> Any:
+            output = handler(req)
+            if output is None:
+                return None
+            output.rid = req.rid
+            if self.ctx.first_stage:
+                return output
+            self.ctx.send_output(output, req)
+            return None
+
+        return answer
+
+    def _receipt_refusal(
+        self,
+        receipts: list[str],
+        pending: Any,
+        need_success: bool = True,
+        migration_id: str | None = None,
+    ) -> str | None:
+        """Why `receipts` do not prove this rank's transfer (None when they do): a success
+        receipt for commit, a settled one (no write can still land) for abort."""
+        where = f"tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}"
+        mid = pending.migration_id if pending is not None else migration_id
+        for raw in receipts:
+            try:
+                receipt = self.signer.decode_receipt(raw)
+            except MigrationError as e:
+                return f"bad receipt: {e.message}"
+            if (receipt.tp, receipt.pp) != (self.ctx.tp_rank, self.ctx.pp_rank):
+                continue
+            if receipt.migration_id != mid:
+                return f"receipt for {where} is for migration {receipt.migration_id!r}"
+            if pending is not None and receipt.slots_digest != grants.slots_digest(pending.slots):
+                return f"receipt for {where} names other slots"
+            if pending is not None and receipt.source != pending.source:
+                return f"receipt for {where} is from another source than the grant's"
+            if need_success and not receipt.success:
+                return f"the source reported the transfer to {where} as failed"
+            if not need_success and not receipt.settled:
+                return f"the source's writes to {where} may still land"
+            return None
+        return f"no receipt from the source for {where} (pass the transfer reply's receipts)"
+
+    def _later_stage_receipts_refusal(self, receipts: list[str], migration_id: str) -> str | None:
+        """Stage 0 checks that later PP stages hold success receipts too (signature, id,
+        outcome; each stage checks its own slots), so a later stage cannot refuse a
+        commit stage 0 already inserted."""
+        proven = set()
+        for raw in receipts:
+            try:
+                receipt = self.signer.decode_receipt(raw)
+            except MigrationError as e:
+                return f"bad receipt: {e.message}"
+            if receipt.migration_id == migration_id and receipt.success:
+                proven.add((receipt.tp, receipt.pp))
+        for pp in range(1, self.ctx.pp_size):
+            for tp in range(self.ctx.tp_size):
+                if (tp, pp) not in proven:
+                    return (
+                        f"no success receipt from the source for tp={tp} pp={pp} "
+                        "(pass the transfer reply's receipts)"
+                    )
+        return None
+
+    def _verify_refusal(self, receipts: list[str], pending: Any) -> str | None:
+        """Why what landed in this rank's slots is not what the source sent (None when
+        it is). Runs after `_receipt_refusal` accepted the receipts."""
+        where = f"tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}"
+        for raw in receipts:
+            receipt = self.signer.decode_receipt(raw)
+            if (receipt.tp, receipt.pp) != (self.ctx.tp_rank, self.ctx.pp_rank):
+                continue
+            if not receipt.digest:
+                return (
+                    f"receipt hash missing for {where}: the transfer was not granted with "
+                    "verify (allocate with verify: true, or start the target with "
+                    "--kv-migration-verify)"
+                )
+            landed = pending.path.content_digest(pending.slots)
+            if landed != receipt.digest:
+                return f"receipt hash does not match the bytes that landed in {where}"
+            return None
+        return f"no receipt for {where}"
+
+    def fingerprint_for(self, req: Any) -> LayoutFingerprint:
+        """This rank's fingerprint with the weight version the request was stamped with."""
+        return dataclasses.replace(self.fingerprint, weight_version=req.weight_version)
+
+    def epoch_for(self, req: Any) -> str:
+        """Changes on a restart and on a weight update: cached session info is stale."""
+        return f"{self.server_epoch}:{req.weight_version}"
+
+    def _path(self, name: str) -> DataPath:
+        path = self.paths.get(name)
+        if path is None:
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"data path {name!r} is not available on this server (available: "
+                f"{', '.join(self.paths) or 'none'})",
+            )
+        return path
+
+    def _open_paths(
+        self,
+        names: tuple[str, ...],
+        transport_config: TransportConfig,
+        transport: KVTransport | None,
+        enable_memory_saver: bool,
+    ) -> dict[str, DataPath]:
+        """The data paths this rank serves, in preference order. A path that cannot run
+        here is left out (logged once, on the first rank); every rank leaves out the same
+        ones, since they agree through a gather."""
+        from sglang_kv_migration.paths.host.path import HostPath
+
+        reasons: dict[str, str] = {}
+        if DEVICE in names:
+            from sglang_kv_migration.paths.device.path import device_path_unavailable_reason
+
+            reason = device_path_unavailable_reason(self.ctx.tree_cache, enable_memory_saver)
+            if reason is not None:
+                reasons[DEVICE] = reason
+        # Offered only if every (tp, pp) rank can: the client treats a server as one peer.
+        all_reasons = self.ctx.all_gather_world(reasons)
+        skipped = {name: r for rank_reasons in all_reasons for name, r in rank_reasons.items()}
+        paths: dict[str, DataPath] = {}
+        for name in names:
+            if name in skipped:
+                if self.ctx.tp_rank == 0:
+                    logger.warning("KV migration %s path off: %s", name, skipped[name])
+                continue
+            if name == HOST:
+                paths[HOST] = HostPath(
+                    self.ctx.tree_cache,
+                    self.layout,
+                    transport or open_transport(transport_config),
+                    transfer_timeout_s=transport_config.transfer_timeout_s,
+                )
+            elif name == DEVICE:
+                from sglang_kv_migration.paths.device.path import DevicePath
+
+                paths[DEVICE] = DevicePath(self.ctx.tree_cache)
+        return paths
+
+    def _run_watchdog(self, quarantine_only: bool = False) -> list[str]:
+        """Free what is due; returns the ids (pending and quarantined) it decided on."""
+        # The deadline is judged on each rank's clock, then unioned so that every rank
+        # frees the same ids and the trees stay identical.
+        local_due = self.pending.due()
+        if quarantine_only:
+            local_due = [mid for mid in local_due if self.pending.get(mid) is None]
+        due = sorted({mid for ids in self.ctx.all_gather(local_due) for mid in ids})
+        # A commit whose scatter runs owns its slots until it answers (a local copy).
+        due = [mid for mid in due if not self.staged_commits.in_progress(mid)]
+        for _ in self.pending.expire(due):
+            self.metrics.outcome("target", "expired")
+        return due
+
+
+def _in_progress(
+    migration_id: str, action: str
+) -> CommitTransferRequestKVCacheReqOutput | AbortTransferReqOutput:
+    output_type = (
+        CommitTransferRequestKVCacheReqOutput if action == "commit" else AbortTransferReqOutput
+    )
+    return output_type(
+        success=False,
+        message=f"cannot {action} migration {migration_id!r}: its commit is in progress",
+        error_kind=ErrorKind.CONFLICT.value,
+    )
+
+
+def guarded_refusal(check: Callable[[], str | None]) -> str | None:
+    """`check()`, with an unexpected error turned into a refusal (handlers never raise;
+    the ranks' collectives must still be entered)."""
+    try:
+        return check()
+    except Exception as e:
+        logger.exception("KV migration verify failed")
+        return f"verify failed: {e!r}"
+
+
+def advertised_hostname(configured: str | None, server_host: str) -> str:
+    """The address peers should use to reach this server's transfer engine."""
+    if configured:
+        return configured
+    if server_host and server_host not in ("0.0.0.0", "::", ""):
+        return server_host
+    # Wildcard bind: the address this host's name resolves to.
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

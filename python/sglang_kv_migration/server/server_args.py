@@ -1,0 +1,234 @@
+"""Server flags of KV-cache migration, added to SGLang's `ServerArgs`.
+
+`plugin.py` replaces `sglang.srt.server_args.ServerArgs` with `KVMigrationServerArgs`, a
+dataclass subclass with our fields. Subclassing (instead of setting attributes on an
+instance) keeps the fields typed, makes them part of `dataclasses.fields()`, lets
+`Engine(enable_kv_migration=True)` work, and carries them into the scheduler processes,
+which receive ServerArgs pickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Literal
+
+from sglang.srt import server_args as _upstream
+
+from sglang_kv_migration.paths.base import parse_path_names
+
+# IMPORTANT: never keep a module-level alias of the upstream class here. The hook registry
+# rebinds every module attribute that holds the replaced class to the replacement, so an
+# alias would point back at KVMigrationServerArgs and recurse; reach the parent via super().
+
+TransportProtocol = Literal["tcp", "rdma"]
+
+DEFAULT_WATCHDOG_TIMEOUT_S = 60.0
+DEFAULT_MAX_BATCH_ENTRIES = 1024
+DEFAULT_PATHS = "device,host"
+DEFAULT_GRANT_TTL_S = 15.0
+DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+DEFAULT_STAGING_MB = 256
+
+
+class KVMigrationArgsError(ValueError):
+    """A migration flag is invalid or conflicts with another flag."""
+
+
+@dataclasses.dataclass
+class KVMigrationServerArgs(_upstream.ServerArgs):
+    # KV-cache migration between servers (peer to peer over Mooncake TE).
+    enable_kv_migration: bool = False
+    kv_migration_watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT_S
+    kv_migration_hostname: str | None = None
+    kv_migration_protocol: TransportProtocol = "tcp"
+    kv_migration_rdma_devices: str = ""
+    kv_migration_max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES
+    kv_migration_paths: str = DEFAULT_PATHS
+    kv_migration_grant_key: str | None = None
+    kv_migration_grant_ttl: float = DEFAULT_GRANT_TTL_S
+    kv_migration_transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT_S
+    kv_migration_staging_mb: int = DEFAULT_STAGING_MB
+    kv_migration_verify: bool = False
+
+    def __post_init__(self):
+        # IMPORTANT: check our flags before SGLang's own post-init, which reads the model
+        # config and probes devices: a wrong flag should fail fast with our message.
+        check_kv_migration_args(self)
+        super().__post_init__()
+        # SGLang may switch hierarchical cache off (e.g. for diffusion LLMs).
+        check_kv_migration_args(self)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser):
+        super(KVMigrationServerArgs, KVMigrationServerArgs).add_cli_args(parser)
+        add_kv_migration_cli_args(parser)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace):
+        try:
+            return super().from_cli_args(args)
+        except KVMigrationArgsError as e:
+            # One line, like argparse's own errors, instead of a traceback.
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+
+def add_kv_migration_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KV cache migration (sglang-kv-migration)")
+    group.add_argument(
+        "--enable-kv-migration",
+        action="store_true",
+        help="Serve the KV-cache migration endpoints (/get_transfer_session_info, "
+        "/allocate_token_for_transfer, ...). Requires --enable-hierarchical-cache.",
+    )
+    group.add_argument(
+        "--kv-migration-watchdog-timeout",
+        type=float,
+        default=DEFAULT_WATCHDOG_TIMEOUT_S,
+        help="Seconds after which an allocation that was neither committed nor aborted is freed.",
+    )
+    group.add_argument(
+        "--kv-migration-hostname",
+        type=str,
+        default=None,
+        help="Address this server advertises to peers for KV transfers. Defaults to "
+        "--host, or this machine's outbound IP when --host is a wildcard.",
+    )
+    group.add_argument(
+        "--kv-migration-protocol",
+        choices=["tcp", "rdma"],
+        default="tcp",
+        help="Mooncake transport: rdma in production, tcp where there is no RDMA NIC.",
+    )
+    group.add_argument(
+        "--kv-migration-rdma-devices",
+        type=str,
+        default="",
+        help="Comma-separated RDMA device names for --kv-migration-protocol rdma "
+        "(empty: let Mooncake pick).",
+    )
+    group.add_argument(
+        "--kv-migration-max-batch-entries",
+        type=int,
+        default=DEFAULT_MAX_BATCH_ENTRIES,
+        help="Most write entries submitted to one peer in one batch (Mooncake's TCP "
+        "transport queues at most 1024 per peer by default).",
+    )
+    group.add_argument(
+        "--kv-migration-paths",
+        type=str,
+        default=DEFAULT_PATHS,
+        help="Data paths this server offers, in order of preference: 'device' (GPU to GPU "
+        "through CUDA IPC, servers on one host) and 'host' (host pool to host pool through "
+        "Mooncake). A path that cannot run here (no CUDA, --enable-memory-saver) is left "
+        "out with a warning at start-up.",
+    )
+    group.add_argument(
+        "--kv-migration-grant-key",
+        type=str,
+        default=None,
+        help="Secret shared by every server that migrates with this one: signs the write "
+        "grants and receipts that bind a source's writes to the slots the target reserved. "
+        "Defaults to one derived from --admin-api-key, else --api-key; without any, grants "
+        "are unsigned (they stop confused clients, not hostile peers on the transfer network).",
+    )
+    group.add_argument(
+        "--kv-migration-grant-ttl",
+        type=float,
+        default=DEFAULT_GRANT_TTL_S,
+        help="Seconds after allocate during which the source may start writing the reserved "
+        "slots (at most half of --kv-migration-watchdog-timeout is used).",
+    )
+    group.add_argument(
+        "--kv-migration-transfer-timeout",
+        type=float,
+        default=DEFAULT_TRANSFER_TIMEOUT_S,
+        help="Longest a host-path transfer may run. Freed slots whose writes could still land "
+        "stay quarantined until the grant's deadline plus twice this.",
+    )
+    group.add_argument(
+        "--kv-migration-staging-mb",
+        type=int,
+        default=DEFAULT_STAGING_MB,
+        help="Host memory per rank (MiB, pinned where CUDA is available) that sources may "
+        "write fragmented host-path migrations into as a few large entries; the target then "
+        "copies it into the reserved slots before commit. 0 turns staging off.",
+    )
+    group.add_argument(
+        "--kv-migration-verify",
+        action="store_true",
+        help="As a target, check every migration before inserting it: the source sends an "
+        "xxh3-128 digest of the KV it wrote, this server hashes what landed in the reserved "
+        "slots, and /commit answers 409 (nothing inserted) on a mismatch. Costs one pass "
+        "over the migrated bytes on each side. Clients can also ask per migration "
+        "(allocate or commit with verify: true).",
+    )
+
+
+def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
+    """Raise `KVMigrationArgsError` with a one-line message for an invalid combination."""
+    if not args.enable_kv_migration:
+        return
+    if not args.enable_hierarchical_cache:
+        raise KVMigrationArgsError(
+            "--enable-kv-migration requires --enable-hierarchical-cache "
+            "(migrated pages land in the hierarchical cache's host pool); add "
+            "--enable-hierarchical-cache."
+        )
+    if not args.kv_migration_watchdog_timeout > 0:
+        raise KVMigrationArgsError(
+            "--kv-migration-watchdog-timeout must be a positive number of seconds, got "
+            f"{args.kv_migration_watchdog_timeout}."
+        )
+    if not args.kv_migration_grant_ttl > 0:
+        raise KVMigrationArgsError(
+            "--kv-migration-grant-ttl must be a positive number of seconds, got "
+            f"{args.kv_migration_grant_ttl}."
+        )
+    if not args.kv_migration_transfer_timeout > 0:
+        raise KVMigrationArgsError(
+            "--kv-migration-transfer-timeout must be a positive number of seconds, got "
+            f"{args.kv_migration_transfer_timeout}."
+        )
+    if args.kv_migration_staging_mb < 0:
+        raise KVMigrationArgsError(
+            f"--kv-migration-staging-mb must be >= 0 (0 = off), got {args.kv_migration_staging_mb}."
+        )
+    if args.kv_migration_max_batch_entries < 1:
+        raise KVMigrationArgsError(
+            "--kv-migration-max-batch-entries must be at least 1, got "
+            f"{args.kv_migration_max_batch_entries}."
+        )
+    if args.dp_size > 1:
+        raise KVMigrationArgsError(
+            f"--enable-kv-migration does not support --dp-size > 1 yet (got {args.dp_size}); "
+            "use tensor and pipeline parallelism only."
+        )
+    if args.attn_cp_size > 1:
+        # CP ranks own different pages of one sequence: a rank's pool is not the prefix.
+        raise KVMigrationArgsError(
+            f"--enable-kv-migration does not support --attn-cp-size > 1 yet (got "
+            f"{args.attn_cp_size}): with attention context parallelism a prefix's KV pages "
+            "are spread over CP ranks."
+        )
+    if args.pp_size > 1 and args.nnodes > 1:
+        # Later PP stages reply to the tokenizer manager over its node-local IPC socket.
+        raise KVMigrationArgsError(
+            f"--enable-kv-migration with --pp-size > 1 needs every stage on one node "
+            f"(got --nnodes {args.nnodes}); multi-node pipeline parallelism is not supported yet."
+        )
+    try:
+        parse_path_names(args.kv_migration_paths)
+    except ValueError as e:
+        raise KVMigrationArgsError(f"--kv-migration-paths: {e}.") from None
+    if args.kv_migration_protocol not in ("tcp", "rdma"):
+        raise KVMigrationArgsError(
+            f"--kv-migration-protocol must be tcp or rdma, got {args.kv_migration_protocol!r}."
+        )
+
+
+def kv_migration_enabled(server_args: object) -> bool:
+    """True when these args ask for migration (False for a plain upstream ServerArgs)."""
+    return isinstance(server_args, KVMigrationServerArgs) and server_args.enable_kv_migration

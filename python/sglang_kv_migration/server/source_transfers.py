@@ -1,0 +1,509 @@
+"""Source side of `/transfer_request_kvcache` on one rank, without stalling the scheduler.
+
+Life of a transfer on every (tp, pp) rank (each PP stage moves its own layers to the
+stage with the same pp_rank on the target, and replies for its own TP ranks):
+
+    start():  ranks agree the request is valid (collective) → the data path pins the
+              range and starts its `SendJob` (no waiting)
+    poll():   jobs WAITING for pages (host path: device->host copies) advance once the
+              copies completed; the path moves the bytes off the scheduler thread
+    poll():   every rank done (collective) → release the pins, reply once, success only
+              if every rank succeeded
+
+IMPORTANT: the collectives here depend only on state that is identical across ranks
+(the list of transfers, which of them wait for pages), never on one rank's clock or
+one rank's error, so every rank enters them together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sglang_kv_migration import grants, page_ranges
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.io_types import (
+    RankTransferResult,
+    StageRefusal,
+    TransferRequestKVCacheReqInput,
+    TransferRequestKVCacheReqOutput,
+    TransferRequestKVCacheTarget,
+)
+from sglang_kv_migration.paths.base import DataPath, KVPoll, SendJob, SendRange
+from sglang_kv_migration.paths.host.layout import LayoutFingerprint
+from sglang_kv_migration.server.metrics import MigrationMetrics
+from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, error_of
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RankTransferStatus:
+    """One rank's view of a transfer, exchanged between ranks in `poll()`."""
+
+    done: bool
+    success: bool = False
+    bytes: int = 0
+    seconds: float = 0.0
+    message: str = ""
+    error_kind: str = ""
+    receipt: str = ""  # signed by this rank once done
+    plan: str = ""  # host path: how the write was shaped (staging.PlanKind)
+    entries: int = 0  # host path: transfer-engine entries
+    digest: str = ""  # of the pages sent, when the grant asked for verification
+    steps: dict[str, float] = dataclasses.field(default_factory=dict)  # SendStats.steps
+
+
+@dataclass
+class InflightTransfer:
+    """One rank's part of a transfer: validated → job started → done."""
+
+    request: TransferRequestKVCacheReqInput
+    started: float
+    send: SendRange | None = None  # this rank's part, once validated
+    path: DataPath | None = None
+    job: SendJob | None = None
+    error: MigrationError | None = None  # failed before anything was sent
+    result: RankTransferStatus | None = None
+    slots_digest: str = ""  # of this rank's target slots, once parsed (for the receipt)
+    own_slots: tuple[torch.Tensor, str] | None = None  # (slots, digest), parsed once
+
+    @property
+    def waiting(self) -> bool:
+        """Waiting for pages; identical on every TP rank."""
+        return self.job is not None and self.error is None and self.job.waiting
+
+    def local_status(self) -> RankTransferStatus:
+        if self.result is not None:
+            return self.result
+        if self.error is None and self.job is not None:
+            state = self.job.poll()
+            if state is KVPoll.FAILED:
+                self.error = self.job.error or MigrationError(ErrorKind.INTERNAL, "send failed")
+            elif state is KVPoll.SUCCESS:
+                stats = self.job.stats
+                self.result = RankTransferStatus(
+                    done=True,
+                    success=True,
+                    bytes=stats.bytes,
+                    seconds=stats.seconds,
+                    plan=stats.plan,
+                    entries=stats.entries,
+                    digest=stats.digest,
+                    steps=stats.steps,
+                )
+        if self.error is not None:
+            self.result = RankTransferStatus(
+                done=True, message=self.error.message, error_kind=self.error.kind.value
+            )
+        return self.result or RankTransferStatus(done=False)
+
+
+class SourceTransfers:
+    """The transfers this rank is sending, from request to reply."""
+
+    def __init__(
+        self,
+        ctx: RankContext,
+        fingerprint: LayoutFingerprint,
+        paths: Mapping[str, DataPath],
+        metrics: MigrationMetrics,
+        server_epoch: str = "",
+        signer: grants.Signer | None = None,
+        server_fingerprints: Mapping[tuple[int, int], LayoutFingerprint] | None = None,
+        max_tokens: int = 1 << 62,
+    ):
+        self.ctx = ctx
+        self.fingerprint = fingerprint
+        # Every (tp, pp) rank's layout, for stage 0's checks of later stages' entries.
+        self.server_fingerprints = server_fingerprints or {(ctx.tp_rank, ctx.pp_rank): fingerprint}
+        self.paths = paths
+        self.metrics = metrics
+        self.server_epoch = server_epoch
+        self.signer = signer or grants.Signer(None)
+        self.max_tokens = max_tokens  # the most slots one transfer can name (host pool)
+        self._used_grants = grants.UsedGrants()
+        self.inflight: list[InflightTransfer] = []  # read-only outside this class
+
+    def __len__(self) -> int:
+        return len(self.inflight)
+
+    def start(self, req: TransferRequestKVCacheReqInput) -> None:
+        """Handle a transfer request; the reply is sent later by `poll()`, also when
+        something here failed unexpectedly (then it says so: never two replies)."""
+        inflight = InflightTransfer(request=req, started=time.monotonic())
+        self.inflight.append(inflight)
+        error = error_of(lambda: self._start(req, inflight))
+        if error is not None and inflight.error is None:
+            inflight.error = error
+
+    def _start(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
+        # First: even a refused transfer's receipt names this rank's slots (a settled
+        # receipt lets the target free them at once); a bad entry is reported below.
+        error_of(lambda: self._parse_own_slots(req, inflight))
+        if req.stage_refusal is not None:
+            # An earlier PP stage refused before pinning anything: so do we (its reply
+            # fails the transfer), leaving this stage's tree as that stage left its own.
+            kind = ErrorKind(req.stage_refusal.error_kind or ErrorKind.INTERNAL.value)
+            inflight.error = MigrationError(kind, req.stage_refusal.message)
+            return
+        local_error = error_of(lambda: self._validate(req, inflight))
+        # IMPORTANT: agree on validity before touching the tree. A rank that pinned and
+        # queued write-backs while another did not would leave the ranks' write-through
+        # state different, and SGLang's `writing_check` collectives would deadlock.
+        errors = [e for e in self.ctx.all_gather(local_error) if e is not None]
+        if errors:
+            inflight.error = errors[0]
+            req.stage_refusal = StageRefusal(errors[0].message, errors[0].kind.value)
+            return
+        # Same outcome on every rank: their trees and pools are identical. (The device
+        # path may still refuse on one rank only, e.g. an unopenable peer buffer; the
+        # gather in `_finish_done` then fails the transfer on every rank.)
+        inflight.error = error_of(lambda: self._start_job(inflight))
+
+    def poll(self) -> None:
+        """Once per scheduler loop iteration while transfers are in flight."""
+        if self.inflight:
+            if any(t.waiting for t in self.inflight):
+                # A collective: `waiting` is the same on every rank.
+                self.ctx.tree_cache.writing_check()
+            self._finish_done()
+
+    def fail_all(self, reason: str) -> None:
+        """Fail every transfer in flight (the reply follows from `poll`), e.g. when the
+        cache they read is about to be reset. Writes already submitted may still run."""
+        for inflight in self.inflight:
+            if inflight.result is None and inflight.error is None:
+                inflight.error = MigrationError(ErrorKind.CONFLICT, reason)
+            if inflight.job is not None:
+                inflight.job.release()  # idempotent: `_finish_done` calls it again
+
+    def close(self) -> None:
+        for inflight in self.inflight:
+            if inflight.job is not None:
+                inflight.job.release()
+        self.inflight.clear()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_size(self, req: TransferRequestKVCacheReqInput) -> None:
+        """Refuse, before any per-token work, a range no pool of this server could hold
+        (the host pool is larger than the device pool, and holds every page sent)."""
+        end = req.matched_token_size + req.extra_token_size
+        if req.extra_token_size > self.max_tokens or end > len(req.input_ids):
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                f"extra_token_size={req.extra_token_size} from {req.matched_token_size} is "
+                f"more than this server can send ({self.max_tokens} slots) or than "
+                f"input_ids holds ({len(req.input_ids)})",
+            )
+
+    def _validate(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
+        self._check_size(req)
+        by_rank = {(t.tp, t.pp): t for t in req.target_per_rank}
+        me = (self.ctx.tp_rank, self.ctx.pp_rank)
+        target = by_rank.get(me)
+        # One digest of the prefix for every entry checked (one pass over the tokens).
+        tokens = grants.tokens_digest(
+            req.input_ids[: req.matched_token_size + req.extra_token_size], req.extra_key
+        )
+        if self.ctx.first_stage:
+            # IMPORTANT: stage 0 checks every later stage's entry too (structure,
+            # fingerprint, grant), so a later stage cannot refuse after this one pinned
+            # and wrote: stages see the request one after the other (`pp_stages.py`).
+            for position, fingerprint in sorted(self.server_fingerprints.items()):
+                if position != me and position[1] != self.ctx.pp_rank:
+                    self._check_target(req, by_rank.get(position), position, fingerprint, tokens)
+        slots, _digest, grant = self._check_target(
+            req, target, me, self.fingerprint, tokens, inflight.own_slots
+        )
+        self._used_grants.claim(grant)
+        start = req.matched_token_size
+        inflight.path = self.paths[target.path]
+        inflight.send = SendRange(
+            input_ids=req.input_ids,
+            extra_key=req.extra_key,
+            start=start,
+            end=start + req.extra_token_size,
+            target=target,
+            target_slots=slots,
+            migration_id=req.migration_id,
+            start_by=grant.expires_at,
+            write_until=grant.write_until or float("inf"),
+            verify=grant.verify,
+        )
+
+    def _parse_own_slots(
+        self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer
+    ) -> None:
+        for target in req.target_per_rank:
+            if (target.tp, target.pp) == (self.ctx.tp_rank, self.ctx.pp_rank):
+                self._check_size(req)
+                slots = target_slots(target, self.fingerprint.page_size, req.extra_token_size)
+                inflight.own_slots = (slots, grants.slots_digest(slots))
+                inflight.slots_digest = inflight.own_slots[1]
+                return
+
+    def _check_target(
+        self,
+        req: TransferRequestKVCacheReqInput,
+        target: TransferRequestKVCacheTarget | None,
+        position: tuple[int, int],
+        fingerprint: LayoutFingerprint,
+        tokens_digest: str,
+        slots_and_digest: tuple[torch.Tensor, str] | None = None,
+    ) -> tuple[torch.Tensor, str, grants.Grant]:
+        """Check the target entry of source rank `position` (whose layout is
+        `fingerprint`) against the prefix's `tokens_digest`; returns its slots, their
+        digest and the checked grant."""
+        tp, pp = position
+        if target is None:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST, f"target_per_rank has no entry for tp={tp} pp={pp}"
+            )
+        if slots_and_digest is None:
+            slots = target_slots(target, fingerprint.page_size, req.extra_token_size)
+            slots_and_digest = (slots, grants.slots_digest(slots))
+        slots, digest = slots_and_digest
+        if target.path not in self.paths:
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"data path {target.path!r} is not available on this source (available: "
+                f"{', '.join(self.paths) or 'none'})",
+            )
+        mine = dataclasses.replace(fingerprint, weight_version=req.weight_version)
+        check_peer_fingerprint(mine, [target.fingerprint], role="target")
+        if len(slots) != req.extra_token_size:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                f"target rank tp={tp} pp={pp} has {len(slots)} slots for "
+                f"extra_token_size={req.extra_token_size}",
+            )
+        # IMPORTANT: write only what the target granted, checked without trusting the
+        # client: this migration, this rank, this path, exactly these slots, in time, once.
+        if not target.grant:
+            raise MigrationError(
+                ErrorKind.FORBIDDEN,
+                f"write refused: no grant for tp={tp} pp={pp} (pass the allocate "
+                "reply's grant); nothing was written",
+            )
+        grant = self.signer.check_grant(
+            target.grant,
+            migration_id=req.migration_id,
+            tp=tp,
+            pp=pp,
+            path=target.path,
+            num_slots=len(slots),
+            slots=digest,
+            tokens=tokens_digest,
+            staging=_staging_extent(target),  # a staging extent is written only if granted
+            # Where the body says the bytes go must be what the target published, and
+            # the grant must have been issued to this server.
+            destination=grants.destination_digest(self.paths[target.path].destination_of(target)),
+            source=self.server_epoch,
+        )
+        return slots, digest, grant
+
+    def _start_job(self, inflight: InflightTransfer) -> None:
+        inflight.job = inflight.path.start_send(inflight.send)
+
+    def _finish_done(self) -> None:
+        per_rank = self.ctx.all_gather([self._status(t) for t in self.inflight])
+        still_running: list[InflightTransfer] = []
+        for i, inflight in enumerate(self.inflight):
+            statuses = [rank_statuses[i] for rank_statuses in per_rank]
+            if not all(s.done for s in statuses):
+                still_running.append(inflight)
+                continue
+            if inflight.job is not None:
+                inflight.job.release()
+            self._reply(inflight, statuses)
+        self.inflight = still_running
+
+    def _status(self, inflight: InflightTransfer) -> RankTransferStatus:
+        """This rank's status, with its signed receipt once the transfer is over here."""
+        status = inflight.local_status()
+        if status.done and not status.receipt:
+            send, job = inflight.send, inflight.job
+            status.receipt = self.signer.encode(
+                grants.Receipt(
+                    migration_id=inflight.request.migration_id,
+                    tp=self.ctx.tp_rank,
+                    pp=self.ctx.pp_rank,
+                    path=send.target.path if send is not None else "",
+                    slots_digest=inflight.slots_digest,
+                    success=status.success,
+                    bytes=status.bytes,
+                    # Nothing more can land once done, or if no write was ever submitted.
+                    settled=status.success or job is None or not job.started_writing,
+                    # Told only to a target that granted an extent: it must scatter then.
+                    plan=status.plan if send is not None and send.target.staging else "",
+                    digest=status.digest,
+                    source=self.server_epoch,
+                )
+            )
+        return status
+
+    def _reply(self, inflight: InflightTransfer, statuses: list[RankTransferStatus]) -> None:
+        req = inflight.request
+        # `statuses` come from this stage's TP group, in tp_rank order.
+        ranks = [
+            RankTransferResult(
+                tp_rank=i,
+                pp_rank=self.ctx.pp_rank,
+                success=s.success,
+                bytes=s.bytes,
+                seconds=s.seconds,
+                message=s.message,
+                receipt=s.receipt,
+                plan=s.plan,
+                entries=s.entries,
+                steps_ms={k: round(v * 1e3, 2) for k, v in s.steps.items()},
+            )
+            for i, s in enumerate(statuses)
+        ]
+        failed = [s for s in statuses if not s.success]
+        elapsed = time.monotonic() - inflight.started
+        self.metrics.phase("transfer", elapsed)
+        # Every rank of a stage builds this same reply; only the first one logs it.
+        first_rank = self.ctx.tp_rank == 0
+        if failed:
+            output = TransferRequestKVCacheReqOutput(
+                success=False,
+                ranks=ranks,
+                path=_path_name(req),
+                server_epoch=f"{self.server_epoch}:{req.weight_version}",
+                message=failed[0].message,
+                error_kind=failed[0].error_kind,
+            )
+            self.metrics.outcome("source", "send_failed")
+            if first_rank:
+                logger.warning(
+                    "KV migration %s transfer failed after %.1f ms: %s",
+                    req.migration_id,
+                    elapsed * 1e3,
+                    failed[0].message,
+                )
+        else:
+            total_bytes = sum(s.bytes for s in statuses)
+            output = TransferRequestKVCacheReqOutput(
+                success=True,
+                transferred_token_size=req.extra_token_size,
+                transferred_bytes=total_bytes,
+                ranks=ranks,
+                path=_path_name(req),
+                server_epoch=f"{self.server_epoch}:{req.weight_version}",
+            )
+            self.metrics.outcome("source", "sent")
+            # Gathers run over the stage's TP group, in tp_rank order.
+            self.metrics.moved("source", req.extra_token_size, statuses[self.ctx.tp_rank].bytes)
+            if first_rank:
+                logger.info(
+                    "KV migration %s sent: %d tokens, %d bytes (%d ranks), %.1f ms%s",
+                    req.migration_id,
+                    req.extra_token_size,
+                    total_bytes,
+                    len(statuses),
+                    elapsed * 1e3,
+                    _steps_text(statuses[self.ctx.tp_rank].steps),
+                )
+        output.rid = req.rid  # the tokenizer side matches concurrent transfers by rid
+        self.ctx.send_output(output, req)
+
+
+def _steps_text(steps: Mapping[str, float]) -> str:
+    """ ", this rank: host_copies 1.2 ms, probe 0.0 ms, ..." for the log line."""
+    if not steps:
+        return ""
+    return ", this rank: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in steps.items())
+
+
+def target_slots(
+    target: TransferRequestKVCacheTarget, page_size: int, num_tokens: int
+) -> torch.Tensor:
+    """The target rank's token slots, from `kv_indices` or from whole pages: `kv_pages`,
+    or `kv_page_ranges` runs (`page_ranges.py`); exactly `num_tokens` of them.
+
+    IMPORTANT: the count is checked from the lists' lengths and the runs' counts before
+    anything is expanded: a few bytes of runs can name gigabytes of slots."""
+    import torch
+
+    if sum(map(bool, (target.kv_pages, target.kv_indices, target.kv_page_ranges))) > 1:
+        raise MigrationError(
+            ErrorKind.BAD_REQUEST,
+            "give one of kv_indices, kv_pages and kv_page_ranges for a target rank",
+        )
+    _check_slot_count(target, page_size, num_tokens)
+    if target.kv_pages or target.kv_page_ranges:
+        try:
+            pages = (
+                page_ranges.pages_from_ranges(target.kv_page_ranges)
+                if target.kv_page_ranges
+                else _int64_tensor(target.kv_pages, "kv_pages")
+            )
+        except ValueError as e:
+            raise MigrationError(ErrorKind.BAD_REQUEST, str(e)) from None
+        if page_size == 1:
+            return pages
+        return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+    return _int64_tensor(target.kv_indices, "kv_indices")
+
+
+def _check_slot_count(
+    target: TransferRequestKVCacheTarget, page_size: int, num_tokens: int
+) -> None:
+    """BAD_REQUEST unless the entry names exactly `num_tokens` slots, by arithmetic."""
+    if target.kv_page_ranges:
+        name = "kv_page_ranges"
+        if not all(
+            isinstance(pair, list | tuple) and len(pair) == 2 and isinstance(pair[1], int)
+            for pair in target.kv_page_ranges
+        ):
+            raise MigrationError(ErrorKind.BAD_REQUEST, "each page range must be [first, count]")
+        count = page_ranges.count_pages(target.kv_page_ranges) * page_size
+    elif target.kv_pages:
+        name, count = "kv_pages", len(target.kv_pages) * page_size
+    else:
+        name, count = "kv_indices", len(target.kv_indices)
+    if count != num_tokens:
+        raise MigrationError(
+            ErrorKind.BAD_REQUEST,
+            f"target rank tp={target.tp} pp={target.pp}: {name} name {count} slots "
+            f"(page_size={page_size}) for extra_token_size={num_tokens}",
+        )
+
+
+def _int64_tensor(values: list[int], name: str) -> torch.Tensor:
+    """An int64 tensor of a list of ints (the HTTP layer checked they are). Through numpy:
+    a third of `torch.tensor`'s time on a list, and this runs on the scheduler thread."""
+    import numpy as np
+    import torch
+
+    try:
+        return torch.from_numpy(np.array(values, dtype=np.int64))
+    except OverflowError as e:  # a bad request, as torch.tensor's ValueError was
+        raise ValueError(f"{name}: {e}") from None
+
+
+def _staging_extent(target: TransferRequestKVCacheTarget) -> tuple[int, int] | None:
+    """The ``(addr, length)`` staging extent a target rank entry asks to write, if any."""
+    if not target.staging:
+        return None
+    if target.path != "host" or len(target.staging) != 2 or min(target.staging) <= 0:
+        raise MigrationError(
+            ErrorKind.BAD_REQUEST,
+            f"target tp={target.tp} pp={target.pp}: staging must be [addr, length] > 0 on "
+            f"the host path, got {target.staging} on path {target.path!r}",
+        )
+    return target.staging[0], target.staging[1]
+
+
+def _path_name(req: TransferRequestKVCacheReqInput) -> str:
+    return req.target_per_rank[0].path if req.target_per_rank else ""

@@ -1,0 +1,726 @@
+"""The HTTP routes, the clients and the CLI against real servers on 127.0.0.1.
+
+Every "server" is `mini_server`: one process with a real HiRadixCache from the CPU
+harness, our real scheduler hooks and handlers, zmq plus SGLang's FanOutCommunicator
+between the HTTP and scheduler sides, our FastAPI routes on uvicorn (with SGLang's API
+key middleware where keys are set), and Mooncake TCP between servers.
+
+All servers of the module start in one `start_servers` call (start-up is the slow part)
+and each test works on its own token prefix, so tests do not depend on each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cpu_harness
+import httpx
+import pytest
+import torch
+from mini_server import ServerHandle, ServerSpec, start_servers
+from sglang_kv_migration import PROTOCOL_VERSION
+from sglang_kv_migration.client.migration import (
+    AsyncMigrationClient,
+    MigrationClient,
+    MigrationFailed,
+)
+from sglang_kv_migration.server.http_api import DISABLED_MESSAGE
+
+PAGE = 16
+WATCHDOG_S = 2.0
+HTTP_TIMEOUT_S = 30.0
+
+ROUTES = (
+    "/get_transfer_session_info",
+    "/get_request_extra_token_size",
+    "/allocate_token_for_transfer",
+    "/transfer_request_kvcache",
+    "/commit",
+    "/abort_transfer",
+)
+
+
+def _seq(start: int, length: int) -> list[int]:
+    return list(range(start, start + length))
+
+
+# One prefix per test; distinct first tokens keep them on separate radix branches.
+SEQ_E2E = _seq(1000, 8 * PAGE + 5)  # 128 page-aligned tokens
+SEQ_ASYNC = _seq(2000, 4 * PAGE)
+SEQ_COMMIT = _seq(3000, 3 * PAGE)
+SEQ_CLI = _seq(4000, 5 * PAGE)
+SEQ_MISMATCH = _seq(4500, 4 * PAGE)
+SEQ_BROKEN = _seq(5000, 4 * PAGE)
+SEQ_WATCHDOG = _seq(6000, 2 * PAGE)  # held by no server: allocate only
+SEQ_ABORT = _seq(6500, 2 * PAGE)  # held by no server: allocate only
+SEQ_NOT_HELD = _seq(9000, 2 * PAGE)
+SEQ_STAGED = _seq(7000, 8 * PAGE)
+
+
+@dataclass
+class Servers:
+    source: ServerHandle  # page 16, preloaded
+    target: ServerHandle  # page 16, short watchdog
+    broken: ServerHandle  # page 16, preloaded, every transport write fails
+    page64: ServerHandle  # page 64, small host pool
+    keyed: ServerHandle  # api key + admin key, migration disabled
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[Servers]:
+    harness = cpu_harness.HarnessConfig
+    specs = [
+        ServerSpec(
+            preload=[
+                (SEQ_E2E, 1),
+                (SEQ_ASYNC, 2),
+                (SEQ_COMMIT, 3),
+                (SEQ_CLI, 4),
+                (SEQ_MISMATCH, 5),
+                (SEQ_STAGED, 7),
+            ]
+        ),
+        ServerSpec(watchdog_timeout_s=WATCHDOG_S),
+        ServerSpec(preload=[(SEQ_BROKEN, 6)], broken_transport_rank=0),
+        ServerSpec(harness=harness(page_size=64, device_tokens=256)),
+        ServerSpec(enable_kv_migration=False, api_key="k", admin_api_key="adm"),
+    ]
+    handles = start_servers(specs)
+    try:
+        yield Servers(*handles)
+    finally:
+        for handle in handles:
+            handle.stop()
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=HTTP_TIMEOUT_S) as client:
+        yield client
+
+
+def _post(http: httpx.Client, server: ServerHandle, path: str, body: Any = None) -> httpx.Response:
+    return http.post(server.url + path, json=body if body is not None else {})
+
+
+def _session_info(http: httpx.Client, server: ServerHandle) -> dict[str, Any]:
+    r = _post(http, server, "/get_transfer_session_info")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _fingerprints(http: httpx.Client, server: ServerHandle) -> list[dict[str, Any]]:
+    return [rank["fingerprint"] for rank in _session_info(http, server)["ranks"]]
+
+
+def _same_kv(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def _kv_bytes_per_token(kv: list[torch.Tensor], num_tokens: int) -> int:
+    return sum(t.numel() * t.element_size() for t in kv) // num_tokens
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def test_openapi_lists_the_six_routes(servers: Servers, http: httpx.Client) -> None:
+    r = http.get(servers.source.url + "/openapi.json")
+    assert r.status_code == 200
+    paths = r.json()["paths"]
+    for route in ROUTES:
+        assert "post" in paths.get(route, {}), f"{route} missing from {sorted(paths)}"
+
+
+def test_session_info_per_rank(servers: Servers, http: httpx.Client) -> None:
+    info = _session_info(http, servers.source)
+    assert info["success"] is True
+    assert info["protocol_version"] == PROTOCOL_VERSION
+    assert len(info["ranks"]) == 1
+    rank = info["ranks"][0]
+    assert (rank["tp_rank"], rank["pp_rank"]) == (0, 0)
+    assert rank["session_id"].startswith("127.0.0.1:")
+    assert int(rank["session_id"].rsplit(":", 1)[1]) > 0
+    n = len(rank["host_kv_data_ptrs"])
+    assert n > 0 and len(rank["host_kv_data_lens"]) == n and len(rank["host_kv_item_lens"]) == n
+    assert all(p > 0 for p in rank["host_kv_data_ptrs"])
+    assert all(length > 0 for length in rank["host_kv_data_lens"])
+    assert rank["page_size"] == PAGE
+    assert rank["fingerprint"]["page_size"] == PAGE
+    assert rank["fingerprint"]["protocol_version"] == PROTOCOL_VERSION
+    # Each server has its own transfer engine.
+    other = _session_info(http, servers.target)["ranks"][0]
+    assert other["session_id"] != rank["session_id"]
+
+
+def test_extra_token_size(servers: Servers, http: httpx.Client) -> None:
+    r = _post(http, servers.source, "/get_request_extra_token_size", {"input_ids": SEQ_E2E})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["matched_token_size"], body["extra_token_size"], body["total_token_size"]) == (
+        128,
+        0,
+        128,
+    )
+    r = _post(http, servers.target, "/get_request_extra_token_size", {"input_ids": SEQ_NOT_HELD})
+    assert r.status_code == 200
+    assert (r.json()["matched_token_size"], r.json()["extra_token_size"]) == (0, 2 * PAGE)
+
+
+def _bad_transfer_body(**changes: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "input_ids": SEQ_NOT_HELD,
+        "matched_token_size": 0,
+        "extra_token_size": PAGE,
+        "migration_id": "m",
+        "target_per_rank": [
+            {
+                "tp": 0,
+                "pp": 0,
+                "session_id": "127.0.0.1:1",
+                "host_kv_data_ptrs": [4096],
+                "host_kv_data_lens": [4096],
+                "host_kv_item_lens": [64],
+                "kv_indices": list(range(PAGE)),
+                "fingerprint": {},
+            }
+        ],
+    }
+    body.update(changes)
+    return body
+
+
+def _rank_with(**changes: Any) -> list[dict[str, Any]]:
+    return [{**_bad_transfer_body()["target_per_rank"][0], **changes}]
+
+
+MALFORMED = [
+    ("/get_request_extra_token_size", {"input_ids": 5}, "input_ids"),
+    ("/get_request_extra_token_size", {"input_ids": [1, -2]}, "input_ids.1"),
+    ("/get_request_extra_token_size", {"input_ids": []}, "input_ids"),
+    ("/get_request_extra_token_size", {"input_ids": [1, True]}, "input_ids.1"),
+    ("/get_request_extra_token_size", {"input_ids": ["1"]}, "input_ids.0"),
+    ("/get_request_extra_token_size", {"input_ids": [1], "bogus": 1}, "bogus"),
+    ("/get_request_extra_token_size", {}, "input_ids"),
+    ("/allocate_token_for_transfer", {"input_ids": [1, 2]}, "source_fingerprints"),
+    (
+        "/allocate_token_for_transfer",
+        {"input_ids": [1], "source_fingerprints": [{}], "extra_token_size": -1},
+        "extra_token_size",
+    ),
+    (
+        "/allocate_token_for_transfer",
+        {"input_ids": [1], "source_fingerprints": [], "migration_id": "x"},
+        "migration_id",  # minted by the server, never taken from the body
+    ),
+    ("/transfer_request_kvcache", _bad_transfer_body(target_per_rank=[]), "target_per_rank"),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(kv_indices=[0, 1, 2])),
+        "kv_indices",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(host_kv_item_lens=[64, 64])),
+        "host_kv_item_lens",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(session_id="no-port")),
+        "session_id",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with() + _rank_with()),
+        "twice",
+    ),
+    ("/transfer_request_kvcache", _bad_transfer_body(extra_token_size=0), "extra_token_size"),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(matched_token_size=PAGE * 2),
+        "exceeds len(input_ids)",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(staging=[4096])),
+        "staging",
+    ),
+    (
+        "/allocate_token_for_transfer",
+        {"input_ids": [1], "source_fingerprints": [{}], "staging": "yes"},
+        "staging",
+    ),
+    ("/get_request_extra_token_size", {"input_ids": [1, 1 << 63]}, "input_ids.1"),
+    ("/get_request_extra_token_size", {"input_ids": [1, 2, 1 << 64]}, "input_ids.2"),
+    (
+        "/allocate_token_for_transfer",
+        {"input_ids": [1], "source_fingerprints": [{}], "index_format": "runs"},
+        "index_format",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(kv_indices=[-1] + list(range(1, PAGE)))),
+        "kv_indices.0",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(kv_indices=[], kv_page_ranges=[[0, 0]])),
+        "kv_page_ranges.0",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(kv_indices=[], kv_page_ranges=[[-3, 1]])),
+        "kv_page_ranges.0",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(
+            target_per_rank=_rank_with(kv_indices=[], kv_page_ranges=[[0, 1], [5, 1, 1]])
+        ),
+        "kv_page_ranges.1",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(kv_indices=[], kv_page_ranges=[[0, 3]])),
+        "do not divide extra_token_size",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(target_per_rank=_rank_with(kv_page_ranges=[[0, 1]])),
+        "exactly one of kv_indices, kv_pages and kv_page_ranges",
+    ),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(
+            target_per_rank=_rank_with(kv_indices=[], kv_page_ranges=[[0, 1 << 21], [0, 1]])
+        ),
+        "over the",
+    ),
+    ("/commit", {}, "migration_id"),
+    ("/commit", {"migration_id": ""}, "migration_id"),
+    ("/commit", {"migration_id": 7}, "migration_id"),
+    ("/abort_transfer", {}, "migration_id"),
+    ("/abort_transfer", {"migration_id": "x" * 129}, "migration_id"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "names"), MALFORMED, ids=[f"{p}-{n}" for p, _b, n in MALFORMED]
+)
+def test_malformed_input_is_400_naming_the_field(
+    servers: Servers, http: httpx.Client, path: str, body: Any, names: str
+) -> None:
+    server = servers.source if path == "/transfer_request_kvcache" else servers.target
+    before = server.ask(0, "snapshot")
+    r = _post(http, server, path, body)
+    assert r.status_code == 400, r.text
+    reply = r.json()
+    assert reply["success"] is False
+    assert reply["error_kind"] == "bad_request"
+    assert names in reply["message"], reply["message"]
+    assert server.ask(0, "snapshot") == before
+
+
+@pytest.mark.parametrize("path", ROUTES[1:])
+def test_non_json_body_is_400(servers: Servers, http: httpx.Client, path: str) -> None:
+    before = servers.target.ask(0, "snapshot")
+    r = http.post(
+        servers.target.url + path,
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400, r.text
+    assert "JSON" in r.json()["message"]
+    assert servers.target.ask(0, "snapshot") == before
+
+
+# --------------------------------------------------------------------------- client
+
+
+def test_client_migrates_partial_then_rest_then_nothing(servers: Servers) -> None:
+    src, dst = servers.source, servers.target
+    aligned = SEQ_E2E[:128]
+    with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
+        # A shorter prefix first: the target then holds the first 64 tokens with the
+        # source's bytes, so the second migration moves only the tail.
+        first = client.migrate(src.url, dst.url, SEQ_E2E[:64])
+        assert (first.source_held_token_size, first.target_matched_token_size) == (64, 0)
+        assert first.migrated_token_size == 64
+        assert first.matched_after_commit == 64
+        assert sum(dst.ask(0, "held", SEQ_E2E)) == 64
+
+        second = client.migrate(src.url, dst.url, SEQ_E2E)
+        assert second.migration_id not in ("", first.migration_id)
+        assert second.source_held_token_size == 128
+        assert second.target_matched_token_size == 64
+        assert second.migrated_token_size == 64
+        assert second.matched_after_commit == 128
+        assert {"session_info", "allocate", "transfer", "commit", "total"} <= set(second.timings)
+        assert sum(dst.ask(0, "held", SEQ_E2E)) == 128
+
+        source_kv = src.ask(0, "kv", aligned)
+        target_kv = dst.ask(0, "kv", aligned)
+        assert len(source_kv) == cpu_harness.HarnessConfig().layer_num
+        assert _same_kv(source_kv, target_kv)
+        per_token = _kv_bytes_per_token(source_kv, len(aligned))
+        assert first.migrated_bytes == 64 * per_token
+        assert second.migrated_bytes == 64 * per_token
+
+        again = client.migrate(src.url, dst.url, SEQ_E2E)
+        assert again.migration_id == ""
+        assert (again.migrated_token_size, again.migrated_bytes) == (0, 0)
+        assert again.target_matched_token_size == 128
+        assert again.matched_after_commit == 128
+
+
+def test_client_stages_a_fragmented_migration(servers: Servers, http: httpx.Client) -> None:
+    src, dst = servers.source, servers.target
+    rank = _session_info(http, dst)["ranks"][0]
+    assert rank["stage_writer"] is True and rank["staging_region"][1] == 4 << 20
+    assert set(rank["paths"]["host"]) == {  # unchanged: clients copy it into transfers
+        "session_id",
+        "host_kv_data_ptrs",
+        "host_kv_data_lens",
+        "host_kv_item_lens",
+    }
+    dst.ask(0, "fragment_host", 11)  # every page of the allocation its own run
+    with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
+        result = client.migrate(src.url, dst.url, SEQ_STAGED)
+    assert result.migrated_token_size == len(SEQ_STAGED)
+    # 8 scattered pages x 8 layer buffers would be 64 entries written directly.
+    assert result.plans == ["staged"] and result.entries == 1
+    (steps,) = result.transfer_steps_ms  # one source rank, its host-path steps in ms
+    assert {"host_copies", "queued", "probe", "plan", "wire"} <= steps.keys()
+    assert steps["wire"] > 0
+    assert _same_kv(src.ask(0, "kv", SEQ_STAGED), dst.ask(0, "kv", SEQ_STAGED))
+    slots = dst.ask(0, "host_slots")
+    assert slots["overlap"] == 0 and slots["in_tree"] == slots["in_tree_unique"]
+
+
+def test_client_nothing_held_by_source(servers: Servers) -> None:
+    before = servers.target.ask(0, "snapshot")
+    with MigrationClient() as client:
+        result = client.migrate(servers.source.url, servers.target.url, SEQ_NOT_HELD)
+    assert (result.source_held_token_size, result.migrated_token_size) == (0, 0)
+    assert result.migration_id == ""
+    assert servers.target.ask(0, "snapshot") == before
+
+
+def test_async_client_migrates(servers: Servers) -> None:
+    async def run() -> Any:
+        async with AsyncMigrationClient(timeout=HTTP_TIMEOUT_S) as client:
+            return await client.migrate(servers.source.url, servers.target.url, SEQ_ASYNC)
+
+    result = asyncio.run(run())
+    assert result.migrated_token_size == len(SEQ_ASYNC)
+    assert result.matched_after_commit == len(SEQ_ASYNC)
+    assert sum(servers.target.ask(0, "held", SEQ_ASYNC)) == len(SEQ_ASYNC)
+    assert _same_kv(servers.source.ask(0, "kv", SEQ_ASYNC), servers.target.ask(0, "kv", SEQ_ASYNC))
+
+
+# --------------------------------------------------------------------------- commit/abort
+
+
+@pytest.mark.parametrize("path", ["/commit", "/abort_transfer"])
+def test_unknown_migration_id_is_404(servers: Servers, http: httpx.Client, path: str) -> None:
+    r = _post(http, servers.target, path, {"migration_id": "no-such-id"})
+    assert r.status_code == 404, r.text
+    assert r.json()["error_kind"] == "not_found"
+    assert "no-such-id" in r.json()["message"]
+
+
+def test_second_commit_is_harmless_and_abort_after_commit_conflicts(
+    servers: Servers, http: httpx.Client
+) -> None:
+    with MigrationClient() as client:
+        result = client.migrate(servers.source.url, servers.target.url, SEQ_COMMIT)
+    assert result.migrated_token_size == len(SEQ_COMMIT)
+    before = servers.target.ask(0, "snapshot")
+
+    r = _post(http, servers.target, "/commit", {"migration_id": result.migration_id})
+    assert r.status_code == 200, r.text
+    assert r.json()["matched_after_commit"] == result.matched_after_commit == len(SEQ_COMMIT)
+
+    r = _post(http, servers.target, "/abort_transfer", {"migration_id": result.migration_id})
+    assert r.status_code == 409, r.text
+    assert "committed" in r.json()["message"]
+    assert servers.target.ask(0, "snapshot") == before
+    assert sum(servers.target.ask(0, "held", SEQ_COMMIT)) == len(SEQ_COMMIT)
+
+
+def _allocate(
+    http: httpx.Client, target: ServerHandle, ids: list[int], fingerprints: list[dict], **extra: Any
+) -> httpx.Response:
+    body = {"input_ids": ids, "source_fingerprints": fingerprints, **extra}
+    return _post(http, target, "/allocate_token_for_transfer", body)
+
+
+def test_abort_frees_the_allocation(servers: Servers, http: httpx.Client) -> None:
+    target = servers.target
+    before = target.ask(0, "snapshot")
+    r = _allocate(http, target, SEQ_ABORT, _fingerprints(http, servers.source))
+    assert r.status_code == 200, r.text
+    alloc = r.json()
+    assert alloc["extra_token_size"] == len(SEQ_ABORT)
+    assert len(alloc["ranks"][0]["kv_indices"]) == len(SEQ_ABORT)
+    assert target.ask(0, "snapshot").host_available == before.host_available - len(SEQ_ABORT)
+
+    mid = alloc["migration_id"]
+    assert _post(http, target, "/abort_transfer", {"migration_id": mid}).status_code == 200
+    # No transfer, so no receipt saying no write can land: the slots are quarantined for
+    # the grant's write window (1 s grant + 2 x 2 s transfer timeout on these servers).
+    quarantined = target.ask(0, "snapshot")
+    assert quarantined.host_available == before.host_available - len(SEQ_ABORT)
+    assert quarantined.total_lock_ref == before.total_lock_ref
+    deadline = time.monotonic() + 30
+    while target.ask(0, "snapshot") != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert target.ask(0, "snapshot") == before
+    # Repeating an abort is harmless (rollback paths may repeat it); commit is a conflict.
+    assert _post(http, target, "/abort_transfer", {"migration_id": mid}).status_code == 200
+    assert _post(http, target, "/commit", {"migration_id": mid}).status_code == 409
+    assert target.ask(0, "snapshot") == before
+
+
+def test_allocate_with_stale_extra_size_is_409(servers: Servers, http: httpx.Client) -> None:
+    before = servers.target.ask(0, "snapshot")
+    r = _allocate(
+        http,
+        servers.target,
+        SEQ_ABORT,
+        _fingerprints(http, servers.source),
+        extra_token_size=len(SEQ_ABORT) + PAGE,
+    )
+    assert r.status_code == 409, r.text
+    assert "measure again" in r.json()["message"]
+    assert servers.target.ask(0, "snapshot") == before
+
+
+def test_watchdog_expires_an_uncommitted_allocation(servers: Servers, http: httpx.Client) -> None:
+    target = servers.target
+    before = target.ask(0, "snapshot")
+    started = time.monotonic()
+    r = _allocate(http, target, SEQ_WATCHDOG, _fingerprints(http, servers.source))
+    assert r.status_code == 200, r.text
+    mid = r.json()["migration_id"]
+    held = target.ask(0, "snapshot")
+    assert held.host_available == before.host_available - len(SEQ_WATCHDOG)
+
+    deadline = started + WATCHDOG_S + 20.0
+    snapshot = held
+    while snapshot != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+        snapshot = target.ask(0, "snapshot")
+    assert snapshot == before, f"not freed {time.monotonic() - started:.1f}s after allocate"
+    assert time.monotonic() - started >= WATCHDOG_S * 0.9
+
+    r = _post(http, target, "/commit", {"migration_id": mid})
+    assert r.status_code == 410, r.text
+    assert r.json()["error_kind"] == "gone"
+    assert "expired" in r.json()["message"]
+    assert _post(http, target, "/abort_transfer", {"migration_id": mid}).status_code == 410
+    assert target.ask(0, "snapshot") == before
+
+
+def test_host_pool_full_is_503_and_leaks_nothing(servers: Servers, http: httpx.Client) -> None:
+    server = servers.page64
+    before = server.ask(0, "snapshot")
+    too_many = (before.host_available // 64 + 1) * 64
+    r = _allocate(http, server, _seq(7000, too_many), _fingerprints(http, server))
+    assert r.status_code == 503, r.text
+    assert r.json()["error_kind"] == "unavailable"
+    assert "host pool is full" in r.json()["message"]
+    assert server.ask(0, "snapshot") == before
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_layout_mismatch_is_refused_before_allocating(servers: Servers, http: httpx.Client) -> None:
+    before = servers.page64.ask(0, "snapshot")
+    with MigrationClient() as client, pytest.raises(MigrationFailed) as failed:
+        client.migrate(servers.source.url, servers.page64.url, SEQ_MISMATCH)
+    assert failed.value.phase == "session_info"
+    assert "page_size" in failed.value.message
+    assert failed.value.rolled_back is False
+
+    r = _allocate(http, servers.page64, _seq(7000, 64), _fingerprints(http, servers.source))
+    assert r.status_code == 409, r.text
+    assert r.json()["error_kind"] == "conflict"
+    assert "page_size" in r.json()["message"]
+    assert servers.page64.ask(0, "snapshot") == before
+
+
+def test_transfer_failure_rolls_back_the_target(servers: Servers) -> None:
+    target = servers.target
+    before = target.ask(0, "snapshot")
+    source_before = servers.broken.ask(0, "snapshot")
+    with MigrationClient() as client, pytest.raises(MigrationFailed) as failed:
+        client.migrate(servers.broken.url, target.url, SEQ_BROKEN)
+    assert failed.value.phase == "transfer"
+    assert failed.value.status_code == 502
+    assert "injected failure" in failed.value.message
+    assert failed.value.rolled_back is True
+    assert len(failed.value.migration_id) == 32
+    assert target.ask(0, "snapshot") == before
+    assert sum(target.ask(0, "held", SEQ_BROKEN)) == 0
+    # The rolled-back allocation is gone: committing it now is refused.
+    r = httpx.post(target.url + "/commit", json={"migration_id": failed.value.migration_id})
+    assert r.status_code == 409 and "aborted" in r.json()["message"]
+    # The failed source unpinned what it pinned.
+    assert servers.broken.ask(0, "snapshot") == source_before
+
+
+# --------------------------------------------------------------------------- auth
+
+
+@pytest.mark.parametrize(
+    ("authorization", "status"),
+    [
+        (None, 401),
+        ("Bearer wrong", 401),
+        ("Bearer k", 401),  # with an admin key set, ADMIN_OPTIONAL takes only that key
+        ("Bearer adm", 503),
+    ],
+)
+def test_auth_on_keyed_server(
+    servers: Servers, http: httpx.Client, authorization: str | None, status: int
+) -> None:
+    headers = {"Authorization": authorization} if authorization else {}
+    valid_bodies: dict[str, Any] = {
+        "/get_transfer_session_info": {},
+        "/get_request_extra_token_size": {"input_ids": [1]},
+        "/allocate_token_for_transfer": {"input_ids": [1], "source_fingerprints": [{}]},
+        "/transfer_request_kvcache": _bad_transfer_body(),  # well-formed, bogus values
+        "/commit": {"migration_id": "x"},
+        "/abort_transfer": {"migration_id": "x"},
+    }
+    for path in ROUTES:
+        body = valid_bodies[path]
+        r = http.post(servers.keyed.url + path, json=body, headers=headers)
+        assert r.status_code == status, f"{path}: {r.status_code} {r.text}"
+        if status == 503:
+            assert r.json()["message"] == DISABLED_MESSAGE
+            assert "disabled" in r.json()["message"]
+
+
+def test_routes_carry_admin_optional_auth_level() -> None:
+    """SGLang's middleware must find `ADMIN_OPTIONAL` on every route of an app that
+    `add_routes` built (FastAPI's lazy `include_router` would hide it: NORMAL)."""
+    from fastapi import FastAPI
+    from sglang.srt.utils.auth import AuthLevel, _get_auth_level_from_app_and_scope
+    from sglang_kv_migration.server.http_api import add_routes
+
+    app = FastAPI()
+    add_routes(app, lambda: None)
+    for path in ROUTES:
+        scope = {"type": "http", "method": "POST", "path": path, "root_path": ""}
+        assert _get_auth_level_from_app_and_scope(app, scope) is AuthLevel.ADMIN_OPTIONAL, path
+
+
+def test_client_reports_auth_and_disabled(servers: Servers) -> None:
+    keyed = servers.keyed.url
+    with MigrationClient(api_key="k") as client, pytest.raises(MigrationFailed) as failed:
+        client.migrate(keyed, keyed, SEQ_NOT_HELD)
+    assert (failed.value.phase, failed.value.status_code) == ("session_info", 401)
+
+    with MigrationClient(api_key="adm") as client, pytest.raises(MigrationFailed) as failed:
+        client.call(keyed, "/get_transfer_session_info")
+    assert failed.value.status_code == 503
+    assert "disabled" in failed.value.message
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    script = shutil.which("sglang-kv-migrate", path=str(Path(sys.executable).parent))
+    assert script is not None, "console script sglang-kv-migrate is not installed"
+    return subprocess.run([script, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def _ids_arg(ids: list[int]) -> str:
+    return ",".join(str(i) for i in ids)
+
+
+def test_cli_success_json(servers: Servers) -> None:
+    done = _cli(
+        "--source",
+        servers.source.url,
+        "--target",
+        servers.target.url,
+        "--input-ids",
+        _ids_arg(SEQ_CLI),
+        "--json",
+        "--verify",  # the target checks the source's digest before inserting
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["success"] is True
+    assert out["migrated_token_size"] == len(SEQ_CLI)
+    assert out["matched_after_commit"] == len(SEQ_CLI)
+    assert sum(servers.target.ask(0, "held", SEQ_CLI)) == len(SEQ_CLI)
+
+    # Plain output, nothing left to move: still a success.
+    again = _cli(
+        "--source",
+        servers.source.url,
+        "--target",
+        servers.target.url,
+        "--input-ids",
+        _ids_arg(SEQ_CLI),
+    )
+    assert again.returncode == 0, again.stderr
+    assert "nothing to migrate" in again.stdout
+
+
+def test_cli_failure_json(servers: Servers) -> None:
+    mismatch = _cli(
+        "--source",
+        servers.source.url,
+        "--target",
+        servers.page64.url,
+        "--input-ids",
+        _ids_arg(SEQ_MISMATCH),
+        "--json",
+    )
+    assert mismatch.returncode == 1, mismatch.stderr
+    out = json.loads(mismatch.stdout)
+    assert out["success"] is False
+    assert out["phase"] == "session_info"
+    assert "page_size" in out["message"]
+
+    unreachable = f"http://127.0.0.1:{cpu_harness.free_port()}"
+    down = _cli(
+        "--source", unreachable, "--target", servers.target.url, "--input-ids", "1,2", "--json"
+    )
+    assert down.returncode == 1, down.stderr
+    out = json.loads(down.stdout)
+    assert out["success"] is False
+    assert out["status_code"] is None
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--input-ids", "a,b"],
+        ["--input-ids", ""],
+        ["--input-ids", "[1, -1]"],
+    ],
+)
+def test_cli_bad_arguments_exit_2(args: list[str]) -> None:
+    done = _cli("--source", "http://127.0.0.1:1", "--target", "http://127.0.0.1:2", *args)
+    assert done.returncode == 2
+    assert "input ids" in done.stderr

@@ -1,0 +1,229 @@
+"""The plugin on the pinned SGLang: hook targets exist, flags parse, bad flags refuse."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import cpu_harness
+import pytest
+from sglang_kv_migration.server import upstream
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("symbol", upstream.HOOK_TARGETS + upstream.REQUIRED_SYMBOLS)
+def test_upstream_symbol_exists(symbol: str) -> None:
+    try:
+        upstream.resolve(symbol)
+    except (ImportError, AttributeError) as e:
+        pytest.fail(
+            f"the installed SGLang has no {symbol} ({e}); sglang-kv-migration is pinned to "
+            f"sglang=={upstream.SGLANG_VERSION}: re-check every hook before bumping the pin"
+        )
+
+
+def test_installed_sglang_is_the_pinned_release() -> None:
+    from importlib.metadata import version
+
+    assert version("sglang") == upstream.SGLANG_VERSION
+
+
+def test_entry_point_is_registered() -> None:
+    from importlib.metadata import entry_points
+
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "kv_migration"]
+    assert len(eps) == 1
+    assert eps[0].value == "sglang_kv_migration.server.plugin:register"
+
+
+_REGISTER_SCRIPT = """
+import cpu_harness
+cpu_harness.install_cpu_shims()
+import sglang.srt.server_args as upstream_server_args
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang_kv_migration.server import plugin
+from sglang_kv_migration.server import upstream
+from sglang_kv_migration.server.server_args import KVMigrationServerArgs
+
+assert plugin.missing_hooks(), "nothing is hooked before register()"
+plugin.register()
+plugin.register()
+counts = {t: len(HookRegistry._hooks[t]) for t in upstream.HOOK_TARGETS}
+assert set(counts.values()) == {1}, counts
+HookRegistry.apply_hooks()
+assert plugin.missing_hooks() == [], plugin.missing_hooks()
+assert upstream_server_args.ServerArgs is KVMigrationServerArgs
+print("HOOKS-OK")
+"""
+
+
+def test_register_applies_every_hook_and_is_idempotent() -> None:
+    # In a fresh interpreter: applied hooks patch SGLang for the life of the process.
+    proc = subprocess.run(
+        [sys.executable, "-c", _REGISTER_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO / "test" / "support",
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("HOOKS-OK")
+
+
+def test_server_args_pickle_keeps_migration_fields() -> None:
+    from sglang_kv_migration.server.server_args import KVMigrationServerArgs
+
+    args = KVMigrationServerArgs(
+        model_path=cpu_harness.write_tiny_model_dir(),
+        skip_tokenizer_init=True,
+        device="cpu",
+        enable_hierarchical_cache=True,
+        enable_kv_migration=True,
+        kv_migration_watchdog_timeout=12.5,
+        kv_migration_protocol="rdma",
+        kv_migration_rdma_devices="mlx5_0",
+    )
+    # ServerArgs reaches the scheduler processes pickled.
+    copy = pickle.loads(pickle.dumps(args))
+    assert type(copy) is KVMigrationServerArgs
+    assert copy.enable_kv_migration is True
+    assert copy.kv_migration_watchdog_timeout == 12.5
+    assert copy.kv_migration_protocol == "rdma"
+    assert copy.kv_migration_rdma_devices == "mlx5_0"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"enable_hierarchical_cache": False}, "add --enable-hierarchical-cache"),
+        ({"kv_migration_watchdog_timeout": 0.0}, "--kv-migration-watchdog-timeout must be"),
+        ({"kv_migration_watchdog_timeout": -5.0}, "--kv-migration-watchdog-timeout must be"),
+        ({"kv_migration_max_batch_entries": 0}, "--kv-migration-max-batch-entries"),
+        ({"pp_size": 2, "nnodes": 2}, "needs every stage on one node"),
+        ({"dp_size": 2}, "does not support --dp-size > 1"),
+        ({"attn_cp_size": 2, "tp_size": 2}, "does not support --attn-cp-size > 1"),
+    ],
+)
+def test_invalid_flags_are_refused(overrides: dict, expected: str) -> None:
+    from sglang_kv_migration.server.server_args import KVMigrationArgsError, KVMigrationServerArgs
+
+    kwargs = {
+        "model_path": cpu_harness.write_tiny_model_dir(),
+        "skip_tokenizer_init": True,
+        "device": "cpu",
+        "enable_hierarchical_cache": True,
+        "enable_kv_migration": True,
+        **overrides,
+    }
+    with pytest.raises(KVMigrationArgsError) as info:
+        KVMigrationServerArgs(**kwargs)
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_pipeline_parallel_flags_are_accepted() -> None:
+    """--pp-size > 1 on one node is served: every stage answers for its own layers."""
+    from sglang_kv_migration.server.server_args import KVMigrationServerArgs
+
+    args = KVMigrationServerArgs(
+        model_path=cpu_harness.write_tiny_model_dir(),
+        skip_tokenizer_init=True,
+        device="cpu",
+        enable_hierarchical_cache=True,
+        enable_kv_migration=True,
+        pp_size=2,
+    )
+    assert (args.pp_size, args.enable_kv_migration) == (2, True)
+    # SGLang's own rule for PP, which our servers inherit.
+    assert args.disable_overlap_schedule is True
+
+
+def _launch_server(*argv: str) -> subprocess.CompletedProcess:
+    # The CPU test environment's .pth hook makes torchvision import beside CPU torch.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
+
+
+@pytest.fixture(scope="module")
+def launch_help() -> subprocess.CompletedProcess:
+    return _launch_server("--help")
+
+
+def test_launch_server_help_lists_the_flags(launch_help: subprocess.CompletedProcess) -> None:
+    assert launch_help.returncode == 0, launch_help.stderr[-3000:]
+    for flag in (
+        "--enable-kv-migration",
+        "--kv-migration-watchdog-timeout",
+        "--kv-migration-hostname",
+        "--kv-migration-protocol",
+        "--kv-migration-rdma-devices",
+        "--kv-migration-max-batch-entries",
+    ):
+        assert flag in launch_help.stdout
+
+
+def test_launch_server_refuses_migration_without_hierarchical_cache() -> None:
+    model = cpu_harness.write_tiny_model_dir()
+    proc = _launch_server("--model-path", model, "--device", "cpu", "--enable-kv-migration")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (
+        "error: --enable-kv-migration requires --enable-hierarchical-cache (migrated pages "
+        "land in the hierarchical cache's host pool); add --enable-hierarchical-cache."
+    )
+
+
+def test_launch_server_refuses_non_positive_watchdog() -> None:
+    model = cpu_harness.write_tiny_model_dir()
+    proc = _launch_server(
+        "--model-path",
+        model,
+        "--device",
+        "cpu",
+        "--enable-hierarchical-cache",
+        "--enable-kv-migration",
+        "--kv-migration-watchdog-timeout",
+        "0",
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--kv-migration-watchdog-timeout must be a positive number" in proc.stderr
+
+
+def test_flag_off_installs_nothing_on_the_scheduler() -> None:
+    """Without --enable-kv-migration the hooks leave the scheduler as upstream made it."""
+    from types import SimpleNamespace
+
+    from sglang.utils import TypeBasedDispatcher
+    from sglang_kv_migration.io_types import REQUEST_TYPES
+    from sglang_kv_migration.server import communicators, scheduler_hooks
+    from sglang_kv_migration.server.server_args import KVMigrationServerArgs
+
+    args = KVMigrationServerArgs(
+        model_path=cpu_harness.write_tiny_model_dir(), skip_tokenizer_init=True, device="cpu"
+    )
+    dispatcher = TypeBasedDispatcher([])
+    scheduler = SimpleNamespace(server_args=args, _request_dispatcher=dispatcher, pp_rank=1)
+    scheduler_hooks.after_init_ipc_channels(None, scheduler, SimpleNamespace())
+    scheduler_hooks.after_init_request_dispatcher(None, scheduler)
+    scheduler_hooks.after_process_input_requests(None, scheduler, [])
+    assert scheduler.kv_migration is None
+    assert scheduler.kv_migration_stage_reply is None  # no socket opened
+    for _name, input_type, _output_type in REQUEST_TYPES:
+        assert input_type not in dispatcher._mapping
+
+    tokenizer = SimpleNamespace(_result_dispatcher=TypeBasedDispatcher([]))
+    communicators.after_init_communicators(None, tokenizer, args)
+    assert tokenizer.kv_migration_communicators is None
+    assert tokenizer._result_dispatcher._mapping == {}

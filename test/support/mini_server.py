@@ -1,0 +1,560 @@
+"""A CPU stand-in for one SGLang server, for the HTTP/client tests (test env only).
+
+What is real: our plugin's scheduler hooks (`after_init_request_dispatcher`,
+`after_process_input_requests`) on every rank, SGLang's `HiRadixCache` from the harness,
+SGLang's `TypeBasedDispatcher`, `FanOutCommunicator` and `broadcast_pyobj`, zmq between
+the "tokenizer" and "scheduler" sides, our FastAPI routes served by uvicorn with SGLang's
+own API-key middleware, and Mooncake TCP between servers.
+
+What stands in for SGLang: the loop of each rank (receive on rank 0, broadcast to the
+other ranks over gloo, dispatch, then the per-iteration hook — what
+`Scheduler.event_loop_normal` does) and the FastAPI app (SGLang's app needs a model).
+With ``pp_size > 1`` the loop is `event_loop_pp`'s request path: stage 0's first rank reads
+the tokenizer side; each stage dispatches, runs the hook, then hands the same request
+list to the next stage with SGLang's `point_to_point_pyobj` over the gloo world group,
+whose first rank receives it (blocking) and broadcasts it over its stage's TP group. Only
+stage 0's first rank holds SGLang's socket to the tokenizer side; later stages get theirs
+from our `after_init_ipc_channels` hook. Each stage's caches hold only its own layers.
+
+`start_server(ServerSpec(...))` spawns one process per (tp, pp) rank (global rank
+``pp_rank * tp_size + tp_rank``, as SGLang numbers them) and returns a handle with the URL
+once every rank is serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+import cpu_harness
+
+STOP = "__stop__"
+
+
+@dataclasses.dataclass
+class ServerSpec:
+    harness: cpu_harness.HarnessConfig = dataclasses.field(
+        default_factory=cpu_harness.HarnessConfig
+    )
+    tp_size: int = 1
+    # Pipeline stages; the harness's `layer_num` layers are split evenly between them.
+    pp_size: int = 1
+    watchdog_timeout_s: float = 60.0
+    # Short grants and transfer timeout, so quarantined slots come back within seconds.
+    grant_ttl_s: float = 1.0
+    transfer_timeout_s: float = 2.0
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    enable_kv_migration: bool = True
+    # Token sequences to insert with random KV at start-up: (token_ids, seed).
+    preload: list[tuple[list[int], int]] = dataclasses.field(default_factory=list)
+    # Global rank (pp_rank * tp_size + tp_rank) whose transport refuses every write.
+    broken_transport_rank: int | None = None
+    # Global rank whose host pool is this many token slots smaller (one stage cannot
+    # allocate what the others can).
+    small_host_pool_rank: int | None = None
+    # Address the HTTP server binds and the transfer engine advertises, and the network
+    # namespace (created by the test under /var/run/netns) the server's processes join.
+    host: str = "127.0.0.1"
+    netns: str | None = None
+    # Optional test-only engine on rank 0 (e.g. `generate_standin.standin_factory`): a
+    # picklable callable taking the harness and returning an object with
+    # `add_routes(app)` (called on the HTTP app) and `tick()` (called every loop
+    # iteration, on the scheduler thread).
+    extension: Any = None
+    # Staging arena per rank (--kv-migration-staging-mb); small: tests move little.
+    staging_mb: int = 4
+
+
+@dataclasses.dataclass
+class ServerHandle:
+    url: str
+    processes: list[Any]
+    control: list[Any]  # one command pipe per rank
+
+    def ask(self, rank: int, command: str, *args: Any, timeout: float = 60.0) -> Any:
+        """Run a test-only command on one rank (snapshot, read_kv, ...); `rank` is global."""
+        conn = self.control[rank]
+        conn.send((command, args))
+        if not conn.poll(timeout):
+            raise TimeoutError(f"rank {rank} did not answer {command!r} in {timeout}s")
+        ok, value = conn.recv()
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed {command!r}: {value}")
+        return value
+
+    def ask_all(self, command: str, *args: Any) -> list[Any]:
+        for conn in self.control:
+            conn.send((command, args))
+        results = []
+        for rank, conn in enumerate(self.control):
+            if not conn.poll(60):
+                raise TimeoutError(f"rank {rank} did not answer {command!r}")
+            ok, value = conn.recv()
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed {command!r}: {value}")
+            results.append(value)
+        return results
+
+    def stop(self) -> None:
+        # Rank 0 broadcasts (and hands on) the stop: every rank leaves in the same iteration.
+        try:
+            self.control[0].send((STOP, ()))
+        except (BrokenPipeError, OSError):
+            pass
+        for p in self.processes:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def start_server(spec: ServerSpec, timeout_s: float = 240.0) -> ServerHandle:
+    return start_servers([spec], timeout_s)[0]
+
+
+def start_servers(specs: list[ServerSpec], timeout_s: float = 240.0) -> list[ServerHandle]:
+    """Start several servers at once (their start-ups overlap); all ready or none."""
+    launched = [_launch(spec) for spec in specs]
+    handles = [handle for handle, _ready, _n in launched]
+    try:
+        for handle, ready, n in launched:
+            _wait_ready(handle, ready, n, timeout_s)
+    except BaseException:
+        for handle in handles:
+            handle.stop()
+        raise
+    return handles
+
+
+def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
+    ctx = mp.get_context("spawn")
+    gloo_port = cpu_harness.free_port()
+    http_port = cpu_harness.free_port()
+    endpoint = os.path.join(tempfile.gettempdir(), f"kvm-tokenizer-{uuid.uuid4().hex}")
+    ports = _Ports(gloo_port, http_port, f"ipc://{endpoint}")
+    ready = ctx.Queue()
+    processes, control = [], []
+    world = spec.tp_size * spec.pp_size
+    for rank in range(world):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(
+            target=_rank_main,
+            args=(spec, rank, ports, child, ready),
+            daemon=True,
+        )
+        p.start()
+        processes.append(p)
+        control.append(parent)
+    handle = ServerHandle(f"http://{spec.host}:{http_port}", processes, control)
+    return handle, ready, world
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ports:
+    gloo: int
+    http: int
+    # The "tokenizer manager" binds a PULL here and scheduler ranks push to it. An ipc://
+    # path like SGLang's own: unique, so no other process can take it before the bind.
+    tokenizer: str
+
+
+def _wait_ready(handle: ServerHandle, ready: Any, num_ranks: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = set(range(num_ranks))
+    while pending:
+        try:
+            rank, status = ready.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(
+                f"{handle.url}: ranks {sorted(pending)} not ready in {timeout_s}s"
+            ) from None
+        if status != "ready":
+            raise RuntimeError(f"{handle.url}: rank {rank} failed to start: {status}")
+        pending.discard(rank)
+
+
+# --------------------------------------------------------------------------- child side
+
+
+class _MiniScheduler:
+    """The attributes of `Scheduler` that our hooks read, plus a minimal loop."""
+
+    def __init__(self, spec: ServerSpec, rank: int, harness: Any, sender: Any):
+        from types import SimpleNamespace
+
+        import torch.distributed as dist
+        from sglang.srt.managers.scheduler import SenderWrapper
+        from sglang.utils import TypeBasedDispatcher
+
+        self.server_args = _server_args(spec)
+        self.tree_cache = harness.cache
+        self.rank = rank
+        self.tp_rank = rank % spec.tp_size
+        self.tp_size = spec.tp_size
+        self.pp_rank = rank // spec.tp_size
+        self.pp_size = spec.pp_size
+        self.tp_cpu_group = harness.tp_group if spec.tp_size > 1 else None
+        self.world_group = SimpleNamespace(cpu_group=dist.group.WORLD if spec.pp_size > 1 else None)
+        self.send_to_tokenizer = SenderWrapper(sender)
+        self._request_dispatcher = TypeBasedDispatcher([])
+
+    def is_fully_idle(self) -> bool:
+        return True  # no requests run here: SGLang flushes only an idle scheduler
+
+    def run(self, receiver: Any, control: Any, harness: Any, extension: Any = None) -> None:
+        import zmq
+        from sglang.srt.utils.common import broadcast_pyobj, point_to_point_pyobj
+        from sglang_kv_migration.server import scheduler_hooks
+
+        stage_first = self.pp_rank * self.tp_size  # global rank of this stage's tp 0
+        last_stage = self.pp_rank == self.pp_size - 1
+        while True:
+            reqs: list[Any] = []
+            if self.tp_rank == 0 and self.pp_rank == 0:
+                while True:
+                    try:
+                        reqs.append(receiver.recv_pyobj(zmq.NOBLOCK))
+                    except zmq.ZMQError:
+                        break
+            elif self.tp_rank == 0:
+                # Like Scheduler.recv_requests on a later stage: block for the previous
+                # stage's list.
+                reqs = point_to_point_pyobj(
+                    [], self.rank, self.world_group.cpu_group, self.rank - self.tp_size, self.rank
+                )
+            # Introspection commands touch only this rank's tree, between iterations.
+            stop = False
+            if control.poll():
+                command = control.recv()
+                if command[0] == STOP:
+                    stop = True
+                else:
+                    _answer(control, command, harness, self)
+            if self.rank == 0 and stop:
+                reqs.append(STOP)
+            if self.tp_size > 1:
+                # Like Scheduler.recv_requests: the stage's first rank's requests reach
+                # every rank of the stage.
+                reqs = broadcast_pyobj(reqs, self.rank, self.tp_cpu_group, src=stage_first)
+            if STOP not in reqs:
+                for req in reqs:
+                    output = self._request_dispatcher(req)
+                    if output is not None:
+                        self.send_to_tokenizer.send_output(output, req)
+                scheduler_hooks.after_process_input_requests(None, self, reqs)
+            if self.tp_rank == 0 and not last_stage:
+                # Like event_loop_pp: the same list, after the hook, to the next stage.
+                point_to_point_pyobj(
+                    reqs,
+                    self.rank,
+                    self.world_group.cpu_group,
+                    self.rank,
+                    self.rank + self.tp_size,
+                )
+            if STOP in reqs:
+                return
+            if extension is not None:
+                extension.tick()
+            if not reqs and self.pp_rank == 0:
+                time.sleep(0.001)
+
+
+def _rank_main(spec: ServerSpec, rank: int, ports: _Ports, control: Any, ready: Any) -> None:
+    try:
+        if spec.netns is not None:
+            _join_netns(spec.netns)  # before any socket is created
+        cpu_harness.install_cpu_shims()
+        from types import SimpleNamespace
+
+        import zmq
+        from sglang_kv_migration.server import scheduler_hooks
+
+        world = spec.tp_size * spec.pp_size
+        tp_rank, pp_rank = rank % spec.tp_size, rank // spec.tp_size
+        if world > 1:
+            cpu_harness.init_gloo(rank, world, ports.gloo)
+        cfg = _stage_harness_config(spec, tp_rank, pp_rank, rank)
+        harness = cpu_harness.build_harness(cfg, tp_group=_stage_tp_group(spec, pp_rank))
+        for token_ids, seed in spec.preload:
+            harness.insert_random(token_ids, seed=seed * 1000 + rank)
+        harness.write_back_all()
+        extension = spec.extension(harness) if spec.extension is not None and rank == 0 else None
+
+        context = zmq.Context()
+        sched_in = None
+        sender = None
+        if rank == 0:
+            sched_in = context.socket(zmq.PULL)
+            sched_in_port = sched_in.bind_to_random_port("tcp://127.0.0.1")
+            sender = context.socket(zmq.PUSH)
+            sender.connect(ports.tokenizer)
+        scheduler = _MiniScheduler(spec, rank, harness, sender)
+        port_args = SimpleNamespace(tokenizer_ipc_name=ports.tokenizer)
+        scheduler_hooks.after_init_ipc_channels(None, scheduler, port_args)
+        scheduler_hooks.after_init_request_dispatcher(None, scheduler)
+        if spec.broken_transport_rank == rank and scheduler.kv_migration is not None:
+            _break_transport(scheduler.kv_migration.transport)
+        if rank == 0:
+            threading.Thread(
+                target=_serve_http,
+                args=(spec, ports.http, sched_in_port, ports.tokenizer, extension),
+                daemon=True,
+            ).start()
+            _wait_http(ports.http, spec.host)
+        ready.put((rank, "ready"))
+        scheduler.run(sched_in, control, harness, extension)
+        if scheduler.kv_migration is not None:
+            scheduler.kv_migration.close()
+        harness.close()
+    except BaseException as e:  # report start-up failures to the parent
+        import traceback
+
+        ready.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        os._exit(0)
+
+
+def _stage_harness_config(
+    spec: ServerSpec, tp_rank: int, pp_rank: int, rank: int
+) -> cpu_harness.HarnessConfig:
+    """This rank's harness: its TP rank, and its PP stage's slice of the layers."""
+    layers = spec.harness.layer_num // spec.pp_size
+    cfg = dataclasses.replace(
+        spec.harness,
+        tp_rank=tp_rank,
+        tp_size=spec.tp_size,
+        layer_num=layers,
+        start_layer=pp_rank * layers,
+        pp_rank=pp_rank,
+        pp_size=spec.pp_size,
+    )
+    if spec.small_host_pool_rank == rank:
+        # Just above the device pool (HiCache needs more), far below the others.
+        cfg = dataclasses.replace(cfg, hicache_ratio=1.1)
+    return cfg
+
+
+def _stage_tp_group(spec: ServerSpec, pp_rank: int) -> Any:
+    """This stage's TP group (every rank creates every stage's group, in order)."""
+    if spec.pp_size == 1:
+        return None  # the harness default: the whole world
+    import torch.distributed as dist
+
+    groups = [
+        dist.new_group(list(range(p * spec.tp_size, (p + 1) * spec.tp_size)))
+        for p in range(spec.pp_size)
+    ]
+    return groups[pp_rank]
+
+
+def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: Any = None) -> None:
+    """Test-only introspection commands."""
+    name, args = command
+    try:
+        if name == "snapshot":
+            value: Any = harness.snapshot()
+        elif name == "held":
+            value = harness.match(args[0], args[1] if len(args) > 1 else None)
+            value = (len(value.device_indices), value.host_hit_length)
+        elif name == "kv":
+            value = [t.clone() for t in harness.read_device_kv(harness.load_back(args[0]))]
+        elif name == "host_slots":
+            # Every host slot is free or held by one tree node, exactly once (no leak).
+            in_tree = [
+                int(s)
+                for n in harness.iter_nodes()
+                if n.host_value is not None
+                for s in n.host_value
+            ]
+            free = harness.host_pool.free_slots.tolist()
+            value = {
+                "size": int(harness.host_pool.size),
+                "in_tree": len(in_tree),
+                "in_tree_unique": len(set(in_tree)),
+                "free": len(free),
+                "free_unique": len(set(free)),
+                "overlap": len(set(in_tree) & set(free)),
+            }
+        elif name == "fragment_host":
+            # Shuffle the host pool's free pages: later allocations are one run per page.
+            import torch
+
+            pool = harness.host_pool
+            ps = pool.page_size
+            gen = torch.Generator().manual_seed(args[0])
+            pages = pool.free_slots.reshape(-1, ps)
+            pool.free_slots = pages[torch.randperm(len(pages), generator=gen)].reshape(-1)
+            value = len(pages)
+        elif name == "pending":
+            # Allocations this rank holds (neither committed, aborted nor expired).
+            migration = getattr(scheduler, "kv_migration", None)
+            value = len(migration.pending) if migration is not None else 0
+        elif name == "slot_digest":
+            # verify.py's digest of the host pages holding these token slots.
+            from sglang_kv_migration.paths import verify
+            from sglang_kv_migration.paths.host.layout import HostPoolLayout
+
+            layout = HostPoolLayout.from_host_pool(harness.host_pool)
+            value = verify.host_pages_digest(layout, args[0])
+        elif name == "pool_digest":
+            # sha256 of every byte of this rank's host pool and device KV buffers.
+            import hashlib
+
+            import torch
+
+            h = hashlib.sha256(harness.host_pool.kv_buffer.reshape(-1).view(torch.uint8).numpy())
+            dev = harness.device_pool
+            mha = harness.cfg.attention == "mha"
+            buffers = [*dev.k_buffer, *dev.v_buffer] if mha else list(dev.kv_buffer)
+            for b in buffers:
+                h.update(b.reshape(-1).view(torch.uint8).numpy())
+            value = h.hexdigest()
+        elif name == "free_overlap":
+            # How many of these host slots are in the free list (could be handed out).
+            value = len(set(args[0]) & set(harness.host_pool.free_slots.tolist()))
+        elif name == "flush":
+            # What SGLang's /flush_cache does to the cache, behind our AROUND hook.
+            from sglang_kv_migration.server.scheduler_hooks import around_flush_cache
+
+            def reset(s: Any) -> bool:
+                s.tree_cache.reset()
+                harness.allocator.clear()
+                return True
+
+            value = around_flush_cache(reset, scheduler)
+        elif name == "evict_device":
+            value = harness.evict_device_all()
+        elif name == "insert":
+            harness.insert_random(args[0], seed=args[1])
+            harness.write_back_all()
+            value = True
+        else:
+            raise ValueError(f"unknown command {name}")
+        control.send((True, value))
+    except Exception as e:
+        control.send((False, f"{type(e).__name__}: {e}"))
+
+
+def _serve_http(
+    spec: ServerSpec,
+    http_port: int,
+    sched_in_port: int,
+    tokenizer_endpoint: str,
+    extension: Any = None,
+) -> None:
+    import asyncio
+
+    import uvicorn
+    import zmq
+    import zmq.asyncio
+    from fastapi import FastAPI
+    from sglang.srt.utils.auth import add_api_key_middleware
+    from sglang_kv_migration.server.communicators import KVMigrationCommunicators
+    from sglang_kv_migration.server.http_api import add_routes
+
+    context = zmq.asyncio.Context()
+    to_scheduler = context.socket(zmq.PUSH)
+    to_scheduler.connect(f"tcp://127.0.0.1:{sched_in_port}")
+    # Bound here, like the tokenizer manager's socket: every stage's first rank pushes to it.
+    from_scheduler = context.socket(zmq.PULL)
+    from_scheduler.bind(tokenizer_endpoint)
+
+    comms = (
+        KVMigrationCommunicators(to_scheduler, pp_size=spec.pp_size)
+        if spec.enable_kv_migration
+        else None
+    )
+    app = FastAPI()
+    add_routes(app, lambda: comms)
+    if extension is not None:
+        extension.add_routes(app)
+    if spec.api_key or spec.admin_api_key:
+        add_api_key_middleware(app, api_key=spec.api_key, admin_api_key=spec.admin_api_key)
+
+    @app.on_event("startup")
+    async def _start_result_loop() -> None:
+        from sglang.utils import TypeBasedDispatcher
+
+        dispatcher = TypeBasedDispatcher(comms.result_handlers if comms else [])
+
+        async def loop() -> None:
+            while True:
+                dispatcher(await from_scheduler.recv_pyobj())
+
+        asyncio.get_running_loop().create_task(loop())
+
+    uvicorn.run(app, host=spec.host, port=http_port, log_level="warning")
+
+
+def _join_netns(name: str) -> None:
+    """Move this process into network namespace `name` (Python 3.11 has no os.setns)."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name} failed")
+    finally:
+        os.close(fd)
+
+
+def _wait_http(port: int, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"HTTP server on port {port} did not start")
+
+
+def _server_args(spec: ServerSpec) -> Any:
+    from sglang_kv_migration.server.server_args import KVMigrationServerArgs
+
+    cfg = spec.harness
+    return KVMigrationServerArgs(
+        model_path=cpu_harness.write_tiny_model_dir(),
+        served_model_name="tiny-llama",
+        skip_tokenizer_init=True,
+        device="cpu",
+        page_size=cfg.page_size,
+        tp_size=spec.tp_size,
+        pp_size=spec.pp_size,
+        enable_hierarchical_cache=True,
+        hicache_mem_layout=cfg.host_layout,
+        hicache_io_backend=cfg.effective_io_backend(),
+        enable_kv_migration=spec.enable_kv_migration,
+        kv_migration_watchdog_timeout=spec.watchdog_timeout_s,
+        kv_migration_grant_ttl=min(spec.grant_ttl_s, spec.watchdog_timeout_s / 2),
+        kv_migration_transfer_timeout=spec.transfer_timeout_s,
+        kv_migration_hostname=spec.host,
+        kv_migration_staging_mb=spec.staging_mb,
+        host=spec.host,
+        # The grant signing key derives from these (as on a real server).
+        api_key=spec.api_key,
+        admin_api_key=spec.admin_api_key,
+    )
+
+
+def _break_transport(transport: Any) -> None:
+    """Make every write of this rank fail as an unreachable peer would."""
+    from sglang_kv_migration.paths.host.mooncake import TransferError
+
+    def refuse(peer_session_id: str, *args: Any, **kwargs: Any) -> Any:
+        raise TransferError(f"injected failure: peer {peer_session_id} unreachable")
+
+    transport.write = refuse
+    transport.write_pages = refuse

@@ -1,0 +1,145 @@
+"""Helpers shared by the tests that drive mini servers over HTTP (the multi-rank TP, PP,
+TP x PP tests and the network tests): a client that keeps every reply, a migration that
+fails on an injected rank, a hand-built host transfer body, and comparisons of per-rank
+KV."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+from mini_server import ServerHandle, ServerSpec, start_servers
+from sglang_kv_migration.client.migration import MigrationClient
+
+HTTP_TIMEOUT_S = 120.0
+
+
+@dataclass
+class ServerPair:
+    a: ServerHandle
+    b: ServerHandle
+    start_s: float  # how long starting both took
+
+
+@contextlib.contextmanager
+def server_pair(spec_a: ServerSpec, spec_b: ServerSpec, timeout_s: float) -> Iterator[ServerPair]:
+    """Two mini servers started together (each rank a process), stopped on exit."""
+    t0 = time.monotonic()
+    a, b = start_servers([spec_a, spec_b], timeout_s=timeout_s)
+    try:
+        yield ServerPair(a, b, time.monotonic() - t0)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll `check` (bounded) until it holds; True if it did."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return check()
+
+
+class Recorder:
+    """Keeps the reply of every call a client makes, by path (httpx event hook): JSON when
+    the body is JSON, else its text."""
+
+    def __init__(self) -> None:
+        self.replies: list[tuple[str, int, Any]] = []
+
+    def hook(self, response: httpx.Response) -> None:
+        response.read()
+        try:
+            body = response.json()
+        except ValueError:
+            body = response.text
+        self.replies.append((response.request.url.path, response.status_code, body))
+
+    def last(self, path: str) -> tuple[int, Any]:
+        for p, status, body in reversed(self.replies):
+            if p == path:
+                return status, body
+        raise AssertionError(f"no call to {path} was recorded")
+
+    def client(self) -> MigrationClient:
+        http = httpx.Client(timeout=HTTP_TIMEOUT_S, event_hooks={"response": [self.hook]})
+        return MigrationClient(http_client=http)
+
+
+def migrate_into_injected_failure(
+    source_url: str, target_url: str, ids: list[int]
+) -> tuple[Recorder, dict[str, Any]]:
+    """Migrate `ids` where one source rank's transport refuses every write (the
+    servers' `broken_transport_rank`): the client must fail at transfer, name the
+    injected failure and roll the target back; the transfer trip answers 502. Returns
+    the recorder (every reply) and the transfer reply."""
+    import pytest
+    from sglang_kv_migration.client.migration import MigrationFailed
+
+    recorder = Recorder()
+    with recorder.client() as client, pytest.raises(MigrationFailed) as failed:
+        client.migrate(source_url, target_url, ids)
+    assert failed.value.phase == "transfer"
+    assert failed.value.rolled_back is True
+    assert "injected failure" in failed.value.message
+    status, transfer = recorder.last("/transfer_request_kvcache")
+    assert status == 502, transfer
+    return recorder, transfer
+
+
+def host_transfer_body(
+    ids: list[int], alloc: dict[str, Any], target_info: dict[str, Any]
+) -> dict[str, Any]:
+    """The `/transfer_request_kvcache` body that sends `ids` into a one-rank target's
+    allocation over the host path, as the client would build it (the slots as the
+    allocate reply gave them: `kv_pages` or `kv_indices`)."""
+    rank, target = alloc["ranks"][0], target_info["ranks"][0]
+    slots = "kv_pages" if rank.get("kv_pages") else "kv_indices"
+    return {
+        "input_ids": ids,
+        "matched_token_size": alloc["matched_token_size"],
+        "extra_token_size": alloc["extra_token_size"],
+        "migration_id": alloc["migration_id"],
+        "target_per_rank": [
+            {
+                "tp": 0,
+                "pp": 0,
+                "path": "host",
+                slots: rank[slots],
+                "grant": rank["grant"],
+                "fingerprint": target["fingerprint"],
+                **target["paths"]["host"],
+            }
+        ],
+    }
+
+
+def post(url: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    return httpx.post(url + path, json=body or {}, timeout=HTTP_TIMEOUT_S)
+
+
+def session_info(url: str) -> dict[str, Any]:
+    r = post(url, "/get_transfer_session_info")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def kv_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Byte-for-byte equality of two lists of KV tensors (any dtype)."""
+    return len(a) == len(b) and all(
+        torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def aligned(ids: list[int], page: int) -> list[int]:
+    """The whole pages of `ids`: what a migration moves."""
+    return ids[: len(ids) // page * page]

@@ -1,0 +1,105 @@
+"""Helpers for tests that drive a one-rank `MigrationSchedulerSide` directly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def one_rank_context(
+    cache: Any,
+    model: str = "tiny",
+    send_output: Callable[[Any, Any], None] | None = None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+) -> Any:
+    """The `RankContext` of a server with one TP rank (no process group), over `cache`;
+    replies go to `send_output` (dropped when None)."""
+    from sglang_kv_migration.server.rank_context import RankContext
+
+    return RankContext(
+        tree_cache=cache,
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        cpu_group=None,
+        model=model,
+        send_output=send_output or (lambda out, req: None),
+    )
+
+
+def transfer_to_self(
+    side: object, input_ids: list[int], kv_indices: list[int], grant: str = "", **fields: object
+):
+    """A transfer request from `side` into its own host slots `kv_indices` (loopback),
+    writing under `grant` (the allocate reply's `ranks[0].grant`)."""
+    from sglang_kv_migration.io_types import (
+        TransferRequestKVCacheReqInput,
+        TransferRequestKVCacheTarget,
+    )
+
+    if grant:
+        # Loopback: the slots were allocated for another prefix on this same server (it
+        # already holds `input_ids`), so re-issue the grant for the prefix actually sent,
+        # as the target would have, signed with this server's key.
+        import dataclasses
+
+        from sglang_kv_migration import grants
+
+        issued = side.signer.decode_grant(grant)
+        grant = side.signer.encode(
+            dataclasses.replace(
+                issued,
+                tokens_digest=grants.tokens_digest(input_ids, fields.get("extra_key")),
+                migration_id=fields.get("migration_id", issued.migration_id),
+                # The loopback source is this same server, writing where it publishes.
+                source=side.server_epoch,
+                destination=grants.destination_digest(side.paths["host"].advertise()),
+            )
+        )
+    target = TransferRequestKVCacheTarget(
+        tp=0,
+        pp=0,
+        session_id=side.transport.session_id,
+        host_kv_data_ptrs=side.layout.data_ptrs,
+        host_kv_data_lens=side.layout.data_lens,
+        host_kv_item_lens=side.layout.item_lens,
+        kv_indices=kv_indices,
+        fingerprint=side.fingerprint.to_dict(),
+        grant=grant,
+    )
+    return TransferRequestKVCacheReqInput(
+        input_ids=input_ids,
+        matched_token_size=0,
+        extra_token_size=len(kv_indices),
+        target_per_rank=[target],
+        **fields,
+    )
+
+
+def receipts_for(side: object, allocation: object, success: bool = True) -> list[str]:
+    """Receipts a source would return for `allocation` (an allocate reply), signed with
+    `side`'s key: for tests of what happens after a transfer, without running one."""
+    import torch
+    from sglang_kv_migration import grants
+
+    # From the source the grant names (this same server, unless allocate named another).
+    granted = [side.signer.decode_grant(r.grant) for r in allocation.ranks if r.grant]
+    source = granted[0].source if granted else side.server_epoch
+    receipts = []
+    for rank in allocation.ranks:
+        slots = torch.tensor(rank.kv_indices, dtype=torch.int64)
+        receipt = grants.Receipt(
+            migration_id=allocation.migration_id,
+            tp=rank.tp_rank,
+            pp=rank.pp_rank,
+            path=allocation.path or "host",
+            slots_digest=grants.slots_digest(slots),
+            success=success,
+            bytes=0,
+            settled=True,
+            source=source,
+        )
+        receipts.append(side.signer.encode(receipt))
+    return receipts

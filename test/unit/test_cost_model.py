@@ -1,0 +1,225 @@
+"""The migrate-vs-recompute cost model, with literal numbers and literal `/metrics` text."""
+
+from __future__ import annotations
+
+import pytest
+from sglang_kv_migration.rollout.cost_model import (
+    CostModel,
+    MigrationCosts,
+    PrefillCosts,
+    bytes_per_token_from_session_info,
+    parse_prometheus,
+)
+
+# Two ranks of a source that sent 3 migrations: 600 MB in all, 0.3 s of transfer per rank.
+SOURCE_METRICS = """\
+# HELP sglang:kv_migration_bytes_total Bytes of KV cache sent (source) or committed (target).
+# TYPE sglang:kv_migration_bytes_total counter
+sglang:kv_migration_bytes_total{model_name="m",tp_rank="0",pp_rank="0",role="source"} 3.0e8
+sglang:kv_migration_bytes_total{model_name="m",tp_rank="1",pp_rank="0",role="source"} 3.0e8
+sglang:kv_migration_bytes_created{model_name="m",tp_rank="0",pp_rank="0",role="source"} 1.7e9
+sglang:kv_migration_tokens_total{model_name="m",tp_rank="0",pp_rank="0",role="source"} 6000
+sglang:kv_migration_tokens_total{model_name="m",tp_rank="1",pp_rank="0",role="source"} 6000
+sglang:kv_migration_phase_seconds_sum{model_name="m",tp_rank="0",pp_rank="0",phase="transfer"} 0.3
+sglang:kv_migration_phase_seconds_count{model_name="m",tp_rank="0",pp_rank="0",phase="transfer"} 3
+sglang:kv_migration_phase_seconds_sum{model_name="m",tp_rank="1",pp_rank="0",phase="transfer"} 0.3
+sglang:kv_migration_phase_seconds_count{model_name="m",tp_rank="1",pp_rank="0",phase="transfer"} 3
+sglang:kv_migration_phase_seconds_bucket{tp_rank="0",phase="transfer",le="0.1"} 3
+"""
+
+# The target: 4 allocates of 10 ms and 4 commits of 5 ms (one rank), HiCache loaded 10000
+# tokens back in 0.2 s, and SGLang timed 2 s of extend passes over 40000 computed tokens.
+TARGET_METRICS = """\
+sglang:kv_migration_phase_seconds_sum{model_name="m",tp_rank="0",pp_rank="0",phase="allocate"} 0.04
+sglang:kv_migration_phase_seconds_count{model_name="m",tp_rank="0",pp_rank="0",phase="allocate"} 4
+sglang:kv_migration_phase_seconds_sum{model_name="m",tp_rank="0",pp_rank="0",phase="commit"} 0.02
+sglang:kv_migration_phase_seconds_count{model_name="m",tp_rank="0",pp_rank="0",phase="commit"} 4
+sglang:load_back_duration_seconds_sum{model_name="m"} 0.2
+sglang:load_back_duration_seconds_count{model_name="m"} 7
+sglang:load_back_tokens_total{model_name="m"} 10000
+sglang:forward_execution_seconds_total{model_name="m",category="extend"} 2.0
+sglang:forward_execution_seconds_total{model_name="m",category="decode"} 9.0
+sglang:realtime_tokens_total{model_name="m",mode="prefill_compute"} 40000
+sglang:realtime_tokens_total{model_name="m",mode="prefill_cache"} 99999
+sglang:realtime_tokens_total{model_name="m",mode="decode"} 123456
+"""
+
+
+def test_estimate_with_literal_costs() -> None:
+    model = CostModel(
+        MigrationCosts(bandwidth_bytes_per_s=1e9, overhead_s=0.01, bytes_per_token=1000),
+        PrefillCosts(seconds_per_token=1e-4),
+    )
+    # 8000 tokens: 8 MB / 1 GB/s = 8 ms + 10 ms = 18 ms against 0.8 s of prefill.
+    est = model.estimate(8000)
+    assert est.decision == "migrate"
+    assert est.nbytes == 8_000_000
+    assert est.migrate_s == pytest.approx(0.018)
+    assert est.recompute_s == pytest.approx(0.8)
+    # 50 tokens: 10.05 ms to move against 5 ms to recompute.
+    est = model.estimate(50)
+    assert (est.decision, est.nbytes) == ("recompute", 50_000)
+    assert est.migrate_s == pytest.approx(0.01005)
+    assert est.recompute_s == pytest.approx(0.005)
+
+
+def test_explicit_bytes_margin_and_nothing_to_move() -> None:
+    model = CostModel(
+        MigrationCosts(bandwidth_bytes_per_s=1e9, overhead_s=0.0),
+        PrefillCosts(seconds_per_token=1e-6),
+        margin=2.0,
+    )
+    # 1000 tokens, 1.5 MB: 1.5 ms to move vs 1 ms to recompute -> recompute.
+    assert model.estimate(1000, nbytes=1_500_000).decision == "recompute"
+    # 0.6 MB: 0.6 ms, but x2 margin = 1.2 ms > 1 ms -> still recompute; 0.4 MB migrates.
+    assert model.estimate(1000, nbytes=600_000).decision == "recompute"
+    assert model.estimate(1000, nbytes=400_000).decision == "migrate"
+    assert model.estimate(0, nbytes=0) == model.estimate(-5)
+    assert model.estimate(0).decision == "recompute"
+    with pytest.raises(ValueError, match="bytes unknown"):
+        model.estimate(10)
+
+
+def test_parse_prometheus_labels_and_values() -> None:
+    samples = parse_prometheus(
+        '# TYPE x counter\nx_total{a="1",b="q\\"uote"} 2.5e3\nbare 7\nnot a sample\n'
+        'y{le="+Inf"} +Inf\n'
+    )
+    assert [(s.name, dict(s.labels), s.value) for s in samples[:2]] == [
+        ("x_total", {"a": "1", "b": 'q"uote'}, 2500.0),
+        ("bare", {}, 7.0),
+    ]
+    assert samples[2].value == float("inf")
+    assert len(samples) == 3
+
+
+def test_learn_from_metrics() -> None:
+    model = CostModel.from_metrics(SOURCE_METRICS, TARGET_METRICS, http_overhead_s=0.005)
+    m = model.migration
+    # 600 MB over 0.3 s of per-rank transfer time (two ranks in parallel) = 2 GB/s.
+    assert m.bandwidth_bytes_per_s == pytest.approx(2e9)
+    # 600 MB for 6000 tokens (each rank counts the same tokens).
+    assert m.bytes_per_token == pytest.approx(1e5)
+    # 10 ms allocate + 5 ms commit + 5 ms HTTP.
+    assert m.overhead_s == pytest.approx(0.02)
+    assert m.load_back_s_per_token == pytest.approx(2e-5)
+    assert m.origin == "metrics"
+    assert model.prefill.seconds_per_token == pytest.approx(5e-5)
+    assert model.prefill.origin == "metrics"
+    # 4000 tokens: 0.02 + 400 MB / 2 GB/s (0.2) + 4000 * 2e-5 (0.08) = 0.3 s vs 0.2 s.
+    est = model.estimate(4000)
+    assert est.migrate_s == pytest.approx(0.3)
+    assert est.recompute_s == pytest.approx(0.2)
+    assert est.decision == "recompute"
+    # On the device path there is no host -> GPU load: 0.22 s vs 0.2 s, still recompute;
+    # with a tenth of the bytes per token (MLA-like) it migrates.
+    device = CostModel.from_metrics(SOURCE_METRICS, TARGET_METRICS, path="device")
+    assert device.migration.load_back_s_per_token == 0.0
+    assert device.estimate(4000).migrate_s == pytest.approx(0.22)
+    assert device.estimate(4000, nbytes=40_000_000).decision == "migrate"
+
+
+def test_missing_metrics_keep_the_prior() -> None:
+    prior = CostModel(
+        MigrationCosts(bandwidth_bytes_per_s=3e9, overhead_s=0.03, bytes_per_token=7),
+        PrefillCosts(seconds_per_token=2e-4, overhead_s=0.001),
+    )
+    assert CostModel.from_metrics(None, "", prior=prior) == prior
+    # Timer off: SGLang still counts prefill tokens but not extend seconds.
+    only_tokens = 'sglang:realtime_tokens_total{mode="prefill_compute"} 500\n'
+    assert CostModel.from_metrics("", only_tokens, prior=prior).prefill == prior.prefill
+
+
+def test_path_label_filters_series() -> None:
+    text = (
+        'sglang:kv_migration_bytes_total{role="source",path="host"} 1e9\n'
+        'sglang:kv_migration_phase_seconds_sum{phase="transfer",path="host"} 1.0\n'
+        'sglang:kv_migration_phase_seconds_count{phase="transfer",path="host"} 1\n'
+        'sglang:kv_migration_bytes_total{role="source",path="device"} 1e9\n'
+        'sglang:kv_migration_phase_seconds_sum{phase="transfer",path="device"} 0.01\n'
+        'sglang:kv_migration_phase_seconds_count{phase="transfer",path="device"} 1\n'
+    )
+    host = CostModel.from_metrics(text, None, path="host").migration
+    device = CostModel.from_metrics(text, None, path="device").migration
+    assert host.bandwidth_bytes_per_s == pytest.approx(1e9)
+    assert device.bandwidth_bytes_per_s == pytest.approx(1e11)
+
+
+def test_bytes_per_token_from_session_info() -> None:
+    info = {
+        "ranks": [
+            {"tp_rank": 0, "pp_rank": 0, "host_kv_item_lens": [64, 64, 64, 64]},
+            {"tp_rank": 1, "pp_rank": 0, "host_kv_item_lens": [64, 64, 64, 64]},
+        ]
+    }
+    assert bytes_per_token_from_session_info(info) == 512
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def test_route_bytes_by_path_and_tier():
+    from sglang_kv_migration.rollout.cost_model import route_bytes
+
+    held = {"matched_token_size": 100, "device_token_size": 40}
+    assert route_bytes("device", held, 2.0) == {"gpu_to_gpu": 80, "host_to_gpu": 120}
+    assert route_bytes("host", held, 2.0) == {"host_to_host": 200}
+
+
+def test_routes_combine_rates_and_fixed_costs():
+    from sglang_kv_migration.rollout.cost_model import RouteCost, migration_costs_for_routes
+
+    routes = {"gpu_to_gpu": RouteCost(1000.0, 0.5), "host_to_gpu": RouteCost(100.0, 0.25)}
+    costs = migration_costs_for_routes({"gpu_to_gpu": 1000, "host_to_gpu": 100}, routes)
+    # 1 s + 1 s for 1100 bytes, behind the larger fixed cost.
+    assert costs.bandwidth_bytes_per_s == pytest.approx(550.0)
+    assert costs.overhead_s == 0.5
+    model = CostModel(migration=costs, prefill=PrefillCosts(seconds_per_token=1.0))
+    assert model.estimate(3, nbytes=1100).migrate_s == pytest.approx(2.5)
+    only_host = migration_costs_for_routes({"gpu_to_gpu": 0, "host_to_gpu": 100}, routes)
+    assert (only_host.bandwidth_bytes_per_s, only_host.overhead_s) == (100.0, 0.25)
+    with pytest.raises(ValueError, match="host_to_host"):
+        migration_costs_for_routes({"host_to_host": 1}, routes)
+
+
+def test_route_priors_favour_the_device_path_for_host_held_prefixes():
+    # A 32K prefix of an 8B model held on the source's host tier: host -> GPU beats
+    # host -> host by more than 10x with the measured priors.
+    from sglang_kv_migration.rollout.cost_model import migration_costs_for_routes, route_bytes
+
+    held = {"matched_token_size": 32768, "device_token_size": 0}
+    per_token = 131072.0
+    device = CostModel(
+        migration=migration_costs_for_routes(route_bytes("device", held, per_token))
+    ).estimate(32768, nbytes=round(32768 * per_token))
+    host = CostModel(
+        migration=migration_costs_for_routes(route_bytes("host", held, per_token))
+    ).estimate(32768, nbytes=round(32768 * per_token))
+    assert device.migrate_s * 10 < host.migrate_s
+
+
+def test_each_path_is_priced_on_its_own_terms() -> None:
+    """The device path has its own prior (no load-back, ~50 GB/s); the host path uses
+    `migration`; path-labelled series teach only their own path."""
+    model = CostModel(
+        MigrationCosts(bandwidth_bytes_per_s=1e9, overhead_s=0.01, bytes_per_token=1000),
+        PrefillCosts(seconds_per_token=1e-6),
+    )
+    host = model.estimate(8000, path="host")
+    device = model.estimate(8000, path="device")
+    assert (host.path, device.path) == ("host", "device")
+    assert host.migrate_s == pytest.approx(0.01 + 8e6 / 1e9)
+    assert device.migrate_s == pytest.approx(0.02 + 8e6 / 50e9)  # bytes/token shared
+    assert host.decision == device.decision == "recompute"  # 8 ms of prefill is cheaper
+    labelled = (
+        'sglang:kv_migration_bytes_total{tp_rank="0",role="source",path="device"} 4e9\n'
+        'sglang:kv_migration_tokens_total{tp_rank="0",role="source",path="device"} 1000\n'
+        'sglang:kv_migration_phase_seconds_sum{tp_rank="0",phase="transfer",path="device"} 0.01\n'
+        'sglang:kv_migration_phase_seconds_count{tp_rank="0",phase="transfer",path="device"} 1\n'
+    )
+    learned = CostModel.from_metrics(labelled, "", prior=model)
+    assert learned.costs_for("device").bandwidth_bytes_per_s == pytest.approx(4e11)
+    # Unlabelled series would teach both; labelled ones reach the generic terms too.
+    learned_host = CostModel.from_metrics(SOURCE_METRICS, TARGET_METRICS, prior=model)
+    assert learned_host.costs_for("device").bandwidth_bytes_per_s == pytest.approx(50e9)
+    assert learned_host.costs_for("host").bandwidth_bytes_per_s == pytest.approx(2e9)

@@ -1,0 +1,225 @@
+"""Prometheus metrics and the per-migration log line, on a real scheduler side (one rank)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from sglang_kv_migration.io_types import (
+    AbortTransferReqInput,
+    AllocateTokenForTransferReqInput,
+    CommitTransferRequestKVCacheReqInput,
+)
+from side_helpers import receipts_for, transfer_to_self
+
+
+def _sample(name: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value(
+        name, {"model_name": "tiny", "tp_rank": "0", "pp_rank": "0", **labels}
+    )
+    return value or 0.0
+
+
+def _allocate(side, ids: list[int], migration_id: str):
+    return side.allocate_token_for_transfer(
+        AllocateTokenForTransferReqInput(
+            input_ids=ids,
+            migration_id=migration_id,
+            source_fingerprints=[side.fingerprint.to_dict()],
+        )
+    )
+
+
+def test_target_outcomes_tokens_bytes_and_phases(side, caplog) -> None:
+    before = {
+        o: _sample("sglang:kv_migration_total", role="target", outcome=o)
+        for o in ("allocated", "committed", "aborted", "expired")
+    }
+    tokens_before = _sample("sglang:kv_migration_tokens_total", role="target")
+    bytes_before = _sample("sglang:kv_migration_bytes_total", role="target")
+    pending_before = _sample("sglang:kv_migration_phase_seconds_count", phase="pending")
+
+    out = _allocate(side, list(range(1000, 1064)), "m-commit")
+    assert out.success, out.message
+    receipts = receipts_for(side, out)
+    with caplog.at_level(logging.INFO, logger="sglang_kv_migration.server.scheduler_side"):
+        assert side.commit_transfer_request_kvcache(
+            CommitTransferRequestKVCacheReqInput(migration_id="m-commit", receipts=receipts)
+        ).success
+    # A repeated commit is harmless and counts nothing.
+    assert side.commit_transfer_request_kvcache(
+        CommitTransferRequestKVCacheReqInput(migration_id="m-commit")
+    ).success
+    lines = [r.getMessage() for r in caplog.records if "m-commit committed" in r.getMessage()]
+    assert len(lines) == 1
+    assert f"64 tokens, {64 * side.bytes_per_token} bytes" in lines[0]
+
+    assert _allocate(side, list(range(2000, 2032)), "m-abort").success
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="m-abort")).success
+
+    assert _allocate(side, list(range(3000, 3032)), "m-expire").success
+    time.sleep(0.1)
+    for _ in range(200):  # the watchdog runs every 64 iterations
+        side.poll()
+        if not len(side.pending):
+            break
+
+    after = {
+        o: _sample("sglang:kv_migration_total", role="target", outcome=o)
+        for o in ("allocated", "committed", "aborted", "expired")
+    }
+    assert {o: after[o] - before[o] for o in after} == {
+        "allocated": 3,
+        "committed": 1,
+        "aborted": 1,
+        "expired": 1,
+    }
+    assert _sample("sglang:kv_migration_tokens_total", role="target") - tokens_before == 64
+    assert (
+        _sample("sglang:kv_migration_bytes_total", role="target") - bytes_before
+        == 64 * side.bytes_per_token
+    )
+    assert _sample("sglang:kv_migration_phase_seconds_count", phase="pending") - pending_before == 1
+
+
+def test_failed_send_is_counted(side) -> None:
+    before = _sample("sglang:kv_migration_total", role="source", outcome="send_failed")
+    # The source does not hold this prefix: the transfer fails before any byte moves.
+    alloc = _allocate(side, list(range(6000, 6032)), "m-failed-send")
+    req = transfer_to_self(
+        side,
+        list(range(5000, 5032)),
+        alloc.ranks[0].kv_indices,
+        alloc.ranks[0].grant,
+        migration_id="m-failed-send",
+    )
+    assert side.transfer_request_kvcache(req) is None
+    side.poll()
+    assert len(side.replies) == 1 and not side.replies[0].success
+    assert "holds only 0 tokens" in side.replies[0].message
+    assert _sample("sglang:kv_migration_total", role="source", outcome="send_failed") == before + 1
+
+
+def test_scheduler_time_is_recorded_per_busy_iteration(side) -> None:
+    count = "sglang:kv_migration_scheduler_seconds_count"
+    before = _sample(count)
+    timer = side.loop_timer
+    handlers = dict(side.handlers())
+    side.poll()  # idle: nothing of ours ran, nothing recorded
+    assert _sample(count) == before
+    iterations = timer.iterations
+    # A handler in this iteration, then the poll that closes it: one observation.
+    request = AllocateTokenForTransferReqInput(
+        input_ids=list(range(7000, 7032)),
+        migration_id="m-loop",
+        source_fingerprints=[side.fingerprint.to_dict()],
+    )
+    assert handlers[AllocateTokenForTransferReqInput](request).success
+    side.poll()
+    assert _sample(count) == before + 1
+    assert timer.iterations == iterations + 1
+    assert 0 < timer.max_s < 5.0
+    assert _sample("sglang:kv_migration_scheduler_seconds_sum") > 0
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="m-loop")).success
+
+
+def test_every_iteration_is_accounted_idle_ones_too(side, monkeypatch) -> None:
+    from sglang_kv_migration.server import metrics
+
+    seconds, iterations = (
+        "sglang:kv_migration_poll_seconds_total",
+        "sglang:kv_migration_poll_iterations_total",
+    )
+    monkeypatch.setattr(metrics, "ACCOUNT_FLUSH_S", 0.0)  # export on every timed iteration
+    monkeypatch.setattr(metrics, "IDLE_FLUSH_ITERATIONS", 4)  # and every 4 idle ones
+    timer = side.loop_timer
+    for _ in range(8):
+        side.poll()  # flushes whatever the fixture's earlier iterations left
+    before_s, before_n = _sample(seconds), _sample(iterations)
+    for _ in range(8):
+        side.poll()  # idle: returns at once, counted but not timed
+    assert _sample(iterations) == before_n + 8
+    assert _sample(seconds) == before_s
+    assert not timer.handled
+    # A handler ran: that iteration is timed, and its time exported.
+    request = AllocateTokenForTransferReqInput(
+        input_ids=list(range(9000, 9016)),
+        migration_id="m-account",
+        source_fingerprints=[side.fingerprint.to_dict()],
+    )
+    assert dict(side.handlers())[AllocateTokenForTransferReqInput](request).success
+    assert timer.handled
+    side.poll()
+    assert _sample(iterations) == before_n + 9
+    assert 0 < _sample(seconds) - before_s < 1.0
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="m-account")).success
+
+
+def test_worst_iteration_is_broken_down_by_part(side) -> None:
+    """The worst iteration's parts name the handler that ran and the poll's steps, and
+    add up to `max_s`; a lighter iteration later does not replace them."""
+    timer = side.loop_timer
+    timer.reset()
+    handlers = dict(side.handlers())
+    request = AllocateTokenForTransferReqInput(
+        input_ids=list(range(8000, 8064)),
+        migration_id="m-parts",
+        source_fingerprints=[side.fingerprint.to_dict()],
+    )
+    assert handlers[AllocateTokenForTransferReqInput](request).success
+    side.poll()
+    parts = dict(timer.worst_parts)
+    assert set(parts) == {
+        "AllocateTokenForTransferReqInput",
+        "poll.transfers",
+        "poll.staged_commits",
+        "poll.yield",  # a migration is pending: the GIL is offered to our helper threads
+        "poll",
+    }
+    assert all(seconds >= 0 for seconds in parts.values())
+    assert sum(parts.values()) == timer.max_s > 0
+    assert parts["AllocateTokenForTransferReqInput"] == max(parts.values())
+    side.poll()  # pending: recorded, but only the poll ran
+    assert timer.worst_parts == parts
+    timer.reset()
+    assert (timer.max_s, timer.worst_parts) == (0.0, {})
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="m-parts")).success
+
+
+def test_diagnose_charges_collections_and_cpu_time_per_part() -> None:
+    """With `diagnose`, a garbage collection inside a handler is its own `gc` part (the
+    handler keeps the rest, the sum stays the total) and every part has a CPU probe;
+    outside our parts a collection is not charged."""
+    import gc
+
+    from sglang_kv_migration.server.metrics import LoopTimer, NullMetrics
+
+    class FakeReq:
+        pass
+
+    timer = LoopTimer(NullMetrics())
+    timer.diagnose()
+    try:
+        collecting = timer.timed(lambda req: gc.collect())
+        collecting(FakeReq())
+        gc.collect()  # between the handler and the poll: SGLang's time
+        timer.begin_poll()
+        timer.lap("poll.step")
+        timer.end_iteration(active=False)
+    finally:
+        timer.diagnose(cpu=False, collections=False)
+    assert timer._on_gc not in gc.callbacks
+    parts = timer.worst_parts
+    assert set(parts) == {"FakeReq", "gc", "poll.step", "poll"}
+    assert 0 < parts["gc"] <= timer.max_s
+    assert sum(parts.values()) == timer.max_s
+    assert set(timer.worst_probe_parts) == {"FakeReq", "poll.step", "poll"}
+    cpu, voluntary, involuntary = timer.worst_probe_parts["FakeReq"]
+    assert cpu > 0 and voluntary >= 0 and involuntary >= 0
+    # Idle: no handler ran and nothing is in flight, so nothing is recorded.
+    timer.reset()
+    timer.begin_poll()
+    timer.end_iteration(active=False)
+    assert timer.worst_parts == {} and timer.iterations == 1

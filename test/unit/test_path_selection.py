@@ -1,0 +1,47 @@
+"""The client's choice of data path from the two servers' session info and the size query.
+
+Same host: the device path, whatever tier the source holds the prefix in, when every
+source rank advertises that it reads its host pool in place (`tiers` lists "host");
+a source that does not (older servers, an unpinned or page_head host pool) keeps the
+old rule and falls back to the host path for host-only tokens, saying why.
+"""
+
+from __future__ import annotations
+
+from sglang_kv_migration.client.migration import _choose_path
+
+
+def _info(host: str, tiers: list[str] | None, ranks: int = 1) -> dict:
+    device = {"host_identity": host}
+    if tiers is not None:
+        device["tiers"] = tiers
+    return {
+        "ranks": [
+            {"tp_rank": r, "pp_rank": 0, "paths": {"device": dict(device), "host": {}}}
+            for r in range(ranks)
+        ]
+    }
+
+
+HOST_ONLY = {"matched_token_size": 16000, "device_token_size": 0}
+ON_DEVICE = {"matched_token_size": 16000, "device_token_size": 16000}
+
+
+def test_device_path_for_host_held_prefix_when_the_source_reads_its_host_pool():
+    source, target = _info("h1", ["device", "host"], ranks=2), _info("h1", ["device"])
+    assert _choose_path(None, source, target, HOST_ONLY) == ("device", "")
+    assert _choose_path("auto", source, target, ON_DEVICE) == ("device", "")
+
+
+def test_host_path_with_a_reason_when_a_source_rank_reads_device_pages_only():
+    source = _info("h1", ["device", "host"], ranks=2)
+    source["ranks"][1]["paths"]["device"]["tiers"] = ["device"]
+    path, reason = _choose_path(None, source, _info("h1", None), HOST_ONLY)
+    assert path == "host" and "16000 of the tokens on host only" in reason
+    # An older source (no `tiers`) on one host: device pages still take the device path.
+    assert _choose_path(None, _info("h1", None), _info("h1", None), ON_DEVICE) == ("device", "")
+
+
+def test_other_host_takes_the_host_path_whatever_the_tier():
+    path, reason = _choose_path(None, _info("h1", ["device", "host"]), _info("h2", None), ON_DEVICE)
+    assert (path, reason) == ("host", "servers are on different hosts")

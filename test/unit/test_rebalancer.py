@@ -1,0 +1,228 @@
+"""`plan_moves`, the rebalancer's pure planning step, with literal loads and requests.
+
+The rebalancer against live servers is in `test_request_migration.py` (it shares that
+module's mini servers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sglang_kv_migration.rollout.rebalancer import (
+    HeldKV,
+    RebalancePolicy,
+    ServerLoad,
+    _from_get_load,
+    _from_v1_loads,
+    plan_moves,
+)
+from sglang_kv_migration.rollout.request_migration import GenerateRequest
+
+A, B, C = "http://a", "http://b", "http://c"
+
+
+@dataclass
+class FakeHandle:
+    server_url: str
+    prio: int | None
+    submitted_at: float
+    prompt_len: int = 100
+    max_new: int = 100
+    moving: bool = False
+    finished: bool = False
+    started: bool | None = None
+    moves: list = field(default_factory=list)
+    request: GenerateRequest = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.request = GenerateRequest(
+            list(range(self.prompt_len)), {"max_new_tokens": self.max_new}
+        )
+
+    @property
+    def priority(self) -> int | None:
+        return self.prio
+
+    def done(self) -> bool:
+        return self.finished
+
+
+def load(url: str, waiting: int, demand: int, capacity: int = 1000, ok: bool = True):
+    return ServerLoad(url, 1, waiting, demand, demand, capacity, ok)
+
+
+def test_highest_priority_moves_to_the_least_loaded() -> None:
+    # A: demand 120% of its KV (queued prompts included); B 40%, C 10%.
+    loads = {A: load(A, 3, 1200), B: load(B, 1, 400), C: load(C, 0, 100)}
+    handles = [
+        FakeHandle(A, 1, 1.0),
+        FakeHandle(A, 5, 2.0),
+        FakeHandle(A, 5, 3.0),  # same priority, newer: more likely still queued
+        FakeHandle(A, None, 4.0),
+        FakeHandle(B, 9, 5.0),  # B is not pressured
+    ]
+    policy = RebalancePolicy(kv_pressure=0.9, target_max_ratio=0.7, max_concurrent=2)
+    moves = plan_moves(loads, handles, policy)
+    assert [(m.handle, m.source_url, m.target_url, m.tokens) for m in moves] == [
+        (handles[2], A, C, 200),  # C: empty queue
+        (handles[1], A, C, 200),  # C and B now queue one each; C has less demand (30%)
+    ]  # and A, at 80% after two moves, is no longer pressured: the third stays
+
+
+def test_concurrency_cap_and_in_flight() -> None:
+    loads = {A: load(A, 5, 5000, 1000), B: load(B, 0, 0, 100_000)}
+    handles = [FakeHandle(A, p, float(p)) for p in range(5)]
+    policy = RebalancePolicy(max_concurrent=3, max_moves_per_round=10)
+    assert len(plan_moves(loads, handles, policy)) == 3
+    assert len(plan_moves(loads, handles, policy, in_flight=2)) == 1
+    assert plan_moves(loads, handles, policy, in_flight=3) == []
+    assert len(plan_moves(loads, handles, RebalancePolicy(max_moves_per_round=1))) == 1
+
+
+def test_no_move_without_pressure_or_room() -> None:
+    policy = RebalancePolicy(kv_pressure=0.9, target_max_ratio=0.7)
+    handles = [FakeHandle(A, 1, 1.0), FakeHandle(A, 2, 2.0)]
+    # A is full but has nothing queued: nothing to move.
+    assert plan_moves({A: load(A, 0, 1000), B: load(B, 0, 0)}, handles, policy) == []
+    # A has a queue but spare KV (80% < 90%).
+    assert plan_moves({A: load(A, 2, 800), B: load(B, 0, 0)}, handles, policy) == []
+    # B would go above 70% with a 200-token request; a down server takes nothing.
+    loads = {A: load(A, 2, 990), B: load(B, 0, 550), C: load(C, 0, 0, ok=False)}
+    assert plan_moves(loads, handles, policy) == []
+    # Moving or finished requests are not candidates; only as many as are queued move.
+    handles = [
+        FakeHandle(A, 9, 1.0, moving=True),
+        FakeHandle(A, 8, 2.0, finished=True),
+        FakeHandle(A, 1, 3.0),
+        FakeHandle(A, 0, 4.0),
+    ]
+    moves = plan_moves({A: load(A, 1, 990), B: load(B, 0, 0)}, handles, policy)
+    assert [m.handle for m in moves] == [handles[2]]
+
+
+def test_moves_stop_once_the_source_is_relieved() -> None:
+    # A at 95% with 3 queued; each move takes 200 tokens of demand off it.
+    loads = {A: load(A, 3, 950), B: load(B, 0, 0, 10_000)}
+    handles = [FakeHandle(A, 1, float(i)) for i in range(3)]
+    policy = RebalancePolicy(kv_pressure=0.9, max_concurrent=5, max_moves_per_round=5)
+    assert len(plan_moves(loads, handles, policy)) == 1  # 750/1000 after one move
+
+
+def test_low_priority_values_first() -> None:
+    loads = {A: load(A, 1, 990), B: load(B, 0, 0)}
+    handles = [FakeHandle(A, 1, 1.0), FakeHandle(A, 7, 2.0)]
+    default = plan_moves(loads, handles, RebalancePolicy())
+    inverted = plan_moves(loads, handles, RebalancePolicy(low_priority_values_first=True))
+    assert [m.handle for m in default] == [handles[1]]
+    assert [m.handle for m in inverted] == [handles[0]]
+
+
+def test_unknown_capacity_uses_queues() -> None:
+    # `/get_load` gives no capacity: a queue is pressure, an empty queue is room.
+    legacy = [
+        {
+            "dp_rank": 0,
+            "num_reqs": 5,
+            "num_waiting_reqs": 2,
+            "num_tokens": 900,
+            "num_pending_tokens": 300,
+        }
+    ]
+    a = _from_get_load(A, legacy)
+    assert (a.num_running, a.num_waiting, a.used_tokens, a.demand_tokens) == (3, 2, 600, 900)
+    assert a.capacity_tokens == 0
+    b = ServerLoad(B)
+    moves = plan_moves({A: a, B: b}, [FakeHandle(A, 1, 1.0)], RebalancePolicy())
+    assert [(m.source_url, m.target_url) for m in moves] == [(A, B)]
+
+
+def test_v1_loads_sum_dp_ranks() -> None:
+    rank = {
+        "num_running_reqs": 2,
+        "num_waiting_reqs": 1,
+        "num_used_tokens": 100,
+        "num_total_tokens": 150,
+        "max_total_num_tokens": 1000,
+    }
+    got = _from_v1_loads(A, [rank, rank])
+    assert (got.num_running, got.num_waiting, got.demand_tokens, got.capacity_tokens) == (
+        4,
+        2,
+        300,
+        2000,
+    )
+    assert got.demand_ratio == 0.15
+
+
+def test_requests_already_decoding_stay_unless_asked() -> None:
+    loads = {A: load(A, 2, 2000), B: load(B, 0, 0)}
+    running, queued = FakeHandle(A, 9, 1.0, started=True), FakeHandle(A, 1, 2.0, started=False)
+    unknown = FakeHandle(A, 1, 3.0)  # an adopted call: its state is unknown
+    policy = RebalancePolicy(max_concurrent=4)
+    moved = [m.handle for m in plan_moves(loads, [running, queued, unknown], policy)]
+    assert moved == [unknown, queued]  # the high-priority one is running: it stays
+    everything = RebalancePolicy(max_concurrent=4, move_running=True)
+    planned = plan_moves(loads, [running, queued, unknown], everything)
+    assert planned[0].handle is running
+
+
+def test_full_running_slots_are_pressure() -> None:
+    """KV has room (30%) but every running slot is taken and requests queue: pressured."""
+    slots_full = ServerLoad(A, 8, 2, 300, 300, 1000, True, max_running=8)
+    room = ServerLoad(A, 7, 2, 300, 300, 1000, True, max_running=8)
+    policy = RebalancePolicy(kv_pressure=0.9)
+    assert policy.is_pressured(slots_full) and not policy.is_pressured(room)
+    handles = [FakeHandle(A, 5, 1.0)]
+    moves = plan_moves({A: slots_full, B: load(B, 0, 0)}, handles, policy)
+    assert [m.handle for m in moves] == [handles[0]]
+    assert plan_moves({A: room, B: load(B, 0, 0)}, handles, policy) == []
+
+
+def test_scene_policy_moves_only_urgent_requests_whose_kv_the_source_holds() -> None:
+    """min_priority keeps low-priority requests home; min_held_tokens keeps home those the
+    source holds no KV for, on either tier (host-only counts)."""
+    loads = {A: load(A, 5, 2000), B: load(B, 0, 0, 100_000)}
+    on_host = FakeHandle(A, 10, 1.0)
+    on_gpu = FakeHandle(A, 10, 2.0)
+    uncached = FakeHandle(A, 10, 3.0)
+    low = FakeHandle(A, 0, 4.0)
+    decoding = FakeHandle(A, 10, 5.0, started=True)
+    handles = [on_host, on_gpu, uncached, low, decoding]
+    held = {
+        id(on_host): HeldKV(4096, device_tokens=0),
+        id(on_gpu): HeldKV(4096, device_tokens=4096),
+        id(low): HeldKV(4096, device_tokens=4096),
+        id(decoding): HeldKV(4096, device_tokens=4096),
+    }
+    policy = RebalancePolicy(min_priority=10, min_held_tokens=16, max_concurrent=8)
+    moves = plan_moves(loads, handles, policy, held=held)
+    assert [m.handle for m in moves] == [on_gpu, on_host]  # newest first, both tiers
+    assert [m.held.device_tokens for m in moves] == [4096, 0]
+    # Without the held sizes nothing qualifies; without the filters the others move too.
+    assert plan_moves(loads, handles, policy) == []
+    anything = plan_moves(loads, handles, RebalancePolicy(max_concurrent=8))
+    assert [m.handle for m in anything] == [uncached, on_gpu, on_host, low]
+    # With smaller values more urgent, min_priority is an upper bound.
+    inverted = RebalancePolicy(min_priority=0, low_priority_values_first=True, max_concurrent=8)
+    assert [m.handle for m in plan_moves(loads, handles, inverted)] == [low]
+
+
+def test_v1_loads_running_slots() -> None:
+    rank = {
+        "num_running_reqs": 2,
+        "num_waiting_reqs": 1,
+        "num_used_tokens": 100,
+        "num_total_tokens": 150,
+        "max_total_num_tokens": 1000,
+        "max_running_requests": 48,
+    }
+    assert _from_v1_loads(A, [rank, rank]).max_running == 96
+
+
+def test_a_request_moves_once_unless_allowed_more() -> None:
+    loads = {A: load(A, 2, 2000), B: load(B, 0, 0)}
+    moved_before, fresh = FakeHandle(A, 9, 1.0, moves=["a move"]), FakeHandle(A, 1, 2.0)
+    policy = RebalancePolicy(max_concurrent=4)
+    assert [m.handle for m in plan_moves(loads, [moved_before, fresh], policy)] == [fresh]
+    twice = RebalancePolicy(max_concurrent=4, max_moves_per_request=2)
+    assert plan_moves(loads, [moved_before, fresh], twice)[0].handle is moved_before
