@@ -293,6 +293,42 @@ def test_failure_at_each_phase_falls_back_to_reprefill(servers: Servers, phase: 
     assert out.segments[1].cached_tokens == 0
 
 
+class CountCalls(httpx.BaseTransport):
+    """Counts the calls per (port, route); every call goes to the real server."""
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[int | None, str], int] = {}
+        self._real = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        key = (request.url.port, request.url.path)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        return self._real.handle_request(request)
+
+    def close(self) -> None:
+        self._real.close()
+
+
+def test_one_size_query_per_move(servers: Servers) -> None:
+    """In auto mode the source's size query prices the move and the migration reuses it;
+    session info comes from the client's cache."""
+    prompt = _seq(6500, 2 * PAGE + 1)
+    transport = CountCalls()
+    client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
+    with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as migrator:
+        handle = _start_running(migrator, servers.source, prompt, 30)
+        out = migrate_request(handle, servers.target.url)
+
+    assert out.output_ids == expected_output(prompt, 30)
+    (move,) = out.moves
+    assert move.outcome == "migrated" and move.migration.migrated_token_size > 0
+    source_port = httpx.URL(servers.source.url).port
+    target_port = httpx.URL(servers.target.url).port
+    assert transport.calls[(source_port, "/get_request_extra_token_size")] == 1
+    assert transport.calls[(source_port, "/get_transfer_session_info")] == 1
+    assert transport.calls[(target_port, "/get_transfer_session_info")] == 1
+
+
 def test_failure_can_resume_on_the_source(servers: Servers) -> None:
     prompt = _seq(6000, 2 * PAGE + 1)
     client = MigrationClient(http_client=httpx.Client(transport=FailOn("/commit"), timeout=30))

@@ -616,12 +616,14 @@ class AsyncRequestMigrator:
             report = move.report("recomputed", target_url, len(generated))
             return self._resume(handle, rest, target_url, "reprefill", report)
         try:
-            estimate = await self._estimate(source_url, target_url, ids, rest.extra_key, path)
+            # One size query per move: it prices the move and the migration reuses it.
+            held = await self.held_kv(source_url, ids, rest.extra_key)
+            estimate = await self._estimate(source_url, target_url, ids, held, rest.extra_key, path)
             if mode == "auto" and estimate.decision == "recompute":
                 move.seconds["migrate"] = time.perf_counter() - t0
                 report = move.report("recomputed", target_url, len(generated), estimate=estimate)
                 return self._resume(handle, rest, target_url, "reprefill", report)
-            result = await self._migrate(source_url, target_url, ids, rest.extra_key, path)
+            result = await self._migrate(source_url, target_url, ids, rest.extra_key, path, held)
         except (MigrationFailed, httpx.HTTPError) as failure:
             move.seconds["migrate"] = time.perf_counter() - t0
             fallback = target_url if on_failure == "target" else source_url
@@ -640,18 +642,17 @@ class AsyncRequestMigrator:
         source_url: str,
         target_url: str,
         ids: list[int],
+        held: dict[str, Any],
         extra_key: str | None,
         path: str | None = None,
     ) -> CostEstimate:
-        """The cost model's verdict on the tokens the source holds beyond the target,
-        priced on the path the migration will take (`client.predict_path`)."""
-        body = {"input_ids": ids, "extra_key": extra_key}
-        held = await self._call(source_url, "/get_request_extra_token_size", body)
+        """The cost model's verdict on the tokens the source holds beyond the target
+        (`held`: the source's size query), priced on the path the migration will take
+        (`client.predict_path`); session info comes from the client's cache."""
         source_held = held["matched_token_size"]
         target_held = 0
         if source_held:
-            body = {"input_ids": ids[:source_held], "extra_key": extra_key}
-            target_held = (await self._call(target_url, "/get_request_extra_token_size", body))[
+            target_held = (await self.held_kv(target_url, ids[:source_held], extra_key))[
                 "matched_token_size"
             ]
         tokens = max(0, source_held - target_held)
@@ -705,10 +706,17 @@ class AsyncRequestMigrator:
             raise GenerateFailed(f"{where}: {type(e).__name__}: {e}") from e
 
     async def _migrate(
-        self, source: str, target: str, ids: list[int], extra_key: str | None, path: str | None
+        self,
+        source: str,
+        target: str,
+        ids: list[int],
+        extra_key: str | None,
+        path: str | None,
+        held: dict[str, Any],
     ) -> MigrationResult:
         # `path` only when asked for, so clients without the keyword keep working.
         kwargs: dict[str, Any] = {"path": path} if path is not None else {}
+        kwargs["held"] = held
         client = self._migration
         if isinstance(client, AsyncMigrationClient):
             return await client.migrate(source, target, ids, extra_key, **kwargs)
