@@ -712,7 +712,7 @@ class AsyncRequestMigrator:
         nbytes = None
         if self.cost_model.costs_for(chosen).bytes_per_token is None:
             nbytes = tokens * bytes_per_token_from_session_info(source_info)
-        return self.cost_model.estimate(tokens, nbytes, path=chosen)
+        return self.cost_model.estimate(tokens, nbytes, path=chosen, held=held)
 
     def _resume(
         self,
