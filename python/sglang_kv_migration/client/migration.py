@@ -473,24 +473,7 @@ def _move(
     clock = time.perf_counter
     timings = plan.timings
     t0 = clock()
-    allocation = yield from _step(
-        _Call(
-            "allocate",
-            plan.target_url,
-            "/allocate_token_for_transfer",
-            {
-                "input_ids": plan.prefix,
-                "extra_key": plan.extra_key,
-                "source_fingerprints": [r["fingerprint"] for r in plan.source_info["ranks"]],
-                "path": path,
-                "index_format": _index_format(plan),
-                "nothing_ok": True,
-                **_source_instance(plan),
-                **({"staging": True} if _can_stage(plan, path) else {}),
-                **({"verify": True} if plan.verify else {}),
-            },
-        )
-    )
+    allocation = yield from _step(_allocate_call(plan, path))
     migration_id = allocation["migration_id"]
     timings["allocate"] = timings.get("allocate", 0.0) + clock() - t0
     if allocation["extra_token_size"] == 0:
@@ -502,21 +485,7 @@ def _move(
     try:
         _check_epoch(plan.target_url, plan.target_info, allocation)
         t0 = clock()
-        transfer = yield from _step(
-            _Call(
-                "transfer",
-                plan.source_url,
-                "/transfer_request_kvcache",
-                {
-                    "input_ids": plan.prefix,
-                    "extra_key": plan.extra_key,
-                    "matched_token_size": allocation["matched_token_size"],
-                    "extra_token_size": allocation["extra_token_size"],
-                    "migration_id": migration_id,
-                    "target_per_rank": _targets(plan.target_info, allocation, path),
-                },
-            )
-        )
+        transfer = yield from _step(_transfer_call(plan, allocation, path))
         timings["transfer"] = clock() - t0
 
         t0 = clock()
@@ -549,6 +518,43 @@ def _move(
             failure.rolled_back = status is not None and status < 300
         raise
     return _result(plan, path, allocation, transfer, commit, migration_id, fallback_reason)
+
+
+def _allocate_call(plan: _Plan, path: str) -> _Call:
+    """Reserve slots on the target for what it lacks of the prefix, on `path`."""
+    return _Call(
+        "allocate",
+        plan.target_url,
+        "/allocate_token_for_transfer",
+        {
+            "input_ids": plan.prefix,
+            "extra_key": plan.extra_key,
+            "source_fingerprints": [r["fingerprint"] for r in plan.source_info["ranks"]],
+            "path": path,
+            "index_format": _index_format(plan),
+            "nothing_ok": True,
+            **_source_instance(plan),
+            **({"staging": True} if _can_stage(plan, path) else {}),
+            **({"verify": True} if plan.verify else {}),
+        },
+    )
+
+
+def _transfer_call(plan: _Plan, allocation: dict[str, Any], path: str) -> _Call:
+    """Ask the source to write the pages the target allocated (`allocation`)."""
+    return _Call(
+        "transfer",
+        plan.source_url,
+        "/transfer_request_kvcache",
+        {
+            "input_ids": plan.prefix,
+            "extra_key": plan.extra_key,
+            "matched_token_size": allocation["matched_token_size"],
+            "extra_token_size": allocation["extra_token_size"],
+            "migration_id": allocation["migration_id"],
+            "target_per_rank": _targets(plan.target_info, allocation, path),
+        },
+    )
 
 
 def _result(
