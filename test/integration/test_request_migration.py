@@ -35,6 +35,7 @@ from sglang_kv_migration.rollout.request_migration import (
     migrate_request,
     read_generate_stream,
 )
+from timing import wait_until
 
 PAGE = 16
 STEP_S = 0.01
@@ -138,14 +139,6 @@ class FailOn(httpx.BaseTransport):
         self._real.close()
 
 
-def _wait_until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.01)
-
-
 async def _until(predicate, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -158,10 +151,15 @@ def _load(server: ServerHandle) -> dict:
     return httpx.get(server.url + "/v1/loads", timeout=10).json()["loads"][0]
 
 
+def _running_on(server: ServerHandle):
+    """A check for `wait_until`: one request runs on `server`."""
+    return lambda: _load(server)["num_running_reqs"] == 1
+
+
 def _start_running(migrator: RequestMigrator, server: ServerHandle, prompt: list[int], n: int):
     """Submit a request and return its handle once it has run a few steps."""
     handle = migrator.submit(server.url, GenerateRequest(prompt, {"max_new_tokens": n}))
-    _wait_until(lambda: _load(server)["num_running_reqs"] == 1)
+    assert wait_until(_running_on(server), 10.0, interval_s=0.01)
     time.sleep(0.05)
     return handle
 
@@ -201,7 +199,7 @@ def test_running_request_moves_with_its_kv(servers: Servers) -> None:
                 extra_body={"return_logprob": True},
             ),
         )
-        _wait_until(lambda: _load(servers.source)["num_running_reqs"] == 1)
+        assert wait_until(_running_on(servers.source), 10.0, interval_s=0.01)
         time.sleep(0.15)  # some tokens on the source
         out = migrate_request(handle, servers.target.url)
 
@@ -411,7 +409,7 @@ def test_adopted_call_moves(servers: Servers) -> None:
                 .json()
             )
         )
-        _wait_until(lambda: _load(servers.source)["num_running_reqs"] == 1)
+        assert wait_until(_running_on(servers.source), 10.0, interval_s=0.01)
         time.sleep(0.05)
         handle = migrator.adopt(servers.source.url, request, call)
         out = migrate_request(handle, servers.target.url)
