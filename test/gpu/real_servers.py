@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from timing import wait_until
 
 T = TypeVar("T")
 
@@ -301,19 +302,20 @@ def flush_cache(url: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.5)
 
 
-def wait_until(
+def wait_for_value(
     probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float, interval_s: float = 0.2
 ) -> T:
-    """Call `probe` until `done(value)`; return that value. Raises TimeoutError with the
-    last value after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    value = probe()
-    while not done(value):
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"condition not met in {timeout_s}s; last value {value!r}")
-        time.sleep(interval_s)
-        value = probe()
-    return value
+    """Call `probe` until `done(value)` (polled by `timing.wait_until`); return that value.
+    Raises TimeoutError with the last value after `timeout_s`."""
+    last: list[T] = []
+
+    def check() -> bool:
+        last[:] = [probe()]
+        return done(last[0])
+
+    if not wait_until(check, timeout_s, interval_s):
+        raise TimeoutError(f"condition not met in {timeout_s}s; last value {last[0]!r}")
+    return last[0]
 
 
 def migrate_cli(source: str, target: str, input_ids: list[int]) -> dict:
@@ -354,4 +356,4 @@ def settled_used_tokens(url: str) -> int:
         previous.append(used)
         return stable
 
-    return wait_until(probe, done, timeout_s=60, interval_s=0.5)[0]
+    return wait_for_value(probe, done, timeout_s=60, interval_s=0.5)[0]

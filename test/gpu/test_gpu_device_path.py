@@ -59,7 +59,7 @@ from real_servers import (  # noqa: E402
     record,
     running_servers,
     settled_used_tokens,
-    wait_until,
+    wait_for_value,
     write_model,
 )
 
@@ -322,7 +322,7 @@ def test_abort_of_a_device_allocation_returns_the_target_pool(
     with MigrationClient(http_client=httpx.Client(transport=transport, timeout=120)) as failing:
         with pytest.raises(MigrationFailed) as failed:
             failing.migrate(s.source, s.target, prompt[:-1], path="device")
-    after_abort = wait_until(
+    after_abort = wait_for_value(
         lambda: kv_pool_usage(s.target)["num_used_tokens"],
         lambda used: used == before,
         timeout_s=POOL_SETTLE_TIMEOUT_S,
@@ -379,7 +379,7 @@ def test_flush_drops_a_pending_device_allocation(servers: Servers, client: Migra
     with MigrationClient(http_client=httpx.Client(transport=transport, timeout=120)) as c:
         with pytest.raises(MigrationFailed) as failed:
             c.migrate(s.source, s.target, prompt[:-1], path="device")
-    after = wait_until(
+    after = wait_for_value(
         lambda: kv_pool_usage(s.target)["num_used_tokens"],
         lambda used: used == base,
         timeout_s=POOL_SETTLE_TIMEOUT_S,

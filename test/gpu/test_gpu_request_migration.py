@@ -58,7 +58,7 @@ from real_servers import (  # noqa: E402
     record,
     running_servers,
     settled_used_tokens,
-    wait_until,
+    wait_for_value,
     write_model,
 )
 
@@ -143,7 +143,7 @@ def _wait_generating(handle: SyncRequestHandle, url: str, base_used: int) -> int
     def probe() -> tuple[int, bool]:
         return kv_pool_usage(url)["num_used_tokens"], handle.done()
 
-    used, finished = wait_until(
+    used, finished = wait_for_value(
         probe, lambda v: v[0] >= threshold or v[1], timeout_s=60, interval_s=0.05
     )
     assert not finished, "the request finished before it could be moved"
@@ -282,11 +282,11 @@ def test_queued_high_priority_request_moves(servers: Servers):
 
     with RequestMigrator() as migrator:
         blocking = migrator.submit(s.source, blocker)
-        wait_until(
+        wait_for_value(
             lambda: kv_pool_usage(s.source)["num_running_reqs"], lambda n: n == 1, timeout_s=60
         )
         queued = migrator.submit(s.source, request)
-        load_at_move = wait_until(
+        load_at_move = wait_for_value(
             lambda: kv_pool_usage(s.source),
             lambda u: u["num_waiting_reqs"] == 1 or queued.done(),
             timeout_s=60,

@@ -22,8 +22,8 @@ from sglang_kv_migration.io_types import (
     AllocateTokenForTransferReqInput,
     AllocateTokenForTransferReqOutput,
     TransferRequestKVCacheReqInput,
-    TransferRequestKVCacheTarget,
 )
+from targets import host_target, published_host
 
 LAYERS = 3
 STAGING = 512 << 10  # room for one migration of 1024 tokens (384 KiB), not two
@@ -90,13 +90,10 @@ def _transfer_staged(
     """The source's transfer, passing the granted extent (or ``staging`` instead)."""
     rank = alloc.ranks[0]
     info = dst.info.ranks[0]
-    target = TransferRequestKVCacheTarget(
-        tp=0,
-        pp=0,
-        session_id=info.session_id,
-        host_kv_data_ptrs=info.host_kv_data_ptrs,
-        host_kv_data_lens=info.host_kv_data_lens,
-        host_kv_item_lens=info.host_kv_item_lens,
+    target = host_target(
+        0,
+        0,
+        published_host(info),
         kv_indices=rank.kv_indices,
         fingerprint=info.fingerprint,
         grant=rank.grant,

@@ -17,12 +17,12 @@ import httpx
 import pytest
 from conftest import FAULT_PAIR_KEY
 from mini_server import ServerHandle, ServerSpec, start_servers
-from multi_rank import wait_until
 from sglang_kv_migration.client.migration import (
     AsyncMigrationClient,
     MigrationClient,
     MigrationFailed,
 )
+from timing import wait_until
 
 PAGE = 16
 ROUNDS = int(os.environ.get("KVMIG_FAULT_ROUNDS", "1"))

@@ -28,8 +28,9 @@ import cpu_harness
 import httpx
 import pytest
 from mini_server import ServerHandle, ServerSpec, start_servers
-from multi_rank import host_transfer_body, wait_until
+from multi_rank import host_transfer_body
 from sglang_kv_migration.client.migration import MigrationClient, MigrationFailed
+from timing import wait_until
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2"

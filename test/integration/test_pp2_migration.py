@@ -31,8 +31,8 @@ from multi_rank import (
     post,
     server_pair,
     session_info,
-    wait_until,
 )
+from timing import wait_until
 
 PP = 2
 PAGE = 16

@@ -35,6 +35,7 @@ from sglang_kv_migration.rollout.request_migration import (
     migrate_request,
     read_generate_stream,
 )
+from timing import wait_until
 
 PAGE = 16
 STEP_S = 0.01
@@ -138,14 +139,6 @@ class FailOn(httpx.BaseTransport):
         self._real.close()
 
 
-def _wait_until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.01)
-
-
 async def _until(predicate, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -158,10 +151,15 @@ def _load(server: ServerHandle) -> dict:
     return httpx.get(server.url + "/v1/loads", timeout=10).json()["loads"][0]
 
 
+def _running_on(server: ServerHandle):
+    """A check for `wait_until`: one request runs on `server`."""
+    return lambda: _load(server)["num_running_reqs"] == 1
+
+
 def _start_running(migrator: RequestMigrator, server: ServerHandle, prompt: list[int], n: int):
     """Submit a request and return its handle once it has run a few steps."""
     handle = migrator.submit(server.url, GenerateRequest(prompt, {"max_new_tokens": n}))
-    _wait_until(lambda: _load(server)["num_running_reqs"] == 1)
+    assert wait_until(_running_on(server), 10.0, interval_s=0.01)
     time.sleep(0.05)
     return handle
 
@@ -201,7 +199,7 @@ def test_running_request_moves_with_its_kv(servers: Servers) -> None:
                 extra_body={"return_logprob": True},
             ),
         )
-        _wait_until(lambda: _load(servers.source)["num_running_reqs"] == 1)
+        assert wait_until(_running_on(servers.source), 10.0, interval_s=0.01)
         time.sleep(0.15)  # some tokens on the source
         out = migrate_request(handle, servers.target.url)
 
@@ -293,6 +291,42 @@ def test_failure_at_each_phase_falls_back_to_reprefill(servers: Servers, phase: 
     assert out.segments[1].cached_tokens == 0
 
 
+class CountCalls(httpx.BaseTransport):
+    """Counts the calls per (port, route); every call goes to the real server."""
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[int | None, str], int] = {}
+        self._real = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        key = (request.url.port, request.url.path)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        return self._real.handle_request(request)
+
+    def close(self) -> None:
+        self._real.close()
+
+
+def test_one_size_query_per_move(servers: Servers) -> None:
+    """In auto mode the source's size query prices the move and the migration reuses it;
+    session info comes from the client's cache."""
+    prompt = _seq(6500, 2 * PAGE + 1)
+    transport = CountCalls()
+    client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
+    with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as migrator:
+        handle = _start_running(migrator, servers.source, prompt, 30)
+        out = migrate_request(handle, servers.target.url)
+
+    assert out.output_ids == expected_output(prompt, 30)
+    (move,) = out.moves
+    assert move.outcome == "migrated" and move.migration.migrated_token_size > 0
+    source_port = httpx.URL(servers.source.url).port
+    target_port = httpx.URL(servers.target.url).port
+    assert transport.calls[(source_port, "/get_request_extra_token_size")] == 1
+    assert transport.calls[(source_port, "/get_transfer_session_info")] == 1
+    assert transport.calls[(target_port, "/get_transfer_session_info")] == 1
+
+
 def test_failure_can_resume_on_the_source(servers: Servers) -> None:
     prompt = _seq(6000, 2 * PAGE + 1)
     client = MigrationClient(http_client=httpx.Client(transport=FailOn("/commit"), timeout=30))
@@ -375,7 +409,7 @@ def test_adopted_call_moves(servers: Servers) -> None:
                 .json()
             )
         )
-        _wait_until(lambda: _load(servers.source)["num_running_reqs"] == 1)
+        assert wait_until(_running_on(servers.source), 10.0, interval_s=0.01)
         time.sleep(0.05)
         handle = migrator.adopt(servers.source.url, request, call)
         out = migrate_request(handle, servers.target.url)

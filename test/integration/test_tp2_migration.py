@@ -34,8 +34,8 @@ from multi_rank import (
     post,
     server_pair,
     session_info,
-    wait_until,
 )
+from timing import wait_until
 
 TP = 2
 PAGE = 16

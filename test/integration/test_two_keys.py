@@ -19,7 +19,6 @@ import httpx
 import pytest
 from generate_standin import StandinConfig, next_token, standin_factory
 from mini_server import ServerHandle, ServerSpec, start_servers
-from multi_rank import wait_until
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 from sglang_kv_migration.client import cli
 from sglang_kv_migration.client.migration import (
@@ -36,6 +35,7 @@ from sglang_kv_migration.rollout.request_migration import (
     RequestMigrator,
     migrate_request,
 )
+from timing import wait_until
 
 PAGE = 16
 API_KEY, ADMIN_KEY = "user-key", "admin-key"

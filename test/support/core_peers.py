@@ -22,8 +22,8 @@ from sglang_kv_migration.io_types import (
     GetTransferSessionInfoReqInput,
     GetTransferSessionInfoReqOutput,
     TransferRequestKVCacheReqInput,
-    TransferRequestKVCacheTarget,
 )
+from targets import host_target, published_host
 
 START_S = 180.0  # spawn + SGLang import, on a slow 2-core machine
 REPLY_S = 120.0
@@ -136,13 +136,10 @@ def transfer(
             r for r in dst.info.ranks if (r.tp_rank, r.pp_rank) == (rank.tp_rank, rank.pp_rank)
         )
         targets.append(
-            TransferRequestKVCacheTarget(
-                tp=rank.tp_rank,
-                pp=rank.pp_rank,
-                session_id=info.session_id,
-                host_kv_data_ptrs=info.host_kv_data_ptrs,
-                host_kv_data_lens=info.host_kv_data_lens,
-                host_kv_item_lens=info.host_kv_item_lens,
+            host_target(
+                rank.tp_rank,
+                rank.pp_rank,
+                published_host(info),
                 kv_indices=rank.kv_indices,
                 fingerprint=fingerprint or info.fingerprint,
                 grant=rank.grant,

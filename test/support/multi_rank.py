@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,16 +36,6 @@ def server_pair(spec_a: ServerSpec, spec_b: ServerSpec, timeout_s: float) -> Ite
     finally:
         a.stop()
         b.stop()
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float) -> bool:
-    """Poll `check` (bounded) until it holds; True if it did."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.2)
-    return check()
 
 
 class Recorder:

@@ -34,10 +34,8 @@ def transfer_to_self(
 ):
     """A transfer request from `side` into its own host slots `kv_indices` (loopback),
     writing under `grant` (the allocate reply's `ranks[0].grant`)."""
-    from sglang_kv_migration.io_types import (
-        TransferRequestKVCacheReqInput,
-        TransferRequestKVCacheTarget,
-    )
+    from sglang_kv_migration.io_types import TransferRequestKVCacheReqInput
+    from targets import host_target
 
     if grant:
         # Loopback: the slots were allocated for another prefix on this same server (it
@@ -58,13 +56,10 @@ def transfer_to_self(
                 destination=grants.destination_digest(side.paths["host"].advertise()),
             )
         )
-    target = TransferRequestKVCacheTarget(
-        tp=0,
-        pp=0,
-        session_id=side.transport.session_id,
-        host_kv_data_ptrs=side.layout.data_ptrs,
-        host_kv_data_lens=side.layout.data_lens,
-        host_kv_item_lens=side.layout.item_lens,
+    target = host_target(
+        0,
+        0,
+        side.paths["host"].advertise(),
         kv_indices=kv_indices,
         fingerprint=side.fingerprint.to_dict(),
         grant=grant,

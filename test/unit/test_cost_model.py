@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 from sglang_kv_migration.rollout.cost_model import (
+    GPU_TO_GPU,
+    HOST_TO_GPU,
+    ROUTE_PRIORS,
     CostModel,
     MigrationCosts,
     PrefillCosts,
@@ -199,8 +202,9 @@ def test_route_priors_favour_the_device_path_for_host_held_prefixes():
 
 
 def test_each_path_is_priced_on_its_own_terms() -> None:
-    """The device path has its own prior (no load-back, ~50 GB/s); the host path uses
-    `migration`; path-labelled series teach only their own path."""
+    """The device path has its own prior (no load-back; without a size query the
+    host -> GPU route prices all its bytes); the host path uses `migration`;
+    path-labelled series teach only their own path."""
     model = CostModel(
         MigrationCosts(bandwidth_bytes_per_s=1e9, overhead_s=0.01, bytes_per_token=1000),
         PrefillCosts(seconds_per_token=1e-6),
@@ -209,7 +213,10 @@ def test_each_path_is_priced_on_its_own_terms() -> None:
     device = model.estimate(8000, path="device")
     assert (host.path, device.path) == ("host", "device")
     assert host.migrate_s == pytest.approx(0.01 + 8e6 / 1e9)
-    assert device.migrate_s == pytest.approx(0.02 + 8e6 / 50e9)  # bytes/token shared
+    slowest = ROUTE_PRIORS[HOST_TO_GPU]  # bytes/token shared
+    assert device.migrate_s == pytest.approx(
+        slowest.overhead_s + 8e6 / slowest.bandwidth_bytes_per_s
+    )
     assert host.decision == device.decision == "recompute"  # 8 ms of prefill is cheaper
     labelled = (
         'sglang:kv_migration_bytes_total{tp_rank="0",role="source",path="device"} 4e9\n'
@@ -221,5 +228,35 @@ def test_each_path_is_priced_on_its_own_terms() -> None:
     assert learned.costs_for("device").bandwidth_bytes_per_s == pytest.approx(4e11)
     # Unlabelled series would teach both; labelled ones reach the generic terms too.
     learned_host = CostModel.from_metrics(SOURCE_METRICS, TARGET_METRICS, prior=model)
-    assert learned_host.costs_for("device").bandwidth_bytes_per_s == pytest.approx(50e9)
+    assert learned_host.costs_for("device").bandwidth_bytes_per_s == pytest.approx(
+        slowest.bandwidth_bytes_per_s
+    )
     assert learned_host.costs_for("host").bandwidth_bytes_per_s == pytest.approx(2e9)
+
+
+def test_device_prior_is_priced_from_the_routes_of_the_size_query() -> None:
+    """With the source's size query the device path's prior splits the bytes by tier:
+    GPU -> GPU for the device-held tokens, host -> GPU for the rest; learned terms and the
+    host path ignore it."""
+    model = CostModel(
+        MigrationCosts(bandwidth_bytes_per_s=1e9, overhead_s=0.01, bytes_per_token=1000),
+        PrefillCosts(seconds_per_token=1e-6),
+    )
+    gpu, host = ROUTE_PRIORS[GPU_TO_GPU], ROUTE_PRIORS[HOST_TO_GPU]
+    half = {"matched_token_size": 8000, "device_token_size": 4000}
+    est = model.estimate(8000, path="device", held=half)
+    seconds = 4e6 / gpu.bandwidth_bytes_per_s + 4e6 / host.bandwidth_bytes_per_s
+    assert est.migrate_s == pytest.approx(max(gpu.overhead_s, host.overhead_s) + seconds)
+    on_gpu = {"matched_token_size": 8000, "device_token_size": 8000}
+    assert model.estimate(8000, path="device", held=on_gpu).migrate_s == pytest.approx(
+        gpu.overhead_s + 8e6 / gpu.bandwidth_bytes_per_s
+    )
+    on_host = {"matched_token_size": 8000, "device_token_size": 0}
+    assert model.estimate(8000, path="device", held=on_host) == model.estimate(8000, path="device")
+    assert model.estimate(8000, path="host", held=half) == model.estimate(8000, path="host")
+    learned = CostModel(
+        model.migration,
+        model.prefill,
+        by_path={"device": MigrationCosts(bandwidth_bytes_per_s=4e11, origin="metrics")},
+    )
+    assert learned.costs_for("device", half).bandwidth_bytes_per_s == 4e11

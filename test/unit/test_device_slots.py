@@ -21,18 +21,11 @@ from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths.device.path import DevicePath
 from sglang_kv_migration.server.pending import MigrationState, PendingMigrations
 from side_helpers import one_rank_context
+from timing import FakeClock
 
 TIMEOUT_S = 5.0
 CONFIGS = [("mha", 1), ("mha", 16), ("mla", 1), ("mla", 16)]
 CONFIG_IDS = [f"{a}-page{p}" for a, p in CONFIGS]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _tokens(n: int, start: int = 1000) -> list[int]:

@@ -12,16 +12,9 @@ from cpu_harness import Harness
 from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.server.pending import PendingMigrations
+from timing import FakeClock
 
 TIMEOUT_S = 5.0
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _tokens(n: int, start: int = 1000) -> list[int]:

@@ -189,6 +189,7 @@ class MigrationClient:
         *,
         path: str | None = None,
         verify: bool = False,
+        held: dict[str, Any] | None = None,
     ) -> MigrationResult:
         """Move the KV of the longest prefix of `input_ids` the source holds.
 
@@ -198,10 +199,20 @@ class MigrationClient:
         "device" or "host" uses only that path. `verify`: the target checks a digest of
         what landed against the source's before inserting (a mismatch fails the commit
         with 409 and inserts nothing); costs one hash pass over the bytes on each side.
+        `held`: the source's `/get_request_extra_token_size` reply for these `input_ids`
+        and `extra_key` when the caller already asked (e.g. to price the move), so the
+        move asks once; its epoch is checked like the client's own query.
         """
         return self._drive(
             _migration_steps(
-                source_url, target_url, list(input_ids), extra_key, path, self._sessions, verify
+                source_url,
+                target_url,
+                list(input_ids),
+                extra_key,
+                path,
+                self._sessions,
+                verify,
+                held,
             )
         )
 
@@ -268,11 +279,19 @@ class AsyncMigrationClient:
         *,
         path: str | None = None,
         verify: bool = False,
+        held: dict[str, Any] | None = None,
     ) -> MigrationResult:
         """See `MigrationClient.migrate`."""
         return await self._drive(
             _migration_steps(
-                source_url, target_url, list(input_ids), extra_key, path, self._sessions, verify
+                source_url,
+                target_url,
+                list(input_ids),
+                extra_key,
+                path,
+                self._sessions,
+                verify,
+                held,
             )
         )
 
@@ -365,8 +384,11 @@ def _migration_steps(
     path: str | None = None,
     sessions: SessionCache | None = None,
     verify: bool = False,
+    held: dict[str, Any] | None = None,
 ) -> Generator[_Call, _Reply, MigrationResult]:
-    """The migration protocol as a generator of HTTP calls (see the module docstring)."""
+    """The migration protocol as a generator of HTTP calls (see the module docstring).
+    `held`, the caller's size query, serves the first attempt only: a retry after a
+    restart asks again."""
     if path not in (None, "auto", *PATHS):
         raise ValueError(f"path must be one of auto, {', '.join(PATHS)}; got {path!r}")
     sessions = sessions or SessionCache()
@@ -374,11 +396,12 @@ def _migration_steps(
         try:
             return (
                 yield from _attempt(
-                    source_url, target_url, input_ids, extra_key, path, sessions, verify
+                    source_url, target_url, input_ids, extra_key, path, sessions, verify, held
                 )
             )
         except _StaleSession as stale:
             sessions.drop(stale.url)
+            held = None
             if attempt == 2:
                 raise MigrationFailed("session_info", str(stale)) from None
     raise AssertionError("unreachable")
@@ -392,6 +415,7 @@ def _attempt(
     path: str | None,
     sessions: SessionCache,
     verify: bool = False,
+    held: dict[str, Any] | None = None,
 ) -> Generator[_Call, _Reply, MigrationResult]:
     timings: dict[str, float] = {}
     clock = time.perf_counter
@@ -403,14 +427,15 @@ def _attempt(
     timings["session_info"] = clock() - t0
 
     t0 = clock()
-    held = yield from _step(
-        _Call(
-            "extra_token_size",
-            source_url,
-            "/get_request_extra_token_size",
-            {"input_ids": input_ids, "extra_key": extra_key},
+    if held is None:
+        held = yield from _step(
+            _Call(
+                "extra_token_size",
+                source_url,
+                "/get_request_extra_token_size",
+                {"input_ids": input_ids, "extra_key": extra_key},
+            )
         )
-    )
     _check_epoch(source_url, source_info, held)
     source_held = held["matched_token_size"]
     timings["extra_token_size"] = clock() - t0
@@ -448,24 +473,7 @@ def _move(
     clock = time.perf_counter
     timings = plan.timings
     t0 = clock()
-    allocation = yield from _step(
-        _Call(
-            "allocate",
-            plan.target_url,
-            "/allocate_token_for_transfer",
-            {
-                "input_ids": plan.prefix,
-                "extra_key": plan.extra_key,
-                "source_fingerprints": [r["fingerprint"] for r in plan.source_info["ranks"]],
-                "path": path,
-                "index_format": _index_format(plan),
-                "nothing_ok": True,
-                **_source_instance(plan),
-                **({"staging": True} if _can_stage(plan, path) else {}),
-                **({"verify": True} if plan.verify else {}),
-            },
-        )
-    )
+    allocation = yield from _step(_allocate_call(plan, path))
     migration_id = allocation["migration_id"]
     timings["allocate"] = timings.get("allocate", 0.0) + clock() - t0
     if allocation["extra_token_size"] == 0:
@@ -477,21 +485,7 @@ def _move(
     try:
         _check_epoch(plan.target_url, plan.target_info, allocation)
         t0 = clock()
-        transfer = yield from _step(
-            _Call(
-                "transfer",
-                plan.source_url,
-                "/transfer_request_kvcache",
-                {
-                    "input_ids": plan.prefix,
-                    "extra_key": plan.extra_key,
-                    "matched_token_size": allocation["matched_token_size"],
-                    "extra_token_size": allocation["extra_token_size"],
-                    "migration_id": migration_id,
-                    "target_per_rank": _targets(plan.target_info, allocation, path),
-                },
-            )
-        )
+        transfer = yield from _step(_transfer_call(plan, allocation, path))
         timings["transfer"] = clock() - t0
 
         t0 = clock()
@@ -524,6 +518,43 @@ def _move(
             failure.rolled_back = status is not None and status < 300
         raise
     return _result(plan, path, allocation, transfer, commit, migration_id, fallback_reason)
+
+
+def _allocate_call(plan: _Plan, path: str) -> _Call:
+    """Reserve slots on the target for what it lacks of the prefix, on `path`."""
+    return _Call(
+        "allocate",
+        plan.target_url,
+        "/allocate_token_for_transfer",
+        {
+            "input_ids": plan.prefix,
+            "extra_key": plan.extra_key,
+            "source_fingerprints": [r["fingerprint"] for r in plan.source_info["ranks"]],
+            "path": path,
+            "index_format": _index_format(plan),
+            "nothing_ok": True,
+            **_source_instance(plan),
+            **({"staging": True} if _can_stage(plan, path) else {}),
+            **({"verify": True} if plan.verify else {}),
+        },
+    )
+
+
+def _transfer_call(plan: _Plan, allocation: dict[str, Any], path: str) -> _Call:
+    """Ask the source to write the pages the target allocated (`allocation`)."""
+    return _Call(
+        "transfer",
+        plan.source_url,
+        "/transfer_request_kvcache",
+        {
+            "input_ids": plan.prefix,
+            "extra_key": plan.extra_key,
+            "matched_token_size": allocation["matched_token_size"],
+            "extra_token_size": allocation["extra_token_size"],
+            "migration_id": allocation["migration_id"],
+            "target_per_rank": _targets(plan.target_info, allocation, path),
+        },
+    )
 
 
 def _result(

@@ -32,12 +32,18 @@ series without it count for every path.
 
 Per path. A move is priced by the path it will take (`estimate(..., path=)`):
 `by_path[path]` where the model has one, else `migration`. By default only the device path
-has its own prior (same host: pinned host pool or GPU pages copied into the target's GPU
-slots, 51.3 GB/s measured on the H200 for host-tier pages, more for GPU pages; no
-load-back on the target), so a model built with one `MigrationCosts` prices the host path
-with it, as before. `from_metrics` learns `migration` from every series and
+has its own terms (same host: pinned host pool or GPU pages copied into the target's GPU
+slots; no load-back on the target), so a model built with one `MigrationCosts` prices the
+host path with it, as before. `from_metrics` learns `migration` from every series and
 `by_path[p]` only from series labelled ``path="p"``: the servers' series carry no path
 label yet, so until they do the device prior stands.
+
+One set of numbers: `ROUTE_PRIORS`, what each route a migration's bytes can take costs
+(GPU -> GPU, host -> GPU, host -> host). The device path's prior is priced per move from
+the routes its bytes take when the caller passes the source's size query
+(``estimate(..., held=)``: GPU -> GPU for the ``device_token_size`` tokens, host -> GPU for
+the rest); without it, the slower route (host -> GPU) prices them all. The host path's
+default terms are the host -> host route's.
 """
 
 from __future__ import annotations
@@ -51,12 +57,38 @@ from typing import Any, Literal
 Decision = Literal["migrate", "recompute"]
 
 # Priors (see the module docstring): used where no metric says otherwise.
-DEFAULT_BANDWIDTH_BYTES_PER_S = 2.5e9
+DEFAULT_BANDWIDTH_BYTES_PER_S = 2.5e9  # the host path: Mooncake TCP (HOST_TO_HOST below)
 DEFAULT_MIGRATION_OVERHEAD_S = 0.02
 DEFAULT_PREFILL_S_PER_TOKEN = 8.0e-5
 DEFAULT_HTTP_OVERHEAD_S = 0.005  # six small HTTP calls on one network
-# Same host, any tier (DESIGN.md): the slower of its two copies, host pool -> target GPU.
-DEFAULT_DEVICE_BANDWIDTH_BYTES_PER_S = 50e9
+
+# --------------------------------------------------------------------------- routes
+
+# How a migration's bytes travel. The device path (one host) copies the pages the
+# source holds on its GPU GPU -> GPU and those only in its host pool host -> GPU, one
+# after the other on one stream; the host path moves everything host -> host.
+GPU_TO_GPU = "gpu_to_gpu"
+HOST_TO_GPU = "host_to_gpu"
+HOST_TO_HOST = "host_to_host"
+# `MigrationCosts.origin` of terms priced per move from the routes the bytes take.
+ROUTES = "routes"
+
+
+@dataclass(frozen=True)
+class RouteCost:
+    bandwidth_bytes_per_s: float
+    overhead_s: float  # fixed cost of a migration that takes this route (control plane)
+
+
+# Priors measured on the H200 (issue 19, Llama-3-8B shape): the page kernel GPU -> GPU
+# ~1.7 TB/s, pinned host -> GPU 51.3 GB/s (93% of PCIe Gen5); one 8K device-path
+# migration 43 ms end to end, so ~40 ms is fixed; host -> host is the host path's
+# Mooncake TCP prior (docs/benchmarks.md).
+ROUTE_PRIORS: Mapping[str, RouteCost] = {
+    GPU_TO_GPU: RouteCost(1.7e12, 0.04),
+    HOST_TO_GPU: RouteCost(51.3e9, 0.04),
+    HOST_TO_HOST: RouteCost(DEFAULT_BANDWIDTH_BYTES_PER_S, DEFAULT_MIGRATION_OVERHEAD_S),
+}
 
 
 @dataclass(frozen=True)
@@ -67,7 +99,7 @@ class MigrationCosts:
     overhead_s: float = DEFAULT_MIGRATION_OVERHEAD_S
     bytes_per_token: float | None = None  # None: the caller must give bytes
     load_back_s_per_token: float = 0.0  # host path: target's host -> GPU load
-    origin: str = "prior"  # "prior" or "metrics"
+    origin: str = "prior"  # "prior", "metrics" or ROUTES (priced per move from ROUTE_PRIORS)
 
 
 @dataclass(frozen=True)
@@ -93,7 +125,16 @@ class CostEstimate:
 
 
 def _default_path_costs() -> dict[str, MigrationCosts]:
-    return {"device": MigrationCosts(bandwidth_bytes_per_s=DEFAULT_DEVICE_BANDWIDTH_BYTES_PER_S)}
+    """The device path's prior: the slower of its routes (host -> GPU) until a size query
+    says which route the bytes take (`CostModel.costs_for`)."""
+    slowest = ROUTE_PRIORS[HOST_TO_GPU]
+    return {
+        "device": MigrationCosts(
+            bandwidth_bytes_per_s=slowest.bandwidth_bytes_per_s,
+            overhead_s=slowest.overhead_s,
+            origin=ROUTES,
+        )
+    }
 
 
 @dataclass(frozen=True)
@@ -105,18 +146,34 @@ class CostModel:
     # Paths priced on their own (see the module docstring); others use `migration`.
     by_path: Mapping[str, MigrationCosts] = dataclasses.field(default_factory=_default_path_costs)
 
-    def costs_for(self, path: str | None) -> MigrationCosts:
-        """The migration terms of `path`; bytes per token are the layout's, on any path."""
+    def costs_for(self, path: str | None, held: Mapping[str, Any] | None = None) -> MigrationCosts:
+        """The migration terms of `path`; bytes per token are the layout's, on any path.
+        Terms that are still the route priors (``origin == "routes"``) are priced from the
+        routes the bytes of `held` (the source's size query) take, when it is given."""
         costs = self.by_path.get(path or "", self.migration)
+        if costs.origin == ROUTES and held is not None and path:
+            routed = migration_costs_for_routes(route_bytes(path, held, 1.0))
+            if routed.overhead_s > 0:  # some bytes to move: the routes' terms
+                costs = dataclasses.replace(
+                    costs,
+                    bandwidth_bytes_per_s=routed.bandwidth_bytes_per_s,
+                    overhead_s=routed.overhead_s,
+                )
         if costs.bytes_per_token is None and self.migration.bytes_per_token is not None:
             costs = dataclasses.replace(costs, bytes_per_token=self.migration.bytes_per_token)
         return costs
 
     def estimate(
-        self, tokens: int, nbytes: int | None = None, *, path: str | None = None
+        self,
+        tokens: int,
+        nbytes: int | None = None,
+        *,
+        path: str | None = None,
+        held: Mapping[str, Any] | None = None,
     ) -> CostEstimate:
         """Both estimates for moving `tokens` tokens (`nbytes` bytes on all ranks) over
-        `path` (None: `migration`'s terms).
+        `path` (None: `migration`'s terms); `held`, the source's size query, tells which
+        routes route-priced terms take (see `costs_for`).
 
         `nbytes` defaults to ``tokens * bytes_per_token``; with neither, the model cannot
         price the transfer and raises `ValueError`. Nothing to move (``tokens <= 0``) is
@@ -124,7 +181,7 @@ class CostModel:
         """
         if tokens <= 0:
             return CostEstimate("recompute", 0, 0, 0.0, 0.0, path or "")
-        m = self.costs_for(path)
+        m = self.costs_for(path, held)
         if nbytes is None:
             if m.bytes_per_token is None:
                 raise ValueError("bytes unknown: pass nbytes or learn bytes_per_token")
@@ -170,30 +227,7 @@ class CostModel:
         return dataclasses.replace(base, migration=migration, prefill=prefill, by_path=by_path)
 
 
-# --------------------------------------------------------------------------- routes
-
-# How a migration's bytes travel. The device path (one host) copies the pages the
-# source holds on its GPU GPU -> GPU and those only in its host pool host -> GPU, one
-# after the other on one stream; the host path moves everything host -> host.
-GPU_TO_GPU = "gpu_to_gpu"
-HOST_TO_GPU = "host_to_gpu"
-HOST_TO_HOST = "host_to_host"
-
-
-@dataclass(frozen=True)
-class RouteCost:
-    bandwidth_bytes_per_s: float
-    overhead_s: float  # fixed cost of a migration that takes this route (control plane)
-
-
-# Priors measured on the H200 (issue 19, Llama-3-8B shape): the page kernel GPU -> GPU
-# ~1.7 TB/s, pinned host -> GPU 51.3 GB/s (93% of PCIe Gen5); one 8K device-path
-# migration 43 ms end to end, so ~40 ms is fixed; Mooncake TCP over loopback 3.4 GB/s.
-ROUTE_PRIORS: Mapping[str, RouteCost] = {
-    GPU_TO_GPU: RouteCost(1.7e12, 0.04),
-    HOST_TO_GPU: RouteCost(51.3e9, 0.04),
-    HOST_TO_HOST: RouteCost(3.4e9, DEFAULT_MIGRATION_OVERHEAD_S),
-}
+# --------------------------------------------------------------------------- route math
 
 
 def route_bytes(path: str, held: Mapping[str, Any], bytes_per_token: float) -> dict[str, int]:
@@ -218,7 +252,7 @@ def migration_costs_for_routes(
     cost of the routes used, and the bandwidth that moves all bytes in the summed time."""
     used = {r: n for r, n in nbytes_by_route.items() if n > 0}
     if not used:
-        return MigrationCosts(overhead_s=0.0, bytes_per_token=bytes_per_token, origin="routes")
+        return MigrationCosts(overhead_s=0.0, bytes_per_token=bytes_per_token, origin=ROUTES)
     unknown = set(used) - set(routes)
     if unknown:
         raise ValueError(f"no cost for route(s) {sorted(unknown)}")
@@ -227,7 +261,7 @@ def migration_costs_for_routes(
         bandwidth_bytes_per_s=sum(used.values()) / seconds,
         overhead_s=max(routes[r].overhead_s for r in used),
         bytes_per_token=bytes_per_token,
-        origin="routes",
+        origin=ROUTES,
     )
 
 

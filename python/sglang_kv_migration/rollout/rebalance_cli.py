@@ -182,6 +182,29 @@ def _parser() -> argparse.ArgumentParser:
         help="auto: the cost model picks migrate or re-prefill per move; migrate: always "
         "move the KV; recompute: abort and re-prefill on the target",
     )
+    _add_policy_options(p, policy)
+    add("--interval", type=float, default=0.5, help="seconds between rounds")
+    add("--max-rounds", type=int, default=1200, help="rounds before stopping")
+    add(
+        "--drain-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for unfinished requests after the last round",
+    )
+    add(
+        "--api-key",
+        default=None,
+        help="the servers' --api-key (also the admin key when --admin-api-key is not given)",
+    )
+    add("--admin-api-key", default=None, help="the servers' --admin-api-key")
+    add("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per migration call")
+    return p
+
+
+def _add_policy_options(p: argparse.ArgumentParser, policy: RebalancePolicy) -> None:
+    """The `RebalancePolicy` fields, with its defaults (which servers are pressured,
+    which targets take a request, which requests move, how many at once)."""
+    add = p.add_argument
     add(
         "--kv-pressure",
         type=float,
@@ -243,22 +266,6 @@ def _parser() -> argparse.ArgumentParser:
         default=policy.max_moves_per_request,
         help="how often one request may move",
     )
-    add("--interval", type=float, default=0.5, help="seconds between rounds")
-    add("--max-rounds", type=int, default=1200, help="rounds before stopping")
-    add(
-        "--drain-timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for unfinished requests after the last round",
-    )
-    add(
-        "--api-key",
-        default=None,
-        help="the servers' --api-key (also the admin key when --admin-api-key is not given)",
-    )
-    add("--admin-api-key", default=None, help="the servers' --admin-api-key")
-    add("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per migration call")
-    return p
 
 
 def _read_requests(path: str) -> list[tuple[str, GenerateRequest]]:

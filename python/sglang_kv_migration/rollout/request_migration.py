@@ -308,6 +308,16 @@ class RequestHandle:
         return self._moving
 
     @property
+    def piece(self) -> GenerateRequest:
+        """The piece now running (the first request, or the latest resumed rest)."""
+        return self._piece
+
+    @property
+    def call(self) -> asyncio.Task[Any]:
+        """The running piece's `/generate` call (a move awaits its abort reply)."""
+        return self._call
+
+    @property
     def started(self) -> bool | None:
         """Whether the piece now running has produced a token (it left the queue and was
         prefilled); None when unknown (an adopted call the migrator does not read)."""
@@ -325,7 +335,47 @@ class RequestHandle:
         """The whole output once `done()`; raises like `asyncio.Future.result()`."""
         return self._done.result()
 
-    # -- internals used by the migrator --------------------------------------------------
+    # -- what a move does to the handle (called by the migrator only) --------------------
+
+    def begin_move(self) -> None:
+        """The running piece's reply now belongs to the move, not to `result()`."""
+        self._moving = True
+
+    def end_move(self) -> None:
+        """The move gave up before resuming: a reply finishes the handle again."""
+        self._moving = False
+
+    def stopped(self, reply: dict[str, Any]) -> list[int]:
+        """Record the aborted piece's reply as a segment; returns what it generated."""
+        return self._add_segment(reply)
+
+    def finish_during_move(self, reply: dict[str, Any]) -> None:
+        """The piece finished on its own before the abort reached it: that is the result."""
+        self._moving = False
+        self._finish(reply)
+
+    def complete_during_move(self, last_meta: dict[str, Any]) -> None:
+        """The aborted step completed the request (`last_meta` names the real finish)."""
+        self._moving = False
+        self._complete(last_meta)
+
+    def resume_on(
+        self,
+        url: str,
+        piece: GenerateRequest,
+        kind: SegmentKind,
+        response: Awaitable[Any],
+        progress: PieceProgress,
+    ) -> None:
+        """The move is over: `piece` runs on `url` as `response`, read into `progress`."""
+        self.server_url = url
+        self._piece = piece
+        self._piece_kind = kind
+        self._progress = progress
+        self._moving = False
+        self._call = self._watch(response)
+
+    # -- internals -------------------------------------------------------------------------
 
     def _watch(self, response: Awaitable[Any]) -> asyncio.Task[Any]:
         """Run (or adopt) one piece's call; finish the handle unless a move consumes it."""
@@ -474,7 +524,7 @@ class AsyncRequestMigrator:
         move = _Move(handle, handle.server_url, target_url)
         if handle.done():
             return move.report("finished_before_move", "", 0)
-        handle._moving = True
+        handle.begin_move()
         try:
             if mode != "recompute":
                 await self._check_admin_key(handle.server_url, target_url)
@@ -482,26 +532,24 @@ class AsyncRequestMigrator:
             move.seconds["abort"] = time.perf_counter() - move.started
             if reply is None:
                 # The source never answered: start over on the target from what we know.
-                piece = dataclasses.replace(handle._piece, rid=new_rid())
+                piece = dataclasses.replace(handle.piece, rid=new_rid())
                 failure = "the source did not return the request"
                 report = move.report("restarted", target_url, 0, failure=failure)
                 return self._resume(handle, piece, target_url, "restarted", report)
             finish = reply.get("meta_info", {}).get("finish_reason") or {}
             if finish.get("type") != "abort":
                 report = move.report("finished_before_move", "", len(reply.get("output_ids", [])))
-                handle._moving = False
-                handle._finish(reply)
+                handle.finish_during_move(reply)
                 return report
-            generated = handle._add_segment(reply)
-            done = handle._piece.finished_by(generated, self.eos_token_ids)
+            generated = handle.stopped(reply)
+            done = handle.piece.finished_by(generated, self.eos_token_ids)
             if done is not None:  # the aborted step completed it: nothing left to resume
                 report = move.report("finished_before_move", "", len(generated))
-                handle._moving = False
-                handle._complete({**reply.get("meta_info", {}), "finish_reason": done})
+                handle.complete_during_move({**reply.get("meta_info", {}), "finish_reason": done})
                 return report
             return await self._place(move, generated, on_failure, mode, path)
         except BaseException:
-            handle._moving = False
+            handle.end_move()
             raise
 
     async def refresh_cost_model(
@@ -576,7 +624,7 @@ class AsyncRequestMigrator:
         """Abort the running piece and return its reply; None if the source never answers.
         A refused key raises `AuthFailed` at the first reply (the request keeps running
         on the source): retrying cannot help."""
-        call = handle._call
+        call = handle.call
         deadline = time.monotonic() + self.abort_timeout_s
         while not call.done() and time.monotonic() < deadline:
             try:
@@ -608,7 +656,7 @@ class AsyncRequestMigrator:
     ) -> MoveReport:
         """Price, migrate and resume the rest of the request (steps 3 and 4)."""
         handle, source_url, target_url = move.handle, move.source_url, move.target_url
-        rest = handle._piece.continuation(generated)
+        rest = handle.piece.continuation(generated)
         ids = rest.input_ids[:-1]  # SGLang computes the last token in any case
         t0 = time.perf_counter()
         if mode == "recompute":
@@ -616,12 +664,14 @@ class AsyncRequestMigrator:
             report = move.report("recomputed", target_url, len(generated))
             return self._resume(handle, rest, target_url, "reprefill", report)
         try:
-            estimate = await self._estimate(source_url, target_url, ids, rest.extra_key, path)
+            # One size query per move: it prices the move and the migration reuses it.
+            held = await self.held_kv(source_url, ids, rest.extra_key)
+            estimate = await self._estimate(source_url, target_url, ids, held, rest.extra_key, path)
             if mode == "auto" and estimate.decision == "recompute":
                 move.seconds["migrate"] = time.perf_counter() - t0
                 report = move.report("recomputed", target_url, len(generated), estimate=estimate)
                 return self._resume(handle, rest, target_url, "reprefill", report)
-            result = await self._migrate(source_url, target_url, ids, rest.extra_key, path)
+            result = await self._migrate(source_url, target_url, ids, rest.extra_key, path, held)
         except (MigrationFailed, httpx.HTTPError) as failure:
             move.seconds["migrate"] = time.perf_counter() - t0
             fallback = target_url if on_failure == "target" else source_url
@@ -640,18 +690,17 @@ class AsyncRequestMigrator:
         source_url: str,
         target_url: str,
         ids: list[int],
+        held: dict[str, Any],
         extra_key: str | None,
         path: str | None = None,
     ) -> CostEstimate:
-        """The cost model's verdict on the tokens the source holds beyond the target,
-        priced on the path the migration will take (`client.predict_path`)."""
-        body = {"input_ids": ids, "extra_key": extra_key}
-        held = await self._call(source_url, "/get_request_extra_token_size", body)
+        """The cost model's verdict on the tokens the source holds beyond the target
+        (`held`: the source's size query), priced on the path the migration will take
+        (`client.predict_path`); session info comes from the client's cache."""
         source_held = held["matched_token_size"]
         target_held = 0
         if source_held:
-            body = {"input_ids": ids[:source_held], "extra_key": extra_key}
-            target_held = (await self._call(target_url, "/get_request_extra_token_size", body))[
+            target_held = (await self.held_kv(target_url, ids[:source_held], extra_key))[
                 "matched_token_size"
             ]
         tokens = max(0, source_held - target_held)
@@ -663,7 +712,7 @@ class AsyncRequestMigrator:
         nbytes = None
         if self.cost_model.costs_for(chosen).bytes_per_token is None:
             nbytes = tokens * bytes_per_token_from_session_info(source_info)
-        return self.cost_model.estimate(tokens, nbytes, path=chosen)
+        return self.cost_model.estimate(tokens, nbytes, path=chosen, held=held)
 
     def _resume(
         self,
@@ -673,12 +722,8 @@ class AsyncRequestMigrator:
         kind: SegmentKind,
         move: MoveReport,
     ) -> MoveReport:
-        handle.server_url = url
-        handle._piece = rest
-        handle._piece_kind = kind
-        handle._progress = PieceProgress()
-        handle._moving = False
-        handle._call = handle._watch(self._generate(url, rest, handle._progress))
+        progress = PieceProgress()
+        handle.resume_on(url, rest, kind, self._generate(url, rest, progress), progress)
         return move
 
     async def _generate(
@@ -705,10 +750,17 @@ class AsyncRequestMigrator:
             raise GenerateFailed(f"{where}: {type(e).__name__}: {e}") from e
 
     async def _migrate(
-        self, source: str, target: str, ids: list[int], extra_key: str | None, path: str | None
+        self,
+        source: str,
+        target: str,
+        ids: list[int],
+        extra_key: str | None,
+        path: str | None,
+        held: dict[str, Any],
     ) -> MigrationResult:
         # `path` only when asked for, so clients without the keyword keep working.
         kwargs: dict[str, Any] = {"path": path} if path is not None else {}
+        kwargs["held"] = held
         client = self._migration
         if isinstance(client, AsyncMigrationClient):
             return await client.migrate(source, target, ids, extra_key, **kwargs)
@@ -790,7 +842,7 @@ class SyncRequestHandle:
         return self.handle.done()
 
     def result(self, timeout: float | None = None) -> RequestOutput:
-        return self.migrator._run(self.handle.result(), timeout)
+        return self.migrator.wait(self, timeout)
 
 
 class RequestMigrator:
@@ -832,6 +884,10 @@ class RequestMigrator:
         self, handle: SyncRequestHandle, target_url: str, **options: Any
     ) -> RequestOutput:
         return self._run(self.inner.migrate_request(handle.handle, target_url, **options))
+
+    def wait(self, handle: SyncRequestHandle, timeout: float | None = None) -> RequestOutput:
+        """`handle`'s whole output (blocking; `TimeoutError` after `timeout` seconds)."""
+        return self._run(handle.handle.result(), timeout)
 
     def refresh_cost_model(self, source_url: str, target_url: str, **options: Any) -> CostModel:
         return self._run(self.inner.refresh_cost_model(source_url, target_url, **options))
