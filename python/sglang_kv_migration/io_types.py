@@ -64,7 +64,7 @@ class RankSessionInfo:
     host_kv_data_lens: list[int]
     host_kv_item_lens: list[int]
     page_size: int
-    fingerprint: dict  # layout.LayoutFingerprint.to_dict()
+    fingerprint: dict  # fingerprint.LayoutFingerprint.to_dict()
     # Protocol 2: path name -> DataPath.advertise(); e.g. {"device": {...}, "host": {...}}.
     paths: dict = field(default_factory=dict)
     server_epoch: str = ""  # changes when the server restarts: cached session info is stale

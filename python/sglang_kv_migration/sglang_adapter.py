@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.fingerprint import KVCacheShape
 
 if TYPE_CHECKING:
     import torch
@@ -176,14 +177,9 @@ class HostPoolShape:
 
 
 def host_pool_shape(cache: HiRadixCache) -> HostPoolShape:
-    from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
-
     pool = host_pool(cache)
-    if isinstance(pool, MHATokenToKVPoolHost):
-        attention = "mha"
-    elif isinstance(pool, MLATokenToKVPoolHost):
-        attention = "mla"
-    else:
+    attention = _host_attention(pool)
+    if attention is None:
         raise MigrationError(
             ErrorKind.UNAVAILABLE, f"host KV pool {type(pool).__name__} is not supported"
         )
@@ -198,6 +194,29 @@ def host_pool_shape(cache: HiRadixCache) -> HostPoolShape:
         row_bytes=int(pool.token_stride_size),
         kv_buffer=buffer,
         pinned=pinned,
+    )
+
+
+def kv_cache_shape(pool: Any) -> KVCacheShape:
+    """What the layout fingerprint takes from a host pool and the device pool behind it;
+    raises ValueError for a host pool type migration does not support."""
+    attention = _host_attention(pool)
+    if attention is None:
+        raise ValueError(f"unsupported host pool type {type(pool).__name__} for KV migration")
+    dev = pool.device_pool
+    is_mha = attention == "mha"
+    return KVCacheShape(
+        attention=attention,
+        # The logical dtype: fp8 e4m3 and e5m2 are both stored as uint8.
+        kv_dtype=str(dev.dtype).removeprefix("torch."),
+        start_layer=int(dev.start_layer),
+        end_layer=int(dev.end_layer),
+        kv_heads=int(dev.head_num) if is_mha else 1,
+        head_dim=int(dev.head_dim) if is_mha else 0,
+        kv_lora_rank=0 if is_mha else int(dev.kv_lora_rank),
+        qk_rope_head_dim=0 if is_mha else int(dev.qk_rope_head_dim),
+        page_size=int(pool.page_size),
+        host_layout=str(pool.layout),
     )
 
 
@@ -631,6 +650,17 @@ def is_hiradix_cache(cache: object) -> bool:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _host_attention(pool: Any) -> str | None:
+    """ "mha" / "mla" for the host pool classes migration supports, else None."""
+    from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+
+    if isinstance(pool, MHATokenToKVPoolHost):
+        return "mha"
+    if isinstance(pool, MLATokenToKVPoolHost):
+        return "mla"
+    return None
 
 
 def _is_pinned(t: torch.Tensor) -> bool:

@@ -30,19 +30,16 @@ and `page_runs` enforces that for every layout. Any other layout (e.g. Ascend's
 
 Everything here is pure integer math on published buffer info (no engine, no
 torch.distributed), so both servers compute identical plans and tests use literal addresses.
-Only `HostPoolLayout.from_host_pool` and `LayoutFingerprint.from_host_pool` look at SGLang
-objects, and they import SGLang lazily.
+Only `HostPoolLayout.from_host_pool` looks at SGLang objects, and it imports SGLang lazily.
+The layout fingerprint peers compare first lives in `fingerprint.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-from sglang_kv_migration import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     import torch
@@ -303,118 +300,6 @@ def plan_writes(
         for sb, db in zip(src.buffers, dst.buffers, strict=True)
         for s, d, n in pieces
     ]
-
-
-# --------------------------------------------------------------------------------------
-# Layout fingerprint (compared before anything else crosses between servers)
-# --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LayoutFingerprint:
-    """Everything two ranks must agree on before one writes into the other's host pool."""
-
-    protocol_version: int
-    model: str
-    kv_dtype: str
-    attention: str  # "mha" or "mla"
-    start_layer: int
-    end_layer: int
-    kv_heads: int  # KV heads on this rank; 1 for MLA
-    head_dim: int  # MHA; 0 for MLA
-    kv_lora_rank: int  # MLA; 0 for MHA
-    qk_rope_head_dim: int  # MLA; 0 for MHA
-    page_size: int
-    host_layout: str
-    tp_size: int
-    tp_rank: int
-    pp_size: int
-    pp_rank: int
-    # SGLang's attention context parallelism (--attn-cp-size): > 1 spreads a sequence's
-    # KV pages over CP ranks. Left out of `to_dict` at 1, so older peers (which lack
-    # the field and refuse unknown keys) read the same fingerprint; missing means 1.
-    attn_cp_size: int = 1
-    # SGLang's weight version, as the server's HTTP layer knows it when the request
-    # arrives (RL weight updates change it): KV never crosses a weight update.
-    weight_version: str = ""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            ok = _is_int(value) if f.type == "int" else isinstance(value, str)
-            if not ok:
-                raise ValueError(f"fingerprint field {f.name} must be {f.type}, got {value!r}")
-
-    @classmethod
-    def from_host_pool(
-        cls,
-        pool: Any,
-        *,
-        model: str,
-        tp_size: int,
-        tp_rank: int,
-        pp_size: int,
-        pp_rank: int,
-        attn_cp_size: int = 1,
-    ) -> LayoutFingerprint:
-        attention = _attention_kind(pool)
-        dev = pool.device_pool
-        is_mha = attention == "mha"
-        return cls(
-            protocol_version=PROTOCOL_VERSION,
-            model=model,
-            # The logical dtype: fp8 e4m3 and e5m2 are both stored as uint8.
-            kv_dtype=str(dev.dtype).removeprefix("torch."),
-            attention=attention,
-            start_layer=int(dev.start_layer),
-            end_layer=int(dev.end_layer),
-            kv_heads=int(dev.head_num) if is_mha else 1,
-            head_dim=int(dev.head_dim) if is_mha else 0,
-            kv_lora_rank=0 if is_mha else int(dev.kv_lora_rank),
-            qk_rope_head_dim=0 if is_mha else int(dev.qk_rope_head_dim),
-            page_size=int(pool.page_size),
-            host_layout=str(pool.layout),
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            pp_size=pp_size,
-            pp_rank=pp_rank,
-            attn_cp_size=attn_cp_size,
-        )
-
-    def to_dict(self) -> dict[str, int | str]:
-        d = dataclasses.asdict(self)
-        if d["attn_cp_size"] == 1:
-            del d["attn_cp_size"]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> LayoutFingerprint:
-        expected = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(d) - set(expected))
-        optional = ("weight_version", "attn_cp_size")
-        missing = [k for k in expected if k not in d and k not in optional]
-        if unknown or missing:
-            raise ValueError(
-                f"bad layout fingerprint: unknown keys {unknown}, missing keys {missing}"
-            )
-        return cls(**d)
-
-    def first_mismatch(
-        self,
-        other: LayoutFingerprint,
-        *,
-        self_name: str = "source",
-        other_name: str = "target",
-    ) -> str | None:
-        """``"field: source=.. target=.."`` for the first differing field, else None.
-
-        Fields are compared in declaration order, so a protocol change is reported first.
-        """
-        for f in dataclasses.fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if mine != theirs:
-                return f"{f.name}: {self_name}={mine} {other_name}={theirs}"
-        return None
 
 
 # --------------------------------------------------------------------------------------
