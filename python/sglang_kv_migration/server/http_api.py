@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from sglang.srt.utils.auth import AuthLevel, auth_level
 
-from sglang_kv_migration import page_ranges
+from sglang_kv_migration import page_ranges, sglang_adapter
 from sglang_kv_migration.errors import ErrorKind
 from sglang_kv_migration.io_types import (
     AbortTransferReqInput,
@@ -298,10 +298,9 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
 
 def add_routes_to_sglang_app() -> None:
     """Add the routes to SGLang's own FastAPI app, once (`plugin.before_launch_server`)."""
-    from sglang.srt.entrypoints import http_server
-
-    if not any(getattr(r, "path", None) == "/commit" for r in http_server.app.routes):
-        add_routes(http_server.app, _sglang_backend)
+    app = sglang_adapter.http_server_app()
+    if not any(getattr(r, "path", None) == "/commit" for r in app.routes):
+        add_routes(app, _sglang_backend)
 
 
 def add_routes(app: Any, get_backend: Callable[[], MigrationBackend | None]) -> None:
@@ -329,9 +328,7 @@ def add_routes(app: Any, get_backend: Callable[[], MigrationBackend | None]) -> 
 
 
 def _sglang_backend() -> MigrationBackend | None:
-    from sglang.srt.entrypoints.http_server import get_global_state
-
-    return get_global_state().tokenizer_manager.kv_migration_communicators
+    return sglang_adapter.http_tokenizer_manager().kv_migration_communicators
 
 
 def _fields(body: BaseModel, exclude: frozenset[str] = frozenset()) -> dict[str, Any]:

@@ -30,7 +30,8 @@ and `page_runs` enforces that for every layout. Any other layout (e.g. Ascend's
 
 Everything here is pure integer math on published buffer info (no engine, no
 torch.distributed), so both servers compute identical plans and tests use literal addresses.
-Only `HostPoolLayout.from_host_pool` looks at SGLang objects, and it imports SGLang lazily.
+SGLang's pool objects are read by `sglang_adapter.host_pool_buffer` only;
+`HostPoolLayout.from_host_pool` is the shorthand that calls it.
 The layout fingerprint peers compare first lives in `fingerprint.py`.
 """
 
@@ -40,6 +41,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from sglang_kv_migration import sglang_adapter
 
 if TYPE_CHECKING:
     import torch
@@ -202,35 +205,29 @@ class HostPoolLayout:
         return cls(buffers=buffers, page_size=page_size, num_slots=num_slots)
 
     @classmethod
-    def from_host_pool(cls, pool: Any) -> HostPoolLayout:
-        """Describe a live ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``."""
-        attention = _attention_kind(pool)
-        kv = pool.kv_buffer
-        # The split below assumes one dense allocation, which init_kv_buffer always makes.
-        if not kv.is_contiguous():
-            raise ValueError(f"host pool kv_buffer is not contiguous (shape {tuple(kv.shape)})")
-        if attention == "mha":
-            token_bytes = pool.head_num * pool.head_dim * kv.element_size()
-            per_slot_all_buffers = 2 * pool.layer_num * token_bytes
-        else:
-            token_bytes = pool.kv_cache_dim * kv.element_size()
-            per_slot_all_buffers = pool.layer_num * token_bytes
+    def from_pool_buffer(cls, pool: sglang_adapter.HostPoolBuffer) -> HostPoolLayout:
+        """Describe a host pool from what `sglang_adapter.host_pool_buffer` read of it."""
         layout = cls.from_contiguous_buffer(
-            attention=attention,
+            attention=pool.attention,
             host_layout=pool.layout,
-            base_ptr=kv.data_ptr(),
-            nbytes=kv.nbytes,
+            base_ptr=pool.base_ptr,
+            nbytes=pool.nbytes,
             layer_num=pool.layer_num,
             page_size=pool.page_size,
-            num_slots=pool.size,
+            num_slots=pool.num_slots,
         )
         # Cross-check the byte split against the pool's own dimensions.
-        if kv.nbytes != pool.size * per_slot_all_buffers:
+        if pool.nbytes != pool.num_slots * pool.slot_bytes:
             raise ValueError(
-                f"{attention}/{pool.layout}: kv_buffer has {kv.nbytes} bytes, expected "
-                f"{pool.size} slots * {per_slot_all_buffers} bytes"
+                f"{pool.attention}/{pool.layout}: kv_buffer has {pool.nbytes} bytes, expected "
+                f"{pool.num_slots} slots * {pool.slot_bytes} bytes"
             )
         return layout
+
+    @classmethod
+    def from_host_pool(cls, pool: Any) -> HostPoolLayout:
+        """Describe a live ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``."""
+        return cls.from_pool_buffer(sglang_adapter.host_pool_buffer(pool))
 
 
 # --------------------------------------------------------------------------------------
@@ -309,20 +306,6 @@ def plan_writes(
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _attention_kind(pool: Any) -> str:
-    # Lazy import: this module must import without torch or SGLang.
-    from sglang.srt.mem_cache.memory_pool_host import (
-        MHATokenToKVPoolHost,
-        MLATokenToKVPoolHost,
-    )
-
-    if isinstance(pool, MHATokenToKVPoolHost):
-        return "mha"
-    if isinstance(pool, MLATokenToKVPoolHost):
-        return "mla"
-    raise ValueError(f"unsupported host pool type {type(pool).__name__} for KV migration")
 
 
 def _bad_page_message(pos: int, slot: int, page_pos: int, page_slot: int, page_size: int) -> str:
