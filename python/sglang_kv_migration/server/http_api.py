@@ -40,6 +40,7 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheReqInput,
     TransferRequestKVCacheTarget,
 )
+from sglang_kv_migration.targets import HostTarget
 
 DISABLED_MESSAGE = (
     "KV migration is disabled on this server; start it with "
@@ -154,16 +155,9 @@ class TargetRankBody(_Body):
             return self
         if not self.session_id or not self.host_kv_data_ptrs:
             raise ValueError("session_id and host_kv_data_ptrs are required for path 'host'")
-        counts = {
-            len(self.host_kv_data_ptrs),
-            len(self.host_kv_data_lens),
-            len(self.host_kv_item_lens),
-        }
-        if len(counts) != 1:
-            raise ValueError(
-                "host_kv_data_ptrs, host_kv_data_lens and host_kv_item_lens must have the "
-                "same length"
-            )
+        problem = HostTarget.from_wire(dict(self)).buffer_count_problem()
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
 
