@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from sglang.srt.managers.io_struct import BaseReq
 
 from sglang_kv_migration import grants, page_ranges
+from sglang_kv_migration.targets import HostTarget  # the host path's fields, once
 
 # Optional wire features this version understands (session info `features`).
 # "bound_grants": allocate takes `source_instance` (the source's session info
@@ -53,18 +54,15 @@ class StageSyncReqInput(BaseReq):
 
 
 @dataclass
-class RankSessionInfo:
-    """One rank's endpoints: the host path's fields at top level (protocol 1), and every
-    data path's advertisement under `paths`, in this server's order of preference."""
+class RankSessionInfo(HostTarget):
+    """One rank's endpoints: the host path's fields (`HostTarget`; empty without the host
+    path) at top level (protocol 1), and every data path's advertisement under `paths`,
+    in this server's order of preference."""
 
     tp_rank: int
     pp_rank: int
-    session_id: str  # "<ip>:<rpc_port>" of this rank's transfer engine ("" without host path)
-    host_kv_data_ptrs: list[int]
-    host_kv_data_lens: list[int]
-    host_kv_item_lens: list[int]
     page_size: int
-    fingerprint: dict  # layout.LayoutFingerprint.to_dict()
+    fingerprint: dict  # fingerprint.LayoutFingerprint.to_dict()
     # Protocol 2: path name -> DataPath.advertise(); e.g. {"device": {...}, "host": {...}}.
     paths: dict = field(default_factory=dict)
     server_epoch: str = ""  # changes when the server restarts: cached session info is stale
@@ -176,15 +174,12 @@ class AllocateTokenForTransferReqOutput(BaseReq):
 
 
 @dataclass
-class TransferRequestKVCacheTarget:
-    """One target rank: where the source rank with the same (tp, pp) writes."""
+class TransferRequestKVCacheTarget(HostTarget):
+    """One target rank: where the source rank with the same (tp, pp) writes (host path:
+    the `HostTarget` fields; device path: `device_kv`, a `DeviceTarget` on the wire)."""
 
     tp: int
     pp: int
-    session_id: str = ""  # host path
-    host_kv_data_ptrs: list[int] = field(default_factory=list)  # host path
-    host_kv_data_lens: list[int] = field(default_factory=list)  # host path
-    host_kv_item_lens: list[int] = field(default_factory=list)  # host path
     kv_indices: list[int] = field(default_factory=list)  # token slots, or kv_pages
     fingerprint: dict = field(default_factory=dict)
     path: str = "host"  # protocol 2

@@ -1,5 +1,5 @@
 """The one module that reads or calls SGLang internals: radix tree, pools, allocator,
-scheduler attributes.
+scheduler attributes, the HTTP server's app and tokenizer manager.
 
 Everything else in the package goes through these functions, so an SGLang upgrade is
 this file's work (plus the symbol names in `upstream.py`, which `test/integration/test_plugin.py`
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.fingerprint import KVCacheShape
 
 if TYPE_CHECKING:
     import torch
@@ -176,14 +177,9 @@ class HostPoolShape:
 
 
 def host_pool_shape(cache: HiRadixCache) -> HostPoolShape:
-    from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
-
     pool = host_pool(cache)
-    if isinstance(pool, MHATokenToKVPoolHost):
-        attention = "mha"
-    elif isinstance(pool, MLATokenToKVPoolHost):
-        attention = "mla"
-    else:
+    attention = _host_attention(pool)
+    if attention is None:
         raise MigrationError(
             ErrorKind.UNAVAILABLE, f"host KV pool {type(pool).__name__} is not supported"
         )
@@ -198,6 +194,70 @@ def host_pool_shape(cache: HiRadixCache) -> HostPoolShape:
         row_bytes=int(pool.token_stride_size),
         kv_buffer=buffer,
         pinned=pinned,
+    )
+
+
+@dataclass(frozen=True)
+class HostPoolBuffer:
+    """A host pool's one contiguous `kv_buffer`, as the host path's layout math splits it
+    (`paths/host/layout.py`)."""
+
+    attention: str  # "mha" or "mla"
+    layout: str  # hicache_mem_layout
+    base_ptr: int
+    nbytes: int
+    layer_num: int
+    page_size: int
+    num_slots: int  # token slots (`pool.size`)
+    slot_bytes: int  # bytes one token slot takes over every layer and plane
+
+
+def host_pool_buffer(pool: Any) -> HostPoolBuffer:
+    """Read a live `MHATokenToKVPoolHost` / `MLATokenToKVPoolHost`; raises ValueError for
+    another pool type or a `kv_buffer` that is not one dense allocation."""
+    attention = _host_attention(pool)
+    if attention is None:
+        raise ValueError(f"unsupported host pool type {type(pool).__name__} for KV migration")
+    kv = pool.kv_buffer
+    # The layout's split assumes one dense allocation, which init_kv_buffer always makes.
+    if not kv.is_contiguous():
+        raise ValueError(f"host pool kv_buffer is not contiguous (shape {tuple(kv.shape)})")
+    if attention == "mha":
+        slot_bytes = 2 * pool.layer_num * pool.head_num * pool.head_dim * kv.element_size()
+    else:
+        slot_bytes = pool.layer_num * pool.kv_cache_dim * kv.element_size()
+    return HostPoolBuffer(
+        attention=attention,
+        layout=pool.layout,
+        base_ptr=kv.data_ptr(),
+        nbytes=kv.nbytes,
+        layer_num=pool.layer_num,
+        page_size=pool.page_size,
+        num_slots=pool.size,
+        slot_bytes=slot_bytes,
+    )
+
+
+def kv_cache_shape(pool: Any) -> KVCacheShape:
+    """What the layout fingerprint takes from a host pool and the device pool behind it;
+    raises ValueError for a host pool type migration does not support."""
+    attention = _host_attention(pool)
+    if attention is None:
+        raise ValueError(f"unsupported host pool type {type(pool).__name__} for KV migration")
+    dev = pool.device_pool
+    is_mha = attention == "mha"
+    return KVCacheShape(
+        attention=attention,
+        # The logical dtype: fp8 e4m3 and e5m2 are both stored as uint8.
+        kv_dtype=str(dev.dtype).removeprefix("torch."),
+        start_layer=int(dev.start_layer),
+        end_layer=int(dev.end_layer),
+        kv_heads=int(dev.head_num) if is_mha else 1,
+        head_dim=int(dev.head_dim) if is_mha else 0,
+        kv_lora_rank=0 if is_mha else int(dev.kv_lora_rank),
+        qk_rope_head_dim=0 if is_mha else int(dev.qk_rope_head_dim),
+        page_size=int(pool.page_size),
+        host_layout=str(pool.layout),
     )
 
 
@@ -616,6 +676,20 @@ def add_result_handlers(tokenizer_manager: Any, handlers: list[tuple[type, Any]]
     tokenizer_manager._result_dispatcher += TypeBasedDispatcher(handlers)
 
 
+def http_server_app() -> Any:
+    """SGLang's FastAPI app (`http_server.app`), which our routes join."""
+    from sglang.srt.entrypoints import http_server
+
+    return http_server.app
+
+
+def http_tokenizer_manager() -> Any:
+    """The HTTP server's `TokenizerManager` (set when the server launches)."""
+    from sglang.srt.entrypoints.http_server import get_global_state
+
+    return get_global_state().tokenizer_manager
+
+
 def registered_hooks(target: str) -> list[object]:
     """The hook callables SGLang's `HookRegistry` holds for `target` (registered, maybe not
     applied yet). The registry has no public reader; this is its one private read."""
@@ -631,6 +705,17 @@ def is_hiradix_cache(cache: object) -> bool:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _host_attention(pool: Any) -> str | None:
+    """ "mha" / "mla" for the host pool classes migration supports, else None."""
+    from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
+
+    if isinstance(pool, MHATokenToKVPoolHost):
+        return "mha"
+    if isinstance(pool, MLATokenToKVPoolHost):
+        return "mla"
+    return None
 
 
 def _is_pinned(t: torch.Tensor) -> bool:

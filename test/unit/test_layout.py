@@ -1,4 +1,4 @@
-"""Layout math: page runs, byte ranges, write plans and the layout fingerprint.
+"""Layout math: page runs, byte ranges, write plans; and the layout fingerprint (`fingerprint.py`).
 
 Most tests use literal addresses. `test_plan_moves_the_right_bytes` proves the buffer table
 on plain CPU tensors shaped like SGLang's host pools, and `test_from_host_pool_on_real_pools`
@@ -15,11 +15,11 @@ import time
 
 import pytest
 import torch
-from sglang_kv_migration import PROTOCOL_VERSION
+from sglang_kv_migration import PROTOCOL_VERSION, sglang_adapter
+from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.paths.host.layout import (
     HostBuffer,
     HostPoolLayout,
-    LayoutFingerprint,
     Write,
     buffer_byte_ranges,
     page_runs,
@@ -598,8 +598,13 @@ def test_from_host_pool_on_real_pools(harness_factory, attention, host_layout, p
     assert int(dst_pool.kv_buffer.view(-1).view(torch.uint8).count_nonzero()) <= moved_bytes
     assert moved_bytes == sum(w.length for w in writes)
 
-    fp = LayoutFingerprint.from_host_pool(
-        src_pool, model="m", tp_size=1, tp_rank=0, pp_size=1, pp_rank=0
+    fp = LayoutFingerprint.from_shape(
+        sglang_adapter.kv_cache_shape(src_pool),
+        model="m",
+        tp_size=1,
+        tp_rank=0,
+        pp_size=1,
+        pp_rank=0,
     )
     assert (fp.attention, fp.host_layout, fp.page_size) == (attention, host_layout, page_size)
     assert fp.protocol_version == PROTOCOL_VERSION
@@ -612,8 +617,13 @@ def test_from_host_pool_on_real_pools(harness_factory, attention, host_layout, p
     assert LayoutFingerprint.from_dict(fp.to_dict()) == fp
     assert (
         fp.first_mismatch(
-            LayoutFingerprint.from_host_pool(
-                dst_pool, model="m", tp_size=1, tp_rank=0, pp_size=1, pp_rank=0
+            LayoutFingerprint.from_shape(
+                sglang_adapter.kv_cache_shape(dst_pool),
+                model="m",
+                tp_size=1,
+                tp_rank=0,
+                pp_size=1,
+                pp_rank=0,
             )
         )
         is None

@@ -29,7 +29,9 @@ from sglang_kv_migration.server.pp_stages import merge_stage_replies, needs_roll
 
 
 def session_rank(tp: int, pp: int) -> RankSessionInfo:
-    return RankSessionInfo(tp, pp, f"s{tp}{pp}", [], [], [], 16, {})
+    return RankSessionInfo(
+        tp_rank=tp, pp_rank=pp, session_id=f"s{tp}{pp}", page_size=16, fingerprint={}
+    )
 
 
 def test_session_info_lists_every_rank_in_pp_then_tp_order() -> None:

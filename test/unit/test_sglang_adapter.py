@@ -810,3 +810,76 @@ def test_forward_to_later_stages_appends_after_the_iterations_requests():
     reqs = ["a", "b"]
     adapter.forward_to_later_stages(reqs, ["sync"])
     assert reqs == ["a", "b", "sync"]
+
+
+# --------------------------------------------------------------------------- pool readings
+
+
+@pytest.mark.parametrize(("attention", "page_size"), CONFIGS, ids=CONFIG_IDS)
+def test_host_pool_buffer_reads_the_one_kv_buffer(harness_factory, attention, page_size):
+    h = harness_factory(attention=attention, page_size=page_size)
+    pool = h.host_pool
+    buf = adapter.host_pool_buffer(pool)
+    assert (buf.attention, buf.layout) == (attention, pool.layout)
+    assert (buf.base_ptr, buf.nbytes) == (pool.kv_buffer.data_ptr(), pool.kv_buffer.nbytes)
+    assert (buf.layer_num, buf.page_size, buf.num_slots) == (
+        pool.layer_num,
+        page_size,
+        pool.size,
+    )
+    # One slot over every layer and plane: the whole buffer holds exactly `size` of them.
+    assert buf.num_slots * buf.slot_bytes == buf.nbytes
+    assert buf.slot_bytes == pool.layer_num * (2 if attention == "mha" else 1) * (
+        pool.token_stride_size
+    )
+
+
+def test_host_pool_buffer_and_kv_cache_shape_refuse_other_pools():
+    for read in (adapter.host_pool_buffer, adapter.kv_cache_shape):
+        with pytest.raises(ValueError, match="unsupported host pool type SimpleNamespace"):
+            read(SimpleNamespace())
+
+
+@pytest.mark.parametrize(("attention", "page_size"), CONFIGS, ids=CONFIG_IDS)
+def test_kv_cache_shape_reads_host_and_device_pools(harness_factory, attention, page_size):
+    h = harness_factory(attention=attention, page_size=page_size)
+    shape = adapter.kv_cache_shape(h.host_pool)
+    dev = h.device_pool
+    assert (shape.attention, shape.page_size, shape.host_layout) == (
+        attention,
+        page_size,
+        h.host_pool.layout,
+    )
+    assert shape.kv_dtype == str(dev.dtype).removeprefix("torch.")
+    assert (shape.start_layer, shape.end_layer) == (dev.start_layer, dev.end_layer)
+    if attention == "mha":
+        assert (shape.kv_heads, shape.head_dim) == (dev.head_num, dev.head_dim)
+        assert (shape.kv_lora_rank, shape.qk_rope_head_dim) == (0, 0)
+    else:
+        assert (shape.kv_heads, shape.head_dim) == (1, 0)
+        assert (shape.kv_lora_rank, shape.qk_rope_head_dim) == (
+            dev.kv_lora_rank,
+            dev.qk_rope_head_dim,
+        )
+
+
+# --------------------------------------------------------------------------- HTTP server
+
+
+def test_http_server_app_is_sglangs_fastapi_app():
+    from fastapi import FastAPI
+
+    app = adapter.http_server_app()
+    assert isinstance(app, FastAPI)
+    assert any(getattr(r, "path", None) == "/generate" for r in app.routes)
+
+
+def test_http_tokenizer_manager_is_the_launched_servers(monkeypatch):
+    from sglang.srt.entrypoints import http_server
+
+    manager = SimpleNamespace(kv_migration_communicators=None)
+    state = http_server._GlobalState(
+        tokenizer_manager=manager, template_manager=None, scheduler_info={}
+    )
+    monkeypatch.setattr(http_server, "_global_state", state)
+    assert adapter.http_tokenizer_manager() is manager

@@ -29,9 +29,9 @@ import httpx
 import orjson
 
 from sglang_kv_migration import PROTOCOL_VERSION
+from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.grants import FEATURE as BOUND_GRANTS
 from sglang_kv_migration.page_ranges import FEATURE as PAGE_RANGES
-from sglang_kv_migration.paths.host.layout import LayoutFingerprint
 
 DEFAULT_TIMEOUT_S = 120.0
 T = TypeVar("T")

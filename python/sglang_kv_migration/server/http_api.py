@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from sglang.srt.utils.auth import AuthLevel, auth_level
 
-from sglang_kv_migration import page_ranges
+from sglang_kv_migration import page_ranges, sglang_adapter
 from sglang_kv_migration.errors import ErrorKind
 from sglang_kv_migration.io_types import (
     AbortTransferReqInput,
@@ -40,6 +40,7 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheReqInput,
     TransferRequestKVCacheTarget,
 )
+from sglang_kv_migration.targets import HostTarget
 
 DISABLED_MESSAGE = (
     "KV migration is disabled on this server; start it with "
@@ -154,16 +155,9 @@ class TargetRankBody(_Body):
             return self
         if not self.session_id or not self.host_kv_data_ptrs:
             raise ValueError("session_id and host_kv_data_ptrs are required for path 'host'")
-        counts = {
-            len(self.host_kv_data_ptrs),
-            len(self.host_kv_data_lens),
-            len(self.host_kv_item_lens),
-        }
-        if len(counts) != 1:
-            raise ValueError(
-                "host_kv_data_ptrs, host_kv_data_lens and host_kv_item_lens must have the "
-                "same length"
-            )
+        problem = HostTarget.from_wire(dict(self)).buffer_count_problem()
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
 
@@ -298,10 +292,9 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
 
 def add_routes_to_sglang_app() -> None:
     """Add the routes to SGLang's own FastAPI app, once (`plugin.before_launch_server`)."""
-    from sglang.srt.entrypoints import http_server
-
-    if not any(getattr(r, "path", None) == "/commit" for r in http_server.app.routes):
-        add_routes(http_server.app, _sglang_backend)
+    app = sglang_adapter.http_server_app()
+    if not any(getattr(r, "path", None) == "/commit" for r in app.routes):
+        add_routes(app, _sglang_backend)
 
 
 def add_routes(app: Any, get_backend: Callable[[], MigrationBackend | None]) -> None:
@@ -329,9 +322,7 @@ def add_routes(app: Any, get_backend: Callable[[], MigrationBackend | None]) -> 
 
 
 def _sglang_backend() -> MigrationBackend | None:
-    from sglang.srt.entrypoints.http_server import get_global_state
-
-    return get_global_state().tokenizer_manager.kv_migration_communicators
+    return sglang_adapter.http_tokenizer_manager().kv_migration_communicators
 
 
 def _fields(body: BaseModel, exclude: frozenset[str] = frozenset()) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.paths.host.layout import LayoutFingerprint
+from sglang_kv_migration.fingerprint import LayoutFingerprint
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import BaseReq

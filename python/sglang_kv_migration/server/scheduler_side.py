@@ -30,6 +30,7 @@ from typing import Any
 
 from sglang_kv_migration import PROTOCOL_VERSION, grants, sglang_adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.io_types import (
     REQUEST_TYPES,
     AbortTransferReqInput,
@@ -49,7 +50,7 @@ from sglang_kv_migration.io_types import (
 )
 from sglang_kv_migration.page_ranges import to_page_ranges
 from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
-from sglang_kv_migration.paths.host.layout import HostPoolLayout, LayoutFingerprint
+from sglang_kv_migration.paths.host.layout import HostPoolLayout
 from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig, open_transport
 from sglang_kv_migration.paths.host.target_staging import (
     DeferredCommit,
@@ -96,8 +97,8 @@ class MigrationSchedulerSide:
         cache = ctx.tree_cache
         self.host_pool = sglang_adapter.host_pool(cache)
         self.layout = HostPoolLayout.from_host_pool(self.host_pool)
-        self.fingerprint = LayoutFingerprint.from_host_pool(
-            self.host_pool,
+        self.fingerprint = LayoutFingerprint.from_shape(
+            sglang_adapter.kv_cache_shape(self.host_pool),
             model=ctx.model,
             tp_size=ctx.tp_size,
             tp_rank=ctx.tp_rank,

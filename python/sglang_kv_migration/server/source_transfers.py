@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from sglang_kv_migration import grants, page_ranges
 from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.io_types import (
     RankTransferResult,
     StageRefusal,
@@ -34,7 +35,6 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheTarget,
 )
 from sglang_kv_migration.paths.base import DataPath, KVPoll, SendJob, SendRange
-from sglang_kv_migration.paths.host.layout import LayoutFingerprint
 from sglang_kv_migration.server.metrics import MigrationMetrics
 from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, error_of
 

@@ -37,6 +37,7 @@ from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths import verify
 from sglang_kv_migration.paths.base import DEVICE, DataPath, KVPoll, SendJob, SendRange, SendStats
 from sglang_kv_migration.paths.device import cuda_ipc, page_copy, tiers
+from sglang_kv_migration.targets import DeviceTarget
 
 if TYPE_CHECKING:
     import torch
@@ -108,18 +109,19 @@ class DevicePath(DataPath):
     # ------------------------------------------------------------------ both roles
 
     def advertise(self) -> dict[str, Any]:
-        return {
-            "host_identity": cuda_ipc.host_identity(),
-            "gpu_uuid": self._gpu_uuid,
-            "instance_id": self.instance_id,
-            "row_bytes": self.row_bytes,
-            "num_rows": self.num_rows,
-            "buffers": self._exported,
+        return DeviceTarget(
+            host_identity=cuda_ipc.host_identity(),
+            gpu_uuid=self._gpu_uuid,
+            instance_id=self.instance_id,
+            row_bytes=self.row_bytes,
+            num_rows=self.num_rows,
+            buffers=self._exported,
             # Tiers this source copies from (absent: a server that reads device pages only).
-            "tiers": [tiers.DEVICE_TIER] + ([tiers.HOST_TIER] if self._host is not None else []),
-        }
+            tiers=[tiers.DEVICE_TIER] + ([tiers.HOST_TIER] if self._host is not None else []),
+        ).to_wire()
 
     def destination_of(self, target: TransferRequestKVCacheTarget) -> dict[str, Any]:
+        # As it came: the grant binds the digest of what the target advertised.
         return target.device_kv or {}
 
     def close(self) -> None:
@@ -160,11 +162,14 @@ class DevicePath(DataPath):
 
     def start_send(self, send: SendRange) -> SendJob:
 
-        peer = send.target.device_kv
-        if not peer:
+        if not send.target.device_kv:
             raise MigrationError(
                 ErrorKind.BAD_REQUEST, "target_per_rank has no device_kv for the device path"
             )
+        try:
+            peer = DeviceTarget.from_wire(send.target.device_kv)
+        except (KeyError, TypeError, ValueError) as e:
+            raise MigrationError(ErrorKind.BAD_REQUEST, f"bad device_kv description: {e}") from None
         opening = self._open_peer(peer)
         tiered = prepare_tiered_send(self.cache, send, self.page_size)
         if tiered.plan.tokens(tiers.HOST_TIER) and self._host is None:
@@ -201,18 +206,12 @@ class DevicePath(DataPath):
 
     # ------------------------------------------------------------------ helpers
 
-    def _open_peer(self, peer: dict[str, Any]) -> Future[cuda_ipc.OpenedPeer]:
+    def _open_peer(self, peer: DeviceTarget) -> Future[cuda_ipc.OpenedPeer]:
         """Check the target's description, then open its buffers off this thread."""
         import torch
 
-        try:
-            host, gpu = str(peer["host_identity"]), str(peer["gpu_uuid"])
-            instance = str(peer["instance_id"])
-            row_bytes = [int(x) for x in peer["row_bytes"]]
-            num_rows = [int(x) for x in peer["num_rows"]]
-            descs = list(peer["buffers"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise MigrationError(ErrorKind.BAD_REQUEST, f"bad device_kv description: {e}") from None
+        host, gpu, instance = peer.host_identity, peer.gpu_uuid, peer.instance_id
+        row_bytes, num_rows, descs = peer.row_bytes, peer.num_rows, peer.buffers
         if len(num_rows) != len(row_bytes):
             raise MigrationError(
                 ErrorKind.BAD_REQUEST, "bad device_kv description: num_rows and row_bytes differ"
@@ -243,12 +242,8 @@ class DevicePath(DataPath):
         # target's pages directly, over NVLink when the target is another GPU.
         return self._peers.open_async(instance, descs, here)
 
-    def _checked_peer(
-        self, opened: cuda_ipc.OpenedPeer, peer: dict[str, Any]
-    ) -> cuda_ipc.OpenedPeer:
-        row_bytes = [int(x) for x in peer["row_bytes"]]
-        num_rows = [int(x) for x in peer["num_rows"]]
-        for flat, rows, rb in zip(opened.buffers, num_rows, row_bytes, strict=True):
+    def _checked_peer(self, opened: cuda_ipc.OpenedPeer, peer: DeviceTarget) -> cuda_ipc.OpenedPeer:
+        for flat, rows, rb in zip(opened.buffers, peer.num_rows, peer.row_bytes, strict=True):
             if flat.numel() != rows * rb:
                 raise MigrationError(
                     ErrorKind.BAD_REQUEST,

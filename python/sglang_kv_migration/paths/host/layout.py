@@ -30,19 +30,19 @@ and `page_runs` enforces that for every layout. Any other layout (e.g. Ascend's
 
 Everything here is pure integer math on published buffer info (no engine, no
 torch.distributed), so both servers compute identical plans and tests use literal addresses.
-Only `HostPoolLayout.from_host_pool` and `LayoutFingerprint.from_host_pool` look at SGLang
-objects, and they import SGLang lazily.
+SGLang's pool objects are read by `sglang_adapter.host_pool_buffer` only;
+`HostPoolLayout.from_host_pool` is the shorthand that calls it.
+The layout fingerprint peers compare first lives in `fingerprint.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sglang_kv_migration import PROTOCOL_VERSION
+from sglang_kv_migration import sglang_adapter
 
 if TYPE_CHECKING:
     import torch
@@ -205,35 +205,29 @@ class HostPoolLayout:
         return cls(buffers=buffers, page_size=page_size, num_slots=num_slots)
 
     @classmethod
-    def from_host_pool(cls, pool: Any) -> HostPoolLayout:
-        """Describe a live ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``."""
-        attention = _attention_kind(pool)
-        kv = pool.kv_buffer
-        # The split below assumes one dense allocation, which init_kv_buffer always makes.
-        if not kv.is_contiguous():
-            raise ValueError(f"host pool kv_buffer is not contiguous (shape {tuple(kv.shape)})")
-        if attention == "mha":
-            token_bytes = pool.head_num * pool.head_dim * kv.element_size()
-            per_slot_all_buffers = 2 * pool.layer_num * token_bytes
-        else:
-            token_bytes = pool.kv_cache_dim * kv.element_size()
-            per_slot_all_buffers = pool.layer_num * token_bytes
+    def from_pool_buffer(cls, pool: sglang_adapter.HostPoolBuffer) -> HostPoolLayout:
+        """Describe a host pool from what `sglang_adapter.host_pool_buffer` read of it."""
         layout = cls.from_contiguous_buffer(
-            attention=attention,
+            attention=pool.attention,
             host_layout=pool.layout,
-            base_ptr=kv.data_ptr(),
-            nbytes=kv.nbytes,
+            base_ptr=pool.base_ptr,
+            nbytes=pool.nbytes,
             layer_num=pool.layer_num,
             page_size=pool.page_size,
-            num_slots=pool.size,
+            num_slots=pool.num_slots,
         )
         # Cross-check the byte split against the pool's own dimensions.
-        if kv.nbytes != pool.size * per_slot_all_buffers:
+        if pool.nbytes != pool.num_slots * pool.slot_bytes:
             raise ValueError(
-                f"{attention}/{pool.layout}: kv_buffer has {kv.nbytes} bytes, expected "
-                f"{pool.size} slots * {per_slot_all_buffers} bytes"
+                f"{pool.attention}/{pool.layout}: kv_buffer has {pool.nbytes} bytes, expected "
+                f"{pool.num_slots} slots * {pool.slot_bytes} bytes"
             )
         return layout
+
+    @classmethod
+    def from_host_pool(cls, pool: Any) -> HostPoolLayout:
+        """Describe a live ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``."""
+        return cls.from_pool_buffer(sglang_adapter.host_pool_buffer(pool))
 
 
 # --------------------------------------------------------------------------------------
@@ -306,138 +300,12 @@ def plan_writes(
 
 
 # --------------------------------------------------------------------------------------
-# Layout fingerprint (compared before anything else crosses between servers)
-# --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LayoutFingerprint:
-    """Everything two ranks must agree on before one writes into the other's host pool."""
-
-    protocol_version: int
-    model: str
-    kv_dtype: str
-    attention: str  # "mha" or "mla"
-    start_layer: int
-    end_layer: int
-    kv_heads: int  # KV heads on this rank; 1 for MLA
-    head_dim: int  # MHA; 0 for MLA
-    kv_lora_rank: int  # MLA; 0 for MHA
-    qk_rope_head_dim: int  # MLA; 0 for MHA
-    page_size: int
-    host_layout: str
-    tp_size: int
-    tp_rank: int
-    pp_size: int
-    pp_rank: int
-    # SGLang's attention context parallelism (--attn-cp-size): > 1 spreads a sequence's
-    # KV pages over CP ranks. Left out of `to_dict` at 1, so older peers (which lack
-    # the field and refuse unknown keys) read the same fingerprint; missing means 1.
-    attn_cp_size: int = 1
-    # SGLang's weight version, as the server's HTTP layer knows it when the request
-    # arrives (RL weight updates change it): KV never crosses a weight update.
-    weight_version: str = ""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            ok = _is_int(value) if f.type == "int" else isinstance(value, str)
-            if not ok:
-                raise ValueError(f"fingerprint field {f.name} must be {f.type}, got {value!r}")
-
-    @classmethod
-    def from_host_pool(
-        cls,
-        pool: Any,
-        *,
-        model: str,
-        tp_size: int,
-        tp_rank: int,
-        pp_size: int,
-        pp_rank: int,
-        attn_cp_size: int = 1,
-    ) -> LayoutFingerprint:
-        attention = _attention_kind(pool)
-        dev = pool.device_pool
-        is_mha = attention == "mha"
-        return cls(
-            protocol_version=PROTOCOL_VERSION,
-            model=model,
-            # The logical dtype: fp8 e4m3 and e5m2 are both stored as uint8.
-            kv_dtype=str(dev.dtype).removeprefix("torch."),
-            attention=attention,
-            start_layer=int(dev.start_layer),
-            end_layer=int(dev.end_layer),
-            kv_heads=int(dev.head_num) if is_mha else 1,
-            head_dim=int(dev.head_dim) if is_mha else 0,
-            kv_lora_rank=0 if is_mha else int(dev.kv_lora_rank),
-            qk_rope_head_dim=0 if is_mha else int(dev.qk_rope_head_dim),
-            page_size=int(pool.page_size),
-            host_layout=str(pool.layout),
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            pp_size=pp_size,
-            pp_rank=pp_rank,
-            attn_cp_size=attn_cp_size,
-        )
-
-    def to_dict(self) -> dict[str, int | str]:
-        d = dataclasses.asdict(self)
-        if d["attn_cp_size"] == 1:
-            del d["attn_cp_size"]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> LayoutFingerprint:
-        expected = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(d) - set(expected))
-        optional = ("weight_version", "attn_cp_size")
-        missing = [k for k in expected if k not in d and k not in optional]
-        if unknown or missing:
-            raise ValueError(
-                f"bad layout fingerprint: unknown keys {unknown}, missing keys {missing}"
-            )
-        return cls(**d)
-
-    def first_mismatch(
-        self,
-        other: LayoutFingerprint,
-        *,
-        self_name: str = "source",
-        other_name: str = "target",
-    ) -> str | None:
-        """``"field: source=.. target=.."`` for the first differing field, else None.
-
-        Fields are compared in declaration order, so a protocol change is reported first.
-        """
-        for f in dataclasses.fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if mine != theirs:
-                return f"{f.name}: {self_name}={mine} {other_name}={theirs}"
-        return None
-
-
-# --------------------------------------------------------------------------------------
 # Private helpers
 # --------------------------------------------------------------------------------------
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _attention_kind(pool: Any) -> str:
-    # Lazy import: this module must import without torch or SGLang.
-    from sglang.srt.mem_cache.memory_pool_host import (
-        MHATokenToKVPoolHost,
-        MLATokenToKVPoolHost,
-    )
-
-    if isinstance(pool, MHATokenToKVPoolHost):
-        return "mha"
-    if isinstance(pool, MLATokenToKVPoolHost):
-        return "mla"
-    raise ValueError(f"unsupported host pool type {type(pool).__name__} for KV migration")
 
 
 def _bad_page_message(pos: int, slot: int, page_pos: int, page_slot: int, page_size: int) -> str:

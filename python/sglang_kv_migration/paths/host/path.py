@@ -25,6 +25,7 @@ from sglang_kv_migration.paths import verify
 from sglang_kv_migration.paths.base import HOST, DataPath, KVPoll, SendJob, SendRange, SendStats
 from sglang_kv_migration.paths.host.layout import HostPoolLayout
 from sglang_kv_migration.paths.host.mooncake import KVTransport, MemoryRegion, TransferHandle
+from sglang_kv_migration.targets import HostTarget
 
 if TYPE_CHECKING:
     import torch
@@ -68,20 +69,15 @@ class HostPath(DataPath):
     # ------------------------------------------------------------------ both roles
 
     def advertise(self) -> dict[str, Any]:
-        return {
-            "session_id": self.transport.session_id,
-            "host_kv_data_ptrs": self.layout.data_ptrs,
-            "host_kv_data_lens": self.layout.data_lens,
-            "host_kv_item_lens": self.layout.item_lens,
-        }
+        return HostTarget(
+            session_id=self.transport.session_id,
+            host_kv_data_ptrs=self.layout.data_ptrs,
+            host_kv_data_lens=self.layout.data_lens,
+            host_kv_item_lens=self.layout.item_lens,
+        ).to_wire()
 
     def destination_of(self, target: TransferRequestKVCacheTarget) -> dict[str, Any]:
-        return {
-            "session_id": target.session_id,
-            "host_kv_data_ptrs": target.host_kv_data_ptrs,
-            "host_kv_data_lens": target.host_kv_data_lens,
-            "host_kv_item_lens": target.host_kv_item_lens,
-        }
+        return target.host_target().to_wire()
 
     def close(self) -> None:
         if self._transport is not None:

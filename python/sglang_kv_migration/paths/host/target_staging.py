@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import MigrationError
@@ -48,8 +48,6 @@ if TYPE_CHECKING:
     import torch
 
     from sglang_kv_migration.paths.host.layout import HostPoolLayout
-    from sglang_kv_migration.server.pending import PendingMigration
-    from sglang_kv_migration.server.rank_context import RankContext
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +58,21 @@ STAGED = "staged"
 STAGE_MIN_ENTRIES = 32
 # How long a cache flush or shutdown waits for a scatter in flight (it is a local copy).
 _DRAIN_WAIT_S = 60.0
+
+
+class StagedMigration(Protocol):
+    """What this module reads of a pending migration (the server's `PendingMigration`)."""
+
+    migration_id: str
+    staging: tuple[int, int] | None  # the granted extent, None when it writes direct
+
+
+class RankGather(Protocol):
+    """The rank group's all-gather (the server's `RankContext`)."""
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every TP rank's `obj` in this stage, in tp_rank order."""
+        ...
 
 
 class TargetStaging:
@@ -162,7 +175,7 @@ def receipt_plan(signer: grants.Signer, receipts: list[str], tp: int, pp: int) -
     return ""
 
 
-def staged_refusal(plan: str, pending: PendingMigration | None) -> str | None:
+def staged_refusal(plan: str, pending: StagedMigration | None) -> str | None:
     """Why a receipt's plan cannot be committed on this rank (None when it can)."""
     if plan == STAGED and (pending is None or pending.staging is None):
         return "the source reports a staged write, but this rank granted no staging extent"
@@ -180,7 +193,7 @@ class DeferredCommit:
     """A commit that waits for this rank's scatter (a done future on unstaged ranks)."""
 
     request: Any  # CommitTransferRequestKVCacheReqInput
-    pending: PendingMigration
+    pending: StagedMigration
     started: float
     scatter: Future[None]
 
@@ -188,7 +201,7 @@ class DeferredCommit:
 class StagedCommits:
     """Commits waiting for their scatter, in arrival order (the same on every rank)."""
 
-    def __init__(self, ctx: RankContext):
+    def __init__(self, ctx: RankGather):
         self.ctx = ctx
         self.waiting: list[DeferredCommit] = []  # read-only outside this class
 

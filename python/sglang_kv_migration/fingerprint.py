@@ -1,0 +1,131 @@
+"""The layout fingerprint: everything two ranks must agree on before one writes into the
+other's KV pools, compared before anything else crosses between servers.
+
+Plain data, importable without torch or SGLang (the client compares fingerprints of two
+servers before it asks either to move anything). The server builds its own from
+`KVCacheShape`, which `sglang_adapter.kv_cache_shape` reads off the live pools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_kv_migration import PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    """What the fingerprint takes from one rank's KV pools (host pool and its device pool)."""
+
+    attention: str  # "mha" or "mla"
+    kv_dtype: str  # the logical dtype, e.g. "bfloat16"
+    start_layer: int
+    end_layer: int
+    kv_heads: int  # KV heads on this rank; 1 for MLA
+    head_dim: int  # MHA; 0 for MLA
+    kv_lora_rank: int  # MLA; 0 for MHA
+    qk_rope_head_dim: int  # MLA; 0 for MHA
+    page_size: int
+    host_layout: str
+
+
+@dataclass(frozen=True)
+class LayoutFingerprint:
+    """Everything two ranks must agree on before one writes into the other's host pool."""
+
+    protocol_version: int
+    model: str
+    kv_dtype: str
+    attention: str  # "mha" or "mla"
+    start_layer: int
+    end_layer: int
+    kv_heads: int  # KV heads on this rank; 1 for MLA
+    head_dim: int  # MHA; 0 for MLA
+    kv_lora_rank: int  # MLA; 0 for MHA
+    qk_rope_head_dim: int  # MLA; 0 for MHA
+    page_size: int
+    host_layout: str
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    # SGLang's attention context parallelism (--attn-cp-size): > 1 spreads a sequence's
+    # KV pages over CP ranks. Left out of `to_dict` at 1, so older peers (which lack
+    # the field and refuse unknown keys) read the same fingerprint; missing means 1.
+    attn_cp_size: int = 1
+    # SGLang's weight version, as the server's HTTP layer knows it when the request
+    # arrives (RL weight updates change it): KV never crosses a weight update.
+    weight_version: str = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            ok = _is_int(value) if f.type == "int" else isinstance(value, str)
+            if not ok:
+                raise ValueError(f"fingerprint field {f.name} must be {f.type}, got {value!r}")
+
+    @classmethod
+    def from_shape(
+        cls,
+        shape: KVCacheShape,
+        *,
+        model: str,
+        tp_size: int,
+        tp_rank: int,
+        pp_size: int,
+        pp_rank: int,
+        attn_cp_size: int = 1,
+    ) -> LayoutFingerprint:
+        """This rank's fingerprint (`sglang_adapter.kv_cache_shape` reads ``shape``)."""
+        return cls(
+            protocol_version=PROTOCOL_VERSION,
+            model=model,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            pp_size=pp_size,
+            pp_rank=pp_rank,
+            attn_cp_size=attn_cp_size,
+            **dataclasses.asdict(shape),
+        )
+
+    def to_dict(self) -> dict[str, int | str]:
+        d = dataclasses.asdict(self)
+        if d["attn_cp_size"] == 1:
+            del d["attn_cp_size"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LayoutFingerprint:
+        expected = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(expected))
+        optional = ("weight_version", "attn_cp_size")
+        missing = [k for k in expected if k not in d and k not in optional]
+        if unknown or missing:
+            raise ValueError(
+                f"bad layout fingerprint: unknown keys {unknown}, missing keys {missing}"
+            )
+        return cls(**d)
+
+    def first_mismatch(
+        self,
+        other: LayoutFingerprint,
+        *,
+        self_name: str = "source",
+        other_name: str = "target",
+    ) -> str | None:
+        """``"field: source=.. target=.."`` for the first differing field, else None.
+
+        Fields are compared in declaration order, so a protocol change is reported first.
+        """
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                return f"{f.name}: {self_name}={mine} {other_name}={theirs}"
+        return None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

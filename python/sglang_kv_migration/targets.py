@@ -1,0 +1,110 @@
+"""Each data path's destination on one target rank, as typed data and as its wire dict.
+
+`HostTarget` is the host path's (transfer session and host-pool buffers; protocol 1 puts
+its fields at top level of session-info ranks and transfer targets, which is why those
+`io_types` classes derive from it), `DeviceTarget` the device path's (`device_kv` in a
+transfer target, `paths["device"]` in session info). The JSON field names are the wire
+format and do not change. Plain data, importable without SGLang or torch (clients too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True)
+class HostTarget:
+    """The host path's destination on one target rank: its transfer session and host-pool
+    buffers (`HostPath.advertise`). The field names are the wire format: session info
+    ranks and transfer bodies' target entries carry them at top level (protocol 1)."""
+
+    session_id: str = ""  # "<ip>:<rpc_port>" of the rank's transfer engine
+    host_kv_data_ptrs: list[int] = field(default_factory=list)
+    host_kv_data_lens: list[int] = field(default_factory=list)
+    host_kv_item_lens: list[int] = field(default_factory=list)
+
+    def host_target(self) -> HostTarget:
+        """Just the host path's fields (of a session-info rank or a transfer target)."""
+        return HostTarget(
+            session_id=self.session_id,
+            host_kv_data_ptrs=self.host_kv_data_ptrs,
+            host_kv_data_lens=self.host_kv_data_lens,
+            host_kv_item_lens=self.host_kv_item_lens,
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "host_kv_data_ptrs": self.host_kv_data_ptrs,
+            "host_kv_data_lens": self.host_kv_data_lens,
+            "host_kv_item_lens": self.host_kv_item_lens,
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> HostTarget:
+        """The host fields of a wire dict (missing ones empty, as protocol 1 allows)."""
+        return cls(
+            session_id=d.get("session_id", ""),
+            host_kv_data_ptrs=d.get("host_kv_data_ptrs", []),
+            host_kv_data_lens=d.get("host_kv_data_lens", []),
+            host_kv_item_lens=d.get("host_kv_item_lens", []),
+        )
+
+    def buffer_count_problem(self) -> str | None:
+        """Why the three buffer lists do not describe one set of buffers (None: they do)."""
+        counts = {
+            len(self.host_kv_data_ptrs),
+            len(self.host_kv_data_lens),
+            len(self.host_kv_item_lens),
+        }
+        if len(counts) != 1:
+            return (
+                "host_kv_data_ptrs, host_kv_data_lens and host_kv_item_lens must have the "
+                "same length"
+            )
+        return None
+
+
+@dataclass
+class DeviceTarget:
+    """The device path's destination on one target rank (`DevicePath.advertise`), which a
+    transfer body's target entry carries as `device_kv`: the rank's host and GPU, its
+    instance, and its KV buffers exported through CUDA IPC (`cuda_ipc.py`)."""
+
+    host_identity: str
+    gpu_uuid: str
+    instance_id: str  # a restarted server is a new peer
+    row_bytes: list[int]  # per buffer: bytes of one token row
+    num_rows: list[int]  # per buffer: token rows
+    buffers: list[dict[str, Any]]  # cuda_ipc.export_tensor() per buffer
+    # Tiers this rank copies from as a source (None: an older server, device pages only).
+    tiers: list[str] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "host_identity": self.host_identity,
+            "gpu_uuid": self.gpu_uuid,
+            "instance_id": self.instance_id,
+            "row_bytes": self.row_bytes,
+            "num_rows": self.num_rows,
+            "buffers": self.buffers,
+        }
+        if self.tiers is not None:
+            d["tiers"] = self.tiers
+        return d
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> DeviceTarget:
+        """Parse a `device_kv` dict; raises KeyError, TypeError or ValueError for one
+        that is not a device target."""
+        return cls(
+            host_identity=str(d["host_identity"]),
+            gpu_uuid=str(d["gpu_uuid"]),
+            instance_id=str(d["instance_id"]),
+            row_bytes=[int(x) for x in d["row_bytes"]],
+            num_rows=[int(x) for x in d["num_rows"]],
+            buffers=list(d["buffers"]),
+            tiers=d.get("tiers"),  # read by clients only
+        )
