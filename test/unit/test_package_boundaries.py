@@ -1,0 +1,213 @@
+"""The package's boundaries, read from its source with `ast` (see the package README):
+
+- no import cycle between modules, function-level imports included;
+- `paths/` imports nothing from `server/`, `client/` or `rollout/`;
+- `client/` and `rollout/` import nothing from `server/` or `paths/`;
+- `mooncake` is imported only under `paths/host/`;
+- SGLang is reached only through `sglang_adapter.py`: no run-time SGLang import elsewhere
+  except the extension points a plugin is meant to use, and no private (`._name`)
+  attribute of anything but our own objects.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "python" / "sglang_kv_migration"
+NAME = "sglang_kv_migration"
+ADAPTER = f"{NAME}.sglang_adapter"
+# Documented extension points, used as SGLang's plugin docs show: the hook registry, the
+# ServerArgs class our flags subclass, the request base class our wire types derive
+# from (SGLang's communicators route by it), and the route auth decorator.
+SGLANG_EXTENSION_POINTS = {
+    f"{NAME}.server.plugin": {"sglang.srt.plugins.hook_registry"},
+    f"{NAME}.server.server_args": {"sglang.srt"},
+    f"{NAME}.io_types": {"sglang.srt.managers.io_struct"},
+    f"{NAME}.server.http_api": {"sglang.srt.utils.auth"},
+}
+# torch's own CUDA IPC calls (storage export/import), not SGLang's: the device path's
+# one place that shares KV buffers between processes the way torch.multiprocessing does.
+TORCH_PRIVATE = {
+    f"{NAME}.paths.device.cuda_ipc": {"_share_cuda_", "_lazy_init", "_new_shared_cuda"}
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES: dict[str, ast.Module] = {
+    _module_name(p): ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.rglob("*.py"))
+}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.Module, *, runtime_only: bool = False) -> Iterator[tuple[str, int]]:
+    """(imported module or `module.name`, line) for every import anywhere in `tree`."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and runtime_only and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                yield f"{node.module}.{alias.name}", node.lineno
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _package_target(dotted: str) -> str | None:
+    """The module of ours an import names (`pkg.mod.Name` -> `pkg.mod`), else None."""
+    if not (dotted == NAME or dotted.startswith(NAME + ".")):
+        return None
+    while dotted not in MODULES:
+        dotted = dotted.rpartition(".")[0]
+    return dotted
+
+
+def _edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, tree in MODULES.items():
+        for dotted, _line in _imports(tree):
+            target = _package_target(dotted)
+            if target is not None and target != module:
+                edges[module].add(target)
+    return edges
+
+
+def _in(module: str, *parts: str) -> bool:
+    return any(module == f"{NAME}.{p}" or module.startswith(f"{NAME}.{p}.") for p in parts)
+
+
+def test_the_modules_were_found() -> None:
+    assert f"{NAME}.server.plugin" in MODULES and f"{NAME}.paths.host.mooncake" in MODULES
+    assert len(MODULES) > 30
+
+
+def test_no_import_cycle() -> None:
+    edges = _edges()
+    done: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycles.append(path[path.index(module) :] + [module])
+            return
+        if module in done:
+            return
+        for target in sorted(edges[module]):
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(edges):
+        visit(module, [])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize(
+    ("part", "forbidden"),
+    [
+        ("paths", ("server", "client", "rollout")),
+        ("client", ("server", "paths")),
+        ("rollout", ("server", "paths")),
+    ],
+)
+def test_parts_import_only_what_they_may(part: str, forbidden: tuple[str, ...]) -> None:
+    bad = [
+        f"{module} -> {target}"
+        for module, targets in _edges().items()
+        if _in(module, part)
+        for target in sorted(targets)
+        if _in(target, *forbidden)
+    ]
+    assert not bad, bad
+
+
+def test_mooncake_is_imported_only_by_the_host_path() -> None:
+    bad = [
+        f"{module}:{line}"
+        for module, tree in MODULES.items()
+        for dotted, line in _imports(tree)
+        if dotted.split(".")[0] == "mooncake" and not _in(module, "paths.host")
+    ]
+    assert not bad, bad
+
+
+def test_sglang_is_imported_at_run_time_only_by_the_adapter() -> None:
+    bad = []
+    for module, tree in MODULES.items():
+        if module == ADAPTER:
+            continue
+        allowed = SGLANG_EXTENSION_POINTS.get(module, set())
+        for dotted, line in _imports(tree, runtime_only=True):
+            if dotted.split(".")[0] != "sglang":
+                continue
+            if not any(dotted == a or dotted.startswith(a + ".") for a in allowed):
+                bad.append(f"{module}:{line} imports {dotted}")
+    assert not bad, bad
+
+
+def _our_private_names() -> set[str]:
+    """Every `_name` our package defines: functions, classes, fields, attributes set."""
+    names: set[str] = set()
+    for module, tree in MODULES.items():
+        for node in ast.walk(tree):
+            if module == ADAPTER and isinstance(node, ast.Attribute):
+                continue  # `scheduler._request_dispatcher += ...` writes SGLang's attribute
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+            elif isinstance(node, ast.alias):
+                names.add(node.asname or node.name.rpartition(".")[2])
+    return {n for n in names if n.startswith("_")}
+
+
+def test_private_sglang_attributes_are_read_only_by_the_adapter() -> None:
+    ours = _our_private_names()
+    bad = [
+        f"{module}:{node.lineno} .{node.attr}"
+        for module, tree in MODULES.items()
+        if module != ADAPTER
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not (node.attr.startswith("__") and node.attr.endswith("__"))
+        and node.attr not in ours
+        and node.attr not in TORCH_PRIVATE.get(module, set())
+    ]
+    assert not bad, bad
+
+
+def test_the_adapter_is_where_the_private_reads_are() -> None:
+    """The check above can fail: the adapter itself reads SGLang's private names."""
+    ours = _our_private_names()
+    adapter_private = {
+        node.attr
+        for node in ast.walk(MODULES[ADAPTER])
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and node.attr not in ours
+    }
+    assert {"_request_dispatcher", "_result_dispatcher", "_hooks"} <= adapter_private
