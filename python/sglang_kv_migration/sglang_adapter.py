@@ -89,6 +89,18 @@ def match_held_prefix(
     return HeldPrefix(length=length, last_node=last_node, device_length=device_length)
 
 
+DEVICE_TIER = "device"  # the node's KV is in the device pool
+HOST_TIER = "host"  # evicted from the device: only in the host pool
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive tokens of a prefix held in one tier: their slots in that tier's pool."""
+
+    tier: str
+    slots: torch.Tensor  # int64 token slots, one per token, prefix order
+
+
 @dataclass
 class DevicePrefix:
     """The page-aligned prefix of a key held on device, with its device slots."""
@@ -122,7 +134,7 @@ class TieredPrefix:
     tier each node's KV is read from (device when it is on device, else host)."""
 
     length: int
-    segments: list[Any]  # tiers.Segment, prefix order, covering [0, length)
+    segments: list[Segment]  # prefix order, covering [0, length)
     last_device_node: TreeNode  # deepest node still on device (the root when none)
     host_nodes: list[TreeNode]  # nodes read from the host pool (evicted from device)
 
@@ -135,8 +147,6 @@ def match_tiered_prefix(
     HiCache keeps evicted nodes below device nodes only, so the device segments come
     first; the plan does not rely on it.
     """
-    from sglang_kv_migration.paths.device.tiers import DEVICE_TIER, HOST_TIER, Segment
-
     held = match_held_prefix(cache, input_ids, extra_key)
     segments: list[Any] = []
     host_nodes: list[TreeNode] = []

@@ -326,7 +326,7 @@ def migrate_cli(source: str, target: str, input_ids: list[int]) -> dict:
     exe = shutil.which("sglang-kv-migrate")
     args = ["--source", source, "--target", target, "--input-ids-file", str(ids_file), "--json"]
     # `pip install --target` writes no console-script wrapper: run the module then.
-    cmd = [exe, *args] if exe else [sys.executable, "-m", "sglang_kv_migration.client.cli", *args]
+    cmd = [exe, *args] if exe else [sys.executable, "-m", "sglang_kv_migration.cli", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     print("$", " ".join(cmd[:4]), "...", "->", proc.returncode, proc.stdout.strip()[:2000])
     if proc.returncode != 0:

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from generate_standin import StandinConfig, next_token, standin_factory
 from mini_server import ServerHandle, ServerSpec, start_servers
-from sglang_kv_migration.client import cli
+from sglang_kv_migration import cli
 from sglang_kv_migration.client.migration import MigrationClient
 from sglang_kv_migration.rollout.cost_model import CostModel, MigrationCosts, PrefillCosts
 from sglang_kv_migration.rollout.rebalancer import RebalancePolicy, Rebalancer

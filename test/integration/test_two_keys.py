@@ -20,7 +20,7 @@ import pytest
 from generate_standin import StandinConfig, next_token, standin_factory
 from mini_server import ServerHandle, ServerSpec, start_servers
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
-from sglang_kv_migration.client import cli
+from sglang_kv_migration import cli
 from sglang_kv_migration.client.migration import (
     ADMIN_ROUTES,
     ApiKeys,

@@ -9,7 +9,8 @@ import argparse
 import dataclasses
 
 import pytest
-from sglang_kv_migration.client import cli
+from sglang_kv_migration import cli
+from sglang_kv_migration.client import cli as migrate_cli
 from sglang_kv_migration.rollout import rebalance_cli
 from sglang_kv_migration.rollout.rebalancer import ServerLoad
 from sglang_kv_migration.rollout.request_migration import MoveReport, RequestOutput, Segment
@@ -19,7 +20,7 @@ def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
 
 
-@pytest.mark.parametrize("parser", [cli._parser(), rebalance_cli._parser()])
+@pytest.mark.parametrize("parser", [migrate_cli._parser(), rebalance_cli._parser()])
 def test_every_option_has_help_and_shows_its_default(parser: argparse.ArgumentParser) -> None:
     text = parser.format_help()
     for action in options(parser):

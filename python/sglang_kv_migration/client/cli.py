@@ -8,8 +8,8 @@
 ("-" for stdin). Exit status: 0 migrated (or nothing to move), 1 migration failed,
 2 bad arguments.
 
-`sglang-kv-migrate rebalance --server URL --server URL ...` watches servers or runs a
-batch of requests with rebalancing (`rebalance_cli.py`; same exit statuses).
+`sglang-kv-migrate rebalance ...` is `rollout/rebalance_cli.py`, dispatched by the console
+script (`sglang_kv_migration/cli.py`), so the client never imports rollout/.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from sglang_kv_migration.client.migration import (
     MigrationClient,
     MigrationFailed,
 )
-from sglang_kv_migration.rollout import rebalance_cli
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help line; the epilog printed as written."""
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["rebalance"]:
-        return rebalance_cli.main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -114,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Move the KV cache of a token prefix from one SGLang server to another "
         "(the `rebalance` subcommand moves whole requests off pressured servers).",
         epilog=EPILOG,
-        formatter_class=rebalance_cli.HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--source", required=True, help="URL of the server holding the KV")
     parser.add_argument("--target", required=True, help="URL of the server to move it to")

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sglang_kv_migration.client.cli import HelpFormatter
 from sglang_kv_migration.client.migration import DEFAULT_TIMEOUT_S, AsyncMigrationClient
 from sglang_kv_migration.rollout.rebalancer import RebalancePolicy, Rebalancer
 from sglang_kv_migration.rollout.request_migration import (
@@ -117,10 +118,6 @@ def _result_line(handle: RequestHandle) -> dict[str, Any]:
     except Exception as e:  # the request failed: reported in its line
         return {"success": False, "rid": handle.request.rid, "error": f"{type(e).__name__}: {e}"}
     return {"success": True, **out.to_dict()}
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Every option's default in its help line; the epilog printed as written."""
 
 
 EPILOG = """\

@@ -32,11 +32,13 @@ from sglang_kv_migration.paths.device.page_copy import (
     strided_pages,
 )
 
+# Where SGLang keeps a node's KV (its GPU pool or only its host pool): the adapter reads
+# the tree and says so in these terms; the plan below works on them.
+from sglang_kv_migration.sglang_adapter import DEVICE_TIER, HOST_TIER, Segment
+
 if TYPE_CHECKING:
     import torch
 
-DEVICE_TIER = "device"
-HOST_TIER = "host"
 TIERS: tuple[str, ...] = (DEVICE_TIER, HOST_TIER)
 
 # Host layouts whose layer pages are (page-strided) blocks of rows. `page_head` puts
@@ -46,14 +48,6 @@ _PLANES = {"mha": 2, "mla": 1}
 
 
 # --------------------------------------------------------------------------- planning
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Consecutive tokens of the prefix held in one tier: their slots in that tier."""
-
-    tier: str
-    slots: torch.Tensor  # int64 token slots, one per token, prefix order
 
 
 @dataclass(frozen=True)

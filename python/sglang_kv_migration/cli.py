@@ -1,0 +1,28 @@
+"""`sglang-kv-migrate`, the console script: one command, two jobs.
+
+    sglang-kv-migrate --source URL --target URL --input-ids ...   move one prefix
+    sglang-kv-migrate rebalance --server URL --server URL ...     move whole requests
+
+The first is `client/cli.py`, the second `rollout/rebalance_cli.py` (same exit
+statuses). The dispatch lives here, above both, so that `client/` never imports
+`rollout/` (which is built on it).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from sglang_kv_migration.client import cli as migrate_cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["rebalance"]:
+        from sglang_kv_migration.rollout import rebalance_cli
+
+        return rebalance_cli.main(argv[1:])
+    return migrate_cli.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
