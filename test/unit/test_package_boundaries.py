@@ -3,6 +3,8 @@
 - no import cycle between modules, function-level imports included;
 - `paths/` imports nothing from `server/`, `client/` or `rollout/`;
 - `client/` and `rollout/` import nothing from `server/` or `paths/`;
+- the shared modules (errors, io_types, grants, page_ranges, fingerprint, targets) and
+  `sglang_adapter.py` import none of the four parts;
 - `mooncake` is imported only under `paths/host/`;
 - SGLang is reached only through `sglang_adapter.py`: no run-time SGLang import elsewhere
   except the extension points a plugin is meant to use, and no private (`._name`)
@@ -126,6 +128,14 @@ def test_no_import_cycle() -> None:
         ("paths", ("server", "client", "rollout")),
         ("client", ("server", "paths")),
         ("rollout", ("server", "paths")),
+        # The shared modules (and the adapter) stand under every part.
+        ("errors", ("server", "paths", "client", "rollout")),
+        ("io_types", ("server", "paths", "client", "rollout")),
+        ("grants", ("server", "paths", "client", "rollout")),
+        ("page_ranges", ("server", "paths", "client", "rollout")),
+        ("fingerprint", ("server", "paths", "client", "rollout")),
+        ("targets", ("server", "paths", "client", "rollout")),
+        ("sglang_adapter", ("server", "paths", "client", "rollout")),
     ],
 )
 def test_parts_import_only_what_they_may(part: str, forbidden: tuple[str, ...]) -> None:
