@@ -51,14 +51,8 @@ from sglang_kv_migration.page_ranges import to_page_ranges
 from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
 from sglang_kv_migration.paths.host.layout import HostPoolLayout, LayoutFingerprint
 from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig, open_transport
-from sglang_kv_migration.paths.host.target_staging import (
-    DeferredCommit,
-    StagedCommits,
-    TargetStaging,
-    done_future,
-    receipt_plan,
-    staged_refusal,
-)
+from sglang_kv_migration.paths.host.target_staging import TargetStaging
+from sglang_kv_migration.server.commits import Commits, in_progress_output
 from sglang_kv_migration.server.metrics import LoopTimer, MigrationMetrics, NullMetrics
 from sglang_kv_migration.server.pending import PendingMigrations
 from sglang_kv_migration.server.pp_stages import refusal_of, refused_output
@@ -136,7 +130,15 @@ class MigrationSchedulerSide:
         )
         self._destinations: dict[str, str] = {}  # path name -> destination digest
         self.staging = self._open_staging(staging_bytes)
-        self.staged_commits = StagedCommits(ctx)
+        self.commits = Commits(
+            ctx,
+            self.pending,
+            self.signer,
+            self.metrics,
+            self.staging,
+            self.bytes_per_token,
+            self._reply_later,
+        )
         self._iteration = 0
         # Offer the GIL to our helper threads once per busy iteration (see `poll`);
         # benchmarks turn it off to show what it is for.
@@ -190,13 +192,12 @@ class MigrationSchedulerSide:
             timer.idle_iteration()
             return []
         timer.begin_poll()
-        active = bool(len(self.transfers) or len(self.staged_commits))
+        active = bool(len(self.transfers) or len(self.commits))
         self.transfers.poll()
         timer.lap("poll.transfers")
-        for commit, error in self.staged_commits.poll():
-            self._answer_staged_commit(commit, error)
+        self.commits.poll()
         timer.lap("poll.staged_commits")
-        active = active or bool(len(self.transfers) or len(self.staged_commits))
+        active = active or bool(len(self.transfers) or len(self.commits))
         messages: list[Any] = []
         busy = len(self.pending) or self.pending.quarantined()
         # Later stages free what stage 0's watchdog freed (`stage_sync`), at the same
@@ -228,10 +229,7 @@ class MigrationSchedulerSide:
         loop iteration: a few attribute reads."""
         pending = self.pending
         return bool(
-            self.transfers.inflight
-            or self.staged_commits.waiting
-            or pending.by_id
-            or pending.quarantine
+            self.transfers.inflight or self.commits.waiting or pending.by_id or pending.quarantine
         )
 
     def prepare_for_cache_flush(self) -> None:
@@ -244,15 +242,7 @@ class MigrationSchedulerSide:
         failed: their pages are about to be reused, so their receipts say failure.
         """
         self.transfers.fail_all("the source's cache was flushed during the transfer")
-        for commit in self.staged_commits.drain():  # their scatters finished writing
-            self._reply_later(
-                commit.request,
-                CommitTransferRequestKVCacheReqOutput(
-                    success=False,
-                    message="the target's cache was flushed during the commit",
-                    error_kind=ErrorKind.GONE.value,
-                ),
-            )
+        self.commits.fail_waiting("the target's cache was flushed during the commit")
         dropped = self.pending.prepare_for_reset()
         if dropped and self.ctx.tp_rank == 0:
             logger.warning("Cache flush drops pending KV migrations: %s", ", ".join(dropped))
@@ -261,7 +251,7 @@ class MigrationSchedulerSide:
         self.pending.after_reset()
 
     def close(self) -> None:
-        self.staged_commits.drain()  # no scatter may run into pools being released
+        self.commits.close()  # no scatter may run into pools being released
         self.pending.abort_all()
         self.transfers.close()
         for path in self.paths.values():
@@ -434,114 +424,17 @@ class MigrationSchedulerSide:
     def commit_transfer_request_kvcache(
         self, req: CommitTransferRequestKVCacheReqInput
     ) -> CommitTransferRequestKVCacheReqOutput | None:
-        """Insert the written pages; with a staged write on any rank, reply later (from
-        `poll()`), once every rank copied its staging extent into its slots."""
-        if req.stage_refusal is not None:  # an earlier PP stage did not insert: nor do we
-            if req.stage_refusal.error_kind == ErrorKind.GONE.value:
-                # It dropped the allocation (weights changed since allocate): so do we.
-                self.pending.expire([req.migration_id])
-            return refused_output(CommitTransferRequestKVCacheReqOutput, req.stage_refusal)
-        if self.staged_commits.in_progress(req.migration_id):
-            return _in_progress(req.migration_id, "commit")
-        pending = self.pending.get(req.migration_id)  # None for a repeated commit
-        started = time.monotonic()
-        # Every rank needs the source's success receipt for its slots; agree first, so no
-        # rank inserts while another refuses.
-        refusal, plan = None, ""
-        if self.pending.committable(req.migration_id, req.weight_version):
-            refusal = self._receipt_refusal(req.receipts, pending)
-            if refusal is None and self.ctx.first_stage:
-                refusal = self._later_stage_receipts_refusal(req.receipts, req.migration_id)
-            plan = receipt_plan(self.signer, req.receipts, self.ctx.tp_rank, self.ctx.pp_rank)
-            refusal = refusal or staged_refusal(plan, pending)
-        agreed = self.ctx.all_gather((refusal, plan == "staged"))
-        refusals = [r for r, _ in agreed if r is not None]
-        if refusals:
-            self.metrics.outcome("target", "commit_failed")
-            output = CommitTransferRequestKVCacheReqOutput(
-                success=False, message=refusals[0], error_kind=ErrorKind.FORBIDDEN.value
-            )
-            req.stage_refusal = refusal_of(output)
-            return output
-        if any(staged for _, staged in agreed):
-            assert pending is not None  # committable
-            scatter = (
-                self.staging.scatter(pending.staging, pending.slots)
-                if plan == "staged"
-                else done_future()
-            )
-            self.staged_commits.add(DeferredCommit(req, pending, started, scatter))
-            return None
-        return self._commit(req, pending, started)
-
-    def _commit(
-        self, req: CommitTransferRequestKVCacheReqInput, pending: Any, started: float
-    ) -> CommitTransferRequestKVCacheReqOutput:
-        """Insert on every rank (the receipts were agreed on) and build the reply."""
-
-        def run_local() -> CommitTransferRequestKVCacheReqOutput:
-            matched_after = self.pending.commit(req.migration_id, req.weight_version)
-            return CommitTransferRequestKVCacheReqOutput(
-                success=True, matched_after_commit=matched_after
-            )
-
-        # Opt-in verify: every rank hashes what landed in its slots (after a staged
-        # write's scatter); any mismatch fails the commit on every rank and the slots go
-        # back as for an abort.
-        mismatch = None
-        committable = self.pending.committable(req.migration_id, req.weight_version)
-        if committable and (pending.verify or req.verify):
-            mismatch = guarded_refusal(lambda: self._verify_refusal(req.receipts, pending))
-        mismatches = [m for m in self.ctx.all_gather(mismatch) if m is not None]
-        if mismatches:
-            self.pending.abort(req.migration_id, settled=True)
-            self.metrics.outcome("target", "verify_failed")
-            if self.ctx.tp_rank == 0:
-                logger.warning("KV migration %s not committed: %s", req.migration_id, mismatches[0])
-            output = CommitTransferRequestKVCacheReqOutput(
-                success=False,
-                message=f"{mismatches[0]}; nothing was inserted, the slots were freed",
-                error_kind=ErrorKind.CONFLICT.value,
-            )
-            req.stage_refusal = refusal_of(output)
-            return output
-        local = guarded(run_local, CommitTransferRequestKVCacheReqOutput)
-        outputs = self.ctx.all_gather(local)
-        failed = [o for o in outputs if not o.success]
-        if failed:
-            self.metrics.outcome("target", "commit_failed")
-            req.stage_refusal = refusal_of(failed[0])
-            return failed[0]
-        matched_after = min(o.matched_after_commit for o in outputs)
-        if pending is not None:
-            nbytes = pending.extra_length * self.bytes_per_token
-            now = time.monotonic()
-            self.metrics.outcome("target", "committed")
-            self.metrics.moved("target", pending.extra_length, nbytes)
-            self.metrics.phase("commit", now - started)
-            self.metrics.phase("pending", now - pending.created_at)
-            if self.ctx.tp_rank == 0:
-                logger.info(
-                    "KV migration %s committed: %d tokens, %d bytes (%d ranks), %.1f ms after "
-                    "allocate; prefix now %d tokens",
-                    req.migration_id,
-                    pending.extra_length,
-                    nbytes * len(outputs),
-                    len(outputs),
-                    (now - pending.created_at) * 1e3,
-                    matched_after,
-                )
-        return CommitTransferRequestKVCacheReqOutput(
-            success=True, matched_after_commit=matched_after
-        )
+        """Target: insert the written pages (`commits.py`); None: a staged write, the
+        reply is sent later, from `poll()`."""
+        return self.commits.commit(req)
 
     def abort_transfer(self, req: AbortTransferReqInput) -> AbortTransferReqOutput:
         def run_local() -> AbortTransferReqOutput:
             self.pending.abort(req.migration_id, settled=settled)
             return AbortTransferReqOutput(success=True)
 
-        if self.staged_commits.in_progress(req.migration_id):
-            return _in_progress(req.migration_id, "abort")
+        if self.commits.in_progress(req.migration_id):
+            return in_progress_output(req.migration_id, "abort")
         pending = self.pending.get(req.migration_id)
         was_pending = pending is not None
         # Without the source's word that no write can still land, the slots stay
@@ -549,7 +442,7 @@ class MigrationSchedulerSide:
         settled = all(
             self.ctx.all_gather(
                 bool(req.receipts)
-                and self._receipt_refusal(
+                and self.commits.receipt_refusal(
                     req.receipts, pending, need_success=False, migration_id=req.migration_id
                 )
                 is None
@@ -571,16 +464,6 @@ class MigrationSchedulerSide:
         return None
 
     # ------------------------------------------------------------------ helpers
-
-    def _answer_staged_commit(self, commit: DeferredCommit, error: str | None) -> None:
-        if error is not None:  # the migration stays pending: abort or the watchdog frees it
-            self.metrics.outcome("target", "commit_failed")
-            output = CommitTransferRequestKVCacheReqOutput(
-                success=False, message=error, error_kind=ErrorKind.INTERNAL.value
-            )
-        else:
-            output = self._commit(commit.request, commit.pending, commit.started)
-        self._reply_later(commit.request, output)
 
     def _grant_staging(
         self, req: AllocateTokenForTransferReqInput, alloc: Any, path: DataPath
@@ -661,78 +544,6 @@ class MigrationSchedulerSide:
 
         return answer
 
-    def _receipt_refusal(
-        self,
-        receipts: list[str],
-        pending: Any,
-        need_success: bool = True,
-        migration_id: str | None = None,
-    ) -> str | None:
-        """Why `receipts` do not prove this rank's transfer (None when they do): a success
-        receipt for commit, a settled one (no write can still land) for abort."""
-        where = f"tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}"
-        mid = pending.migration_id if pending is not None else migration_id
-        for raw in receipts:
-            try:
-                receipt = self.signer.decode_receipt(raw)
-            except MigrationError as e:
-                return f"bad receipt: {e.message}"
-            if (receipt.tp, receipt.pp) != (self.ctx.tp_rank, self.ctx.pp_rank):
-                continue
-            if receipt.migration_id != mid:
-                return f"receipt for {where} is for migration {receipt.migration_id!r}"
-            if pending is not None and receipt.slots_digest != grants.slots_digest(pending.slots):
-                return f"receipt for {where} names other slots"
-            if pending is not None and receipt.source != pending.source:
-                return f"receipt for {where} is from another source than the grant's"
-            if need_success and not receipt.success:
-                return f"the source reported the transfer to {where} as failed"
-            if not need_success and not receipt.settled:
-                return f"the source's writes to {where} may still land"
-            return None
-        return f"no receipt from the source for {where} (pass the transfer reply's receipts)"
-
-    def _later_stage_receipts_refusal(self, receipts: list[str], migration_id: str) -> str | None:
-        """Stage 0 checks that later PP stages hold success receipts too (signature, id,
-        outcome; each stage checks its own slots), so a later stage cannot refuse a
-        commit stage 0 already inserted."""
-        proven = set()
-        for raw in receipts:
-            try:
-                receipt = self.signer.decode_receipt(raw)
-            except MigrationError as e:
-                return f"bad receipt: {e.message}"
-            if receipt.migration_id == migration_id and receipt.success:
-                proven.add((receipt.tp, receipt.pp))
-        for pp in range(1, self.ctx.pp_size):
-            for tp in range(self.ctx.tp_size):
-                if (tp, pp) not in proven:
-                    return (
-                        f"no success receipt from the source for tp={tp} pp={pp} "
-                        "(pass the transfer reply's receipts)"
-                    )
-        return None
-
-    def _verify_refusal(self, receipts: list[str], pending: Any) -> str | None:
-        """Why what landed in this rank's slots is not what the source sent (None when
-        it is). Runs after `_receipt_refusal` accepted the receipts."""
-        where = f"tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}"
-        for raw in receipts:
-            receipt = self.signer.decode_receipt(raw)
-            if (receipt.tp, receipt.pp) != (self.ctx.tp_rank, self.ctx.pp_rank):
-                continue
-            if not receipt.digest:
-                return (
-                    f"receipt hash missing for {where}: the transfer was not granted with "
-                    "verify (allocate with verify: true, or start the target with "
-                    "--kv-migration-verify)"
-                )
-            landed = pending.path.content_digest(pending.slots)
-            if landed != receipt.digest:
-                return f"receipt hash does not match the bytes that landed in {where}"
-            return None
-        return f"no receipt for {where}"
-
     def fingerprint_for(self, req: Any) -> LayoutFingerprint:
         """This rank's fingerprint with the weight version the request was stamped with."""
         return dataclasses.replace(self.fingerprint, weight_version=req.weight_version)
@@ -801,33 +612,10 @@ class MigrationSchedulerSide:
             local_due = [mid for mid in local_due if self.pending.get(mid) is None]
         due = sorted({mid for ids in self.ctx.all_gather(local_due) for mid in ids})
         # A commit whose scatter runs owns its slots until it answers (a local copy).
-        due = [mid for mid in due if not self.staged_commits.in_progress(mid)]
+        due = [mid for mid in due if not self.commits.in_progress(mid)]
         for _ in self.pending.expire(due):
             self.metrics.outcome("target", "expired")
         return due
-
-
-def _in_progress(
-    migration_id: str, action: str
-) -> CommitTransferRequestKVCacheReqOutput | AbortTransferReqOutput:
-    output_type = (
-        CommitTransferRequestKVCacheReqOutput if action == "commit" else AbortTransferReqOutput
-    )
-    return output_type(
-        success=False,
-        message=f"cannot {action} migration {migration_id!r}: its commit is in progress",
-        error_kind=ErrorKind.CONFLICT.value,
-    )
-
-
-def guarded_refusal(check: Callable[[], str | None]) -> str | None:
-    """`check()`, with an unexpected error turned into a refusal (handlers never raise;
-    the ranks' collectives must still be entered)."""
-    try:
-        return check()
-    except Exception as e:
-        logger.exception("KV migration verify failed")
-        return f"verify failed: {e!r}"
 
 
 def advertised_hostname(configured: str | None, server_host: str) -> str:
