@@ -104,16 +104,15 @@ class Commits:
                 refusal = self._later_stage_receipts_refusal(req.receipts, req.migration_id)
             plan = receipt_plan(self.signer, req.receipts, self.ctx.tp_rank, self.ctx.pp_rank)
             refusal = refusal or staged_refusal(plan, pending)
-        agreed = self.ctx.all_gather((refusal, plan == STAGED))
-        refusals = [r for r, _ in agreed if r is not None]
-        if refusals:
+        first_refusal, staged_anywhere = self.ctx.first_error_and_any_flag(refusal, plan == STAGED)
+        if first_refusal is not None:
             self.metrics.outcome("target", "commit_failed")
             output = CommitTransferRequestKVCacheReqOutput(
-                success=False, message=refusals[0], error_kind=ErrorKind.FORBIDDEN.value
+                success=False, message=first_refusal, error_kind=ErrorKind.FORBIDDEN.value
             )
             req.stage_refusal = refusal_of(output)
             return output
-        if any(staged for _, staged in agreed):
+        if staged_anywhere:
             assert pending is not None  # committable
             if plan == STAGED:
                 assert self.staging is not None  # it granted the extent
@@ -245,26 +244,27 @@ class Commits:
         committable = self.pending.committable(req.migration_id, req.weight_version)
         if committable and (pending.verify or req.verify):
             mismatch = guarded_refusal(lambda: self._verify_refusal(req.receipts, pending))
-        mismatches = [m for m in self.ctx.all_gather(mismatch) if m is not None]
-        if mismatches:
+        first_mismatch = self.ctx.first_error_on_any_rank(mismatch)
+        if first_mismatch is not None:
             self.pending.abort(req.migration_id, settled=True)
             self.metrics.outcome("target", "verify_failed")
             if self.ctx.tp_rank == 0:
-                logger.warning("KV migration %s not committed: %s", req.migration_id, mismatches[0])
+                logger.warning(
+                    "KV migration %s not committed: %s", req.migration_id, first_mismatch
+                )
             output = CommitTransferRequestKVCacheReqOutput(
                 success=False,
-                message=f"{mismatches[0]}; nothing was inserted, the slots were freed",
+                message=f"{first_mismatch}; nothing was inserted, the slots were freed",
                 error_kind=ErrorKind.CONFLICT.value,
             )
             req.stage_refusal = refusal_of(output)
             return output
         local = guarded(run_local, CommitTransferRequestKVCacheReqOutput)
-        outputs = self.ctx.all_gather(local)
-        failed = [o for o in outputs if not o.success]
-        if failed:
+        outputs, failed = self.ctx.first_failure_on_any_rank(local)
+        if failed is not None:
             self.metrics.outcome("target", "commit_failed")
-            req.stage_refusal = refusal_of(failed[0])
-            return failed[0]
+            req.stage_refusal = refusal_of(failed)
+            return failed
         matched_after = min(o.matched_after_commit for o in outputs)
         if pending is not None:
             self._record_committed(req.migration_id, pending, started, len(outputs), matched_after)

@@ -114,7 +114,7 @@ class MigrationSchedulerSide:
         self.bytes_per_token = sum(self.layout.item_lens)  # on this rank
         # A restarted server gets a new epoch: clients drop their cached session info.
         # One for the whole server: every PP stage's reply carries it.
-        self.server_epoch = ctx.all_gather_world(uuid.uuid4().hex)[0]
+        self.server_epoch = ctx.first_rank_value_on_world(uuid.uuid4().hex)
         self.paths = self._open_paths(path_names, transport_config, transport, enable_memory_saver)
         self.transfers = SourceTransfers(
             ctx,
@@ -388,14 +388,12 @@ class MigrationSchedulerSide:
             return refused_output(AllocateTokenForTransferReqOutput, req.stage_refusal)
         started = time.monotonic()
         local = guarded(run_local, AllocateTokenForTransferReqOutput)
-        outputs = self.ctx.all_gather(local)
-        failed = [o for o in outputs if not o.success]
-        if failed:
+        outputs, first = self.ctx.first_failure_on_any_rank(local)
+        if first is not None:
             # All or nothing: ranks that did allocate give it back.
             if local.success:
                 self.pending.abort(req.migration_id)
             self.metrics.outcome("target", "allocate_failed")
-            first = failed[0]
             req.stage_refusal = refusal_of(first)  # later PP stages do not allocate
             return AllocateTokenForTransferReqOutput(
                 success=False,
@@ -439,20 +437,17 @@ class MigrationSchedulerSide:
         was_pending = pending is not None
         # Without the source's word that no write can still land, the slots stay
         # quarantined until the grant's write window closes. Agreed across ranks.
-        settled = all(
-            self.ctx.all_gather(
-                bool(req.receipts)
-                and self.commits.receipt_refusal(
-                    req.receipts, pending, need_success=False, migration_id=req.migration_id
-                )
-                is None
+        settled = self.ctx.all_ranks_agree(
+            bool(req.receipts)
+            and self.commits.receipt_refusal(
+                req.receipts, pending, need_success=False, migration_id=req.migration_id
             )
+            is None
         )
         local = guarded(run_local, AbortTransferReqOutput)
-        outputs = self.ctx.all_gather(local)
-        failed = [o for o in outputs if not o.success]
-        if failed:
-            return failed[0]
+        _, failed = self.ctx.first_failure_on_any_rank(local)
+        if failed is not None:
+            return failed
         if was_pending:
             self.metrics.outcome("target", "aborted")
         return local
@@ -582,8 +577,7 @@ class MigrationSchedulerSide:
             if reason is not None:
                 reasons[DEVICE] = reason
         # Offered only if every (tp, pp) rank can: the client treats a server as one peer.
-        all_reasons = self.ctx.all_gather_world(reasons)
-        skipped = {name: r for rank_reasons in all_reasons for name, r in rank_reasons.items()}
+        skipped = self.ctx.merged_on_world(reasons)
         paths: dict[str, DataPath] = {}
         for name in names:
             if name in skipped:
@@ -610,7 +604,7 @@ class MigrationSchedulerSide:
         local_due = self.pending.due()
         if quarantine_only:
             local_due = [mid for mid in local_due if self.pending.get(mid) is None]
-        due = sorted({mid for ids in self.ctx.all_gather(local_due) for mid in ids})
+        due = self.ctx.union_on_all_ranks(local_due)
         # A commit whose scatter runs owns its slots until it answers (a local copy).
         due = [mid for mid in due if not self.commits.in_progress(mid)]
         for _ in self.pending.expire(due):

@@ -158,10 +158,10 @@ class SourceTransfers:
         # IMPORTANT: agree on validity before touching the tree. A rank that pinned and
         # queued write-backs while another did not would leave the ranks' write-through
         # state different, and SGLang's `writing_check` collectives would deadlock.
-        errors = [e for e in self.ctx.all_gather(local_error) if e is not None]
-        if errors:
-            inflight.error = errors[0]
-            req.stage_refusal = StageRefusal(errors[0].message, errors[0].kind.value)
+        error = self.ctx.first_error_on_any_rank(local_error)
+        if error is not None:
+            inflight.error = error
+            req.stage_refusal = StageRefusal(error.message, error.kind.value)
             return
         # Same outcome on every rank: their trees and pools are identical. (The device
         # path may still refuse on one rank only, e.g. an unopenable peer buffer; the
