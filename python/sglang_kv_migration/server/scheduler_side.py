@@ -26,6 +26,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sglang_kv_migration import PROTOCOL_VERSION, grants, sglang_adapter
@@ -564,18 +565,14 @@ class MigrationSchedulerSide:
         transport: KVTransport | None,
         enable_memory_saver: bool,
     ) -> dict[str, DataPath]:
-        """The data paths this rank serves, in preference order. A path that cannot run
-        here is left out (logged once, on the first rank); every rank leaves out the same
-        ones, since they agree through a gather."""
-        from sglang_kv_migration.paths.host.path import HostPath
-
+        """The data paths this rank serves, in preference order (`PATH_FACTORIES`). A
+        path that cannot run here is left out (logged once, on the first rank); every
+        rank leaves out the same ones, since they agree through a gather."""
         reasons: dict[str, str] = {}
-        if DEVICE in names:
-            from sglang_kv_migration.paths.device.path import device_path_unavailable_reason
-
-            reason = device_path_unavailable_reason(self.ctx.tree_cache, enable_memory_saver)
+        for name in names:
+            reason = PATH_FACTORIES[name].unavailable(self.ctx.tree_cache, enable_memory_saver)
             if reason is not None:
-                reasons[DEVICE] = reason
+                reasons[name] = reason
         # Offered only if every (tp, pp) rank can: the client treats a server as one peer.
         skipped = self.ctx.merged_on_world(reasons)
         paths: dict[str, DataPath] = {}
@@ -584,17 +581,7 @@ class MigrationSchedulerSide:
                 if self.ctx.tp_rank == 0:
                     logger.warning("KV migration %s path off: %s", name, skipped[name])
                 continue
-            if name == HOST:
-                paths[HOST] = HostPath(
-                    self.ctx.tree_cache,
-                    self.layout,
-                    transport or open_transport(transport_config),
-                    transfer_timeout_s=transport_config.transfer_timeout_s,
-                )
-            elif name == DEVICE:
-                from sglang_kv_migration.paths.device.path import DevicePath
-
-                paths[DEVICE] = DevicePath(self.ctx.tree_cache)
+            paths[name] = PATH_FACTORIES[name].open(self, transport_config, transport)
         return paths
 
     def _run_watchdog(self, quarantine_only: bool = False) -> list[str]:
@@ -610,6 +597,54 @@ class MigrationSchedulerSide:
         for _ in self.pending.expire(due):
             self.metrics.outcome("target", "expired")
         return due
+
+
+@dataclass(frozen=True)
+class PathFactory:
+    """How the scheduler side opens one data path on its rank."""
+
+    # Why the path cannot run on this rank (cache, enable_memory_saver), None when it can.
+    unavailable: Callable[[Any, bool], str | None]
+    # Open it (side, transport config, transport given by a test or None).
+    open: Callable[[MigrationSchedulerSide, TransportConfig, KVTransport | None], DataPath]
+
+
+def _always_available(_cache: Any, _enable_memory_saver: bool) -> str | None:
+    return None
+
+
+def _open_host_path(
+    side: MigrationSchedulerSide, config: TransportConfig, transport: KVTransport | None
+) -> DataPath:
+    from sglang_kv_migration.paths.host.path import HostPath
+
+    return HostPath(
+        side.ctx.tree_cache,
+        side.layout,
+        transport or open_transport(config),
+        transfer_timeout_s=config.transfer_timeout_s,
+    )
+
+
+def _device_path_unavailable(cache: Any, enable_memory_saver: bool) -> str | None:
+    from sglang_kv_migration.paths.device.path import device_path_unavailable_reason
+
+    return device_path_unavailable_reason(cache, enable_memory_saver)
+
+
+def _open_device_path(
+    side: MigrationSchedulerSide, _config: TransportConfig, _transport: KVTransport | None
+) -> DataPath:
+    from sglang_kv_migration.paths.device.path import DevicePath
+
+    return DevicePath(side.ctx.tree_cache)
+
+
+# The data paths by name (`--kv-migration-paths`); a new path adds one row.
+PATH_FACTORIES: dict[str, PathFactory] = {
+    HOST: PathFactory(_always_available, _open_host_path),
+    DEVICE: PathFactory(_device_path_unavailable, _open_device_path),
+}
 
 
 def advertised_hostname(configured: str | None, server_host: str) -> str:
