@@ -65,6 +65,12 @@ logger = logging.getLogger(__name__)
 # The watchdog's collective runs every this many loop iterations while anything is pending.
 WATCHDOG_EVERY_ITERATIONS = 64
 
+_UNSIGNED_WARNING = (
+    "KV migration grants are unsigned: set --kv-migration-grant-key (the same on every "
+    "server) or an admin/API key, or any peer that reaches the transfer network can forge "
+    "a grant"
+)
+
 
 class MigrationSchedulerSide:
     """The six operations on one rank, plus the watchdog and transfer completion."""
@@ -91,15 +97,7 @@ class MigrationSchedulerSide:
         cache = ctx.tree_cache
         self.host_pool = sglang_adapter.host_pool(cache)
         self.layout = HostPoolLayout.from_host_pool(self.host_pool)
-        self.fingerprint = LayoutFingerprint.from_host_pool(
-            self.host_pool,
-            model=ctx.model,
-            tp_size=ctx.tp_size,
-            tp_rank=ctx.tp_rank,
-            pp_size=ctx.pp_size,
-            pp_rank=ctx.pp_rank,
-            attn_cp_size=attn_cp_size,
-        )
+        self.fingerprint = self._rank_fingerprint(attn_cp_size)
         self.pending = PendingMigrations(cache, watchdog_timeout_s)
         # Grants must expire well before the watchdog frees the slots they name.
         self.grant_ttl_s = min(grant_ttl_s, watchdog_timeout_s / 2)
@@ -107,11 +105,7 @@ class MigrationSchedulerSide:
         self.verify_all = verify  # --kv-migration-verify: check every commit's digest
         self._transfer_timeout_s = transport_config.transfer_timeout_s
         if not self.signer.signed and ctx.tp_rank == 0:
-            logger.warning(
-                "KV migration grants are unsigned: set --kv-migration-grant-key (the same on "
-                "every server) or an admin/API key, or any peer that reaches the transfer "
-                "network can forge a grant"
-            )
+            logger.warning(_UNSIGNED_WARNING)
         self.bytes_per_token = sum(self.layout.item_lens)  # on this rank
         # A restarted server gets a new epoch: clients drop their cached session info.
         # One for the whole server: every PP stage's reply carries it.
@@ -315,80 +309,12 @@ class MigrationSchedulerSide:
     def allocate_token_for_transfer(
         self, req: AllocateTokenForTransferReqInput
     ) -> AllocateTokenForTransferReqOutput:
-        def run_local() -> AllocateTokenForTransferReqOutput:
-            check_peer_fingerprint(
-                self.fingerprint_for(req), req.source_fingerprints, role="source"
-            )
-            path = self._path(req.path)
-            alloc = self.pending.allocate(
-                req.migration_id,
-                req.input_ids,
-                req.extra_key,
-                req.extra_token_size,
-                path=path,
-                nothing_ok=req.nothing_ok,
-                weight_version=req.weight_version,
-                write_window_s=self.grant_ttl_s + path.late_write_margin_s,
-            )
-            if req.index_format == "pages":
-                rank = AllocatedRank(
-                    self.ctx.tp_rank, self.ctx.pp_rank, [], alloc.kv_pages(self.layout.page_size)
-                )
-            elif req.index_format == "ranges":  # [first_page, count] runs: page_ranges.py
-                rank = AllocatedRank(
-                    self.ctx.tp_rank,
-                    self.ctx.pp_rank,
-                    [],
-                    kv_page_ranges=to_page_ranges(alloc.slots, self.layout.page_size),
-                )
-            else:
-                rank = AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)
-            extent = self._grant_staging(req, alloc, path)
-            if extent is not None:
-                rank.staging = list(extent)
-            if alloc.extra_length:
-                verify = req.verify or self.verify_all
-                pending = self.pending.get(alloc.migration_id)
-                pending.verify, pending.source = verify, req.source_instance
-                expires_at = time.time() + self.grant_ttl_s
-                rank.grant = self.signer.encode(
-                    grants.Grant(
-                        migration_id=alloc.migration_id,
-                        tp=self.ctx.tp_rank,
-                        pp=self.ctx.pp_rank,
-                        path=path.name,
-                        slots_digest=grants.slots_digest(alloc.slots),
-                        num_tokens=alloc.extra_length,
-                        expires_at=expires_at,
-                        tokens_digest=grants.tokens_digest(
-                            req.input_ids[: alloc.matched_length + alloc.extra_length],
-                            req.extra_key,
-                        ),
-                        staging_addr=extent[0] if extent else 0,
-                        staging_length=extent[1] if extent else 0,
-                        # The source stops submitting bytes halfway through the late-write
-                        # margin; the other half bounds a batch already in flight.
-                        write_until=expires_at + path.late_write_margin_s / 2,
-                        verify=verify,
-                        destination=self._destination(path),
-                        source=req.source_instance,
-                    )
-                )
-            return AllocateTokenForTransferReqOutput(
-                success=True,
-                migration_id=alloc.migration_id if alloc.extra_length else "",
-                matched_token_size=alloc.matched_length,
-                extra_token_size=alloc.extra_length,
-                ranks=[rank],
-                path=path.name,
-                page_size=self.layout.page_size,
-                server_epoch=self.epoch_for(req),
-            )
-
+        """Target: reserve slots for the tokens it lacks on every rank, all or nothing;
+        each rank's part carries its slots and its signed write grant."""
         if req.stage_refusal is not None:  # an earlier PP stage refused: so do we
             return refused_output(AllocateTokenForTransferReqOutput, req.stage_refusal)
         started = time.monotonic()
-        local = guarded(run_local, AllocateTokenForTransferReqOutput)
+        local = guarded(lambda: self._allocate_on_rank(req), AllocateTokenForTransferReqOutput)
         outputs, first = self.ctx.first_failure_on_any_rank(local)
         if first is not None:
             # All or nothing: ranks that did allocate give it back.
@@ -413,6 +339,92 @@ class MigrationSchedulerSide:
             path=outputs[0].path,
             page_size=outputs[0].page_size,
             server_epoch=self.epoch_for(req),
+        )
+
+    def _allocate_on_rank(
+        self, req: AllocateTokenForTransferReqInput
+    ) -> AllocateTokenForTransferReqOutput:
+        """This rank's part of an allocate (raises; the caller turns errors into replies)."""
+        check_peer_fingerprint(self.fingerprint_for(req), req.source_fingerprints, role="source")
+        path = self._path(req.path)
+        alloc = self.pending.allocate(
+            req.migration_id,
+            req.input_ids,
+            req.extra_key,
+            req.extra_token_size,
+            path=path,
+            nothing_ok=req.nothing_ok,
+            weight_version=req.weight_version,
+            write_window_s=self.grant_ttl_s + path.late_write_margin_s,
+        )
+        rank = self._allocated_rank(req, alloc)
+        extent = self._grant_staging(req, alloc, path)
+        if extent is not None:
+            rank.staging = list(extent)
+        if alloc.extra_length:
+            rank.grant = self._sign_grant(req, alloc, path, extent)
+        return AllocateTokenForTransferReqOutput(
+            success=True,
+            migration_id=alloc.migration_id if alloc.extra_length else "",
+            matched_token_size=alloc.matched_length,
+            extra_token_size=alloc.extra_length,
+            ranks=[rank],
+            path=path.name,
+            page_size=self.layout.page_size,
+            server_epoch=self.epoch_for(req),
+        )
+
+    def _allocated_rank(self, req: AllocateTokenForTransferReqInput, alloc: Any) -> AllocatedRank:
+        """This rank's reserved slots, in the index format the request asks for."""
+        if req.index_format == "pages":
+            return AllocatedRank(
+                self.ctx.tp_rank, self.ctx.pp_rank, [], alloc.kv_pages(self.layout.page_size)
+            )
+        elif req.index_format == "ranges":  # [first_page, count] runs: page_ranges.py
+            return AllocatedRank(
+                self.ctx.tp_rank,
+                self.ctx.pp_rank,
+                [],
+                kv_page_ranges=to_page_ranges(alloc.slots, self.layout.page_size),
+            )
+        else:
+            return AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)
+
+    def _sign_grant(
+        self,
+        req: AllocateTokenForTransferReqInput,
+        alloc: Any,
+        path: DataPath,
+        extent: tuple[int, int] | None,
+    ) -> str:
+        """The signed write grant of this rank's slots (also marks the pending migration
+        with the verify choice and the source it was issued to)."""
+        verify = req.verify or self.verify_all
+        pending = self.pending.get(alloc.migration_id)
+        pending.verify, pending.source = verify, req.source_instance
+        expires_at = time.time() + self.grant_ttl_s
+        return self.signer.encode(
+            grants.Grant(
+                migration_id=alloc.migration_id,
+                tp=self.ctx.tp_rank,
+                pp=self.ctx.pp_rank,
+                path=path.name,
+                slots_digest=grants.slots_digest(alloc.slots),
+                num_tokens=alloc.extra_length,
+                expires_at=expires_at,
+                tokens_digest=grants.tokens_digest(
+                    req.input_ids[: alloc.matched_length + alloc.extra_length],
+                    req.extra_key,
+                ),
+                staging_addr=extent[0] if extent else 0,
+                staging_length=extent[1] if extent else 0,
+                # The source stops submitting bytes halfway through the late-write
+                # margin; the other half bounds a batch already in flight.
+                write_until=expires_at + path.late_write_margin_s / 2,
+                verify=verify,
+                destination=self._destination(path),
+                source=req.source_instance,
+            )
         )
 
     def transfer_request_kvcache(self, req: TransferRequestKVCacheReqInput) -> None:
@@ -539,6 +551,19 @@ class MigrationSchedulerSide:
             return None
 
         return answer
+
+    def _rank_fingerprint(self, attn_cp_size: int) -> LayoutFingerprint:
+        """This rank's layout fingerprint (its host pool, model and place in the server)."""
+        ctx = self.ctx
+        return LayoutFingerprint.from_host_pool(
+            self.host_pool,
+            model=ctx.model,
+            tp_size=ctx.tp_size,
+            tp_rank=ctx.tp_rank,
+            pp_size=ctx.pp_size,
+            pp_rank=ctx.pp_rank,
+            attn_cp_size=attn_cp_size,
+        )
 
     def fingerprint_for(self, req: Any) -> LayoutFingerprint:
         """This rank's fingerprint with the weight version the request was stamped with."""
