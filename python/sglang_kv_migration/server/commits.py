@@ -135,14 +135,15 @@ class Commits:
                 output = self._insert(commit.request, commit.pending, commit.started)
             self._reply_later(commit.request, output)
 
-    def fail_waiting(self, message: str) -> None:
-        """Wait for every scatter in flight, then answer its commit with a GONE failure
-        (before a cache flush: the pool the scatter wrote is about to be reset)."""
+    def fail_waiting(self, message: str, kind: ErrorKind = ErrorKind.GONE) -> None:
+        """Wait for every scatter in flight, then answer its commit with a failure (GONE
+        before a cache flush: the pool the scatter wrote is about to be reset; INTERNAL
+        after a failed poll). The migration stays pending: abort or the watchdog frees it."""
         for commit in self.staged.drain():
             self._reply_later(
                 commit.request,
                 CommitTransferRequestKVCacheReqOutput(
-                    success=False, message=message, error_kind=ErrorKind.GONE.value
+                    success=False, message=message, error_kind=kind.value
                 ),
             )
 

@@ -65,6 +65,9 @@ logger = logging.getLogger(__name__)
 # The watchdog's collective runs every this many loop iterations while anything is pending.
 WATCHDOG_EVERY_ITERATIONS = 64
 
+# How many distinct poll errors are remembered (each logged once with its traceback).
+MAX_DISTINCT_POLL_ERRORS = 64
+
 _UNSIGNED_WARNING = (
     "KV migration grants are unsigned: set --kv-migration-grant-key (the same on every "
     "server) or an admin/API key, or any peer that reaches the transfer network can forge "
@@ -135,6 +138,8 @@ class MigrationSchedulerSide:
             self._reply_later,
         )
         self._iteration = 0
+        self._poll_timed = False  # between `begin_poll` and `end_iteration`
+        self._poll_errors: set[str] = set()  # poll errors already logged with a traceback
         # Offer the GIL to our helper threads once per busy iteration (see `poll`);
         # benchmarks turn it off to show what it is for.
         self.yield_gil = True
@@ -177,7 +182,17 @@ class MigrationSchedulerSide:
     def poll(self) -> list[Any]:
         """Once per scheduler loop iteration: finish transfers and staged commits, run the
         watchdog; closes the iteration's `loop_timer` account. Returns messages for the
-        later PP stages (the watchdog's decisions, on stage 0)."""
+        later PP stages (the watchdog's decisions, on stage 0).
+
+        Never raises: an exception here would leave SGLang's scheduler loop and take the
+        server down. It fails what is in flight instead (`_poll_failed`)."""
+        try:
+            return self._poll_once()
+        except Exception as e:
+            self._poll_failed(e)
+            return []
+
+    def _poll_once(self) -> list[Any]:
         timer = self.loop_timer
         self._iteration += 1
         if not (timer.handled or self.has_work()):
@@ -187,6 +202,7 @@ class MigrationSchedulerSide:
             timer.idle_iteration()
             return []
         timer.begin_poll()
+        self._poll_timed = True
         active = bool(len(self.transfers) or len(self.commits))
         self.transfers.poll()
         timer.lap("poll.transfers")
@@ -217,7 +233,31 @@ class MigrationSchedulerSide:
             time.sleep(0)
             timer.lap("poll.yield")
         timer.end_iteration(active)
+        self._poll_timed = False
         return messages
+
+    def _poll_failed(self, error: Exception) -> None:
+        """After an exception in `poll`: log its traceback once per distinct error (it may
+        repeat every iteration), answer every transfer in flight and every staged commit
+        with a failure, and keep the scheduler running. Pending allocations stay: an
+        abort or the watchdog frees them."""
+        key = f"{type(error).__name__}: {error}"
+        if key not in self._poll_errors:
+            if len(self._poll_errors) < MAX_DISTINCT_POLL_ERRORS:
+                self._poll_errors.add(key)
+            logger.exception("KV migration poll failed; failing the work in flight")
+        message = f"internal error in the scheduler's poll: {key}"
+        for step in (
+            lambda: self.transfers.abandon_all(message),
+            lambda: self.commits.fail_waiting(message, ErrorKind.INTERNAL),
+        ):
+            try:
+                step()
+            except Exception:
+                logger.exception("KV migration could not fail the work in flight")
+        if self._poll_timed:
+            self._poll_timed = False
+            self.loop_timer.end_iteration(True)
 
     def has_work(self) -> bool:
         """Anything of ours in flight or pending (the same on every rank). Called every

@@ -185,6 +185,29 @@ class SourceTransfers:
             if inflight.job is not None:
                 inflight.job.release()  # idempotent: `_finish_done` calls it again
 
+    def abandon_all(self, reason: str) -> None:
+        """Answer every transfer in flight with an INTERNAL failure now, without the
+        ranks' gather (after a failed poll, which may fail again). No receipt goes out,
+        so the target keeps the slots quarantined until the grant's write window closes."""
+        abandoned, self.inflight = self.inflight, []
+        for inflight in abandoned:
+            if inflight.job is not None:
+                try:
+                    inflight.job.release()
+                except Exception:  # the reply below must still go out
+                    logger.exception("KV migration could not release a failed transfer")
+            req = inflight.request
+            self.metrics.outcome("source", "send_failed")
+            output = TransferRequestKVCacheReqOutput(
+                success=False,
+                path=_path_name(req),
+                server_epoch=f"{self.server_epoch}:{req.weight_version}",
+                message=reason,
+                error_kind=ErrorKind.INTERNAL.value,
+            )
+            output.rid = req.rid
+            self.ctx.send_output(output, req)
+
     def close(self) -> None:
         for inflight in self.inflight:
             if inflight.job is not None:
