@@ -6,7 +6,8 @@ stage's ranks exchange their parts with a collective on the TP CPU (gloo) group
 (`rank_context.py`), and every rank builds the same reply (the non-first ranks' sends
 are no-ops). With PP every stage answers for its own ranks and stages agree forward
 through the request stream (`pp_stages.py`). The source's transfers live in
-`source_transfers.py`.
+`source_transfers.py`, the target's commit in `commits.py`; each cross-rank step is a
+named agreement on `RankContext` ("all ranks agree that ...").
 
 IMPORTANT: collectives must be entered by every rank the same number of times in the
 same order. Handlers run in broadcast order, and `poll()` runs once per scheduler loop
