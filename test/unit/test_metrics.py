@@ -44,7 +44,7 @@ def test_target_outcomes_tokens_bytes_and_phases(side, caplog) -> None:
     out = _allocate(side, list(range(1000, 1064)), "m-commit")
     assert out.success, out.message
     receipts = receipts_for(side, out)
-    with caplog.at_level(logging.INFO, logger="sglang_kv_migration.server.scheduler_side"):
+    with caplog.at_level(logging.INFO, logger="sglang_kv_migration.server.commits"):
         assert side.commit_transfer_request_kvcache(
             CommitTransferRequestKVCacheReqInput(migration_id="m-commit", receipts=receipts)
         ).success

@@ -11,6 +11,7 @@ import torch
 from cpu_harness import Harness
 from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.paths.host.path import HostPath
 from sglang_kv_migration.server.pending import PendingMigrations
 from timing import FakeClock
 
@@ -131,7 +132,7 @@ def test_allocate_write_commit_load_back(
 
     # A partial last page is not migrated.
     input_ids = tokens + ([7, 8, 9] if ps > 1 else [])
-    alloc = pending.allocate("m1", input_ids, None)
+    alloc = pending.allocate("m1", input_ids, None, path=HostPath(h.cache))
 
     extra = (total_pages - held_pages) * ps
     assert alloc.migration_id == "m1"
@@ -177,7 +178,7 @@ def test_written_bytes_negative_control(harness_factory):
     h = harness_factory(host_layout="page_first", load_back_threshold=1)
     tokens = _tokens(4 * 16)
     pending = PendingMigrations(h.cache, TIMEOUT_S)
-    alloc = pending.allocate("m", tokens, None)
+    alloc = pending.allocate("m", tokens, None, path=HostPath(h.cache))
     fake = _fake_kv(h, len(tokens), seed=5)
     shuffled = alloc.kv_indices[16:32] + alloc.kv_indices[:16] + alloc.kv_indices[32:]
     _write_host_kv(h, shuffled, fake)
@@ -195,7 +196,7 @@ def test_abort_restores_pool_and_locks(harness_factory, prefix_on_host):
         h.evict_device_all()
     pending = PendingMigrations(h.cache, TIMEOUT_S)
     before = h.snapshot()
-    alloc = pending.allocate("m", tokens, None)
+    alloc = pending.allocate("m", tokens, None, path=HostPath(h.cache))
     assert alloc.matched_length == 32
     assert h.snapshot() != before
     pending.abort("m")
@@ -220,9 +221,9 @@ def test_watchdog_expires_with_injected_clock(harness_factory):
     clock = FakeClock()
     pending = PendingMigrations(h.cache, TIMEOUT_S, clock=clock)
     before = h.snapshot()
-    pending.allocate("old", tokens, None)
+    pending.allocate("old", tokens, None, path=HostPath(h.cache))
     clock.now += 1.0
-    pending.allocate("young", tokens[:48], None)
+    pending.allocate("young", tokens[:48], None, path=HostPath(h.cache))
     assert h.snapshot().total_lock_ref > 0
 
     clock.now += TIMEOUT_S - 1.0 - 0.001
@@ -250,7 +251,7 @@ def test_watchdog_real_clock_tiny_timeout(harness_factory):
     h = harness_factory()
     pending = PendingMigrations(h.cache, 0.01)
     before = h.snapshot()
-    pending.allocate("m", _tokens(32), None)
+    pending.allocate("m", _tokens(32), None, path=HostPath(h.cache))
     deadline = 200  # bounded wait: at most ~2 s
     expired: list[str] = []
     while not expired and deadline:
@@ -280,9 +281,12 @@ def test_state_errors(harness_factory):
     assert _error_kind(pending.abort, "unknown") is ErrorKind.NOT_FOUND
     assert _error_kind(pending.commit, "unknown") is ErrorKind.NOT_FOUND
 
-    alloc = pending.allocate("a", tokens, None)
+    alloc = pending.allocate("a", tokens, None, path=HostPath(h.cache))
     # Reusing a pending id.
-    assert _error_kind(pending.allocate, "a", _tokens(32, start=5000), None) is ErrorKind.CONFLICT
+    assert (
+        _error_kind(pending.allocate, "a", _tokens(32, start=5000), None, path=HostPath(h.cache))
+        is ErrorKind.CONFLICT
+    )
     assert len(pending) == 1
     first = pending.commit("a")
     assert first == len(tokens)
@@ -294,19 +298,33 @@ def test_state_errors(harness_factory):
     assert h.snapshot() == committed
     # Abort after commit, reuse of a finished id.
     assert _error_kind(pending.abort, "a") is ErrorKind.CONFLICT
-    assert _error_kind(pending.allocate, "a", _tokens(32, start=5000), None) is ErrorKind.CONFLICT
+    assert (
+        _error_kind(pending.allocate, "a", _tokens(32, start=5000), None, path=HostPath(h.cache))
+        is ErrorKind.CONFLICT
+    )
     assert h.snapshot() == committed
 
     # The target already holds everything.
-    assert _error_kind(pending.allocate, "b", tokens, None) is ErrorKind.CONFLICT
-    assert _error_kind(pending.allocate, "b2", tokens[:32] + [1, 2], None) is ErrorKind.CONFLICT
+    assert (
+        _error_kind(pending.allocate, "b", tokens, None, path=HostPath(h.cache))
+        is ErrorKind.CONFLICT
+    )
+    assert (
+        _error_kind(pending.allocate, "b2", tokens[:32] + [1, 2], None, path=HostPath(h.cache))
+        is ErrorKind.CONFLICT
+    )
     # expected_extra disagrees with what the target now needs.
     longer = tokens + _tokens(32, start=9000)
-    assert _error_kind(pending.allocate, "c", longer, None, expected_extra=48) is ErrorKind.CONFLICT
+    assert (
+        _error_kind(pending.allocate, "c", longer, None, expected_extra=48, path=HostPath(h.cache))
+        is ErrorKind.CONFLICT
+    )
     assert h.snapshot() == committed
     assert len(pending) == 0
     # ...and agrees: fine.
-    assert pending.allocate("d", longer, None, expected_extra=32).matched_length == len(tokens)
+    assert pending.allocate(
+        "d", longer, None, expected_extra=32, path=HostPath(h.cache)
+    ).matched_length == len(tokens)
     pending.abort("d")
     assert h.snapshot() == committed
 
@@ -321,7 +339,7 @@ def test_host_pool_too_small_is_unavailable(harness_factory):
     before = h.snapshot()
     too_long = tokens + _tokens(host_size, start=50_000)
     with pytest.raises(MigrationError) as info:
-        pending.allocate("big", too_long, None)
+        pending.allocate("big", too_long, None, path=HostPath(h.cache))
     assert info.value.kind is ErrorKind.UNAVAILABLE
     assert "host pool is full" in info.value.message
     assert h.snapshot() == before
@@ -353,7 +371,7 @@ def test_allocate_evicts_unlocked_host_pages_but_not_the_prefix(harness_factory)
     assert hog is not None
 
     pending = PendingMigrations(h.cache, TIMEOUT_S)
-    alloc = pending.allocate("m", tokens, None)
+    alloc = pending.allocate("m", tokens, None, path=HostPath(h.cache))
     assert alloc.matched_length == 2 * ps
     assert alloc.extra_length == extra
     # Some filler pages were evicted to make room, never the locked prefix.
@@ -392,7 +410,7 @@ def test_concurrent_insert_before_commit_frees_surplus(
     h.write_back_all()
     pending = PendingMigrations(h.cache, TIMEOUT_S)
     before = h.snapshot()
-    alloc = pending.allocate("m", tokens, None)
+    alloc = pending.allocate("m", tokens, None, path=HostPath(h.cache))
     assert alloc.matched_length == ps
     fake = _fake_kv(h, 5 * ps, seed=2)
     _write_host_kv(h, alloc.kv_indices, fake)
@@ -487,7 +505,7 @@ def test_commit_below_a_device_only_prefix_keeps_the_tree_evictable(harness_fact
     assert not any(n.backuped for n in h.iter_nodes())
     pending = PendingMigrations(h.cache, TIMEOUT_S)
     before = h.snapshot()
-    alloc = pending.allocate("m", tokens, None)
+    alloc = pending.allocate("m", tokens, None, path=HostPath(h.cache))
     fake = _fake_kv(h, 32, seed=2)
     _write_host_kv(h, alloc.kv_indices, fake)
     assert pending.commit("m") == 64
@@ -534,3 +552,21 @@ def test_pin_never_evicts_a_host_page_of_its_own_path(harness_factory):
     finally:
         sglang_adapter.unpin_host_pages(pinned)
     _assert_host_slots_accounted(h)
+
+
+def test_pending_imports_no_host_path_module() -> None:
+    """The state machine works on any `DataPath` its caller passes: nothing from
+    `paths/host` is imported, at module or function level."""
+    import ast
+    import pathlib
+
+    from sglang_kv_migration.server import pending as module
+
+    tree = ast.parse(pathlib.Path(module.__file__).read_text())
+    imported = [
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    ]
+    assert not [m for m in imported if m and m.startswith("sglang_kv_migration.paths.host")]

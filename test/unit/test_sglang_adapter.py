@@ -15,6 +15,7 @@ import torch
 from cpu_harness import Harness
 from sglang_kv_migration import sglang_adapter as adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.paths.host.path import HostPath
 from sglang_kv_migration.server.pending import PendingMigrations
 
 CONFIGS = [("mha", 1), ("mha", 16), ("mla", 1), ("mla", 16)]
@@ -458,7 +459,7 @@ def test_host_allocation_never_evicts_its_own_locked_host_only_anchor(harness_fa
     pending = PendingMigrations(h.cache, 5.0)
     try:
         # 208 needed, 64 free: the two children (128) are evictable, the prefix is not.
-        alloc = pending.allocate("m", tokens, None)
+        alloc = pending.allocate("m", tokens, None, path=HostPath(h.cache))
     except MigrationError as e:
         # Refusing is also correct (64 + 128 < 208): the prefix must be kept either way.
         assert e.kind is ErrorKind.UNAVAILABLE

@@ -117,7 +117,6 @@ class PendingMigrations:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         lock: threading.RLock | None = None,
-        default_path: DataPath | None = None,
     ):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -125,7 +124,6 @@ class PendingMigrations:
         self.timeout_s = timeout_s
         self.clock = clock
         self.lock = lock or threading.RLock()
-        self._default_path = default_path
         # Read-only outside this class (the scheduler's idle check reads them directly).
         self.by_id: dict[str, PendingMigration] = {}  # allocated, not yet committed
         self.quarantine: dict[str, PendingMigration] = {}  # released, slots not yet freed
@@ -176,7 +174,7 @@ class PendingMigrations:
         extra_key: str | None,
         expected_extra: int = 0,
         *,
-        path: DataPath | None = None,
+        path: DataPath,
         nothing_ok: bool = False,
         weight_version: str = "",
         write_window_s: float = 0.0,
@@ -186,9 +184,8 @@ class PendingMigrations:
         `expected_extra` > 0 must equal the number of tokens to allocate (else the
         target's cache changed since it was measured: CONFLICT). When the target already
         holds everything, `nothing_ok` returns an empty allocation (no id registered)
-        instead of CONFLICT. Without `path`, host slots are reserved.
+        instead of CONFLICT. The slots are `path`'s (the caller picks the path).
         """
-        path = path or self._host_path()
         with self.lock:
             if migration_id in self.by_id or migration_id in self._finished:
                 raise MigrationError(
@@ -363,13 +360,6 @@ class PendingMigrations:
             return [p.migration_id for p in dropped]
 
     # ------------------------------------------------------------------ helpers
-
-    def _host_path(self) -> DataPath:
-        if self._default_path is None:
-            from sglang_kv_migration.paths.host.path import HostPath
-
-            self._default_path = HostPath(self.cache)  # target role only
-        return self._default_path
 
     def _release(
         self, pending: PendingMigration, state: MigrationState, settled: bool = False

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.fingerprint import LayoutFingerprint
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -58,6 +60,43 @@ class RankContext:
         if self.cpu_group is None:
             return [obj]
         return _all_gather(self.cpu_group, obj)
+
+    # ------------------------------------------------------------------ agreement steps
+    # Each step is one collective over the stage's TP ranks (every rank enters it, in the
+    # same order) and gives every rank the same answer.
+
+    def all_ranks_agree(self, ok: bool) -> bool:
+        """All ranks agree that `ok` holds: True only when it does on every rank."""
+        return all(self.all_gather(ok))
+
+    def first_error_on_any_rank(self, error: T | None) -> T | None:
+        """The first rank's (tp order) error, None when no rank has one."""
+        return next((e for e in self.all_gather(error) if e is not None), None)
+
+    def first_error_and_any_flag(self, error: T | None, flag: bool) -> tuple[T | None, bool]:
+        """`first_error_on_any_rank(error)` and whether `flag` holds on any rank, in one
+        collective."""
+        gathered = self.all_gather((error, flag))
+        first = next((e for e, _ in gathered if e is not None), None)
+        return first, any(f for _, f in gathered)
+
+    def first_failure_on_any_rank(self, output: T) -> tuple[list[T], T | None]:
+        """Every rank's output (tp order), and the first with `success` False (None when
+        every rank succeeded)."""
+        outputs = self.all_gather(output)
+        return outputs, next((o for o in outputs if not o.success), None)  # type: ignore[attr-defined]
+
+    def union_on_all_ranks(self, ids: list[str]) -> list[str]:
+        """The ids any rank named, sorted: every rank then acts on the same ones."""
+        return sorted({i for rank_ids in self.all_gather(ids) for i in rank_ids})
+
+    def first_rank_value_on_world(self, obj: T) -> T:
+        """The first (tp, pp) rank's `obj` on every rank (start-up only)."""
+        return self.all_gather_world(obj)[0]
+
+    def merged_on_world(self, mapping: dict[str, T]) -> dict[str, T]:
+        """Every (tp, pp) rank's `mapping` merged (later ranks win a key; start-up only)."""
+        return {k: v for rank in self.all_gather_world(mapping) for k, v in rank.items()}
 
 
 def _all_gather(group: Any, obj: Any) -> list[Any]:

@@ -6,7 +6,8 @@ stage's ranks exchange their parts with a collective on the TP CPU (gloo) group
 (`rank_context.py`), and every rank builds the same reply (the non-first ranks' sends
 are no-ops). With PP every stage answers for its own ranks and stages agree forward
 through the request stream (`pp_stages.py`). The source's transfers live in
-`source_transfers.py`.
+`source_transfers.py`, the target's commit in `commits.py`; each cross-rank step is a
+named agreement on `RankContext` ("all ranks agree that ...").
 
 IMPORTANT: collectives must be entered by every rank the same number of times in the
 same order. Handlers run in broadcast order, and `poll()` runs once per scheduler loop
@@ -26,6 +27,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sglang_kv_migration import PROTOCOL_VERSION, grants, sglang_adapter
@@ -52,14 +54,8 @@ from sglang_kv_migration.page_ranges import to_page_ranges
 from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
 from sglang_kv_migration.paths.host.layout import HostPoolLayout
 from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig, open_transport
-from sglang_kv_migration.paths.host.target_staging import (
-    DeferredCommit,
-    StagedCommits,
-    TargetStaging,
-    done_future,
-    receipt_plan,
-    staged_refusal,
-)
+from sglang_kv_migration.paths.host.target_staging import TargetStaging
+from sglang_kv_migration.server.commits import Commits, in_progress_output
 from sglang_kv_migration.server.metrics import LoopTimer, MigrationMetrics, NullMetrics
 from sglang_kv_migration.server.pending import PendingMigrations
 from sglang_kv_migration.server.pp_stages import refusal_of, refused_output
@@ -70,6 +66,15 @@ logger = logging.getLogger(__name__)
 
 # The watchdog's collective runs every this many loop iterations while anything is pending.
 WATCHDOG_EVERY_ITERATIONS = 64
+
+# How many distinct poll errors are remembered (each logged once with its traceback).
+MAX_DISTINCT_POLL_ERRORS = 64
+
+_UNSIGNED_WARNING = (
+    "KV migration grants are unsigned: set --kv-migration-grant-key (the same on every "
+    "server) or an admin/API key, or any peer that reaches the transfer network can forge "
+    "a grant"
+)
 
 
 class MigrationSchedulerSide:
@@ -97,15 +102,7 @@ class MigrationSchedulerSide:
         cache = ctx.tree_cache
         self.host_pool = sglang_adapter.host_pool(cache)
         self.layout = HostPoolLayout.from_host_pool(self.host_pool)
-        self.fingerprint = LayoutFingerprint.from_shape(
-            sglang_adapter.kv_cache_shape(self.host_pool),
-            model=ctx.model,
-            tp_size=ctx.tp_size,
-            tp_rank=ctx.tp_rank,
-            pp_size=ctx.pp_size,
-            pp_rank=ctx.pp_rank,
-            attn_cp_size=attn_cp_size,
-        )
+        self.fingerprint = self._rank_fingerprint(attn_cp_size)
         self.pending = PendingMigrations(cache, watchdog_timeout_s)
         # Grants must expire well before the watchdog frees the slots they name.
         self.grant_ttl_s = min(grant_ttl_s, watchdog_timeout_s / 2)
@@ -113,15 +110,11 @@ class MigrationSchedulerSide:
         self.verify_all = verify  # --kv-migration-verify: check every commit's digest
         self._transfer_timeout_s = transport_config.transfer_timeout_s
         if not self.signer.signed and ctx.tp_rank == 0:
-            logger.warning(
-                "KV migration grants are unsigned: set --kv-migration-grant-key (the same on "
-                "every server) or an admin/API key, or any peer that reaches the transfer "
-                "network can forge a grant"
-            )
+            logger.warning(_UNSIGNED_WARNING)
         self.bytes_per_token = sum(self.layout.item_lens)  # on this rank
         # A restarted server gets a new epoch: clients drop their cached session info.
         # One for the whole server: every PP stage's reply carries it.
-        self.server_epoch = ctx.all_gather_world(uuid.uuid4().hex)[0]
+        self.server_epoch = ctx.first_rank_value_on_world(uuid.uuid4().hex)
         self.paths = self._open_paths(path_names, transport_config, transport, enable_memory_saver)
         self.transfers = SourceTransfers(
             ctx,
@@ -137,8 +130,18 @@ class MigrationSchedulerSide:
         )
         self._destinations: dict[str, str] = {}  # path name -> destination digest
         self.staging = self._open_staging(staging_bytes)
-        self.staged_commits = StagedCommits(ctx)
+        self.commits = Commits(
+            ctx,
+            self.pending,
+            self.signer,
+            self.metrics,
+            self.staging,
+            self.bytes_per_token,
+            self._reply_later,
+        )
         self._iteration = 0
+        self._poll_timed = False  # between `begin_poll` and `end_iteration`
+        self._poll_errors: set[str] = set()  # poll errors already logged with a traceback
         # Offer the GIL to our helper threads once per busy iteration (see `poll`);
         # benchmarks turn it off to show what it is for.
         self.yield_gil = True
@@ -181,7 +184,17 @@ class MigrationSchedulerSide:
     def poll(self) -> list[Any]:
         """Once per scheduler loop iteration: finish transfers and staged commits, run the
         watchdog; closes the iteration's `loop_timer` account. Returns messages for the
-        later PP stages (the watchdog's decisions, on stage 0)."""
+        later PP stages (the watchdog's decisions, on stage 0).
+
+        Never raises: an exception here would leave SGLang's scheduler loop and take the
+        server down. It fails what is in flight instead (`_poll_failed`)."""
+        try:
+            return self._poll_once()
+        except Exception as e:
+            self._poll_failed(e)
+            return []
+
+    def _poll_once(self) -> list[Any]:
         timer = self.loop_timer
         self._iteration += 1
         if not (timer.handled or self.has_work()):
@@ -191,13 +204,13 @@ class MigrationSchedulerSide:
             timer.idle_iteration()
             return []
         timer.begin_poll()
-        active = bool(len(self.transfers) or len(self.staged_commits))
+        self._poll_timed = True
+        active = bool(len(self.transfers) or len(self.commits))
         self.transfers.poll()
         timer.lap("poll.transfers")
-        for commit, error in self.staged_commits.poll():
-            self._answer_staged_commit(commit, error)
+        self.commits.poll()
         timer.lap("poll.staged_commits")
-        active = active or bool(len(self.transfers) or len(self.staged_commits))
+        active = active or bool(len(self.transfers) or len(self.commits))
         messages: list[Any] = []
         busy = len(self.pending) or self.pending.quarantined()
         # Later stages free what stage 0's watchdog freed (`stage_sync`), at the same
@@ -222,17 +235,38 @@ class MigrationSchedulerSide:
             time.sleep(0)
             timer.lap("poll.yield")
         timer.end_iteration(active)
+        self._poll_timed = False
         return messages
+
+    def _poll_failed(self, error: Exception) -> None:
+        """After an exception in `poll`: log its traceback once per distinct error (it may
+        repeat every iteration), answer every transfer in flight and every staged commit
+        with a failure, and keep the scheduler running. Pending allocations stay: an
+        abort or the watchdog frees them."""
+        key = f"{type(error).__name__}: {error}"
+        if key not in self._poll_errors:
+            if len(self._poll_errors) < MAX_DISTINCT_POLL_ERRORS:
+                self._poll_errors.add(key)
+            logger.exception("KV migration poll failed; failing the work in flight")
+        message = f"internal error in the scheduler's poll: {key}"
+        for step in (
+            lambda: self.transfers.abandon_all(message),
+            lambda: self.commits.fail_waiting(message, ErrorKind.INTERNAL),
+        ):
+            try:
+                step()
+            except Exception:
+                logger.exception("KV migration could not fail the work in flight")
+        if self._poll_timed:
+            self._poll_timed = False
+            self.loop_timer.end_iteration(True)
 
     def has_work(self) -> bool:
         """Anything of ours in flight or pending (the same on every rank). Called every
         loop iteration: a few attribute reads."""
         pending = self.pending
         return bool(
-            self.transfers.inflight
-            or self.staged_commits.waiting
-            or pending.by_id
-            or pending.quarantine
+            self.transfers.inflight or self.commits.waiting or pending.by_id or pending.quarantine
         )
 
     def prepare_for_cache_flush(self) -> None:
@@ -245,15 +279,7 @@ class MigrationSchedulerSide:
         failed: their pages are about to be reused, so their receipts say failure.
         """
         self.transfers.fail_all("the source's cache was flushed during the transfer")
-        for commit in self.staged_commits.drain():  # their scatters finished writing
-            self._reply_later(
-                commit.request,
-                CommitTransferRequestKVCacheReqOutput(
-                    success=False,
-                    message="the target's cache was flushed during the commit",
-                    error_kind=ErrorKind.GONE.value,
-                ),
-            )
+        self.commits.fail_waiting("the target's cache was flushed during the commit")
         dropped = self.pending.prepare_for_reset()
         if dropped and self.ctx.tp_rank == 0:
             logger.warning("Cache flush drops pending KV migrations: %s", ", ".join(dropped))
@@ -262,7 +288,7 @@ class MigrationSchedulerSide:
         self.pending.after_reset()
 
     def close(self) -> None:
-        self.staged_commits.drain()  # no scatter may run into pools being released
+        self.commits.close()  # no scatter may run into pools being released
         self.pending.abort_all()
         self.transfers.close()
         for path in self.paths.values():
@@ -325,88 +351,18 @@ class MigrationSchedulerSide:
     def allocate_token_for_transfer(
         self, req: AllocateTokenForTransferReqInput
     ) -> AllocateTokenForTransferReqOutput:
-        def run_local() -> AllocateTokenForTransferReqOutput:
-            check_peer_fingerprint(
-                self.fingerprint_for(req), req.source_fingerprints, role="source"
-            )
-            path = self._path(req.path)
-            alloc = self.pending.allocate(
-                req.migration_id,
-                req.input_ids,
-                req.extra_key,
-                req.extra_token_size,
-                path=path,
-                nothing_ok=req.nothing_ok,
-                weight_version=req.weight_version,
-                write_window_s=self.grant_ttl_s + path.late_write_margin_s,
-            )
-            if req.index_format == "pages":
-                rank = AllocatedRank(
-                    self.ctx.tp_rank, self.ctx.pp_rank, [], alloc.kv_pages(self.layout.page_size)
-                )
-            elif req.index_format == "ranges":  # [first_page, count] runs: page_ranges.py
-                rank = AllocatedRank(
-                    self.ctx.tp_rank,
-                    self.ctx.pp_rank,
-                    [],
-                    kv_page_ranges=to_page_ranges(alloc.slots, self.layout.page_size),
-                )
-            else:
-                rank = AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)
-            extent = self._grant_staging(req, alloc, path)
-            if extent is not None:
-                rank.staging = list(extent)
-            if alloc.extra_length:
-                verify = req.verify or self.verify_all
-                pending = self.pending.get(alloc.migration_id)
-                pending.verify, pending.source = verify, req.source_instance
-                expires_at = time.time() + self.grant_ttl_s
-                rank.grant = self.signer.encode(
-                    grants.Grant(
-                        migration_id=alloc.migration_id,
-                        tp=self.ctx.tp_rank,
-                        pp=self.ctx.pp_rank,
-                        path=path.name,
-                        slots_digest=grants.slots_digest(alloc.slots),
-                        num_tokens=alloc.extra_length,
-                        expires_at=expires_at,
-                        tokens_digest=grants.tokens_digest(
-                            req.input_ids[: alloc.matched_length + alloc.extra_length],
-                            req.extra_key,
-                        ),
-                        staging_addr=extent[0] if extent else 0,
-                        staging_length=extent[1] if extent else 0,
-                        # The source stops submitting bytes halfway through the late-write
-                        # margin; the other half bounds a batch already in flight.
-                        write_until=expires_at + path.late_write_margin_s / 2,
-                        verify=verify,
-                        destination=self._destination(path),
-                        source=req.source_instance,
-                    )
-                )
-            return AllocateTokenForTransferReqOutput(
-                success=True,
-                migration_id=alloc.migration_id if alloc.extra_length else "",
-                matched_token_size=alloc.matched_length,
-                extra_token_size=alloc.extra_length,
-                ranks=[rank],
-                path=path.name,
-                page_size=self.layout.page_size,
-                server_epoch=self.epoch_for(req),
-            )
-
+        """Target: reserve slots for the tokens it lacks on every rank, all or nothing;
+        each rank's part carries its slots and its signed write grant."""
         if req.stage_refusal is not None:  # an earlier PP stage refused: so do we
             return refused_output(AllocateTokenForTransferReqOutput, req.stage_refusal)
         started = time.monotonic()
-        local = guarded(run_local, AllocateTokenForTransferReqOutput)
-        outputs = self.ctx.all_gather(local)
-        failed = [o for o in outputs if not o.success]
-        if failed:
+        local = guarded(lambda: self._allocate_on_rank(req), AllocateTokenForTransferReqOutput)
+        outputs, first = self.ctx.first_failure_on_any_rank(local)
+        if first is not None:
             # All or nothing: ranks that did allocate give it back.
             if local.success:
                 self.pending.abort(req.migration_id)
             self.metrics.outcome("target", "allocate_failed")
-            first = failed[0]
             req.stage_refusal = refusal_of(first)  # later PP stages do not allocate
             return AllocateTokenForTransferReqOutput(
                 success=False,
@@ -427,6 +383,92 @@ class MigrationSchedulerSide:
             server_epoch=self.epoch_for(req),
         )
 
+    def _allocate_on_rank(
+        self, req: AllocateTokenForTransferReqInput
+    ) -> AllocateTokenForTransferReqOutput:
+        """This rank's part of an allocate (raises; the caller turns errors into replies)."""
+        check_peer_fingerprint(self.fingerprint_for(req), req.source_fingerprints, role="source")
+        path = self._path(req.path)
+        alloc = self.pending.allocate(
+            req.migration_id,
+            req.input_ids,
+            req.extra_key,
+            req.extra_token_size,
+            path=path,
+            nothing_ok=req.nothing_ok,
+            weight_version=req.weight_version,
+            write_window_s=self.grant_ttl_s + path.late_write_margin_s,
+        )
+        rank = self._allocated_rank(req, alloc)
+        extent = self._grant_staging(req, alloc, path)
+        if extent is not None:
+            rank.staging = list(extent)
+        if alloc.extra_length:
+            rank.grant = self._sign_grant(req, alloc, path, extent)
+        return AllocateTokenForTransferReqOutput(
+            success=True,
+            migration_id=alloc.migration_id if alloc.extra_length else "",
+            matched_token_size=alloc.matched_length,
+            extra_token_size=alloc.extra_length,
+            ranks=[rank],
+            path=path.name,
+            page_size=self.layout.page_size,
+            server_epoch=self.epoch_for(req),
+        )
+
+    def _allocated_rank(self, req: AllocateTokenForTransferReqInput, alloc: Any) -> AllocatedRank:
+        """This rank's reserved slots, in the index format the request asks for."""
+        if req.index_format == "pages":
+            return AllocatedRank(
+                self.ctx.tp_rank, self.ctx.pp_rank, [], alloc.kv_pages(self.layout.page_size)
+            )
+        elif req.index_format == "ranges":  # [first_page, count] runs: page_ranges.py
+            return AllocatedRank(
+                self.ctx.tp_rank,
+                self.ctx.pp_rank,
+                [],
+                kv_page_ranges=to_page_ranges(alloc.slots, self.layout.page_size),
+            )
+        else:
+            return AllocatedRank(self.ctx.tp_rank, self.ctx.pp_rank, alloc.kv_indices)
+
+    def _sign_grant(
+        self,
+        req: AllocateTokenForTransferReqInput,
+        alloc: Any,
+        path: DataPath,
+        extent: tuple[int, int] | None,
+    ) -> str:
+        """The signed write grant of this rank's slots (also marks the pending migration
+        with the verify choice and the source it was issued to)."""
+        verify = req.verify or self.verify_all
+        pending = self.pending.get(alloc.migration_id)
+        pending.verify, pending.source = verify, req.source_instance
+        expires_at = time.time() + self.grant_ttl_s
+        return self.signer.encode(
+            grants.Grant(
+                migration_id=alloc.migration_id,
+                tp=self.ctx.tp_rank,
+                pp=self.ctx.pp_rank,
+                path=path.name,
+                slots_digest=grants.slots_digest(alloc.slots),
+                num_tokens=alloc.extra_length,
+                expires_at=expires_at,
+                tokens_digest=grants.tokens_digest(
+                    req.input_ids[: alloc.matched_length + alloc.extra_length],
+                    req.extra_key,
+                ),
+                staging_addr=extent[0] if extent else 0,
+                staging_length=extent[1] if extent else 0,
+                # The source stops submitting bytes halfway through the late-write
+                # margin; the other half bounds a batch already in flight.
+                write_until=expires_at + path.late_write_margin_s / 2,
+                verify=verify,
+                destination=self._destination(path),
+                source=req.source_instance,
+            )
+        )
+
     def transfer_request_kvcache(self, req: TransferRequestKVCacheReqInput) -> None:
         """Source: start this rank's part; the reply is sent later, from `poll()`."""
         self.transfers.start(req)
@@ -435,132 +477,32 @@ class MigrationSchedulerSide:
     def commit_transfer_request_kvcache(
         self, req: CommitTransferRequestKVCacheReqInput
     ) -> CommitTransferRequestKVCacheReqOutput | None:
-        """Insert the written pages; with a staged write on any rank, reply later (from
-        `poll()`), once every rank copied its staging extent into its slots."""
-        if req.stage_refusal is not None:  # an earlier PP stage did not insert: nor do we
-            if req.stage_refusal.error_kind == ErrorKind.GONE.value:
-                # It dropped the allocation (weights changed since allocate): so do we.
-                self.pending.expire([req.migration_id])
-            return refused_output(CommitTransferRequestKVCacheReqOutput, req.stage_refusal)
-        if self.staged_commits.in_progress(req.migration_id):
-            return _in_progress(req.migration_id, "commit")
-        pending = self.pending.get(req.migration_id)  # None for a repeated commit
-        started = time.monotonic()
-        # Every rank needs the source's success receipt for its slots; agree first, so no
-        # rank inserts while another refuses.
-        refusal, plan = None, ""
-        if self.pending.committable(req.migration_id, req.weight_version):
-            refusal = self._receipt_refusal(req.receipts, pending)
-            if refusal is None and self.ctx.first_stage:
-                refusal = self._later_stage_receipts_refusal(req.receipts, req.migration_id)
-            plan = receipt_plan(self.signer, req.receipts, self.ctx.tp_rank, self.ctx.pp_rank)
-            refusal = refusal or staged_refusal(plan, pending)
-        agreed = self.ctx.all_gather((refusal, plan == "staged"))
-        refusals = [r for r, _ in agreed if r is not None]
-        if refusals:
-            self.metrics.outcome("target", "commit_failed")
-            output = CommitTransferRequestKVCacheReqOutput(
-                success=False, message=refusals[0], error_kind=ErrorKind.FORBIDDEN.value
-            )
-            req.stage_refusal = refusal_of(output)
-            return output
-        if any(staged for _, staged in agreed):
-            assert pending is not None  # committable
-            scatter = (
-                self.staging.scatter(pending.staging, pending.slots)
-                if plan == "staged"
-                else done_future()
-            )
-            self.staged_commits.add(DeferredCommit(req, pending, started, scatter))
-            return None
-        return self._commit(req, pending, started)
-
-    def _commit(
-        self, req: CommitTransferRequestKVCacheReqInput, pending: Any, started: float
-    ) -> CommitTransferRequestKVCacheReqOutput:
-        """Insert on every rank (the receipts were agreed on) and build the reply."""
-
-        def run_local() -> CommitTransferRequestKVCacheReqOutput:
-            matched_after = self.pending.commit(req.migration_id, req.weight_version)
-            return CommitTransferRequestKVCacheReqOutput(
-                success=True, matched_after_commit=matched_after
-            )
-
-        # Opt-in verify: every rank hashes what landed in its slots (after a staged
-        # write's scatter); any mismatch fails the commit on every rank and the slots go
-        # back as for an abort.
-        mismatch = None
-        committable = self.pending.committable(req.migration_id, req.weight_version)
-        if committable and (pending.verify or req.verify):
-            mismatch = guarded_refusal(lambda: self._verify_refusal(req.receipts, pending))
-        mismatches = [m for m in self.ctx.all_gather(mismatch) if m is not None]
-        if mismatches:
-            self.pending.abort(req.migration_id, settled=True)
-            self.metrics.outcome("target", "verify_failed")
-            if self.ctx.tp_rank == 0:
-                logger.warning("KV migration %s not committed: %s", req.migration_id, mismatches[0])
-            output = CommitTransferRequestKVCacheReqOutput(
-                success=False,
-                message=f"{mismatches[0]}; nothing was inserted, the slots were freed",
-                error_kind=ErrorKind.CONFLICT.value,
-            )
-            req.stage_refusal = refusal_of(output)
-            return output
-        local = guarded(run_local, CommitTransferRequestKVCacheReqOutput)
-        outputs = self.ctx.all_gather(local)
-        failed = [o for o in outputs if not o.success]
-        if failed:
-            self.metrics.outcome("target", "commit_failed")
-            req.stage_refusal = refusal_of(failed[0])
-            return failed[0]
-        matched_after = min(o.matched_after_commit for o in outputs)
-        if pending is not None:
-            nbytes = pending.extra_length * self.bytes_per_token
-            now = time.monotonic()
-            self.metrics.outcome("target", "committed")
-            self.metrics.moved("target", pending.extra_length, nbytes)
-            self.metrics.phase("commit", now - started)
-            self.metrics.phase("pending", now - pending.created_at)
-            if self.ctx.tp_rank == 0:
-                logger.info(
-                    "KV migration %s committed: %d tokens, %d bytes (%d ranks), %.1f ms after "
-                    "allocate; prefix now %d tokens",
-                    req.migration_id,
-                    pending.extra_length,
-                    nbytes * len(outputs),
-                    len(outputs),
-                    (now - pending.created_at) * 1e3,
-                    matched_after,
-                )
-        return CommitTransferRequestKVCacheReqOutput(
-            success=True, matched_after_commit=matched_after
-        )
+        """Target: insert the written pages (`commits.py`); None: a staged write, the
+        reply is sent later, from `poll()`."""
+        return self.commits.commit(req)
 
     def abort_transfer(self, req: AbortTransferReqInput) -> AbortTransferReqOutput:
         def run_local() -> AbortTransferReqOutput:
             self.pending.abort(req.migration_id, settled=settled)
             return AbortTransferReqOutput(success=True)
 
-        if self.staged_commits.in_progress(req.migration_id):
-            return _in_progress(req.migration_id, "abort")
+        if self.commits.in_progress(req.migration_id):
+            return in_progress_output(req.migration_id, "abort")
         pending = self.pending.get(req.migration_id)
         was_pending = pending is not None
         # Without the source's word that no write can still land, the slots stay
         # quarantined until the grant's write window closes. Agreed across ranks.
-        settled = all(
-            self.ctx.all_gather(
-                bool(req.receipts)
-                and self._receipt_refusal(
-                    req.receipts, pending, need_success=False, migration_id=req.migration_id
-                )
-                is None
+        settled = self.ctx.all_ranks_agree(
+            bool(req.receipts)
+            and self.commits.receipt_refusal(
+                req.receipts, pending, need_success=False, migration_id=req.migration_id
             )
+            is None
         )
         local = guarded(run_local, AbortTransferReqOutput)
-        outputs = self.ctx.all_gather(local)
-        failed = [o for o in outputs if not o.success]
-        if failed:
-            return failed[0]
+        _, failed = self.ctx.first_failure_on_any_rank(local)
+        if failed is not None:
+            return failed
         if was_pending:
             self.metrics.outcome("target", "aborted")
         return local
@@ -572,16 +514,6 @@ class MigrationSchedulerSide:
         return None
 
     # ------------------------------------------------------------------ helpers
-
-    def _answer_staged_commit(self, commit: DeferredCommit, error: str | None) -> None:
-        if error is not None:  # the migration stays pending: abort or the watchdog frees it
-            self.metrics.outcome("target", "commit_failed")
-            output = CommitTransferRequestKVCacheReqOutput(
-                success=False, message=error, error_kind=ErrorKind.INTERNAL.value
-            )
-        else:
-            output = self._commit(commit.request, commit.pending, commit.started)
-        self._reply_later(commit.request, output)
 
     def _grant_staging(
         self, req: AllocateTokenForTransferReqInput, alloc: Any, path: DataPath
@@ -662,77 +594,18 @@ class MigrationSchedulerSide:
 
         return answer
 
-    def _receipt_refusal(
-        self,
-        receipts: list[str],
-        pending: Any,
-        need_success: bool = True,
-        migration_id: str | None = None,
-    ) -> str | None:
-        """Why `receipts` do not prove this rank's transfer (None when they do): a success
-        receipt for commit, a settled one (no write can still land) for abort."""
-        where = f"tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}"
-        mid = pending.migration_id if pending is not None else migration_id
-        for raw in receipts:
-            try:
-                receipt = self.signer.decode_receipt(raw)
-            except MigrationError as e:
-                return f"bad receipt: {e.message}"
-            if (receipt.tp, receipt.pp) != (self.ctx.tp_rank, self.ctx.pp_rank):
-                continue
-            if receipt.migration_id != mid:
-                return f"receipt for {where} is for migration {receipt.migration_id!r}"
-            if pending is not None and receipt.slots_digest != grants.slots_digest(pending.slots):
-                return f"receipt for {where} names other slots"
-            if pending is not None and receipt.source != pending.source:
-                return f"receipt for {where} is from another source than the grant's"
-            if need_success and not receipt.success:
-                return f"the source reported the transfer to {where} as failed"
-            if not need_success and not receipt.settled:
-                return f"the source's writes to {where} may still land"
-            return None
-        return f"no receipt from the source for {where} (pass the transfer reply's receipts)"
-
-    def _later_stage_receipts_refusal(self, receipts: list[str], migration_id: str) -> str | None:
-        """Stage 0 checks that later PP stages hold success receipts too (signature, id,
-        outcome; each stage checks its own slots), so a later stage cannot refuse a
-        commit stage 0 already inserted."""
-        proven = set()
-        for raw in receipts:
-            try:
-                receipt = self.signer.decode_receipt(raw)
-            except MigrationError as e:
-                return f"bad receipt: {e.message}"
-            if receipt.migration_id == migration_id and receipt.success:
-                proven.add((receipt.tp, receipt.pp))
-        for pp in range(1, self.ctx.pp_size):
-            for tp in range(self.ctx.tp_size):
-                if (tp, pp) not in proven:
-                    return (
-                        f"no success receipt from the source for tp={tp} pp={pp} "
-                        "(pass the transfer reply's receipts)"
-                    )
-        return None
-
-    def _verify_refusal(self, receipts: list[str], pending: Any) -> str | None:
-        """Why what landed in this rank's slots is not what the source sent (None when
-        it is). Runs after `_receipt_refusal` accepted the receipts."""
-        where = f"tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}"
-        for raw in receipts:
-            receipt = self.signer.decode_receipt(raw)
-            if (receipt.tp, receipt.pp) != (self.ctx.tp_rank, self.ctx.pp_rank):
-                continue
-            if not receipt.digest:
-                return (
-                    f"receipt hash missing for {where}: the transfer was not granted with "
-                    "verify (allocate with verify: true, or start the target with "
-                    "--kv-migration-verify)"
-                )
-            landed = pending.path.content_digest(pending.slots)
-            if landed != receipt.digest:
-                return f"receipt hash does not match the bytes that landed in {where}"
-            return None
-        return f"no receipt for {where}"
+    def _rank_fingerprint(self, attn_cp_size: int) -> LayoutFingerprint:
+        """This rank's layout fingerprint (its host pool, model and place in the server)."""
+        ctx = self.ctx
+        return LayoutFingerprint.from_shape(
+            sglang_adapter.kv_cache_shape(self.host_pool),
+            model=ctx.model,
+            tp_size=ctx.tp_size,
+            tp_rank=ctx.tp_rank,
+            pp_size=ctx.pp_size,
+            pp_rank=ctx.pp_rank,
+            attn_cp_size=attn_cp_size,
+        )
 
     def fingerprint_for(self, req: Any) -> LayoutFingerprint:
         """This rank's fingerprint with the weight version the request was stamped with."""
@@ -759,38 +632,23 @@ class MigrationSchedulerSide:
         transport: KVTransport | None,
         enable_memory_saver: bool,
     ) -> dict[str, DataPath]:
-        """The data paths this rank serves, in preference order. A path that cannot run
-        here is left out (logged once, on the first rank); every rank leaves out the same
-        ones, since they agree through a gather."""
-        from sglang_kv_migration.paths.host.path import HostPath
-
+        """The data paths this rank serves, in preference order (`PATH_FACTORIES`). A
+        path that cannot run here is left out (logged once, on the first rank); every
+        rank leaves out the same ones, since they agree through a gather."""
         reasons: dict[str, str] = {}
-        if DEVICE in names:
-            from sglang_kv_migration.paths.device.path import device_path_unavailable_reason
-
-            reason = device_path_unavailable_reason(self.ctx.tree_cache, enable_memory_saver)
+        for name in names:
+            reason = PATH_FACTORIES[name].unavailable(self.ctx.tree_cache, enable_memory_saver)
             if reason is not None:
-                reasons[DEVICE] = reason
+                reasons[name] = reason
         # Offered only if every (tp, pp) rank can: the client treats a server as one peer.
-        all_reasons = self.ctx.all_gather_world(reasons)
-        skipped = {name: r for rank_reasons in all_reasons for name, r in rank_reasons.items()}
+        skipped = self.ctx.merged_on_world(reasons)
         paths: dict[str, DataPath] = {}
         for name in names:
             if name in skipped:
                 if self.ctx.tp_rank == 0:
                     logger.warning("KV migration %s path off: %s", name, skipped[name])
                 continue
-            if name == HOST:
-                paths[HOST] = HostPath(
-                    self.ctx.tree_cache,
-                    self.layout,
-                    transport or open_transport(transport_config),
-                    transfer_timeout_s=transport_config.transfer_timeout_s,
-                )
-            elif name == DEVICE:
-                from sglang_kv_migration.paths.device.path import DevicePath
-
-                paths[DEVICE] = DevicePath(self.ctx.tree_cache)
+            paths[name] = PATH_FACTORIES[name].open(self, transport_config, transport)
         return paths
 
     def _run_watchdog(self, quarantine_only: bool = False) -> list[str]:
@@ -800,35 +658,60 @@ class MigrationSchedulerSide:
         local_due = self.pending.due()
         if quarantine_only:
             local_due = [mid for mid in local_due if self.pending.get(mid) is None]
-        due = sorted({mid for ids in self.ctx.all_gather(local_due) for mid in ids})
+        due = self.ctx.union_on_all_ranks(local_due)
         # A commit whose scatter runs owns its slots until it answers (a local copy).
-        due = [mid for mid in due if not self.staged_commits.in_progress(mid)]
+        due = [mid for mid in due if not self.commits.in_progress(mid)]
         for _ in self.pending.expire(due):
             self.metrics.outcome("target", "expired")
         return due
 
 
-def _in_progress(
-    migration_id: str, action: str
-) -> CommitTransferRequestKVCacheReqOutput | AbortTransferReqOutput:
-    output_type = (
-        CommitTransferRequestKVCacheReqOutput if action == "commit" else AbortTransferReqOutput
-    )
-    return output_type(
-        success=False,
-        message=f"cannot {action} migration {migration_id!r}: its commit is in progress",
-        error_kind=ErrorKind.CONFLICT.value,
+@dataclass(frozen=True)
+class PathFactory:
+    """How the scheduler side opens one data path on its rank."""
+
+    # Why the path cannot run on this rank (cache, enable_memory_saver), None when it can.
+    unavailable: Callable[[Any, bool], str | None]
+    # Open it (side, transport config, transport given by a test or None).
+    open: Callable[[MigrationSchedulerSide, TransportConfig, KVTransport | None], DataPath]
+
+
+def _always_available(_cache: Any, _enable_memory_saver: bool) -> str | None:
+    return None
+
+
+def _open_host_path(
+    side: MigrationSchedulerSide, config: TransportConfig, transport: KVTransport | None
+) -> DataPath:
+    from sglang_kv_migration.paths.host.path import HostPath
+
+    return HostPath(
+        side.ctx.tree_cache,
+        side.layout,
+        transport or open_transport(config),
+        transfer_timeout_s=config.transfer_timeout_s,
     )
 
 
-def guarded_refusal(check: Callable[[], str | None]) -> str | None:
-    """`check()`, with an unexpected error turned into a refusal (handlers never raise;
-    the ranks' collectives must still be entered)."""
-    try:
-        return check()
-    except Exception as e:
-        logger.exception("KV migration verify failed")
-        return f"verify failed: {e!r}"
+def _device_path_unavailable(cache: Any, enable_memory_saver: bool) -> str | None:
+    from sglang_kv_migration.paths.device.path import device_path_unavailable_reason
+
+    return device_path_unavailable_reason(cache, enable_memory_saver)
+
+
+def _open_device_path(
+    side: MigrationSchedulerSide, _config: TransportConfig, _transport: KVTransport | None
+) -> DataPath:
+    from sglang_kv_migration.paths.device.path import DevicePath
+
+    return DevicePath(side.ctx.tree_cache)
+
+
+# The data paths by name (`--kv-migration-paths`); a new path adds one row.
+PATH_FACTORIES: dict[str, PathFactory] = {
+    HOST: PathFactory(_always_available, _open_host_path),
+    DEVICE: PathFactory(_device_path_unavailable, _open_device_path),
+}
 
 
 def advertised_hostname(configured: str | None, server_host: str) -> str:

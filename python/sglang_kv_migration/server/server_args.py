@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 from sglang.srt import server_args as _upstream
 
@@ -75,96 +75,129 @@ class KVMigrationServerArgs(_upstream.ServerArgs):
             raise SystemExit(2) from None
 
 
+# The flags, in `--help` order: (flag, argparse keywords). Each is a field of
+# `KVMigrationServerArgs` (dashes for underscores) with the same default.
+CLI_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    (
+        "--enable-kv-migration",
+        dict(
+            action="store_true",
+            help="Serve the KV-cache migration endpoints (/get_transfer_session_info, "
+            "/allocate_token_for_transfer, ...). Requires --enable-hierarchical-cache.",
+        ),
+    ),
+    (
+        "--kv-migration-watchdog-timeout",
+        dict(
+            type=float,
+            default=DEFAULT_WATCHDOG_TIMEOUT_S,
+            help="Seconds after which an allocation that was neither committed nor aborted is "
+            "freed.",
+        ),
+    ),
+    (
+        "--kv-migration-hostname",
+        dict(
+            type=str,
+            default=None,
+            help="Address this server advertises to peers for KV transfers. Defaults to "
+            "--host, or this machine's outbound IP when --host is a wildcard.",
+        ),
+    ),
+    (
+        "--kv-migration-protocol",
+        dict(
+            choices=["tcp", "rdma"],
+            default="tcp",
+            help="Mooncake transport: rdma in production, tcp where there is no RDMA NIC.",
+        ),
+    ),
+    (
+        "--kv-migration-rdma-devices",
+        dict(
+            type=str,
+            default="",
+            help="Comma-separated RDMA device names for --kv-migration-protocol rdma "
+            "(empty: let Mooncake pick).",
+        ),
+    ),
+    (
+        "--kv-migration-max-batch-entries",
+        dict(
+            type=int,
+            default=DEFAULT_MAX_BATCH_ENTRIES,
+            help="Most write entries submitted to one peer in one batch (Mooncake's TCP "
+            "transport queues at most 1024 per peer by default).",
+        ),
+    ),
+    (
+        "--kv-migration-paths",
+        dict(
+            type=str,
+            default=DEFAULT_PATHS,
+            help="Data paths this server offers, in order of preference: 'device' (GPU to GPU "
+            "through CUDA IPC, servers on one host) and 'host' (host pool to host pool through "
+            "Mooncake). A path that cannot run here (no CUDA, --enable-memory-saver) is left "
+            "out with a warning at start-up.",
+        ),
+    ),
+    (
+        "--kv-migration-grant-key",
+        dict(
+            type=str,
+            default=None,
+            help="Secret shared by every server that migrates with this one: signs the write "
+            "grants and receipts that bind a source's writes to the slots the target reserved. "
+            "Defaults to one derived from --admin-api-key, else --api-key; without any, grants "
+            "are unsigned (they stop confused clients, not hostile peers on the transfer network).",
+        ),
+    ),
+    (
+        "--kv-migration-grant-ttl",
+        dict(
+            type=float,
+            default=DEFAULT_GRANT_TTL_S,
+            help="Seconds after allocate during which the source may start writing the reserved "
+            "slots (at most half of --kv-migration-watchdog-timeout is used).",
+        ),
+    ),
+    (
+        "--kv-migration-transfer-timeout",
+        dict(
+            type=float,
+            default=DEFAULT_TRANSFER_TIMEOUT_S,
+            help="Longest a host-path transfer may run. Freed slots whose writes could still land "
+            "stay quarantined until the grant's deadline plus twice this.",
+        ),
+    ),
+    (
+        "--kv-migration-staging-mb",
+        dict(
+            type=int,
+            default=DEFAULT_STAGING_MB,
+            help="Host memory per rank (MiB, pinned where CUDA is available) that sources may "
+            "write fragmented host-path migrations into as a few large entries; the target then "
+            "copies it into the reserved slots before commit. 0 turns staging off.",
+        ),
+    ),
+    (
+        "--kv-migration-verify",
+        dict(
+            action="store_true",
+            help="As a target, check every migration before inserting it: the source sends an "
+            "xxh3-128 digest of the KV it wrote, this server hashes what landed in the reserved "
+            "slots, and /commit answers 409 (nothing inserted) on a mismatch. Costs one pass "
+            "over the migrated bytes on each side. Clients can also ask per migration "
+            "(allocate or commit with verify: true).",
+        ),
+    ),
+)
+
+
 def add_kv_migration_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KV cache migration (sglang-kv-migration)")
-    group.add_argument(
-        "--enable-kv-migration",
-        action="store_true",
-        help="Serve the KV-cache migration endpoints (/get_transfer_session_info, "
-        "/allocate_token_for_transfer, ...). Requires --enable-hierarchical-cache.",
-    )
-    group.add_argument(
-        "--kv-migration-watchdog-timeout",
-        type=float,
-        default=DEFAULT_WATCHDOG_TIMEOUT_S,
-        help="Seconds after which an allocation that was neither committed nor aborted is freed.",
-    )
-    group.add_argument(
-        "--kv-migration-hostname",
-        type=str,
-        default=None,
-        help="Address this server advertises to peers for KV transfers. Defaults to "
-        "--host, or this machine's outbound IP when --host is a wildcard.",
-    )
-    group.add_argument(
-        "--kv-migration-protocol",
-        choices=["tcp", "rdma"],
-        default="tcp",
-        help="Mooncake transport: rdma in production, tcp where there is no RDMA NIC.",
-    )
-    group.add_argument(
-        "--kv-migration-rdma-devices",
-        type=str,
-        default="",
-        help="Comma-separated RDMA device names for --kv-migration-protocol rdma "
-        "(empty: let Mooncake pick).",
-    )
-    group.add_argument(
-        "--kv-migration-max-batch-entries",
-        type=int,
-        default=DEFAULT_MAX_BATCH_ENTRIES,
-        help="Most write entries submitted to one peer in one batch (Mooncake's TCP "
-        "transport queues at most 1024 per peer by default).",
-    )
-    group.add_argument(
-        "--kv-migration-paths",
-        type=str,
-        default=DEFAULT_PATHS,
-        help="Data paths this server offers, in order of preference: 'device' (GPU to GPU "
-        "through CUDA IPC, servers on one host) and 'host' (host pool to host pool through "
-        "Mooncake). A path that cannot run here (no CUDA, --enable-memory-saver) is left "
-        "out with a warning at start-up.",
-    )
-    group.add_argument(
-        "--kv-migration-grant-key",
-        type=str,
-        default=None,
-        help="Secret shared by every server that migrates with this one: signs the write "
-        "grants and receipts that bind a source's writes to the slots the target reserved. "
-        "Defaults to one derived from --admin-api-key, else --api-key; without any, grants "
-        "are unsigned (they stop confused clients, not hostile peers on the transfer network).",
-    )
-    group.add_argument(
-        "--kv-migration-grant-ttl",
-        type=float,
-        default=DEFAULT_GRANT_TTL_S,
-        help="Seconds after allocate during which the source may start writing the reserved "
-        "slots (at most half of --kv-migration-watchdog-timeout is used).",
-    )
-    group.add_argument(
-        "--kv-migration-transfer-timeout",
-        type=float,
-        default=DEFAULT_TRANSFER_TIMEOUT_S,
-        help="Longest a host-path transfer may run. Freed slots whose writes could still land "
-        "stay quarantined until the grant's deadline plus twice this.",
-    )
-    group.add_argument(
-        "--kv-migration-staging-mb",
-        type=int,
-        default=DEFAULT_STAGING_MB,
-        help="Host memory per rank (MiB, pinned where CUDA is available) that sources may "
-        "write fragmented host-path migrations into as a few large entries; the target then "
-        "copies it into the reserved slots before commit. 0 turns staging off.",
-    )
-    group.add_argument(
-        "--kv-migration-verify",
-        action="store_true",
-        help="As a target, check every migration before inserting it: the source sends an "
-        "xxh3-128 digest of the KV it wrote, this server hashes what landed in the reserved "
-        "slots, and /commit answers 409 (nothing inserted) on a mismatch. Costs one pass "
-        "over the migrated bytes on each side. Clients can also ask per migration "
-        "(allocate or commit with verify: true).",
-    )
+    for flag, keywords in CLI_FLAGS:
+        group.add_argument(flag, **keywords)
 
 
 def check_kv_migration_args(args: KVMigrationServerArgs) -> None:

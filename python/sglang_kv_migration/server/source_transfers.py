@@ -158,10 +158,10 @@ class SourceTransfers:
         # IMPORTANT: agree on validity before touching the tree. A rank that pinned and
         # queued write-backs while another did not would leave the ranks' write-through
         # state different, and SGLang's `writing_check` collectives would deadlock.
-        errors = [e for e in self.ctx.all_gather(local_error) if e is not None]
-        if errors:
-            inflight.error = errors[0]
-            req.stage_refusal = StageRefusal(errors[0].message, errors[0].kind.value)
+        error = self.ctx.first_error_on_any_rank(local_error)
+        if error is not None:
+            inflight.error = error
+            req.stage_refusal = StageRefusal(error.message, error.kind.value)
             return
         # Same outcome on every rank: their trees and pools are identical. (The device
         # path may still refuse on one rank only, e.g. an unopenable peer buffer; the
@@ -184,6 +184,29 @@ class SourceTransfers:
                 inflight.error = MigrationError(ErrorKind.CONFLICT, reason)
             if inflight.job is not None:
                 inflight.job.release()  # idempotent: `_finish_done` calls it again
+
+    def abandon_all(self, reason: str) -> None:
+        """Answer every transfer in flight with an INTERNAL failure now, without the
+        ranks' gather (after a failed poll, which may fail again). No receipt goes out,
+        so the target keeps the slots quarantined until the grant's write window closes."""
+        abandoned, self.inflight = self.inflight, []
+        for inflight in abandoned:
+            if inflight.job is not None:
+                try:
+                    inflight.job.release()
+                except Exception:  # the reply below must still go out
+                    logger.exception("KV migration could not release a failed transfer")
+            req = inflight.request
+            self.metrics.outcome("source", "send_failed")
+            output = TransferRequestKVCacheReqOutput(
+                success=False,
+                path=_path_name(req),
+                server_epoch=f"{self.server_epoch}:{req.weight_version}",
+                message=reason,
+                error_kind=ErrorKind.INTERNAL.value,
+            )
+            output.rid = req.rid
+            self.ctx.send_output(output, req)
 
     def close(self) -> None:
         for inflight in self.inflight:
