@@ -157,9 +157,36 @@ def test_every_iteration_is_accounted_idle_ones_too(side, monkeypatch) -> None:
     assert side.abort_transfer(AbortTransferReqInput(migration_id="m-account")).success
 
 
-def test_worst_iteration_is_broken_down_by_part(side) -> None:
+class _TickingTime:
+    """`time` for the loop timer with a `perf_counter` that ticks 1 us per read, so which
+    part of an iteration is heaviest is decided by the test, not by the machine's load
+    (on a busy 2-core box the poll's GIL hand-off outlasted a 64-token allocate)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+def test_worst_iteration_is_broken_down_by_part(side, monkeypatch) -> None:
     """The worst iteration's parts name the handler that ran and the poll's steps, and
     add up to `max_s`; a lighter iteration later does not replace them."""
+    from sglang_kv_migration.server import metrics
+
+    clock = _TickingTime()
+    monkeypatch.setattr(metrics, "time", clock)
+    allocate = side.allocate_token_for_transfer
+
+    def heavy_allocate(req):  # the handler's work takes 1 ms of the ticking clock
+        clock.now += 1e-3
+        return allocate(req)
+
+    monkeypatch.setattr(side, "allocate_token_for_transfer", heavy_allocate)
     timer = side.loop_timer
     timer.reset()
     handlers = dict(side.handlers())
