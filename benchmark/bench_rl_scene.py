@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from sglang_kv_migration.rollout.cost_model import parse_prometheus
 from sglang_kv_migration.rollout.rebalancer import RebalancePolicy, Rebalancer
 from sglang_kv_migration.rollout.request_migration import (
     AsyncRequestMigrator,
@@ -68,6 +67,7 @@ from real_servers import (  # noqa: E402
     ServerSpec,
     flush_cache,
     generate,
+    prefill_tokens,
     running_servers,
     write_model,
 )
@@ -252,23 +252,6 @@ def move_record(report: Any) -> dict[str, Any]:
         "estimate": report.estimate.to_dict() if report.estimate else None,
         "failure": report.failure,
     }
-
-
-def prefill_tokens(urls: list[str]) -> float | None:
-    """SGLang's own count of prompt tokens computed (not served from cache), all servers."""
-    total = 0.0
-    for url in urls:
-        try:
-            text = httpx.get(url + "/metrics", timeout=30).text
-        except httpx.HTTPError:
-            return None
-        total += sum(
-            s.value
-            for s in parse_prometheus(text)
-            if s.name == "sglang:realtime_tokens_total"
-            and s.labels.get("mode") == "prefill_compute"
-        )
-    return total
 
 
 # --------------------------------------------------------------------------- report

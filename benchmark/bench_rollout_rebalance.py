@@ -48,8 +48,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-from sglang_kv_migration.rollout.cost_model import parse_prometheus
 from sglang_kv_migration.rollout.rebalancer import RebalancePolicy, Rebalancer
 from sglang_kv_migration.rollout.request_migration import (
     AsyncRequestMigrator,
@@ -65,6 +63,7 @@ from real_servers import (  # noqa: E402
     ServerSpec,
     flush_cache,
     generate,
+    prefill_tokens,
     running_servers,
     write_model,
 )
@@ -137,7 +136,7 @@ async def run_mode(
 ) -> ModeResult:
     source = urls[0]
     records: list[TurnRecord] = []
-    before = _prefill_tokens(urls)
+    before = prefill_tokens(urls)
     async with AsyncRequestMigrator() as migrator:
         rebalancer = Rebalancer(migrator, urls, policy)
         t0 = time.perf_counter()
@@ -168,7 +167,7 @@ async def run_mode(
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    after = _prefill_tokens(urls)
+    after = prefill_tokens(urls)
     metrics = None if before is None or after is None else after - before
     return ModeResult(mode, makespan, records, metrics, rebalancer.summary.to_dict())
 
@@ -195,22 +194,6 @@ def _record(
         prefill_computed=computed,
         migrated_tokens=migrated,
     )
-
-
-def _prefill_tokens(urls: list[str]) -> float | None:
-    total = 0.0
-    for url in urls:
-        try:
-            text = httpx.get(url + "/metrics", timeout=30).text
-        except httpx.HTTPError:
-            return None
-        total += sum(
-            s.value
-            for s in parse_prometheus(text)
-            if s.name == "sglang:realtime_tokens_total"
-            and s.labels.get("mode") == "prefill_compute"
-        )
-    return total
 
 
 def summarize(result: ModeResult) -> dict[str, Any]:

@@ -23,7 +23,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from timing import wait_until
+
+# The benchmarks import this module with only test/gpu on sys.path (pytest's conftest adds
+# test/support for the tests): the shared timing helpers live there.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support"))
+from timing import wait_until  # noqa: E402
 
 T = TypeVar("T")
 
@@ -286,6 +290,26 @@ def kv_pool_usage(url: str) -> dict[str, int]:
         "num_running_reqs": int(load.get("num_running_reqs", 0)),
         "num_waiting_reqs": int(load.get("num_waiting_reqs", 0)),
     }
+
+
+def prefill_tokens(urls: list[str]) -> float | None:
+    """SGLang's own count of prompt tokens computed (not served from cache), all servers;
+    None when one server's /metrics cannot be read."""
+    from sglang_kv_migration.rollout.cost_model import parse_prometheus
+
+    total = 0.0
+    for url in urls:
+        try:
+            text = httpx.get(url + "/metrics", timeout=30).text
+        except httpx.HTTPError:
+            return None
+        total += sum(
+            s.value
+            for s in parse_prometheus(text)
+            if s.name == "sglang:realtime_tokens_total"
+            and s.labels.get("mode") == "prefill_compute"
+        )
+    return total
 
 
 def flush_cache(url: str, timeout_s: float = 60.0) -> None:
