@@ -708,6 +708,15 @@ def registered_hooks(target: str) -> list[object]:
     return [hook for _type, hook, _source in HookRegistry._hooks.get(target, [])]
 
 
+def frees_kv_cache(memory_req: Any) -> bool:
+    """True if a Release/ResumeMemoryOccupationReqInput covers the KV cache (its tags
+    name it, or name nothing: SGLang then takes every kind of GPU memory)."""
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+
+    tags = getattr(memory_req, "tags", None)
+    return not tags or GPU_MEMORY_TYPE_KV_CACHE in tags
+
+
 def is_hiradix_cache(cache: object) -> bool:
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 

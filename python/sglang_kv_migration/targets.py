@@ -81,6 +81,10 @@ class DeviceTarget:
     buffers: list[dict[str, Any]]  # cuda_ipc.export_tensor() per buffer
     # Tiers this rank copies from as a source (None: an older server, device pages only).
     tiers: list[str] | None = None
+    # > 0: the buffers are a landing arena of this many token rows, not the KV pool (a
+    # target with --enable-memory-saver, `landing.py`); one migration moves at most this
+    # many tokens, so a client sends a longer prefix in rounds.
+    landing_tokens: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -93,6 +97,8 @@ class DeviceTarget:
         }
         if self.tiers is not None:
             d["tiers"] = self.tiers
+        if self.landing_tokens:
+            d["landing_tokens"] = self.landing_tokens
         return d
 
     @classmethod
@@ -107,4 +113,5 @@ class DeviceTarget:
             num_rows=[int(x) for x in d["num_rows"]],
             buffers=list(d["buffers"]),
             tiers=d.get("tiers"),  # read by clients only
+            landing_tokens=int(d.get("landing_tokens", 0)),
         )

@@ -20,6 +20,7 @@ when the caller did not pin a path. Four round trips once session info is cached
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -59,6 +60,9 @@ class MigrationResult:
     entries: int = 0
     # Per source rank: where its part of the transfer spent its time, ms (host path).
     transfer_steps_ms: list[dict[str, float]] = field(default_factory=list)
+    # Migrations it took: more than one into a target whose device-path writes land in a
+    # landing arena smaller than the prefix (--enable-memory-saver).
+    rounds: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -454,7 +458,7 @@ def _attempt(
 
     chosen, reason = _choose_path(path, source_info, target_info, held)
     try:
-        return (yield from _move(plan, chosen, reason))
+        return (yield from _move_in_rounds(plan, chosen, reason))
     except MigrationFailed as failure:
         if (
             path in (None, "auto")
@@ -518,6 +522,47 @@ def _move(
             failure.rolled_back = status is not None and status < 300
         raise
     return _result(plan, path, allocation, transfer, commit, migration_id, fallback_reason)
+
+
+def _move_in_rounds(
+    plan: _Plan, path: str, fallback_reason: str
+) -> Generator[_Call, _Reply, MigrationResult]:
+    """`_move`, in rounds when the target's device-path writes land in a landing arena
+    smaller than the prefix (memory saver): each round migrates a longer prefix, whose
+    start the target holds from the round before, so each moves at most one arena."""
+    limit = _landing_tokens(plan.target_info) if path == "device" else 0
+    if not limit or len(plan.prefix) <= limit:
+        return (yield from _move(plan, path, fallback_reason))
+    results: list[MigrationResult] = []
+    held = 0  # of the prefix, what the target holds after the rounds so far
+    while held < len(plan.prefix):
+        end = min(held + limit, len(plan.prefix))
+        part = dataclasses.replace(plan, prefix=plan.prefix[:end], timings={})
+        results.append((yield from _move(part, path, fallback_reason)))
+        held = end  # committed (or the target held it already: an empty round)
+    timings = dict(plan.timings)
+    for r in results:
+        for k, v in r.timings.items():
+            if k != "total":
+                timings[k] = timings.get(k, 0.0) + v
+    timings["total"] = sum(timings.values())
+    last = results[-1]
+    return dataclasses.replace(
+        last,
+        migration_id=",".join(r.migration_id for r in results if r.migration_id),
+        target_matched_token_size=results[0].target_matched_token_size,
+        migrated_token_size=sum(r.migrated_token_size for r in results),
+        migrated_bytes=sum(r.migrated_bytes for r in results),
+        timings=timings,
+        copy_seconds=sum(r.copy_seconds for r in results),
+        rounds=sum(1 for r in results if r.migration_id) or 1,
+    )
+
+
+def _landing_tokens(target_info: dict[str, Any]) -> int:
+    """The fewest tokens a target rank's landing arena holds (0: writes go to the pool)."""
+    ranks = target_info["ranks"]
+    return min((r["paths"]["device"].get("landing_tokens", 0) for r in ranks), default=0)
 
 
 def _allocate_call(plan: _Plan, path: str) -> _Call:

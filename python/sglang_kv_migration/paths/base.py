@@ -176,6 +176,23 @@ class DataPath(abc.ABC):
         """How long after a grant's deadline a write started before it may still land."""
         return 0.0
 
+    @property
+    def late_writes_reach_slots(self) -> bool:
+        """A late write would land in the reserved slots themselves (so they wait in
+        quarantine); False when sources write elsewhere first (a landing arena)."""
+        return True
+
+    # ------------------------------------------------------------------ memory saver
+
+    def quiesce(self) -> None:  # noqa: B027 - optional: paths without GPU work keep it
+        """Wait for this rank's copies in flight (before SGLang unmaps the KV pool)."""
+
+    def release_memory(self) -> None:  # noqa: B027 - optional
+        """The KV cache memory was released (`/release_memory_occupation`)."""
+
+    def resume_memory(self) -> None:  # noqa: B027 - optional
+        """The KV cache memory is back (`/resume_memory_occupation`)."""
+
     # ------------------------------------------------------------------ source role
 
     @abc.abstractmethod

@@ -52,6 +52,7 @@ class MigrationState(StrEnum):
     EXPIRED = "expired"
     FLUSHED = "flushed"  # the radix cache was reset (e.g. /flush_cache after new weights)
     WEIGHTS_CHANGED = "weights_changed"  # the target's weight version moved before commit
+    RELEASED = "released"  # the target released its KV cache memory (memory saver)
 
 
 @dataclass
@@ -336,6 +337,22 @@ class PendingMigrations:
                 self._release(pending, MigrationState.FLUSHED)
             return [p.migration_id for p in dropped]
 
+    def prepare_for_release(self) -> list[str]:
+        """Before the KV cache memory is released (`/release_memory_occupation`): drop
+        every pending migration (state RELEASED: a later commit answers "gone"). Slots
+        that late writes cannot reach (a landing arena's) are freed at once, quarantine
+        included, so nothing refers to the arena the path is about to drop; the others
+        wait in quarantine as for a flush. Returns the dropped ids."""
+        with self.lock:
+            dropped = list(self.by_id.values())
+            for pending in dropped:
+                settled = not pending.path.late_writes_reach_slots
+                self._release(pending, MigrationState.RELEASED, settled=settled)
+            for mid, pending in list(self.quarantine.items()):
+                if not pending.path.late_writes_reach_slots:
+                    self._free_quarantined(mid)
+            return [p.migration_id for p in dropped]
+
     def after_reset(self) -> None:
         """After the reset freed every slot: take the quarantined ones out again, under
         the new tree generation, until their write windows close."""
@@ -420,6 +437,13 @@ class PendingMigrations:
                 ErrorKind.GONE,
                 f"migration {migration_id!r} was dropped: the target's weights changed "
                 "before it was committed",
+            )
+        if finished.state is MigrationState.RELEASED:
+            raise MigrationError(
+                ErrorKind.GONE,
+                f"migration {migration_id!r} was dropped: the target released its KV cache "
+                "memory (/release_memory_occupation) before it was committed; migrate again "
+                "after /resume_memory_occupation",
             )
         if finished.state is MigrationState.EXPIRED:
             raise MigrationError(

@@ -104,6 +104,16 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
         ),
         (upstream.SCHEDULER_SLEEP_ON_IDLE, scheduler_hooks.around_sleep_on_idle, HookType.AROUND),
         (
+            upstream.SCHEDULER_RELEASE_MEMORY,
+            scheduler_hooks.around_release_memory_occupation,
+            HookType.AROUND,
+        ),
+        (
+            upstream.SCHEDULER_RESUME_MEMORY,
+            scheduler_hooks.after_resume_memory_occupation,
+            HookType.AFTER,
+        ),
+        (
             upstream.TOKENIZER_INIT_COMMUNICATORS,
             communicators.after_init_communicators,
             HookType.AFTER,

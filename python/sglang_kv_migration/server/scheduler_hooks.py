@@ -91,6 +91,7 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         staging_bytes=args.kv_migration_staging_mb << 20,
         verify=args.kv_migration_verify,
         attn_cp_size=args.attn_cp_size,
+        landing_bytes=args.kv_migration_landing_mb << 20,
     )
     scheduler.kv_migration = side
     sglang_adapter.add_request_handlers(scheduler, side.handlers())
@@ -137,3 +138,31 @@ def around_sleep_on_idle(original: Any, scheduler: Any, *args: Any, **kwargs: An
     if side is not None and side.has_work():
         return None
     return original(scheduler, *args, **kwargs)
+
+
+def around_release_memory_occupation(
+    original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """Before SGLang unmaps the KV pool: let our copies finish and drop what refers to
+    the pool (`MigrationSchedulerSide.prepare_for_memory_release`); after it, drop the
+    device path's landing arena too."""
+    side = scheduler.kv_migration
+    from sglang_kv_migration import sglang_adapter
+
+    # SGLang releases an idle scheduler only (it asserts so): otherwise change nothing.
+    if side is None or not sglang_adapter.frees_kv_cache(recv_req) or not scheduler.is_fully_idle():
+        return original(scheduler, recv_req, *args, **kwargs)
+    side.prepare_for_memory_release()
+    output = original(scheduler, recv_req, *args, **kwargs)
+    side.after_memory_release()
+    return output
+
+
+def after_resume_memory_occupation(_result: Any, scheduler: Any, recv_req: Any, *_: Any) -> None:
+    side = scheduler.kv_migration
+    if side is None:
+        return
+    from sglang_kv_migration import sglang_adapter
+
+    if sglang_adapter.frees_kv_cache(recv_req) and side.memory_released:
+        side.after_memory_resume()

@@ -95,6 +95,7 @@ class MigrationSchedulerSide:
         staging_bytes: int = 0,
         verify: bool = False,
         attn_cp_size: int = 1,
+        landing_bytes: int = 0,
     ):
         self.ctx = ctx
         self.metrics = metrics or NullMetrics()
@@ -115,6 +116,12 @@ class MigrationSchedulerSide:
         # A restarted server gets a new epoch: clients drop their cached session info.
         # One for the whole server: every PP stage's reply carries it.
         self.server_epoch = ctx.first_rank_value_on_world(uuid.uuid4().hex)
+        # Bumped by every KV memory resume (memory saver): part of the epoch clients see,
+        # so they read session info again (the device path's landing arena is new).
+        self.memory_generation = 0
+        self.memory_released = False
+        # Memory saver: the device path's target writes land in an arena of this size.
+        self.landing_bytes = landing_bytes if enable_memory_saver else 0
         self.paths = self._open_paths(path_names, transport_config, transport, enable_memory_saver)
         self.transfers = SourceTransfers(
             ctx,
@@ -287,6 +294,37 @@ class MigrationSchedulerSide:
     def after_cache_flush(self) -> None:
         self.pending.after_reset()
 
+    def prepare_for_memory_release(self) -> None:
+        """Before SGLang unmaps the KV pool (`/release_memory_occupation` with the
+        kv_cache tag; the scheduler is idle). Every copy in flight on this rank finishes
+        first (one reading or writing an unmapped pool would fault the GPU); transfers
+        and deferred commits are failed and pending allocations dropped (a later commit
+        answers 410). New allocations are refused until the resume."""
+        for path in self.paths.values():
+            path.quiesce()
+        self.memory_released = True
+        self.transfers.fail_all("the source released its KV cache memory during the transfer")
+        self.commits.fail_waiting("the target released its KV cache memory during the commit")
+        dropped = self.pending.prepare_for_release()
+        if dropped and self.ctx.tp_rank == 0:
+            logger.warning(
+                "KV cache memory release drops pending KV migrations: %s", ", ".join(dropped)
+            )
+
+    def after_memory_release(self) -> None:
+        for path in self.paths.values():
+            path.release_memory()
+
+    def after_memory_resume(self) -> None:
+        """The KV pool is mapped again: new destinations (a new landing arena) and a new
+        epoch, so clients and sources drop what they cached of the old ones."""
+        for path in self.paths.values():
+            path.resume_memory()
+        self._destinations.clear()
+        self.memory_generation += 1
+        self.transfers.epoch_suffix = f".m{self.memory_generation}"
+        self.memory_released = False
+
     def close(self) -> None:
         self.commits.close()  # no scatter may run into pools being released
         self.pending.abort_all()
@@ -388,6 +426,12 @@ class MigrationSchedulerSide:
     ) -> AllocateTokenForTransferReqOutput:
         """This rank's part of an allocate (raises; the caller turns errors into replies)."""
         check_peer_fingerprint(self.fingerprint_for(req), req.source_fingerprints, role="source")
+        if self.memory_released:
+            raise MigrationError(
+                ErrorKind.UNAVAILABLE,
+                "this server released its KV cache memory (/release_memory_occupation); "
+                "migrate to it after /resume_memory_occupation",
+            )
         path = self._path(req.path)
         alloc = self.pending.allocate(
             req.migration_id,
@@ -612,8 +656,9 @@ class MigrationSchedulerSide:
         return dataclasses.replace(self.fingerprint, weight_version=req.weight_version)
 
     def epoch_for(self, req: Any) -> str:
-        """Changes on a restart and on a weight update: cached session info is stale."""
-        return f"{self.server_epoch}:{req.weight_version}"
+        """Changes on a restart, a weight update and a KV memory resume: cached session
+        info is stale."""
+        return self.transfers.epoch_of(req.weight_version)
 
     def _path(self, name: str) -> DataPath:
         path = self.paths.get(name)
@@ -638,6 +683,11 @@ class MigrationSchedulerSide:
         reasons: dict[str, str] = {}
         for name in names:
             reason = PATH_FACTORIES[name].unavailable(self.ctx.tree_cache, enable_memory_saver)
+            if reason is None and name == DEVICE and enable_memory_saver and not self.landing_bytes:
+                reason = (
+                    "--enable-memory-saver with --kv-migration-landing-mb 0: CUDA IPC cannot "
+                    "export the saver's KV pool and no landing arena was asked for"
+                )
             if reason is not None:
                 reasons[name] = reason
         # Offered only if every (tp, pp) rank can: the client treats a server as one peer.
@@ -704,7 +754,7 @@ def _open_device_path(
 ) -> DataPath:
     from sglang_kv_migration.paths.device.path import DevicePath
 
-    return DevicePath(side.ctx.tree_cache)
+    return DevicePath(side.ctx.tree_cache, landing_bytes=side.landing_bytes)
 
 
 # The data paths by name (`--kv-migration-paths`); a new path adds one row.

@@ -30,6 +30,8 @@ DEFAULT_PATHS = "device,host"
 DEFAULT_GRANT_TTL_S = 15.0
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 DEFAULT_STAGING_MB = 256
+# Memory saver: 1 GiB holds ~8K tokens of a Llama-3-8B-shaped KV (128 KiB per token).
+DEFAULT_LANDING_MB = 1024
 
 
 class KVMigrationArgsError(ValueError):
@@ -50,6 +52,7 @@ class KVMigrationServerArgs(_upstream.ServerArgs):
     kv_migration_grant_ttl: float = DEFAULT_GRANT_TTL_S
     kv_migration_transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT_S
     kv_migration_staging_mb: int = DEFAULT_STAGING_MB
+    kv_migration_landing_mb: int = DEFAULT_LANDING_MB
     kv_migration_verify: bool = False
 
     def __post_init__(self):
@@ -181,6 +184,17 @@ CLI_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         ),
     ),
     (
+        "--kv-migration-landing-mb",
+        dict(
+            type=int,
+            default=DEFAULT_LANDING_MB,
+            help="With --enable-memory-saver: GPU memory per rank (MiB, outside the saver's "
+            "regions, released and re-created with the KV cache) that same-host sources write "
+            "device-path migrations into before the target copies them into its KV pool; a "
+            "longer prefix moves in rounds of this size. 0 leaves such servers the host path only.",
+        ),
+    ),
+    (
         "--kv-migration-verify",
         dict(
             action="store_true",
@@ -228,6 +242,10 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
     if args.kv_migration_staging_mb < 0:
         raise KVMigrationArgsError(
             f"--kv-migration-staging-mb must be >= 0 (0 = off), got {args.kv_migration_staging_mb}."
+        )
+    if args.kv_migration_landing_mb < 0:
+        raise KVMigrationArgsError(
+            f"--kv-migration-landing-mb must be >= 0 (0 = off), got {args.kv_migration_landing_mb}."
         )
     if args.kv_migration_max_batch_entries < 1:
         raise KVMigrationArgsError(

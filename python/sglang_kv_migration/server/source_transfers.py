@@ -126,11 +126,16 @@ class SourceTransfers:
         self.server_fingerprints = server_fingerprints or {(ctx.tp_rank, ctx.pp_rank): fingerprint}
         self.paths = paths
         self.metrics = metrics
-        self.server_epoch = server_epoch
+        self.server_epoch = server_epoch  # this server's instance id (receipts name it)
+        self.epoch_suffix = ""  # set on every KV memory resume (scheduler_side.py)
         self.signer = signer or grants.Signer(None)
         self.max_tokens = max_tokens  # the most slots one transfer can name (host pool)
         self._used_grants = grants.UsedGrants()
         self.inflight: list[InflightTransfer] = []  # read-only outside this class
+
+    def epoch_of(self, weight_version: str) -> str:
+        """The epoch replies carry: instance, KV memory generation and weights."""
+        return f"{self.server_epoch}{self.epoch_suffix}:{weight_version}"
 
     def __len__(self) -> int:
         return len(self.inflight)
@@ -201,7 +206,7 @@ class SourceTransfers:
             output = TransferRequestKVCacheReqOutput(
                 success=False,
                 path=_path_name(req),
-                server_epoch=f"{self.server_epoch}:{req.weight_version}",
+                server_epoch=self.epoch_of(req.weight_version),
                 message=reason,
                 error_kind=ErrorKind.INTERNAL.value,
             )
@@ -402,7 +407,7 @@ class SourceTransfers:
                 success=False,
                 ranks=ranks,
                 path=_path_name(req),
-                server_epoch=f"{self.server_epoch}:{req.weight_version}",
+                server_epoch=self.epoch_of(req.weight_version),
                 message=failed[0].message,
                 error_kind=failed[0].error_kind,
             )
@@ -422,7 +427,7 @@ class SourceTransfers:
                 transferred_bytes=total_bytes,
                 ranks=ranks,
                 path=_path_name(req),
-                server_epoch=f"{self.server_epoch}:{req.weight_version}",
+                server_epoch=self.epoch_of(req.weight_version),
             )
             self.metrics.outcome("source", "sent")
             # Gathers run over the stage's TP group, in tp_rank order.

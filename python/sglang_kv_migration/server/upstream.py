@@ -30,6 +30,10 @@ SCHEDULER_SESSION_HELD_TOKENS = "sglang.srt.managers.scheduler.Scheduler._sessio
 # With --sleep-on-idle an idle loop blocks up to 1 s on its sockets: not while a
 # migration of ours waits for its reply to be sent from the per-iteration poll.
 SCHEDULER_SLEEP_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle"
+# --enable-memory-saver: the KV pool is unmapped and mapped again around training steps;
+# copies in flight must finish first, and the device path's landing arena follows it.
+SCHEDULER_RELEASE_MEMORY = "sglang.srt.managers.scheduler.Scheduler.release_memory_occupation"
+SCHEDULER_RESUME_MEMORY = "sglang.srt.managers.scheduler.Scheduler.resume_memory_occupation"
 
 HOOK_TARGETS: tuple[str, ...] = (
     SERVER_ARGS_CLASS,
@@ -41,11 +45,14 @@ HOOK_TARGETS: tuple[str, ...] = (
     HTTP_LAUNCH_SERVER,
     SCHEDULER_SESSION_HELD_TOKENS,
     SCHEDULER_SLEEP_ON_IDLE,
+    SCHEDULER_RELEASE_MEMORY,
+    SCHEDULER_RESUME_MEMORY,
 )
 
 REQUIRED_SYMBOLS: tuple[str, ...] = (
     "sglang.srt.plugins.hook_registry.HookRegistry",
     "sglang.srt.managers.io_struct.BaseReq",
+    "sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE",
     "sglang.srt.managers.communicator.FanOutCommunicator",
     "sglang.srt.managers.scheduler.Scheduler.is_fully_idle",
     "sglang.srt.managers.scheduler.SenderWrapper.send_output",

@@ -17,10 +17,17 @@ nodes are protected from host eviction until the copy's event. Advertised as
 `tiers: ["device", "host"]`; without a readable host pool (not pinned, a layout the
 kernel cannot address) only `["device"]`, and such ranges are refused.
 
-Refused (the client then falls back to the host path): no CUDA, `--enable-memory-saver`
-(its KV pools are virtual-memory mappings released and resumed around training steps, so
-an IPC mapping would not survive a release), another host, a GPU this process cannot
-see, or host pages this server cannot read in place.
+Memory saver (`landing.py`): a server started with `--enable-memory-saver` holds its KV
+pool in torch_memory_saver's virtual-memory mappings, which CUDA IPC cannot export and
+`/release_memory_occupation` unmaps. As a target it advertises a landing arena instead
+(a plain buffer laid out like the pool); each reservation takes pool slots and as many
+arena rows, the source writes the rows, and commit copies them into the pool on the
+target's GPU before inserting. A memory release drops the arena with the KV cache (after
+every copy out of it and every send of this rank has finished), a resume builds a new
+one under a new instance id. As a source nothing changes: it reads its own pool.
+
+Refused (the client then falls back to the host path): no CUDA, another host, a GPU this
+process cannot see, or host pages this server cannot read in place.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths import verify
 from sglang_kv_migration.paths.base import DEVICE, DataPath, KVPoll, SendJob, SendRange, SendStats
-from sglang_kv_migration.paths.device import cuda_ipc, page_copy, tiers
+from sglang_kv_migration.paths.device import cuda_ipc, landing, page_copy, tiers
 from sglang_kv_migration.targets import DeviceTarget
 
 if TYPE_CHECKING:
@@ -50,16 +57,12 @@ logger = logging.getLogger(__name__)
 
 
 def device_path_unavailable_reason(cache: HiRadixCache, enable_memory_saver: bool) -> str | None:
-    """Why this server cannot offer the device path, or None when it can."""
+    """Why this server cannot offer the device path, or None when it can (with the
+    memory saver on, as a landing-arena target: `landing.py`)."""
     import torch
 
     if not torch.cuda.is_available():
         return "CUDA is not available in this process"
-    if enable_memory_saver:
-        return (
-            "--enable-memory-saver is on: KV pools are released and resumed around "
-            "training steps, so CUDA IPC mappings of them cannot be kept"
-        )
     try:
         buffers = sglang_adapter.device_kv_buffers(cache)
     except MigrationError as e:
@@ -72,7 +75,7 @@ def device_path_unavailable_reason(cache: HiRadixCache, enable_memory_saver: boo
 class DevicePath(DataPath):
     name: ClassVar[str] = DEVICE
 
-    def __init__(self, cache: HiRadixCache):
+    def __init__(self, cache: HiRadixCache, landing_bytes: int = 0):
         import torch
 
         self.cache = cache
@@ -90,11 +93,21 @@ class DevicePath(DataPath):
         self._exported: list[dict[str, Any]] = []
         self._gpu_uuid = ""
         self._src_ptrs: Any = None
+        # > 0 (--enable-memory-saver): sources write a landing arena, not the pool.
+        self.landing_tokens = landing_bytes // self.bytes_per_token if landing_bytes > 0 else 0
+        if self.landing_tokens and self.landing_tokens < self.page_size:
+            raise ValueError(
+                f"a landing arena of {landing_bytes} bytes holds no page of {self.page_size} "
+                f"tokens ({self.bytes_per_token} bytes each): raise --kv-migration-landing-mb"
+            )
+        self._landing: landing.LandingArena | None = None
+        self.released = False  # the KV cache memory is released (memory saver)
+        self.landing_refusal = ""  # why a landing-mode rank has no arena now
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
-            self._exported = [cuda_ipc.export_tensor(b) for b in self.buffers]
             self._gpu_uuid = cuda_ipc.gpu_uuid(self.device.index)
             self._src_ptrs = _pointer_table(self.buffers, self.device)
+        self._open_destination()
         # One fused launch moves every buffer when all have the same row size (MHA with
         # equal K/V head dims, MLA); otherwise two torch launches per buffer.
         self._fused = len(set(self.row_bytes)) == 1 and self.row_bytes[0] % 8 == 0
@@ -109,16 +122,72 @@ class DevicePath(DataPath):
     # ------------------------------------------------------------------ both roles
 
     def advertise(self) -> dict[str, Any]:
+        arena = self._landing
         return DeviceTarget(
             host_identity=cuda_ipc.host_identity(),
             gpu_uuid=self._gpu_uuid,
             instance_id=self.instance_id,
             row_bytes=self.row_bytes,
-            num_rows=self.num_rows,
+            num_rows=[arena.capacity] * len(self.buffers) if arena else self.num_rows,
             buffers=self._exported,
             # Tiers this source copies from (absent: a server that reads device pages only).
             tiers=[tiers.DEVICE_TIER] + ([tiers.HOST_TIER] if self._host is not None else []),
+            landing_tokens=arena.capacity if arena else 0,
         ).to_wire()
+
+    # ------------------------------------------------------------------ memory saver
+
+    def _open_destination(self) -> None:
+        """What sources write: the pool's buffers, or (memory saver) a new landing arena,
+        exported through CUDA IPC when this rank has a GPU."""
+        if self.landing_tokens:
+            self._landing = landing.LandingArena(
+                self.row_bytes, self.landing_tokens, self.page_size, self.device
+            )
+            exported = self._landing.buffers
+        else:
+            exported = self.buffers
+        if self.device.type != "cuda":
+            return
+        try:
+            self._exported = [cuda_ipc.export_tensor(b) for b in exported]
+        except RuntimeError as e:
+            what = "landing arena" if self.landing_tokens else "KV pool"
+            raise RuntimeError(
+                f"cannot export the {what} through CUDA IPC ({e}); start the server with "
+                "--kv-migration-paths host to go without the device path"
+            ) from e
+
+    def quiesce(self) -> None:
+        """Wait for every copy this rank launched, as a source and out of its arena:
+        before SGLang unmaps the KV pool (`/release_memory_occupation`)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        if self._landing is not None:
+            self._landing.synchronize()
+
+    def release_memory(self) -> None:
+        """The KV cache is released: drop the landing arena (every reservation was freed
+        before). Sources still mapping it keep its pages only until they let go."""
+        self.released = True
+        if self._landing is not None:
+            self._landing.synchronize()
+            self._landing = None
+            self._exported = []
+
+    def resume_memory(self) -> None:
+        """The KV cache is back: a new arena under a new instance id, so sources open it
+        instead of their mapping of the old one."""
+        self.released = False
+        if self.landing_tokens and self._landing is None:
+            self.instance_id = uuid.uuid4().hex
+            try:
+                self._open_destination()
+                self.landing_refusal = ""
+            except Exception as e:  # e.g. out of memory: the server must keep running
+                logger.exception("KV migration landing arena not re-created")
+                self._landing, self._exported = None, []
+                self.landing_refusal = f"no landing arena after the resume: {e}"
 
     def destination_of(self, target: TransferRequestKVCacheTarget) -> dict[str, Any]:
         # As it came: the grant binds the digest of what the target advertised.
@@ -133,20 +202,55 @@ class DevicePath(DataPath):
         return sglang_adapter.match_device_prefix(self.cache, input_ids, extra_key).as_held()
 
     def reserve(self, num_tokens: int) -> torch.Tensor:
-        return sglang_adapter.alloc_device_slots(self.cache, num_tokens)
+        """Pool slots; with a landing arena, the arena rows reserved with them (the slots
+        sources write: the pool slots stay this rank's business)."""
+        if self.released:
+            raise MigrationError(
+                ErrorKind.UNAVAILABLE,
+                "this server released its KV cache memory (/release_memory_occupation); "
+                "migrate to it after /resume_memory_occupation",
+            )
+        if self.landing_tokens and self._landing is None:
+            raise MigrationError(ErrorKind.UNAVAILABLE, self.landing_refusal)
+        slots = sglang_adapter.alloc_device_slots(self.cache, num_tokens)
+        if self._landing is None:
+            return slots
+        try:
+            return self._landing.take(slots)
+        except BaseException:
+            sglang_adapter.free_device_slots(self.cache, slots)
+            raise
 
     def release(self, slots: torch.Tensor) -> None:
-        sglang_adapter.free_device_slots(self.cache, slots)
+        if self._landing is None:
+            sglang_adapter.free_device_slots(self.cache, slots)
+            return
+        sglang_adapter.free_device_slots(self.cache, self._landing.pool_slots(slots))
+        self._landing.give_back(slots)
 
     def retake(self, slots: torch.Tensor) -> None:
-        sglang_adapter.take_device_slots(self.cache, slots)
+        pool = self._landing.pool_slots(slots) if self._landing is not None else slots
+        sglang_adapter.take_device_slots(self.cache, pool)
 
     def insert(
         self, anchor: TreeNode, key: RadixKey, anchor_length: int, slots: torch.Tensor
     ) -> int:
-        return sglang_adapter.insert_device_pages(self.cache, key, anchor_length, slots)
+        arena = self._landing
+        if arena is None:
+            return sglang_adapter.insert_device_pages(self.cache, key, anchor_length, slots)
+        pool = arena.pool_slots(slots)
+        copied = arena.scatter(slots, self.buffers, pool, self._src_ptrs if self._fused else None)
+        present = sglang_adapter.insert_device_pages(self.cache, key, anchor_length, pool)
+        # The caller releases rows [:present] (their pool slots are surplus); the rest
+        # are free once the copy out of them is done.
+        arena.give_back(slots[present:], after=copied)
+        return present
 
     def content_digest(self, slots: torch.Tensor) -> str:
+        if self._landing is not None:  # what the source wrote, before the scatter
+            arena = self._landing
+            rows = [b.view(arena.capacity, -1) for b in arena.buffers]
+            return verify.device_rows_digest(rows, slots)
         return verify.device_rows_digest(self.buffers, slots)
 
     @property
@@ -157,6 +261,11 @@ class DevicePath(DataPath):
     def late_write_margin_s(self) -> float:
         # The copy is launched before the grant's deadline and runs for milliseconds.
         return 2.0
+
+    @property
+    def late_writes_reach_slots(self) -> bool:
+        # Into a landing arena, a late write reaches arena rows, never the pool.
+        return self._landing is None
 
     # ------------------------------------------------------------------ source role
 
