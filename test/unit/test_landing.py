@@ -305,3 +305,15 @@ def test_the_client_moves_a_long_prefix_in_landing_sized_rounds(side_factory, he
     assert result.migrated_token_size == 208 - held and target["held"] == 208
     assert result.migrated_bytes == (208 - held) * 10
     assert [c.phase for c in calls].count("commit") == rounds
+
+
+def test_the_adapter_reads_the_tags_of_sglangs_own_memory_requests():
+    from sglang.srt.managers.io_struct import (
+        ReleaseMemoryOccupationReqInput,
+        ResumeMemoryOccupationReqInput,
+    )
+
+    assert adapter.frees_kv_cache(ReleaseMemoryOccupationReqInput())  # no tags: everything
+    assert adapter.frees_kv_cache(ReleaseMemoryOccupationReqInput(tags=["kv_cache"]))
+    assert not adapter.frees_kv_cache(ReleaseMemoryOccupationReqInput(tags=["weights"]))
+    assert adapter.frees_kv_cache(ResumeMemoryOccupationReqInput(tags=["weights", "kv_cache"]))
