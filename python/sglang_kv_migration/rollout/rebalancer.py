@@ -19,7 +19,9 @@ fallback) and plans moves with `plan_moves`, a pure function:
   evictable slots: what a migration's allocate can claim), less the slots the moves
   already planned to it this round and those still in flight claim, must hold the
   tokens the source holds (the whole prompt when not asked). Several moves to one target
-  thus never overflow its GPU pool, which would send the last ones over the host path;
+  thus do not together claim more than its GPU pool had free when they were planned
+  (the target's own work may still take slots meanwhile); a move that finds the pool
+  full migrates over the host path instead;
 - from each pressured server (most pressured first) it moves the highest-priority live
   requests the migrator tracks there that have not produced a token yet (still queued, or
   being prefilled; `move_running` lifts this) — most recently submitted first within a
