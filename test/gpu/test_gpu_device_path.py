@@ -483,3 +483,31 @@ def test_device_path_when_the_source_holds_half_on_device_half_on_host(
     assert held["device_token_size"] >= half, held
     expected = _aligned(len(prompt) - 1, s.page_size)
     _check_any_tier_migration(s, client, prompt, "device_source_mixed", expected - half)
+
+
+def test_route_metrics_teach_the_cost_model(servers: Servers):
+    """Runs after the migrations above (fresh, host-only and mixed prefixes on the device
+    path): the source reported bytes and copy time per route and its fixed cost, and the
+    cost model learns the GPU -> GPU and host -> GPU rates from the two `/metrics` texts."""
+    from sglang_kv_migration.rollout.cost_model import GPU_TO_GPU, HOST_TO_GPU, CostModel
+
+    source_text = httpx.get(servers.source + "/metrics", timeout=30).text
+    target_text = httpx.get(servers.target + "/metrics", timeout=30).text
+    routes = CostModel.from_metrics(source_text, target_text).routes
+    record(
+        "route_costs",
+        {
+            "series": [
+                line
+                for line in source_text.splitlines()
+                if line.startswith(("sglang:kv_migration_route_", "sglang:kv_migration_fixed"))
+            ][:40],
+            "routes": {name: vars(cost) for name, cost in routes.items()},
+        },
+    )
+    for route in (GPU_TO_GPU, HOST_TO_GPU):
+        assert routes[route].origin == "metrics", routes[route]
+        # A real rate (the tiny model's copies are a few MB, so launch latency weighs in;
+        # the Llama-3-8B-shaped rates are in docs/benchmarks.md).
+        assert routes[route].bandwidth_bytes_per_s > 2e9, routes[route]
+        assert 0 < routes[route].overhead_s < 5, routes[route]

@@ -211,6 +211,15 @@ def test_metrics_are_exported_by_real_servers(servers):
     assert value(on_target, "sglang:kv_migration_total", 'outcome="committed"') >= 2
     assert value(on_target, "sglang:kv_migration_bytes_total", 'role="target"') > 0
 
+    # Per route (whichever path the CLI's auto choice took) and the fixed cost per path,
+    # for the cost model: every rank of every path, summed.
+    def total(lines: list[str], name: str) -> float:
+        return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(name + "{"))
+
+    assert total(on_source, "sglang:kv_migration_route_bytes_total") > 0
+    assert total(on_source, "sglang:kv_migration_route_seconds_total") > 0
+    assert total(on_source, "sglang:kv_migration_fixed_seconds_count") >= 2
+
 
 def test_flush_cache_drops_a_pending_allocation(servers):
     """RL frameworks flush after a weight update: a pending allocation must not survive."""

@@ -260,3 +260,98 @@ def test_device_prior_is_priced_from_the_routes_of_the_size_query() -> None:
         by_path={"device": MigrationCosts(bandwidth_bytes_per_s=4e11, origin="metrics")},
     )
     assert learned.costs_for("device", half).bandwidth_bytes_per_s == 4e11
+
+
+# --------------------------------------------------------------------------- learned routes
+
+
+def _registry_text(*model_names: str) -> str:
+    """The real registry's exposition text, only the series of these model names (other
+    tests of the session record theirs in the same process-wide registry)."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    wanted = tuple(f'model_name="{name}"' for name in model_names)
+    lines = generate_latest(REGISTRY).decode().splitlines()
+    return "\n".join(line for line in lines if any(w in line for w in wanted)) + "\n"
+
+
+def test_route_names_are_the_servers() -> None:
+    from sglang_kv_migration.paths import base
+    from sglang_kv_migration.rollout.cost_model import HOST_TO_HOST, LANDING, PATH_ROUTES
+
+    ours = (GPU_TO_GPU, HOST_TO_GPU, LANDING, HOST_TO_HOST)
+    assert ours == base.ROUTE_NAMES
+    assert set(ROUTE_PRIORS) == set(base.ROUTE_NAMES)
+    assert set(PATH_ROUTES) == set(base.PATH_NAMES)
+
+
+def test_each_route_is_learned_from_the_servers_series() -> None:
+    """Two source ranks report per-route bytes and seconds and per-path fixed seconds
+    (`MigrationMetrics.routes`, as `source_transfers.py` records a finished send); the
+    target its allocate and commit phases. Rates and fixed costs come from them, the
+    landing route (no series) keeps its prior, and moves are priced by their routes."""
+    from sglang_kv_migration.rollout.cost_model import HOST_TO_HOST, LANDING
+    from sglang_kv_migration.server.metrics import MigrationMetrics
+
+    for tp in (0, 1):  # one device send (half its bytes on each tier) and one host send
+        ranks = MigrationMetrics("routes-src", tp, 0)
+        ranks.routes("device", {GPU_TO_GPU: (10**9, 0.001), HOST_TO_GPU: (10**9, 0.02)}, 0.03)
+        ranks.routes("host", {HOST_TO_HOST: (10**9, 0.5)}, 0.1)
+    target = MigrationMetrics("routes-dst", 0, 0)
+    target.phase("allocate", 0.01)
+    target.phase("commit", 0.005)
+    source_text, target_text = _registry_text("routes-src"), _registry_text("routes-dst")
+    assert 'route="host_to_gpu"' in source_text and "kv_migration_fixed_seconds" in source_text
+
+    prior = CostModel(
+        MigrationCosts(bandwidth_bytes_per_s=1e9, overhead_s=0.01, bytes_per_token=1000),
+        PrefillCosts(seconds_per_token=1e-4),
+    )
+    model = CostModel.from_metrics(source_text, target_text, prior=prior, http_overhead_s=0.005)
+    routes = model.routes
+    # 2 GB on two ranks in 1 ms each: 2 TB/s; 2 GB in 20 ms each: 100 GB/s; 2 GB in 0.5 s: 4 GB/s.
+    assert routes[GPU_TO_GPU].bandwidth_bytes_per_s == pytest.approx(2e12)
+    assert routes[HOST_TO_GPU].bandwidth_bytes_per_s == pytest.approx(1e11)
+    assert routes[HOST_TO_HOST].bandwidth_bytes_per_s == pytest.approx(4e9)
+    # Fixed: the source's 30 ms (device) or 100 ms (host) + 10 ms allocate + 5 ms commit
+    # + 5 ms HTTP.
+    assert routes[GPU_TO_GPU].overhead_s == pytest.approx(0.05)
+    assert routes[HOST_TO_GPU].overhead_s == pytest.approx(0.05)
+    assert routes[HOST_TO_HOST].overhead_s == pytest.approx(0.12)
+    assert {r: c.origin for r, c in routes.items()} == {
+        GPU_TO_GPU: "metrics",
+        HOST_TO_GPU: "metrics",
+        HOST_TO_HOST: "metrics",
+        LANDING: "prior",
+    }
+    assert routes[LANDING] == ROUTE_PRIORS[LANDING]
+
+    # 8000 tokens, 8 MB: half held on the GPU (4 MB at 2 TB/s + 4 MB at 100 GB/s).
+    half = {"matched_token_size": 8000, "device_token_size": 4000}
+    device = model.estimate(8000, path="device", held=half)
+    assert device.migrate_s == pytest.approx(0.05 + 4e6 / 2e12 + 4e6 / 1e11)
+    # Without a size query: all on host -> GPU, the device path's slowest route.
+    assert model.estimate(8000, path="device").migrate_s == pytest.approx(0.05 + 8e6 / 1e11)
+    # The host path, its route measured: priced from it.
+    host = model.estimate(8000, path="host")
+    assert host.migrate_s == pytest.approx(0.12 + 8e6 / 4e9)
+    assert model.costs_for("host").origin == "routes"
+    # Learning again from the learned model changes nothing.
+    again = CostModel.from_metrics(source_text, target_text, prior=model, http_overhead_s=0.005)
+    assert again == model
+
+
+def test_routes_without_the_target_keep_their_prior_fixed_cost() -> None:
+    from sglang_kv_migration.server.metrics import MigrationMetrics
+
+    MigrationMetrics("routes-alone", 0, 0).routes("device", {HOST_TO_GPU: (5 * 10**8, 0.01)}, 0.2)
+    model = CostModel.from_metrics(_registry_text("routes-alone"), None)
+    learned = model.routes[HOST_TO_GPU]
+    assert learned.bandwidth_bytes_per_s == pytest.approx(5e10)
+    assert learned.overhead_s == ROUTE_PRIORS[HOST_TO_GPU].overhead_s  # no target numbers
+    assert model.routes[GPU_TO_GPU] == ROUTE_PRIORS[GPU_TO_GPU]
+    # No host route measured: the host path keeps the generic terms.
+    assert "host" not in model.by_path
+    assert model.costs_for("host") == model.migration
+    # No series at all: every route is its prior.
+    assert CostModel.from_metrics("", "").routes == dict(ROUTE_PRIORS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+import pytest
 from sglang_kv_migration.io_types import (
     AbortTransferReqInput,
     AllocateTokenForTransferReqInput,
@@ -250,3 +251,48 @@ def test_diagnose_charges_collections_and_cpu_time_per_part() -> None:
     timer.begin_poll()
     timer.end_iteration(active=False)
     assert timer.worst_parts == {} and timer.iterations == 1
+
+
+def test_a_finished_send_reports_its_routes_and_fixed_cost(side) -> None:
+    """A real host-path send to this same server (loopback): its bytes and wire time land
+    on the host -> host route, the rest of the transfer as the host path's fixed cost,
+    and the cost model learns that route's rate from the registry's own text."""
+    from prometheus_client import REGISTRY, generate_latest
+    from sglang_kv_migration.rollout.cost_model import HOST_TO_HOST, CostModel
+
+    route = {"path": "host", "route": HOST_TO_HOST}
+    bytes_before = _sample("sglang:kv_migration_route_bytes_total", **route)
+    seconds_before = _sample("sglang:kv_migration_route_seconds_total", **route)
+    fixed_before = _sample("sglang:kv_migration_fixed_seconds_count", path="host")
+    ids = list(range(7000, 7064))
+    side.harness.insert_random(ids, seed=5)
+    alloc = _allocate(side, list(range(9000, 9064)), "m-routes")
+    assert alloc.success, alloc.message
+    req = transfer_to_self(
+        side, ids, alloc.ranks[0].kv_indices, alloc.ranks[0].grant, migration_id="m-routes"
+    )
+    assert side.transfer_request_kvcache(req) is None
+    deadline = time.monotonic() + 30
+    while not side.replies and time.monotonic() < deadline:
+        side.poll()
+        time.sleep(0.001)
+    assert len(side.replies) == 1 and side.replies[0].success, side.replies
+    sent = side.replies[0].transferred_bytes
+    assert sent == 64 * side.bytes_per_token
+
+    assert _sample("sglang:kv_migration_route_bytes_total", **route) - bytes_before == sent
+    wire_s = _sample("sglang:kv_migration_route_seconds_total", **route) - seconds_before
+    assert wire_s > 0
+    assert _sample("sglang:kv_migration_fixed_seconds_count", path="host") == fixed_before + 1
+    assert _sample("sglang:kv_migration_fixed_seconds_sum", path="host") >= 0
+    # The device routes saw nothing.
+    assert _sample("sglang:kv_migration_route_bytes_total", path="device", route="gpu_to_gpu") == 0
+
+    # This side's series only (other tests record other model names in the same registry).
+    lines = generate_latest(REGISTRY).decode().splitlines()
+    text = "\n".join(line for line in lines if 'model_name="tiny"' in line)
+    total_bytes = _sample("sglang:kv_migration_route_bytes_total", **route)
+    total_s = _sample("sglang:kv_migration_route_seconds_total", **route)
+    learned = CostModel.from_metrics(text, None).routes[HOST_TO_HOST]
+    assert learned.origin == "metrics"
+    assert learned.bandwidth_bytes_per_s == pytest.approx(total_bytes / total_s)

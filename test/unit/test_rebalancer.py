@@ -6,6 +6,8 @@ module's mini servers).
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 
 from sglang_kv_migration.rollout.rebalancer import (
@@ -226,3 +228,135 @@ def test_a_request_moves_once_unless_allowed_more() -> None:
     assert [m.handle for m in plan_moves(loads, [moved_before, fresh], policy)] == [fresh]
     twice = RebalancePolicy(max_concurrent=4, max_moves_per_request=2)
     assert plan_moves(loads, [moved_before, fresh], twice)[0].handle is moved_before
+
+
+def test_moves_to_one_target_stay_within_its_free_gpu_pool() -> None:
+    """The RL scene at 16K: B's GPU pool holds three moved histories, not four. Each move
+    claims the tokens the source holds; B takes moves while its free slots (capacity less
+    what running requests hold) less those claims still hold the next one."""
+    a = ServerLoad(A, 8, 6, 60_000, 200_000, 65_536, True, max_running=8)
+    # B: 65,536 slots, 15,000 held by its own running requests; its demand leaves room.
+    b = ServerLoad(B, 2, 0, 15_000, 15_000, 65_536, True, max_running=48)
+    handles = [FakeHandle(A, 10, float(i), prompt_len=16_401, max_new=64) for i in range(6)]
+    held = {id(h): HeldKV(16_400, device_tokens=0) for h in handles}
+    # Demand ratios out of the way (A stays pressured: its running slots are full), so
+    # the GPU pool is what limits B.
+    policy = RebalancePolicy(
+        kv_pressure=5.0,
+        target_max_ratio=10.0,
+        min_priority=10,
+        min_held_tokens=16,
+        max_concurrent=8,
+        max_moves_per_round=8,
+    )
+    moves = plan_moves({A: a, B: b}, handles, policy, held=held)
+    # 50,536 free: three moves of 16,400 (49,200), not a fourth.
+    assert len(moves) == 3
+    assert {m.target_url for m in moves} == {B}
+    assert [m.kv_tokens for m in moves] == [16_400] * 3
+    assert moves[0].to_dict()["kv_tokens"] == 16_400
+    # Moves still in flight from an earlier round claim their part: one more fits.
+    later = plan_moves({A: a, B: b}, handles, policy, held=held, claimed={B: 2 * 16_400})
+    assert len(later) == 1
+    # Without the check, all six would go.
+    unchecked = dataclasses.replace(policy, kv_headroom=False)
+    assert len(plan_moves({A: a, B: b}, handles, unchecked, held=held)) == 6
+
+
+def test_headroom_spreads_moves_and_counts_the_prompt_when_held_is_unknown() -> None:
+    # B has the shorter queue but room for one 600-token prompt; C has room for more.
+    a = ServerLoad(A, 8, 4, 5000, 5000, 1000, True, max_running=8)  # slots full
+    b = ServerLoad(B, 0, 0, 1_300, 1_300, 2_000, True)  # 700 free
+    c = ServerLoad(C, 0, 1, 1_000, 1_000, 10_000, True)  # 9,000 free, one queued
+    handles = [FakeHandle(A, 5, float(i), prompt_len=600, max_new=0) for i in range(3)]
+    policy = RebalancePolicy(
+        kv_pressure=5.0, target_max_ratio=10.0, max_concurrent=4, max_moves_per_round=4
+    )
+    moves = plan_moves({A: a, B: b, C: c}, handles, policy)
+    assert [m.target_url for m in moves] == [B, C, C]  # B: room for one prompt only
+    assert [m.kv_tokens for m in moves] == [600, 600, 600]
+    unchecked = dataclasses.replace(policy, kv_headroom=False)
+    assert [m.target_url for m in plan_moves({A: a, B: b, C: c}, handles, unchecked)] == [
+        B,
+        C,
+        B,  # the shorter queue, though its pool cannot hold it
+    ]
+
+
+def test_free_tokens_need_a_known_capacity() -> None:
+    assert ServerLoad(A, used_tokens=300, capacity_tokens=1000).free_tokens == 700
+    assert ServerLoad(A, used_tokens=1300, capacity_tokens=1000).free_tokens == 0
+    assert ServerLoad(A, used_tokens=300).free_tokens is None  # /get_load: not checked
+    assert RebalancePolicy().has_headroom(ServerLoad(A), 10**9, 10**9)
+
+
+class _Migrator:
+    """What `Rebalancer` calls on a migrator: fixed loads, and moves that end only when
+    the test lets them (`release`)."""
+
+    def __init__(self, loads: dict[str, dict], handles: list[FakeHandle]) -> None:
+        self.loads = loads
+        self.handles = handles
+        self.release = asyncio.Event()
+        self.moved: list[tuple[str, str]] = []
+
+    def live(self) -> list[FakeHandle]:
+        return [h for h in self.handles if not h.moves]
+
+    async def get_json(self, url: str, path: str) -> dict:
+        return {"loads": [self.loads[url]]}
+
+    async def move_request(self, handle: FakeHandle, target: str, mode: str):
+        handle.moving = True
+        await self.release.wait()
+        handle.moving, handle.moves = False, ["moved"]
+        self.moved.append((handle.request.rid, target))
+        return _Report()
+
+
+@dataclass
+class _Report:
+    outcome: str = "migrated"
+
+
+def _v1(running: int, waiting: int, used: int, capacity: int, max_running: int) -> dict:
+    return {
+        "num_running_reqs": running,
+        "num_waiting_reqs": waiting,
+        "num_used_tokens": used,
+        "num_total_tokens": used,
+        "max_total_num_tokens": capacity,
+        "max_running_requests": max_running,
+    }
+
+
+def test_moves_in_flight_keep_their_claim_on_the_target_until_they_end() -> None:
+    """Round 1 plans two 600-token moves to B (1,500 free); round 2, with both still in
+    flight and B's load not showing them yet, plans none; once they end the claim is
+    gone and round 3 may move the third."""
+    from sglang_kv_migration.rollout.rebalancer import Rebalancer
+
+    loads = {A: _v1(8, 4, 5000, 1000, 8), B: _v1(0, 0, 500, 2000, 48)}
+    handles = [FakeHandle(A, 5, float(i), prompt_len=600, max_new=0) for i in range(3)]
+    migrator = _Migrator(loads, handles)
+    policy = RebalancePolicy(
+        kv_pressure=5.0, target_max_ratio=10.0, max_concurrent=8, mode="migrate"
+    )
+    rebalancer = Rebalancer(migrator, [A, B], policy)  # type: ignore[arg-type]
+
+    async def run() -> tuple[int, int, dict, int]:
+        first = len(await rebalancer.step())
+        second = len(await rebalancer.step())
+        claimed = dict(rebalancer._claimed)
+        migrator.release.set()
+        await asyncio.gather(*rebalancer._tasks)
+        third = len(await rebalancer.step())
+        await asyncio.gather(*rebalancer._tasks)
+        return first, second, claimed, third
+
+    first, second, claimed, third = asyncio.run(run())
+    assert (first, second) == (2, 0)
+    assert claimed == {B: 1200}
+    assert third == 1
+    assert dict(rebalancer._claimed) == {}
+    assert len(migrator.moved) == 3

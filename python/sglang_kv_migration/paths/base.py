@@ -52,6 +52,19 @@ HOST = "host"
 DEVICE = "device"
 PATH_NAMES: tuple[str, ...] = (DEVICE, HOST)
 
+# Routes a send's bytes take (`SendStats.routes`), reported on `/metrics` by these names;
+# the client's cost model (`rollout/cost_model.py`) prices each by the same names.
+ROUTE_GPU_TO_GPU = "gpu_to_gpu"  # device path: pages on the source's GPU
+ROUTE_HOST_TO_GPU = "host_to_gpu"  # device path: pages only in the source's pinned host pool
+ROUTE_LANDING = "landing"  # into a landing buffer on the target's GPU, scattered from there
+ROUTE_HOST_TO_HOST = "host_to_host"  # host path: host pool -> host pool (transfer engine)
+ROUTE_NAMES: tuple[str, ...] = (
+    ROUTE_GPU_TO_GPU,
+    ROUTE_HOST_TO_GPU,
+    ROUTE_LANDING,
+    ROUTE_HOST_TO_HOST,
+)
+
 
 class KVPoll(IntEnum):
     """Where one rank's send stands (after SGLang's disaggregation `KVPoll`)."""
@@ -71,6 +84,9 @@ class SendStats:
     digest: str = ""  # `verify.py` digest of the pages sent, when the send asked for one
     # Where the time went, seconds (host path: "host_copies" plus the transport's steps).
     steps: dict[str, float] = field(default_factory=dict)
+    # Per route (ROUTE_NAMES), (bytes, seconds moving them) on this rank; the rest of the
+    # send's time is its fixed cost (`source_transfers.py` reports both on /metrics).
+    routes: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -35,15 +35,26 @@ Per path. A move is priced by the path it will take (`estimate(..., path=)`):
 has its own terms (same host: pinned host pool or GPU pages copied into the target's GPU
 slots; no load-back on the target), so a model built with one `MigrationCosts` prices the
 host path with it, as before. `from_metrics` learns `migration` from every series and
-`by_path[p]` only from series labelled ``path="p"``: the servers' series carry no path
-label yet, so until they do the device prior stands.
+`by_path[p]` from series labelled ``path="p"`` of the names above (none carry one today).
 
-One set of numbers: `ROUTE_PRIORS`, what each route a migration's bytes can take costs
-(GPU -> GPU, host -> GPU, host -> host). The device path's prior is priced per move from
-the routes its bytes take when the caller passes the source's size query
-(``estimate(..., held=)``: GPU -> GPU for the ``device_token_size`` tokens, host -> GPU for
-the rest); without it, the slower route (host -> GPU) prices them all. The host path's
-default terms are the host -> host route's.
+Per route. `routes` holds what each route a migration's bytes can take costs — GPU -> GPU,
+host -> GPU, landing buffer (`LANDING`: GPU -> a buffer on the target's GPU -> its own
+scatter, for `--enable-memory-saver` targets), host -> host: `ROUTE_PRIORS` until
+`from_metrics` measures them (`learn_route_costs`) from the source's per-route series
+(`sglang:kv_migration_route_bytes_total{path, route}` ÷ the mean per-rank
+`sglang:kv_migration_route_seconds_total{path, route}`: the copy or wire time) and its
+fixed cost per path (`sglang:kv_migration_fixed_seconds{path}`: the transfer phase minus
+the routes' time), plus the target's mean allocate + commit and `http_overhead_s`; a
+route the metrics do not show keeps its prior. Route-priced terms (``origin ==
+"routes"``: the device path's default) are priced per move from the routes their bytes
+take when the caller passes the source's size query (``estimate(..., held=)``: GPU -> GPU
+for the ``device_token_size`` tokens, host -> GPU for the rest, in turn: the sum of the
+routes' times behind the largest fixed cost); without it, the path's slowest route
+(`PATH_ROUTES`, host -> GPU for the device path) prices them all. Once the host -> host
+route is measured, the host path is route-priced too (its load-back and bytes per token
+stay `migration`'s); before that its terms are `migration`'s. No path is priced on the
+landing route yet: the servers report it once a path writes through a landing buffer,
+and `routes[LANDING]` learns it like any other.
 """
 
 from __future__ import annotations
@@ -66,9 +77,13 @@ DEFAULT_HTTP_OVERHEAD_S = 0.005  # six small HTTP calls on one network
 
 # How a migration's bytes travel. The device path (one host) copies the pages the
 # source holds on its GPU GPU -> GPU and those only in its host pool host -> GPU, one
-# after the other on one stream; the host path moves everything host -> host.
+# after the other on one stream; the host path moves everything host -> host. A target
+# whose KV pools cannot be exported (`--enable-memory-saver`) is written through a
+# landing buffer on its GPU and scatters from there (`LANDING`). The servers report
+# each route by these names (`paths/base.py`: `ROUTE_NAMES`; a unit test ties them).
 GPU_TO_GPU = "gpu_to_gpu"
 HOST_TO_GPU = "host_to_gpu"
+LANDING = "landing"
 HOST_TO_HOST = "host_to_host"
 # `MigrationCosts.origin` of terms priced per move from the routes the bytes take.
 ROUTES = "routes"
@@ -78,16 +93,26 @@ ROUTES = "routes"
 class RouteCost:
     bandwidth_bytes_per_s: float
     overhead_s: float  # fixed cost of a migration that takes this route (control plane)
+    origin: str = "prior"  # or "metrics" (`learn_route_costs`)
 
 
 # Priors measured on the H200 (issue 19, Llama-3-8B shape): the page kernel GPU -> GPU
 # ~1.7 TB/s, pinned host -> GPU 51.3 GB/s (93% of PCIe Gen5); one 8K device-path
 # migration 43 ms end to end, so ~40 ms is fixed; host -> host is the host path's
-# Mooncake TCP prior (docs/benchmarks.md).
+# Mooncake TCP prior (docs/benchmarks.md). The landing route is not measured yet: two
+# GPU copies at the page kernel's rate (into the buffer, then the target's scatter) and
+# one more round trip per round.
 ROUTE_PRIORS: Mapping[str, RouteCost] = {
     GPU_TO_GPU: RouteCost(1.7e12, 0.04),
     HOST_TO_GPU: RouteCost(51.3e9, 0.04),
+    LANDING: RouteCost(0.85e12, 0.05),
     HOST_TO_HOST: RouteCost(DEFAULT_BANDWIDTH_BYTES_PER_S, DEFAULT_MIGRATION_OVERHEAD_S),
+}
+# The routes a path's bytes can take, the slowest first: without a size query that one
+# prices them all.
+PATH_ROUTES: Mapping[str, tuple[str, ...]] = {
+    "device": (HOST_TO_GPU, GPU_TO_GPU),
+    "host": (HOST_TO_HOST,),
 }
 
 
@@ -145,15 +170,19 @@ class CostModel:
     margin: float = 1.0
     # Paths priced on their own (see the module docstring); others use `migration`.
     by_path: Mapping[str, MigrationCosts] = dataclasses.field(default_factory=_default_path_costs)
+    # What each route costs: the priors, or what `from_metrics` measured.
+    routes: Mapping[str, RouteCost] = dataclasses.field(default_factory=lambda: dict(ROUTE_PRIORS))
 
     def costs_for(self, path: str | None, held: Mapping[str, Any] | None = None) -> MigrationCosts:
         """The migration terms of `path`; bytes per token are the layout's, on any path.
-        Terms that are still the route priors (``origin == "routes"``) are priced from the
-        routes the bytes of `held` (the source's size query) take, when it is given."""
+        Route-priced terms (``origin == "routes"``) take their rate and fixed cost from
+        `routes`: split by the routes the bytes of `held` (the source's size query)
+        take, or, without it, all on the path's slowest route (`PATH_ROUTES`)."""
         costs = self.by_path.get(path or "", self.migration)
-        if costs.origin == ROUTES and held is not None and path:
-            routed = migration_costs_for_routes(route_bytes(path, held, 1.0))
-            if routed.overhead_s > 0:  # some bytes to move: the routes' terms
+        if costs.origin == ROUTES and path in PATH_ROUTES:
+            shares = route_bytes(path, held, 1.0) if held is not None else {PATH_ROUTES[path][0]: 1}
+            if any(shares.values()):  # some bytes to move: the routes' terms
+                routed = migration_costs_for_routes(shares, self.routes)
                 costs = dataclasses.replace(
                     costs,
                     bandwidth_bytes_per_s=routed.bandwidth_bytes_per_s,
@@ -223,8 +252,18 @@ class CostModel:
             )
             for name, prior_costs in base.by_path.items()
         }
+        routes = learn_route_costs(
+            source, target, prior=base.routes, http_overhead_s=http_overhead_s
+        )
+        host = by_path.get("host")
+        if routes[HOST_TO_HOST].origin == "metrics" and (host is None or host.origin == ROUTES):
+            # Its route measured, the host path is priced from it (load-back and bytes
+            # per token stay the generic terms').
+            by_path["host"] = dataclasses.replace(migration, origin=ROUTES)
         prefill = learn_prefill_costs(target, prior=base.prefill)
-        return dataclasses.replace(base, migration=migration, prefill=prefill, by_path=by_path)
+        return dataclasses.replace(
+            base, migration=migration, prefill=prefill, by_path=by_path, routes=routes
+        )
 
 
 # --------------------------------------------------------------------------- route math
@@ -308,6 +347,45 @@ def learn_migration_costs(
     return costs
 
 
+ROUTE_BYTES = "sglang:kv_migration_route_bytes_total"
+ROUTE_SECONDS = "sglang:kv_migration_route_seconds_total"
+FIXED_SECONDS = "sglang:kv_migration_fixed_seconds"
+
+
+def learn_route_costs(
+    source: list[Sample],
+    target: list[Sample],
+    *,
+    prior: Mapping[str, RouteCost] = ROUTE_PRIORS,
+    http_overhead_s: float = DEFAULT_HTTP_OVERHEAD_S,
+) -> dict[str, RouteCost]:
+    """Each route's rate and fixed cost from the source's route series, else `prior`.
+
+    Rate: the route's bytes on all ranks ÷ its mean per-rank seconds. Fixed cost: the mean
+    of the source's fixed seconds on the paths that used the route, plus the target's
+    mean allocate and commit and the client's HTTP round trips (learned only with both
+    texts' numbers; otherwise the prior's stays)."""
+    routes = dict(prior)
+    allocate = _mean(target, "sglang:kv_migration_phase_seconds", phase="allocate")
+    commit = _mean(target, "sglang:kv_migration_phase_seconds", phase="commit")
+    for route in sorted({s.labels.get("route", "") for s in _samples(source, ROUTE_BYTES)}):
+        byte_series = _samples(source, ROUTE_BYTES, route=route)
+        nbytes = sum(s.value for s in byte_series)
+        seconds = _total(source, ROUTE_SECONDS, route=route)
+        if not route or nbytes <= 0 or seconds <= 0:
+            continue
+        ranks = len({_rank(s) for s in byte_series})
+        was = routes.get(route, RouteCost(0.0, DEFAULT_MIGRATION_OVERHEAD_S))
+        overhead = was.overhead_s
+        paths = {s.labels.get("path", "") for s in byte_series}
+        count = sum(_total(source, FIXED_SECONDS + "_count", path=p) for p in paths)
+        if count > 0 and allocate is not None and commit is not None:
+            fixed = sum(_total(source, FIXED_SECONDS + "_sum", path=p) for p in paths) / count
+            overhead = fixed + allocate + commit + http_overhead_s
+        routes[route] = RouteCost(nbytes / (seconds / ranks), overhead, "metrics")
+    return routes
+
+
 def learn_prefill_costs(
     target: list[Sample], *, prior: PrefillCosts = PrefillCosts()
 ) -> PrefillCosts:
@@ -375,6 +453,11 @@ def _mean(samples: Iterable[Sample], histogram: str, **labels: str) -> float | N
     if count <= 0:
         return None
     return _total(samples, histogram + "_sum", **labels) / count
+
+
+def _rank(sample: Sample) -> tuple[str, str, str]:
+    labels = sample.labels
+    return labels.get("model_name", ""), labels.get("tp_rank", ""), labels.get("pp_rank", "")
 
 
 def _labelled(samples: list[Sample], path: str) -> list[Sample]:

@@ -56,6 +56,7 @@ def main(argv: list[str]) -> int:
         min_priority=args.min_priority,
         min_held_tokens=args.min_held_tokens,
         max_moves_per_request=args.max_moves_per_request,
+        kv_headroom=args.kv_headroom,
     )
     if not work:
         return asyncio.run(_watch(args, policy))
@@ -262,6 +263,14 @@ def _add_policy_options(p: argparse.ArgumentParser, policy: RebalancePolicy) -> 
         type=int,
         default=policy.max_moves_per_request,
         help="how often one request may move",
+    )
+    add(
+        "--no-kv-headroom",
+        dest="kv_headroom",
+        action="store_false",
+        help="let a target take moves beyond what its GPU KV pool can hold at once (by "
+        "default a target takes a move only while its free slots, less what moves planned "
+        "and in flight to it claim, hold what the source holds of the request)",
     )
 
 

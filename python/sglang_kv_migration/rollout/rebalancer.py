@@ -13,7 +13,15 @@ fallback) and plans moves with `plan_moves`, a pure function:
   least `kv_pressure` of its capacity (`max_total_num_tokens`), or its running slots are
   full (`num_running_reqs` ≥ `max_running_requests`);
 - a server can *take* a request while its demand, plus that request's worst case
-  (prompt + `max_new_tokens`), stays under `target_max_ratio` of its capacity;
+  (prompt + `max_new_tokens`), stays under `target_max_ratio` of its capacity, and (with
+  `kv_headroom`, the default) while its GPU pool can hold the request's KV at once: its
+  free slots (`max_total_num_tokens` − `num_used_tokens`, which counts neither free nor
+  evictable slots: what a migration's allocate can claim), less the slots the moves
+  already planned to it this round and those still in flight claim, must hold the
+  tokens the source holds (the whole prompt when not asked). Several moves to one target
+  thus do not together claim more than its GPU pool had free when they were planned
+  (the target's own work may still take slots meanwhile); a move that finds the pool
+  full migrates over the host path instead;
 - from each pressured server (most pressured first) it moves the highest-priority live
   requests the migrator tracks there that have not produced a token yet (still queued, or
   being prefilled; `move_running` lifts this) — most recently submitted first within a
@@ -78,6 +86,15 @@ class ServerLoad:
             return 0.0
         return self.demand_tokens / self.capacity_tokens
 
+    @property
+    def free_tokens(self) -> int | None:
+        """GPU KV slots an allocation can claim now: capacity minus what running requests
+        hold (SGLang's `num_used_tokens` counts neither free nor evictable slots, and a
+        migration's allocate evicts); None when the capacity is unknown."""
+        if self.capacity_tokens <= 0:
+            return None
+        return max(0, self.capacity_tokens - self.used_tokens)
+
 
 @dataclass(frozen=True)
 class RebalancePolicy:
@@ -102,6 +119,12 @@ class RebalancePolicy:
     # A request moves at most this often: once moved, the target's own queue is where it
     # waits (without it, slot pressure on a small target would bounce requests back).
     max_moves_per_request: int = 1
+    # A target takes a move only while its free GPU KV slots (`ServerLoad.free_tokens`),
+    # less what the moves planned to it this round and still in flight will claim, hold
+    # the move's KV (`PlannedMove.kv_tokens`): several moves to one target must not
+    # together overflow its GPU pool (a move that finds it full migrates over the host
+    # path instead, or not at all).
+    kv_headroom: bool = True
 
     def is_pressured(self, load: ServerLoad) -> bool:
         if not load.ok or load.num_waiting < self.min_waiting:
@@ -123,6 +146,14 @@ class RebalancePolicy:
         if load.capacity_tokens <= 0:
             return load.num_waiting == 0
         return (load.demand_tokens + tokens) / load.capacity_tokens <= self.target_max_ratio
+
+    def has_headroom(self, load: ServerLoad, claimed: int, kv_tokens: int) -> bool:
+        """Whether `load`'s GPU pool holds `kv_tokens` more after `claimed` (see
+        `kv_headroom`); unknown capacity (`/get_load`) is not checked."""
+        free = load.free_tokens
+        if not self.kv_headroom or free is None:
+            return True
+        return free - claimed >= kv_tokens
 
 
 class Movable(Protocol):
@@ -164,6 +195,9 @@ class PlannedMove:
     target_url: str
     tokens: int  # worst-case KV demand the request brings to the target
     held: HeldKV | None = None  # what the source held when planned (None: not asked)
+    # GPU KV slots the move claims on the target at once: what the source holds (the
+    # migration allocates it), or the whole prompt when not asked.
+    kv_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -174,6 +208,7 @@ class PlannedMove:
             "tokens": self.tokens,
             "held_tokens": self.held.tokens if self.held else None,
             "device_tokens": self.held.device_tokens if self.held else None,
+            "kv_tokens": self.kv_tokens,
         }
 
 
@@ -183,14 +218,18 @@ def plan_moves(
     policy: RebalancePolicy,
     in_flight: int = 0,
     held: Mapping[int, HeldKV] | None = None,
+    claimed: Mapping[str, int] | None = None,
 ) -> list[PlannedMove]:
     """The moves of one round (see the module docstring). Pure: reads, never mutates.
     `held`: what each source holds, by ``id(handle)``; needed when
-    `policy.min_held_tokens` is set (a request missing from it does not move)."""
+    `policy.min_held_tokens` is set (a request missing from it does not move).
+    `claimed`: GPU KV slots the moves still in flight will claim, by target url (the
+    round adds its own moves' `kv_tokens` as it plans them)."""
     budget = min(policy.max_moves_per_round, policy.max_concurrent - in_flight)
     if budget <= 0:
         return []
     state = dict(loads)
+    claims = Counter(claimed or {})
     sources = sorted(
         (url for url, load in state.items() if policy.is_pressured(load)),
         key=lambda url: -state[url].demand_ratio,
@@ -204,13 +243,19 @@ def plan_moves(
             if policy.min_held_tokens > 0 and (kv is None or kv.tokens < policy.min_held_tokens):
                 continue
             tokens = len(handle.request.input_ids) + handle.request.max_new_tokens
+            kv_tokens = kv.tokens if kv is not None else len(handle.request.input_ids)
             takers = [
-                u for u, load in state.items() if u != source and policy.can_take(load, tokens)
+                u
+                for u, load in state.items()
+                if u != source
+                and policy.can_take(load, tokens)
+                and policy.has_headroom(load, claims[u], kv_tokens)
             ]
             if not takers:
-                break
+                break  # the more urgent request waits for room; none jumps it
             target = min(takers, key=lambda u: (state[u].num_waiting, state[u].demand_ratio, u))
-            moves.append(PlannedMove(handle, source, target, tokens, kv))
+            moves.append(PlannedMove(handle, source, target, tokens, kv, kv_tokens))
+            claims[target] += kv_tokens
             state[source] = _shift(state[source], -1, -tokens)
             state[target] = _shift(state[target], +1, +tokens)
     return moves
@@ -264,6 +309,10 @@ class Rebalancer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._costs_learned: dict[tuple[str, str], float] = {}
         self._refused: AuthFailed | None = None  # a move's refused key, raised by step()
+        # GPU KV slots the moves in flight claim on their targets (`plan_moves`' claimed):
+        # a later round's load may not show them yet. Once a move's allocate shows in
+        # the target's load they count twice until it ends: a move may wait a round.
+        self._claimed: Counter[str] = Counter()
 
     async def poll(self) -> dict[str, ServerLoad]:
         loads = await asyncio.gather(*(self._load(url) for url in self.servers))
@@ -278,9 +327,12 @@ class Rebalancer:
         self.summary.rounds += 1
         live = [h for h in self.migrator.live() if not h.moving]
         held = await self._held(loads, live) if self.policy.min_held_tokens > 0 else None
-        moves = plan_moves(loads, live, self.policy, in_flight=len(self._tasks), held=held)
+        moves = plan_moves(
+            loads, live, self.policy, in_flight=len(self._tasks), held=held, claimed=self._claimed
+        )
         self.summary.planned.extend(moves)
         for move in moves:
+            self._claimed[move.target_url] += move.kv_tokens
             task = asyncio.ensure_future(self._move(move))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -324,6 +376,10 @@ class Rebalancer:
         except Exception as e:  # one failed move must not stop the loop
             logger.exception("moving %s to %s failed", handle.request.rid, move.target_url)
             self.summary.errors.append(f"{handle.request.rid}: {type(e).__name__}: {e}")
+        finally:
+            self._claimed[move.target_url] -= move.kv_tokens
+            if self._claimed[move.target_url] <= 0:
+                del self._claimed[move.target_url]
 
     async def _held(
         self, loads: dict[str, ServerLoad], live: list[RequestHandle]

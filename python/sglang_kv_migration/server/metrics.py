@@ -22,13 +22,23 @@ the same way SGLang's scheduler metrics do. Names follow SGLang's `sglang:` pref
   pending or handled, and every iteration (idle ones, whose poll returns at once, are
   counted, not timed: `benchmark/bench_idle_poll.py` measures what they cost).
 
+- `sglang:kv_migration_route_bytes_total{path, route}` /
+  `sglang:kv_migration_route_seconds_total{path, route}` — source, per successful send:
+  the bytes this rank moved on each route (`paths.base.ROUTE_NAMES`: `gpu_to_gpu`,
+  `host_to_gpu`, `landing`, `host_to_host`) and the time moving them took (the device
+  path's per-tier copy events, the host path's wire time): each route's rate.
+- `sglang:kv_migration_fixed_seconds{path}` — source, per successful send: the transfer
+  phase minus the routes' time (opening the peer, pinning, planning, queueing, polling):
+  the source's part of a migration's fixed cost on that path. The cost model
+  (`rollout/cost_model.py`) learns each route's rate and fixed cost from these three.
+
 Every series also carries `model_name`, `tp_rank` and `pp_rank`, like SGLang's.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 LABELS = ("model_name", "tp_rank", "pp_rank")
@@ -54,6 +64,9 @@ class MigrationMetrics:
         self._loop = families["loop"]
         self._poll_seconds = families["poll_seconds"]
         self._poll_iterations = families["poll_iterations"]
+        self._route_bytes = families["route_bytes"]
+        self._route_seconds = families["route_seconds"]
+        self._fixed = families["fixed"]
 
     def outcome(self, role: str, outcome: str) -> None:
         self._total.labels(**self._labels, role=role, outcome=outcome).inc()
@@ -64,6 +77,15 @@ class MigrationMetrics:
 
     def phase(self, phase: str, seconds: float) -> None:
         self._phase.labels(**self._labels, phase=phase).observe(seconds)
+
+    def routes(
+        self, path: str, routes: Mapping[str, tuple[int, float]], fixed_seconds: float
+    ) -> None:
+        """One successful send on `path`: (bytes, seconds) per route, and the rest."""
+        for route, (nbytes, seconds) in routes.items():
+            self._route_bytes.labels(**self._labels, path=path, route=route).inc(nbytes)
+            self._route_seconds.labels(**self._labels, path=path, route=route).inc(seconds)
+        self._fixed.labels(**self._labels, path=path).observe(fixed_seconds)
 
     def scheduler_time(self, seconds: float) -> None:
         self._loop.labels(**self._labels).observe(seconds)
@@ -261,6 +283,22 @@ def _families() -> dict[str, Any]:
                 labelnames=(*LABELS, "phase"),
                 buckets=PHASE_BUCKETS,
             ),
+            "route_bytes": Counter(
+                "sglang:kv_migration_route_bytes_total",
+                "Bytes of KV cache this source rank sent, by path and route.",
+                labelnames=(*LABELS, "path", "route"),
+            ),
+            "route_seconds": Counter(
+                "sglang:kv_migration_route_seconds_total",
+                "Time this source rank spent moving bytes, by path and route.",
+                labelnames=(*LABELS, "path", "route"),
+            ),
+            "fixed": Histogram(
+                "sglang:kv_migration_fixed_seconds",
+                "Source transfer time not spent moving bytes, per successful send.",
+                labelnames=(*LABELS, "path"),
+                buckets=PHASE_BUCKETS,
+            ),
             "loop": Histogram(
                 "sglang:kv_migration_scheduler_seconds",
                 "Time migration code spent on the scheduler thread per loop iteration "
@@ -296,6 +334,11 @@ class NullMetrics(MigrationMetrics):
         pass
 
     def phase(self, phase: str, seconds: float) -> None:
+        pass
+
+    def routes(
+        self, path: str, routes: Mapping[str, tuple[int, float]], fixed_seconds: float
+    ) -> None:
         pass
 
     def scheduler_time(self, seconds: float) -> None:

@@ -59,6 +59,7 @@ class RankTransferStatus:
     entries: int = 0  # host path: transfer-engine entries
     digest: str = ""  # of the pages sent, when the grant asked for verification
     steps: dict[str, float] = dataclasses.field(default_factory=dict)  # SendStats.steps
+    routes: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # .routes
 
 
 @dataclass
@@ -98,6 +99,7 @@ class InflightTransfer:
                     entries=stats.entries,
                     digest=stats.digest,
                     steps=stats.steps,
+                    routes=stats.routes,
                 )
         if self.error is not None:
             self.result = RankTransferStatus(
@@ -431,7 +433,12 @@ class SourceTransfers:
             )
             self.metrics.outcome("source", "sent")
             # Gathers run over the stage's TP group, in tp_rank order.
-            self.metrics.moved("source", req.extra_token_size, statuses[self.ctx.tp_rank].bytes)
+            mine = statuses[self.ctx.tp_rank]
+            self.metrics.moved("source", req.extra_token_size, mine.bytes)
+            # Per route, and the rest of this rank's transfer time: the cost model's rates
+            # and fixed costs. A gathered copy of this rank's own status.
+            moving_s = sum(seconds for _, seconds in mine.routes.values())
+            self.metrics.routes(_path_name(req), mine.routes, max(0.0, elapsed - moving_s))
             if first_rank:
                 logger.info(
                     "KV migration %s sent: %d tokens, %d bytes (%d ranks), %.1f ms%s",

@@ -42,7 +42,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths import verify
-from sglang_kv_migration.paths.base import DEVICE, DataPath, KVPoll, SendJob, SendRange, SendStats
+from sglang_kv_migration.paths.base import (
+    DEVICE,
+    ROUTE_GPU_TO_GPU,
+    ROUTE_HOST_TO_GPU,
+    ROUTE_LANDING,
+    DataPath,
+    KVPoll,
+    SendJob,
+    SendRange,
+    SendStats,
+)
 from sglang_kv_migration.paths.device import cuda_ipc, landing, page_copy, tiers
 from sglang_kv_migration.targets import DeviceTarget
 
@@ -54,6 +64,9 @@ if TYPE_CHECKING:
     from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
 
 logger = logging.getLogger(__name__)
+
+# The route a source tier's pages take into the target's slots (`SendStats.routes`).
+_TIER_ROUTES = {tiers.DEVICE_TIER: ROUTE_GPU_TO_GPU, tiers.HOST_TIER: ROUTE_HOST_TO_GPU}
 
 
 def device_path_unavailable_reason(cache: HiRadixCache, enable_memory_saver: bool) -> str | None:
@@ -290,6 +303,9 @@ class DevicePath(DataPath):
             )
         job = DeviceSendJob(TierPin.take(self.cache, tiered.prefix))
         job.stats.bytes = (send.end - send.start) * self.bytes_per_token
+        plan = tiered.plan
+        job.tier_bytes = {t: plan.tokens(t) * self.bytes_per_token for t in plan.tiers}
+        job.into_landing = peer.landing_tokens > 0
         if send.verify:
             job.digest_pieces = self._digest_pieces(tiered.plan)
 
@@ -538,6 +554,8 @@ class DeviceSendJob(SendJob):
         self.digest_pieces: list[tuple[list[Any], Any]] | None = None
         self._digest: Future[str] | None = None
         self._tier_events: dict[str, tuple[Any, Any]] = {}
+        self.tier_bytes: dict[str, int] = {}  # bytes read from each source tier
+        self.into_landing = False  # the target is a landing arena (memory saver)
 
     def launch_when(self, opening: Future[Any], launch: Any) -> None:
         self._opening, self._launch = opening, launch
@@ -590,6 +608,13 @@ class DeviceSendJob(SendJob):
         self.stats.seconds = self._start.elapsed_time(self._end) / 1e3
         for tier, (start, end) in self._tier_events.items():
             self.stats.steps[f"copy_{tier}"] = start.elapsed_time(end) / 1e3
+        self.stats.routes = {
+            _TIER_ROUTES[tier]: (nbytes, self.stats.steps.get(f"copy_{tier}", 0.0))
+            for tier, nbytes in self.tier_bytes.items()
+            if nbytes
+        }
+        if self.into_landing:  # one route, whichever tier: the target copies it again
+            self.stats.routes = {ROUTE_LANDING: (self.stats.bytes, self.stats.seconds)}
         return KVPoll.SUCCESS
 
     def release(self) -> None:

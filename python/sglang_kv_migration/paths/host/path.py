@@ -22,7 +22,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths import verify
-from sglang_kv_migration.paths.base import HOST, DataPath, KVPoll, SendJob, SendRange, SendStats
+from sglang_kv_migration.paths.base import (
+    HOST,
+    ROUTE_HOST_TO_HOST,
+    DataPath,
+    KVPoll,
+    SendJob,
+    SendRange,
+    SendStats,
+)
 from sglang_kv_migration.paths.host.layout import HostPoolLayout
 from sglang_kv_migration.paths.host.mooncake import KVTransport, MemoryRegion, TransferHandle
 from sglang_kv_migration.targets import HostTarget
@@ -227,6 +235,8 @@ class HostSendJob(SendJob):
             entries=stats.entries,
             digest=digest,
             steps={"host_copies": self._host_copies_s, **stats.steps},
+            # The wire time moved the bytes; probe, plan and queueing are fixed cost.
+            routes={ROUTE_HOST_TO_HOST: (stats.bytes, stats.steps.get("wire", stats.seconds))},
         )
         return KVPoll.SUCCESS
 
