@@ -18,6 +18,8 @@ Parameters (environment):
   overlap scheduler off for PP by itself (`--disable-overlap-schedule` is passed anyway).
   Under PP, `/v1/loads` (the pool checks below) reports stage 0 only. Not run yet.
   `KVMIG_TP`/`KVMIG_PP` > 1 cannot be combined with `KVMIG_TWO_GPUS=1` on a 2-GPU machine.
+- `KVMIG_PORT_BASE`: the servers listen on base+10/20/30 (default 30500), so two
+  configurations can run side by side on one GPU.
 - `KVMIG_TWO_GPUS=1`: the target runs on GPU 1 (`--base-gpu-id 1`, an nvidia-h200-x2
   machine), so the device path crosses GPUs; otherwise all servers share GPU 0.
 
@@ -70,6 +72,8 @@ ATTENTION = os.environ.get("KVMIG_ATTENTION", "mha").lower()
 TWO_GPUS = os.environ.get("KVMIG_TWO_GPUS", "") == "1"
 TP_SIZE = int(os.environ.get("KVMIG_TP", "1"))
 PP_SIZE = int(os.environ.get("KVMIG_PP", "1"))
+# Another base runs a second configuration beside this one on the same GPU.
+PORT_BASE = int(os.environ.get("KVMIG_PORT_BASE", "30500"))
 MAX_TOTAL_TOKENS = 65536  # GPU KV pool per server; host pool = 2x (hicache_ratio)
 POOL_SETTLE_TIMEOUT_S = 90.0  # > the 60 s default watchdog: quarantined slots come back
 
@@ -97,9 +101,9 @@ def servers() -> Iterator[Servers]:
     if PP_SIZE > 1:
         common.append("--disable-overlap-schedule")  # SGLang forces it for PP anyway
     specs = [
-        ServerSpec(30510, common, gpu_id=0),
-        ServerSpec(30520, common, gpu_id=1 if TWO_GPUS else 0),
-        ServerSpec(30530, [*common, "--kv-migration-paths", "host"], gpu_id=0),
+        ServerSpec(PORT_BASE + 10, common, gpu_id=0),
+        ServerSpec(PORT_BASE + 20, common, gpu_id=1 if TWO_GPUS else 0),
+        ServerSpec(PORT_BASE + 30, [*common, "--kv-migration-paths", "host"], gpu_id=0),
     ]
     record(
         "device_path_config",
