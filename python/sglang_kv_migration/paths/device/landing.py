@@ -53,6 +53,9 @@ class LandingArena:
         self._draining: list[tuple[Any, list[int]]] = []
         # Pool slot of each arena row while it is reserved (-1: free).
         self.pool_slot_of = torch.full((self.capacity,), -1, dtype=torch.int64)
+        # Where the allocator keeps its slot tensors (the GPU on a GPU server): pool
+        # slots go back to the allocator and the tree there.
+        self._slot_device: Any = torch.device("cpu")
         self.nbytes = int(self._flat.numel())
         self._ptrs: Any = None  # the arena buffers' pointer table, built at first use
 
@@ -82,6 +85,7 @@ class LandingArena:
             page_t[:, None] * self.page_size + torch.arange(self.page_size, dtype=torch.int64)
         ).reshape(-1)
         self.pool_slot_of[rows] = pool_slots.to("cpu", torch.int64)
+        self._slot_device = pool_slots.device
         return rows
 
     def pool_slots(self, rows: Any) -> Any:
@@ -89,7 +93,7 @@ class LandingArena:
         slots = self.pool_slot_of[rows.to("cpu")]
         if bool((slots < 0).any()):
             raise MigrationError(ErrorKind.INTERNAL, "landing rows without a reserved pool slot")
-        return slots
+        return slots.to(self._slot_device)
 
     def give_back(self, rows: Any, after: Any = None) -> None:
         """Free `rows` once `after` (a CUDA event, or None: at once) has completed."""
