@@ -72,6 +72,7 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         protocol=args.kv_migration_protocol,
         rdma_devices=args.kv_migration_rdma_devices,
         max_entries_per_batch=args.kv_migration_max_batch_entries,
+        workers_per_peer=args.kv_migration_peer_workers,
         transfer_timeout_s=args.kv_migration_transfer_timeout,
     )
     metrics = None

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from sglang.srt import server_args as _upstream
 
 from sglang_kv_migration.paths.base import parse_path_names
+from sglang_kv_migration.paths.host.mooncake import DEFAULT_WORKERS_PER_PEER as DEFAULT_PEER_WORKERS
 
 # IMPORTANT: never keep a module-level alias of the upstream class here. The hook registry
 # rebinds every module attribute that holds the replaced class to the replacement, so an
@@ -47,6 +48,7 @@ class KVMigrationServerArgs(_upstream.ServerArgs):
     kv_migration_protocol: TransportProtocol = "tcp"
     kv_migration_rdma_devices: str = ""
     kv_migration_max_batch_entries: int = DEFAULT_MAX_BATCH_ENTRIES
+    kv_migration_peer_workers: int = DEFAULT_PEER_WORKERS
     kv_migration_paths: str = DEFAULT_PATHS
     kv_migration_grant_key: str | None = None
     kv_migration_grant_ttl: float = DEFAULT_GRANT_TTL_S
@@ -131,6 +133,15 @@ CLI_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             default=DEFAULT_MAX_BATCH_ENTRIES,
             help="Most write entries submitted to one peer in one batch (Mooncake's TCP "
             "transport queues at most 1024 per peer by default).",
+        ),
+    ),
+    (
+        "--kv-migration-peer-workers",
+        dict(
+            type=int,
+            default=DEFAULT_PEER_WORKERS,
+            help="Host-path transfers to one peer that move at once (each its own worker "
+            "thread; they share the peer's batch-entry budget). 1 sends one after another.",
         ),
     ),
     (
@@ -251,6 +262,10 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
         raise KVMigrationArgsError(
             "--kv-migration-max-batch-entries must be at least 1, got "
             f"{args.kv_migration_max_batch_entries}."
+        )
+    if args.kv_migration_peer_workers < 1:
+        raise KVMigrationArgsError(
+            f"--kv-migration-peer-workers must be at least 1, got {args.kv_migration_peer_workers}."
         )
     if args.dp_size > 1:
         raise KVMigrationArgsError(

@@ -91,6 +91,9 @@ _SLEEP_SHARE = 0.8
 # largest entry a chunk leaves as.
 DEFAULT_STAGING_CHUNK_BYTES = 16 << 20
 DEFAULT_STAGING_ENTRY_BYTES = 0  # measured no gain on the 2-core box; see docs
+# Jobs to one peer in flight at once (issue 19: moves to one target queued behind each
+# other on one worker).
+DEFAULT_WORKERS_PER_PEER = 2
 
 
 class TransferError(MigrationError):
@@ -125,6 +128,10 @@ class TransportConfig:
         gathers scattered pages into; 0 never gathers (every page run is its own entry).
     staging_entry_bytes: a chunk leaves as entries of at most this size, which the engine
         moves concurrently (over TCP one entry is one stream); 0 sends whole runs.
+    workers_per_peer: worker threads per peer, each running one job at a time: several
+        migrations to one target move side by side instead of queueing. The per-peer
+        entry budget (`max_entries_per_batch`) is split between them (so there are at
+        most that many).
     """
 
     hostname: str = "127.0.0.1"
@@ -134,6 +141,7 @@ class TransportConfig:
     transfer_timeout_s: float = 30.0
     staging_chunk_bytes: int = DEFAULT_STAGING_CHUNK_BYTES
     staging_entry_bytes: int = DEFAULT_STAGING_ENTRY_BYTES
+    workers_per_peer: int = DEFAULT_WORKERS_PER_PEER
 
     def __post_init__(self) -> None:
         if not self.hostname or ":" in self.hostname:
@@ -154,6 +162,8 @@ class TransportConfig:
                 f"max_entries_per_batch must be <= {TCP_MAX_QUEUED_ENTRIES} over TCP (the "
                 f"engine's per-peer queue), got {self.max_entries_per_batch}"
             )
+        if self.workers_per_peer < 1:
+            raise ValueError(f"workers_per_peer must be >= 1, got {self.workers_per_peer}")
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if self.staging_chunk_bytes < 0 or self.staging_entry_bytes < 0:
@@ -253,7 +263,9 @@ class KVTransport(abc.ABC):
         inside one of them and every source range inside a registered local region, or this
         raises `TransferError` before any byte moves. Otherwise it returns at once: the
         bytes move on a background thread, and the handle reports completion or a
-        `TransferError`. Writes run one at a time in call order. The source bytes must stay
+        `TransferError`. Writes to one peer may run side by side and finish in any order
+        (`TransportConfig.workers_per_peer`; one worker: one at a time, in call order), so
+        concurrent writes must not target the same bytes. The source bytes must stay
         unchanged until the handle is done. Ops of one call run concurrently, so their
         destinations must not overlap.
         """
@@ -341,10 +353,12 @@ def coalesce(ops: Iterable[WriteOp]) -> list[WriteOp]:
 class MooncakeTransport(KVTransport):
     """`KVTransport` over the Mooncake Transfer Engine in P2P-handshake mode (no etcd).
 
-    One daemon worker thread per peer (started by the first write to it) runs that peer's
-    jobs in order, so a stalled peer holds up only its own jobs, never writes to other
-    peers. A job's entries go out in batches of at most `max_entries_per_batch`, one batch
-    in flight per peer at a time, so the TCP per-peer queue never overflows; a failed
+    `workers_per_peer` daemon worker threads per peer (started by the first write to it)
+    take that peer's jobs from one queue, each running one job at a time, so several
+    writes to one peer progress together and a stalled peer holds up only its own jobs,
+    never writes to other peers. Jobs to one peer may finish out of call order. A job's
+    entries go out in batches of at most `max_entries_per_batch / workers_per_peer`, one
+    batch in flight per worker, so the TCP per-peer queue never overflows; a failed
     batch is retried once.
     `write_pages` jobs are planned in the worker (`staging.plan_pages`); gathered and staged
     plans alternate between two registered staging chunks, gathering the next chunk while
@@ -355,10 +369,11 @@ class MooncakeTransport(KVTransport):
         self._config = config
         self._engine: TransferEngine | None = _start_engine(config)
         self._session_id = f"{config.hostname}:{self._engine.get_rpc_port()}"
+        self._workers_per_peer = min(config.workers_per_peer, config.max_entries_per_batch)
         self._lock = threading.Lock()  # guards the fields below
         self._local = _RegionIndex(())
-        # peer session id -> (its worker thread, its job queue)
-        self._workers: dict[str, tuple[threading.Thread, queue.SimpleQueue]] = {}
+        # peer session id -> (its worker threads, their job queue)
+        self._workers: dict[str, tuple[list[threading.Thread], queue.SimpleQueue]] = {}
         self._closed = False
         # Per worker thread: its two staging chunks and the timing of its last large batch.
         self._tls = threading.local()
@@ -447,10 +462,11 @@ class MooncakeTransport(KVTransport):
                 return
             self._closed = True
             workers = list(self._workers.values())
-            for _thread, jobs in workers:
-                jobs.put(None)
+            for threads, jobs in workers:
+                for _ in threads:
+                    jobs.put(None)
         deadline = time.monotonic() + self._config.transfer_timeout_s + _CLOSE_GRACE_S
-        for thread, _jobs in workers:
+        for thread in (t for threads, _jobs in workers for t in threads):
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 # Releasing the engine under a running batch would free memory it still
@@ -479,14 +495,18 @@ class MooncakeTransport(KVTransport):
             worker = self._workers.get(job.peer)
             if worker is None:
                 jobs: queue.SimpleQueue[_Job | _PagesJob | None] = queue.SimpleQueue()
-                thread = threading.Thread(
-                    target=self._run_worker,
-                    args=(jobs,),
-                    name=f"kv-migration-transfer-{job.peer}",
-                    daemon=True,
-                )
-                worker = self._workers[job.peer] = (thread, jobs)
-                thread.start()
+                threads = [
+                    threading.Thread(
+                        target=self._run_worker,
+                        args=(jobs,),
+                        name=f"kv-migration-transfer-{job.peer}-{i}",
+                        daemon=True,
+                    )
+                    for i in range(self._workers_per_peer)
+                ]
+                worker = self._workers[job.peer] = (threads, jobs)
+                for thread in threads:
+                    thread.start()
             worker[1].put(job)
         return TransferHandle(job.future)
 
@@ -671,7 +691,8 @@ class MooncakeTransport(KVTransport):
 
     def _send(self, ctx: _Context, entries: _Entries, deadline: float) -> int:
         """Send entries in batches, one at a time; returns the number of batches."""
-        size = self._config.max_entries_per_batch
+        # The peer's entry budget, shared by its workers.
+        size = self._config.max_entries_per_batch // self._workers_per_peer
         starts = range(0, len(entries), size)
         # The last batch of an earlier job predicts this job's first (scaled down).
         previous = self._tls.last_batch
