@@ -16,7 +16,7 @@ Per variant it records whether the server came up (or the error lines of its log
 it did: a 1,000-token prompt (dense path: shorter than `index_topk`) and a 3,000-token
 one (sparse path) served twice, `cached_tokens` / `cached_tokens_details` of the repeat,
 equal greedy output, the `KV Cache is allocated` log lines (one per rank: pool sizes), and
-the server's own view of its CP settings (`/get_server_info`). Writes
+the server's own view of its CP settings (`/server_info`). Writes
 `$KVMIG_GPU_OUT/probe_attn_cp.json`.
 
 What SGLang 0.5.12's source says (read on CPU, 2026-12-01):
@@ -204,7 +204,7 @@ def _wait(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
 
 def _serve(url: str) -> dict[str, Any]:
     """Serve each prompt twice; the repeat shows what the (replicated or not) cache holds."""
-    info = httpx.get(url + "/get_server_info", timeout=30).json()
+    info = httpx.get(url + "/server_info", timeout=30).json()
     keys = ("tp_size", "attn_cp_size", "enable_nsa_prefill_context_parallel",
             "nsa_prefill_cp_mode", "page_size", "attention_backend", "nsa_prefill_backend",
             "nsa_decode_backend", "kv_cache_dtype", "enable_hierarchical_cache",
