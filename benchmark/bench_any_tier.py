@@ -19,9 +19,18 @@ once (threads, one client), wall time of each and of all.
     KVMIG_GPU_OUT=$OUT python3 benchmark/bench_any_tier.py --page-size 1
     KVMIG_GPU_OUT=$OUT python3 benchmark/bench_any_tier.py --page-size 16
     KVMIG_GPU_OUT=$OUT python3 benchmark/bench_any_tier.py --quick   # 4K only, smoke run
+    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_any_tier.py --target-gpu 1  # nvidia-h200-x2
+    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_any_tier.py --tp-size 2     # nvidia-h200-x2
+    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_any_tier.py --pp-size 2     # nvidia-h200-x2
 
-Writes `$KVMIG_GPU_OUT/bench_any_tier_page<P>.json` and prints one line per row. Budget
-on an H200 for one page size: start-ups ~3.5 min + rounds ~3 min.
+`--target-gpu N` puts the target on GPU N (`--base-gpu-id N`; both servers then start at
+once, each on its own GPU); `--tp-size` / `--pp-size` > 1 put both servers on GPUs
+0..size-1 (rank or stage r of the source copies into rank or stage r of the target).
+
+Writes `$KVMIG_GPU_OUT/bench_any_tier_page<P>.json` (`..._page<P>_gpu1.json`, `_tp2`,
+`_pp2` for the other layouts; `config` and every row name the GPUs) and prints one line
+per row. Budget on an H200 for one page size: start-ups ~2.5 min (one GPU, one after the
+other) + rounds ~1.5 min (page 16, 2026-12-01: 250 s in all).
 """
 
 from __future__ import annotations
@@ -69,8 +78,15 @@ def main() -> None:
     parser.add_argument("--concurrent", type=int, default=6)
     parser.add_argument("--concurrent-tokens", type=int, default=8192)
     parser.add_argument("--quick", action="store_true", help="4K only")
+    parser.add_argument("--target-gpu", type=int, default=0, help="1 on nvidia-h200-x2")
+    parser.add_argument("--tp-size", type=int, default=1, help="2 on nvidia-h200-x2")
+    parser.add_argument("--pp-size", type=int, default=1, help="2 on nvidia-h200-x2")
     args = parser.parse_args()
     lengths = [4096] if args.quick else args.lengths
+    if args.tp_size * args.pp_size > 1 and args.target_gpu != 0:
+        parser.error(
+            "--tp-size/--pp-size > 1 put both servers on GPUs 0..size-1: drop --target-gpu"
+        )
 
     shape = dict(LLAMA3_8B, max_position_embeddings=max(args.context_length, 40960))
     model_dir = write_model(shape, Path("/tmp/kvmig-llama3-8b-40k"))
@@ -78,13 +94,18 @@ def main() -> None:
     extra += ["--mem-fraction-static", str(args.mem_fraction_static)]
     extra += ["--max-total-tokens", str(args.max_total_tokens)]
     extra += ["--context-length", str(args.context_length)]
-    specs = [ServerSpec(30710, extra, gpu_id=0), ServerSpec(30720, extra, gpu_id=0)]
+    extra += ["--tp-size", str(args.tp_size), "--pp-size", str(args.pp_size)]
+    if args.pp_size > 1:
+        extra.append("--disable-overlap-schedule")  # SGLang forces it for PP anyway
+    specs = [ServerSpec(30710, extra, gpu_id=0), ServerSpec(30720, extra, args.target_gpu)]
     config = {"shape": shape, "page_size": args.page_size, "lengths": lengths,
-              "tiers": args.tiers, "server_flags": extra}  # fmt: skip
+              "tiers": args.tiers, "server_flags": extra, "source_gpu": 0,
+              "target_gpu": args.target_gpu, "tp_size": args.tp_size,
+              "pp_size": args.pp_size}  # fmt: skip
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
     with (
-        running_servers(model_dir, specs, sequential=True) as (source, target),
+        running_servers(model_dir, specs, sequential=args.target_gpu == 0) as (source, target),
         MigrationClient(timeout=600) as client,
     ):
         config["startup_s"] = time.monotonic() - started
@@ -95,6 +116,7 @@ def main() -> None:
                 row = _round(
                     client, source, target, n, tier, args.page_size, rng, args.max_total_tokens
                 )
+                row["where"] = _where(config)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         concurrency = _concurrency(
@@ -104,9 +126,25 @@ def main() -> None:
     result = {"config": config, "rows": rows, "concurrency": concurrency,
               "wall_s": time.monotonic() - started}  # fmt: skip
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    out = OUT_DIR / f"bench_any_tier_page{args.page_size}.json"
+    out = OUT_DIR / f"bench_any_tier_page{args.page_size}{_suffix(args)}.json"
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}; wall time {result['wall_s']:.0f} s", flush=True)
+
+
+def _where(config: dict[str, Any]) -> str:
+    """Which GPUs the row ran on, for the printed rows and the JSON."""
+    if config["tp_size"] * config["pp_size"] > 1:
+        last = config["tp_size"] * config["pp_size"] - 1
+        return f"tp{config['tp_size']} pp{config['pp_size']} on GPUs 0..{last}"
+    return f"GPU 0 -> GPU {config['target_gpu']}"
+
+
+def _suffix(args: argparse.Namespace) -> str:
+    """`_gpu1`, `_tp2`, `_pp2`: runs of other layouts do not overwrite each other."""
+    parts = [f"_gpu{args.target_gpu}"] if args.target_gpu else []
+    parts += [f"_tp{args.tp_size}"] if args.tp_size > 1 else []
+    parts += [f"_pp{args.pp_size}"] if args.pp_size > 1 else []
+    return "".join(parts)
 
 
 def _warm_up(client: MigrationClient, source: str, target: str, rng: random.Random) -> None:

@@ -16,6 +16,13 @@ token from its GPU with the output the source gives from its own cache; a kv-cac
 release/resume of either server between migrations (a new epoch, a new arena) does not
 stop the next migration; an allocation pending across a release is refused (410) and
 an allocation while released too (503).
+
+`KVMIG_TP=2` (an nvidia-h200-x2 machine): both servers run `--tp-size 2` on GPUs 0 and 1,
+each rank with its own landing arena; rank r of the source copies into rank r of the
+target, and a release/resume covers both ranks. Not run yet:
+
+    KVMIG_GPU_OUT=$OUT/saver-tp2 KVMIG_TP=2 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 \
+        python3 -m pytest -m gpu -s -p no:cacheprovider test/gpu/test_gpu_memory_saver.py
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ pytestmark = pytest.mark.gpu
 PAGE_SIZE = int(os.environ.get("KVMIG_PAGE_SIZE", "16"))
 ATTENTION = os.environ.get("KVMIG_ATTENTION", "mha").lower()
 LANDING_MB = int(os.environ.get("KVMIG_LANDING_MB", "16"))
+TP_SIZE = int(os.environ.get("KVMIG_TP", "1"))
 MAX_TOTAL_TOKENS = 65536
 
 
@@ -68,9 +76,11 @@ def servers() -> Iterator[Servers]:
     common = ["--page-size", str(PAGE_SIZE), "--mem-fraction-static", "0.2"]
     common += ["--max-total-tokens", str(MAX_TOTAL_TOKENS), "--enable-metrics"]
     common += ["--enable-memory-saver", "--kv-migration-landing-mb", str(LANDING_MB)]
+    common += ["--tp-size", str(TP_SIZE)]  # both servers on GPUs 0..TP_SIZE-1
     specs = [ServerSpec(30610, common, gpu_id=0), ServerSpec(30620, common, gpu_id=0)]
     record("memory_saver_config", {"attention": ATTENTION, "page_size": PAGE_SIZE,
-                                   "landing_mb": LANDING_MB, "model": shape})  # fmt: skip
+                                   "landing_mb": LANDING_MB, "tp_size": TP_SIZE,
+                                   "model": shape})  # fmt: skip
     with running_servers(model_dir, specs) as (source, target):
         yield Servers(source, target, "", PAGE_SIZE, int(shape["vocab_size"]))
 
@@ -94,14 +104,18 @@ def _memory(url: str, action: str) -> None:
     r.raise_for_status()
 
 
-def _device_ad(client: MigrationClient, url: str) -> dict[str, Any]:
-    return client.call(url, "/get_transfer_session_info", {})["ranks"][0]["paths"]["device"]
+def _device_ads(client: MigrationClient, url: str) -> list[dict[str, Any]]:
+    """Every rank's device-path advertisement (one per TP rank)."""
+    ranks = client.call(url, "/get_transfer_session_info", {})["ranks"]
+    return [rank["paths"]["device"] for rank in ranks]
 
 
 def test_both_servers_advertise_a_landing_arena(servers: Servers, client: MigrationClient):
     for url in (servers.source, servers.target):
-        ad = _device_ad(client, url)
-        assert ad["landing_tokens"] > 0 and ad["buffers"], ad
+        ads = _device_ads(client, url)
+        assert len(ads) == TP_SIZE, ads
+        for ad in ads:
+            assert ad["landing_tokens"] > 0 and ad["buffers"], ad
 
 
 @pytest.mark.parametrize("tier", ["gpu", "host", "mixed"])
@@ -132,11 +146,12 @@ def test_release_and_resume_between_migrations(servers: Servers, client: Migrati
     results: dict[str, Any] = {}
     for who in ("target", "source"):
         url = s.target if who == "target" else s.source
-        before = _device_ad(client, url)["instance_id"]
+        before = [ad["instance_id"] for ad in _device_ads(client, url)]
         _memory(url, "release")
         _memory(url, "resume")
-        after = _device_ad(client, url)
-        assert after["instance_id"] != before and after["landing_tokens"] > 0
+        after = _device_ads(client, url)
+        for old_id, ad in zip(before, after, strict=True):  # every rank: a new arena
+            assert ad["instance_id"] != old_id and ad["landing_tokens"] > 0, (before, after)
         prompt = _tokens(rng, 1500, s.vocab_size)
         generate(s.source, prompt, 1)
         reference = generate(s.source, prompt)
