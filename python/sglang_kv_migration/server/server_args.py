@@ -273,11 +273,13 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
             "use tensor and pipeline parallelism only."
         )
     if args.attn_cp_size > 1:
-        # CP ranks own different pages of one sequence: a rank's pool is not the prefix.
+        # Read from SGLang 0.5.12's code (benchmark/probe_attn_cp.py): CP splits the
+        # prefill's compute and every CP rank keeps the whole sequence's KV, but moving
+        # it between such servers has not been run yet (it needs two GPUs).
         raise KVMigrationArgsError(
             f"--enable-kv-migration does not support --attn-cp-size > 1 yet (got "
-            f"{args.attn_cp_size}): with attention context parallelism a prefix's KV pages "
-            "are spread over CP ranks."
+            f"{args.attn_cp_size}): KV migration between attention-context-parallel servers "
+            "has not been verified; run without --attn-cp-size."
         )
     if args.pp_size > 1 and args.nnodes > 1:
         # Later PP stages reply to the tokenizer manager over its node-local IPC socket.
