@@ -61,8 +61,11 @@ def test_flush_drops_pending_allocations_and_commit_is_gone(side) -> None:
     assert len(set(host_pool.free_slots.tolist())) == host_pool.size
 
 
-def test_flush_is_never_refused_and_fails_transfers_in_flight(side) -> None:
+def test_flush_is_never_refused_and_fails_transfers_in_flight(side_factory) -> None:
     """SGLang asserts that the flush after a weight update succeeds: never refuse it."""
+    # A 1 s grant (the default fixture's is 25 ms): the write must still be allowed to
+    # start when the loaded box gets to it, so that the flush is what fails it.
+    side = side_factory(page_size=16, watchdog_timeout_s=2.0)
     ids = list(range(400, 464))
     side.harness.insert_random(ids, seed=4)
     side.harness.write_back_all()
