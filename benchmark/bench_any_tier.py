@@ -65,6 +65,7 @@ from real_servers import (  # noqa: E402
 DEFAULT_LENGTHS = [4096, 16384, 32768]
 FLOOD_TOKENS = 16384  # one pushing prompt
 MAX_FLOOD_PROMPTS = 8  # rounds of 4 more after the first 1.1 pools
+PUSH_SETTLE_S = 2.0  # idle time on the source after pushing prompts to its host tier
 
 
 def main() -> None:
@@ -216,7 +217,12 @@ def _round(
         half = n // 2
         for p in (a, b):
             generate(source, p[:half] + _tokens(rng, 16), 1)  # loads the half back
-    time.sleep(SETTLE_S)
+    # After a push (~130K tokens written through to host, halves loaded back) the source
+    # copies on the GPU both servers share for a while: the 4K mixed round of the first
+    # run saw the target's TTFT double for both prompts (220 ms against ~100).
+    time.sleep(SETTLE_S if tier == "gpu" else PUSH_SETTLE_S)
+    # How fast the target answers a tiny prompt right now (contention shows here first).
+    row["target_probe_ttft_ms"] = timed_generate(target, _tokens(rng, 16), 1)[1] * 1e3
     row["size_query_a"] = _held(client, source, a)
     row["size_query_b"] = _held(client, source, b)
     expected = (n - 1) // page_size * page_size
