@@ -403,3 +403,64 @@ def test_failed_migration_still_completes_the_request(
         # The source still held the request's KV: prompt + generated (but the last) hit.
         assert second.cached_tokens == _aligned(len(prompt) + len(first.output_ids) - 1)
         assert out.output_ids == reference["output_ids"]
+
+
+@pytest.mark.parametrize("mode", ["migrate", "auto"])
+def test_running_request_moves_live(servers: Servers, mode: str):
+    """`live=True` (issue 22): stage 1 copies the prompt while the request keeps decoding
+    on the source; after the stop the delta migrates (mode "migrate") or, priced by the
+    default cost model (mode "auto"), is left to the target. The whole output equals an
+    uninterrupted greedy run, and the report gives every stage and the stall."""
+    s = servers
+    rng = random.Random(f"live-{mode}")
+    prompt = _tokens(rng, PROMPT_TOKENS, s.vocab_size)
+    request = GenerateRequest(prompt, _params(MAX_NEW_TOKENS), priority=LOW)
+    _warm(s.source, prompt)
+    base = settled_used_tokens(s.source)
+
+    with RequestMigrator() as migrator:
+        handle = migrator.submit(s.source, request)
+        _wait_generating(handle, s.source, base)
+        out = migrate_request(handle, s.target, mode=mode, live=True)
+
+    reference = _generate(s.source, request)
+    on_target = _generate(s.target, request)
+    (move,) = out.moves
+    record(
+        f"request_live_{mode}",
+        {
+            "page_size": PAGE_SIZE,
+            "out": _summary(out),
+            "stall_s": move.stall_s,
+            "reference_source_output_ids": reference["output_ids"],
+            "reference_target_output_ids": on_target["output_ids"],
+            "equals_source_reference": out.output_ids == reference["output_ids"],
+        },
+    )
+    first, second = out.segments
+    assert [(seg.server_url, seg.kind) for seg in out.segments] == [
+        (s.source, "original"),
+        (s.target, "migrated"),
+    ]
+    assert move.live and move.outcome == "migrated", move
+    stage1, delta = move.stages
+    # Stage 1: the prompt's whole pages, while the request kept decoding.
+    assert stage1.while_decoding and stage1.decision == "migrate", move.stages
+    assert stage1.migrated_tokens == _aligned(len(prompt)), move.stages
+    assert 0 < stage1.generated <= len(first.output_ids)
+    assert not delta.while_decoding
+    moved_ids = len(prompt) + len(first.output_ids) - 1
+    if mode == "migrate":
+        # Only the pages generated since stage 1 moved after the stop.
+        assert delta.decision == "migrate", move.stages
+        assert delta.migrated_tokens == _aligned(moved_ids) - _aligned(len(prompt)), move.stages
+        assert second.cached_tokens >= _aligned(moved_ids)
+    else:
+        # A few pages of delta: cheaper for the target to recompute than a migration.
+        assert delta.decision == "recompute" and delta.migrated_tokens == 0, move.stages
+        assert second.cached_tokens >= _aligned(len(prompt))
+    assert move.stall_s is not None and 0 < move.stall_s < move.seconds["total"] + 5
+    # The whole output, as one uninterrupted greedy run gave it.
+    assert len(out.output_ids) == MAX_NEW_TOKENS
+    assert out.finish_reason == {"type": "length", "length": MAX_NEW_TOKENS}
+    assert out.output_ids == reference["output_ids"]

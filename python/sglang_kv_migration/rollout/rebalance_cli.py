@@ -57,6 +57,7 @@ def main(argv: list[str]) -> int:
         min_held_tokens=args.min_held_tokens,
         max_moves_per_request=args.max_moves_per_request,
         kv_headroom=args.kv_headroom,
+        live=args.live,
     )
     if not work:
         return asyncio.run(_watch(args, policy))
@@ -133,12 +134,15 @@ batch mode (--requests FILE): one JSON object per line,
                    "cached_tokens", "meta_info"}, ...],
      "moves": [{"rid", "source_url", "target_url", "outcome", "resumed_on",
                 "generated_before_move", "estimate", "migration", "failure",
-                "seconds"}, ...]}
+                "seconds", "live", "stages"}, ...]}
     or {"success": false, "rid", "error"}
   and one summary line to stdout:
     {"requests", "finished", "rounds", "moves_started", "outcomes": {outcome: count},
      "errors": [...]}
   outcome: migrated | recomputed | fell_back | finished_before_move | restarted.
+  With --live, "stages" lists each copy: {"index", "while_decoding", "generated",
+  "held_tokens", "migrated_tokens", "seconds", "decision", "failure", "path"}; every
+  move's "seconds" has "stall" once the resumed piece's first token arrived.
   A server is pressured when it has --min-waiting queued requests and its KV demand
   reaches --kv-pressure or its running slots are full; what moves is its queued
   requests (not those decoding, unless --move-running), most urgent first.
@@ -244,6 +248,13 @@ def _add_policy_options(p: argparse.ArgumentParser, policy: RebalancePolicy) -> 
         "--move-running",
         action="store_true",
         help="also move requests already decoding (default: only those without a token yet)",
+    )
+    add(
+        "--live",
+        action="store_true",
+        help="move a decoding request live: copy its KV while it keeps decoding, then stop "
+        "it and move only the delta (with --move-running; each move's report lists its "
+        'stages and its "stall" in seconds)',
     )
     add(
         "--min-priority",

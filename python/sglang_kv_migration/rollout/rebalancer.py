@@ -42,9 +42,11 @@ SGLang does not publish which rids are queued, so the rebalancer only moves requ
 rollout manager submitted through the migrator (`AsyncRequestMigrator.live()`), whose
 streamed calls tell when each produced its first token (`RequestHandle.started`; an
 adopted call's state is unknown and counts as not started). Each move
-is `move_request(mode=policy.mode)`: by default the cost model, refreshed from the two
-servers' `/metrics` at most every `cost_refresh_s`, decides between migrating the KV and
-re-prefilling on the target. Every loop here is bounded by rounds or deadlines.
+is `move_request(mode=policy.mode, live=policy.live)`: by default the cost model,
+refreshed from the two servers' `/metrics` at most every `cost_refresh_s`, decides between
+migrating the KV and re-prefilling on the target; with `live` (and `move_running`) a
+decoding request keeps decoding while its KV is copied. Every loop here is bounded by
+rounds or deadlines.
 """
 
 from __future__ import annotations
@@ -125,6 +127,9 @@ class RebalancePolicy:
     # together overflow its GPU pool (a move that finds it full migrates over the host
     # path instead, or not at all).
     kv_headroom: bool = True
+    # Move decoding requests live (`move_request(live=True)`: their KV is copied while
+    # they keep decoding, then only the delta after the stop); with `move_running`.
+    live: bool = False
 
     def is_pressured(self, load: ServerLoad) -> bool:
         if not load.ok or load.num_waiting < self.min_waiting:
@@ -367,7 +372,7 @@ class Rebalancer:
             if self.policy.mode == "auto":
                 await self._learn_costs(move.source_url, move.target_url)
             report = await self.migrator.move_request(
-                handle, move.target_url, mode=self.policy.mode
+                handle, move.target_url, mode=self.policy.mode, live=self.policy.live
             )
             self.summary.reports.append(report)
         except AuthFailed as e:  # every later move would be refused as well: stop

@@ -6,6 +6,7 @@
     ...                                                   # later, e.g. from a rebalancer:
     out = await migrator.migrate_request(handle, dst)     # abort, migrate, resume, wait
     out.output_ids, out.finish_reason, out.segments       # as if it had run in one piece
+    out = await migrator.migrate_request(handle, dst, live=True)  # copy while it decodes
 
 Why the migrator issues the `/generate` call. SGLang hands the tokens a request generated
 so far to one place only: the caller's own `/generate` call, which returns with
@@ -33,6 +34,35 @@ passes the in-flight response to `adopt` instead. Either way the caller then wai
    failed), the request restarts on the target from
    the last known tokens. The caller never loses the request.
 
+`move_request(handle, target, live=True)` — a live move, for a request that is decoding:
+the request keeps decoding on the source while its KV is copied, and stops only for the
+delta. What SGLang 0.5.12 holds of a decoding request: once its prompt is prefilled,
+`cache_unfinished_req` inserts the prompt's whole pages into the radix tree (``fill_ids``
+page-aligned down; with chunked prefill each chunk as it is done; a request re-prefilled
+after a retraction, prompt + output so far), and nothing more until it finishes or is
+aborted (`cache_finished_req` then inserts prompt + output[:-1], page-aligned). So:
+1. stage 1, while decoding: a size query for ``(prompt + generated so far)[:-1]`` (the
+   streamed call says what was generated) finds the prompt's pages, and they migrate
+   (with ``mode="auto"`` only if the cost model says migrate; else the move is an
+   ordinary one). Further stages follow while the source holds at least
+   ``live_stage_tokens`` more than the target has (a source that exposes generated
+   pages mid-decode, or holds an identical earlier rollout), at most ``live_max_stages``;
+2. the stop (step 1 above); a request that finished meanwhile is the result;
+3. the delta: the target lacks only the pages generated since the last stage, and a
+   migration of ``(prompt + generated)[:-1]`` tops it up (only the missing pages move).
+   With ``mode="auto"`` the cost model prices the delta from what stage 1 moved, without
+   asking the servers, and a `recompute` verdict (a few pages against a migration's
+   fixed cost) resumes at once: the target recomputes those tokens over the prefix it
+   holds. Then the request resumes on the target, as in step 3.
+Any failure falls back as above: a stage that fails while decoding leaves the request
+running on the source (``on_failure="source"``: it never stopped) or stops it and
+re-prefills on the target; a failed delta resumes by re-prefill on the target (which
+keeps what stage 1 moved) or on the source. `MoveReport.stages` says what each copy did
+(tokens held and moved, seconds, while decoding or not), and every report's
+``seconds["stall"]`` (`stall_s`) is the time the request produced nothing: from the last
+token the source streamed to the first token of the resumed piece, set when that token
+arrives. With ``mode="recompute"`` nothing is copied and `live` changes nothing.
+
 Resumed pieces get new rids (SGLang aborts every rid that *starts with* the one given, so
 rids are never prefixes of each other). The migrator streams its own calls (to learn when
 a request leaves the queue: `RequestHandle.started`) and hands the caller the reply a
@@ -52,7 +82,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -165,9 +195,33 @@ class Segment:
     meta_info: dict[str, Any] = field(default_factory=dict)  # that piece's, as returned
 
 
+StageDecision = Literal["migrate", "recompute", "failed"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One copy of a live move (``move_request(live=True)``). Stages while decoding copy
+    what the source already holds as the request keeps running there; the one after the
+    stop copies the delta (or, `decision="recompute"`, leaves it to the target)."""
+
+    index: int  # 1, 2, ... in the order they ran
+    while_decoding: bool  # True: the request kept running on the source meanwhile
+    generated: int  # tokens the request had generated on the source when it began
+    held_tokens: int  # page-aligned prefix the source held (0: not asked)
+    migrated_tokens: int  # what moved (the target kept what it held already)
+    seconds: float
+    decision: StageDecision = "migrate"
+    failure: str = ""
+    path: str = ""  # the data path that moved the pages ("" when none moved)
+
+
 @dataclass(frozen=True)
 class MoveReport:
-    """What one `move_request` did. `seconds`: abort (source stop), migrate, total."""
+    """What one `move_request` did. `seconds`: abort (source stop), migrate, total, and
+    for a live move `live` (the stages while decoding); `last_token_to_stop` (from the
+    source's last streamed token to its call's return: the part of the stall the abort
+    causes) when the call is the migrator's; `stall` is added once the resumed piece's
+    first token arrives (see `stall_s`)."""
 
     rid: str  # the request's original rid
     source_url: str
@@ -179,6 +233,16 @@ class MoveReport:
     migration: MigrationResult | None = None
     failure: str = ""  # why a migration did not happen as planned
     seconds: dict[str, float] = field(default_factory=dict)
+    live: bool = False  # asked for a live move (`stages` says what each copy did)
+    stages: list[Stage] = field(default_factory=list)
+
+    @property
+    def stall_s(self) -> float | None:
+        """Seconds the request produced nothing: from the last token the source streamed
+        (the move's start when that piece streamed none, or its call is adopted) to the
+        first token of the resumed piece; 0.0 when the request never stopped; None until
+        that first token arrives."""
+        return self.seconds.get("stall")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -217,10 +281,26 @@ class GenerateFailed(Exception):
 
 @dataclass
 class PieceProgress:
-    """What the migrator saw of one piece's streamed `/generate` so far."""
+    """What the migrator saw of one piece's streamed `/generate` so far (times are
+    `time.monotonic()`); `on_first_token` is called with the first token's time."""
 
     first_token_at: float | None = None  # time.monotonic() of the first output token
     tokens: int = 0
+    last_token_at: float | None = None  # when the last new output token arrived
+    output_ids: list[int] = field(default_factory=list)  # the piece's output so far
+    on_first_token: Callable[[float], None] | None = None
+
+    def saw(self, output_ids: list[int]) -> None:
+        """One chunk was folded: `output_ids` is the whole output so far."""
+        if len(output_ids) > self.tokens:
+            now = time.monotonic()
+            self.last_token_at = now
+            if self.first_token_at is None:
+                self.first_token_at = now
+                if self.on_first_token is not None:
+                    self.on_first_token(now)
+        self.tokens = len(output_ids)
+        self.output_ids = output_ids
 
 
 async def read_generate_stream(
@@ -260,9 +340,7 @@ async def read_generate_stream(
                 f"{where}: a chunk of {len(ids)} ids after {len(output_ids)} does not make "
                 f"completion_tokens={total}"
             )
-        if output_ids and progress.first_token_at is None:
-            progress.first_token_at = time.monotonic()
-        progress.tokens = len(output_ids)
+        progress.saw(output_ids)
         last = chunk
     if last is None:
         raise GenerateFailed(f"{where}: the stream ended without a reply")
@@ -292,6 +370,7 @@ class RequestHandle:
         self._piece_kind: SegmentKind = "original"
         self._progress = progress  # None: the call is not the migrator's (adopted)
         self._moving = False
+        self._call_consumed = False  # a move recorded this piece's reply itself
         self._done: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         self._call = self._watch(response)
 
@@ -325,6 +404,16 @@ class RequestHandle:
             return None
         return self._progress.first_token_at is not None
 
+    @property
+    def last_token_at(self) -> float | None:
+        """`time.monotonic()` of the running piece's last streamed token (None: none yet,
+        or an adopted call the migrator does not read)."""
+        return self._progress.last_token_at if self._progress is not None else None
+
+    def generated_so_far(self) -> list[int]:
+        """What the running piece streamed so far ([] for an adopted call)."""
+        return list(self._progress.output_ids) if self._progress is not None else []
+
     def done(self) -> bool:
         return self._done.done()
 
@@ -342,11 +431,15 @@ class RequestHandle:
         self._moving = True
 
     def end_move(self) -> None:
-        """The move gave up before resuming: a reply finishes the handle again."""
+        """The move gave up before resuming: a reply finishes the handle again (one
+        that came while the move held it, at once)."""
         self._moving = False
+        if self._call.done() and not self._call_consumed:
+            self._on_piece_done(self._call)
 
     def stopped(self, reply: dict[str, Any]) -> list[int]:
         """Record the aborted piece's reply as a segment; returns what it generated."""
+        self._call_consumed = True
         return self._add_segment(reply)
 
     def finish_during_move(self, reply: dict[str, Any]) -> None:
@@ -373,6 +466,7 @@ class RequestHandle:
         self._piece_kind = kind
         self._progress = progress
         self._moving = False
+        self._call_consumed = False
         self._call = self._watch(response)
 
     # -- internals -------------------------------------------------------------------------
@@ -448,7 +542,8 @@ class AsyncRequestMigrator:
     servers' `/metrics`. `api_key` goes with `/generate` and the load routes,
     `admin_api_key` with `/abort_request` and the migration routes (`client.ApiKeys`);
     one alone is sent everywhere, as today. A key a server refuses raises `AuthFailed`
-    naming the route, before the request is touched.
+    naming the route, before the request is touched. `live_max_stages` and
+    `live_stage_tokens` bound a live move's copies while decoding (module docstring).
     """
 
     def __init__(
@@ -463,6 +558,8 @@ class AsyncRequestMigrator:
         abort_retry_s: float = 1.0,
         abort_timeout_s: float = 30.0,
         eos_token_ids: Iterable[int] = (),
+        live_max_stages: int = 3,
+        live_stage_tokens: int = 1024,
     ):
         self.keys = ApiKeys(api_key, admin_api_key)
         self._migration = migration_client or AsyncMigrationClient(
@@ -477,6 +574,12 @@ class AsyncRequestMigrator:
         # The model's EOS ids (the rollout manager's tokenizer knows them): a request whose
         # aborted step emitted one is complete, not resumed.
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Live moves: at most this many copies while the request decodes; one after the
+        # first only while the source holds this many tokens more than the target.
+        if live_max_stages < 1:
+            raise ValueError(f"live_max_stages must be at least 1, got {live_max_stages}")
+        self.live_max_stages = live_max_stages
+        self.live_stage_tokens = live_stage_tokens
         self._live: list[RequestHandle] = []
 
     # -- requests ------------------------------------------------------------------------
@@ -514,43 +617,202 @@ class AsyncRequestMigrator:
         on_failure: FailureTarget = "target",
         mode: MoveMode = "auto",
         path: str | None = None,
+        live: bool = False,
     ) -> MoveReport:
         """Stop the request on its server and resume it on `target_url`; returns once the
-        resumed piece is sent. Raises `ValueError` if it is already moving or on the target."""
+        resumed piece is sent. With `live`, first copy what the source holds while the
+        request keeps decoding there (see the module docstring). Raises `ValueError` if it
+        is already moving or on the target."""
         if handle.moving:
             raise ValueError(f"request {handle.request.rid} is already being moved")
         if target_url.rstrip("/") == handle.server_url.rstrip("/"):
             raise ValueError(f"request {handle.request.rid} already runs on {target_url}")
-        move = _Move(handle, handle.server_url, target_url)
+        move = _Move(handle, handle.server_url, target_url, live=live)
         if handle.done():
             return move.report("finished_before_move", "", 0)
         handle.begin_move()
         try:
             if mode != "recompute":
                 await self._check_admin_key(handle.server_url, target_url)
-            reply = await self._stop(handle)
-            move.seconds["abort"] = time.perf_counter() - move.started
-            if reply is None:
-                # The source never answered: start over on the target from what we know.
-                piece = dataclasses.replace(handle.piece, rid=new_rid())
-                failure = "the source did not return the request"
-                report = move.report("restarted", target_url, 0, failure=failure)
-                return self._resume(handle, piece, target_url, "restarted", report)
-            finish = reply.get("meta_info", {}).get("finish_reason") or {}
-            if finish.get("type") != "abort":
-                report = move.report("finished_before_move", "", len(reply.get("output_ids", [])))
-                handle.finish_during_move(reply)
-                return report
-            generated = handle.stopped(reply)
-            done = handle.piece.finished_by(generated, self.eos_token_ids)
-            if done is not None:  # the aborted step completed it: nothing left to resume
-                report = move.report("finished_before_move", "", len(generated))
-                handle.complete_during_move({**reply.get("meta_info", {}), "finish_reason": done})
-                return report
-            return await self._place(move, generated, on_failure, mode, path)
+            if live and mode != "recompute":
+                await self._copy_while_decoding(move, mode, path)
+                if move.failure and on_failure == "source":
+                    return self._keep_on_source(move)
+            stopped = await self._stop_piece(move)
+            if isinstance(stopped, MoveReport):
+                return stopped
+            if move.failure:  # a stage failed while decoding: fall back as below
+                return self._fall_back(move, stopped, on_failure, move.failure)
+            if move.stages:
+                return await self._place_delta(move, stopped, on_failure, mode, path)
+            return await self._place(move, stopped, on_failure, mode, path)
         except BaseException:
             handle.end_move()
             raise
+
+    async def _stop_piece(self, move: _Move) -> list[int] | MoveReport:
+        """Stop the running piece (steps 1 and 2): what it generated, or the report when
+        nothing is left to place (it finished, or restarts on the target)."""
+        handle, target_url = move.handle, move.target_url
+        t0 = time.perf_counter()
+        move.stop_started = time.monotonic()
+        reply = await self._stop(handle)
+        move.seconds["abort"] = time.perf_counter() - t0
+        move.last_source_token = handle.last_token_at
+        if move.last_source_token is not None:  # the part of the stall before the stop
+            move.seconds["last_token_to_stop"] = time.monotonic() - move.last_source_token
+        if reply is None:
+            # The source never answered: start over on the target from what we know.
+            piece = dataclasses.replace(handle.piece, rid=new_rid())
+            failure = "the source did not return the request"
+            report = move.report("restarted", target_url, 0, failure=failure)
+            return self._resume(move, piece, target_url, "restarted", report)
+        finish = reply.get("meta_info", {}).get("finish_reason") or {}
+        if finish.get("type") != "abort":
+            report = move.report("finished_before_move", "", len(reply.get("output_ids", [])))
+            handle.finish_during_move(reply)
+            return report
+        generated = handle.stopped(reply)
+        done = handle.piece.finished_by(generated, self.eos_token_ids)
+        if done is not None:  # the aborted step completed it: nothing left to resume
+            report = move.report("finished_before_move", "", len(generated))
+            handle.complete_during_move({**reply.get("meta_info", {}), "finish_reason": done})
+            return report
+        return generated
+
+    # -- live moves ----------------------------------------------------------------------
+
+    async def _copy_while_decoding(self, move: _Move, mode: MoveMode, path: str | None) -> None:
+        """The stages before the stop: copy what the source holds of the request (its
+        prompt, once prefilled) while it keeps decoding; another stage only while the
+        source holds `live_stage_tokens` more than the target, at most `live_max_stages`.
+        A failure is recorded in `move.failure` (the request is still running)."""
+        handle = move.handle
+        t0 = time.perf_counter()
+        for index in range(1, self.live_max_stages + 1):
+            stage_t0 = time.perf_counter()
+            generated = handle.generated_so_far()
+            ids = (handle.piece.input_ids + generated)[:-1]
+            try:
+                held = await self.held_kv(move.source_url, ids, handle.piece.extra_key)
+                fresh = held["matched_token_size"] - move.target_has
+                if fresh <= 0 or (index > 1 and fresh < self.live_stage_tokens):
+                    break
+                if (
+                    index == 1
+                    and mode == "auto"
+                    and not await self._worth_it(move, ids, held, path)
+                ):
+                    break
+                result = await self._migrate(
+                    move.source_url, move.target_url, ids, handle.piece.extra_key, path, held
+                )
+            except AuthFailed:
+                raise
+            except (MigrationFailed, httpx.HTTPError) as failure:
+                move.failure = f"stage {index} (while decoding): {failure}"
+                move.add_stage(True, generated, stage_t0, decision="failed", failure=str(failure))
+                break
+            move.target_has = result.matched_after_commit
+            move.migration = result
+            move.add_stage(True, generated, stage_t0, result)
+        move.seconds["live"] = time.perf_counter() - t0
+
+    async def _worth_it(
+        self, move: _Move, ids: list[int], held: dict[str, Any], path: str | None
+    ) -> bool:
+        """mode="auto": the cost model prices stage 1 like a whole move; a `recompute`
+        verdict makes the move an ordinary one (priced again after the stop)."""
+        move.estimate = await self._estimate(
+            move.source_url, move.target_url, ids, held, move.handle.piece.extra_key, path
+        )
+        return move.estimate.decision == "migrate"
+
+    async def _place_delta(
+        self,
+        move: _Move,
+        generated: list[int],
+        on_failure: FailureTarget,
+        mode: MoveMode,
+        path: str | None,
+    ) -> MoveReport:
+        """After the stop: move what the target lacks of ``(prompt + generated)[:-1]`` (the
+        pages produced since the last stage; the migration tops the target up), or with
+        ``mode="auto"`` let the target recompute it when the cost model says so (no
+        round trips), then resume on the target."""
+        handle, target_url = move.handle, move.target_url
+        rest = handle.piece.continuation(generated)
+        ids = rest.input_ids[:-1]
+        t0 = time.perf_counter()
+        index = len(move.stages) + 1
+        delta = await self._delta_tokens(move, len(ids))
+        if delta <= 0 or (mode == "auto" and self._delta_decision(move, delta) == "recompute"):
+            move.add_stage(False, generated, t0, decision="recompute")
+            move.seconds["migrate"] = time.perf_counter() - t0
+            report = move.report("migrated", target_url, len(generated))
+            return self._resume(move, rest, target_url, "migrated", report)
+        try:
+            held = await self.held_kv(move.source_url, ids, rest.extra_key)
+            result = await self._migrate(
+                move.source_url, target_url, ids, rest.extra_key, path, held
+            )
+        except (MigrationFailed, httpx.HTTPError) as failure:
+            move.add_stage(False, generated, t0, decision="failed", failure=str(failure))
+            move.seconds["migrate"] = time.perf_counter() - t0
+            return self._fall_back(move, generated, on_failure, f"stage {index}: {failure}")
+        move.seconds["migrate"] = time.perf_counter() - t0
+        move.migration = result
+        move.add_stage(False, generated, t0, result)
+        report = move.report("migrated", target_url, len(generated))
+        return self._resume(move, rest, target_url, "migrated", report)
+
+    async def _delta_tokens(self, move: _Move, length: int) -> int:
+        """Page-aligned tokens of a `length`-token prefix the target lacks after the
+        stages (page size from the target's session info, which is cached)."""
+        page = 1
+        try:
+            info = await self._session_info(move.target_url)
+            page = max(1, int(info["ranks"][0]["fingerprint"]["page_size"]))
+        except (MigrationFailed, httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
+            pass
+        return length // page * page - move.target_has
+
+    def _delta_decision(self, move: _Move, delta: int) -> str:
+        """The cost model's verdict on the delta, priced from what stage 1 moved (bytes
+        per token, path) without asking the servers anything."""
+        result = move.migration
+        per_token = None
+        if result is not None and result.migrated_token_size:
+            per_token = result.migrated_bytes / result.migrated_token_size
+        path = result.path if result is not None else None
+        try:
+            nbytes = round(delta * per_token) if per_token else None
+            return self.cost_model.estimate(delta, nbytes, path=path or None).decision
+        except ValueError:  # bytes unknown: migrate, as the caller asked for a live move
+            return "migrate"
+
+    def _keep_on_source(self, move: _Move) -> MoveReport:
+        """A stage failed while decoding and ``on_failure="source"``: the request never
+        stopped, so it simply keeps running there."""
+        move.handle.end_move()
+        generated = len(move.handle.generated_so_far())
+        report = move.report("fell_back", move.source_url, generated, failure=move.failure)
+        report.seconds["stall"] = 0.0
+        return report
+
+    def _fall_back(
+        self, move: _Move, generated: list[int], on_failure: FailureTarget, failure: str
+    ) -> MoveReport:
+        """Resume by re-prefill on the target (which keeps what earlier stages moved) or
+        on the source, whose cache still holds the request's KV."""
+        handle = move.handle
+        rest = handle.piece.continuation(generated)
+        fallback = move.target_url if on_failure == "target" else move.source_url
+        kind: SegmentKind = "reprefill" if on_failure == "target" else "resumed_on_source"
+        logger.warning("moving %s: %s; resuming on %s", handle.request.rid, failure, fallback)
+        move.seconds.setdefault("migrate", 0.0)
+        report = move.report("fell_back", fallback, len(generated), failure=failure)
+        return self._resume(move, rest, fallback, kind, report)
 
     async def refresh_cost_model(
         self, source_url: str, target_url: str, *, path: str | None = None
@@ -662,7 +924,7 @@ class AsyncRequestMigrator:
         if mode == "recompute":
             move.seconds["migrate"] = 0.0
             report = move.report("recomputed", target_url, len(generated))
-            return self._resume(handle, rest, target_url, "reprefill", report)
+            return self._resume(move, rest, target_url, "reprefill", report)
         try:
             # One size query per move: it prices the move and the migration reuses it.
             held = await self.held_kv(source_url, ids, rest.extra_key)
@@ -670,20 +932,16 @@ class AsyncRequestMigrator:
             if mode == "auto" and estimate.decision == "recompute":
                 move.seconds["migrate"] = time.perf_counter() - t0
                 report = move.report("recomputed", target_url, len(generated), estimate=estimate)
-                return self._resume(handle, rest, target_url, "reprefill", report)
+                return self._resume(move, rest, target_url, "reprefill", report)
             result = await self._migrate(source_url, target_url, ids, rest.extra_key, path, held)
         except (MigrationFailed, httpx.HTTPError) as failure:
             move.seconds["migrate"] = time.perf_counter() - t0
-            fallback = target_url if on_failure == "target" else source_url
-            kind: SegmentKind = "reprefill" if on_failure == "target" else "resumed_on_source"
-            logger.warning("moving %s: %s; resuming on %s", handle.request.rid, failure, fallback)
-            report = move.report("fell_back", fallback, len(generated), failure=str(failure))
-            return self._resume(handle, rest, fallback, kind, report)
+            return self._fall_back(move, generated, on_failure, str(failure))
         move.seconds["migrate"] = time.perf_counter() - t0
         report = move.report(
             "migrated", target_url, len(generated), estimate=estimate, migration=result
         )
-        return self._resume(handle, rest, target_url, "migrated", report)
+        return self._resume(move, rest, target_url, "migrated", report)
 
     async def _estimate(
         self,
@@ -716,15 +974,22 @@ class AsyncRequestMigrator:
 
     def _resume(
         self,
-        handle: RequestHandle,
+        move: _Move,
         rest: GenerateRequest,
         url: str,
         kind: SegmentKind,
-        move: MoveReport,
+        report: MoveReport,
     ) -> MoveReport:
-        progress = PieceProgress()
-        handle.resume_on(url, rest, kind, self._generate(url, rest, progress), progress)
-        return move
+        """Send `rest` to `url` as the handle's next piece; its first token sets the
+        report's stall (from the source's last streamed token, else the stop's start)."""
+        since = move.last_source_token or move.stop_started or time.monotonic()
+
+        def first_token(at: float) -> None:
+            report.seconds["stall"] = max(0.0, at - since)
+
+        progress = PieceProgress(on_first_token=first_token)
+        move.handle.resume_on(url, rest, kind, self._generate(url, rest, progress), progress)
+        return report
 
     async def _generate(
         self, url: str, request: GenerateRequest, progress: PieceProgress
@@ -801,11 +1066,50 @@ class _Move:
     target_url: str
     started: float = field(default_factory=time.perf_counter)
     seconds: dict[str, float] = field(default_factory=dict)
+    live: bool = False
+    # Live moves: the stages so far, what the target holds after them, the last result
+    # and stage 1's estimate; `failure` names a stage that failed while decoding.
+    stages: list[Stage] = field(default_factory=list)
+    target_has: int = 0
+    migration: MigrationResult | None = None
+    estimate: CostEstimate | None = None
+    failure: str = ""
+    # time.monotonic() of the source's last streamed token, and of the stop's start.
+    last_source_token: float | None = None
+    stop_started: float | None = None
+
+    def add_stage(
+        self,
+        while_decoding: bool,
+        generated: list[int],
+        started: float,
+        result: MigrationResult | None = None,
+        decision: StageDecision = "migrate",
+        failure: str = "",
+    ) -> None:
+        """Record the next stage (`started`: its `time.perf_counter()` start)."""
+        self.stages.append(
+            Stage(
+                index=len(self.stages) + 1,
+                while_decoding=while_decoding,
+                generated=len(generated),
+                held_tokens=result.source_held_token_size if result else 0,
+                migrated_tokens=result.migrated_token_size if result else 0,
+                seconds=time.perf_counter() - started,
+                decision=decision,
+                failure=failure,
+                path=result.path if result else "",
+            )
+        )
 
     def report(
         self, outcome: MoveOutcome, resumed_on: str, generated: int, **kw: Any
     ) -> MoveReport:
         self.seconds["total"] = time.perf_counter() - self.started
+        if self.live:
+            kw.setdefault("estimate", self.estimate)
+            kw.setdefault("migration", self.migration)
+            kw.update(live=True, stages=list(self.stages))
         report = MoveReport(
             rid=self.handle.request.rid,
             source_url=self.source_url,
