@@ -306,7 +306,7 @@ class _Migrator:
     async def get_json(self, url: str, path: str) -> dict:
         return {"loads": [self.loads[url]]}
 
-    async def move_request(self, handle: FakeHandle, target: str, mode: str):
+    async def move_request(self, handle: FakeHandle, target: str, mode: str, live: bool = False):
         handle.moving = True
         await self.release.wait()
         handle.moving, handle.moves = False, ["moved"]
