@@ -69,8 +69,11 @@ def main() -> None:
     parser.add_argument("--concurrent", type=int, default=6)
     parser.add_argument("--concurrent-tokens", type=int, default=8192)
     parser.add_argument("--quick", action="store_true", help="4K only")
+    parser.add_argument(
+        "--only-concurrency", action="store_true", help="skip the tier rounds (issue 21)"
+    )
     args = parser.parse_args()
-    lengths = [4096] if args.quick else args.lengths
+    lengths = [] if args.only_concurrency else [4096] if args.quick else args.lengths
 
     shape = dict(LLAMA3_8B, max_position_embeddings=max(args.context_length, 40960))
     model_dir = write_model(shape, Path("/tmp/kvmig-llama3-8b-40k"))
@@ -211,7 +214,7 @@ def _concurrency(
         r = client.migrate(source, target, p[:-1])
         return {"path": r.path, "wall_ms": (time.perf_counter() - t0) * 1e3,
                 "copy_ms": r.copy_seconds * 1e3, "timings_ms": _ms(r.timings),
-                "fallback_reason": r.fallback_reason}  # fmt: skip
+                "fallback_reason": r.fallback_reason, "steps_ms": r.steps_ms}  # fmt: skip
 
     one = move(prompts[0])
     t0 = time.perf_counter()
