@@ -82,8 +82,11 @@ def main() -> None:
     parser.add_argument("--target-gpu", type=int, default=0, help="1 on nvidia-h200-x2")
     parser.add_argument("--tp-size", type=int, default=1, help="2 on nvidia-h200-x2")
     parser.add_argument("--pp-size", type=int, default=1, help="2 on nvidia-h200-x2")
+    parser.add_argument(
+        "--only-concurrency", action="store_true", help="skip the tier rounds (issue 21)"
+    )
     args = parser.parse_args()
-    lengths = [4096] if args.quick else args.lengths
+    lengths = [] if args.only_concurrency else [4096] if args.quick else args.lengths
     if args.tp_size * args.pp_size > 1 and args.target_gpu != 0:
         parser.error(
             "--tp-size/--pp-size > 1 put both servers on GPUs 0..size-1: drop --target-gpu"
@@ -255,7 +258,7 @@ def _concurrency(
         r = client.migrate(source, target, p[:-1])
         return {"path": r.path, "wall_ms": (time.perf_counter() - t0) * 1e3,
                 "copy_ms": r.copy_seconds * 1e3, "timings_ms": _ms(r.timings),
-                "fallback_reason": r.fallback_reason}  # fmt: skip
+                "fallback_reason": r.fallback_reason, "steps_ms": r.steps_ms}  # fmt: skip
 
     one = move(prompts[0])
     t0 = time.perf_counter()

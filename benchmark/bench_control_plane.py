@@ -7,10 +7,24 @@ length; each repeat flushes the target and migrates the prefix again through
 `MigrationClient.migrate` (host path: the only one on CPU). Reported per length: the
 median of every phase of `result.timings`, and the transfer phase less the source's copy
 time (`copy_seconds`), which is what the device path's transfer trip shares with it.
+Then where each trip's time went (`result.steps_ms`, `server/trace.py`): the client and
+HTTP server outside the route, the body parse, the hop to the scheduler and the wait for
+its loop, the scheduler's part (for the transfer: its handler and the loop iterations
+until the reply), the hop back, and the rest of the route.
+
+`--floor N` first times N trips that do no work (an abort of an unknown id: HTTP, the
+tokenizer side, the scheduler's dispatch and back, a 404) through the client's own HTTP
+(`client/http11.py`) and through httpx, interleaved: the fixed cost of one trip.
+
+`--concurrent K` then moves K other prefixes of `--concurrent-tokens` at once (threads,
+one client, as `bench_any_tier.py` on the GPU) against one alone, and reports the wall
+time of all against one and each phase's steps in both.
 
     PYTHONPATH=python .venv/bin/python benchmark/bench_control_plane.py
     PYTHONPATH=python .venv/bin/python benchmark/bench_control_plane.py --tokens 32768 \
         --repeats 5 --profile 32768
+    PYTHONPATH=python .venv/bin/python benchmark/bench_control_plane.py --tokens 1024 \
+        --concurrent 6 --concurrent-tokens 8192
 
 `--profile N` then runs a few more migrations of N tokens under cProfile on three
 threads: the benchmark's client, the source's and the target's HTTP event loop, and
@@ -52,6 +66,8 @@ IDLE_FUNCTIONS = {
     "<method 'acquire' of '_thread.lock' objects>",
 }
 FIRST_TOKEN = {1024: 100_000, 8192: 200_000, 32768: 300_000}  # distinct radix branches
+CONCURRENT_FIRST_TOKEN = 1_000_000  # the concurrent mode's prefixes: one branch each
+STEPS = ("outside", "parse", "to_scheduler", "scheduler", "polls", "to_tokenizer", "route")
 
 
 # --------------------------------------------------------------------------------------
@@ -117,11 +133,17 @@ def _prefix(n: int) -> list[int]:
     return list(range(FIRST_TOKEN[n], FIRST_TOKEN[n] + n))
 
 
-def _start(lengths: list[int]) -> tuple[Any, Any]:
+def _concurrent_prefix(i: int, n: int) -> list[int]:
+    first = CONCURRENT_FIRST_TOKEN + i * (n + 1)
+    return list(range(first, first + n))
+
+
+def _start(lengths: list[int], concurrent: int = 0, concurrent_tokens: int = 0) -> tuple[Any, Any]:
     import cpu_harness
     from mini_server import ServerSpec, start_servers
 
-    room = sum(lengths) + 4096
+    extra = [_concurrent_prefix(i, concurrent_tokens) for i in range(concurrent + 1)]
+    room = sum(lengths) + sum(map(len, extra)) + 4096
     harness = cpu_harness.HarnessConfig(page_size=1, device_tokens=room, hicache_ratio=2.0)
     common = {
         "harness": harness,
@@ -130,6 +152,7 @@ def _start(lengths: list[int]) -> tuple[Any, Any]:
         "extension": _ProfilerFactory(),
     }
     preload = [(_prefix(n), i + 1) for i, n in enumerate(lengths)]
+    preload += [(p, 100 + i) for i, p in enumerate(extra) if concurrent]
     source, target = start_servers(
         [ServerSpec(preload=preload, **common), ServerSpec(**common)], timeout_s=600.0
     )
@@ -158,7 +181,131 @@ def _measure(client: Any, source: Any, target: Any, n: int, repeats: int) -> dic
         statistics.median(sum(r.timings[p] for p in PHASES[:-1]) - r.copy_seconds for r in rows)
         * 1e3
     )
+    cell["steps"] = _median_steps(rows)
     return cell
+
+
+def _median_steps(rows: list[Any]) -> dict[str, dict[str, float]]:
+    """Per phase and step, the median over `rows` (steps a server did not report: absent)."""
+    out: dict[str, dict[str, float]] = {}
+    for phase in PHASES[:-1]:
+        out[phase] = {}
+        for step in STEPS:
+            values = [getattr(r, "steps_ms", {}).get(phase, {}).get(step) for r in rows]
+            values = [v for v in values if v is not None]
+            if values:
+                out[phase][step] = statistics.median(values)
+    return out
+
+
+def _steps_table(title: str, steps: dict[str, dict[str, float]]) -> str:
+    rows = [f"{title}", "", "| trip | " + " | ".join(STEPS) + " |", "|" + "---|" * (len(STEPS) + 1)]
+    for phase in PHASES[:-1]:
+        cells = [steps.get(phase, {}).get(step) for step in STEPS]
+        rows.append(
+            f"| {phase} | " + " | ".join("" if c is None else f"{c:.2f}" for c in cells) + " |"
+        )
+    return "\n".join(rows)
+
+
+def _floor(target: Any, n: int) -> dict[str, Any]:
+    """Median and p10 ms of `n` no-work trips per HTTP client, interleaved."""
+    import httpx
+    from sglang_kv_migration.client.migration import MigrationClient, MigrationFailed
+
+    clients = {"http11": MigrationClient(), "httpx": MigrationClient(http_client=httpx.Client())}
+    times: dict[str, list[float]] = {name: [] for name in clients}
+    steps: dict[str, list[dict[str, float]]] = {name: [] for name in clients}
+    for i in range(n + 10):
+        for name, client in clients.items():
+            t0 = time.perf_counter()
+            try:
+                client.call(target.url, "/abort_transfer", {"migration_id": "no-such-id"})
+            except MigrationFailed as e:  # 404: the trip we time
+                reply = e.reply or {}
+            if i >= 10:
+                times[name].append((time.perf_counter() - t0) * 1e3)
+                steps[name].append(reply.get("steps_ms", {}))
+    for client in clients.values():
+        client.close()
+    out: dict[str, Any] = {}
+    for name, ts in times.items():
+        ts.sort()
+        keys = set().union(*steps[name])
+        out[name] = {
+            "median": statistics.median(ts),
+            "p10": ts[len(ts) // 10],
+            "steps": {k: statistics.median(s.get(k, 0.0) for s in steps[name]) for k in keys},
+        }
+    return out
+
+
+def _concurrency(client: Any, source: Any, target: Any, k: int, n: int, repeats: int) -> dict:
+    """One migration alone, then `k` at once, `repeats` times; medians (ms)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prefixes = [_concurrent_prefix(i, n) for i in range(k + 1)]
+
+    def move(p: list[int]) -> Any:
+        t0 = time.perf_counter()
+        r = client.migrate(source.url, target.url, p)
+        if r.migrated_token_size != n:
+            raise RuntimeError(f"moved {r.migrated_token_size} of {n} tokens: {r}")
+        return r, (time.perf_counter() - t0) * 1e3
+
+    ones, walls, lasts, everyone = [], [], [], []
+    with ThreadPoolExecutor(k) as pool:
+        for _ in range(repeats + 1):  # the first round warms up
+            target.ask(0, "flush")
+            one = move(prefixes[0])
+            target.ask(0, "flush")
+            t0 = time.perf_counter()
+            many = list(pool.map(move, prefixes[1:]))
+            walls.append((time.perf_counter() - t0) * 1e3)
+            ones.append(one)
+            lasts.append(max(w for _r, w in many))
+            everyone.extend(many)
+    ones, walls, lasts = ones[1:], walls[1:], lasts[1:]
+    everyone = everyone[k:]
+    one_ms = statistics.median(w for _r, w in ones)
+    wall_ms = statistics.median(walls)
+    return {
+        "tokens": n,
+        "k": k,
+        "repeats": repeats,
+        "one_ms": one_ms,
+        "concurrent_wall_ms": wall_ms,
+        "ratio": wall_ms / one_ms,
+        "one_phases_ms": {
+            p: statistics.median(r.timings[p] for r, _ in ones) * 1e3 for p in PHASES
+        },
+        "concurrent_phases_ms": {
+            p: statistics.median(r.timings[p] for r, _ in everyone) * 1e3 for p in PHASES
+        },
+        "one_steps": _median_steps([r for r, _ in ones]),
+        "concurrent_steps": _median_steps([r for r, _ in everyone]),
+    }
+
+
+def _print_concurrency(c: dict[str, Any]) -> None:
+    print(
+        f"\n{c['k']} concurrent migrations of {c['tokens']} tokens to one target (medians of "
+        f"{c['repeats']} rounds): all {c['concurrent_wall_ms']:.2f} ms against one "
+        f"{c['one_ms']:.2f} ms: {c['ratio']:.2f}x\n"
+    )
+    print("| phase | " + " | ".join(PHASES) + " |")
+    print("|" + "---|" * (len(PHASES) + 1))
+    for name in ("one", "concurrent"):
+        phases = c[f"{name}_phases_ms"]
+        print(f"| {name} | " + " | ".join(f"{phases[p]:.2f}" for p in PHASES) + " |")
+    print()
+    print(_steps_table("Steps of one alone, ms (median):", c["one_steps"]))
+    print()
+    print(
+        _steps_table(
+            f"Steps of each of the {c['k']} concurrent ones, ms (median):", c["concurrent_steps"]
+        )
+    )
 
 
 def _profile(client: Any, source: Any, target: Any, n: int, repeats: int, top: int) -> None:
@@ -231,6 +378,10 @@ def main() -> None:
     parser.add_argument("--profile-repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--json", help="write the cells here as JSON")
+    parser.add_argument("--concurrent", type=int, default=0, metavar="K")
+    parser.add_argument("--floor", type=int, default=0, metavar="N")
+    parser.add_argument("--concurrent-tokens", type=int, default=8192)
+    parser.add_argument("--concurrent-repeats", type=int, default=5)
     args = parser.parse_args()
     unknown = sorted(set(args.tokens + args.profile) - set(FIRST_TOKEN))
     if unknown:
@@ -240,13 +391,39 @@ def main() -> None:
 
     lengths = sorted(set(args.tokens + args.profile))
     started = time.perf_counter()
-    source, target = _start(lengths)
+    source, target = _start(lengths, args.concurrent, args.concurrent_tokens)
     print(f"servers up in {time.perf_counter() - started:.0f} s; load {os.getloadavg()}")
+    floor = None
     try:
+        if args.floor:
+            floor = _floor(target, args.floor)
+            print(f"\nNo-work trips (abort of an unknown id), {args.floor} each, ms:")
+            for name, f in floor.items():
+                inner = ", ".join(f"{k} {v:.2f}" for k, v in sorted(f["steps"].items()))
+                print(f"  {name}: median {f['median']:.2f}, p10 {f['p10']:.2f}; server: {inner}")
         with MigrationClient() as client:
             cells = [_measure(client, source, target, n, args.repeats) for n in args.tokens]
             print(f"\nMedians of {args.repeats} migrations, page size 1, host path, ms:\n")
             print(_table(cells))
+            for c in cells:
+                print()
+                print(
+                    _steps_table(
+                        f"Where each trip's time went at {c['tokens']} tokens, ms (median):",
+                        c["steps"],
+                    )
+                )
+            concurrency = None
+            if args.concurrent:
+                concurrency = _concurrency(
+                    client,
+                    source,
+                    target,
+                    args.concurrent,
+                    args.concurrent_tokens,
+                    args.concurrent_repeats,
+                )
+                _print_concurrency(concurrency)
             for n in args.profile:
                 _profile(client, source, target, n, args.profile_repeats, args.top)
     finally:
@@ -254,7 +431,9 @@ def main() -> None:
         target.stop()
     print(f"\nload average after: {os.getloadavg()}")
     if args.json:
-        Path(args.json).write_text(json.dumps(cells, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"cells": cells, "concurrency": concurrency, "floor": floor}, indent=1)
+        )
 
 
 if __name__ == "__main__":

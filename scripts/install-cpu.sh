@@ -52,7 +52,7 @@ LIGHT_DEPS=(
     triton numpy pillow pybase64 psutil packaging tqdm pyyaml requests pydantic orjson
     msgspec pyzmq setproctitle xxhash fastapi uvicorn httpx prometheus-client
     python-multipart IPython aiohttp transformers==5.6.0 openai==2.6.1 partial_json_parser
-    dill sentencepiece einops compressed-tensors gguf uvloop jsonschema soundfile
+    dill sentencepiece einops compressed-tensors gguf uvloop jsonschema soundfile httptools
 )
 "${PIP[@]}" "${LIGHT_DEPS[@]}"
 

@@ -85,6 +85,9 @@ class GetTransferSessionInfoReqOutput(BaseReq):
     server_epoch: str = ""
     message: str = ""
     error_kind: str = ""
+    # Where the trip spent its time, ms (`server/trace.py`); informational.
+    steps_ms: dict = field(default_factory=dict)
+    trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
     # Optional wire features this server understands beyond its protocol version; a
     # client uses one only when both servers list it (older servers list none).
     features: list[str] = field(default_factory=lambda: list(WIRE_FEATURES))
@@ -114,6 +117,9 @@ class GetRequestExtraTokenSizeReqOutput(BaseReq):
     server_epoch: str = ""
     message: str = ""
     error_kind: str = ""
+    # Where the trip spent its time, ms (`server/trace.py`); informational.
+    steps_ms: dict = field(default_factory=dict)
+    trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
 
 
 # --------------------------------------------------------------------------- allocate
@@ -168,6 +174,9 @@ class AllocateTokenForTransferReqOutput(BaseReq):
     server_epoch: str = ""
     message: str = ""
     error_kind: str = ""
+    # Where the trip spent its time, ms (`server/trace.py`); informational.
+    steps_ms: dict = field(default_factory=dict)
+    trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
 
 
 # --------------------------------------------------------------------------- transfer
@@ -229,6 +238,9 @@ class TransferRequestKVCacheReqOutput(BaseReq):
     server_epoch: str = ""
     message: str = ""
     error_kind: str = ""
+    # Where the trip spent its time, ms (`server/trace.py`); informational.
+    steps_ms: dict = field(default_factory=dict)
+    trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
 
 
 # --------------------------------------------------------------------------- commit/abort
@@ -249,6 +261,9 @@ class CommitTransferRequestKVCacheReqOutput(BaseReq):
     matched_after_commit: int = 0
     message: str = ""
     error_kind: str = ""
+    # Where the trip spent its time, ms (`server/trace.py`); informational.
+    steps_ms: dict = field(default_factory=dict)
+    trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
 
 
 @dataclass
@@ -264,6 +279,9 @@ class AbortTransferReqOutput(BaseReq):
     success: bool
     message: str = ""
     error_kind: str = ""
+    # Where the trip spent its time, ms (`server/trace.py`); informational.
+    steps_ms: dict = field(default_factory=dict)
+    trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
 
 
 # Every (input, output) pair, in protocol order. The scheduler side and the tokenizer

@@ -39,6 +39,9 @@ PAGE = 16
 WATCHDOG_S = 2.0
 HTTP_TIMEOUT_S = 30.0
 
+# `server/trace.py`: the steps of one trip (`outside` is added by the client).
+TRIP_STEPS = ("outside", "parse", "to_scheduler", "scheduler", "to_tokenizer", "route")
+
 ROUTES = (
     "/get_transfer_session_info",
     "/get_request_extra_token_size",
@@ -369,6 +372,16 @@ def test_client_migrates_partial_then_rest_then_nothing(servers: Servers) -> Non
         assert second.matched_after_commit == 128
         assert {"session_info", "allocate", "transfer", "commit", "total"} <= set(second.timings)
         assert sum(dst.ask(0, "held", SEQ_E2E)) == 128
+        # Where each trip's time went (`server/trace.py`): every step of every trip, and
+        # the server's part of a trip is no more than the client's trip.
+        assert set(second.steps_ms) == {"extra_token_size", "allocate", "transfer", "commit"}
+        for phase, steps in second.steps_ms.items():
+            assert set(TRIP_STEPS) <= set(steps), (phase, steps)
+            assert all(v >= 0 for v in steps.values()), (phase, steps)
+            assert steps["route"] <= second.timings[phase] * 1e3 + 0.01, (phase, steps)
+            inside = sum(steps[k] for k in ("to_scheduler", "scheduler", "to_tokenizer"))
+            assert steps["parse"] + inside <= steps["route"] + 0.01, (phase, steps)
+        assert second.steps_ms["transfer"]["polls"] >= 1  # replied from a later poll()
 
         source_kv = src.ask(0, "kv", aligned)
         target_kv = dst.ask(0, "kv", aligned)
@@ -438,6 +451,9 @@ def test_unknown_migration_id_is_404(servers: Servers, http: httpx.Client, path:
     r = _post(http, servers.target, path, {"migration_id": "no-such-id"})
     assert r.status_code == 404, r.text
     assert r.json()["error_kind"] == "not_found"
+    # Failures say where their trip went too; the scheduler's raw stamps stay inside.
+    assert set(r.json()["steps_ms"]) == {"parse", "route", *TRIP_STEPS[1:]} - {"outside"}
+    assert "trace" not in r.json()
     assert "no-such-id" in r.json()["message"]
 
 

@@ -30,6 +30,7 @@ import httpx
 import orjson
 
 from sglang_kv_migration import PROTOCOL_VERSION
+from sglang_kv_migration.client import http11
 from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.grants import FEATURE as BOUND_GRANTS
 from sglang_kv_migration.page_ranges import FEATURE as PAGE_RANGES
@@ -63,6 +64,10 @@ class MigrationResult:
     # Migrations it took: more than one into a target whose device-path writes land in a
     # landing arena smaller than the prefix (--enable-memory-saver).
     rounds: int = 1
+    # Per phase ("extra_token_size", "allocate", "transfer", "commit"): where its round
+    # trip spent its time, ms: the server's `steps_ms` (`server/trace.py`; empty from
+    # servers without it) and `outside`, this client's trip less the server's route.
+    steps_ms: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -168,7 +173,8 @@ class _Call:
 
 
 class MigrationClient:
-    """Synchronous client (httpx)."""
+    """Synchronous client: keep-alive HTTP/1.1 from the standard library (`http11.py`),
+    or the `httpx.Client` it is given."""
 
     def __init__(
         self,
@@ -179,8 +185,10 @@ class MigrationClient:
         admin_api_key: str | None = None,
     ):
         """`api_key`, `admin_api_key`: see `ApiKeys` (every route here is an admin route,
-        so `admin_api_key` is used when given, else `api_key`)."""
-        self._http = http_client or httpx.Client(timeout=timeout)
+        so `admin_api_key` is used when given, else `api_key`). `http_client`: send
+        through this httpx client (proxies, custom transports) instead of `http11`."""
+        self._http = http_client
+        self._http11 = http11.Http11(timeout) if http_client is None else None
         self.keys = ApiKeys(api_key, admin_api_key)
         self._sessions = SessionCache()
 
@@ -239,7 +247,10 @@ class MigrationClient:
         return _checked(_Call(path.strip("/"), url, path, body or {}), *self._raw(url, path, body))
 
     def close(self) -> None:
-        self._http.close()
+        if self._http11 is not None:
+            self._http11.close()
+        else:
+            self._http.close()
 
     def __enter__(self) -> MigrationClient:
         return self
@@ -250,11 +261,14 @@ class MigrationClient:
     def _post(self, call: _Call) -> tuple[int | None, Any]:
         try:
             return self._raw(call.url, call.path, call.body)
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, *http11.ERRORS) as e:
             return None, f"{type(e).__name__}: {e}"
 
     def _raw(self, url: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
         headers = {**_JSON, **self.keys.headers(path)}
+        if self._http11 is not None:
+            status, data = self._http11.post(_join(url, path), _encode(body), headers)
+            return status, _json_or_bytes_text(data)
         r = self._http.post(_join(url, path), content=_encode(body), headers=headers)
         return r.status_code, _json_or_text(r)
 
@@ -378,6 +392,7 @@ class _Plan:
     prefix: list[int]  # the page-aligned prefix the source holds
     timings: dict[str, float]
     verify: bool = False  # the target checks a digest of what landed before inserting
+    steps: dict[str, dict[str, float]] = field(default_factory=dict)  # per phase, ms
 
 
 def _migration_steps(
@@ -443,6 +458,7 @@ def _attempt(
     _check_epoch(source_url, source_info, held)
     source_held = held["matched_token_size"]
     timings["extra_token_size"] = clock() - t0
+    steps = {"extra_token_size": _trip_steps(held, timings["extra_token_size"])}
     plan = _Plan(
         source_url,
         target_url,
@@ -452,6 +468,7 @@ def _attempt(
         input_ids[:source_held],
         timings,
         verify,
+        steps,
     )
     if source_held == 0:
         return _result(plan, "", {"matched_token_size": 0}, None, None, "", "")
@@ -480,6 +497,7 @@ def _move(
     allocation = yield from _step(_allocate_call(plan, path))
     migration_id = allocation["migration_id"]
     timings["allocate"] = timings.get("allocate", 0.0) + clock() - t0
+    plan.steps["allocate"] = _trip_steps(allocation, clock() - t0)
     if allocation["extra_token_size"] == 0:
         _check_epoch(plan.target_url, plan.target_info, allocation)
         return _result(plan, "", allocation, None, None, "", fallback_reason)
@@ -491,6 +509,7 @@ def _move(
         t0 = clock()
         transfer = yield from _step(_transfer_call(plan, allocation, path))
         timings["transfer"] = clock() - t0
+        plan.steps["transfer"] = _trip_steps(transfer, timings["transfer"])
 
         t0 = clock()
         commit = yield from _step(
@@ -506,6 +525,7 @@ def _move(
             )
         )
         timings["commit"] = clock() - t0
+        plan.steps["commit"] = _trip_steps(commit, timings["commit"])
     except (MigrationFailed, _StaleSession) as failure:
         # The source's receipts (even of a failed transfer) may prove no write can still
         # land, which frees the target's slots at once instead of after quarantine.
@@ -632,7 +652,16 @@ def _result(
         plans=[r.get("plan", "") for r in ranks],
         entries=sum(r.get("entries", 0) for r in ranks),
         transfer_steps_ms=[r.get("steps_ms", {}) for r in ranks],
+        steps_ms=plan.steps,
     )
+
+
+def _trip_steps(reply: dict[str, Any], seconds: float) -> dict[str, float]:
+    """The server's `steps_ms` of one trip plus `outside`: this trip less the route."""
+    steps = dict(reply.get("steps_ms") or {})
+    if "route" in steps:
+        steps["outside"] = round(max(seconds * 1e3 - steps["route"], 0.0), 3)
+    return steps
 
 
 def _receipts(transfer_reply: dict[str, Any] | None) -> list[str]:
@@ -846,3 +875,10 @@ def _json_or_text(response: httpx.Response) -> Any:
         return orjson.loads(response.content)
     except orjson.JSONDecodeError:
         return response.text
+
+
+def _json_or_bytes_text(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data.decode("utf-8", "replace")

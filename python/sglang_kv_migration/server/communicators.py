@@ -21,6 +21,7 @@ from sglang_kv_migration.errors import ErrorKind
 from sglang_kv_migration.io_types import REQUEST_TYPES, AbortTransferReqInput
 from sglang_kv_migration.server.pp_stages import merge_stage_replies, needs_rollback
 from sglang_kv_migration.server.server_args import kv_migration_enabled
+from sglang_kv_migration.server.trace import mark_arrived, mark_sent, trip_steps
 
 
 class RidCommunicator:
@@ -42,6 +43,7 @@ class RidCommunicator:
         done = asyncio.get_running_loop().create_future()
         self._waiting[request.rid] = (done, [])
         try:
+            mark_sent(request)
             self._sender.send_pyobj(request)
             return await done
         finally:
@@ -52,6 +54,7 @@ class RidCommunicator:
         if entry is None:
             return
         done, received = entry
+        mark_arrived(output)
         received.append(output)
         if len(received) == self._replies and not done.done():
             done.set_result(list(received))
@@ -90,6 +93,7 @@ class KVMigrationCommunicators:
             request.weight_version = self._weight_version()
         replies = await self._by_input_type[type(request)](request)
         merged = merge_stage_replies(replies)
+        merged.steps_ms = {**trip_steps(request, replies), **merged.steps_ms}
         if needs_rollback(replies, merged):
             # IMPORTANT: abort before answering, so the client never sees a failed
             # allocation that still holds slots on some stage.

@@ -8,7 +8,9 @@ so `--api-key` / `--admin-api-key` protect them exactly like `/flush_cache`.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import time
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal, Protocol
@@ -234,7 +236,8 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
         backend = get_backend()
         if backend is None:
             return _error(ErrorKind.UNAVAILABLE, DISABLED_MESSAGE)
-        return _reply(await backend.call(request))
+        parsed = time.monotonic()
+        return _reply(await backend.call(request), parsed)
 
     # curl -X POST localhost:30000/get_transfer_session_info
     @router.post("/get_transfer_session_info")
@@ -292,6 +295,7 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
 
 def add_routes_to_sglang_app() -> None:
     """Add the routes to SGLang's own FastAPI app, once (`plugin.before_launch_server`)."""
+    warn_without_fast_http_parser()
     app = sglang_adapter.http_server_app()
     if not any(getattr(r, "path", None) == "/commit" for r in app.routes):
         add_routes(app, _sglang_backend)
@@ -318,6 +322,22 @@ def add_routes(app: Any, get_backend: Callable[[], MigrationBackend | None]) -> 
         )
 
 
+def warn_without_fast_http_parser() -> bool:
+    """Warn (once, at launch) when uvicorn will parse HTTP in pure Python (h11): without
+    `httptools` every migration trip costs about a millisecond more on the server
+    (`docs/benchmarks.md`, "The control plane on CPU"). Returns True when it warned."""
+    import importlib.util
+    import logging
+
+    if importlib.util.find_spec("httptools") is not None:
+        return False
+    logging.getLogger(__name__).warning(
+        "httptools is not installed: uvicorn parses HTTP with h11 (pure Python), about 1 ms "
+        "more per KV-migration round trip; pip install httptools"
+    )
+    return True
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -331,17 +351,28 @@ def _fields(body: BaseModel, exclude: frozenset[str] = frozenset()) -> dict[str,
     return {name: getattr(body, name) for name in type(body).model_fields if name not in exclude}
 
 
-# BaseReq bookkeeping that never leaves the server.
-_INTERNAL_FIELDS = frozenset({"rid", "http_worker_ipc"})
+# BaseReq bookkeeping and the scheduler's raw stamps (`trace.py`): never leave the server.
+_INTERNAL_FIELDS = frozenset({"rid", "http_worker_ipc", "trace"})
+
+# When the route began reading the body (set per request by `_BadRequestOnInvalidBody`).
+_ROUTE_STARTED: contextvars.ContextVar[float] = contextvars.ContextVar("kvmig_route_started")
 
 
-def _reply(output: Any) -> Response:
+def _reply(output: Any, parsed: float | None = None) -> Response:
     status = 200 if output.success else ErrorKind(output.error_kind or "internal").http_status
     content = {
         f.name: _plain(getattr(output, f.name))
         for f in dataclasses.fields(output)
         if f.name not in _INTERNAL_FIELDS
     }
+    started = _ROUTE_STARTED.get(None)
+    if started is not None and parsed is not None and "steps_ms" in content:
+        # `trace.py`: the body read and parsed, and the whole route up to this reply.
+        content["steps_ms"] = {
+            "parse": round((parsed - started) * 1e3, 3),
+            **content["steps_ms"],
+            "route": round((time.monotonic() - started) * 1e3, 3),
+        }
     # orjson, and no deep copy (`dataclasses.asdict` copies every int of a 32K-token list):
     # replies carry page lists as long as the prefix.
     return Response(orjson.dumps(content), status_code=status, media_type="application/json")
@@ -371,6 +402,7 @@ class _BadRequestOnInvalidBody(APIRoute):
         handler = super().get_route_handler()
 
         async def handle(request: Request) -> Any:
+            _ROUTE_STARTED.set(time.monotonic())
             too_large = await _read_capped_body(request)
             if too_large is not None:
                 return _error(ErrorKind.TOO_LARGE, too_large)

@@ -61,6 +61,7 @@ from sglang_kv_migration.server.pending import PendingMigrations
 from sglang_kv_migration.server.pp_stages import refusal_of, refused_output
 from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, guarded
 from sglang_kv_migration.server.source_transfers import SourceTransfers
+from sglang_kv_migration.server.trace import mark_received, stamp
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,10 @@ class MigrationSchedulerSide:
         outputs = {request: output for _name, request, output in REQUEST_TYPES}
         guarded_pairs = [(kind, self._guarding(h, outputs[kind])) for kind, h in pairs]
         guarded_pairs.append((StageSyncReqInput, self._guarding(self.stage_sync, None)))
-        return [(kind, self.loop_timer.timed(handler)) for kind, handler in guarded_pairs]
+        return [
+            (kind, _received_first(self.loop_timer.timed(handler)))
+            for kind, handler in guarded_pairs
+        ]
 
     def poll(self) -> list[Any]:
         """Once per scheduler loop iteration: finish transfers and staged commits, run the
@@ -581,6 +585,7 @@ class MigrationSchedulerSide:
 
     def _reply_later(self, req: Any, output: Any) -> None:
         output.rid = req.rid
+        stamp(output, req, self.ctx.pp_rank)
         self.ctx.send_output(output, req)
 
     def _open_staging(self, nbytes: int) -> TargetStaging | None:
@@ -631,6 +636,7 @@ class MigrationSchedulerSide:
             if output is None:
                 return None
             output.rid = req.rid
+            stamp(output, req, self.ctx.pp_rank)
             if self.ctx.first_stage:
                 return output
             self.ctx.send_output(output, req)
@@ -714,6 +720,16 @@ class MigrationSchedulerSide:
         for _ in self.pending.expire(due):
             self.metrics.outcome("target", "expired")
         return due
+
+
+def _received_first(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Stamp when the scheduler took the request up (`trace.py`), before anything else."""
+
+    def received(req: Any) -> Any:
+        mark_received(req)
+        return handler(req)
+
+    return received
 
 
 @dataclass(frozen=True)

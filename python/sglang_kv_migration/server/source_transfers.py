@@ -37,6 +37,7 @@ from sglang_kv_migration.io_types import (
 from sglang_kv_migration.paths.base import DataPath, KVPoll, SendJob, SendRange
 from sglang_kv_migration.server.metrics import MigrationMetrics
 from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, error_of
+from sglang_kv_migration.server.trace import stamp
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +76,7 @@ class InflightTransfer:
     result: RankTransferStatus | None = None
     slots_digest: str = ""  # of this rank's target slots, once parsed (for the receipt)
     own_slots: tuple[torch.Tensor, str] | None = None  # (slots, digest), parsed once
+    first_poll: int = 0  # `SourceTransfers.polls` when it started (its reply says how many)
 
     @property
     def waiting(self) -> bool:
@@ -134,6 +136,7 @@ class SourceTransfers:
         self.max_tokens = max_tokens  # the most slots one transfer can name (host pool)
         self._used_grants = grants.UsedGrants()
         self.inflight: list[InflightTransfer] = []  # read-only outside this class
+        self.polls = 0  # `poll()` calls with transfers in flight
 
     def epoch_of(self, weight_version: str) -> str:
         """The epoch replies carry: instance, KV memory generation and weights."""
@@ -145,7 +148,7 @@ class SourceTransfers:
     def start(self, req: TransferRequestKVCacheReqInput) -> None:
         """Handle a transfer request; the reply is sent later by `poll()`, also when
         something here failed unexpectedly (then it says so: never two replies)."""
-        inflight = InflightTransfer(request=req, started=time.monotonic())
+        inflight = InflightTransfer(request=req, started=time.monotonic(), first_poll=self.polls)
         self.inflight.append(inflight)
         error = error_of(lambda: self._start(req, inflight))
         if error is not None and inflight.error is None:
@@ -178,6 +181,7 @@ class SourceTransfers:
     def poll(self) -> None:
         """Once per scheduler loop iteration while transfers are in flight."""
         if self.inflight:
+            self.polls += 1
             if any(t.waiting for t in self.inflight):
                 # A collective: `waiting` is the same on every rank.
                 self.ctx.tree_cache.writing_check()
@@ -213,6 +217,7 @@ class SourceTransfers:
                 error_kind=ErrorKind.INTERNAL.value,
             )
             output.rid = req.rid
+            stamp(output, req, self.ctx.pp_rank, polls=self.polls - inflight.first_poll)
             self.ctx.send_output(output, req)
 
     def close(self) -> None:
@@ -450,6 +455,7 @@ class SourceTransfers:
                     _steps_text(statuses[self.ctx.tp_rank].steps),
                 )
         output.rid = req.rid  # the tokenizer side matches concurrent transfers by rid
+        stamp(output, req, self.ctx.pp_rank, polls=self.polls - inflight.first_poll)
         self.ctx.send_output(output, req)
 
 
