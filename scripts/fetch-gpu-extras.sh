@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Wheels the GPU machine's image lacks, next to ../shared/gpu/build-wheels.sh's .whl-mc/:
+# torch_memory_saver (for --enable-memory-saver servers: test/gpu/test_gpu_memory_saver.py,
+# benchmark/probe_memory_saver.py) and httptools (uvicorn's C HTTP parser; without it every
+# request is parsed in pure Python). Then rebuild this package's wheel into .whl-mc/:
+#   bash scripts/fetch-gpu-extras.sh && .venv/bin/python -m pip wheel -q --no-deps -w .whl-mc .
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+mkdir -p .whl-mc
+PY=${PY:-.venv/bin/python}
+"$PY" -m pip download -q --no-deps -d .whl-mc torch_memory_saver==0.0.10
+"$PY" -m pip download -q --no-deps --only-binary :all: --python-version 3.12 \
+  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl-mc httptools
+ls .whl-mc
