@@ -317,3 +317,20 @@ def test_the_adapter_reads_the_tags_of_sglangs_own_memory_requests():
     assert adapter.frees_kv_cache(ReleaseMemoryOccupationReqInput(tags=["kv_cache"]))
     assert not adapter.frees_kv_cache(ReleaseMemoryOccupationReqInput(tags=["weights"]))
     assert adapter.frees_kv_cache(ResumeMemoryOccupationReqInput(tags=["weights", "kv_cache"]))
+
+
+def test_a_landing_arena_is_mapped_per_send_never_kept():
+    """Sources keep no mapping of a landing arena (it would hold the arena's memory on
+    the target after a release): `cached=False` hands the caller its own mapping."""
+    from sglang_kv_migration.paths.device.cuda_ipc import PeerBuffers
+
+    peers = PeerBuffers()
+    try:
+        for cached in (False, True):
+            future = peers.open_async("arena-1", [{"handle": "not base64!"}], 0, cached=cached)
+            with pytest.raises(MigrationError) as info:
+                future.result(timeout=30)
+            assert info.value.kind is ErrorKind.BAD_REQUEST
+            assert len(peers) == 0
+    finally:
+        peers.close()

@@ -144,9 +144,22 @@ class PeerBuffers:
         self._opener: ThreadPoolExecutor | None = None
 
     def open_async(
-        self, instance_key: str, descs: list[dict[str, Any]], device_index: int
+        self,
+        instance_key: str,
+        descs: list[dict[str, Any]],
+        device_index: int,
+        cached: bool = True,
     ) -> Future[OpenedPeer]:
-        """A future of the opened peer: done at once when it is open already."""
+        """A future of the opened peer: done at once when it is open already.
+
+        `cached=False` (a memory-saver target's landing arena, which must be freed with
+        the target's KV cache): the mapping is not kept here; it lives as long as the
+        caller holds the result (torch closes an IPC mapping with its last storage)."""
+        if not cached:
+            with self._lock:
+                if self._opener is None:
+                    self._opener = ThreadPoolExecutor(1, thread_name_prefix="kv-migration-ipc")
+                return self._opener.submit(self._map, instance_key, descs, device_index)
         with self._lock:
             opened = self._open.get(instance_key)
             if opened is not None:
@@ -174,21 +187,7 @@ class PeerBuffers:
             if opened is not None:
                 self._open.move_to_end(instance_key)
                 return opened
-        import torch
-
-        try:
-            buffers = [open_tensor(d, device_index) for d in descs]
-            pointers = torch.tensor(
-                [b.data_ptr() for b in buffers], dtype=torch.int64, device=f"cuda:{device_index}"
-            )
-            opened = OpenedPeer(buffers, pointers)
-        except MigrationError:
-            raise
-        except Exception as e:  # CUDA refused the handle (other host, other namespace)
-            raise MigrationError(
-                ErrorKind.CONFLICT,
-                f"cannot open the target's KV buffers through CUDA IPC: {type(e).__name__}: {e}",
-            ) from None
+        opened = self._map(instance_key, descs, device_index)
         with self._lock:
             self._open[instance_key] = opened
             while len(self._open) > self._max_open:
@@ -198,6 +197,25 @@ class PeerBuffers:
             "Opened %d KV buffers of peer %s through CUDA IPC", len(opened.buffers), instance_key
         )
         return opened
+
+    @staticmethod
+    def _map(instance_key: str, descs: list[dict[str, Any]], device_index: int) -> OpenedPeer:
+        import torch
+
+        try:
+            buffers = [open_tensor(d, device_index) for d in descs]
+            pointers = torch.tensor(
+                [b.data_ptr() for b in buffers], dtype=torch.int64, device=f"cuda:{device_index}"
+            )
+            return OpenedPeer(buffers, pointers)
+        except MigrationError:
+            raise
+        except Exception as e:  # CUDA refused the handle (other host, other namespace)
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"cannot open the target's KV buffers through CUDA IPC ({instance_key}): "
+                f"{type(e).__name__}: {e}",
+            ) from None
 
     def close(self) -> None:
         with self._lock:

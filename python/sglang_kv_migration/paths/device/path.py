@@ -181,12 +181,19 @@ class DevicePath(DataPath):
 
     def release_memory(self) -> None:
         """The KV cache is released: drop the landing arena (every reservation was freed
-        before). Sources still mapping it keep its pages only until they let go."""
+        before) and give its memory back to the driver. Sources map an arena only for
+        the length of a send, so none holds it now (a send in flight from another
+        server keeps its pages until it ends: torch frees them then)."""
         self.released = True
         if self._landing is not None:
             self._landing.synchronize()
             self._landing = None
             self._exported = []
+            if self.device.type == "cuda":
+                import torch
+
+                torch.cuda.ipc_collect()  # blocks whose importers have all let go
+                torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
         """The KV cache is back: a new arena under a new instance id, so sources open it
@@ -365,7 +372,9 @@ class DevicePath(DataPath):
         # Mapped into *this* device's address space (CUDA enables peer access for a
         # mapping of a peer GPU's memory), so the copy kernel runs here and writes the
         # target's pages directly, over NVLink when the target is another GPU.
-        return self._peers.open_async(instance, descs, here)
+        # IMPORTANT: a landing arena is mapped per send, never kept: a mapping held here
+        # would keep the arena's memory allocated on the target after it released it.
+        return self._peers.open_async(instance, descs, here, cached=not peer.landing_tokens)
 
     def _checked_peer(self, opened: cuda_ipc.OpenedPeer, peer: DeviceTarget) -> cuda_ipc.OpenedPeer:
         for flat, rows, rb in zip(opened.buffers, peer.num_rows, peer.row_bytes, strict=True):
@@ -618,9 +627,15 @@ class DeviceSendJob(SendJob):
         return KVPoll.SUCCESS
 
     def release(self) -> None:
+        # The copy must be over before its pages are unpinned and before the target's
+        # mapping (a landing arena's is this job's only) can be closed.
+        if self._end is not None and not self._end.query():
+            self._end.synchronize()
         if self._pin is not None:
             self._pin.release()
             self._pin = None
+        # Drop the references to the opened peer: an uncached mapping closes here.
+        self._opening = self._launch = None
 
 
 @dataclass
