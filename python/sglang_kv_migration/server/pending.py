@@ -272,9 +272,10 @@ class PendingMigrations:
                 # our copies of those tokens are surplus.
                 pending.path.release(pending.slots[:already_present])
             self.cache.dec_lock_ref(pending.anchor)
-            matched_after = sglang_adapter.match_held_prefix(
-                self.cache, pending.key.token_ids, pending.key.extra_key
-            ).length
+            # The whole key is in the tree now (the locked anchor, then what was just
+            # inserted or found present): no second radix walk over it (at page size 1
+            # SGLang's match is a Python loop over every token).
+            matched_after = len(pending.key)
             self._finish(pending, MigrationState.COMMITTED, matched_after)
             return matched_after
 
