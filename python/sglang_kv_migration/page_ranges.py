@@ -62,6 +62,17 @@ def pages_from_ranges(ranges: list[list[int]]) -> torch.Tensor:
     )
 
 
+def slots_from_pages(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The int64 token slots of whole pages `pages`, in order (`to_page_ranges` takes
+    them back to runs)."""
+    import torch
+
+    if page_size == 1:
+        return pages
+    offsets = torch.arange(page_size, dtype=torch.int64, device=pages.device)
+    return (pages[:, None] * page_size + offsets).reshape(-1)
+
+
 def count_pages(ranges: list[list[int]]) -> int:
     """Pages the runs enumerate (the pairs are assumed well-formed)."""
     return sum(pair[1] for pair in ranges)

@@ -474,7 +474,6 @@ def target_slots(
 
     IMPORTANT: the count is checked from the lists' lengths and the runs' counts before
     anything is expanded: a few bytes of runs can name gigabytes of slots."""
-    import torch
 
     if sum(map(bool, (target.kv_pages, target.kv_indices, target.kv_page_ranges))) > 1:
         raise MigrationError(
@@ -491,9 +490,7 @@ def target_slots(
             )
         except ValueError as e:
             raise MigrationError(ErrorKind.BAD_REQUEST, str(e)) from None
-        if page_size == 1:
-            return pages
-        return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+        return page_ranges.slots_from_pages(pages, page_size)
     return _int64_tensor(target.kv_indices, "kv_indices")
 
 

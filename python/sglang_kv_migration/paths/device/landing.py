@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.page_ranges import slots_from_pages
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +81,7 @@ class LandingArena:
                 f"of {self.capacity}; this migration needs {n} (--kv-migration-landing-mb)",
             )
         pages = [self._free_pages.pop() for _ in range(pages_needed)]
-        page_t = torch.tensor(pages, dtype=torch.int64)
-        rows = (
-            page_t[:, None] * self.page_size + torch.arange(self.page_size, dtype=torch.int64)
-        ).reshape(-1)
+        rows = slots_from_pages(torch.tensor(pages, dtype=torch.int64), self.page_size)
         self.pool_slot_of[rows] = pool_slots.to("cpu", torch.int64)
         self._slot_device = pool_slots.device
         return rows
