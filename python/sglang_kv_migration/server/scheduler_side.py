@@ -688,12 +688,7 @@ class MigrationSchedulerSide:
         rank leaves out the same ones, since they agree through a gather."""
         reasons: dict[str, str] = {}
         for name in names:
-            reason = PATH_FACTORIES[name].unavailable(self.ctx.tree_cache, enable_memory_saver)
-            if reason is None and name == DEVICE and enable_memory_saver and not self.landing_bytes:
-                reason = (
-                    "--enable-memory-saver with --kv-migration-landing-mb 0: CUDA IPC cannot "
-                    "export the saver's KV pool and no landing arena was asked for"
-                )
+            reason = PATH_FACTORIES[name].unavailable(self, enable_memory_saver)
             if reason is not None:
                 reasons[name] = reason
         # Offered only if every (tp, pp) rank can: the client treats a server as one peer.
@@ -736,13 +731,13 @@ def _received_first(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
 class PathFactory:
     """How the scheduler side opens one data path on its rank."""
 
-    # Why the path cannot run on this rank (cache, enable_memory_saver), None when it can.
-    unavailable: Callable[[Any, bool], str | None]
+    # Why the path cannot run on this rank (side, enable_memory_saver), None when it can.
+    unavailable: Callable[[MigrationSchedulerSide, bool], str | None]
     # Open it (side, transport config, transport given by a test or None).
     open: Callable[[MigrationSchedulerSide, TransportConfig, KVTransport | None], DataPath]
 
 
-def _always_available(_cache: Any, _enable_memory_saver: bool) -> str | None:
+def _always_available(_side: MigrationSchedulerSide, _enable_memory_saver: bool) -> str | None:
     return None
 
 
@@ -759,10 +754,12 @@ def _open_host_path(
     )
 
 
-def _device_path_unavailable(cache: Any, enable_memory_saver: bool) -> str | None:
+def _device_path_unavailable(side: MigrationSchedulerSide, enable_memory_saver: bool) -> str | None:
     from sglang_kv_migration.paths.device.path import device_path_unavailable_reason
 
-    return device_path_unavailable_reason(cache, enable_memory_saver)
+    return device_path_unavailable_reason(
+        side.ctx.tree_cache, enable_memory_saver, side.landing_bytes
+    )
 
 
 def _open_device_path(

@@ -69,13 +69,20 @@ logger = logging.getLogger(__name__)
 _TIER_ROUTES = {tiers.DEVICE_TIER: ROUTE_GPU_TO_GPU, tiers.HOST_TIER: ROUTE_HOST_TO_GPU}
 
 
-def device_path_unavailable_reason(cache: HiRadixCache, enable_memory_saver: bool) -> str | None:
+def device_path_unavailable_reason(
+    cache: HiRadixCache, enable_memory_saver: bool, landing_bytes: int = 0
+) -> str | None:
     """Why this server cannot offer the device path, or None when it can (with the
-    memory saver on, as a landing-arena target: `landing.py`)."""
+    memory saver on, as a landing-arena target of `landing_bytes`: `landing.py`)."""
     import torch
 
     if not torch.cuda.is_available():
         return "CUDA is not available in this process"
+    if enable_memory_saver and not landing_bytes:
+        return (
+            "--enable-memory-saver with --kv-migration-landing-mb 0: CUDA IPC cannot "
+            "export the saver's KV pool and no landing arena was asked for"
+        )
     try:
         buffers = sglang_adapter.device_kv_buffers(cache)
     except MigrationError as e:
@@ -114,7 +121,6 @@ class DevicePath(DataPath):
                 f"tokens ({self.bytes_per_token} bytes each): raise --kv-migration-landing-mb"
             )
         self._landing: landing.LandingArena | None = None
-        self.released = False  # the KV cache memory is released (memory saver)
         self.landing_refusal = ""  # why a landing-mode rank has no arena now
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
@@ -184,8 +190,8 @@ class DevicePath(DataPath):
         before) and give its memory back to the driver. Sources map an arena only for
         the length of a send, so none holds it now (a send in flight from another
         server keeps its pages until it ends: torch frees them then)."""
-        self.released = True
         if self._landing is not None:
+            self.landing_refusal = "the KV cache memory is released (/release_memory_occupation)"
             self._landing.synchronize()
             self._landing = None
             self._exported = []
@@ -198,7 +204,6 @@ class DevicePath(DataPath):
     def resume_memory(self) -> None:
         """The KV cache is back: a new arena under a new instance id, so sources open it
         instead of their mapping of the old one."""
-        self.released = False
         if self.landing_tokens and self._landing is None:
             self.instance_id = uuid.uuid4().hex
             try:
@@ -224,12 +229,7 @@ class DevicePath(DataPath):
     def reserve(self, num_tokens: int) -> torch.Tensor:
         """Pool slots; with a landing arena, the arena rows reserved with them (the slots
         sources write: the pool slots stay this rank's business)."""
-        if self.released:
-            raise MigrationError(
-                ErrorKind.UNAVAILABLE,
-                "this server released its KV cache memory (/release_memory_occupation); "
-                "migrate to it after /resume_memory_occupation",
-            )
+        # (While the KV memory is released the scheduler side refuses allocations first.)
         if self.landing_tokens and self._landing is None:
             raise MigrationError(ErrorKind.UNAVAILABLE, self.landing_refusal)
         slots = sglang_adapter.alloc_device_slots(self.cache, num_tokens)
