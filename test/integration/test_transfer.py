@@ -178,24 +178,36 @@ def test_write_returns_a_handle_and_writes_run_in_call_order(peer):
     transport.close()
 
 
-def test_two_writes_to_one_peer_are_in_flight_at_once(local, peer):
-    """A small write queued behind a large one to the same peer finishes first: the
-    peer's second worker takes it (issue 19: moves to one target no longer queue)."""
+def test_two_writes_to_one_peer_are_in_flight_at_once(local, peer, monkeypatch):
+    """A small write queued behind a large one to the same peer finishes while the large
+    one is still held: the peer's second worker takes it (issue 19: moves to one target
+    no longer queue). The large write is held on its worker until the small one is done,
+    so the order does not depend on timing; with one worker the small write would wait
+    behind it and the held write gives up after WAIT_S."""
     transport, source = local
     assert len(transport._workers.get(peer.session_id, ([None, None], None))[0]) == 2
     large = [WriteOp(source.ctypes.data + i * MiB, peer.addr + i * MiB, MiB) for i in range(15)]
     small = [WriteOp(source.ctypes.data, peer.addr + 15 * MiB, 4096)]
     transport.write(peer.session_id, small, [peer.region]).result(WAIT_S)  # warm up
-    finished: list[str] = []
-    handles = {
-        "large": transport.write(peer.session_id, large, [peer.region]),
-        "small": transport.write(peer.session_id, small, [peer.region]),
-    }
-    for name, handle in handles.items():
-        handle._future.add_done_callback(lambda _f, name=name: finished.append(name))
-    for handle in handles.values():
-        handle.result(WAIT_S)
-    assert finished[0] == "small", finished
+    small_done = threading.Event()
+    held_until_small_done: list[bool] = []
+    run_job = transport._run_job
+
+    def run_large_after_small(job):
+        if job.total_bytes > MiB:
+            held_until_small_done.append(small_done.wait(WAIT_S))
+        return run_job(job)
+
+    monkeypatch.setattr(transport, "_run_job", run_large_after_small)
+    before = peer.read()
+    large_handle = transport.write(peer.session_id, large, [peer.region])
+    small_handle = transport.write(peer.session_id, small, [peer.region])
+    small_handle._future.add_done_callback(lambda _f: small_done.set())
+    assert small_handle.result(WAIT_S).bytes == 4096
+    assert large_handle.result(WAIT_S).bytes == 15 * MiB
+    assert held_until_small_done == [True]
+    after_large = expected_after(before, source, peer, large)
+    np.testing.assert_array_equal(peer.read(), expected_after(after_large, source, peer, small))
 
 
 def test_empty_write_is_done_at_once(local, peer):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import random
-import time
 
 import pytest
 import torch
@@ -107,18 +106,16 @@ def test_page_runs_rejects_bad_page_size():
         page_runs([0], 0)
 
 
-def test_page_runs_large_tensor_is_fast():
+def test_page_runs_of_a_large_shuffled_tensor_match_the_list_form():
+    # Speed is benchmark/'s business; this checks the vectorized branch gives the same runs.
     page_size, num_pages = 64, 4096
     order = list(range(num_pages))
     random.Random(0).shuffle(order)
     chosen = order[:256]
     idx = torch.tensor(pages(*chosen, page_size=page_size))
-    t0 = time.perf_counter()
     runs = page_runs(idx, page_size)
-    elapsed = time.perf_counter() - t0
     assert runs == page_runs(idx.tolist(), page_size)
     assert sum(n for _, n in runs) == 256 * page_size
-    assert elapsed < 0.5, elapsed
 
 
 # --------------------------------------------------------------------------------------
