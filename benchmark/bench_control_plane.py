@@ -26,6 +26,12 @@ time of all against one and each phase's steps in both.
     PYTHONPATH=python .venv/bin/python benchmark/bench_control_plane.py --tokens 1024 \
         --concurrent 6 --concurrent-tokens 8192
 
+`--flows` (default both, interleaved migration by migration): `partial`, the client's
+default with servers that list the "partial_transfer" feature (allocate on the target for
+the whole request, the transfer sends what the source holds: three trips), and
+`size-query`, the flow the client takes with servers without it (the source's size query
+first: four trips), forced by hiding the feature from one client's session info.
+
 `--profile N` then runs a few more migrations of N tokens under cProfile on three
 threads: the benchmark's client, the source's and the target's HTTP event loop, and
 their scheduler threads (a test-only extension of the mini server turns the profilers
@@ -159,6 +165,25 @@ def _start(lengths: list[int], concurrent: int = 0, concurrent_tokens: int = 0) 
     return source, target
 
 
+FLOWS = ("partial", "size-query")
+
+
+def _clients(flows: list[str], source: Any, target: Any) -> dict[str, Any]:
+    """One client per flow; the size-query one sees both servers without the
+    "partial_transfer" feature, as it would see servers that predate it."""
+    from sglang_kv_migration import grants
+    from sglang_kv_migration.client.migration import MigrationClient
+
+    clients = {}
+    for flow in flows:
+        client = clients[flow] = MigrationClient()
+        if flow == "size-query":
+            for url in (source.url, target.url):
+                info = client.session_info(url)  # the cached dict the client plans from
+                info["features"] = [f for f in info["features"] if f != grants.PARTIAL_FEATURE]
+    return clients
+
+
 def _migrate(client: Any, source: Any, target: Any, n: int) -> Any:
     target.ask(0, "flush")  # the target must not hold the prefix yet
     result = client.migrate(source.url, target.url, _prefix(n))
@@ -167,18 +192,31 @@ def _migrate(client: Any, source: Any, target: Any, n: int) -> Any:
     return result
 
 
-def _measure(client: Any, source: Any, target: Any, n: int, repeats: int) -> dict[str, Any]:
-    _migrate(client, source, target, n)  # warm-up (session info cached, code paths hot)
-    rows = [_migrate(client, source, target, n) for _ in range(repeats)]
-    cell: dict[str, Any] = {"tokens": n, "repeats": repeats}
+def _measure(
+    clients: dict[str, Any], source: Any, target: Any, n: int, repeats: int
+) -> list[dict[str, Any]]:
+    """One cell per flow; the flows' migrations interleaved, one warm-up each."""
+    rows: dict[str, list[Any]] = {flow: [] for flow in clients}
+    for i in range(repeats + 1):
+        for flow, client in clients.items():
+            result = _migrate(client, source, target, n)
+            if i:
+                rows[flow].append(result)
+    return [_cell(flow, n, flow_rows) for flow, flow_rows in rows.items()]
+
+
+def _cell(flow: str, n: int, rows: list[Any]) -> dict[str, Any]:
+    cell: dict[str, Any] = {"flow": flow, "tokens": n, "repeats": len(rows)}
     for phase in PHASES:
-        cell[phase] = statistics.median(r.timings[phase] for r in rows) * 1e3
+        cell[phase] = statistics.median(r.timings.get(phase, 0.0) for r in rows) * 1e3
     cell["copy"] = statistics.median(r.copy_seconds for r in rows) * 1e3
     cell["transfer_less_copy"] = (
         statistics.median(r.timings["transfer"] - r.copy_seconds for r in rows) * 1e3
     )
     cell["total_less_copy"] = (
-        statistics.median(sum(r.timings[p] for p in PHASES[:-1]) - r.copy_seconds for r in rows)
+        statistics.median(
+            sum(r.timings.get(p, 0.0) for p in PHASES[:-1]) - r.copy_seconds for r in rows
+        )
         * 1e3
     )
     cell["steps"] = _median_steps(rows)
@@ -277,10 +315,10 @@ def _concurrency(client: Any, source: Any, target: Any, k: int, n: int, repeats:
         "concurrent_wall_ms": wall_ms,
         "ratio": wall_ms / one_ms,
         "one_phases_ms": {
-            p: statistics.median(r.timings[p] for r, _ in ones) * 1e3 for p in PHASES
+            p: statistics.median(r.timings.get(p, 0.0) for r, _ in ones) * 1e3 for p in PHASES
         },
         "concurrent_phases_ms": {
-            p: statistics.median(r.timings[p] for r, _ in everyone) * 1e3 for p in PHASES
+            p: statistics.median(r.timings.get(p, 0.0) for r, _ in everyone) * 1e3 for p in PHASES
         },
         "one_steps": _median_steps([r for r, _ in ones]),
         "concurrent_steps": _median_steps([r for r, _ in everyone]),
@@ -289,9 +327,9 @@ def _concurrency(client: Any, source: Any, target: Any, k: int, n: int, repeats:
 
 def _print_concurrency(c: dict[str, Any]) -> None:
     print(
-        f"\n{c['k']} concurrent migrations of {c['tokens']} tokens to one target (medians of "
-        f"{c['repeats']} rounds): all {c['concurrent_wall_ms']:.2f} ms against one "
-        f"{c['one_ms']:.2f} ms: {c['ratio']:.2f}x\n"
+        f"\n[{c['flow']}] {c['k']} concurrent migrations of {c['tokens']} tokens to one "
+        f"target (medians of {c['repeats']} rounds): all {c['concurrent_wall_ms']:.2f} ms "
+        f"against one {c['one_ms']:.2f} ms: {c['ratio']:.2f}x\n"
     )
     print("| phase | " + " | ".join(PHASES) + " |")
     print("|" + "---|" * (len(PHASES) + 1))
@@ -357,13 +395,13 @@ def _print_stats(title: str, path: str, repeats: int, top: int) -> None:
 
 def _table(cells: list[dict[str, Any]]) -> str:
     head = (
-        "| prefix tokens | extra_token_size | allocate | transfer (copy) | transfer − copy "
-        "| commit | total | total − copy |"
+        "| prefix tokens | flow | extra_token_size | allocate | transfer (copy) "
+        "| transfer − copy | commit | total | total − copy |"
     )
-    rows = [head, "|" + "---|" * 8]
+    rows = [head, "|" + "---|" * 9]
     for c in cells:
         rows.append(
-            f"| {c['tokens']} | {c['extra_token_size']:.2f} | {c['allocate']:.2f} "
+            f"| {c['tokens']} | {c['flow']} | {c['extra_token_size']:.2f} | {c['allocate']:.2f} "
             f"| {c['transfer']:.2f} ({c['copy']:.2f}) | {c['transfer_less_copy']:.2f} "
             f"| {c['commit']:.2f} | {c['total']:.2f} | {c['total_less_copy']:.2f} |"
         )
@@ -382,12 +420,11 @@ def main() -> None:
     parser.add_argument("--floor", type=int, default=0, metavar="N")
     parser.add_argument("--concurrent-tokens", type=int, default=8192)
     parser.add_argument("--concurrent-repeats", type=int, default=5)
+    parser.add_argument("--flows", nargs="+", choices=FLOWS, default=list(FLOWS))
     args = parser.parse_args()
     unknown = sorted(set(args.tokens + args.profile) - set(FIRST_TOKEN))
     if unknown:
         parser.error(f"lengths must be among {sorted(FIRST_TOKEN)}: {unknown}")
-
-    from sglang_kv_migration.client.migration import MigrationClient
 
     lengths = sorted(set(args.tokens + args.profile))
     started = time.perf_counter()
@@ -401,21 +438,25 @@ def main() -> None:
             for name, f in floor.items():
                 inner = ", ".join(f"{k} {v:.2f}" for k, v in sorted(f["steps"].items()))
                 print(f"  {name}: median {f['median']:.2f}, p10 {f['p10']:.2f}; server: {inner}")
-        with MigrationClient() as client:
-            cells = [_measure(client, source, target, n, args.repeats) for n in args.tokens]
+        clients = _clients(args.flows, source, target)
+        try:
+            cells = [
+                c for n in args.tokens for c in _measure(clients, source, target, n, args.repeats)
+            ]
             print(f"\nMedians of {args.repeats} migrations, page size 1, host path, ms:\n")
             print(_table(cells))
             for c in cells:
                 print()
                 print(
                     _steps_table(
-                        f"Where each trip's time went at {c['tokens']} tokens, ms (median):",
+                        f"[{c['flow']}] where each trip's time went at {c['tokens']} tokens, "
+                        "ms (median):",
                         c["steps"],
                     )
                 )
-            concurrency = None
-            if args.concurrent:
-                concurrency = _concurrency(
+            concurrency = []
+            for flow, client in clients.items() if args.concurrent else ():
+                c = _concurrency(
                     client,
                     source,
                     target,
@@ -423,9 +464,13 @@ def main() -> None:
                     args.concurrent_tokens,
                     args.concurrent_repeats,
                 )
-                _print_concurrency(concurrency)
+                concurrency.append({"flow": flow, **c})
+                _print_concurrency(concurrency[-1])
             for n in args.profile:
-                _profile(client, source, target, n, args.profile_repeats, args.top)
+                _profile(clients[args.flows[0]], source, target, n, args.profile_repeats, args.top)
+        finally:
+            for client in clients.values():
+                client.close()
     finally:
         source.stop()
         target.stop()

@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 # Wire feature (session info `features`): allocate takes `source_instance`, and grants
 # bind their destination and source.
 FEATURE = "bound_grants"
+# Wire feature: a transfer with `partial_ok` sends what the source holds of the granted
+# range, and its receipts say how many tokens (`Receipt.tokens`); commit inserts those.
+PARTIAL_FEATURE = "partial_transfer"
 _KEY_CONTEXT = b"sglang-kv-migration grant key\x00"
 # Grants used by this source (for replay refusal), remembered until they expire.
 MAX_REMEMBERED_GRANTS = 1 << 16
@@ -145,6 +148,9 @@ class Receipt:
     plan: str = ""
     digest: str = ""  # verify.py's digest of the pages sent, when the grant asked for it
     source: str = ""  # the sending server's instance id: the target takes its grant's only
+    # Tokens written, from the grant's first slot, when fewer than the grant names (a
+    # partial transfer: the source held less); -1, left out of the token: all of them.
+    tokens: int = -1
 
 
 class Signer:

@@ -27,7 +27,9 @@ from sglang_kv_migration.targets import HostTarget  # the host path's fields, on
 # Optional wire features this version understands (session info `features`).
 # "bound_grants": allocate takes `source_instance` (the source's session info
 # `instance_id`); grants name their destination and source (`grants.py`).
-WIRE_FEATURES = (page_ranges.FEATURE, grants.FEATURE)
+# "partial_transfer" (`grants.PARTIAL_FEATURE`): a transfer takes `partial_ok`, its
+# receipts say how many tokens were written, and commit inserts those.
+WIRE_FEATURES = (page_ranges.FEATURE, grants.FEATURE, grants.PARTIAL_FEATURE)
 
 # --------------------------------------------------------------------------- PP stages
 
@@ -210,6 +212,10 @@ class TransferRequestKVCacheReqInput(BaseReq):
     migration_id: str = ""  # for logs only: the source keeps no state for it
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
     stage_refusal: StageRefusal | None = None  # set by an earlier PP stage
+    # Feature "partial_transfer": send the whole pages of the range this source holds,
+    # from matched_token_size on (the reply's transferred_token_size says how many;
+    # the receipts carry it), instead of refusing when it holds less.
+    partial_ok: bool = False
 
 
 @dataclass

@@ -323,8 +323,11 @@ def pin_host_pages(
     extra_key: str | None,
     start: int,
     end: int,
-) -> PinnedHostPages:
+    partial_ok: bool = False,
+) -> PinnedHostPages | None:
     """Host slots of tokens [start, end) of `input_ids`, pinned, write-back started.
+    With `partial_ok` a range the server holds only part of is cut where its held
+    prefix ends (`PinnedHostPages.end`; None when it holds nothing past `start`).
 
     Device-only nodes of the path get their device->host copy queued, but this does not
     wait for it: the scheduler loop keeps running, and the caller polls
@@ -342,12 +345,15 @@ def pin_host_pages(
             f"(page_size={page_size})",
         )
     held = match_held_prefix(cache, input_ids[:end], extra_key)
-    if held.length < end:
+    if held.length < end and not partial_ok:
         raise MigrationError(
             ErrorKind.CONFLICT,
             f"source holds only {held.length} tokens of the prefix, {end} needed "
             "(evicted since it was measured?)",
         )
+    end = min(end, held.length)
+    if end <= start:
+        return None
     nodes = path_from_root(cache, held.last_node)
     # Protected before any write is queued: see the note in `write_back_path`.
     for node in nodes:

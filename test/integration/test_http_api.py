@@ -27,7 +27,7 @@ import httpx
 import pytest
 import torch
 from mini_server import ServerHandle, ServerSpec, start_servers
-from sglang_kv_migration import PROTOCOL_VERSION
+from sglang_kv_migration import PROTOCOL_VERSION, grants
 from sglang_kv_migration.client.migration import (
     AsyncMigrationClient,
     MigrationClient,
@@ -67,6 +67,7 @@ SEQ_WATCHDOG = _seq(6000, 2 * PAGE)  # held by no server: allocate only
 SEQ_ABORT = _seq(6500, 2 * PAGE)  # held by no server: allocate only
 SEQ_NOT_HELD = _seq(9000, 2 * PAGE)
 SEQ_STAGED = _seq(7000, 8 * PAGE)
+SEQ_PARTIAL = _seq(8000, 6 * PAGE)  # the source holds its first 3 pages
 
 
 @dataclass
@@ -90,6 +91,7 @@ def servers() -> Iterator[Servers]:
                 (SEQ_CLI, 4),
                 (SEQ_MISMATCH, 5),
                 (SEQ_STAGED, 7),
+                (SEQ_PARTIAL[: 3 * PAGE], 8),
             ]
         ),
         ServerSpec(watchdog_timeout_s=WATCHDOG_S),
@@ -374,7 +376,8 @@ def test_client_migrates_partial_then_rest_then_nothing(servers: Servers) -> Non
         assert sum(dst.ask(0, "held", SEQ_E2E)) == 128
         # Where each trip's time went (`server/trace.py`): every step of every trip, and
         # the server's part of a trip is no more than the client's trip.
-        assert set(second.steps_ms) == {"extra_token_size", "allocate", "transfer", "commit"}
+        # Both servers take partial transfers: no size query on the source.
+        assert set(second.steps_ms) == {"allocate", "transfer", "commit"}
         for phase, steps in second.steps_ms.items():
             assert set(TRIP_STEPS) <= set(steps), (phase, steps)
             assert all(v >= 0 for v in steps.values()), (phase, steps)
@@ -422,12 +425,45 @@ def test_client_stages_a_fragmented_migration(servers: Servers, http: httpx.Clie
     assert slots["overlap"] == 0 and slots["in_tree"] == slots["in_tree_unique"]
 
 
-def test_client_nothing_held_by_source(servers: Servers) -> None:
+def test_client_moves_what_the_source_holds_without_a_size_query(servers: Servers) -> None:
+    src, dst = servers.source, servers.target
+    before = dst.ask(0, "snapshot")
+    with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
+        result = client.migrate(src.url, dst.url, SEQ_PARTIAL + [1, 2])
+    held = 3 * PAGE
+    assert set(result.steps_ms) == {"allocate", "transfer", "commit"}
+    assert result.migrated_token_size == result.matched_after_commit == held
+    assert result.source_held_token_size == held
+    assert sum(dst.ask(0, "held", SEQ_PARTIAL)) == held
+    assert _same_kv(src.ask(0, "kv", SEQ_PARTIAL[:held]), dst.ask(0, "kv", SEQ_PARTIAL[:held]))
+    # The target allocated six pages and kept the three that were written.
+    after = dst.ask(0, "snapshot")
+    assert after.host_available == before.host_available - held
+    assert after.total_lock_ref == 0
+
+
+def _as_older_servers(client: MigrationClient, *urls: str) -> None:
+    """Make `client` see `urls` as servers without partial transfers (the cached
+    session info it plans from), as it would see servers that predate them."""
+    for url in urls:
+        info = client.session_info(url)  # the cached dict itself
+        info["features"] = [f for f in info["features"] if f != grants.PARTIAL_FEATURE]
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["partial", "size-query"])
+def test_client_nothing_held_by_source(servers: Servers, older: bool) -> None:
     before = servers.target.ask(0, "snapshot")
     with MigrationClient() as client:
+        if older:
+            _as_older_servers(client, servers.source.url, servers.target.url)
         result = client.migrate(servers.source.url, servers.target.url, SEQ_NOT_HELD)
     assert (result.source_held_token_size, result.migrated_token_size) == (0, 0)
-    assert result.migration_id == ""
+    assert result.matched_after_commit == 0
+    if older:  # the size query said nothing is held: nothing allocated
+        assert result.migration_id == "" and set(result.steps_ms) == {"extra_token_size"}
+    else:  # allocated, nothing sent, committed nothing: every slot went back
+        assert len(result.migration_id) == 32
+        assert set(result.steps_ms) == {"allocate", "transfer", "commit"}
     assert servers.target.ask(0, "snapshot") == before
 
 

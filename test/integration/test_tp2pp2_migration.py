@@ -21,6 +21,7 @@ TP, PP = 2, 2
 PAGE = 16
 GOOD_IDS = list(range(100, 100 + PAGE * 6 + 5))
 BROKEN_IDS = list(range(5000, 5000 + PAGE * 4 + 3))
+PARTIAL_IDS = list(range(9000, 9000 + PAGE * 7))  # A holds the first 4 pages
 POSITIONS = [(tp, pp) for pp in range(PP) for tp in range(TP)]  # global rank order
 START_S = 600.0  # eight processes importing SGLang on a small shared machine
 
@@ -28,7 +29,7 @@ START_S = 600.0  # eight processes importing SGLang on a small shared machine
 @pytest.fixture(scope="module")
 def servers() -> Iterator[ServerPair]:
     with server_pair(
-        ServerSpec(tp_size=TP, pp_size=PP, preload=[(GOOD_IDS, 1)]),
+        ServerSpec(tp_size=TP, pp_size=PP, preload=[(GOOD_IDS, 1), (PARTIAL_IDS[: 4 * PAGE], 3)]),
         ServerSpec(tp_size=TP, pp_size=PP, preload=[(BROKEN_IDS, 2)], broken_transport_rank=3),
         timeout_s=START_S,
     ) as pair:
@@ -65,3 +66,24 @@ def test_failure_on_one_rank_of_one_stage_rolls_back_every_rank(servers: ServerP
     assert dst.ask_all("snapshot") == before
     assert dst.ask_all("held", BROKEN_IDS) == [(0, 0)] * len(POSITIONS)
     assert src.ask_all("held", BROKEN_IDS) == [(len(aligned(BROKEN_IDS, PAGE)), 0)] * len(POSITIONS)
+
+
+def test_a_partial_transfer_cuts_every_rank_alike(servers: ServerPair) -> None:
+    """No size query (feature "partial_transfer"): the target allocates 7 pages on every
+    rank, every source rank sends the 4 it holds, and every target rank inserts those 4
+    and frees the other 3 at once."""
+    src, dst = servers.a, servers.b
+    held = 4 * PAGE
+    before = dst.ask_all("snapshot")
+    with MigrationClient() as client:
+        result = client.migrate(src.url, dst.url, PARTIAL_IDS)
+    assert set(result.steps_ms) == {"allocate", "transfer", "commit"}
+    assert result.migrated_token_size == result.matched_after_commit == held
+    assert [sum(h) for h in dst.ask_all("held", PARTIAL_IDS)] == [held] * len(POSITIONS)
+    src_kv, dst_kv = src.ask_all("kv", PARTIAL_IDS[:held]), dst.ask_all("kv", PARTIAL_IDS[:held])
+    for rank, position in enumerate(POSITIONS):
+        assert kv_equal(dst_kv[rank], src_kv[rank]), f"rank {position} bytes differ"
+    after = dst.ask_all("snapshot")
+    for rank, position in enumerate(POSITIONS):
+        assert after[rank].host_available == before[rank].host_available - held, position
+        assert after[rank].total_lock_ref == 0, position

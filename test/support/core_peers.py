@@ -129,6 +129,7 @@ def transfer(
     tokens: list[int],
     alloc: AllocateTokenForTransferReqOutput,
     fingerprint: dict | None = None,
+    partial_ok: bool = False,
 ) -> Any:
     targets = []
     for rank in alloc.ranks:
@@ -153,6 +154,7 @@ def transfer(
             extra_token_size=alloc.extra_token_size,
             target_per_rank=targets,
             migration_id=alloc.migration_id,
+            partial_ok=partial_ok,
         ),
     )
 

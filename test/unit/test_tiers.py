@@ -13,12 +13,15 @@ computes of what landed. The CUDA kernel itself runs only in test/gpu.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from sglang_kv_migration import sglang_adapter as adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
 from sglang_kv_migration.paths import verify
-from sglang_kv_migration.paths.base import SendRange
+from sglang_kv_migration.paths.base import KVPoll, NothingToSend, SendRange
 from sglang_kv_migration.paths.device import tiers
 from sglang_kv_migration.paths.device.page_copy import PageGeometry
 from sglang_kv_migration.paths.device.path import DevicePath, TierPin, prepare_tiered_send
@@ -228,6 +231,42 @@ def test_prepare_refuses_a_range_the_source_no_longer_holds(harness_factory):
     with pytest.raises(MigrationError) as info:
         prepare_tiered_send(h.cache, _send(tokens, 0, target[: len(tokens)].flip(0)), 16)
     assert info.value.kind is ErrorKind.BAD_REQUEST
+    h.allocator.free(target)
+
+
+def test_a_partial_send_is_cut_where_the_held_prefix_ends(harness_factory):
+    """Feature "partial_transfer": the source sends the whole pages it holds of the
+    range, into the first target slots; holding nothing past `start` sends nothing."""
+    h = harness_factory(page_size=16, layer_num=2)
+    tokens, kv = _hold_three_ways(h, 16)["mixed"]  # 4 pages: 2 on device, 2 on host only
+    more = tokens + _tokens(32, 20000)  # 2 pages the source never held
+    target = h.allocator.alloc(len(more) - 16)
+    send = dataclasses.replace(_send(more, 16, target), partial_ok=True)
+    tiered = prepare_tiered_send(h.cache, send, 16)
+    assert (tiered.send.start, tiered.send.end) == (16, len(tokens))
+    assert torch.equal(tiered.send.target_slots, target[: len(tokens) - 16])
+    assert tiered.plan.tokens("device") == 16 and tiered.plan.tokens("host") == 32
+    path = DevicePath(h.cache)
+    destination = tiers.TierBuffers.of_device(adapter.device_kv_buffers(h.cache), 16)
+    tiers.copy_plan_torch(tiered.plan, path.source_tiers(), destination)
+    landed = h.read_device_kv(target[: len(tokens) - 16])
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(landed, _kv_slice(h, kv, 16), strict=True)
+    )
+    # Nothing held past `start`: nothing to send (the job reports 0 tokens written).
+    beyond = dataclasses.replace(_send(more, len(tokens), target[:32]), partial_ok=True)
+    assert prepare_tiered_send(h.cache, beyond, 16) is None
+    target_rank = TransferRequestKVCacheTarget(
+        tp=0, pp=0, path="device", device_kv=path.advertise()
+    )
+    job = path.start_send(dataclasses.replace(beyond, target=target_rank))
+    assert isinstance(job, NothingToSend) and job.end == beyond.start
+    assert job.poll() is KVPoll.SUCCESS and not job.started_writing
+    # Without partial_ok the same send is refused, as before.
+    with pytest.raises(MigrationError) as info:
+        prepare_tiered_send(h.cache, dataclasses.replace(send, partial_ok=False), 16)
+    assert info.value.kind is ErrorKind.CONFLICT and "holds only 64 of 96" in info.value.message
     h.allocator.free(target)
 
 

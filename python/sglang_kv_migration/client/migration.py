@@ -15,7 +15,10 @@ servers share a host and the pages are on the source's GPU, else host) → alloc
 target (which reports what it already holds) → transfer from the source → commit on the
 target. Any failure after allocate aborts the allocation on the target before
 `MigrationFailed` is raised; a failed device-path attempt falls back to the host path
-when the caller did not pin a path. Four round trips once session info is cached.
+when the caller did not pin a path. Four round trips once session info is cached; three
+when both servers take partial transfers (feature "partial_transfer",
+docs/protocol.md): then the client allocates for the whole request without asking the
+source, and the transfer sends what the source holds of it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from sglang_kv_migration import PROTOCOL_VERSION
 from sglang_kv_migration.client import http11
 from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.grants import FEATURE as BOUND_GRANTS
+from sglang_kv_migration.grants import PARTIAL_FEATURE as PARTIAL_TRANSFER
 from sglang_kv_migration.page_ranges import FEATURE as PAGE_RANGES
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -46,7 +50,10 @@ class MigrationResult:
     source_url: str
     target_url: str
     migration_id: str  # "" when nothing had to move
-    source_held_token_size: int  # page-aligned prefix the source held
+    # Page-aligned prefix the source held. Without a size query (feature
+    # "partial_transfer") what the migration learnt: the target's prefix plus what moved
+    # when the source held less than the request, else the whole request.
+    source_held_token_size: int
     target_matched_token_size: int  # what the target already held (kept, not moved)
     migrated_token_size: int
     migrated_bytes: int
@@ -393,6 +400,9 @@ class _Plan:
     timings: dict[str, float]
     verify: bool = False  # the target checks a digest of what landed before inserting
     steps: dict[str, dict[str, float]] = field(default_factory=dict)  # per phase, ms
+    # No size query was made: `prefix` is the whole page-aligned request and the source
+    # sends what it holds of it (feature "partial_transfer").
+    partial: bool = False
 
 
 def _migration_steps(
@@ -445,6 +455,26 @@ def _attempt(
     _check_compatible(source_info, target_info)
     timings["session_info"] = clock() - t0
 
+    if held is None and _partial_ok(path, source_info, target_info):
+        # Two trips fewer per migration: the transfer finds what the source holds.
+        page_size = source_info["ranks"][0]["page_size"]
+        prefix = input_ids[: len(input_ids) - len(input_ids) % page_size]
+        plan = _Plan(
+            source_url,
+            target_url,
+            extra_key,
+            source_info,
+            target_info,
+            prefix,
+            timings,
+            verify,
+            partial=True,
+        )
+        if not prefix:
+            return _result(plan, "", {"matched_token_size": 0}, None, None, "", "")
+        chosen, reason = _choose_path(path, source_info, target_info, {"matched_token_size": 0})
+        return (yield from _move_with_fallback(plan, path, chosen, reason))
+
     t0 = clock()
     if held is None:
         held = yield from _step(
@@ -474,17 +504,39 @@ def _attempt(
         return _result(plan, "", {"matched_token_size": 0}, None, None, "", "")
 
     chosen, reason = _choose_path(path, source_info, target_info, held)
+    return (yield from _move_with_fallback(plan, path, chosen, reason))
+
+
+def _move_with_fallback(
+    plan: _Plan, requested: str | None, chosen: str, reason: str
+) -> Generator[_Call, _Reply, MigrationResult]:
+    """Move on `chosen`; a failed device-path move falls back to the host path unless
+    the caller pinned the path."""
     try:
         return (yield from _move_in_rounds(plan, chosen, reason))
     except MigrationFailed as failure:
         if (
-            path in (None, "auto")
+            requested in (None, "auto")
             and chosen == "device"
-            and "host" in _common_paths(source_info, target_info)
+            and "host" in _common_paths(plan.source_info, plan.target_info)
         ):
             reason = f"device path failed at {failure.phase}: {failure.message}"
             return (yield from _move(plan, "host", reason))
         raise
+
+
+def _partial_ok(
+    requested: str | None, source_info: dict[str, Any], target_info: dict[str, Any]
+) -> bool:
+    """Skip the source's size query: both servers take partial transfers, and the path
+    does not depend on where the source holds the pages (a source whose device path
+    reads only its GPU would need the query to fall back to the host path up front)."""
+    both = set(source_info.get("features", [])) & set(target_info.get("features", []))
+    if PARTIAL_TRANSFER not in both:
+        return False
+    if requested in PATHS or "device" not in _common_paths(source_info, target_info):
+        return True
+    return all("host" in r["paths"]["device"].get("tiers", ()) for r in source_info["ranks"])
 
 
 def _move(
@@ -559,6 +611,8 @@ def _move_in_rounds(
         end = min(held + limit, len(plan.prefix))
         part = dataclasses.replace(plan, prefix=plan.prefix[:end], timings={})
         results.append((yield from _move(part, path, fallback_reason)))
+        if results[-1].matched_after_commit < end:
+            break  # a partial transfer: the source holds no more of the prefix
         held = end  # committed (or the target held it already: an empty round)
     timings = dict(plan.timings)
     for r in results:
@@ -618,6 +672,7 @@ def _transfer_call(plan: _Plan, allocation: dict[str, Any], path: str) -> _Call:
             "extra_token_size": allocation["extra_token_size"],
             "migration_id": allocation["migration_id"],
             "target_per_rank": _targets(plan.target_info, allocation, path),
+            **({"partial_ok": True} if plan.partial else {}),
         },
     )
 
@@ -636,11 +691,14 @@ def _result(
     target_matched = allocation["matched_token_size"]
     ranks = transfer.get("ranks", []) if transfer else []
     seconds = [r.get("seconds", 0.0) for r in ranks]
+    source_held = len(plan.prefix)
+    if plan.partial and transfer and transfer["transferred_token_size"] < len(plan.prefix):
+        source_held = target_matched + transfer["transferred_token_size"]
     return MigrationResult(
         source_url=plan.source_url,
         target_url=plan.target_url,
         migration_id=migration_id,
-        source_held_token_size=len(plan.prefix),
+        source_held_token_size=source_held,
         target_matched_token_size=target_matched,
         migrated_token_size=transfer["transferred_token_size"] if transfer else 0,
         migrated_bytes=transfer["transferred_bytes"] if transfer else 0,

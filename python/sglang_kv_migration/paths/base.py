@@ -31,6 +31,7 @@ rank, unless said otherwise):
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -105,6 +106,26 @@ class SendRange:
     start_by: float = float("inf")
     write_until: float = float("inf")
     verify: bool = False
+    # Send what this source holds of [start, end), whole pages from `start` (feature
+    # "partial_transfer"); else a source that holds less refuses (CONFLICT).
+    partial_ok: bool = False
+
+    def cut_to(self, held: int, where: str) -> SendRange:
+        """This send, ending where the source's `held` page-aligned prefix ends when that
+        is short of `end` (`partial_ok`; at `start` when it holds nothing past it), else
+        itself; CONFLICT when the source holds less and the send is not partial."""
+        if held >= self.end:
+            return self
+        if not self.partial_ok:
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"source holds only {held} of {self.end} tokens {where} (evicted since it "
+                "was measured?)",
+            )
+        end = max(self.start, held)
+        return dataclasses.replace(
+            self, end=end, target_slots=self.target_slots[: end - self.start]
+        )
 
 
 class SendJob(abc.ABC):
@@ -112,6 +133,8 @@ class SendJob(abc.ABC):
 
     error: MigrationError | None = None
     stats: SendStats
+    # Tokens [start, end) it sends: less than asked only for a partial send (`cut_to`).
+    end: int
 
     @abc.abstractmethod
     def poll(self) -> KVPoll:
@@ -130,6 +153,24 @@ class SendJob(abc.ABC):
     def started_writing(self) -> bool:
         """True once a write may have reached the target (then only completion settles it)."""
         return True
+
+
+class NothingToSend(SendJob):
+    """A partial send of a source that holds nothing past `start`: done, nothing written."""
+
+    def __init__(self, send: SendRange):
+        self.end = send.start
+        self.stats = SendStats()
+
+    def poll(self) -> KVPoll:
+        return KVPoll.SUCCESS
+
+    def release(self) -> None:
+        pass
+
+    @property
+    def started_writing(self) -> bool:
+        return False
 
 
 class DataPath(abc.ABC):

@@ -104,6 +104,8 @@ class Commits:
                 refusal = self._later_stage_receipts_refusal(req.receipts, req.migration_id)
             plan = receipt_plan(self.signer, req.receipts, self.ctx.tp_rank, self.ctx.pp_rank)
             refusal = refusal or staged_refusal(plan, pending)
+            if refusal is None:
+                refusal = self._written(req.receipts, pending)[1]
         first_refusal, staged_anywhere = self.ctx.first_error_and_any_flag(refusal, plan == STAGED)
         if first_refusal is not None:
             self.metrics.outcome("target", "commit_failed")
@@ -206,7 +208,32 @@ class Commits:
 
     # ------------------------------------------------------------------ verify, insert
 
-    def _verify_refusal(self, receipts: list[str], pending: PendingMigration) -> str | None:
+    def _written(self, receipts: list[str], pending: PendingMigration) -> tuple[int, str | None]:
+        """(tokens the source wrote from the first slot, why the receipts do not say one
+        length: None when they do). Every rank reads the same receipts, so all agree.
+        Runs after `receipt_refusal` accepted this rank's receipt."""
+        lengths = set()
+        for raw in receipts:
+            try:
+                receipt = self.signer.decode_receipt(raw)
+            except MigrationError as e:
+                return 0, f"bad receipt: {e.message}"
+            if receipt.migration_id == pending.migration_id and receipt.success:
+                lengths.add(pending.extra_length if receipt.tokens == -1 else receipt.tokens)
+        if len(lengths) != 1:
+            return 0, f"the receipts name different written lengths {sorted(lengths)}"
+        (written,) = lengths
+        page_size = self.pending.cache.page_size
+        if not 0 <= written <= pending.extra_length or written % page_size:
+            return 0, (
+                f"receipt says {written} tokens were written: not whole pages "
+                f"(page_size={page_size}) of the {pending.extra_length} granted"
+            )
+        return written, None
+
+    def _verify_refusal(
+        self, receipts: list[str], pending: PendingMigration, written: int
+    ) -> str | None:
         """Why what landed in this rank's slots is not what the source sent (None when
         it is). Runs after `receipt_refusal` accepted the receipts."""
         where = f"tp={self.ctx.tp_rank} pp={self.ctx.pp_rank}"
@@ -220,7 +247,7 @@ class Commits:
                     "verify (allocate with verify: true, or start the target with "
                     "--kv-migration-verify)"
                 )
-            landed = pending.path.content_digest(pending.slots)
+            landed = pending.path.content_digest(pending.slots[:written])
             if landed != receipt.digest:
                 return f"receipt hash does not match the bytes that landed in {where}"
             return None
@@ -232,8 +259,10 @@ class Commits:
         """Verify (opt-in), insert on every rank (the receipts were agreed on) and build
         the reply."""
 
+        written = self._written(req.receipts, pending)[0] if pending is not None else 0
+
         def run_local() -> CommitTransferRequestKVCacheReqOutput:
-            matched_after = self.pending.commit(req.migration_id, req.weight_version)
+            matched_after = self.pending.commit(req.migration_id, req.weight_version, written)
             return CommitTransferRequestKVCacheReqOutput(
                 success=True, matched_after_commit=matched_after
             )
@@ -244,7 +273,7 @@ class Commits:
         mismatch = None
         committable = self.pending.committable(req.migration_id, req.weight_version)
         if committable and (pending.verify or req.verify):
-            mismatch = guarded_refusal(lambda: self._verify_refusal(req.receipts, pending))
+            mismatch = guarded_refusal(lambda: self._verify_refusal(req.receipts, pending, written))
         first_mismatch = self.ctx.first_error_on_any_rank(mismatch)
         if first_mismatch is not None:
             self.pending.abort(req.migration_id, settled=True)
@@ -268,18 +297,26 @@ class Commits:
             return failed
         matched_after = min(o.matched_after_commit for o in outputs)
         if pending is not None:
-            self._record_committed(req.migration_id, pending, started, len(outputs), matched_after)
+            self._record_committed(
+                req.migration_id, pending, started, len(outputs), matched_after, written
+            )
         return CommitTransferRequestKVCacheReqOutput(
             success=True, matched_after_commit=matched_after
         )
 
     def _record_committed(
-        self, migration_id: str, pending: Any, started: float, ranks: int, matched_after: int
+        self,
+        migration_id: str,
+        pending: Any,
+        started: float,
+        ranks: int,
+        matched_after: int,
+        written: int,
     ) -> None:
-        nbytes = pending.extra_length * self.bytes_per_token
+        nbytes = written * self.bytes_per_token
         now = time.monotonic()
         self.metrics.outcome("target", "committed")
-        self.metrics.moved("target", pending.extra_length, nbytes)
+        self.metrics.moved("target", written, nbytes)
         self.metrics.phase("commit", now - started)
         self.metrics.phase("pending", now - pending.created_at)
         if self.ctx.tp_rank == 0:
@@ -287,7 +324,7 @@ class Commits:
                 "KV migration %s committed: %d tokens, %d bytes (%d ranks), %.1f ms after "
                 "allocate; prefix now %d tokens",
                 migration_id,
-                pending.extra_length,
+                written,
                 nbytes * ranks,
                 ranks,
                 (now - pending.created_at) * 1e3,

@@ -170,6 +170,8 @@ class TransferBody(_Body):
     extra_token_size: Annotated[int, Field(gt=0)]
     target_per_rank: list[TargetRankBody] = Field(min_length=1, max_length=1024)
     migration_id: str = Field(default="", max_length=MAX_ID_CHARS)
+    # Feature "partial_transfer": send what this source holds of the range.
+    partial_ok: bool = False
 
     @model_validator(mode="after")
     def _consistent_sizes(self) -> TransferBody:

@@ -243,12 +243,17 @@ class PendingMigrations:
                 slots=slots,
             )
 
-    def commit(self, migration_id: str, weight_version: str | None = None) -> int:
+    def commit(
+        self, migration_id: str, weight_version: str | None = None, written: int | None = None
+    ) -> int:
         """Insert the written pages into the tree; returns the matchable length.
 
         A second commit of a committed id returns the same length and changes nothing.
         `weight_version` (the target's now) must equal the one at allocate: KV computed
-        under other weights is dropped (GONE), never inserted.
+        under other weights is dropped (GONE), never inserted. `written` (whole pages,
+        default all): a partial transfer wrote only the first `written` slots; only they
+        are inserted, the rest go back now (the source's receipts settled the grant,
+        which it uses once).
         """
         with self.lock:
             pending = self.by_id.get(migration_id)
@@ -263,14 +268,17 @@ class PendingMigrations:
                     f"migration {migration_id!r} was dropped: weight_version changed from "
                     f"{pending.weight_version!r} to {weight_version!r} since allocate",
                 )
+            if written is not None and written < pending.extra_length:
+                self._cut_to_written(pending, written)
             # On failure the migration stays pending (abort or the watchdog frees it).
-            already_present = pending.path.insert(
-                pending.anchor, pending.key, pending.matched_length, pending.slots
-            )
-            if already_present:
-                # A concurrent insert covered part of the range first: its nodes stay,
-                # our copies of those tokens are surplus.
-                pending.path.release(pending.slots[:already_present])
+            if pending.extra_length:
+                already_present = pending.path.insert(
+                    pending.anchor, pending.key, pending.matched_length, pending.slots
+                )
+                if already_present:
+                    # A concurrent insert covered part of the range first: its nodes stay,
+                    # our copies of those tokens are surplus.
+                    pending.path.release(pending.slots[:already_present])
             self.cache.dec_lock_ref(pending.anchor)
             # The whole key is in the tree now (the locked anchor, then what was just
             # inserted or found present): no second radix walk over it (at page size 1
@@ -378,6 +386,14 @@ class PendingMigrations:
             return [p.migration_id for p in dropped]
 
     # ------------------------------------------------------------------ helpers
+
+    def _cut_to_written(self, pending: PendingMigration, written: int) -> None:
+        """Keep the first `written` slots (and key tokens) of a partial transfer; give the
+        others back at once: no write can reach them (the grant was used, and its receipt
+        says the write is over)."""
+        pending.path.release(pending.slots[written:])
+        pending.slots = pending.slots[:written]
+        pending.key = pending.key[: pending.matched_length + written]
 
     def _release(
         self, pending: PendingMigration, state: MigrationState, settled: bool = False

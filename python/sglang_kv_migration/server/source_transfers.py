@@ -59,6 +59,7 @@ class RankTransferStatus:
     plan: str = ""  # host path: how the write was shaped (staging.PlanKind)
     entries: int = 0  # host path: transfer-engine entries
     digest: str = ""  # of the pages sent, when the grant asked for verification
+    tokens: int = 0  # tokens written (fewer than granted only for a partial transfer)
     steps: dict[str, float] = dataclasses.field(default_factory=dict)  # SendStats.steps
     routes: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # .routes
 
@@ -92,9 +93,11 @@ class InflightTransfer:
                 self.error = self.job.error or MigrationError(ErrorKind.INTERNAL, "send failed")
             elif state is KVPoll.SUCCESS:
                 stats = self.job.stats
+                assert self.send is not None  # a job is started for a validated send
                 self.result = RankTransferStatus(
                     done=True,
                     success=True,
+                    tokens=self.job.end - self.send.start,
                     bytes=stats.bytes,
                     seconds=stats.seconds,
                     plan=stats.plan,
@@ -273,6 +276,7 @@ class SourceTransfers:
             start_by=grant.expires_at,
             write_until=grant.write_until or float("inf"),
             verify=grant.verify,
+            partial_ok=req.partial_ok,
         )
 
     def _parse_own_slots(
@@ -382,6 +386,7 @@ class SourceTransfers:
                     plan=status.plan if send is not None and send.target.staging else "",
                     digest=status.digest,
                     source=self.server_epoch,
+                    tokens=_receipt_tokens(status, inflight.request),
                 )
             )
         return status
@@ -404,7 +409,7 @@ class SourceTransfers:
             )
             for i, s in enumerate(statuses)
         ]
-        failed = [s for s in statuses if not s.success]
+        failed = [s for s in statuses if not s.success] or _uneven_lengths(statuses)
         elapsed = time.monotonic() - inflight.started
         self.metrics.phase("transfer", elapsed)
         # Every rank of a stage builds this same reply; only the first one logs it.
@@ -428,9 +433,10 @@ class SourceTransfers:
                 )
         else:
             total_bytes = sum(s.bytes for s in statuses)
+            sent = statuses[0].tokens
             output = TransferRequestKVCacheReqOutput(
                 success=True,
-                transferred_token_size=req.extra_token_size,
+                transferred_token_size=sent,
                 transferred_bytes=total_bytes,
                 ranks=ranks,
                 path=_path_name(req),
@@ -439,7 +445,7 @@ class SourceTransfers:
             self.metrics.outcome("source", "sent")
             # Gathers run over the stage's TP group, in tp_rank order.
             mine = statuses[self.ctx.tp_rank]
-            self.metrics.moved("source", req.extra_token_size, mine.bytes)
+            self.metrics.moved("source", sent, mine.bytes)
             # Per route, and the rest of this rank's transfer time: the cost model's rates
             # and fixed costs. A gathered copy of this rank's own status.
             moving_s = sum(seconds for _, seconds in mine.routes.values())
@@ -448,7 +454,7 @@ class SourceTransfers:
                 logger.info(
                     "KV migration %s sent: %d tokens, %d bytes (%d ranks), %.1f ms%s",
                     req.migration_id,
-                    req.extra_token_size,
+                    sent,
                     total_bytes,
                     len(statuses),
                     elapsed * 1e3,
@@ -457,6 +463,29 @@ class SourceTransfers:
         output.rid = req.rid  # the tokenizer side matches concurrent transfers by rid
         stamp(output, req, self.ctx.pp_rank, polls=self.polls - inflight.first_poll)
         self.ctx.send_output(output, req)
+
+
+def _uneven_lengths(statuses: list[RankTransferStatus]) -> list[RankTransferStatus]:
+    """A failure when the ranks wrote different lengths: identical trees cut a partial
+    send alike on every rank, and no reply may name a length some rank did not write
+    (the target's commit checks the receipts too)."""
+    lengths = sorted({s.tokens for s in statuses})
+    if len(lengths) == 1:
+        return []
+    message = f"ranks wrote different lengths of a partial transfer: {lengths}"
+    return [
+        dataclasses.replace(
+            statuses[0], success=False, message=message, error_kind=ErrorKind.INTERNAL.value
+        )
+    ]
+
+
+def _receipt_tokens(status: RankTransferStatus, req: TransferRequestKVCacheReqInput) -> int:
+    """The receipt's `tokens`: how many were written when a partial transfer wrote fewer
+    than granted (only a target that lists "partial_transfer" gets one), else -1."""
+    if status.success and req.partial_ok and status.tokens < req.extra_token_size:
+        return status.tokens
+    return -1
 
 
 def _steps_text(steps: Mapping[str, float]) -> str:

@@ -49,6 +49,7 @@ from sglang_kv_migration.paths.base import (
     ROUTE_LANDING,
     DataPath,
     KVPoll,
+    NothingToSend,
     SendJob,
     SendRange,
     SendStats,
@@ -299,8 +300,11 @@ class DevicePath(DataPath):
             peer = DeviceTarget.from_wire(send.target.device_kv)
         except (KeyError, TypeError, ValueError) as e:
             raise MigrationError(ErrorKind.BAD_REQUEST, f"bad device_kv description: {e}") from None
-        opening = self._open_peer(peer)
         tiered = prepare_tiered_send(self.cache, send, self.page_size)
+        if tiered is None:
+            return NothingToSend(send)
+        send = tiered.send
+        opening = self._open_peer(peer)
         if tiered.plan.tokens(tiers.HOST_TIER) and self._host is None:
             raise MigrationError(
                 ErrorKind.CONFLICT,
@@ -309,6 +313,7 @@ class DevicePath(DataPath):
                 "the host path",
             )
         job = DeviceSendJob(TierPin.take(self.cache, tiered.prefix))
+        job.end = send.end
         job.stats.bytes = (send.end - send.start) * self.bytes_per_token
         plan = tiered.plan
         job.tier_bytes = {t: plan.tokens(t) * self.bytes_per_token for t in plan.tiers}
@@ -642,24 +647,23 @@ class DeviceSendJob(SendJob):
 class TieredSend:
     prefix: sglang_adapter.TieredPrefix
     plan: tiers.TierPlan
+    send: SendRange  # the send asked for, cut to what the source holds (partial_ok)
 
 
-def prepare_tiered_send(cache: HiRadixCache, send: SendRange, page_size: int) -> TieredSend:
+def prepare_tiered_send(cache: HiRadixCache, send: SendRange, page_size: int) -> TieredSend | None:
     """Where each page of the send lies on this source and where it goes (no CUDA, no
-    locks): raises CONFLICT when the source no longer holds the range, BAD_REQUEST for
+    locks): raises CONFLICT when the source no longer holds the range (a partial send
+    is cut to what it holds: None when that is nothing past `start`), BAD_REQUEST for
     slots that are not whole pages."""
     prefix = sglang_adapter.match_tiered_prefix(cache, send.input_ids[: send.end], send.extra_key)
-    if prefix.length < send.end:
-        raise MigrationError(
-            ErrorKind.CONFLICT,
-            f"source holds only {prefix.length} of {send.end} tokens on device or host "
-            "(evicted since it was measured?)",
-        )
+    send = send.cut_to(prefix.length, "on device or host")
+    if send.end == send.start:
+        return None
     try:
         plan = tiers.plan_tiers(prefix.segments, send.start, send.end, send.target_slots, page_size)
     except ValueError as e:
         raise MigrationError(ErrorKind.BAD_REQUEST, f"device copy plan: {e}") from None
-    return TieredSend(prefix, plan)
+    return TieredSend(prefix, plan, send)
 
 
 class TierPin:

@@ -27,6 +27,7 @@ from sglang_kv_migration.paths.base import (
     ROUTE_HOST_TO_HOST,
     DataPath,
     KVPoll,
+    NothingToSend,
     SendJob,
     SendRange,
     SendStats,
@@ -141,8 +142,15 @@ class HostPath(DataPath):
         if target.staging:  # the grant check already bound it to this migration
             staging = MemoryRegion(addr=target.staging[0], length=target.staging[1])
         pinned = sglang_adapter.pin_host_pages(
-            self.cache, send.input_ids, send.extra_key, send.start, send.end
+            self.cache, send.input_ids, send.extra_key, send.start, send.end, send.partial_ok
         )
+        if pinned is None:
+            return NothingToSend(send)
+        if pinned.end < send.end:
+            send = send.cut_to(pinned.end, "on device or host")
+            # The extent is laid out for every granted page (buffer major): a cut send
+            # writes its slots directly, which the target accepts (the receipt's plan).
+            staging = None
         return HostSendJob(self, pinned, peer, target.session_id, send, staging)
 
     def _peer_layout(
@@ -185,6 +193,7 @@ class HostSendJob(SendJob):
         self._peer = peer
         self._peer_session_id = peer_session_id
         self._send = send
+        self.end = send.end
         self._handle: TransferHandle | None = None
         self._digest: Future[str] | None = None  # of the pages sent, when verify asked
         self._created = time.monotonic()
