@@ -270,6 +270,9 @@ def _drive(steps, target, source_held: int):
                 target["asked"] = len(body["input_ids"])
             elif call.phase == "transfer":
                 n = body["extra_token_size"]
+                if body.get("partial_ok"):  # sends what it holds (feature partial_transfer)
+                    n = max(0, min(n, source_held - body["matched_token_size"]))
+                target["sent_to"] = body["matched_token_size"] + n
                 reply = (
                     200,
                     {
@@ -280,7 +283,7 @@ def _drive(steps, target, source_held: int):
                     },
                 )
             elif call.phase == "commit":
-                target["held"] = target["asked"]
+                target["held"] = target["sent_to"]
                 reply = (200, {"success": True, "matched_after_commit": target["held"]})
             else:
                 raise AssertionError(f"unexpected call {call.phase}")
@@ -305,6 +308,26 @@ def test_the_client_moves_a_long_prefix_in_landing_sized_rounds(side_factory, he
     assert result.migrated_token_size == 208 - held and target["held"] == 208
     assert result.migrated_bytes == (208 - held) * 10
     assert [c.phase for c in calls].count("commit") == rounds
+
+
+def test_rounds_without_a_size_query_stop_where_the_source_holds_no_more(side_factory):
+    """Feature "partial_transfer": the client asks the source nothing; each round moves
+    what the source holds of it, and a short round is the last."""
+    from sglang_kv_migration import grants
+    from sglang_kv_migration.client.migration import SessionCache, _migration_steps
+
+    side = side_factory(page_size=16, layer_num=2)
+    side.paths["device"] = _landing_path(side.harness, 64)
+    info = dataclasses.asdict(side.get_transfer_session_info(GetTransferSessionInfoReqInput()))
+    assert grants.PARTIAL_FEATURE in info["features"]
+    target = {"info": info, "limit": 64, "held": 0}
+    steps = _migration_steps(
+        "http://src", "http://dst", _tokens(208), None, sessions=SessionCache()
+    )
+    result, calls = _drive(steps, target, source_held=144)
+    assert "extra_token_size" not in [c.phase for c in calls]
+    assert result.rounds == 3 and [c.phase for c in calls].count("commit") == 3
+    assert result.migrated_token_size == 144 and target["held"] == 144
 
 
 def test_the_adapter_reads_the_tags_of_sglangs_own_memory_requests():
