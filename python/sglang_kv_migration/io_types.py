@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from sglang.srt.managers.io_struct import BaseReq
 
-from sglang_kv_migration import grants, page_ranges
+from sglang_kv_migration import binary_ids, grants, page_ranges
 from sglang_kv_migration.targets import HostTarget  # the host path's fields, once
 
 # Optional wire features this version understands (session info `features`).
@@ -29,7 +29,8 @@ from sglang_kv_migration.targets import HostTarget  # the host path's fields, on
 # `instance_id`); grants name their destination and source (`grants.py`).
 # "partial_transfer" (`grants.PARTIAL_FEATURE`): a transfer takes `partial_ok`, its
 # receipts say how many tokens were written, and commit inserts those.
-WIRE_FEATURES = (page_ranges.FEATURE, grants.FEATURE, grants.PARTIAL_FEATURE)
+# "binary_ids" (`binary_ids.py`): bodies may carry the ids as bytes (`input_ids_u32`).
+WIRE_FEATURES = (page_ranges.FEATURE, grants.FEATURE, grants.PARTIAL_FEATURE, binary_ids.FEATURE)
 
 # --------------------------------------------------------------------------- PP stages
 
@@ -107,6 +108,9 @@ class GetRequestExtraTokenSizeReqInput(BaseReq):
     input_ids: list[int]
     extra_key: str | None = None
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
+    # The ids as little-endian uint32 (feature "binary_ids"): the scheduler turns them
+    # into `input_ids` when it takes the request up (`binary_ids.unpack_request`).
+    input_ids_u32: bytes = b""
 
 
 @dataclass
@@ -150,6 +154,7 @@ class AllocateTokenForTransferReqInput(BaseReq):
     # "bound_grants"). Without it the grant names no source, and no source uses it.
     source_instance: str = ""
     stage_refusal: StageRefusal | None = None  # set by an earlier PP stage
+    input_ids_u32: bytes = b""  # feature "binary_ids", as for the size query
 
 
 @dataclass
@@ -216,6 +221,7 @@ class TransferRequestKVCacheReqInput(BaseReq):
     # from matched_token_size on (the reply's transferred_token_size says how many;
     # the receipts carry it), instead of refusing when it holds less.
     partial_ok: bool = False
+    input_ids_u32: bytes = b""  # feature "binary_ids", as for the size query
 
 
 @dataclass

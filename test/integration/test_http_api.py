@@ -27,7 +27,7 @@ import httpx
 import pytest
 import torch
 from mini_server import ServerHandle, ServerSpec, start_servers
-from sglang_kv_migration import PROTOCOL_VERSION, grants
+from sglang_kv_migration import PROTOCOL_VERSION, binary_ids, grants
 from sglang_kv_migration.client.migration import (
     AsyncMigrationClient,
     MigrationClient,
@@ -182,6 +182,12 @@ def test_extra_token_size(servers: Servers, http: httpx.Client) -> None:
     r = _post(http, servers.target, "/get_request_extra_token_size", {"input_ids": SEQ_NOT_HELD})
     assert r.status_code == 200
     assert (r.json()["matched_token_size"], r.json()["extra_token_size"]) == (0, 2 * PAGE)
+    # The same ids as bytes (feature "binary_ids"): the same answer.
+    assert binary_ids.FEATURE in _session_info(http, servers.source)["features"]
+    as_bytes = {binary_ids.FIELD: binary_ids.encode(SEQ_E2E[:100])}
+    r = _post(http, servers.source, "/get_request_extra_token_size", as_bytes)
+    assert r.status_code == 200, r.text
+    assert (r.json()["matched_token_size"], r.json()["total_token_size"]) == (96, 96)
 
 
 def _bad_transfer_body(**changes: Any) -> dict[str, Any]:
@@ -318,6 +324,20 @@ MALFORMED = [
     ("/commit", {"migration_id": 7}, "migration_id"),
     ("/abort_transfer", {}, "migration_id"),
     ("/abort_transfer", {"migration_id": "x" * 129}, "migration_id"),
+    # Feature "binary_ids": the ids as base64 little-endian uint32, instead of the list.
+    ("/get_request_extra_token_size", {"input_ids_u32": "!!!!"}, "input_ids_u32: not base64"),
+    ("/get_request_extra_token_size", {"input_ids_u32": "AQAA"}, "not whole 4-byte ids"),
+    (
+        "/get_request_extra_token_size",
+        {"input_ids": [1], "input_ids_u32": "AQAAAA=="},
+        "exactly one of input_ids (non-empty) and input_ids_u32",
+    ),
+    ("/get_request_extra_token_size", {"input_ids_u32": 5}, "input_ids_u32"),
+    (
+        "/transfer_request_kvcache",
+        _bad_transfer_body(input_ids=[], input_ids_u32=binary_ids.encode(list(range(PAGE - 1)))),
+        "exceeds len(input_ids) = 15",
+    ),
 ]
 
 

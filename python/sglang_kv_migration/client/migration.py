@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
-from sglang_kv_migration import PROTOCOL_VERSION
+from sglang_kv_migration import PROTOCOL_VERSION, binary_ids
 from sglang_kv_migration.client import http11
 from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.grants import FEATURE as BOUND_GRANTS
@@ -403,6 +403,21 @@ class _Plan:
     # No size query was made: `prefix` is the whole page-aligned request and the source
     # sends what it holds of it (feature "partial_transfer").
     partial: bool = False
+    # The prefix's ids as `binary_ids` text, by length (allocate and transfer send the
+    # same ids: encoded once); None where they cannot be sent so.
+    encoded: dict[int, str | None] = field(default_factory=dict)
+
+
+def _ids_field(plan: _Plan, info: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+    """The ids as `input_ids_u32` to a server that lists "binary_ids" (cheaper to parse,
+    check and hand to its scheduler than a JSON list), else as `input_ids`."""
+    if binary_ids.FEATURE in info.get("features", []):
+        if len(ids) not in plan.encoded:
+            plan.encoded[len(ids)] = binary_ids.encode(ids)
+        text = plan.encoded[len(ids)]
+        if text is not None:
+            return {binary_ids.FIELD: text}
+    return {"input_ids": ids}
 
 
 def _migration_steps(
@@ -646,7 +661,7 @@ def _allocate_call(plan: _Plan, path: str) -> _Call:
         plan.target_url,
         "/allocate_token_for_transfer",
         {
-            "input_ids": plan.prefix,
+            **_ids_field(plan, plan.target_info, plan.prefix),
             "extra_key": plan.extra_key,
             "source_fingerprints": [r["fingerprint"] for r in plan.source_info["ranks"]],
             "path": path,
@@ -666,7 +681,7 @@ def _transfer_call(plan: _Plan, allocation: dict[str, Any], path: str) -> _Call:
         plan.source_url,
         "/transfer_request_kvcache",
         {
-            "input_ids": plan.prefix,
+            **_ids_field(plan, plan.source_info, plan.prefix),
             "extra_key": plan.extra_key,
             "matched_token_size": allocation["matched_token_size"],
             "extra_token_size": allocation["extra_token_size"],

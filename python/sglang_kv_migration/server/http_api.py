@@ -25,13 +25,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 from sglang.srt.utils.auth import AuthLevel, auth_level
 
-from sglang_kv_migration import page_ranges, sglang_adapter
+from sglang_kv_migration import binary_ids, page_ranges, sglang_adapter
 from sglang_kv_migration.errors import ErrorKind
 from sglang_kv_migration.io_types import (
     AbortTransferReqInput,
@@ -86,7 +87,6 @@ def _ids_in_range(values: list[int], info: ValidationInfo) -> list[int]:
 # Lists of ids: strict ints (the models are strict: no bools, no strings), range checked
 # as a whole by `_ids_in_range`.
 IdList = Annotated[list[int], Field(max_length=MAX_TOKENS), AfterValidator(_ids_in_range)]
-TokenList = Annotated[IdList, Field(min_length=1)]
 # [first_page, count] runs of page ids (`page_ranges.py`); each pair checked in the model.
 PageRanges = Annotated[
     list[Annotated[list[int], Field(min_length=2, max_length=2)]],
@@ -101,13 +101,35 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class ExtraTokenSizeBody(_Body):
-    input_ids: TokenList
+class _IdsBody(_Body):
+    """A body with the request's token ids: `input_ids` (a JSON list), or `input_ids_u32`
+    (feature "binary_ids": little-endian uint32, base64; `binary_ids.py`), exactly one."""
+
+    input_ids: IdList = Field(default_factory=list)
+    input_ids_u32: str = ""
+    _ids_raw: bytes = PrivateAttr(default=b"")
+
+    @model_validator(mode="after")
+    def _one_form_of_ids(self) -> _IdsBody:
+        if bool(self.input_ids) == bool(self.input_ids_u32):
+            raise ValueError("give exactly one of input_ids (non-empty) and input_ids_u32")
+        if self.input_ids_u32 and not self._ids_raw:
+            try:
+                self._ids_raw = binary_ids.decode(self.input_ids_u32, MAX_TOKENS)
+            except ValueError as e:
+                raise ValueError(f"input_ids_u32: {e}") from None
+        return self
+
+    @property
+    def token_count(self) -> int:
+        return len(self.input_ids) or binary_ids.count(self._ids_raw)
+
+
+class ExtraTokenSizeBody(_IdsBody):
     extra_key: ExtraKey | None = None
 
 
-class AllocateBody(_Body):
-    input_ids: TokenList
+class AllocateBody(_IdsBody):
     extra_key: ExtraKey | None = None
     extra_token_size: NonNegative = 0
     source_fingerprints: list[dict[str, Any]] = Field(min_length=1)
@@ -163,8 +185,7 @@ class TargetRankBody(_Body):
         return self
 
 
-class TransferBody(_Body):
-    input_ids: TokenList
+class TransferBody(_IdsBody):
     extra_key: ExtraKey | None = None
     matched_token_size: NonNegative
     extra_token_size: Annotated[int, Field(gt=0)]
@@ -175,11 +196,12 @@ class TransferBody(_Body):
 
     @model_validator(mode="after")
     def _consistent_sizes(self) -> TransferBody:
+        self._one_form_of_ids()  # decodes input_ids_u32 first (validator order aside)
         end = self.matched_token_size + self.extra_token_size
-        if end > len(self.input_ids):
+        if end > self.token_count:
             raise ValueError(
                 f"matched_token_size + extra_token_size = {end} exceeds len(input_ids) = "
-                f"{len(self.input_ids)}"
+                f"{self.token_count}"
             )
         for target in self.target_per_rank:
             if target.kv_indices and len(target.kv_indices) != self.extra_token_size:
@@ -349,8 +371,12 @@ def _sglang_backend() -> MigrationBackend | None:
 
 def _fields(body: BaseModel, exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The body's fields as they are: `model_dump()` would copy every int of the token
-    lists, and the validated body is not used again."""
-    return {name: getattr(body, name) for name in type(body).model_fields if name not in exclude}
+    lists, and the validated body is not used again. Ids sent as base64 go on as the
+    bytes they decode to."""
+    fields = {name: getattr(body, name) for name in type(body).model_fields if name not in exclude}
+    if isinstance(body, _IdsBody):
+        fields[binary_ids.FIELD] = body._ids_raw
+    return fields
 
 
 # BaseReq bookkeeping and the scheduler's raw stamps (`trace.py`): never leave the server.

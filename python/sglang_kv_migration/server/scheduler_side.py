@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_kv_migration import PROTOCOL_VERSION, grants, sglang_adapter
+from sglang_kv_migration import PROTOCOL_VERSION, binary_ids, grants, sglang_adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.io_types import (
@@ -722,6 +722,7 @@ def _received_first(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
     def received(req: Any) -> Any:
         mark_received(req)
+        binary_ids.unpack_request(req)  # ids sent as bytes: the list the handlers read
         return handler(req)
 
     return received

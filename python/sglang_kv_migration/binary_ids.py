@@ -1,0 +1,75 @@
+"""Token ids as bytes on the wire (feature "binary_ids", issue 21).
+
+A JSON list of 32K token ids costs each trip that carries it a parse, a per-element type
+and range check, and a pickle of 32K Python ints to the scheduler and back
+(`benchmark/bench_control_plane.py`). Bodies of servers listing the feature may carry
+`input_ids_u32` instead of `input_ids`: the ids as little-endian uint32, base64
+(standard alphabet, padded). Every id of every vocabulary fits; a client sends the list
+form for ids of 2**32 and above. The HTTP layer decodes the base64 and hands the bytes to
+the scheduler, which makes the list once, when it takes the request up
+(`unpack_request`). No dependency on SGLang: the client imports this module.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+FEATURE = "binary_ids"
+FIELD = "input_ids_u32"
+ITEM_BYTES = 4
+_LIMIT = 1 << 32
+
+
+def encode(ids: list[int]) -> str | None:
+    """`ids` as the wire's base64 text; None when one cannot be sent this way (an id
+    outside [0, 2**32)) or there is none: send the list then."""
+    import numpy as np
+
+    if not ids:
+        return None
+    try:
+        array = np.array(ids, dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):
+        return None
+    if int(array.min()) < 0 or int(array.max()) >= _LIMIT:
+        return None
+    return base64.b64encode(array.astype("<u4").tobytes()).decode("ascii")
+
+
+def decode(text: str, max_ids: int) -> bytes:
+    """The ids' bytes of a body's `input_ids_u32`; ValueError naming what is wrong.
+    The text's length bounds the ids before anything is decoded."""
+    if len(text) > 4 * -(-max_ids * ITEM_BYTES // 3):
+        raise ValueError(f"more than {max_ids} ids")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"not base64: {e}") from None
+    if not raw:
+        raise ValueError("no ids")
+    if len(raw) % ITEM_BYTES:
+        raise ValueError(f"{len(raw)} bytes are not whole {ITEM_BYTES}-byte ids")
+    return raw
+
+
+def count(raw: bytes) -> int:
+    return len(raw) // ITEM_BYTES
+
+
+def to_list(raw: bytes) -> list[int]:
+    """The ids of `raw` (`decode` checked it; a trailing partial id is ignored, so this
+    never raises on the scheduler thread)."""
+    import numpy as np
+
+    return np.frombuffer(raw, dtype="<u4", count=count(raw)).tolist()
+
+
+def unpack_request(req: Any) -> None:
+    """Give a request that carries its ids as bytes its `input_ids` list (once: the bytes
+    are dropped), on the scheduler thread before any handler reads it."""
+    raw = getattr(req, FIELD, b"")
+    if raw:
+        req.input_ids = to_list(raw)
+        setattr(req, FIELD, b"")
