@@ -26,11 +26,12 @@ time of all against one and each phase's steps in both.
     PYTHONPATH=python .venv/bin/python benchmark/bench_control_plane.py --tokens 1024 \
         --concurrent 6 --concurrent-tokens 8192
 
-`--flows` (default both, interleaved migration by migration): `partial`, the client's
-default with servers that list the "partial_transfer" feature (allocate on the target for
-the whole request, the transfer sends what the source holds: three trips), and
-`size-query`, the flow the client takes with servers without it (the source's size query
-first: four trips), forced by hiding the feature from one client's session info.
+`--flows` (default all three, interleaved migration by migration), each forced by hiding
+wire features from one client's session info: `binary`, the client's default with
+servers of this version (three trips: allocate for the whole request, the transfer sends
+what the source holds — feature "partial_transfer" — and the ids travel as bytes —
+"binary_ids"); `partial` (the same with JSON id lists); `size-query` (neither: the
+source's size query first, four trips, as with servers that predate both).
 
 `--profile N` then runs a few more migrations of N tokens under cProfile on three
 threads: the benchmark's client, the source's and the target's HTTP event loop, and
@@ -165,22 +166,24 @@ def _start(lengths: list[int], concurrent: int = 0, concurrent_tokens: int = 0) 
     return source, target
 
 
-FLOWS = ("partial", "size-query")
+# Flow -> the wire features its client is made not to see (as with older servers).
+FLOWS = {
+    "binary": (),  # the client's default with servers of this version
+    "partial": ("binary_ids",),
+    "size-query": ("binary_ids", "partial_transfer"),
+}
 
 
 def _clients(flows: list[str], source: Any, target: Any) -> dict[str, Any]:
-    """One client per flow; the size-query one sees both servers without the
-    "partial_transfer" feature, as it would see servers that predate it."""
-    from sglang_kv_migration import grants
+    """One client per flow, seeing both servers without the flow's hidden features."""
     from sglang_kv_migration.client.migration import MigrationClient
 
     clients = {}
     for flow in flows:
         client = clients[flow] = MigrationClient()
-        if flow == "size-query":
-            for url in (source.url, target.url):
-                info = client.session_info(url)  # the cached dict the client plans from
-                info["features"] = [f for f in info["features"] if f != grants.PARTIAL_FEATURE]
+        for url in (source.url, target.url):
+            info = client.session_info(url)  # the cached dict the client plans from
+            info["features"] = [f for f in info["features"] if f not in FLOWS[flow]]
     return clients
 
 
@@ -420,7 +423,7 @@ def main() -> None:
     parser.add_argument("--floor", type=int, default=0, metavar="N")
     parser.add_argument("--concurrent-tokens", type=int, default=8192)
     parser.add_argument("--concurrent-repeats", type=int, default=5)
-    parser.add_argument("--flows", nargs="+", choices=FLOWS, default=list(FLOWS))
+    parser.add_argument("--flows", nargs="+", choices=list(FLOWS), default=list(FLOWS))
     args = parser.parse_args()
     unknown = sorted(set(args.tokens + args.profile) - set(FIRST_TOKEN))
     if unknown:
