@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Issues 19, 21 (and 22's re-run on this code): the one-GPU runs that wait for device
+# time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
+# session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
+#
+#   bash scripts/h200_runs.sh N        # N = 1..4, one device call each, kind nvidia-h200
+#
+# Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
+#   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
+#                               --no-cache-dir --target /tmp/site .whl/*.whl
+#   calls 1-4, carry [".whl-mc"], holding this package's wheel (rebuilt: `rm
+#   .whl-mc/sglang_kv_migration-*.whl; .venv/bin/python -m pip wheel -q --no-deps -w
+#   .whl-mc .`), httptools and torch_memory_saver 0.0.10 (`scripts/fetch-gpu-extras.sh`).
+#   If the machine went cold between calls, /tmp/site is gone: run call 0 again.
+#
+# Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
+set -u
+cd "$(dirname "$0")/.."
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|3|4}
+T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
+case $call in
+1)
+  # Issue 21's targets with the three-trip, binary-id client (the default): one-page
+  # migrations (2 tokens at page 1, 17 at page 16: the benchmark migrates each prompt less
+  # its last token), 1K, 2K, 4K, 32K beside re-prefill, each trip's steps_ms per row.
+  # Targets: one page <= 5 ms p50, 1K <= 8 ms, 32K <= 1% of re-prefill, migration + TTFT
+  # below re-prefill from 2K up.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 4096 32768 --repeats 3 --no-host" \
+    "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 4096 32768 --repeats 3 --no-host"
+  ;;
+2)
+  # Issue 19 item 3 (six concurrent 8K migrations to one target within 1.5x of one) at
+  # pages 16 and 1, then the memory-saver GPU test at MHA page 16 beside it (a tiny model:
+  # distinct ports, little memory).
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency" \
+    "0:conc1:python3 benchmark/bench_any_tier.py --page-size 1 --only-concurrency" \
+    "+0:saver16:sleep 240; KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py"
+  ;;
+3)
+  # Issue 19's any-tier table at page 1 (tiers gpu / host / mixed at 4K/16K/32K beside
+  # re-prefill and the host path), then the memory-saver test at MLA page 64.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:anytier1:python3 benchmark/bench_any_tier.py --page-size 1" \
+    "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py"
+  ;;
+4)
+  # Issue 22 (resolved) on this code: the live-move benchmark and its GPU tests.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:live:python3 benchmark/bench_live_move.py" \
+    "0:livetests:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py -k 'live or running_request_moves_with'"
+  ;;
+*)
+  echo "usage: bash scripts/h200_runs.sh 1|2|3|4" >&2
+  exit 2
+  ;;
+esac
