@@ -209,10 +209,12 @@ def _start_transfer(source: ServerHandle, target: ServerHandle, ids: list[int]):
 
 def _guard_quarantine(target: ServerHandle, slots: list[int], thread: threading.Thread) -> int:
     """Until the source answers, the freed slots must not be in the free list; returns
-    how many times that was checked."""
+    how many times that was checked. Checked at least once: on a loaded box the write
+    may be over by now, and the slots stay quarantined past that (until the write
+    window closes, seconds later: no receipt came with the abort)."""
     checks = 0
     deadline = time.monotonic() + 60.0
-    while thread.is_alive() and time.monotonic() < deadline:
+    while checks == 0 or (thread.is_alive() and time.monotonic() < deadline):
         assert target.ask(0, "free_overlap", slots) == 0, (
             "slots handed out before the source settled"
         )

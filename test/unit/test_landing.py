@@ -239,6 +239,15 @@ def test_release_of_other_memory_or_a_busy_server_changes_nothing(side_factory):
 # --------------------------------------------------------------------------- client rounds
 
 
+def _ids_in(body: dict) -> int:
+    """How many ids a body carries, as a list or as bytes (feature "binary_ids")."""
+    from sglang_kv_migration import binary_ids
+
+    if binary_ids.FIELD in body:
+        return binary_ids.count(binary_ids.decode(body[binary_ids.FIELD], 1 << 21))
+    return len(body["input_ids"])
+
+
 def _drive(steps, target, source_held: int):
     """Answer the client's calls as a source holding `source_held` tokens and `target`
     (a dict: the target's session info, its landing limit and what it holds) would."""
@@ -253,8 +262,9 @@ def _drive(steps, target, source_held: int):
             elif call.phase == "extra_token_size":
                 reply = (200, {"success": True, "matched_token_size": source_held})
             elif call.phase == "allocate":
-                held = min(target["held"], len(body["input_ids"]))
-                extra = len(body["input_ids"]) - held
+                asked = _ids_in(body)
+                held = min(target["held"], asked)
+                extra = asked - held
                 assert extra <= target["limit"], "a round larger than the landing arena"
                 ranks = [{"tp_rank": 0, "pp_rank": 0, "kv_pages": list(range(extra // 16))}]
                 reply = (
@@ -267,7 +277,7 @@ def _drive(steps, target, source_held: int):
                         "ranks": ranks,
                     },
                 )
-                target["asked"] = len(body["input_ids"])
+                target["asked"] = asked
             elif call.phase == "transfer":
                 n = body["extra_token_size"]
                 if body.get("partial_ok"):  # sends what it holds (feature partial_transfer)

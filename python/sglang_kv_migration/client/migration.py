@@ -471,51 +471,41 @@ def _attempt(
     timings["session_info"] = clock() - t0
 
     if held is None and _partial_ok(path, source_info, target_info):
-        # Two trips fewer per migration: the transfer finds what the source holds.
+        # One trip fewer: the transfer finds out what the source holds of the request.
         page_size = source_info["ranks"][0]["page_size"]
         prefix = input_ids[: len(input_ids) - len(input_ids) % page_size]
-        plan = _Plan(
-            source_url,
-            target_url,
-            extra_key,
-            source_info,
-            target_info,
-            prefix,
-            timings,
-            verify,
-            partial=True,
-        )
-        if not prefix:
-            return _result(plan, "", {"matched_token_size": 0}, None, None, "", "")
-        chosen, reason = _choose_path(path, source_info, target_info, {"matched_token_size": 0})
-        return (yield from _move_with_fallback(plan, path, chosen, reason))
-
-    t0 = clock()
-    if held is None:
-        held = yield from _step(
-            _Call(
-                "extra_token_size",
-                source_url,
-                "/get_request_extra_token_size",
-                {"input_ids": input_ids, "extra_key": extra_key},
+        steps: dict[str, dict[str, float]] = {}
+        held = {"matched_token_size": 0}  # the path does not depend on it (`_partial_ok`)
+        partial = True
+    else:
+        t0 = clock()
+        if held is None:
+            held = yield from _step(
+                _Call(
+                    "extra_token_size",
+                    source_url,
+                    "/get_request_extra_token_size",
+                    {"input_ids": input_ids, "extra_key": extra_key},
+                )
             )
-        )
-    _check_epoch(source_url, source_info, held)
-    source_held = held["matched_token_size"]
-    timings["extra_token_size"] = clock() - t0
-    steps = {"extra_token_size": _trip_steps(held, timings["extra_token_size"])}
+        _check_epoch(source_url, source_info, held)
+        prefix = input_ids[: held["matched_token_size"]]
+        timings["extra_token_size"] = clock() - t0
+        steps = {"extra_token_size": _trip_steps(held, timings["extra_token_size"])}
+        partial = False
     plan = _Plan(
         source_url,
         target_url,
         extra_key,
         source_info,
         target_info,
-        input_ids[:source_held],
+        prefix,
         timings,
         verify,
         steps,
+        partial=partial,
     )
-    if source_held == 0:
+    if not prefix:
         return _result(plan, "", {"matched_token_size": 0}, None, None, "", "")
 
     chosen, reason = _choose_path(path, source_info, target_info, held)

@@ -5,7 +5,8 @@ first; the transfer (`partial_ok`) sends the whole pages the source holds of the
 range, into the first granted slots, and its receipts say how many tokens; the commit
 inserts only those and gives the other slots back at once. Two processes with real
 HiRadixCaches and the real scheduler-side handlers; the bytes cross through Mooncake TCP
-on 127.0.0.1 (`core_peers.py`).
+on 127.0.0.1 (`core_peers.py`). Named to run beside `test_core_migration.py`: the two
+share the session's peer pair, whose processes exit after 300 s without a command.
 """
 
 from __future__ import annotations
