@@ -24,7 +24,6 @@ once every rank is serving.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
 import queue
 import tempfile
@@ -34,6 +33,7 @@ import uuid
 from typing import Any
 
 import cpu_harness
+import fork_context
 
 STOP = "__stop__"
 
@@ -134,45 +134,8 @@ def start_servers(specs: list[ServerSpec], timeout_s: float = 240.0) -> list[Ser
     return handles
 
 
-_CONTEXT: Any = None
-
-
-def _context() -> Any:
-    """Ranks are forked from one fork server that has imported SGLang once
-    (`_server_preload`), not spawned: a spawned rank spends ~10 s of CPU importing it,
-    and the suite starts ~50 ranks on a 2-core CI box. Each rank is still its own fresh
-    process (nothing but imported modules is shared), as with "spawn"."""
-    global _CONTEXT
-    if _CONTEXT is None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["_server_preload"])
-        # Python 3.11's fork server ignores the parent's sys.path: it finds the preload
-        # module (and this package) through PYTHONPATH, set only while it starts.
-        here = os.path.dirname(os.path.abspath(__file__))
-        package = os.path.dirname(_package_dir())
-        old = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, package, old) if p)
-        try:
-            from multiprocessing import forkserver
-
-            forkserver.ensure_running()
-        finally:
-            if old is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = old
-        _CONTEXT = ctx
-    return _CONTEXT
-
-
-def _package_dir() -> str:
-    import sglang_kv_migration
-
-    return os.path.dirname(os.path.abspath(sglang_kv_migration.__file__))
-
-
 def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
-    ctx = _context()
+    ctx = fork_context.context()
     gloo_port = cpu_harness.free_port()
     http_port = cpu_harness.free_port()
     endpoint = os.path.join(tempfile.gettempdir(), f"kvm-tokenizer-{uuid.uuid4().hex}")
