@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import cpu_harness
@@ -61,16 +64,9 @@ print("HOOKS-OK")
 """
 
 
-def test_register_applies_every_hook_and_is_idempotent() -> None:
+def test_register_applies_every_hook_and_is_idempotent(fresh_interpreters) -> None:
     # In a fresh interpreter: applied hooks patch SGLang for the life of the process.
-    proc = subprocess.run(
-        [sys.executable, "-c", _REGISTER_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO / "test" / "support",
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    proc = fresh_interpreters["register"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("HOOKS-OK")
 
@@ -143,22 +139,69 @@ def test_pipeline_parallel_flags_are_accepted() -> None:
     assert args.disable_overlap_schedule is True
 
 
-def _launch_server(*argv: str) -> subprocess.CompletedProcess:
-    # The CPU test environment's .pth hook makes torchvision import beside CPU torch.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
-    )
+def _launch_server_argv(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "sglang.launch_server", *argv]
+
+
+def _fresh_interpreter_runs() -> dict[str, tuple[list[str], Path]]:
+    """Every command of this module that needs a fresh interpreter (each imports SGLang,
+    ~15 s of CPU): name -> (argv, cwd)."""
+    model = cpu_harness.write_tiny_model_dir()
+    return {
+        "register": ([sys.executable, "-c", _REGISTER_SCRIPT], REPO / "test" / "support"),
+        "help": (_launch_server_argv("--help"), REPO),
+        "no_hicache": (
+            _launch_server_argv("--model-path", model, "--device", "cpu", "--enable-kv-migration"),
+            REPO,
+        ),
+        "zero_watchdog": (
+            _launch_server_argv(
+                "--model-path",
+                model,
+                "--device",
+                "cpu",
+                "--enable-hierarchical-cache",
+                "--enable-kv-migration",
+                "--kv-migration-watchdog-timeout",
+                "0",
+            ),
+            REPO,
+        ),
+    }
 
 
 @pytest.fixture(scope="module")
-def launch_help() -> subprocess.CompletedProcess:
-    return _launch_server("--help")
+def fresh_interpreters() -> Iterator[dict[str, subprocess.CompletedProcess]]:
+    """Runs every fresh-interpreter command at once and waits for all: one at a time,
+    each left the other core idle. Output goes to files, so no run blocks on a pipe."""
+    # The CPU test environment's .pth hook makes torchvision import beside CPU torch.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with contextlib.ExitStack() as stack:
+        started = {}
+        for name, (argv, cwd) in _fresh_interpreter_runs().items():
+            out = stack.enter_context(tempfile.TemporaryFile("w+"))
+            err = stack.enter_context(tempfile.TemporaryFile("w+"))
+            proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env, cwd=cwd)
+            stack.callback(_kill_if_running, proc)
+            started[name] = (argv, proc, out, err)
+        done = {}
+        for name, (argv, proc, out, err) in started.items():
+            returncode = proc.wait(timeout=300)
+            out.seek(0)
+            err.seek(0)
+            done[name] = subprocess.CompletedProcess(argv, returncode, out.read(), err.read())
+        yield done
+
+
+def _kill_if_running(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def launch_help(fresh_interpreters) -> subprocess.CompletedProcess:
+    return fresh_interpreters["help"]
 
 
 def test_launch_server_help_lists_the_flags(launch_help: subprocess.CompletedProcess) -> None:
@@ -174,9 +217,8 @@ def test_launch_server_help_lists_the_flags(launch_help: subprocess.CompletedPro
         assert flag in launch_help.stdout
 
 
-def test_launch_server_refuses_migration_without_hierarchical_cache() -> None:
-    model = cpu_harness.write_tiny_model_dir()
-    proc = _launch_server("--model-path", model, "--device", "cpu", "--enable-kv-migration")
+def test_launch_server_refuses_migration_without_hierarchical_cache(fresh_interpreters) -> None:
+    proc = fresh_interpreters["no_hicache"]
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last == (
@@ -185,18 +227,8 @@ def test_launch_server_refuses_migration_without_hierarchical_cache() -> None:
     )
 
 
-def test_launch_server_refuses_non_positive_watchdog() -> None:
-    model = cpu_harness.write_tiny_model_dir()
-    proc = _launch_server(
-        "--model-path",
-        model,
-        "--device",
-        "cpu",
-        "--enable-hierarchical-cache",
-        "--enable-kv-migration",
-        "--kv-migration-watchdog-timeout",
-        "0",
-    )
+def test_launch_server_refuses_non_positive_watchdog(fresh_interpreters) -> None:
+    proc = fresh_interpreters["zero_watchdog"]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "--kv-migration-watchdog-timeout must be a positive number" in proc.stderr
 

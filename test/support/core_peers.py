@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import fork_context
 from _migration_peer import peer_main
 from sglang_kv_migration.io_types import (
     AbortTransferReqInput,
@@ -68,7 +68,7 @@ class Server:
 @contextlib.contextmanager
 def peer_pair() -> Iterator[tuple[Server, Server]]:
     """Spawn a source and a target peer process; stop them on exit."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fork_context.context()  # forked with SGLang already imported
     started = [spawn(ctx, "source"), spawn(ctx, "target")]
     try:
         for server, _ in started:

@@ -24,7 +24,6 @@ once every rank is serving.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
 import queue
 import tempfile
@@ -34,6 +33,7 @@ import uuid
 from typing import Any
 
 import cpu_harness
+import fork_context
 
 STOP = "__stop__"
 
@@ -135,7 +135,7 @@ def start_servers(specs: list[ServerSpec], timeout_s: float = 240.0) -> list[Ser
 
 
 def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
-    ctx = mp.get_context("spawn")
+    ctx = fork_context.context()
     gloo_port = cpu_harness.free_port()
     http_port = cpu_harness.free_port()
     endpoint = os.path.join(tempfile.gettempdir(), f"kvm-tokenizer-{uuid.uuid4().hex}")
@@ -147,7 +147,8 @@ def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
         parent, child = ctx.Pipe()
         p = ctx.Process(
             target=_rank_main,
-            args=(spec, rank, ports, child, ready),
+            # The fork server's environment is from when it started: send today's.
+            args=(spec, rank, ports, child, ready, dict(os.environ)),
             daemon=True,
         )
         p.start()
@@ -273,8 +274,12 @@ class _MiniScheduler:
                     time.sleep(0.001)
 
 
-def _rank_main(spec: ServerSpec, rank: int, ports: _Ports, control: Any, ready: Any) -> None:
+def _rank_main(
+    spec: ServerSpec, rank: int, ports: _Ports, control: Any, ready: Any, env: dict[str, str]
+) -> None:
     try:
+        os.environ.clear()
+        os.environ.update(env)
         if spec.netns is not None:
             _join_netns(spec.netns)  # before any socket is created
         cpu_harness.install_cpu_shims()
