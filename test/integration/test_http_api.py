@@ -68,6 +68,7 @@ SEQ_ABORT = _seq(6500, 2 * PAGE)  # held by no server: allocate only
 SEQ_NOT_HELD = _seq(9000, 2 * PAGE)
 SEQ_STAGED = _seq(7000, 8 * PAGE)
 SEQ_PARTIAL = _seq(8000, 6 * PAGE)  # the source holds its first 3 pages
+SEQ_PARTIAL_VERIFY = _seq(8500, 5 * PAGE)  # the source holds its first 2 pages
 
 
 @dataclass
@@ -92,6 +93,7 @@ def servers() -> Iterator[Servers]:
                 (SEQ_MISMATCH, 5),
                 (SEQ_STAGED, 7),
                 (SEQ_PARTIAL[: 3 * PAGE], 8),
+                (SEQ_PARTIAL_VERIFY[: 2 * PAGE], 9),
             ]
         ),
         ServerSpec(watchdog_timeout_s=WATCHDOG_S),
@@ -460,6 +462,19 @@ def test_client_moves_what_the_source_holds_without_a_size_query(servers: Server
     after = dst.ask(0, "snapshot")
     assert after.host_available == before.host_available - held
     assert after.total_lock_ref == 0
+
+
+def test_verify_covers_exactly_what_a_partial_transfer_wrote(servers: Servers) -> None:
+    """The source digests the pages it sent, the target the slots they landed in: a cut
+    send verifies (the unwritten slots are not part of either digest)."""
+    src, dst = servers.source, servers.target
+    with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
+        result = client.migrate(src.url, dst.url, SEQ_PARTIAL_VERIFY, verify=True)
+    held = 2 * PAGE
+    assert result.migrated_token_size == result.matched_after_commit == held
+    assert _same_kv(
+        src.ask(0, "kv", SEQ_PARTIAL_VERIFY[:held]), dst.ask(0, "kv", SEQ_PARTIAL_VERIFY[:held])
+    )
 
 
 def _as_older_servers(client: MigrationClient, *urls: str) -> None:
