@@ -186,6 +186,40 @@ def test_written_bytes_negative_control(harness_factory):
     assert not _same_bytes(h.read_device_kv(h.load_back(tokens)), fake)
 
 
+def test_a_partial_commit_inserts_the_written_part_and_frees_the_rest(harness_factory):
+    """`commit(written=)` (feature "partial_transfer"): the first written slots are
+    inserted with their tokens, the others freed; an insert that fails changes nothing,
+    so the same commit can run again."""
+    h = harness_factory(host_layout="page_first", load_back_threshold=1)
+    tokens = _tokens(6 * 16)
+    pending = PendingMigrations(h.cache, TIMEOUT_S)
+    before = h.snapshot()
+    path = HostPath(h.cache)
+    alloc = pending.allocate("m", tokens, None, path=path)
+    fake = _fake_kv(h, 2 * 16, seed=3)
+    _write_host_kv(h, alloc.kv_indices[:32], fake)
+
+    real_insert, calls = path.insert, []
+
+    def insert_failing_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("injected insert failure")
+        return real_insert(*args)
+
+    path.insert = insert_failing_once
+    with pytest.raises(RuntimeError):
+        pending.commit("m", written=32)
+    assert len(pending) == 1 and pending.get("m").extra_length == 6 * 16  # unchanged
+    assert pending.commit("m", written=32) == 32
+    assert h.snapshot().host_available == before.host_available - 32
+    assert h.snapshot().total_lock_ref == 0 and len(pending) == 0
+    m = h.match(tokens)
+    assert len(m.device_indices) + m.host_hit_length == 32
+    assert _same_bytes(h.read_device_kv(h.load_back(tokens[:32])), fake)
+    _assert_host_slots_accounted(h)
+
+
 @pytest.mark.parametrize("prefix_on_host", [False, True])
 def test_abort_restores_pool_and_locks(harness_factory, prefix_on_host):
     h = harness_factory(host_layout="layer_first")

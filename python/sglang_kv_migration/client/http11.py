@@ -1,6 +1,6 @@
 """The synchronous client's HTTP: keep-alive HTTP/1.1 POSTs over the standard library.
 
-A migration is four short POSTs whose bodies are already encoded JSON, so the client
+A migration is three or four short POSTs whose bodies are already encoded JSON, so the client
 needs no more of HTTP than `http.client` has; httpx costs about 0.5-1 ms more per call
 on a busy 2-core box (`docs/benchmarks.md`, "The control plane on CPU"), which is a
 sizeable part of a small migration. `MigrationClient` uses this unless it is handed an

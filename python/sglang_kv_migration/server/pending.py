@@ -268,22 +268,28 @@ class PendingMigrations:
                     f"migration {migration_id!r} was dropped: weight_version changed from "
                     f"{pending.weight_version!r} to {weight_version!r} since allocate",
                 )
+            key, slots = pending.key, pending.slots
             if written is not None and written < pending.extra_length:
-                self._cut_to_written(pending, written)
-            # On failure the migration stays pending (abort or the watchdog frees it).
-            if pending.extra_length:
+                key, slots = key[: pending.matched_length + written], slots[:written]
+            # On failure the migration stays pending, unchanged (abort or the watchdog
+            # frees it; the same receipts can commit again).
+            if len(slots):
                 already_present = pending.path.insert(
-                    pending.anchor, pending.key, pending.matched_length, pending.slots
+                    pending.anchor, key, pending.matched_length, slots
                 )
                 if already_present:
                     # A concurrent insert covered part of the range first: its nodes stay,
                     # our copies of those tokens are surplus.
-                    pending.path.release(pending.slots[:already_present])
+                    pending.path.release(slots[:already_present])
+            if len(slots) < pending.extra_length:
+                # A partial transfer's unwritten slots go back at once: no write can reach
+                # them (the grant was used, and its receipts say the write is over).
+                pending.path.release(pending.slots[len(slots) :])
             self.cache.dec_lock_ref(pending.anchor)
             # The whole key is in the tree now (the locked anchor, then what was just
             # inserted or found present): no second radix walk over it (at page size 1
             # SGLang's match is a Python loop over every token).
-            matched_after = len(pending.key)
+            matched_after = len(key)
             self._finish(pending, MigrationState.COMMITTED, matched_after)
             return matched_after
 
@@ -386,14 +392,6 @@ class PendingMigrations:
             return [p.migration_id for p in dropped]
 
     # ------------------------------------------------------------------ helpers
-
-    def _cut_to_written(self, pending: PendingMigration, written: int) -> None:
-        """Keep the first `written` slots (and key tokens) of a partial transfer; give the
-        others back at once: no write can reach them (the grant was used, and its receipt
-        says the write is over)."""
-        pending.path.release(pending.slots[written:])
-        pending.slots = pending.slots[:written]
-        pending.key = pending.key[: pending.matched_length + written]
 
     def _release(
         self, pending: PendingMigration, state: MigrationState, settled: bool = False
