@@ -408,16 +408,25 @@ class _Plan:
     encoded: dict[int, str | None] = field(default_factory=dict)
 
 
-def _ids_field(plan: _Plan, info: dict[str, Any], ids: list[int]) -> dict[str, Any]:
-    """The ids as `input_ids_u32` to a server that lists "binary_ids" (cheaper to parse,
-    check and hand to its scheduler than a JSON list), else as `input_ids`."""
+def ids_field(info: dict[str, Any], ids: list[int], encoded: str | None = None) -> dict[str, Any]:
+    """The body field carrying `ids` to the server whose session info is `info`: as
+    `input_ids_u32` when it lists "binary_ids" (cheaper to parse, check and hand to its
+    scheduler than a JSON list), else as `input_ids`. `encoded`: `binary_ids.encode(ids)`
+    when the caller has it already."""
     if binary_ids.FEATURE in info.get("features", []):
-        if len(ids) not in plan.encoded:
-            plan.encoded[len(ids)] = binary_ids.encode(ids)
-        text = plan.encoded[len(ids)]
+        text = encoded if encoded is not None else binary_ids.encode(ids)
         if text is not None:
             return {binary_ids.FIELD: text}
     return {"input_ids": ids}
+
+
+def _ids_field(plan: _Plan, info: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+    """`ids_field`, encoding each prefix of the plan once (allocate and transfer)."""
+    if binary_ids.FEATURE not in info.get("features", []):
+        return {"input_ids": ids}
+    if len(ids) not in plan.encoded:
+        plan.encoded[len(ids)] = binary_ids.encode(ids)
+    return ids_field(info, ids, plan.encoded[len(ids)])
 
 
 def _migration_steps(
@@ -485,7 +494,7 @@ def _attempt(
                     "extra_token_size",
                     source_url,
                     "/get_request_extra_token_size",
-                    {"input_ids": input_ids, "extra_key": extra_key},
+                    {**ids_field(source_info, input_ids), "extra_key": extra_key},
                 )
             )
         _check_epoch(source_url, source_info, held)

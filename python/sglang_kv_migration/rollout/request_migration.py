@@ -97,6 +97,7 @@ from sglang_kv_migration.client.migration import (
     MigrationFailed,
     MigrationResult,
     auth_hint,
+    ids_field,
     predict_path,
 )
 from sglang_kv_migration.rollout.cost_model import (
@@ -839,7 +840,11 @@ class AsyncRequestMigrator:
     ) -> dict[str, Any]:
         """What `url` holds of `input_ids` (its `/get_request_extra_token_size` reply:
         ``matched_token_size``, device and host tier, and ``device_token_size``)."""
-        body = {"input_ids": input_ids, "extra_key": extra_key}
+        try:
+            info = await self._session_info(url)  # cached: no trip after the first
+        except MigrationFailed:  # the query below reports what is wrong with the server
+            info = {}
+        body = {**ids_field(info, input_ids), "extra_key": extra_key}
         return await self._call(url, "/get_request_extra_token_size", body)
 
     async def aclose(self) -> None:
