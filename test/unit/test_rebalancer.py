@@ -360,3 +360,29 @@ def test_moves_in_flight_keep_their_claim_on_the_target_until_they_end() -> None
     assert third == 1
     assert dict(rebalancer._claimed) == {}
     assert len(migrator.moved) == 3
+
+
+def test_a_started_move_is_not_planned_again_before_it_reaches_the_migrator() -> None:
+    """A move marks its handle `moving` only inside `move_request` (in mode auto it
+    first reads both servers' metrics): the round right after the one that started it
+    must not plan the same request again (it did, then failed "already being moved")."""
+    from sglang_kv_migration.rollout.rebalancer import Rebalancer
+
+    loads = {A: _v1(8, 4, 5000, 1000, 8), B: _v1(0, 0, 0, 100_000, 48)}
+    handles = [FakeHandle(A, 5, 0.0, prompt_len=64, max_new=0)]
+    migrator = _Migrator(loads, handles)
+    policy = RebalancePolicy(kv_pressure=5.0, target_max_ratio=10.0, mode="migrate")
+    rebalancer = Rebalancer(migrator, [A, B], policy)  # type: ignore[arg-type]
+
+    async def run() -> tuple[int, int, int]:
+        first = len(await rebalancer.step())  # the move's task has not run yet
+        assert not handles[0].moving
+        second = len(await rebalancer.step())
+        migrator.release.set()
+        await asyncio.gather(*rebalancer._tasks)
+        return first, second, len(rebalancer._started)
+
+    first, second, started = asyncio.run(run())
+    assert (first, second) == (1, 0)
+    assert migrator.moved == [(handles[0].request.rid, B)] and started == 0
+    assert rebalancer.summary.errors == []

@@ -318,6 +318,10 @@ class Rebalancer:
         # a later round's load may not show them yet. Once a move's allocate shows in
         # the target's load they count twice until it ends: a move may wait a round.
         self._claimed: Counter[str] = Counter()
+        # Requests this rebalancer started moving, until their move ends: a move marks
+        # its handle `moving` only once it reaches the migrator (after learning costs), so
+        # the next round must not plan the same request again in between.
+        self._started: set[str] = set()
 
     async def poll(self) -> dict[str, ServerLoad]:
         loads = await asyncio.gather(*(self._load(url) for url in self.servers))
@@ -330,13 +334,15 @@ class Rebalancer:
         loads = await self.poll()
         self.summary.last_loads = loads
         self.summary.rounds += 1
-        live = [h for h in self.migrator.live() if not h.moving]
+        live = self._movable(self.migrator.live())
         held = await self._held(loads, live) if self.policy.min_held_tokens > 0 else None
+        live = self._movable(live)  # a move may have begun while the sizes were asked
         moves = plan_moves(
             loads, live, self.policy, in_flight=len(self._tasks), held=held, claimed=self._claimed
         )
         self.summary.planned.extend(moves)
         for move in moves:
+            self._started.add(move.handle.request.rid)
             self._claimed[move.target_url] += move.kv_tokens
             task = asyncio.ensure_future(self._move(move))
             self._tasks.add(task)
@@ -382,9 +388,13 @@ class Rebalancer:
             logger.exception("moving %s to %s failed", handle.request.rid, move.target_url)
             self.summary.errors.append(f"{handle.request.rid}: {type(e).__name__}: {e}")
         finally:
+            self._started.discard(handle.request.rid)
             self._claimed[move.target_url] -= move.kv_tokens
             if self._claimed[move.target_url] <= 0:
                 del self._claimed[move.target_url]
+
+    def _movable(self, handles: Sequence[RequestHandle]) -> list[RequestHandle]:
+        return [h for h in handles if not h.moving and h.request.rid not in self._started]
 
     async def _held(
         self, loads: dict[str, ServerLoad], live: list[RequestHandle]
