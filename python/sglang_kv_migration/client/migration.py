@@ -33,7 +33,7 @@ import httpx
 import orjson
 
 from sglang_kv_migration import PROTOCOL_VERSION, binary_ids
-from sglang_kv_migration.client import http11
+from sglang_kv_migration.client import aio_http11, http11
 from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.grants import FEATURE as BOUND_GRANTS
 from sglang_kv_migration.grants import PARTIAL_FEATURE as PARTIAL_TRANSFER
@@ -281,7 +281,8 @@ class MigrationClient:
 
 
 class AsyncMigrationClient:
-    """asyncio client (httpx.AsyncClient); same surface as `MigrationClient`."""
+    """asyncio client: keep-alive HTTP/1.1 on asyncio streams (`aio_http11.py`), or the
+    `httpx.AsyncClient` it is given; same surface as `MigrationClient`."""
 
     def __init__(
         self,
@@ -291,7 +292,8 @@ class AsyncMigrationClient:
         *,
         admin_api_key: str | None = None,
     ):
-        self._http = http_client or httpx.AsyncClient(timeout=timeout)
+        self._http = http_client
+        self._aio = aio_http11.AsyncHttp11(timeout) if http_client is None else None
         self.keys = ApiKeys(api_key, admin_api_key)
         self._sessions = SessionCache()
 
@@ -338,7 +340,10 @@ class AsyncMigrationClient:
         return _checked(_Call(path.strip("/"), url, path, body or {}), status, payload)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._aio is not None:
+            await self._aio.aclose()
+        else:
+            await self._http.aclose()
 
     async def __aenter__(self) -> AsyncMigrationClient:
         return self
@@ -349,11 +354,14 @@ class AsyncMigrationClient:
     async def _post(self, call: _Call) -> tuple[int | None, Any]:
         try:
             return await self._raw(call.url, call.path, call.body)
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, *aio_http11.ERRORS) as e:
             return None, f"{type(e).__name__}: {e}"
 
     async def _raw(self, url: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
         headers = {**_JSON, **self.keys.headers(path)}
+        if self._aio is not None:
+            status, data = await self._aio.post(_join(url, path), _encode(body), headers)
+            return status, _json_or_bytes_text(data)
         r = await self._http.post(_join(url, path), content=_encode(body), headers=headers)
         return r.status_code, _json_or_text(r)
 
