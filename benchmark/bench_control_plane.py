@@ -13,8 +13,9 @@ its loop, the scheduler's part (for the transfer: its handler and the loop itera
 until the reply), the hop back, and the rest of the route.
 
 `--floor N` first times N trips that do no work (an abort of an unknown id: HTTP, the
-tokenizer side, the scheduler's dispatch and back, a 404) through the client's own HTTP
-(`client/http11.py`) and through httpx, interleaved: the fixed cost of one trip.
+tokenizer side, the scheduler's dispatch and back, a 404) through the clients' own HTTP
+(`client/http11.py`, `client/aio_http11.py`) and through httpx (sync and asyncio),
+interleaved: the fixed cost of one trip.
 
 `--concurrent K` then moves K other prefixes of `--concurrent-tokens` at once (threads,
 one client, as `bench_any_tier.py` on the GPU) against one alone, and reports the wall
@@ -250,25 +251,44 @@ def _steps_table(title: str, steps: dict[str, dict[str, float]]) -> str:
 
 
 def _floor(target: Any, n: int) -> dict[str, Any]:
-    """Median and p10 ms of `n` no-work trips per HTTP client, interleaved."""
-    import httpx
-    from sglang_kv_migration.client.migration import MigrationClient, MigrationFailed
+    """Median and p10 ms of `n` no-work trips per HTTP client, interleaved: the sync
+    client's (`http11`, httpx) and the asyncio client's (`aio_http11`, httpx)."""
+    import asyncio
 
-    clients = {"http11": MigrationClient(), "httpx": MigrationClient(http_client=httpx.Client())}
+    import httpx
+    from sglang_kv_migration.client.migration import (
+        AsyncMigrationClient,
+        MigrationClient,
+        MigrationFailed,
+    )
+
+    loop = asyncio.new_event_loop()
+    clients = {
+        "http11": MigrationClient(),
+        "httpx": MigrationClient(http_client=httpx.Client()),
+        "aio_http11": AsyncMigrationClient(),
+        "httpx_async": AsyncMigrationClient(http_client=httpx.AsyncClient()),
+    }
     times: dict[str, list[float]] = {name: [] for name in clients}
     steps: dict[str, list[dict[str, float]]] = {name: [] for name in clients}
+    body = {"migration_id": "no-such-id"}
     for i in range(n + 10):
         for name, client in clients.items():
             t0 = time.perf_counter()
             try:
-                client.call(target.url, "/abort_transfer", {"migration_id": "no-such-id"})
+                reply = client.call(target.url, "/abort_transfer", body)
+                if asyncio.iscoroutine(reply):
+                    loop.run_until_complete(reply)
             except MigrationFailed as e:  # 404: the trip we time
                 reply = e.reply or {}
             if i >= 10:
                 times[name].append((time.perf_counter() - t0) * 1e3)
                 steps[name].append(reply.get("steps_ms", {}))
     for client in clients.values():
-        client.close()
+        closed = client.aclose() if isinstance(client, AsyncMigrationClient) else client.close()
+        if closed is not None:
+            loop.run_until_complete(closed)
+    loop.close()
     out: dict[str, Any] = {}
     for name, ts in times.items():
         ts.sort()
