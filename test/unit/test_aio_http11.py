@@ -163,3 +163,37 @@ def test_a_timed_out_call_closes_its_connection():
         await http.aclose()
 
     _run(never, body)
+
+
+def test_one_client_serves_one_event_loop_after_another():
+    """A connection kept by a loop that has ended is never used by the next one."""
+    import threading
+
+    ready, stop = threading.Event(), threading.Event()
+    box: dict = {}
+
+    def serve() -> None:
+        async def main() -> None:
+            server = Server(_ok)
+            listener = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+            box["url"] = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}/commit"
+            box["server"] = server
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+            listener.close()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    http = AsyncHttp11(5.0)
+    try:
+        for _ in range(2):
+            assert asyncio.run(http.post(box["url"], b"{}", {})) == (200, b"{}")
+        assert box["server"].connections == 2  # one per loop
+        assert asyncio.run(http.post(box["url"], b"{}", {}))[0] == 200
+    finally:
+        stop.set()
+        thread.join(10)

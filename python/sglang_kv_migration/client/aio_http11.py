@@ -38,6 +38,9 @@ _Origin = tuple[str, str, int]
 class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader, self.writer = reader, writer
+        # Streams belong to the loop that opened them (a client may outlive one
+        # `asyncio.run`); held, so another loop cannot take this one's identity.
+        self.loop = asyncio.get_running_loop()
 
     @property
     def usable(self) -> bool:
@@ -45,7 +48,10 @@ class _Connection:
         return not (self.writer.is_closing() or self.reader.at_eof())
 
     def close(self) -> None:
-        self.writer.close()
+        try:
+            self.writer.close()
+        except RuntimeError:  # its loop is closed: so is the socket's last user
+            pass
 
 
 class AsyncHttp11:
@@ -53,7 +59,7 @@ class AsyncHttp11:
 
     def __init__(self, timeout: float):
         self.timeout = timeout
-        self._idle: dict[tuple[int, _Origin], list[_Connection]] = {}
+        self._idle: dict[_Origin, list[_Connection]] = {}
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         parts = urlsplit(url)
@@ -78,7 +84,7 @@ class AsyncHttp11:
                 conn.close()
             raise
         if keep:
-            self._idle.setdefault(self._key(origin), []).append(conn)
+            self._idle.setdefault(origin, []).append(conn)
         else:
             conn.close()
         return status, data
@@ -89,17 +95,17 @@ class AsyncHttp11:
             for conn in conns:
                 conn.close()
 
-    def _key(self, origin: _Origin) -> tuple[int, _Origin]:
-        # Streams belong to the loop that opened them.
-        return id(asyncio.get_running_loop()), origin
-
     async def _connection(self, origin: _Origin) -> _Connection:
-        idle = self._idle.get(self._key(origin), [])
-        while idle:
-            conn = idle.pop()
+        idle = self._idle.get(origin, [])
+        loop = asyncio.get_running_loop()
+        for conn in list(idle):
+            if conn.loop is not loop:
+                continue  # another loop's (it drops them when it runs one again)
+            idle.remove(conn)
             if conn.usable:
                 return conn
             conn.close()
+        self._idle[origin] = [c for c in idle if not c.loop.is_closed()]
         scheme, host, port = origin
         context = ssl.create_default_context() if scheme == "https" else None
         reader, writer = await asyncio.open_connection(host, port, ssl=context)
