@@ -416,25 +416,22 @@ class _Plan:
     encoded: dict[int, str | None] = field(default_factory=dict)
 
 
-def ids_field(info: dict[str, Any], ids: list[int], encoded: str | None = None) -> dict[str, Any]:
+def ids_field(
+    info: dict[str, Any], ids: list[int], encoded: dict[int, str | None] | None = None
+) -> dict[str, Any]:
     """The body field carrying `ids` to the server whose session info is `info`: as
     `input_ids_u32` when it lists "binary_ids" (cheaper to parse, check and hand to its
-    scheduler than a JSON list), else as `input_ids`. `encoded`: `binary_ids.encode(ids)`
-    when the caller has it already."""
-    if binary_ids.FEATURE in info.get("features", []):
-        text = encoded if encoded is not None else binary_ids.encode(ids)
-        if text is not None:
-            return {binary_ids.FIELD: text}
-    return {"input_ids": ids}
-
-
-def _ids_field(plan: _Plan, info: dict[str, Any], ids: list[int]) -> dict[str, Any]:
-    """`ids_field`, encoding each prefix of the plan once (allocate and transfer)."""
+    scheduler than a JSON list), else as `input_ids`. `encoded`: prefixes of one id list
+    encoded so far, by length (`_Plan.encoded`), filled in here."""
     if binary_ids.FEATURE not in info.get("features", []):
         return {"input_ids": ids}
-    if len(ids) not in plan.encoded:
-        plan.encoded[len(ids)] = binary_ids.encode(ids)
-    return ids_field(info, ids, plan.encoded[len(ids)])
+    if encoded is None:
+        text = binary_ids.encode(ids)
+    elif len(ids) in encoded:
+        text = encoded[len(ids)]
+    else:
+        text = encoded[len(ids)] = binary_ids.encode(ids)
+    return {"input_ids": ids} if text is None else {binary_ids.FIELD: text}
 
 
 def _migration_steps(
@@ -668,7 +665,7 @@ def _allocate_call(plan: _Plan, path: str) -> _Call:
         plan.target_url,
         "/allocate_token_for_transfer",
         {
-            **_ids_field(plan, plan.target_info, plan.prefix),
+            **ids_field(plan.target_info, plan.prefix, plan.encoded),
             "extra_key": plan.extra_key,
             "source_fingerprints": [r["fingerprint"] for r in plan.source_info["ranks"]],
             "path": path,
@@ -688,7 +685,7 @@ def _transfer_call(plan: _Plan, allocation: dict[str, Any], path: str) -> _Call:
         plan.source_url,
         "/transfer_request_kvcache",
         {
-            **_ids_field(plan, plan.source_info, plan.prefix),
+            **ids_field(plan.source_info, plan.prefix, plan.encoded),
             "extra_key": plan.extra_key,
             "matched_token_size": allocation["matched_token_size"],
             "extra_token_size": allocation["extra_token_size"],

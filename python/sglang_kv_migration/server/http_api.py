@@ -113,7 +113,7 @@ class _IdsBody(_Body):
     def _one_form_of_ids(self) -> _IdsBody:
         if bool(self.input_ids) == bool(self.input_ids_u32):
             raise ValueError("give exactly one of input_ids (non-empty) and input_ids_u32")
-        if self.input_ids_u32 and not self._ids_raw:
+        if self.input_ids_u32:
             try:
                 self._ids_raw = binary_ids.decode(self.input_ids_u32, MAX_TOKENS)
             except ValueError as e:
@@ -196,7 +196,8 @@ class TransferBody(_IdsBody):
 
     @model_validator(mode="after")
     def _consistent_sizes(self) -> TransferBody:
-        self._one_form_of_ids()  # decodes input_ids_u32 first (validator order aside)
+        # `_one_form_of_ids` has decoded input_ids_u32: pydantic runs a base class's
+        # validators before a subclass's.
         end = self.matched_token_size + self.extra_token_size
         if end > self.token_count:
             raise ValueError(
