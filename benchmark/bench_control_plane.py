@@ -27,12 +27,14 @@ time of all against one and each phase's steps in both.
     PYTHONPATH=python .venv/bin/python benchmark/bench_control_plane.py --tokens 1024 \
         --concurrent 6 --concurrent-tokens 8192
 
-`--flows` (default all three, interleaved migration by migration), each forced by hiding
-wire features from one client's session info: `binary`, the client's default with
-servers of this version (three trips: allocate for the whole request, the transfer sends
-what the source holds — feature "partial_transfer" — and the ids travel as bytes —
-"binary_ids"); `partial` (the same with JSON id lists); `size-query` (neither: the
-source's size query first, four trips, as with servers that predate both).
+`--flows` (default all four, interleaved migration by migration), each forced by hiding
+wire features from one client's session info: `source-commit`, the client's default
+with servers of this version (two trips: allocate for the whole request; the transfer
+sends what the source holds — feature "partial_transfer" —, the ids travel as bytes —
+"binary_ids" — and the source hands its receipts to the target's mailbox, which commits
+by itself — "source_commit"); `binary` (the same with a commit trip: three trips);
+`partial` (that with JSON id lists); `size-query` (none of them: the source's size
+query first, four trips, as with servers that predate all three).
 
 `--profile N` then runs a few more migrations of N tokens under cProfile on three
 threads: the benchmark's client, the source's and the target's HTTP event loop, and
@@ -73,7 +75,7 @@ IDLE_FUNCTIONS = {
     "<method 'poll' of 'select.poll' objects>",
     "<method 'acquire' of '_thread.lock' objects>",
 }
-FIRST_TOKEN = {1024: 100_000, 8192: 200_000, 32768: 300_000}  # distinct radix branches
+FIRST_TOKEN = {2: 50_000, 1024: 100_000, 8192: 200_000, 32768: 300_000}  # distinct branches
 CONCURRENT_FIRST_TOKEN = 1_000_000  # the concurrent mode's prefixes: one branch each
 STEPS = ("outside", "parse", "to_scheduler", "scheduler", "polls", "to_tokenizer", "route")
 
@@ -169,9 +171,10 @@ def _start(lengths: list[int], concurrent: int = 0, concurrent_tokens: int = 0) 
 
 # Flow -> the wire features its client is made not to see (as with older servers).
 FLOWS = {
-    "binary": (),  # the client's default with servers of this version
-    "partial": ("binary_ids",),
-    "size-query": ("binary_ids", "partial_transfer"),
+    "source-commit": (),  # the client's default with servers of this version: two trips
+    "binary": ("source_commit",),
+    "partial": ("source_commit", "binary_ids"),
+    "size-query": ("source_commit", "binary_ids", "partial_transfer"),
 }
 
 

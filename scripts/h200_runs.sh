@@ -20,7 +20,8 @@ call=${1:?usage: bash scripts/h200_runs.sh 1|2|3|4}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
-  # Issue 21's targets with the three-trip, binary-id client (the default): one-page
+  # Issue 21's targets with the two-trip client (the default: partial transfers, binary
+  # ids, the source commits through the target's mailbox): one-page
   # migrations (2 tokens at page 1, 17 at page 16: the benchmark migrates each prompt less
   # its last token), 1K, 2K, 4K, 32K beside re-prefill, each trip's steps_ms per row.
   # Targets: one page <= 5 ms p50, 1K <= 8 ms, 32K <= 1% of re-prefill, migration + TTFT

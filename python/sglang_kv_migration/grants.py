@@ -51,6 +51,9 @@ FEATURE = "bound_grants"
 # Wire feature: a transfer with `partial_ok` sends what the source holds of the granted
 # range, and its receipts say how many tokens (`Receipt.tokens`); commit inserts those.
 PARTIAL_FEATURE = "partial_transfer"
+# Wire feature: allocate takes `source_commit`; the source then hands its receipts to the
+# target's mailbox (`Grant.mailbox`, server/mailbox.py) and the target commits by itself.
+SOURCE_COMMIT_FEATURE = "source_commit"
 _KEY_CONTEXT = b"sglang-kv-migration grant key\x00"
 # Grants used by this source (for replay refusal), remembered until they expire.
 MAX_REMEMBERED_GRANTS = 1 << 16
@@ -125,6 +128,10 @@ class Grant:
     # at allocate as `source_instance`); a source refuses a grant naming another one, or
     # none, so one grant is used by one source.
     source: str = ""
+    # Where the source hands its receipts to the target after the copy (`mailbox.py`,
+    # feature "source_commit"): "name/slot/nonce" of the target's mailbox; in rank 0's
+    # grant only, when the allocate asked for `source_commit`.
+    mailbox: str = ""
 
     @property
     def staging(self) -> tuple[int, int] | None:

@@ -30,6 +30,7 @@ from sglang_kv_migration.targets import HostTarget  # the host path's fields, on
 # "partial_transfer" (`grants.PARTIAL_FEATURE`): a transfer takes `partial_ok`, its
 # receipts say how many tokens were written, and commit inserts those.
 # "binary_ids" (`binary_ids.py`): bodies may carry the ids as bytes (`input_ids_u32`).
+# "source_commit" (`server/mailbox.py`) is listed only by servers with a mailbox.
 WIRE_FEATURES = (page_ranges.FEATURE, grants.FEATURE, grants.PARTIAL_FEATURE, binary_ids.FEATURE)
 
 # --------------------------------------------------------------------------- PP stages
@@ -155,6 +156,9 @@ class AllocateTokenForTransferReqInput(BaseReq):
     source_instance: str = ""
     stage_refusal: StageRefusal | None = None  # set by an earlier PP stage
     input_ids_u32: bytes = b""  # feature "binary_ids", as for the size query
+    # Feature "source_commit": the source hands its receipts to this server's mailbox
+    # and this server commits by itself, with no /commit trip (`server/mailbox.py`).
+    source_commit: bool = False
 
 
 @dataclass
@@ -184,6 +188,9 @@ class AllocateTokenForTransferReqOutput(BaseReq):
     # Where the trip spent its time, ms (`server/trace.py`); informational.
     steps_ms: dict = field(default_factory=dict)
     trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
+    # The allocation asked for `source_commit` and got a mailbox slot: a transfer reply
+    # that says `delivered` means this server commits by itself.
+    source_commit: bool = False
 
 
 # --------------------------------------------------------------------------- transfer
@@ -253,6 +260,9 @@ class TransferRequestKVCacheReqOutput(BaseReq):
     # Where the trip spent its time, ms (`server/trace.py`); informational.
     steps_ms: dict = field(default_factory=dict)
     trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
+    # Feature "source_commit": every rank's receipts are in the target's mailbox, put
+    # there before this reply; the target commits before it handles anything sent after.
+    delivered: bool = False
 
 
 # --------------------------------------------------------------------------- commit/abort
@@ -265,6 +275,9 @@ class CommitTransferRequestKVCacheReqInput(BaseReq):
     verify: bool = False  # check the receipts' content digests against what landed
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
     stage_refusal: StageRefusal | None = None  # set by an earlier PP stage
+    # Made by this server from its mailbox (`server/source_commits.py`), not received:
+    # nobody waits for its reply. Never set from a body (`http_api.CommitBody`).
+    from_mailbox: bool = False
 
 
 @dataclass

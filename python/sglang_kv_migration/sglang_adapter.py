@@ -723,6 +723,21 @@ def frees_kv_cache(memory_req: Any) -> bool:
     return not tags or GPU_MEMORY_TYPE_KV_CACHE in tags
 
 
+def weight_update_types() -> tuple[type, ...]:
+    """The scheduler requests that load new weights (SGLang 0.5.12's io_struct): a
+    pending migration the source commits through the mailbox is dropped when one
+    arrives, since no commit request carries the tokenizer's weight version then."""
+    from sglang.srt.managers import io_struct
+
+    names = (
+        "UpdateWeightFromDiskReqInput",
+        "UpdateWeightsFromDistributedReqInput",
+        "UpdateWeightsFromTensorReqInput",
+        "UpdateWeightsFromIPCReqInput",
+    )
+    return tuple(getattr(io_struct, name) for name in names)
+
+
 def is_hiradix_cache(cache: object) -> bool:
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 

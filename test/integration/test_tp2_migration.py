@@ -143,6 +143,10 @@ def test_migrate_tp2_moves_each_ranks_bytes(servers: ServerPair) -> None:
     ranks = transfer["ranks"]
     assert [(x["tp_rank"], x["pp_rank"]) for x in ranks] == [(0, 0), (1, 0)]
     assert all(x["success"] for x in ranks), ranks
+    # Both ranks' receipts went to the target's mailbox (its rank 0's); both target
+    # ranks committed by themselves, in the same iteration (`held` below on each rank).
+    assert transfer["delivered"] is True and result.source_committed
+    assert "commit" not in result.steps_ms
     per_rank_bytes = [x["bytes"] for x in ranks]
     assert all(b > 0 for b in per_rank_bytes)
     assert sum(per_rank_bytes) == transfer["transferred_bytes"] == result.migrated_bytes

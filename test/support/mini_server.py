@@ -231,14 +231,15 @@ class _MiniScheduler:
                 reqs = point_to_point_pyobj(
                     [], self.rank, self.world_group.cpu_group, self.rank - self.tp_size, self.rank
                 )
-            # Introspection commands touch only this rank's tree, between iterations.
+            # Introspection commands touch only this rank's tree, between iterations:
+            # answered after the mailbox's commits (which run before the iteration's
+            # requests, as in SGLang), so they see what a request would.
             stop = False
+            command = None
             if control.poll():
                 command = control.recv()
                 if command[0] == STOP:
-                    stop = True
-                else:
-                    _answer(control, command, harness, self)
+                    stop, command = True, None
             if self.rank == 0 and stop:
                 reqs.append(STOP)
             if self.tp_size > 1:
@@ -246,6 +247,9 @@ class _MiniScheduler:
                 # every rank of the stage.
                 reqs = broadcast_pyobj(reqs, self.rank, self.tp_cpu_group, src=stage_first)
             if STOP not in reqs:
+                scheduler_hooks.before_process_input_requests(self, reqs)
+                if command is not None:
+                    _answer(control, command, harness, self)
                 for req in reqs:
                     output = self._request_dispatcher(req)
                     if output is not None:
@@ -442,6 +446,16 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
                 return True
 
             value = around_flush_cache(reset, scheduler)
+        elif name == "new_weights":
+            # What our BEFORE hook sees when SGLang receives a weight update (the request
+            # itself is not run here: this harness has no model).
+            from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+            from sglang_kv_migration.server.scheduler_hooks import before_process_input_requests
+
+            migration = scheduler.kv_migration
+            before = len(migration.pending)
+            before_process_input_requests(scheduler, [UpdateWeightFromDiskReqInput("new")])
+            value = before - len(migration.pending)
         elif name == "evict_device":
             value = harness.evict_device_all()
         elif name == "insert":

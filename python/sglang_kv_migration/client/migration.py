@@ -13,12 +13,14 @@ A migration: session info on both (cached per server until its epoch changes) �
 fingerprint check → what the source holds → choose the data path (device when both
 servers share a host and the pages are on the source's GPU, else host) → allocate on the
 target (which reports what it already holds) → transfer from the source → commit on the
-target. Any failure after allocate aborts the allocation on the target before
-`MigrationFailed` is raised; a failed device-path attempt falls back to the host path
-when the caller did not pin a path. Four round trips once session info is cached; three
-when both servers take partial transfers (feature "partial_transfer",
-docs/protocol.md): then the client allocates for the whole request without asking the
-source, and the transfer sends what the source holds of it.
+target (by the source itself when both servers list "source_commit": it hands its
+receipts to the target's mailbox on the same host, and the target commits before it
+handles the next request; two round trips then). Any failure after allocate aborts the
+allocation on the target before `MigrationFailed` is raised; a failed device-path
+attempt falls back to the host path when the caller did not pin a path. Four round
+trips once session info is cached; three when both servers take partial transfers
+(feature "partial_transfer", docs/protocol.md): then the client allocates for the whole
+request without asking the source, and the transfer sends what the source holds of it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from sglang_kv_migration.client import aio_http11, http11
 from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.grants import FEATURE as BOUND_GRANTS
 from sglang_kv_migration.grants import PARTIAL_FEATURE as PARTIAL_TRANSFER
+from sglang_kv_migration.grants import SOURCE_COMMIT_FEATURE as SOURCE_COMMIT
 from sglang_kv_migration.page_ranges import FEATURE as PAGE_RANGES
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -75,6 +78,10 @@ class MigrationResult:
     # trip spent its time, ms: the server's `steps_ms` (`server/trace.py`; empty from
     # servers without it) and `outside`, this client's trip less the server's route.
     steps_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The source handed its receipts to the target's mailbox and the target committed by
+    # itself (feature "source_commit"): no commit trip. The target commits before it
+    # handles any request sent after this result.
+    source_committed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -581,6 +588,10 @@ def _move(
         transfer = yield from _step(_transfer_call(plan, allocation, path))
         timings["transfer"] = clock() - t0
         plan.steps["transfer"] = _trip_steps(transfer, timings["transfer"])
+        if allocation.get("source_commit") and transfer.get("delivered"):
+            # The receipts are in the target's mailbox: it commits by itself, before it
+            # handles anything sent from now on (feature "source_commit").
+            return _result(plan, path, allocation, transfer, None, migration_id, fallback_reason)
 
         t0 = clock()
         commit = yield from _step(
@@ -674,6 +685,7 @@ def _allocate_call(plan: _Plan, path: str) -> _Call:
             **_source_instance(plan),
             **({"staging": True} if _can_stage(plan, path) else {}),
             **({"verify": True} if plan.verify else {}),
+            **({"source_commit": True} if _both_list(plan, SOURCE_COMMIT) else {}),
         },
     )
 
@@ -713,6 +725,13 @@ def _result(
     source_held = len(plan.prefix)
     if plan.partial and transfer and transfer["transferred_token_size"] < len(plan.prefix):
         source_held = target_matched + transfer["transferred_token_size"]
+    source_committed = bool(commit is None and transfer and transfer.get("delivered"))
+    if commit is not None:
+        matched_after = commit["matched_after_commit"]
+    elif source_committed:
+        matched_after = target_matched + transfer["transferred_token_size"]
+    else:
+        matched_after = target_matched
     return MigrationResult(
         source_url=plan.source_url,
         target_url=plan.target_url,
@@ -721,7 +740,7 @@ def _result(
         target_matched_token_size=target_matched,
         migrated_token_size=transfer["transferred_token_size"] if transfer else 0,
         migrated_bytes=transfer["transferred_bytes"] if transfer else 0,
-        matched_after_commit=commit["matched_after_commit"] if commit else target_matched,
+        matched_after_commit=matched_after,
         timings=timings,
         path=path,
         fallback_reason=fallback_reason,
@@ -730,6 +749,7 @@ def _result(
         entries=sum(r.get("entries", 0) for r in ranks),
         transfer_steps_ms=[r.get("steps_ms", {}) for r in ranks],
         steps_ms=plan.steps,
+        source_committed=source_committed,
     )
 
 
@@ -862,12 +882,18 @@ def _targets(
     return entries
 
 
+def _both_list(plan: _Plan, feature: str) -> bool:
+    """Both servers' session info lists `feature`."""
+    return feature in plan.source_info.get("features", []) and feature in plan.target_info.get(
+        "features", []
+    )
+
+
 def _index_format(plan: _Plan) -> str:
     """How the target should list its slots: as `[first_page, count]` runs when both
     servers understand them (a fresh pool gives one run where a page list has one id
     per page), else as page ids."""
-    both = set(plan.source_info.get("features", [])) & set(plan.target_info.get("features", []))
-    return "ranges" if PAGE_RANGES in both else "pages"
+    return "ranges" if _both_list(plan, PAGE_RANGES) else "pages"
 
 
 def _source_instance(plan: _Plan) -> dict[str, str]:

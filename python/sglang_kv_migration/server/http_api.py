@@ -140,6 +140,8 @@ class AllocateBody(_IdsBody):
     verify: bool = False
     # The source's session info `instance_id` (feature "bound_grants").
     source_instance: str = Field(default="", max_length=MAX_ID_CHARS)
+    # Feature "source_commit": the source commits through this server's mailbox.
+    source_commit: bool = False
 
 
 class TargetRankBody(_Body):

@@ -74,6 +74,10 @@ class PendingMigration:
     state: MigrationState = MigrationState.ALLOCATED
     staging: tuple[int, int] | None = None  # granted staging extent (target_staging.py)
     source: str = ""  # the source instance the grant names: receipts must come from it
+    # The source hands its receipts to this server's mailbox (feature "source_commit"):
+    # the target commits by itself once they are there; the same on every rank.
+    source_commit: bool = False
+    mailbox: tuple[int, bytes] | None = None  # (slot, nonce), on the mailbox's rank only
 
     @property
     def extra_length(self) -> int:
@@ -131,6 +135,8 @@ class PendingMigrations:
         self._finished: OrderedDict[str, _Finished] = OrderedDict()
         # Gives a finished migration's staging extent back: (extent, not_before or None).
         self.release_staging: Callable[[tuple[int, int], float | None], None] | None = None
+        # Gives a finished migration's mailbox slot back: (slot, not_before or None).
+        self.release_mailbox: Callable[[int, float | None], None] | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -160,6 +166,11 @@ class PendingMigrations:
             and pending.weight_version == weight_version
             and pending.root is sglang_adapter.cache_generation(self.cache)
         )
+
+    def awaiting_source_commit(self) -> list[PendingMigration]:
+        """Pending migrations whose source commits through the mailbox (identical on
+        every rank), in allocation order."""
+        return [p for p in self.by_id.values() if p.source_commit]
 
     def quarantined(self) -> int:
         """Migrations whose slots wait for their write window to close."""
@@ -340,6 +351,22 @@ class PendingMigrations:
                 self._release(pending, MigrationState.EXPIRED)
             return [p.migration_id for p in expired]
 
+    def drop_for_new_weights(self, migration_ids: list[str]) -> list[str]:
+        """The target is about to load new weights: drop these pending ids (a later
+        commit answers "gone"; their slots are quarantined as for an abort without
+        receipts). Unknown ids are skipped; returns those dropped."""
+        with self.lock:
+            dropped = [self.by_id[i] for i in migration_ids if i in self.by_id]
+            for pending in dropped:
+                self._forget_if_flushed_or(pending, MigrationState.WEIGHTS_CHANGED)
+            return [p.migration_id for p in dropped]
+
+    def _forget_if_flushed_or(self, pending: PendingMigration, state: MigrationState) -> None:
+        if pending.root is not sglang_adapter.cache_generation(self.cache):
+            self._finish(pending, MigrationState.FLUSHED)
+        else:
+            self._release(pending, state)
+
     def prepare_for_reset(self) -> list[str]:
         """Before the cache is reset: drop every pending migration (state FLUSHED) and
         keep the slots whose write window is still open in quarantine. Returns the ids."""
@@ -423,6 +450,10 @@ class PendingMigrations:
             late = state is not MigrationState.COMMITTED and not settled
             self.release_staging(pending.staging, pending.write_window_end if late else None)
             pending.staging = None
+        if pending.mailbox is not None and self.release_mailbox is not None:
+            late = state is not MigrationState.COMMITTED and not settled
+            self.release_mailbox(pending.mailbox[0], pending.write_window_end if late else None)
+            pending.mailbox = None
         pending.state = state
         del self.by_id[pending.migration_id]
         self._finished[pending.migration_id] = _Finished(state, matched_after)

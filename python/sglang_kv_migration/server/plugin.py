@@ -8,6 +8,8 @@ Hooks (targets are named in `upstream.py`):
 - REPLACE `ServerArgs` with `KVMigrationServerArgs`: our CLI flags and their checks;
 - AFTER `Scheduler.init_ipc_channels`: later PP stages get a socket to the tokenizer;
 - AFTER `Scheduler.init_request_dispatcher`: add the six handlers on every rank;
+- BEFORE `Scheduler.process_input_requests`: commit what sources delivered to the
+  mailbox (feature "source_commit"), before the iteration's requests are dispatched;
 - AFTER `Scheduler.process_input_requests`: finish transfers, run the watchdog;
 - AROUND `Scheduler.flush_cache`: drop pending allocations before the tree is reset, and
   refuse the flush while a transfer still reads pinned pages;
@@ -90,6 +92,11 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
             upstream.SCHEDULER_INIT_DISPATCHER,
             scheduler_hooks.after_init_request_dispatcher,
             HookType.AFTER,
+        ),
+        (
+            upstream.SCHEDULER_PROCESS_INPUT,
+            scheduler_hooks.before_process_input_requests,
+            HookType.BEFORE,
         ),
         (
             upstream.SCHEDULER_PROCESS_INPUT,

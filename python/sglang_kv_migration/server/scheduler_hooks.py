@@ -98,6 +98,14 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
     sglang_adapter.add_request_handlers(scheduler, side.handlers())
 
 
+def before_process_input_requests(scheduler: Any, recv_reqs: Any, *_: Any, **__: Any) -> None:
+    """Once per loop iteration, before its requests are dispatched: commits the sources
+    delivered to the mailbox, so the iteration's requests see them (`source_commits.py`)."""
+    side = scheduler.kv_migration
+    if side is not None:
+        side.before_requests(recv_reqs)
+
+
 def after_process_input_requests(_result: None, scheduler: Any, recv_reqs: Any, *_: Any) -> None:
     """Once per loop iteration, after the requests of the iteration were dispatched."""
     side = scheduler.kv_migration

@@ -56,10 +56,13 @@ from sglang_kv_migration.paths.host.layout import HostPoolLayout
 from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig, open_transport
 from sglang_kv_migration.paths.host.target_staging import TargetStaging
 from sglang_kv_migration.server.commits import Commits, in_progress_output
+from sglang_kv_migration.server.mailbox import FEATURE as SOURCE_COMMIT
+from sglang_kv_migration.server.mailbox import Deliverer, Mailbox, open_mailbox
 from sglang_kv_migration.server.metrics import LoopTimer, MigrationMetrics, NullMetrics
 from sglang_kv_migration.server.pending import PendingMigrations
 from sglang_kv_migration.server.pp_stages import refusal_of, refused_output
 from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, guarded
+from sglang_kv_migration.server.source_commits import SourceCommits
 from sglang_kv_migration.server.source_transfers import SourceTransfers
 from sglang_kv_migration.server.trace import mark_received, stamp
 
@@ -97,6 +100,7 @@ class MigrationSchedulerSide:
         verify: bool = False,
         attn_cp_size: int = 1,
         landing_bytes: int = 0,
+        open_box: Callable[[], Mailbox | None] = open_mailbox,
     ):
         self.ctx = ctx
         self.metrics = metrics or NullMetrics()
@@ -135,6 +139,7 @@ class MigrationSchedulerSide:
                 (fp.tp_rank, fp.pp_rank): fp for fp in ctx.all_gather_world(self.fingerprint)
             },
             max_tokens=self.layout.num_slots,
+            deliverer=Deliverer(),
         )
         self._destinations: dict[str, str] = {}  # path name -> destination digest
         self.staging = self._open_staging(staging_bytes)
@@ -146,6 +151,15 @@ class MigrationSchedulerSide:
             self.staging,
             self.bytes_per_token,
             self._reply_later,
+        )
+        # Feature "source_commit": the source hands its receipts to our mailbox.
+        self.source_commits = SourceCommits(
+            ctx,
+            self.pending,
+            self.commits,
+            self.metrics,
+            sglang_adapter.weight_update_types(),
+            open_box,
         )
         self._iteration = 0
         self._poll_timed = False  # between `begin_poll` and `end_iteration`
@@ -191,6 +205,14 @@ class MigrationSchedulerSide:
             (kind, _received_first(self.loop_timer.timed(handler)))
             for kind, handler in guarded_pairs
         ]
+
+    def before_requests(self, recv_reqs: list[Any]) -> None:
+        """Once per loop iteration, before its requests are dispatched: commit what
+        sources delivered to the mailbox (`source_commits.py`). Never raises."""
+        try:
+            self.source_commits.take(recv_reqs)
+        except Exception as e:
+            self._poll_failed(e)
 
     def poll(self) -> list[Any]:
         """Once per scheduler loop iteration: finish transfers and staged commits, run the
@@ -332,6 +354,7 @@ class MigrationSchedulerSide:
     def close(self) -> None:
         self.commits.close()  # no scatter may run into pools being released
         self.pending.abort_all()
+        self.source_commits.close()
         self.transfers.close()
         for path in self.paths.values():
             path.close()
@@ -363,13 +386,16 @@ class MigrationSchedulerSide:
             staging_region=self.staging.region if self.staging is not None else [],
         )
         ranks = self.ctx.all_gather(local)
-        return GetTransferSessionInfoReqOutput(
+        output = GetTransferSessionInfoReqOutput(
             success=True,
             ranks=ranks,
             protocol_version=PROTOCOL_VERSION,
             server_epoch=self.epoch_for(req),
             instance_id=self.server_epoch,
         )
+        if self.source_commits.enabled:
+            output.features.append(SOURCE_COMMIT)
+        return output
 
     def get_request_extra_token_size(
         self, req: GetRequestExtraTokenSizeReqInput
@@ -414,6 +440,8 @@ class MigrationSchedulerSide:
             )
         self.metrics.outcome("target", "allocated")
         self.metrics.phase("allocate", time.monotonic() - started)
+        if req.source_commit:  # rank 0 says whether it granted a mailbox slot
+            self.source_commits.mark(req.migration_id, outputs[0].source_commit)
         return AllocateTokenForTransferReqOutput(
             success=True,
             migration_id=outputs[0].migration_id,
@@ -423,6 +451,7 @@ class MigrationSchedulerSide:
             path=outputs[0].path,
             page_size=outputs[0].page_size,
             server_epoch=self.epoch_for(req),
+            source_commit=outputs[0].source_commit,
         )
 
     def _allocate_on_rank(
@@ -451,10 +480,15 @@ class MigrationSchedulerSide:
         extent = self._grant_staging(req, alloc, path)
         if extent is not None:
             rank.staging = list(extent)
+        mailbox = ""
+        if req.source_commit and alloc.extra_length and extent is None:
+            # (A staged write commits after a scatter, not in one iteration: no mailbox.)
+            mailbox = self.source_commits.grant_slot(alloc.migration_id)
         if alloc.extra_length:
-            rank.grant = self._sign_grant(req, alloc, path, extent)
+            rank.grant = self._sign_grant(req, alloc, path, extent, mailbox)
         return AllocateTokenForTransferReqOutput(
             success=True,
+            source_commit=bool(mailbox),
             migration_id=alloc.migration_id if alloc.extra_length else "",
             matched_token_size=alloc.matched_length,
             extra_token_size=alloc.extra_length,
@@ -486,6 +520,7 @@ class MigrationSchedulerSide:
         alloc: Any,
         path: DataPath,
         extent: tuple[int, int] | None,
+        mailbox: str = "",
     ) -> str:
         """The signed write grant of this rank's slots (also marks the pending migration
         with the verify choice and the source it was issued to)."""
@@ -514,6 +549,7 @@ class MigrationSchedulerSide:
                 verify=verify,
                 destination=self._destination(path),
                 source=req.source_instance,
+                mailbox=mailbox,
             )
         )
 
@@ -584,6 +620,8 @@ class MigrationSchedulerSide:
         return digest
 
     def _reply_later(self, req: Any, output: Any) -> None:
+        if getattr(req, "from_mailbox", False):
+            return  # a commit of the mailbox's (`source_commits.py`): nobody waits for it
         output.rid = req.rid
         stamp(output, req, self.ctx.pp_rank)
         self.ctx.send_output(output, req)

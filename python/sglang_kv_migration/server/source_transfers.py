@@ -35,6 +35,7 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheTarget,
 )
 from sglang_kv_migration.paths.base import DataPath, KVPoll, SendJob, SendRange
+from sglang_kv_migration.server.mailbox import Deliverer
 from sglang_kv_migration.server.metrics import MigrationMetrics
 from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, error_of
 from sglang_kv_migration.server.trace import stamp
@@ -78,6 +79,10 @@ class InflightTransfer:
     slots_digest: str = ""  # of this rank's target slots, once parsed (for the receipt)
     own_slots: tuple[torch.Tensor, str] | None = None  # (slots, digest), parsed once
     first_poll: int = 0  # `SourceTransfers.polls` when it started (its reply says how many)
+    # Feature "source_commit": where this rank hands every rank's receipts to the target
+    # (its grant's `mailbox`, on rank 0 only), and until when (unix time).
+    mailbox: str = ""
+    mailbox_until: float = 0.0
 
     @property
     def waiting(self) -> bool:
@@ -126,6 +131,7 @@ class SourceTransfers:
         signer: grants.Signer | None = None,
         server_fingerprints: Mapping[tuple[int, int], LayoutFingerprint] | None = None,
         max_tokens: int = 1 << 62,
+        deliverer: Deliverer | None = None,
     ):
         self.ctx = ctx
         self.fingerprint = fingerprint
@@ -138,6 +144,7 @@ class SourceTransfers:
         self.signer = signer or grants.Signer(None)
         self.max_tokens = max_tokens  # the most slots one transfer can name (host pool)
         self._used_grants = grants.UsedGrants()
+        self.deliverer = deliverer
         self.inflight: list[InflightTransfer] = []  # read-only outside this class
         self.polls = 0  # `poll()` calls with transfers in flight
 
@@ -228,6 +235,26 @@ class SourceTransfers:
             if inflight.job is not None:
                 inflight.job.release()
         self.inflight.clear()
+        if self.deliverer is not None:
+            self.deliverer.close()
+
+    def _deliver(self, inflight: InflightTransfer, statuses: list[RankTransferStatus]) -> bool:
+        """Rank 0, after every rank succeeded: hand all receipts to the target's mailbox
+        (feature "source_commit") before the reply goes out; False when not asked, too
+        late (a slot may be reused once the grant's write window closed) or not possible
+        (another host: the client then commits)."""
+        if not inflight.mailbox or self.deliverer is None:
+            return False
+        if time.time() >= inflight.mailbox_until:
+            return False
+        reason = self.deliverer.deliver(inflight.mailbox, [s.receipt for s in statuses])
+        if reason is not None:
+            logger.info(
+                "KV migration %s: receipts not delivered (the client commits): %s",
+                inflight.request.migration_id,
+                reason,
+            )
+        return reason is None
 
     # ------------------------------------------------------------------ helpers
 
@@ -263,6 +290,9 @@ class SourceTransfers:
             req, target, me, self.fingerprint, tokens, inflight.own_slots
         )
         self._used_grants.claim(grant)
+        if grant.mailbox and self.deliverer is not None and self.ctx.pp_size == 1:
+            inflight.mailbox = grant.mailbox
+            inflight.mailbox_until = grant.write_until or grant.expires_at
         start = req.matched_token_size
         inflight.path = self.paths[target.path]
         inflight.send = SendRange(
@@ -443,6 +473,7 @@ class SourceTransfers:
                 server_epoch=self.epoch_of(req.weight_version),
             )
             self.metrics.outcome("source", "sent")
+            output.delivered = self._deliver(inflight, statuses)
             # Gathers run over the stage's TP group, in tp_rank order.
             mine = statuses[self.ctx.tp_rank]
             self.metrics.moved("source", sent, mine.bytes)

@@ -1,0 +1,140 @@
+"""Target side of feature "source_commit": commits the source delivered to the mailbox.
+
+    allocate (source_commit)  rank 0 takes a mailbox slot and names it in its grant;
+                              every rank marks the pending migration (the same on all)
+    each loop iteration,      rank 0 reads the slots of the marked migrations; the
+    before dispatch           stage's ranks take rank 0's findings (one collective, only
+                              while a marked migration is pending) and commit each
+                              through `Commits` (the checks of `/commit`), with no reply
+    a weight update arrives   the marked migrations still pending are dropped first: no
+                              commit request carries the tokenizer's weight version here
+
+Reading before the iteration's requests are dispatched is what makes the client's next
+request see the commit: the source wrote the slot before it replied to the client.
+Single-stage servers only (under PP, stages commit through the request stream).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from sglang_kv_migration.io_types import CommitTransferRequestKVCacheReqInput
+from sglang_kv_migration.server.mailbox import Mailbox, MailboxSlots, open_mailbox
+
+if TYPE_CHECKING:
+    from sglang_kv_migration.server.commits import Commits
+    from sglang_kv_migration.server.metrics import MigrationMetrics, NullMetrics
+    from sglang_kv_migration.server.pending import PendingMigrations
+    from sglang_kv_migration.server.rank_context import RankContext
+
+logger = logging.getLogger(__name__)
+
+
+class SourceCommits:
+    """One rank's part of the mailbox commits."""
+
+    def __init__(
+        self,
+        ctx: RankContext,
+        pending: PendingMigrations,
+        commits: Commits,
+        metrics: MigrationMetrics | NullMetrics,
+        weight_update_types: tuple[type, ...],
+        open_box: Callable[[], Mailbox | None] = open_mailbox,
+    ):
+        self.ctx = ctx
+        self.pending = pending
+        self.commits = commits
+        self.metrics = metrics
+        self.weight_update_types = weight_update_types
+        own = open_box() if ctx.pp_size == 1 and ctx.tp_rank == 0 else None
+        # Every rank must know whether rank 0 has one (start-up collective).
+        self.enabled = bool(ctx.first_rank_value_on_world(own is not None))
+        self.mailbox = own
+        self.slots = MailboxSlots(own.num_slots, pending.clock) if own is not None else None
+        if own is not None:
+            pending.release_mailbox = self._give_back
+
+    def grant_slot(self, migration_id: str) -> str:
+        """Rank 0: a mailbox slot for this pending migration, as its grant's `mailbox`
+        address; "" on other ranks, without a mailbox, or with every slot taken."""
+        if self.mailbox is None or self.slots is None:
+            return ""
+        taken = self.slots.take()
+        pending = self.pending.get(migration_id)
+        if taken is None or pending is None:
+            return ""
+        pending.mailbox = taken
+        return self.mailbox.address(*taken)
+
+    def mark(self, migration_id: str, granted: bool) -> None:
+        """Every rank, after allocate's gather: rank 0 `granted` a slot (or not)."""
+        pending = self.pending.get(migration_id)
+        if pending is not None:
+            pending.source_commit = granted
+
+    def take(self, recv_reqs: list[Any]) -> None:
+        """Before the iteration's requests are dispatched: commit what was delivered;
+        then drop what still waits if one of the requests loads new weights."""
+        awaiting = self.pending.awaiting_source_commit()
+        if not awaiting:  # the usual case, the same on every rank
+            return
+        found: dict[str, list[str]] = {}
+        if self.mailbox is not None:
+            for pending in awaiting:
+                if pending.mailbox is not None:
+                    receipts = self.mailbox.read(*pending.mailbox)
+                    if receipts is not None:
+                        found[pending.migration_id] = receipts
+        if self.ctx.tp_size > 1:
+            found = self.ctx.all_gather(found)[0]  # rank 0's findings, on every rank
+        for migration_id, receipts in found.items():
+            self._commit(migration_id, receipts)
+        if any(isinstance(r, self.weight_update_types) for r in recv_reqs):
+            ids = [p.migration_id for p in self.pending.awaiting_source_commit()]
+            dropped = self.pending.drop_for_new_weights(ids)
+            for _ in dropped:
+                self.metrics.outcome("target", "weights_changed")
+            if dropped and self.ctx.tp_rank == 0:
+                logger.warning(
+                    "New weights drop KV migrations waiting for their source's commit: %s",
+                    ", ".join(dropped),
+                )
+
+    def close(self) -> None:
+        if self.mailbox is not None:
+            self.mailbox.close()
+            self.mailbox = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _commit(self, migration_id: str, receipts: list[str]) -> None:
+        pending = self.pending.get(migration_id)
+        if pending is None:  # cannot happen: found among the pending, the same iteration
+            return
+        request = CommitTransferRequestKVCacheReqInput(
+            migration_id=migration_id,
+            receipts=receipts,
+            # A weight update drops these before it runs (`take`): still the allocate's.
+            weight_version=pending.weight_version,
+            from_mailbox=True,
+        )
+        output = self.commits.commit(request)
+        if output is None or output.success:
+            return  # (None: a staged scatter; never granted with a mailbox slot)
+        # Refused (every rank agreed): read the slot no more. The allocation stays for an
+        # abort or the watchdog, as after a refused /commit.
+        pending.source_commit = False
+        if self.ctx.tp_rank == 0:
+            logger.warning(
+                "KV migration %s: the receipts in the mailbox were refused: %s",
+                migration_id,
+                output.message,
+            )
+
+    def _give_back(self, slot: int, not_before: float | None) -> None:
+        assert self.mailbox is not None and self.slots is not None
+        self.mailbox.clear(slot)
+        self.slots.give_back(slot, not_before)
