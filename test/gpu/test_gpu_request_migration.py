@@ -40,6 +40,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fail_on import FailOn
 from sglang_kv_migration.client.migration import MigrationClient
 from sglang_kv_migration.rollout.request_migration import (
     GenerateRequest,
@@ -174,26 +175,6 @@ def _summary(out: RequestOutput) -> dict[str, Any]:
         "moves": [m.to_dict() for m in out.moves],
         "output_ids": out.output_ids,
     }
-
-
-class FailOn(httpx.BaseTransport):
-    """Real HTTP, except one route of the migration protocol answers 503."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.hits = 0
-        self.paths: list[str] = []
-        self._real = httpx.HTTPTransport()
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        self.paths.append(request.url.path)
-        if request.url.path == self.path:
-            self.hits += 1
-            return httpx.Response(503, json={"success": False, "message": "injected failure"})
-        return self._real.handle_request(request)
-
-    def close(self) -> None:
-        self._real.close()
 
 
 # --------------------------------------------------------------------------- tests

@@ -34,7 +34,7 @@ from timing import wait_until
 
 PAGE = 16
 STEP_S = 0.01
-SLOW_COMMIT_S = 0.2  # ~20 decode steps: stage 1 spans more than a page of new tokens
+SLOW_STAGE_S = 0.2  # ~20 decode steps: stage 1 spans more than a page of new tokens
 
 
 def _seq(start: int, length: int) -> list[int]:
@@ -90,10 +90,14 @@ DELTA_RECOMPUTES = CostModel(
 
 class Shaped(httpx.BaseTransport):
     """Calls go to the real servers; the `fail`-th call to `path` answers 503 (0: none),
-    and every call to `slow` waits `SLOW_COMMIT_S` first."""
+    and every call to `slow` waits `SLOW_STAGE_S` first."""
 
     def __init__(
-        self, path: str = "", fail: int = 0, slow: str = "/commit", delay: float = SLOW_COMMIT_S
+        self,
+        path: str = "",
+        fail: int = 0,
+        slow: str = "/transfer_request_kvcache",
+        delay: float = SLOW_STAGE_S,
     ):
         self.path, self.fail, self.slow, self.delay = path, fail, slow, delay
         self.calls: dict[str, int] = {}
@@ -165,10 +169,10 @@ def test_live_move_copies_the_prompt_while_decoding(servers: Servers) -> None:
     assert move.stall_s is not None
     assert move.seconds["migrate"] <= move.stall_s < move.seconds["total"]
     assert 0 <= move.seconds["last_token_to_stop"] <= move.stall_s - move.seconds["migrate"]
-    assert move.seconds["live"] >= SLOW_COMMIT_S
+    assert move.seconds["live"] >= SLOW_STAGE_S
     assert move.to_dict()["stages"][0]["migrated_tokens"] == stage1.migrated_tokens
-    # Two migrations (stage 1, delta): two size queries on the source, two commits.
-    assert transport.calls["/commit"] == 2
+    # Two migrations (stage 1, delta): two size queries on the source.
+    assert transport.calls["/allocate_token_for_transfer"] == 2  # stage 1 and the delta
 
 
 def test_live_move_leaves_a_small_delta_to_the_target(servers: Servers) -> None:
@@ -187,7 +191,7 @@ def test_live_move_leaves_a_small_delta_to_the_target(servers: Servers) -> None:
     assert stage1.migrated_tokens == _aligned(len(prompt))
     assert move.estimate.decision == "migrate"
     assert (delta.decision, delta.migrated_tokens) == ("recompute", 0)
-    assert transport.calls["/commit"] == 1  # stage 1 only
+    assert transport.calls["/allocate_token_for_transfer"] == 1  # stage 1 only
     assert out.segments[1].cached_tokens == _aligned(len(prompt))
 
 
@@ -266,10 +270,10 @@ def test_live_move_falls_back_at_each_stage(servers: Servers, stage: str, on_fai
 
 
 def test_live_move_of_a_request_that_finishes_meanwhile(servers: Servers) -> None:
-    """The request finishes on the source during stage 1 (its commit takes 2 s, the
+    """The request finishes on the source during stage 1 (its allocate waits 2 s, the
     request's 40 tokens about 0.4 s): that is the result."""
     prompt = _seq(6000, 2 * PAGE + 3)
-    slow = Shaped(delay=2.0)
+    slow = Shaped(slow="/allocate_token_for_transfer", delay=2.0)  # before the grant's clock
     with _client(slow) as client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
         handle = m.submit(servers.source.url, GenerateRequest(prompt, {"max_new_tokens": 40}))
         assert wait_until(lambda: handle.handle.started, 10.0, interval_s=0.005)

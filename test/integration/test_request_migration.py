@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from fail_on import FailOn
 from generate_standin import StandinConfig, next_token, standin_factory
 from mini_server import ServerHandle, ServerSpec, start_servers
 from sglang_kv_migration import cli
@@ -119,24 +120,6 @@ def expected_output(prompt: list[int], n: int) -> list[int]:
 ALWAYS_MIGRATE = CostModel(
     MigrationCosts(bandwidth_bytes_per_s=1e12, overhead_s=0.0), PrefillCosts(seconds_per_token=1.0)
 )
-
-
-class FailOn(httpx.BaseTransport):
-    """Answers 503 for one route; everything else goes to the real server."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.hits = 0
-        self._real = httpx.HTTPTransport()
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == self.path:
-            self.hits += 1
-            return httpx.Response(503, json={"success": False, "message": "injected failure"})
-        return self._real.handle_request(request)
-
-    def close(self) -> None:
-        self._real.close()
 
 
 async def _until(predicate, timeout_s: float = 10.0) -> None:

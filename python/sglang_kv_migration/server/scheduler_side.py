@@ -57,7 +57,7 @@ from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig
 from sglang_kv_migration.paths.host.target_staging import TargetStaging
 from sglang_kv_migration.server.commits import Commits, in_progress_output
 from sglang_kv_migration.server.mailbox import FEATURE as SOURCE_COMMIT
-from sglang_kv_migration.server.mailbox import Deliverer, Mailbox, open_mailbox
+from sglang_kv_migration.server.mailbox import Deliverer
 from sglang_kv_migration.server.metrics import LoopTimer, MigrationMetrics, NullMetrics
 from sglang_kv_migration.server.pending import PendingMigrations
 from sglang_kv_migration.server.pp_stages import refusal_of, refused_output
@@ -100,7 +100,6 @@ class MigrationSchedulerSide:
         verify: bool = False,
         attn_cp_size: int = 1,
         landing_bytes: int = 0,
-        open_box: Callable[[], Mailbox | None] = open_mailbox,
     ):
         self.ctx = ctx
         self.metrics = metrics or NullMetrics()
@@ -142,25 +141,7 @@ class MigrationSchedulerSide:
             deliverer=Deliverer(),
         )
         self._destinations: dict[str, str] = {}  # path name -> destination digest
-        self.staging = self._open_staging(staging_bytes)
-        self.commits = Commits(
-            ctx,
-            self.pending,
-            self.signer,
-            self.metrics,
-            self.staging,
-            self.bytes_per_token,
-            self._reply_later,
-        )
-        # Feature "source_commit": the source hands its receipts to our mailbox.
-        self.source_commits = SourceCommits(
-            ctx,
-            self.pending,
-            self.commits,
-            self.metrics,
-            sglang_adapter.weight_update_types(),
-            open_box,
-        )
+        self._open_target_side(staging_bytes)
         self._iteration = 0
         self._poll_timed = False  # between `begin_poll` and `end_iteration`
         self._poll_errors: set[str] = set()  # poll errors already logged with a traceback
@@ -625,6 +606,27 @@ class MigrationSchedulerSide:
         output.rid = req.rid
         stamp(output, req, self.ctx.pp_rank)
         self.ctx.send_output(output, req)
+
+    def _open_target_side(self, staging_bytes: int) -> None:
+        """The target role's staging arena, commits and mailbox (feature "source_commit":
+        sources hand their receipts to it, `source_commits.py`)."""
+        self.staging = self._open_staging(staging_bytes)
+        self.commits = Commits(
+            self.ctx,
+            self.pending,
+            self.signer,
+            self.metrics,
+            self.staging,
+            self.bytes_per_token,
+            self._reply_later,
+        )
+        self.source_commits = SourceCommits(
+            self.ctx,
+            self.pending,
+            self.commits,
+            self.metrics,
+            sglang_adapter.weight_update_types(),
+        )
 
     def _open_staging(self, nbytes: int) -> TargetStaging | None:
         """The staging arena of the host path's target role (None: staging off)."""

@@ -1,0 +1,35 @@
+"""An httpx transport for the migration client: real HTTP, except one route answers 503."""
+
+from __future__ import annotations
+
+import httpx
+
+SOURCE_COMMIT = "source_commit"  # grants.SOURCE_COMMIT_FEATURE (no package import here)
+
+
+class FailOn(httpx.BaseTransport):
+    """Real HTTP, except `path` answers 503 ("injected failure"). Failing `/commit` also
+    hides feature "source_commit" from session info: servers that commit through the
+    mailbox need no commit trip, so the client must be made to send the one that fails."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.hits = 0
+        self.paths: list[str] = []
+        self._real = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(request.url.path)
+        if request.url.path == self.path:
+            self.hits += 1
+            return httpx.Response(503, json={"success": False, "message": "injected failure"})
+        response = self._real.handle_request(request)
+        if self.path == "/commit" and request.url.path == "/get_transfer_session_info":
+            response.read()
+            info = response.json()
+            info["features"] = [f for f in info.get("features", []) if f != SOURCE_COMMIT]
+            return httpx.Response(response.status_code, json=info)
+        return response
+
+    def close(self) -> None:
+        self._real.close()
