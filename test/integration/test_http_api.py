@@ -73,6 +73,7 @@ SEQ_PARTIAL_VERIFY = _seq(8500, 5 * PAGE)  # the source holds its first 2 pages
 SEQ_MAILBOX = _seq(10000, 4 * PAGE)
 SEQ_MAILBOX_OFF = _seq(10500, 2 * PAGE)
 SEQ_NEW_WEIGHTS = _seq(11000, 2 * PAGE)  # held by no server: allocate only
+SEQ_MAILBOX_ABORTED = _seq(11500, 2 * PAGE)
 
 
 @dataclass
@@ -100,6 +101,7 @@ def servers() -> Iterator[Servers]:
                 (SEQ_PARTIAL_VERIFY[: 2 * PAGE], 9),
                 (SEQ_MAILBOX, 10),
                 (SEQ_MAILBOX_OFF, 11),
+                (SEQ_MAILBOX_ABORTED, 12),
             ]
         ),
         ServerSpec(watchdog_timeout_s=WATCHDOG_S),
@@ -601,6 +603,46 @@ def test_without_the_feature_the_client_commits(servers: Servers) -> None:
     assert set(result.steps_ms) == {"allocate", "transfer", "commit"}
     assert result.matched_after_commit == len(SEQ_MAILBOX_OFF)
     assert sum(dst.ask(0, "held", SEQ_MAILBOX_OFF)) == len(SEQ_MAILBOX_OFF)
+
+
+class _AbortAfterAllocate(httpx.BaseTransport):
+    """Real HTTP; right after the allocate reply, the target's allocation is aborted (as
+    a flush, a weight update or the watchdog would end it while the copy runs)."""
+
+    def __init__(self) -> None:
+        self._real = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self._real.handle_request(request)
+        if request.url.path == "/allocate_token_for_transfer":
+            response.read()
+            body = {"migration_id": response.json()["migration_id"]}
+            abort = request.url.copy_with(path="/abort_transfer")
+            assert httpx.post(str(abort), json=body, timeout=HTTP_TIMEOUT_S).status_code == 200
+        return response
+
+    def close(self) -> None:
+        self._real.close()
+
+
+def test_an_allocation_that_ended_before_the_delivery_fails_the_migration(
+    servers: Servers,
+) -> None:
+    """The source delivers only into a slot the target still waits on: here it does not,
+    so the client commits itself and reports the target's answer, not a success."""
+    src, dst = servers.source, servers.target
+    before = dst.ask(0, "snapshot")
+    http_client = httpx.Client(transport=_AbortAfterAllocate(), timeout=HTTP_TIMEOUT_S)
+    with MigrationClient(http_client=http_client) as client:
+        with pytest.raises(MigrationFailed) as failed:
+            client.migrate(src.url, dst.url, SEQ_MAILBOX_ABORTED)
+    assert failed.value.phase == "commit" and failed.value.status_code == 409, failed.value
+    assert "aborted" in failed.value.message
+    assert sum(dst.ask(0, "held", SEQ_MAILBOX_ABORTED)) == 0
+    deadline = time.monotonic() + 30  # the slots wait out the grant's write window
+    while dst.ask(0, "snapshot") != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert dst.ask(0, "snapshot") == before
 
 
 def _grant_fields(grant: str) -> dict[str, Any]:

@@ -31,6 +31,7 @@ def deliverer(tmp_path: Path) -> mb.Deliverer:
 
 def test_a_delivery_is_read_back_for_its_nonce_only(box: mb.Mailbox, deliverer: mb.Deliverer):
     nonce, other = bytes(range(16)), bytes(range(1, 17))
+    box.arm(2, nonce)
     assert box.read(2, nonce) is None  # nothing yet
     assert deliverer.deliver(box.address(2, nonce), RECEIPTS) is None
     assert box.read(2, nonce) == RECEIPTS
@@ -40,12 +41,23 @@ def test_a_delivery_is_read_back_for_its_nonce_only(box: mb.Mailbox, deliverer: 
     assert box.read(2, nonce) is None
 
 
+def test_a_slot_whose_allocation_ended_is_not_written(box: mb.Mailbox, deliverer: mb.Deliverer):
+    nonce = os.urandom(16)
+    before = open(box.path, "rb").read()
+    assert "no longer waits" in deliverer.deliver(box.address(1, nonce), RECEIPTS)  # never armed
+    box.arm(1, os.urandom(16))  # armed for another allocation (a reused slot)
+    armed = open(box.path, "rb").read()
+    assert "no longer waits" in deliverer.deliver(box.address(1, nonce), RECEIPTS)
+    assert open(box.path, "rb").read() == armed != before  # nothing written by the source
+
+
 def test_a_torn_or_forged_slot_is_not_read(box: mb.Mailbox, deliverer: mb.Deliverer):
     nonce = os.urandom(16)
+    box.arm(0, nonce)
     assert deliverer.deliver(box.address(0, nonce), RECEIPTS) is None
     # Flip a payload byte behind the header's crc: what a half-written slot looks like.
     with open(box.path, "r+b") as f:
-        f.seek(4096 + 24 + 5)
+        f.seek(4096 + 40 + 5)
         f.write(b"Z")
     assert box.read(0, nonce) is None
     # Valid crc, but not a list of strings.
@@ -70,7 +82,7 @@ def test_the_source_refuses_what_is_not_a_mailbox_slot(
     link = f"kvmig-mbox-3-{'2' * 32}"
     os.symlink(box.path, tmp_path / link)
     assert "cannot open" in deliverer.deliver(f"{link}/0/{nonce}", RECEIPTS)
-    # Receipts larger than a slot.
+    # Receipts larger than a slot (checked before the slot is looked at).
     assert "do not fit" in deliverer.deliver(f"{box.name}/0/{nonce}", ["x" * 4000])
 
 
@@ -79,6 +91,7 @@ def test_close_unlinks_and_a_source_with_it_open_fails_cleanly(
 ):
     box = mb.Mailbox(str(tmp_path), num_slots=2, slot_bytes=1024)
     nonce = os.urandom(16)
+    box.arm(1, nonce)
     assert deliverer.deliver(box.address(1, nonce), RECEIPTS[:1]) is None
     box.close()
     assert not os.path.exists(box.path)

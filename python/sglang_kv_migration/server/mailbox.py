@@ -44,7 +44,10 @@ SLOT_BYTES = 8192  # every receipt of a TP=8 server fits several times over
 _FILE_MAGIC = b"KVMIGMB1"
 _FILE_HEADER = struct.Struct("<8sII16s")  # magic, num_slots, slot_bytes, token
 _FILE_HEADER_BYTES = 4096
-_SLOT_HEADER = struct.Struct("<16sII")  # nonce, payload length, crc32 of the payload
+# armed (the nonce the target waits for; zero: it waits for none), then what the source
+# wrote: its nonce, the payload's length and crc32.
+_SLOT_HEADER = struct.Struct("<16s16sII")
+_DELIVERY = struct.Struct("<16sII")  # the source's part, after `armed`
 NONCE_BYTES = 16
 _NAME = re.compile(r"^kvmig-mbox-(\d{1,10})-([0-9a-f]{32})$")
 _ADDRESS = re.compile(r"^(kvmig-mbox-\d{1,10}-[0-9a-f]{32})/(\d{1,6})/([0-9a-f]{32})$")
@@ -89,8 +92,8 @@ class Mailbox:
     def read(self, slot: int, nonce: bytes) -> list[str] | None:
         """The receipts in `slot` if they are for `nonce` and whole; else None."""
         offset = _FILE_HEADER_BYTES + slot * self.slot_bytes
-        found, length, crc = _SLOT_HEADER.unpack_from(self._map, offset)
-        if found != nonce or length > self.slot_bytes - _SLOT_HEADER.size:
+        armed, found, length, crc = _SLOT_HEADER.unpack_from(self._map, offset)
+        if armed != nonce or found != nonce or length > self.slot_bytes - _SLOT_HEADER.size:
             return None
         start = offset + _SLOT_HEADER.size
         payload = self._map[start : start + length]
@@ -104,9 +107,15 @@ class Mailbox:
             return None
         return receipts
 
+    def arm(self, slot: int, nonce: bytes) -> None:
+        """Wait for `nonce`'s delivery in `slot` (a source delivers only into an armed
+        slot, so one whose allocation ended is not written: the client commits then)."""
+        offset = _FILE_HEADER_BYTES + slot * self.slot_bytes
+        _SLOT_HEADER.pack_into(self._map, offset, nonce, bytes(NONCE_BYTES), 0, 0)
+
     def clear(self, slot: int) -> None:
         offset = _FILE_HEADER_BYTES + slot * self.slot_bytes
-        _SLOT_HEADER.pack_into(self._map, offset, bytes(NONCE_BYTES), 0, 0)
+        _SLOT_HEADER.pack_into(self._map, offset, bytes(NONCE_BYTES), bytes(NONCE_BYTES), 0, 0)
 
     def close(self) -> None:
         try:
@@ -174,9 +183,15 @@ class Deliverer:
         offset = _FILE_HEADER_BYTES + slot * slot_bytes
         start = offset + _SLOT_HEADER.size
         try:
+            if mapped[offset : offset + NONCE_BYTES] != nonce:
+                # Its allocation ended (aborted, expired, flushed, new weights): the
+                # target reads no more; the client's /commit reports why.
+                return "the target no longer waits for this migration's receipts"
             # Payload first, header last: the reader checks the header's crc anyway.
             mapped[start : start + len(payload)] = payload
-            _SLOT_HEADER.pack_into(mapped, offset, nonce, len(payload), zlib.crc32(payload))
+            _DELIVERY.pack_into(
+                mapped, offset + NONCE_BYTES, nonce, len(payload), zlib.crc32(payload)
+            )
         except (ValueError, OSError) as e:  # the map was closed or shrank under us
             self._open.pop(name, None)
             return f"cannot write the target's mailbox {name}: {e}"

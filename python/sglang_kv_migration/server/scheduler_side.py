@@ -408,9 +408,10 @@ class MigrationSchedulerSide:
         local = guarded(lambda: self._allocate_on_rank(req), AllocateTokenForTransferReqOutput)
         outputs, first = self.ctx.first_failure_on_any_rank(local)
         if first is not None:
-            # All or nothing: ranks that did allocate give it back.
-            if local.success:
-                self.pending.abort(req.migration_id)
+            # All or nothing: ranks that did allocate give it back (also a rank whose
+            # own part failed after its slots were reserved).
+            if self.pending.get(req.migration_id) is not None:
+                self.pending.abort(req.migration_id, settled=True)
             self.metrics.outcome("target", "allocate_failed")
             req.stage_refusal = refusal_of(first)  # later PP stages do not allocate
             return AllocateTokenForTransferReqOutput(

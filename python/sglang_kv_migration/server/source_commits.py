@@ -67,6 +67,7 @@ class SourceCommits:
         if taken is None or pending is None:
             return ""
         pending.mailbox = taken
+        self.mailbox.arm(*taken)
         return self.mailbox.address(*taken)
 
     def mark(self, migration_id: str, granted: bool) -> None:
@@ -81,13 +82,7 @@ class SourceCommits:
         awaiting = self.pending.awaiting_source_commit()
         if not awaiting:  # the usual case, the same on every rank
             return
-        found: dict[str, list[str]] = {}
-        if self.mailbox is not None:
-            for pending in awaiting:
-                if pending.mailbox is not None:
-                    receipts = self.mailbox.read(*pending.mailbox)
-                    if receipts is not None:
-                        found[pending.migration_id] = receipts
+        found = self._read(awaiting)
         if self.ctx.tp_size > 1:
             found = self.ctx.all_gather(found)[0]  # rank 0's findings, on every rank
         for migration_id, receipts in found.items():
@@ -109,6 +104,24 @@ class SourceCommits:
             self.mailbox = None
 
     # ------------------------------------------------------------------ helpers
+
+    def _read(self, awaiting: list[Any]) -> dict[str, list[str]]:
+        """Rank 0: the receipts delivered so far, by migration id. Never raises: the
+        other ranks are about to wait for this rank in a collective."""
+        found: dict[str, list[str]] = {}
+        if self.mailbox is None:
+            return found
+        for pending in awaiting:
+            if pending.mailbox is None:
+                continue
+            try:
+                receipts = self.mailbox.read(*pending.mailbox)
+            except Exception:
+                logger.exception("KV migration mailbox read failed")
+                receipts = None
+            if receipts is not None:
+                found[pending.migration_id] = receipts
+        return found
 
     def _commit(self, migration_id: str, receipts: list[str]) -> None:
         pending = self.pending.get(migration_id)
