@@ -6,7 +6,11 @@ on a flushed cache each time:
 2. device path: the source prefills prompt A, the client migrates A[:-1] with
    `path="device"` (every phase from `result.timings`, `copy_seconds`, bytes, GB/s =
    bytes / copy_seconds), then the target serves A (TTFT, `cached_tokens_details`);
-3. host path: the same for another prompt B with `path="host"` (Mooncake TCP on one host).
+3. host path: the same for another prompt B with `path="host"` (Mooncake TCP on one host);
+4. with `--commit-trip`, the device path again for a prompt C, through a second client
+   that does not see feature "source_commit": the client's own commit trip (three trips)
+   beside the two-trip default of row 2 (use with `--no-host` at 32K: the target's pool
+   holds the baseline and every migrated prefix of a round).
 Migrations run through the Python client in this process (one client for the whole run,
 so it may cache session info); no CLI start-up is timed. Medians over the repeats.
 
@@ -54,6 +58,8 @@ PHASES = ("session_info", "extra_token_size", "allocate", "transfer", "commit", 
 TARGET_RATIO = {False: 0.01, True: 0.02}  # whole device migration / re-prefill
 TARGET_COPY_GBPS = {False: 400.0, True: 200.0}  # keyed by "across GPUs"
 SETTLE_S = 0.5  # idle time on the source between its prefills and the migrations
+COMMIT_TRIP = "device_commit_trip"  # row 4: the device path with the client's commit trip
+ROW_KINDS = ("device", COMMIT_TRIP, "host")
 
 
 def main() -> None:
@@ -78,6 +84,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--no-host", action="store_true", help="skip the host-path rows")
     parser.add_argument("--quick", action="store_true", help="1K and 4K, one repeat")
+    parser.add_argument(
+        "--commit-trip", action="store_true",
+        help="also migrate on the device path with the client's commit trip (row 4)",
+    )  # fmt: skip
     args = parser.parse_args()
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
     repeats = 1 if args.quick else args.repeats
@@ -105,6 +115,7 @@ def main() -> None:
         "repeats": repeats,
         "server_flags": extra,
         "host_path": not args.no_host,
+        "commit_trip_rows": args.commit_trip,
     }
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
@@ -113,15 +124,22 @@ def main() -> None:
     with (
         running_servers(model_dir, specs, sequential=not across_gpus) as (source, target),
         MigrationClient(timeout=600) as client,
+        MigrationClient(timeout=600) as with_commit_trip,
     ):
         config["startup_s"] = time.monotonic() - started
         print(f"servers ready in {config['startup_s']:.0f} s", flush=True)
         rng = random.Random(0)
         warmup = _warm_up(client, source, target, rng, not args.no_host)
         print("warm-up:", json.dumps(warmup), flush=True)
+        three = None
+        if args.commit_trip:
+            three = with_commit_trip
+            for url in (source, target):  # the cached session info it plans from
+                info = three.session_info(url)
+                info["features"] = [f for f in info["features"] if f != "source_commit"]
         for n in lengths:
             for rep in range(repeats):
-                row = _round(client, source, target, n, rep, rng, not args.no_host)
+                row = _round(client, source, target, n, rep, rng, not args.no_host, three)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     summary = [_median_row(n, [r for r in rows if r["tokens"] == n]) for n in lengths]
@@ -176,6 +194,7 @@ def _round(
     rep: int,
     rng: random.Random,
     host: bool,
+    three: MigrationClient | None = None,
 ) -> dict[str, Any]:
     for url in (source, target):
         flush_cache(url)
@@ -187,7 +206,8 @@ def _round(
 
     a = _tokens(rng, n)
     b = _tokens(rng, n) if host else []
-    for p in (a, b):
+    c = _tokens(rng, n) if three is not None else []
+    for p in (a, b, c):
         if p:
             generate(source, p, 1)
     # Let the source finish with those requests (SGLang inserts a finished request into
@@ -199,6 +219,8 @@ def _round(
     row["device"] = _migrate_and_serve(client, source, target, a, "device")
     if host:
         row["host"] = _migrate_and_serve(client, source, target, b, "host")
+    if three is not None:
+        row[COMMIT_TRIP] = _migrate_and_serve(three, source, target, c, "device")
     return row
 
 
@@ -246,7 +268,7 @@ def _median_row(n: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "samples": len(rows),
         "reprefill_ttft_ms": med([r["reprefill_ttft_ms"] for r in rows]),
     }
-    for path in ("device", "host"):
+    for path in ROW_KINDS:
         runs = [r[path] for r in rows if path in r]
         if not runs:
             continue
@@ -305,7 +327,7 @@ def _print_tables(summary: list[dict[str, Any]], config: dict[str, Any], across:
     print("| prefix tokens | path | MiB | " + " | ".join(PHASES) + " | copy | copy GB/s |")
     print("|---|---|---|" + "---|" * (len(PHASES) + 2))
     for s in summary:
-        for path in ("device", "host"):
+        for path in ROW_KINDS:
             m = s.get(path)
             if not m:
                 continue

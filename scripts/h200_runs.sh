@@ -25,9 +25,10 @@ case $call in
   # migrations (2 tokens at page 1, 17 at page 16: the benchmark migrates each prompt less
   # its last token), 1K, 2K, 4K, 32K beside re-prefill, each trip's steps_ms per row.
   # Targets: one page <= 5 ms p50, 1K <= 8 ms, 32K <= 1% of re-prefill, migration + TTFT
-  # below re-prefill from 2K up.
+  # below re-prefill from 2K up. At page 1 every round also migrates through a client
+  # that sends the commit trip itself (--commit-trip: three trips beside the two).
   exec bash scripts/gpu_jobs.sh 560 \
-    "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 4096 32768 --repeats 3 --no-host" \
+    "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 4096 32768 --repeats 3 --no-host --commit-trip" \
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 4096 32768 --repeats 3 --no-host"
   ;;
 2)

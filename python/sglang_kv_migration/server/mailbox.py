@@ -11,11 +11,14 @@ before it dispatches the iteration's requests (`scheduler_hooks.before_process_i
 and commits what it finds with the same checks as `/commit`. So any request the client
 sends after the transfer's reply finds the prefix committed: the write came first.
 
-Slot layout: `nonce (16 bytes) | length (u32) | crc32 (u32) | payload`, the payload a
-JSON list of receipt strings. The writer puts the payload down before the header; the
-reader takes a slot only when the nonce is its allocation's and the crc matches, so a
-torn, stale or forged slot is never read as a receipt (and a forged receipt still fails
-the commit's signature and slot checks). Nothing here is trusted beyond that.
+Slot layout: `armed (16 bytes) | nonce (16) | length (u32) | crc32 (u32) | payload`, the
+payload a JSON list of receipt strings. The target arms a slot with the allocation's
+nonce when it grants it and zeroes it when the allocation ends; a source writes only
+into a slot armed with its nonce (else the client commits, and learns the outcome), the
+payload before the rest of the header. The reader takes a slot only when both nonces
+are its allocation's and the crc matches, so a torn, stale or forged slot is never read
+as a receipt (and a forged receipt still fails the commit's signature and slot checks).
+Nothing here is trusted beyond that.
 
 No dependency on SGLang; the client never imports it.
 """

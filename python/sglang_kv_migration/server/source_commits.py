@@ -135,11 +135,13 @@ class SourceCommits:
             from_mailbox=True,
         )
         output = self.commits.commit(request)
-        if output is None or output.success:
-            return  # (None: a staged scatter; never granted with a mailbox slot)
-        # Refused (every rank agreed): read the slot no more. The allocation stays for an
-        # abort or the watchdog, as after a refused /commit.
+        # Read once, the same on every rank: committed; deferred (None: a rank's write
+        # was staged, its commit ends in `poll` once the scatter is done); or refused,
+        # every rank agreeing, and the allocation stays for an abort or the watchdog,
+        # as after a refused /commit.
         pending.source_commit = False
+        if output is None or output.success:
+            return
         if self.ctx.tp_rank == 0:
             logger.warning(
                 "KV migration %s: the receipts in the mailbox were refused: %s",
