@@ -27,17 +27,20 @@ FEATURE = "page_ranges"
 def to_page_ranges(slots: torch.Tensor, page_size: int) -> list[list[int]]:
     """The runs of consecutive page ids of `slots` (int64 token slots of whole pages, in
     order), as `[first_page, count]` pairs."""
+    import numpy as np
     import torch
 
     # On the CPU: device-path slots live on the GPU, and the runs go out as JSON anyway.
-    pages = slots[::page_size].to("cpu", torch.int64) // page_size
+    # Then in numpy: this runs on the scheduler thread at every allocate, and torch's
+    # per-op overhead made a two-token allocation's runs cost 0.2 ms.
+    pages = (slots[::page_size].to("cpu", torch.int64) // page_size).numpy()
     if len(pages) == 0:
         return []
     # A run starts where a page does not follow its predecessor.
-    breaks = torch.nonzero(pages[1:] != pages[:-1] + 1).flatten() + 1
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
-    ends = torch.cat([breaks, torch.tensor([len(pages)], dtype=torch.int64)])
-    return torch.stack([pages[starts], ends - starts], dim=1).tolist()
+    breaks = np.flatnonzero(pages[1:] != pages[:-1] + 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(pages)]))
+    return np.stack([pages[starts], ends - starts], axis=1).tolist()
 
 
 def pages_from_ranges(ranges: list[list[int]]) -> torch.Tensor:

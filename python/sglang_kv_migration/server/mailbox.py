@@ -25,6 +25,7 @@ No dependency on SGLang; the client never imports it.
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import mmap
@@ -33,7 +34,7 @@ import re
 import secrets
 import struct
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from sglang_kv_migration.grants import SOURCE_COMMIT_FEATURE
@@ -129,33 +130,35 @@ class Mailbox:
 
 
 class MailboxSlots:
-    """Which slots are free, on the target's rank 0. Slots are handed out round robin,
-    and one whose allocation ended without a commit is reused only after the grant's
-    write window (`not_before`): a late delivery then cannot overwrite a newer owner's."""
+    """Which slots are free, on the target's rank 0. The slot free longest is handed out
+    first, and one whose allocation ended without a commit is reused only after the
+    grant's write window (`not_before`): a late delivery then cannot overwrite a newer
+    owner's. Taking and giving back cost O(log n): this runs in every allocate."""
 
     def __init__(self, num_slots: int, clock: Callable[[], float]):
         self.clock = clock
-        self._free: dict[int, float] = dict.fromkeys(range(num_slots), 0.0)
-        self._next = 0
         self.num_slots = num_slots
+        self._ready: deque[int] = deque(range(num_slots))
+        self._waiting: list[tuple[float, int]] = []  # heap of (not_before, slot)
 
     def take(self) -> tuple[int, bytes] | None:
-        """(slot, fresh nonce), or None when every slot is taken."""
+        """(slot, fresh nonce), or None when every slot is taken or still waiting."""
         now = self.clock()
-        for i in range(self.num_slots):
-            slot = (self._next + i) % self.num_slots
-            if self._free.get(slot, float("inf")) <= now:
-                del self._free[slot]
-                self._next = slot + 1
-                return slot, secrets.token_bytes(NONCE_BYTES)
-        return None
+        while self._waiting and self._waiting[0][0] <= now:
+            self._ready.append(heapq.heappop(self._waiting)[1])
+        if not self._ready:
+            return None
+        return self._ready.popleft(), secrets.token_bytes(NONCE_BYTES)
 
     def give_back(self, slot: int, not_before: float | None = None) -> None:
-        self._free[slot] = not_before or 0.0
+        if not_before:
+            heapq.heappush(self._waiting, (not_before, slot))
+        else:
+            self._ready.append(slot)
 
     def __len__(self) -> int:
         """Slots in use."""
-        return self.num_slots - len(self._free)
+        return self.num_slots - len(self._ready) - len(self._waiting)
 
 
 class Deliverer:
