@@ -72,14 +72,14 @@ def test_the_source_refuses_what_is_not_a_mailbox_slot(
     assert "not a mailbox address" in deliverer.deliver("../../etc/passwd/0/" + nonce, RECEIPTS)
     assert "not a mailbox address" in deliverer.deliver(f"{box.name}/0/zz", RECEIPTS)
     assert "outside the 4 slots" in deliverer.deliver(f"{box.name}/4/{nonce}", RECEIPTS)
-    missing = f"kvmig-mbox-1-{'0' * 32}/0/{nonce}"
+    missing = f"kvmig-mbox-7-1-{'0' * 32}/0/{nonce}"
     assert "cannot open" in deliverer.deliver(missing, RECEIPTS)
     # A file with a mailbox's name but not its header (some other program's), and a link.
-    impostor = f"kvmig-mbox-2-{'1' * 32}"
+    impostor = f"kvmig-mbox-7-2-{'1' * 32}"
     (tmp_path / impostor).write_bytes(b"\0" * (4096 + 4 * 2048))
     assert "header differs" in deliverer.deliver(f"{impostor}/0/{nonce}", RECEIPTS)
     assert (tmp_path / impostor).read_bytes() == b"\0" * (4096 + 4 * 2048)  # untouched
-    link = f"kvmig-mbox-3-{'2' * 32}"
+    link = f"kvmig-mbox-7-3-{'2' * 32}"
     os.symlink(box.path, tmp_path / link)
     assert "cannot open" in deliverer.deliver(f"{link}/0/{nonce}", RECEIPTS)
     # Receipts larger than a slot (checked before the slot is looked at).
@@ -103,14 +103,18 @@ def test_close_unlinks_and_a_source_with_it_open_fails_cleanly(
 def test_stale_mailboxes_of_dead_processes_are_swept(tmp_path: Path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    stale = f"kvmig-mbox-{int(dead.stdout)}-{'3' * 32}"
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    stale = f"kvmig-mbox-{namespace}-{int(dead.stdout)}-{'3' * 32}"
     (tmp_path / stale).write_bytes(b"x")
+    # Another pid namespace's (a container sharing /dev/shm): its pids are not ours.
+    foreign = f"kvmig-mbox-{namespace + 1}-{int(dead.stdout)}-{'4' * 32}"
+    (tmp_path / foreign).write_bytes(b"x")
     (tmp_path / "unrelated-file").write_bytes(b"x")
     live = mb.Mailbox(str(tmp_path), num_slots=1, slot_bytes=1024)  # sweeps first
     try:
         names = set(os.listdir(tmp_path))
         assert stale not in names
-        assert {"unrelated-file", live.name} <= names
+        assert {"unrelated-file", foreign, live.name} <= names
         assert mb.sweep_stale(str(tmp_path)) == []  # the live one (this process) stays
     finally:
         live.close()

@@ -2,14 +2,15 @@
 so a migration needs no `/commit` trip (wire feature "source_commit", issue 21).
 
 A target (TP rank 0 of a single-stage server) keeps one file in shared memory
-(`/dev/shm/kvmig-mbox-<pid>-<token>`): a file header, then `num_slots` slots. An allocate
-that asks for `source_commit` gets a slot and a fresh nonce, named in rank 0's signed
-grant (`Grant.mailbox`, `address()`). After a transfer that succeeded on every rank, the
-source's rank 0 writes every rank's receipt into that slot (`deliver`) before it replies
-to the client. The target reads its slots at the start of each scheduler iteration,
-before it dispatches the iteration's requests (`scheduler_hooks.before_process_input_requests`),
-and commits what it finds with the same checks as `/commit`. So any request the client
-sends after the transfer's reply finds the prefix committed: the write came first.
+(`/dev/shm/kvmig-mbox-<pid namespace>-<pid>-<token>`): a file header, then `num_slots`
+slots. An allocate that asks for `source_commit` gets a slot and a fresh nonce, named in
+rank 0's signed grant (`Grant.mailbox`, `address()`). After a transfer that succeeded on
+every rank, the source's rank 0 writes every rank's receipt into that slot (`deliver`)
+before it replies to the client. The target reads its slots at the start of each
+scheduler iteration, before it dispatches the iteration's requests
+(`scheduler_hooks.before_process_input_requests`), and commits what it finds with the
+same checks as `/commit`. So any request the client sends after the transfer's reply
+finds the prefix committed: the write came first.
 
 Slot layout: `armed (16 bytes) | nonce (16) | length (u32) | crc32 (u32) | payload`, the
 payload a JSON list of receipt strings. The target arms a slot with the allocation's
@@ -53,8 +54,9 @@ _FILE_HEADER_BYTES = 4096
 _SLOT_HEADER = struct.Struct("<16s16sII")
 _DELIVERY = struct.Struct("<16sII")  # the source's part, after `armed`
 NONCE_BYTES = 16
-_NAME = re.compile(r"^kvmig-mbox-(\d{1,10})-([0-9a-f]{32})$")
-_ADDRESS = re.compile(r"^(kvmig-mbox-\d{1,10}-[0-9a-f]{32})/(\d{1,6})/([0-9a-f]{32})$")
+# kvmig-mbox-<pid namespace inode>-<pid>-<token>: the namespace tells whose pid it is.
+_NAME = re.compile(r"^kvmig-mbox-(\d{1,20})-(\d{1,10})-([0-9a-f]{32})$")
+_ADDRESS = re.compile(r"^(kvmig-mbox-\d{1,20}-\d{1,10}-[0-9a-f]{32})/(\d{1,6})/([0-9a-f]{32})$")
 # Mailboxes a source keeps open (one per target server it wrote to recently).
 MAX_OPEN = 32
 
@@ -70,7 +72,7 @@ class Mailbox:
                  slot_bytes: int = SLOT_BYTES):  # fmt: skip
         sweep_stale(directory)
         token = secrets.token_hex(16)
-        self.name = f"kvmig-mbox-{os.getpid()}-{token}"
+        self.name = f"kvmig-mbox-{_pid_namespace()}-{os.getpid()}-{token}"
         self.path = os.path.join(directory, self.name)
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
@@ -219,7 +221,7 @@ class Deliverer:
         finally:
             os.close(fd)
         magic, num_slots, slot_bytes, token = _FILE_HEADER.unpack_from(mapped, 0)
-        expected_token = _NAME.match(name).group(2)  # type: ignore[union-attr]
+        expected_token = _NAME.match(name).group(3)  # type: ignore[union-attr]
         if (
             magic != _FILE_MAGIC
             or token.hex() != expected_token
@@ -241,15 +243,18 @@ class Deliverer:
 
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     """Unlink mailboxes whose creating process is gone (a server killed before its
-    `close()`); returns their names. Only files named like ours are touched."""
-    removed = []
+    `close()`); returns their names. Only files named like ours, and only those of this
+    process's pid namespace: a server in another container sharing `/dev/shm` has pids
+    this one cannot see, and sweeps its own."""
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
+    namespace = str(_pid_namespace())
     for name in names:
         match = _NAME.match(name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or match.group(1) != namespace or _alive(int(match.group(2))):
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -257,6 +262,14 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
         except OSError:
             pass
     return removed
+
+
+def _pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _alive(pid: int) -> bool:
