@@ -29,6 +29,21 @@ def one_rank_context(
     )
 
 
+def allocate_on(side: Any, input_ids: list[int], migration_id: str, **fields: Any) -> Any:
+    """`side`'s allocate reply for `input_ids` under `migration_id`, as a peer with this
+    side's own layout asks it (`fields`: any other allocate field)."""
+    from sglang_kv_migration.io_types import AllocateTokenForTransferReqInput
+
+    return side.allocate_token_for_transfer(
+        AllocateTokenForTransferReqInput(
+            input_ids=input_ids,
+            migration_id=migration_id,
+            source_fingerprints=[side.fingerprint.to_dict()],
+            **fields,
+        )
+    )
+
+
 def transfer_to_self(
     side: object, input_ids: list[int], kv_indices: list[int], grant: str = "", **fields: object
 ):

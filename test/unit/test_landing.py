@@ -22,7 +22,6 @@ from cpu_harness import Harness
 from sglang_kv_migration import sglang_adapter as adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.io_types import (
-    AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
     GetTransferSessionInfoReqInput,
 )
@@ -32,6 +31,7 @@ from sglang_kv_migration.server.scheduler_hooks import (
     after_resume_memory_occupation,
     around_release_memory_occupation,
 )
+from side_helpers import allocate_on
 from timing import FakeClock
 
 CONFIGS = [("mha", 1), ("mha", 16), ("mla", 1), ("mla", 16)]
@@ -186,14 +186,7 @@ def _release(scheduler, tags: list[str] | None) -> str:
 
 
 def _allocate(side, ids: list[int], migration_id: str, path: str = "device"):
-    return side.allocate_token_for_transfer(
-        AllocateTokenForTransferReqInput(
-            input_ids=ids,
-            migration_id=migration_id,
-            source_fingerprints=[side.fingerprint.to_dict()],
-            path=path,
-        )
-    )
+    return allocate_on(side, ids, migration_id, path=path)
 
 
 def _epoch(side) -> str:

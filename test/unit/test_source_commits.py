@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import pytest
 from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-from sglang_kv_migration.io_types import AllocateTokenForTransferReqInput
 from sglang_kv_migration.server.mailbox import Deliverer
-from side_helpers import transfer_to_self
+from side_helpers import allocate_on, transfer_to_self
 
 PAGE = 16
 
 
 def _allocate(side, ids: list[int], migration_id: str, source_commit: bool = True):
-    return side.allocate_token_for_transfer(
-        AllocateTokenForTransferReqInput(
-            input_ids=ids,
-            migration_id=migration_id,
-            source_fingerprints=[side.fingerprint.to_dict()],
-            source_commit=source_commit,
-            source_instance=side.server_epoch,  # loopback: this side is the source
-        )
+    # Loopback: this side is the source, so the grant names its own instance.
+    return allocate_on(
+        side, ids, migration_id, source_commit=source_commit, source_instance=side.server_epoch
     )
 
 
