@@ -557,8 +557,7 @@ def _partial_ok(
     """Skip the source's size query: both servers take partial transfers, and the path
     does not depend on where the source holds the pages (a source whose device path
     reads only its GPU would need the query to fall back to the host path up front)."""
-    both = set(source_info.get("features", [])) & set(target_info.get("features", []))
-    if PARTIAL_TRANSFER not in both:
+    if not _both_list(source_info, target_info, PARTIAL_TRANSFER):
         return False
     if requested in PATHS or "device" not in _common_paths(source_info, target_info):
         return True
@@ -671,6 +670,7 @@ def _landing_tokens(target_info: dict[str, Any]) -> int:
 
 def _allocate_call(plan: _Plan, path: str) -> _Call:
     """Reserve slots on the target for what it lacks of the prefix, on `path`."""
+    infos = (plan.source_info, plan.target_info)
     return _Call(
         "allocate",
         plan.target_url,
@@ -685,7 +685,7 @@ def _allocate_call(plan: _Plan, path: str) -> _Call:
             **_source_instance(plan),
             **({"staging": True} if _can_stage(plan, path) else {}),
             **({"verify": True} if plan.verify else {}),
-            **({"source_commit": True} if _both_list(plan, SOURCE_COMMIT) else {}),
+            **({"source_commit": True} if _both_list(*infos, SOURCE_COMMIT) else {}),
         },
     )
 
@@ -882,18 +882,16 @@ def _targets(
     return entries
 
 
-def _both_list(plan: _Plan, feature: str) -> bool:
+def _both_list(source_info: dict[str, Any], target_info: dict[str, Any], feature: str) -> bool:
     """Both servers' session info lists `feature`."""
-    return feature in plan.source_info.get("features", []) and feature in plan.target_info.get(
-        "features", []
-    )
+    return all(feature in info.get("features", []) for info in (source_info, target_info))
 
 
 def _index_format(plan: _Plan) -> str:
     """How the target should list its slots: as `[first_page, count]` runs when both
     servers understand them (a fresh pool gives one run where a page list has one id
     per page), else as page ids."""
-    return "ranges" if _both_list(plan, PAGE_RANGES) else "pages"
+    return "ranges" if _both_list(plan.source_info, plan.target_info, PAGE_RANGES) else "pages"
 
 
 def _source_instance(plan: _Plan) -> dict[str, str]:

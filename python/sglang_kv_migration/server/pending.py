@@ -358,14 +358,8 @@ class PendingMigrations:
         with self.lock:
             dropped = [self.by_id[i] for i in migration_ids if i in self.by_id]
             for pending in dropped:
-                self._forget_if_flushed_or(pending, MigrationState.WEIGHTS_CHANGED)
+                self._end(pending, MigrationState.WEIGHTS_CHANGED)
             return [p.migration_id for p in dropped]
-
-    def _forget_if_flushed_or(self, pending: PendingMigration, state: MigrationState) -> None:
-        if pending.root is not sglang_adapter.cache_generation(self.cache):
-            self._finish(pending, MigrationState.FLUSHED)
-        else:
-            self._release(pending, state)
 
     def prepare_for_reset(self) -> list[str]:
         """Before the cache is reset: drop every pending migration (state FLUSHED) and
@@ -410,15 +404,20 @@ class PendingMigrations:
         with self.lock:
             dropped = list(self.by_id.values())
             for pending in dropped:
-                if pending.root is sglang_adapter.cache_generation(self.cache):
-                    self._release(pending, state, settled=True)
-                else:
-                    self._finish(pending, MigrationState.FLUSHED)
+                self._end(pending, state, settled=True)
             for mid in list(self.quarantine):
                 self._free_quarantined(mid)
             return [p.migration_id for p in dropped]
 
     # ------------------------------------------------------------------ helpers
+
+    def _end(self, pending: PendingMigration, state: MigrationState, settled: bool = False) -> None:
+        """End a pending migration as `state`; one allocated before a reset only has its
+        entry forgotten (FLUSHED: the reset freed its slots and unlocked its nodes)."""
+        if pending.root is not sglang_adapter.cache_generation(self.cache):
+            self._finish(pending, MigrationState.FLUSHED)
+        else:
+            self._release(pending, state, settled)
 
     def _release(
         self, pending: PendingMigration, state: MigrationState, settled: bool = False

@@ -190,6 +190,8 @@ class MigrationSchedulerSide:
     def before_requests(self, recv_reqs: list[Any]) -> None:
         """Once per loop iteration, before its requests are dispatched: commit what
         sources delivered to the mailbox (`source_commits.py`). Never raises."""
+        if not self.pending.by_id:  # idle, the usual case: one attribute read
+            return
         try:
             self.source_commits.take(recv_reqs)
         except Exception as e:

@@ -238,6 +238,8 @@ class SourceTransfers:
         if self.deliverer is not None:
             self.deliverer.close()
 
+    # ------------------------------------------------------------------ helpers
+
     def _deliver(self, inflight: InflightTransfer, statuses: list[RankTransferStatus]) -> bool:
         """Rank 0, after every rank succeeded: hand all receipts to the target's mailbox
         (feature "source_commit") before the reply goes out; False when not asked, too
@@ -255,8 +257,6 @@ class SourceTransfers:
                 reason,
             )
         return reason is None
-
-    # ------------------------------------------------------------------ helpers
 
     def _check_size(self, req: TransferRequestKVCacheReqInput) -> None:
         """Refuse, before any per-token work, a range no pool of this server could hold
