@@ -14,5 +14,10 @@ __version__ = "0.1.0"
 #       `path`, `kv_pages`, `device_kv`. Protocol-1 fields keep their meaning.
 # Additions no older peer can receive are advertised in session info `features` instead
 # of a version bump (clients use one only when both servers list it): "page_ranges",
-# "bound_grants" (allocate's `source_instance`; grants bind destination and source).
+# "bound_grants" (allocate's `source_instance`; grants bind destination and source),
+# "partial_transfer", "binary_ids", "source_commit", "epoch_check" (`io_types.py`).
 PROTOCOL_VERSION = 2
+
+# Wire feature: allocate takes `expect_epoch` (the target's session info `server_epoch`)
+# and refuses a stale one before it reserves anything.
+EPOCH_CHECK_FEATURE = "epoch_check"

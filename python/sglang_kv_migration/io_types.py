@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from sglang.srt.managers.io_struct import BaseReq
 
-from sglang_kv_migration import binary_ids, grants, page_ranges
+from sglang_kv_migration import EPOCH_CHECK_FEATURE, binary_ids, grants, page_ranges
 from sglang_kv_migration.targets import HostTarget  # the host path's fields, once
 
 # Optional wire features this version understands (session info `features`).
@@ -31,7 +31,15 @@ from sglang_kv_migration.targets import HostTarget  # the host path's fields, on
 # receipts say how many tokens were written, and commit inserts those.
 # "binary_ids" (`binary_ids.py`): bodies may carry the ids as bytes (`input_ids_u32`).
 # "source_commit" (`server/mailbox.py`) is listed only by servers with a mailbox.
-WIRE_FEATURES = (page_ranges.FEATURE, grants.FEATURE, grants.PARTIAL_FEATURE, binary_ids.FEATURE)
+# "epoch_check": allocate takes `expect_epoch` and refuses, reserving nothing, when this
+# server's epoch is no longer the one the caller's session info names.
+WIRE_FEATURES = (
+    page_ranges.FEATURE,
+    grants.FEATURE,
+    grants.PARTIAL_FEATURE,
+    binary_ids.FEATURE,
+    EPOCH_CHECK_FEATURE,
+)
 
 # --------------------------------------------------------------------------- PP stages
 
@@ -159,6 +167,10 @@ class AllocateTokenForTransferReqInput(BaseReq):
     # Feature "source_commit": the source hands its receipts to this server's mailbox
     # and this server commits by itself, with no /commit trip (`server/mailbox.py`).
     source_commit: bool = False
+    # Feature "epoch_check": the `server_epoch` of the caller's session info. A caller
+    # whose info is stale (restart, weight update, KV memory resume) gets a conflict
+    # before anything is reserved: slots granted to it would sit out a write window.
+    expect_epoch: str = ""
 
 
 @dataclass

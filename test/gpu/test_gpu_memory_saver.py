@@ -172,21 +172,21 @@ def test_an_allocation_across_a_release_is_refused(servers: Servers, client: Mig
         s.source, "/get_transfer_session_info", {})["ranks"]]  # fmt: skip
     body = {"input_ids": prompt, "source_fingerprints": fingerprints, "path": "device"}
 
-    def allocate(migration_id: str) -> httpx.Response:
-        return httpx.post(f"{s.target}/allocate_token_for_transfer",
-                          json={**body, "migration_id": migration_id}, timeout=60)  # fmt: skip
+    def allocate() -> httpx.Response:  # the target mints the migration id
+        return httpx.post(f"{s.target}/allocate_token_for_transfer", json=body, timeout=60)
 
-    pending = allocate("across-release")
+    pending = allocate()
     assert pending.status_code == 200, pending.text
     _memory(s.target, "release")
     try:
         commit = httpx.post(
-            f"{s.target}/commit", json={"migration_id": "across-release"}, timeout=60
-        )
-        during = allocate("while-released")
+            f"{s.target}/commit", json={"migration_id": pending.json()["migration_id"]},
+            timeout=60,
+        )  # fmt: skip
+        during = allocate()
     finally:
         _memory(s.target, "resume")
-    after = allocate("after-resume")
+    after = allocate()
     record("memory_saver_refusals", {"commit": [commit.status_code, commit.text],
                                      "during": [during.status_code, during.text],
                                      "after": after.status_code})  # fmt: skip
@@ -194,6 +194,8 @@ def test_an_allocation_across_a_release_is_refused(servers: Servers, client: Mig
     assert during.status_code == 503 and "released its KV cache memory" in during.text
     assert after.status_code == 200, after.text
     abort = httpx.post(
-        f"{s.target}/abort_transfer", json={"migration_id": "after-resume"}, timeout=60
+        f"{s.target}/abort_transfer",
+        json={"migration_id": after.json()["migration_id"]},
+        timeout=60,
     )
     assert abort.status_code == 200, abort.text

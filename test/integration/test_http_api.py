@@ -74,6 +74,7 @@ SEQ_MAILBOX = _seq(10000, 4 * PAGE)
 SEQ_MAILBOX_OFF = _seq(10500, 2 * PAGE)
 SEQ_NEW_WEIGHTS = _seq(11000, 2 * PAGE)  # held by no server: allocate only
 SEQ_MAILBOX_ABORTED = _seq(11500, 2 * PAGE)
+SEQ_STALE = _seq(12000, 3 * PAGE)
 
 
 @dataclass
@@ -102,6 +103,7 @@ def servers() -> Iterator[Servers]:
                 (SEQ_MAILBOX, 10),
                 (SEQ_MAILBOX_OFF, 11),
                 (SEQ_MAILBOX_ABORTED, 12),
+                (SEQ_STALE, 13),
             ]
         ),
         ServerSpec(watchdog_timeout_s=WATCHDOG_S),
@@ -418,7 +420,11 @@ def test_client_migrates_partial_then_rest_then_nothing(servers: Servers) -> Non
             assert steps["route"] <= second.timings[phase] * 1e3 + 0.01, (phase, steps)
             inside = sum(steps[k] for k in ("to_scheduler", "scheduler", "to_tokenizer"))
             assert steps["parse"] + inside <= steps["route"] + 0.01, (phase, steps)
-        assert second.steps_ms["transfer"]["polls"] >= 1  # replied from a later poll()
+        transfer_steps = second.steps_ms["transfer"]
+        assert transfer_steps["polls"] >= 1  # replied from a later poll()
+        # The scheduler's part, split: handler, wait for the copy, the reply's own work.
+        split = sum(transfer_steps[k] for k in ("handler", "waited", "replying"))
+        assert 0 < split <= transfer_steps["scheduler"] + 0.01, transfer_steps
 
         source_kv = src.ask(0, "kv", aligned)
         target_kv = dst.ask(0, "kv", aligned)
@@ -934,3 +940,53 @@ def test_cli_bad_arguments_exit_2(args: list[str]) -> None:
     done = _cli("--source", "http://127.0.0.1:1", "--target", "http://127.0.0.1:2", *args)
     assert done.returncode == 2
     assert "input ids" in done.stderr
+
+
+# --------------------------------------------------------------------------- stale epoch
+# Last in this module: a KV memory cycle gives the shared target a new epoch.
+
+
+def test_an_allocate_for_a_stale_epoch_reserves_nothing(
+    servers: Servers, http: httpx.Client
+) -> None:
+    """Feature "epoch_check": after a KV memory resume (new epoch) an allocate that names
+    the old epoch is a conflict before anything is reserved, and the reply carries the
+    new epoch."""
+    target = servers.target
+    info = _session_info(http, target)
+    assert "epoch_check" in info["features"]
+    old = info["server_epoch"]
+    fingerprints = _fingerprints(http, servers.source)
+    assert target.ask(0, "memory_cycle") >= 1
+    before = target.ask(0, "snapshot")
+    r = _allocate(http, target, SEQ_WATCHDOG, fingerprints, expect_epoch=old)
+    assert r.status_code == 409, r.text
+    reply = r.json()
+    new = _session_info(http, target)["server_epoch"]
+    assert new != old and reply["server_epoch"] == new
+    assert old in reply["message"] and "/get_transfer_session_info" in reply["message"]
+    assert target.ask(0, "snapshot") == before and target.ask(0, "pending") == 0
+    # (The new epoch is accepted: the next test migrates with it. Not here: an aborted
+    # allocation's slots would sit out a write window while that test counts them.)
+    too_long = _allocate(http, target, SEQ_WATCHDOG, fingerprints, expect_epoch="e" * 1025)
+    assert too_long.status_code == 400 and "expect_epoch" in too_long.text
+
+
+def test_a_client_with_stale_session_info_wastes_no_allocation(servers: Servers) -> None:
+    """A client that cached the target's session info before a KV memory resume: its
+    allocate is refused for the stale epoch, it reads the info again and migrates; no
+    slots of an aborted allocation sit out a write window on the target."""
+    src, dst = servers.source, servers.target
+    with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
+        first = client.migrate(src.url, dst.url, SEQ_STALE[:PAGE])
+        assert first.migrated_token_size == PAGE
+        stale = client.session_info(dst.url)["server_epoch"]
+        assert dst.ask(0, "memory_cycle") >= 1
+        before = dst.ask(0, "snapshot")
+        result = client.migrate(src.url, dst.url, SEQ_STALE)
+        assert client.session_info(dst.url)["server_epoch"] != stale  # read again
+    assert result.migrated_token_size == 2 * PAGE and result.matched_after_commit == len(SEQ_STALE)
+    after = dst.ask(0, "snapshot")
+    # Exactly the migrated pages left the free host slots: none sits in quarantine.
+    assert after.host_available == before.host_available - 2 * PAGE, (before, after)
+    assert dst.ask(0, "pending") == 0 and after.total_lock_ref == 0

@@ -456,6 +456,14 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             before = len(migration.pending)
             before_process_input_requests(scheduler, [UpdateWeightFromDiskReqInput("new")])
             value = before - len(migration.pending)
+        elif name == "memory_cycle":
+            # What our hooks do around SGLang's /release_memory_occupation and
+            # /resume_memory_occupation (the KV pool itself stays: no memory saver here).
+            migration = scheduler.kv_migration
+            migration.prepare_for_memory_release()
+            migration.after_memory_release()
+            migration.after_memory_resume()
+            value = migration.memory_generation
         elif name == "evict_device":
             value = harness.evict_device_all()
         elif name == "insert":

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
+from sglang_kv_migration import EPOCH_CHECK_FEATURE as EPOCH_CHECK
 from sglang_kv_migration import PROTOCOL_VERSION, binary_ids
 from sglang_kv_migration.client import aio_http11, http11
 from sglang_kv_migration.fingerprint import LayoutFingerprint
@@ -571,7 +572,12 @@ def _move(
     clock = time.perf_counter
     timings = plan.timings
     t0 = clock()
-    allocation = yield from _step(_allocate_call(plan, path))
+    try:
+        allocation = yield from _step(_allocate_call(plan, path))
+    except MigrationFailed as failure:
+        if failure.reply:  # refused for a stale epoch ("epoch_check"): read info again
+            _check_epoch(plan.target_url, plan.target_info, failure.reply)
+        raise
     migration_id = allocation["migration_id"]
     timings["allocate"] = timings.get("allocate", 0.0) + clock() - t0
     plan.steps["allocate"] = _trip_steps(allocation, clock() - t0)
@@ -686,8 +692,19 @@ def _allocate_call(plan: _Plan, path: str) -> _Call:
             **({"staging": True} if _can_stage(plan, path) else {}),
             **({"verify": True} if plan.verify else {}),
             **({"source_commit": True} if _both_list(*infos, SOURCE_COMMIT) else {}),
+            **_expect_epoch(plan.target_info),
         },
     )
+
+
+def _expect_epoch(target_info: dict[str, Any]) -> dict[str, Any]:
+    """Feature "epoch_check": a target whose epoch moved on since `target_info` was read
+    refuses before it reserves anything (slots granted to a stale plan would be aborted
+    unused and sit out their write window: in a small landing arena, room the retry
+    needs)."""
+    if EPOCH_CHECK not in target_info.get("features", []):
+        return {}
+    return {"expect_epoch": target_info.get("server_epoch", "")}
 
 
 def _transfer_call(plan: _Plan, allocation: dict[str, Any], path: str) -> _Call:

@@ -64,6 +64,7 @@ class MigrationBackend(Protocol):
 MAX_BODY_BYTES = 32 << 20
 MAX_TOKENS = 1 << 21  # input_ids / kv_indices / kv_pages per request
 MAX_ID_CHARS = 128  # migration_id
+MAX_EPOCH_CHARS = 1024  # server_epoch: instance, KV memory generation, weight_version
 MAX_KEY_CHARS = 4096  # extra_key
 MAX_TOKEN_CHARS = 4096  # a grant or receipt
 
@@ -142,6 +143,8 @@ class AllocateBody(_IdsBody):
     source_instance: str = Field(default="", max_length=MAX_ID_CHARS)
     # Feature "source_commit": the source commits through this server's mailbox.
     source_commit: bool = False
+    # Feature "epoch_check": the session info `server_epoch` the caller planned with.
+    expect_epoch: str = Field(default="", max_length=MAX_EPOCH_CHARS)
 
 
 class TargetRankBody(_Body):

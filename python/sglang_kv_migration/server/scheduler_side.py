@@ -421,6 +421,7 @@ class MigrationSchedulerSide:
                 migration_id=req.migration_id,
                 message=first.message,
                 error_kind=first.error_kind,
+                server_epoch=self.epoch_for(req),  # a stale caller learns it is
             )
         self.metrics.outcome("target", "allocated")
         self.metrics.phase("allocate", time.monotonic() - started)
@@ -448,6 +449,13 @@ class MigrationSchedulerSide:
                 ErrorKind.UNAVAILABLE,
                 "this server released its KV cache memory (/release_memory_occupation); "
                 "migrate to it after /resume_memory_occupation",
+            )
+        if req.expect_epoch and req.expect_epoch != self.epoch_for(req):
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                f"this server's epoch is {self.epoch_for(req)}, not {req.expect_epoch}: it "
+                "restarted, updated its weights or resumed its KV memory since that session "
+                "info was read (read /get_transfer_session_info again)",
             )
         path = self._path(req.path)
         alloc = self.pending.allocate(

@@ -38,7 +38,7 @@ from sglang_kv_migration.paths.base import DataPath, KVPoll, SendJob, SendRange
 from sglang_kv_migration.server.mailbox import Deliverer
 from sglang_kv_migration.server.metrics import MigrationMetrics
 from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, error_of
-from sglang_kv_migration.server.trace import stamp
+from sglang_kv_migration.server.trace import ms, stamp
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +79,7 @@ class InflightTransfer:
     slots_digest: str = ""  # of this rank's target slots, once parsed (for the receipt)
     own_slots: tuple[torch.Tensor, str] | None = None  # (slots, digest), parsed once
     first_poll: int = 0  # `SourceTransfers.polls` when it started (its reply says how many)
+    handled: float = 0.0  # when its handler returned (the reply's `handler`/`waited`)
     # Feature "source_commit": where this rank hands every rank's receipts to the target
     # (its grant's `mailbox`, on rank 0 only), and until when (unix time).
     mailbox: str = ""
@@ -147,6 +148,7 @@ class SourceTransfers:
         self.deliverer = deliverer
         self.inflight: list[InflightTransfer] = []  # read-only outside this class
         self.polls = 0  # `poll()` calls with transfers in flight
+        self._poll_started = 0.0  # when the current `poll()` began
 
     def epoch_of(self, weight_version: str) -> str:
         """The epoch replies carry: instance, KV memory generation and weights."""
@@ -163,6 +165,7 @@ class SourceTransfers:
         error = error_of(lambda: self._start(req, inflight))
         if error is not None and inflight.error is None:
             inflight.error = error
+        inflight.handled = time.monotonic()
 
     def _start(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
         # First: even a refused transfer's receipt names this rank's slots (a settled
@@ -192,6 +195,7 @@ class SourceTransfers:
         """Once per scheduler loop iteration while transfers are in flight."""
         if self.inflight:
             self.polls += 1
+            self._poll_started = time.monotonic()
             if any(t.waiting for t in self.inflight):
                 # A collective: `waiting` is the same on every rank.
                 self.ctx.tree_cache.writing_check()
@@ -227,8 +231,7 @@ class SourceTransfers:
                 error_kind=ErrorKind.INTERNAL.value,
             )
             output.rid = req.rid
-            stamp(output, req, self.ctx.pp_rank, polls=self.polls - inflight.first_poll)
-            self.ctx.send_output(output, req)
+            self._send(output, inflight)
 
     def close(self) -> None:
         for inflight in self.inflight:
@@ -492,8 +495,26 @@ class SourceTransfers:
                     _steps_text(statuses[self.ctx.tp_rank].steps),
                 )
         output.rid = req.rid  # the tokenizer side matches concurrent transfers by rid
-        stamp(output, req, self.ctx.pp_rank, polls=self.polls - inflight.first_poll)
-        self.ctx.send_output(output, req)
+        self._send(output, inflight)
+
+    def _send(self, output: TransferRequestKVCacheReqOutput, inflight: InflightTransfer) -> None:
+        """Send the reply, stamped with where the scheduler's part of the trip went
+        (`trace.py`), ms: the handler, the wait until the poll that found the copy done
+        (`polls` loop iterations), and that poll until now (the ranks' gather, receipts,
+        the mailbox delivery)."""
+        now = time.monotonic()
+        handled = inflight.handled or now
+        polled = self._poll_started if self._poll_started > handled else handled
+        stamp(
+            output,
+            inflight.request,
+            self.ctx.pp_rank,
+            polls=self.polls - inflight.first_poll,
+            handler=ms(handled - inflight.started),
+            waited=ms(polled - handled),
+            replying=ms(now - polled),
+        )
+        self.ctx.send_output(output, inflight.request)
 
 
 def _uneven_lengths(statuses: list[RankTransferStatus]) -> list[RankTransferStatus]:

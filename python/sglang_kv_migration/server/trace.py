@@ -4,7 +4,9 @@ A trip crosses three threads of two processes on one host: the HTTP event loop (
 read and parsed, request built: `parse`), the zmq hop to the scheduler and the wait for
 its next loop iteration (`to_scheduler`), the scheduler's handler and, for the replies
 sent later from `poll()` (transfers, staged commits), the iterations until then
-(`scheduler`), the hop back and the event loop's wake-up (`to_tokenizer`), and the rest
+(`scheduler`; a transfer's reply splits it into `handler`, `waited`: the loop iterations
+until the poll that found the copy done, and `replying`: that poll's gather, receipts and
+mailbox delivery), the hop back and the event loop's wake-up (`to_tokenizer`), the rest
 of the route until its reply is encoded (`route`: the whole route, from the first byte
 of the body read to the reply's bytes). Clients add `outside` (their trip less
 `route`: HTTP client, server, middleware, network).
@@ -62,13 +64,14 @@ def trip_steps(request: Any, replies: list[Any]) -> dict[str, float]:
     arrived = getattr(reply, _ARRIVED)
     t = reply.trace
     steps = {
-        "to_scheduler": _ms(t["received"] - sent),
-        "scheduler": _ms(t["replied"] - t["received"]),
-        "to_tokenizer": _ms(arrived - t["replied"]),
+        "to_scheduler": ms(t["received"] - sent),
+        "scheduler": ms(t["replied"] - t["received"]),
+        "to_tokenizer": ms(arrived - t["replied"]),
     }
     steps.update({k: v for k, v in t.items() if k not in _STAMPS})
     return steps
 
 
-def _ms(seconds: float) -> float:
+def ms(seconds: float) -> float:
+    """Seconds as ms, to the µs; never negative (stamps from two processes)."""
     return round(max(seconds, 0.0) * 1e3, 3)

@@ -300,9 +300,11 @@ class DevicePath(DataPath):
             peer = DeviceTarget.from_wire(send.target.device_kv)
         except (KeyError, TypeError, ValueError) as e:
             raise MigrationError(ErrorKind.BAD_REQUEST, f"bad device_kv description: {e}") from None
+        started = time.perf_counter()
         tiered = prepare_tiered_send(self.cache, send, self.page_size)
         if tiered is None:
             return NothingToSend(send)
+        matched = time.perf_counter()
         send = tiered.send
         opening = self._open_peer(peer)
         if tiered.plan.tokens(tiers.HOST_TIER) and self._host is None:
@@ -339,6 +341,10 @@ class DevicePath(DataPath):
         except BaseException:
             job.release()
             raise
+        # The handler's own time (the reply's steps): the radix match and plan, then
+        # the checks, the pin and the copy's launch (the mapping's open, if it ran here).
+        job.stats.steps["match"] = matched - started
+        job.stats.steps["launch"] = time.perf_counter() - matched
         return job
 
     # ------------------------------------------------------------------ helpers
