@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from sglang_kv_migration.paths.device.page_copy import (
     PageGeometry,
     copy_pages_strided_torch,
@@ -84,16 +86,29 @@ def pages_of(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Page ids of token slots that fill whole, aligned pages; raises ValueError."""
     import torch
 
-    slots = slots.to("cpu", torch.int64).reshape(-1)
-    if slots.numel() % page_size:
-        raise ValueError(f"{slots.numel()} slots are not whole pages of {page_size}")
-    rows = slots.view(-1, page_size)
-    first = rows[:, :1]
-    if bool((first % page_size).any()) or not torch.equal(
-        rows, first + torch.arange(page_size, dtype=torch.int64)
+    return torch.from_numpy(_pages_np(_slots_np(slots), page_size))
+
+
+def _slots_np(slots: torch.Tensor) -> np.ndarray:
+    # One copy to the host (device slots: one sync); the checks below are numpy, not a
+    # dozen small torch ops (each costs microseconds on the scheduler thread).
+    import torch
+
+    return slots.to("cpu", torch.int64).reshape(-1).numpy()
+
+
+def _pages_np(slots: np.ndarray, page_size: int) -> np.ndarray:
+    if slots.size % page_size:
+        raise ValueError(f"{slots.size} slots are not whole pages of {page_size}")
+    if page_size == 1:
+        return slots.copy()  # every slot is a page; the copy: callers may keep it
+    rows = slots.reshape(-1, page_size)
+    first = rows[:, 0]
+    if (first % page_size).any() or not np.array_equal(
+        rows, first[:, None] + np.arange(page_size, dtype=np.int64)
     ):
         raise ValueError(f"slots are not whole, aligned pages of {page_size}")
-    return first.reshape(-1) // page_size
+    return first // page_size
 
 
 def plan_tiers(
@@ -115,9 +130,9 @@ def plan_tiers(
         raise ValueError(f"[{start}, {end}) is not a non-empty range of whole pages of {page_size}")
     if int(target_slots.numel()) != end - start:
         raise ValueError(f"{target_slots.numel()} target slots for {end - start} tokens")
-    dst_all = pages_of(target_slots, page_size)
-    src: dict[str, list[torch.Tensor]] = {}
-    dst: dict[str, list[torch.Tensor]] = {}
+    dst_all = _pages_np(_slots_np(target_slots), page_size)
+    src: dict[str, list[np.ndarray]] = {}
+    dst: dict[str, list[np.ndarray]] = {}
     runs: list[tuple[str, int]] = []
     offset = 0
     for seg in segments:
@@ -128,7 +143,7 @@ def plan_tiers(
         lo, hi = max(seg_start, start), min(seg_start + n, end)
         if lo >= hi:
             continue
-        pages = pages_of(seg.slots[lo - seg_start : hi - seg_start], page_size)
+        pages = _pages_np(_slots_np(seg.slots[lo - seg_start : hi - seg_start]), page_size)
         src.setdefault(seg.tier, []).append(pages)
         dst.setdefault(seg.tier, []).append(
             dst_all[(lo - start) // page_size : (hi - start) // page_size]
@@ -139,7 +154,12 @@ def plan_tiers(
             runs.append((seg.tier, len(pages)))
     if offset < end:
         raise ValueError(f"the source's segments cover {offset} tokens, {end} needed")
-    tiers = {t: TierPages(torch.cat(src[t]), torch.cat(dst[t])) for t in src}
+    tiers = {
+        t: TierPages(
+            torch.from_numpy(np.concatenate(src[t])), torch.from_numpy(np.concatenate(dst[t]))
+        )
+        for t in src
+    }
     return TierPlan(page_size=page_size, tiers=tiers, runs=tuple(runs))
 
 
