@@ -77,7 +77,18 @@ IDLE_FUNCTIONS = {
 }
 FIRST_TOKEN = {2: 50_000, 1024: 100_000, 8192: 200_000, 32768: 300_000}  # distinct branches
 CONCURRENT_FIRST_TOKEN = 1_000_000  # the concurrent mode's prefixes: one branch each
-STEPS = ("outside", "parse", "to_scheduler", "scheduler", "polls", "to_tokenizer", "route")
+STEPS = (
+    "outside",
+    "parse",
+    "to_scheduler",
+    "scheduler",
+    "handler",  # the transfer's scheduler part, split (`server/trace.py`)
+    "waited",
+    "replying",
+    "polls",
+    "to_tokenizer",
+    "route",
+)
 
 
 # --------------------------------------------------------------------------------------
