@@ -14,8 +14,10 @@
 set -u
 budget=$1
 shift
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .whl-mc/*.whl
+# --upgrade: on a warm machine /tmp/site already holds these; without it pip keeps the
+# old copies (a package wheel rebuilt since the last call would not be installed).
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir \
+  --target /tmp/site .whl-mc/*.whl
 export PYTHONPATH=/tmp/site CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 export LD_LIBRARY_PATH=$PWD/.whl-mc/lib:${LD_LIBRARY_PATH:-} PYTHONUNBUFFERED=1
 export MC_TCP_SLICE_SIZE=1048576
