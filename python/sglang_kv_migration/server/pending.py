@@ -443,15 +443,15 @@ class PendingMigrations:
         matched_after: int = 0,
         settled: bool = False,
     ) -> None:
+        # IMPORTANT: like the slots, an extent or mailbox slot a granted write may still
+        # reach is reused only after the write window (a commit saw every write complete).
+        late = state is not MigrationState.COMMITTED and not settled
+        not_before = pending.write_window_end if late else None
         if pending.staging is not None and self.release_staging is not None:
-            # IMPORTANT: like the slots, an extent a granted write may still reach is
-            # reused only after the write window (a commit saw every write complete).
-            late = state is not MigrationState.COMMITTED and not settled
-            self.release_staging(pending.staging, pending.write_window_end if late else None)
+            self.release_staging(pending.staging, not_before)
             pending.staging = None
         if pending.mailbox is not None and self.release_mailbox is not None:
-            late = state is not MigrationState.COMMITTED and not settled
-            self.release_mailbox(pending.mailbox[0], pending.write_window_end if late else None)
+            self.release_mailbox(pending.mailbox[0], not_before)
             pending.mailbox = None
         pending.state = state
         del self.by_id[pending.migration_id]

@@ -504,7 +504,7 @@ class SourceTransfers:
         the mailbox delivery)."""
         now = time.monotonic()
         handled = inflight.handled or now
-        polled = self._poll_started if self._poll_started > handled else handled
+        polled = max(self._poll_started, handled)  # a reply sent from the handler: no wait
         stamp(
             output,
             inflight.request,

@@ -86,7 +86,9 @@ def pages_of(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Page ids of token slots that fill whole, aligned pages; raises ValueError."""
     import torch
 
-    return torch.from_numpy(_pages_np(_slots_np(slots), page_size))
+    pages = _pages_np(_slots_np(slots), page_size)
+    # At page 1 the pages are the slots' own memory: the caller gets its own copy.
+    return torch.from_numpy(pages.copy() if page_size == 1 else pages)
 
 
 def _slots_np(slots: torch.Tensor) -> np.ndarray:
@@ -101,7 +103,7 @@ def _pages_np(slots: np.ndarray, page_size: int) -> np.ndarray:
     if slots.size % page_size:
         raise ValueError(f"{slots.size} slots are not whole pages of {page_size}")
     if page_size == 1:
-        return slots.copy()  # every slot is a page; the copy: callers may keep it
+        return slots  # every slot is a page (a view of the slots)
     rows = slots.reshape(-1, page_size)
     first = rows[:, 0]
     if (first % page_size).any() or not np.array_equal(
