@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 from sglang_kv_migration.client.migration import MigrationClient
 
 _HERE = Path(__file__).resolve().parent
@@ -84,6 +85,11 @@ def main() -> None:
     parser.add_argument("--pp-size", type=int, default=1, help="2 on nvidia-h200-x2")
     parser.add_argument(
         "--only-concurrency", action="store_true", help="skip the tier rounds (issue 21)"
+    )
+    parser.add_argument(
+        "--freeze-gc",
+        action="store_true",
+        help="then POST /freeze_gc to both servers and measure the concurrency again",
     )
     args = parser.parse_args()
     lengths = [] if args.only_concurrency else [4096] if args.quick else args.lengths
@@ -127,6 +133,17 @@ def main() -> None:
             client, source, target, args.concurrent, args.concurrent_tokens, rng
         )
         print(json.dumps({"concurrency": concurrency}), flush=True)
+        if args.freeze_gc:
+            # SGLang's own advice after warm-up: objects alive now leave the collector's
+            # generations, so a full collection no longer walks them (a pause of the
+            # scheduler's or tokenizer manager's loop while six moves wait on it).
+            for url in (source, target):
+                httpx.post(url + "/freeze_gc", timeout=60).raise_for_status()
+            frozen = _concurrency(
+                client, source, target, args.concurrent, args.concurrent_tokens, rng
+            )
+            print(json.dumps({"concurrency_after_freeze_gc": frozen}), flush=True)
+            concurrency["after_freeze_gc"] = frozen
     result = {"config": config, "rows": rows, "concurrency": concurrency,
               "wall_s": time.monotonic() - started}  # fmt: skip
     OUT_DIR.mkdir(parents=True, exist_ok=True)

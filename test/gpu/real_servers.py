@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -158,6 +159,8 @@ def launch(
             "--enable-kv-migration", "--kv-migration-hostname", "127.0.0.1",
             "--kv-migration-protocol", "tcp", *extra,
         ]  # fmt: skip
+    # Diagnosis runs add server flags to every server (e.g. --gc-warning-threshold-secs).
+    extra = [*extra, *shlex.split(os.environ.get("KVMIG_EXTRA_SERVER_FLAGS", ""))]
     # With a tokenizer SGLang builds a grammar backend; xgrammar is not in the wheel set.
     tokenizer_flags = ["--grammar-backend", "none"] if tokenizer else ["--skip-tokenizer-init"]
     extra = [*tokenizer_flags, *extra]

@@ -42,6 +42,7 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
     from sglang_kv_migration.grants import derive_key
     from sglang_kv_migration.paths.base import parse_path_names
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
+    from sglang_kv_migration.server.profiling import rank_profile
     from sglang_kv_migration.server.rank_context import RankContext
     from sglang_kv_migration.server.scheduler_side import (
         MigrationSchedulerSide,
@@ -93,6 +94,7 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         verify=args.kv_migration_verify,
         attn_cp_size=args.attn_cp_size,
         landing_bytes=args.kv_migration_landing_mb << 20,
+        profile=rank_profile(args.port, ctx.tp_rank, ctx.pp_rank),
     )
     scheduler.kv_migration = side
     sglang_adapter.add_request_handlers(scheduler, side.handlers())

@@ -61,6 +61,7 @@ from sglang_kv_migration.server.mailbox import Deliverer
 from sglang_kv_migration.server.metrics import LoopTimer, MigrationMetrics, NullMetrics
 from sglang_kv_migration.server.pending import PendingMigrations
 from sglang_kv_migration.server.pp_stages import refusal_of, refused_output
+from sglang_kv_migration.server.profiling import RankProfile
 from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, guarded
 from sglang_kv_migration.server.source_commits import SourceCommits
 from sglang_kv_migration.server.source_transfers import SourceTransfers
@@ -100,8 +101,10 @@ class MigrationSchedulerSide:
         verify: bool = False,
         attn_cp_size: int = 1,
         landing_bytes: int = 0,
+        profile: RankProfile | None = None,
     ):
         self.ctx = ctx
+        self.profile = profile  # SGLANG_KV_MIGRATION_PROFILE_DIR (`profiling.py`)
         self.metrics = metrics or NullMetrics()
         self.loop_timer = LoopTimer(self.metrics)
         cache = ctx.tree_cache
@@ -182,6 +185,8 @@ class MigrationSchedulerSide:
         outputs = {request: output for _name, request, output in REQUEST_TYPES}
         guarded_pairs = [(kind, self._guarding(h, outputs[kind])) for kind, h in pairs]
         guarded_pairs.append((StageSyncReqInput, self._guarding(self.stage_sync, None)))
+        if self.profile is not None:
+            guarded_pairs = [(kind, self.profile.wrap(h)) for kind, h in guarded_pairs]
         return [
             (kind, _received_first(self.loop_timer.timed(handler)))
             for kind, handler in guarded_pairs
@@ -205,10 +210,19 @@ class MigrationSchedulerSide:
         Never raises: an exception here would leave SGLang's scheduler loop and take the
         server down. It fails what is in flight instead (`_poll_failed`)."""
         try:
-            return self._poll_once()
+            if self.profile is None:
+                return self._poll_once()
+            return self._profiled_poll(self.profile)
         except Exception as e:
             self._poll_failed(e)
             return []
+
+    def _profiled_poll(self, profile: RankProfile) -> list[Any]:
+        if not (self.loop_timer.handled or self.has_work()):
+            profile.idle()
+            return self._poll_once()
+        with profile:
+            return self._poll_once()
 
     def _poll_once(self) -> list[Any]:
         timer = self.loop_timer
@@ -343,6 +357,8 @@ class MigrationSchedulerSide:
             path.close()
         if self.staging is not None:
             self.staging.close()  # after the transport: the arena was registered there
+        if self.profile is not None:
+            self.profile.close()
 
     def device_tokens_held(self) -> int:
         """Device slots pending migrations hold (SGLang's leak check counts them)."""

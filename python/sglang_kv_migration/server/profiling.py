@@ -1,0 +1,125 @@
+"""Opt-in profile of this package's work on a scheduler rank: a diagnosis aid, off by
+default and free when off.
+
+With `SGLANG_KV_MIGRATION_PROFILE_DIR` set in a server's environment, each scheduler
+rank runs every migration handler and every non-idle `poll()` under one
+`cProfile.Profile`, and times every garbage collection of its process (a pause of the
+collector stalls the whole scheduler loop, whatever it was doing). Once the rank has
+been idle for a second after such calls (never in the middle of a migration: writing
+takes milliseconds) and at `close()`, it writes
+
+- `scheduler-<port>-tp<r>-pp<s>.prof` (pstats; `python -m pstats FILE`),
+- `scheduler-<port>-tp<r>-pp<s>-gc.json`: per generation the number of collections and
+  their total ms, and every collection of 1 ms or more (`inside`: during our code).
+
+cProfile slows Python-heavy code by up to ~2x: read the split, not the absolute times.
+`SGLANG_KV_MIGRATION_PROFILE_GC_ONLY=1` times the collections alone, at no such cost.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import gc
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ENV = "SGLANG_KV_MIGRATION_PROFILE_DIR"
+GC_ONLY_ENV = "SGLANG_KV_MIGRATION_PROFILE_GC_ONLY"
+IDLE_BEFORE_DUMP_S = 1.0
+LONG_GC_MS = 1.0
+MAX_LONG_GCS = 2000
+
+
+class RankProfile:
+    """One rank's profiler: `with profile:` around our calls (nestable), `wrap(f)`."""
+
+    def __init__(self, directory: Path, name: str, calls: bool = True):
+        directory.mkdir(parents=True, exist_ok=True)
+        self._prof_path = directory / f"{name}.prof"
+        self._gc_path = directory / f"{name}-gc.json"
+        self._profile = cProfile.Profile() if calls else None
+        self._depth = 0
+        self._busy_until = 0.0
+        self._unwritten = False
+        self._gc_started = 0.0
+        self._gc_totals: dict[int, list[float]] = {}  # generation -> [count, ms]
+        self._long_gcs: list[dict[str, Any]] = []
+        gc.callbacks.append(self._on_gc)
+
+    def __enter__(self) -> RankProfile:
+        if self._depth == 0 and self._profile is not None:
+            self._profile.enable()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
+        if self._profile is not None:
+            self._profile.disable()
+        self._busy_until = time.monotonic()
+        self._unwritten = True
+
+    def idle(self) -> None:
+        """An idle loop iteration: write the files once idle for `IDLE_BEFORE_DUMP_S`."""
+        if self._unwritten and time.monotonic() - self._busy_until >= IDLE_BEFORE_DUMP_S:
+            self.dump()
+
+    def wrap(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def profiled(req: Any) -> Any:
+            with self:
+                return handler(req)
+
+        return profiled
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self._gc_started) * 1e3
+        generation = int(info.get("generation", -1))
+        totals = self._gc_totals.setdefault(generation, [0, 0.0])
+        totals[0] += 1
+        totals[1] += ms
+        if ms >= LONG_GC_MS and len(self._long_gcs) < MAX_LONG_GCS:
+            self._long_gcs.append(
+                {
+                    "at": time.monotonic(),
+                    "generation": generation,
+                    "ms": round(ms, 3),
+                    "collected": info.get("collected"),
+                    "inside": self._depth > 0,
+                }
+            )
+
+    def dump(self) -> None:
+        """Write both files (the profiler must not be running: `create_stats` stops it)."""
+        if self._depth:
+            return
+        self._unwritten = False
+        if self._profile is not None:
+            self._profile.dump_stats(self._prof_path)
+        totals = {
+            str(g): {"count": c, "ms": round(ms, 3)} for g, (c, ms) in self._gc_totals.items()
+        }
+        gc_report = {"by_generation": totals, "long": self._long_gcs}
+        self._gc_path.write_text(json.dumps(gc_report, indent=1))
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        self.dump()
+
+
+def rank_profile(port: int, tp_rank: int, pp_rank: int) -> RankProfile | None:
+    """This rank's profiler when the environment asks for one, else None."""
+    directory = os.environ.get(ENV)
+    if not directory:
+        return None
+    name = f"scheduler-{port}-tp{tp_rank}-pp{pp_rank}"
+    return RankProfile(Path(directory), name, calls=os.environ.get(GC_ONLY_ENV, "") != "1")
