@@ -87,6 +87,9 @@ def main() -> None:
         "--only-concurrency", action="store_true", help="skip the tier rounds (issue 21)"
     )
     parser.add_argument(
+        "--concurrency-rounds", type=int, default=1, help="measure the concurrency N times"
+    )
+    parser.add_argument(
         "--freeze-gc",
         action="store_true",
         help="then POST /freeze_gc to both servers and measure the concurrency again",
@@ -133,6 +136,14 @@ def main() -> None:
             client, source, target, args.concurrent, args.concurrent_tokens, rng
         )
         print(json.dumps({"concurrency": concurrency}), flush=True)
+        # Later rounds on the same servers: is a first round's stall a warm-up?
+        concurrency["later_rounds"] = []
+        for _ in range(args.concurrency_rounds - 1):
+            again = _concurrency(
+                client, source, target, args.concurrent, args.concurrent_tokens, rng
+            )
+            print(json.dumps({"concurrency_again": again}), flush=True)
+            concurrency["later_rounds"].append(again)
         if args.freeze_gc:
             # SGLang's own advice after warm-up: objects alive now leave the collector's
             # generations, so a full collection no longer walks them (a pause of the

@@ -9,6 +9,7 @@ servers before it asks either to move anything). The server builds its own from
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,16 @@ class LayoutFingerprint:
             **dataclasses.asdict(shape),
         )
 
+    @functools.cached_property
+    def wire(self) -> dict[str, int | str]:
+        """`to_dict()`, built once per fingerprint (read-only: compare, never change)."""
+        return self.to_dict()
+
+    def with_weight_version(self, weight_version: str) -> LayoutFingerprint:
+        """This fingerprint with `weight_version` (the same object for the same version,
+        so its `wire` is built once: a handler compares fingerprints on every request)."""
+        return _with_weight_version(self, weight_version)
+
     def to_dict(self) -> dict[str, int | str]:
         d = dataclasses.asdict(self)
         if d["attn_cp_size"] == 1:
@@ -129,3 +140,8 @@ class LayoutFingerprint:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+@functools.lru_cache(maxsize=64)
+def _with_weight_version(fingerprint: LayoutFingerprint, version: str) -> LayoutFingerprint:
+    return dataclasses.replace(fingerprint, weight_version=version)

@@ -5,7 +5,7 @@ source (transfer body). As a page list that is one JSON int per page, parsed, va
 pickled and unpickled on every hop: 32K ids for a 32K-token prefix at page size 1. A fresh
 pool hands out consecutive pages, so the same slots are usually one run: `[[0, 32768]]`.
 A fragmented pool degrades to one pair per page, twice the ints of a page list, and no
-worse in kind. Both sides convert with torch, without a Python loop per page.
+worse in kind. Both sides convert in numpy, without a Python loop per page.
 
 Invariants: runs are in prefix order (the k-th page of the allocation is the k-th page
 the runs enumerate); `count >= 1`; adjacent runs are not merged across a gap, so the
@@ -30,10 +30,10 @@ def to_page_ranges(slots: torch.Tensor, page_size: int) -> list[list[int]]:
     import numpy as np
     import torch
 
-    # On the CPU: device-path slots live on the GPU, and the runs go out as JSON anyway.
-    # Then in numpy: this runs on the scheduler thread at every allocate, and torch's
-    # per-op overhead made a two-token allocation's runs cost 0.2 ms.
-    pages = (slots[::page_size].to("cpu", torch.int64) // page_size).numpy()
+    # On the CPU (device-path slots live on the GPU: callers that copied them already
+    # pass the copy), then in numpy: this runs on the scheduler thread at every allocate,
+    # and torch's per-op overhead made a two-token allocation's runs cost 0.2 ms.
+    pages = slots[::page_size].to("cpu", torch.int64).numpy() // page_size
     if len(pages) == 0:
         return []
     # A run starts where a page does not follow its predecessor.
@@ -46,32 +46,39 @@ def to_page_ranges(slots: torch.Tensor, page_size: int) -> list[list[int]]:
 def pages_from_ranges(ranges: list[list[int]]) -> torch.Tensor:
     """The int64 page ids the runs enumerate, in order. Raises ValueError for a pair that
     is not `[first >= 0, count >= 1]`."""
+    import numpy as np
     import torch
 
     if not ranges:
         return torch.empty(0, dtype=torch.int64)
     if any(len(pair) != 2 for pair in ranges):
         raise ValueError("each page range must be [first_page, count]")
-    table = torch.tensor(ranges, dtype=torch.int64)
+    # numpy, not torch: this runs on the scheduler thread for every transfer, and each
+    # torch op on a few ints costs tens of microseconds there (H200 profile, 2026-12-01).
+    table = np.array(ranges, dtype=np.int64).reshape(-1, 2)
     firsts, counts = table[:, 0], table[:, 1]
-    if int(firsts.min()) < 0 or int(counts.min()) < 1:
+    if firsts.min() < 0 or counts.min() < 1:
         raise ValueError("page ranges need first_page >= 0 and count >= 1")
+    if len(ranges) == 1:  # the usual case: a fresh pool hands out one run
+        return torch.from_numpy(np.arange(firsts[0], firsts[0] + counts[0], dtype=np.int64))
     # Page k of run r is firsts[r] + (k - offset[r]), where offset[r] is the number of
     # pages before run r: one arange plus a per-run shift, no loop over runs.
-    offsets = torch.cumsum(counts, 0) - counts
-    total = int(counts.sum())
-    return torch.arange(total, dtype=torch.int64) + torch.repeat_interleave(
-        firsts - offsets, counts
-    )
+    offsets = np.cumsum(counts) - counts
+    pages = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(firsts - offsets, counts)
+    return torch.from_numpy(pages)
 
 
 def slots_from_pages(pages: torch.Tensor, page_size: int) -> torch.Tensor:
     """The int64 token slots of whole pages `pages`, in order (`to_page_ranges` takes
     them back to runs)."""
+    import numpy as np
     import torch
 
     if page_size == 1:
         return pages
+    if pages.device.type == "cpu":  # numpy: one op instead of four (scheduler thread)
+        slots = pages.numpy()[:, None] * page_size + np.arange(page_size, dtype=np.int64)
+        return torch.from_numpy(slots.reshape(-1))
     offsets = torch.arange(page_size, dtype=torch.int64, device=pages.device)
     return (pages[:, None] * page_size + offsets).reshape(-1)
 

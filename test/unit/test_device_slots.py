@@ -442,3 +442,24 @@ def test_scheduler_side_leaves_the_device_path_out_without_cuda(harness_factory,
     finally:
         side.close()
     assert h.snapshot().total_lock_ref == 0
+
+
+def test_the_loop_offers_the_gil_cheaply_when_no_helper_thread_waits(side, monkeypatch):
+    """A pending host-path allocation (its staging watcher may need the GIL) gets the
+    zero sleep of the poll; device-path work only a yield of the CPU."""
+    from sglang_kv_migration.server import scheduler_side
+
+    calls: list[str] = []
+    monkeypatch.setattr(scheduler_side.time, "sleep", lambda s: calls.append(f"sleep {s}"))
+    monkeypatch.setattr(scheduler_side.os, "sched_yield", lambda: calls.append("yield"))
+    host_slots = side.pending.allocate("m-host", _tokens(32), None, path=side.paths["host"])
+    side.poll()
+    assert "sleep 0" in calls and "yield" not in calls
+    side.pending.abort("m-host")
+    device = DevicePath(side.harness.cache)
+    side.pending.allocate("m-device", _tokens(32, start=5000), None, path=device)
+    calls.clear()
+    side.poll()
+    assert calls.count("yield") == 1 and "sleep 0" not in calls
+    side.pending.abort("m-device")
+    assert host_slots.extra_length == 32

@@ -625,3 +625,21 @@ def test_from_host_pool_on_real_pools(harness_factory, attention, host_layout, p
         )
         is None
     )
+
+
+def test_the_fast_fingerprint_check_is_as_strict_as_the_full_one():
+    from sglang_kv_migration.errors import MigrationError
+    from sglang_kv_migration.server.rank_context import check_peer_fingerprint
+
+    mine = fingerprint().with_weight_version("v1")
+    assert mine is fingerprint().with_weight_version("v1")  # built once per version
+    assert mine.weight_version == "v1" and mine.wire == mine.to_dict()
+    check_peer_fingerprint(mine, [mine.to_dict()], role="target")
+    # Equal under `==` but not the same types: refused as the full check refuses them.
+    for field, value in (("pp_size", True), ("page_size", 16.0)):
+        raw = {**mine.to_dict(), field: value}
+        assert raw == mine.wire
+        with pytest.raises(MigrationError, match=field):
+            check_peer_fingerprint(mine, [raw], role="target")
+    with pytest.raises(MigrationError, match="page_size: target=64"):
+        check_peer_fingerprint(mine, [{**mine.to_dict(), "page_size": 64}], role="target")

@@ -67,3 +67,13 @@ def test_gc_only_writes_no_call_profile(monkeypatch, tmp_path):
     assert not (tmp_path / "scheduler-30003-tp0-pp0.prof").exists()
     report = json.loads((tmp_path / "scheduler-30003-tp0-pp0-gc.json").read_text())
     assert report["by_generation"]["2"]["count"] >= 1
+
+
+def test_the_report_names_this_process_threads(monkeypatch, tmp_path):
+    monkeypatch.setenv(profiling.ENV, str(tmp_path))
+    profile = profiling.rank_profile(30004, 0, 0)
+    assert profile is not None
+    profile.close()
+    report = json.loads((tmp_path / "scheduler-30004-tp0-pp0-gc.json").read_text())
+    assert "MainThread" in report["python_threads"]
+    assert report["threads"] and all(t["cpu_s"] >= 0 for t in report["threads"])

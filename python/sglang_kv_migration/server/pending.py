@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from sglang_kv_migration import sglang_adapter
@@ -93,13 +94,21 @@ class Allocation:
     extra_length: int
     slots: torch.Tensor  # int64 token slots reserved after the matched prefix
 
+    @cached_property
+    def host_slots(self) -> torch.Tensor:
+        """The slots on the CPU (int64, contiguous), copied once for every use (the
+        reply's index list, the grant's digest): a copy of device slots is a GPU sync."""
+        import torch
+
+        return self.slots.detach().to("cpu", torch.int64).contiguous()
+
     @property
     def kv_indices(self) -> list[int]:
-        return self.slots.tolist()
+        return self.host_slots.tolist()
 
     def kv_pages(self, page_size: int) -> list[int]:
         """The reserved slots as page ids (they are whole pages)."""
-        return (self.slots[::page_size] // page_size).tolist()
+        return (self.host_slots[::page_size] // page_size).tolist()
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import cProfile
 import gc
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,13 +108,36 @@ class RankProfile:
         totals = {
             str(g): {"count": c, "ms": round(ms, 3)} for g, (c, ms) in self._gc_totals.items()
         }
-        gc_report = {"by_generation": totals, "long": self._long_gcs}
+        gc_report = {
+            "by_generation": totals,
+            "long": self._long_gcs,
+            # Which threads of the process ran how much (a thread that keeps taking the
+            # GIL slows every call of the scheduler's that releases it).
+            "threads": _thread_cpu_seconds(),
+            "python_threads": sorted(t.name for t in threading.enumerate()),
+        }
         self._gc_path.write_text(json.dumps(gc_report, indent=1))
 
     def close(self) -> None:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         self.dump()
+
+
+def _thread_cpu_seconds() -> list[dict[str, Any]]:
+    """Per thread of this process (Linux): its name and CPU seconds so far."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    threads = []
+    for task in sorted(Path("/proc/self/task").glob("*")):
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        cpu = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+        threads.append({"tid": int(task.name), "name": name, "cpu_s": round(cpu, 2)})
+    return sorted(threads, key=lambda t: -t["cpu_s"])
 
 
 def rank_profile(port: int, tp_rank: int, pp_rank: int) -> RankProfile | None:

@@ -144,6 +144,8 @@ def check_peer_fingerprint(
 ) -> None:
     """Compare this rank's fingerprint with the `role` peer rank at the same (tp, pp)."""
     for raw in peer_fingerprints:
+        if _same_as(raw, mine.wire):  # the usual case: no parse, no field-by-field walk
+            return
         try:
             peer = LayoutFingerprint.from_dict(raw)
         except ValueError as e:
@@ -161,4 +163,14 @@ def check_peer_fingerprint(
         ErrorKind.BAD_REQUEST,
         f"no {role} fingerprint for tp_rank={mine.tp_rank} pp_rank={mine.pp_rank} "
         f"({len(peer_fingerprints)} given)",
+    )
+
+
+def _same_as(raw: Any, wire: dict[str, Any]) -> bool:
+    """`raw` is exactly `wire`: equal, and no value of another type (True == 1, 1.0 == 1
+    compare equal; `from_dict` would refuse them)."""
+    return (
+        isinstance(raw, dict)
+        and raw == wire
+        and all(type(raw[k]) is type(v) for k, v in wire.items())
     )

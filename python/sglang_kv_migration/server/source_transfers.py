@@ -34,7 +34,7 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheReqOutput,
     TransferRequestKVCacheTarget,
 )
-from sglang_kv_migration.paths.base import DataPath, KVPoll, SendJob, SendRange
+from sglang_kv_migration.paths.base import DEVICE, DataPath, KVPoll, SendJob, SendRange
 from sglang_kv_migration.server.mailbox import Deliverer
 from sglang_kv_migration.server.metrics import MigrationMetrics
 from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, error_of
@@ -156,6 +156,14 @@ class SourceTransfers:
 
     def __len__(self) -> int:
         return len(self.inflight)
+
+    def on_helper_threads(self) -> bool:
+        """Whether a transfer in flight may wait on a helper thread (the host path's
+        transport workers, a verify digest): device-path sends run on the GPU."""
+        return any(
+            t.path is None or t.path.name != DEVICE or t.send is None or t.send.verify
+            for t in self.inflight
+        )
 
     def start(self, req: TransferRequestKVCacheReqInput) -> None:
         """Handle a transfer request; the reply is sent later by `poll()`, also when
@@ -350,7 +358,7 @@ class SourceTransfers:
                 f"data path {target.path!r} is not available on this source (available: "
                 f"{', '.join(self.paths) or 'none'})",
             )
-        mine = dataclasses.replace(fingerprint, weight_version=req.weight_version)
+        mine = fingerprint.with_weight_version(req.weight_version)
         check_peer_fingerprint(mine, [target.fingerprint], role="target")
         if len(slots) != req.extra_token_size:
             raise MigrationError(
@@ -484,18 +492,19 @@ class SourceTransfers:
             # and fixed costs. A gathered copy of this rank's own status.
             moving_s = sum(seconds for _, seconds in mine.routes.values())
             self.metrics.routes(_path_name(req), mine.routes, max(0.0, elapsed - moving_s))
-            if first_rank:
-                logger.info(
-                    "KV migration %s sent: %d tokens, %d bytes (%d ranks), %.1f ms%s",
-                    req.migration_id,
-                    sent,
-                    total_bytes,
-                    len(statuses),
-                    elapsed * 1e3,
-                    _steps_text(statuses[self.ctx.tp_rank].steps),
-                )
         output.rid = req.rid  # the tokenizer side matches concurrent transfers by rid
         self._send(output, inflight)
+        if first_rank and output.success:
+            # After the reply: a log line costs ~0.2 ms on a server's scheduler thread.
+            logger.info(
+                "KV migration %s sent: %d tokens, %d bytes (%d ranks), %.1f ms%s",
+                req.migration_id,
+                output.transferred_token_size,
+                output.transferred_bytes,
+                len(statuses),
+                elapsed * 1e3,
+                _steps_text(statuses[self.ctx.tp_rank].steps),
+            )
 
     def _send(self, output: TransferRequestKVCacheReqOutput, inflight: InflightTransfer) -> None:
         """Send the reply, stamped with where the scheduler's part of the trip went

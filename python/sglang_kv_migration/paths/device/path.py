@@ -401,10 +401,14 @@ class DevicePath(DataPath):
     ) -> tuple[Any, Any, dict[str, tuple[Any, Any]]]:
         """Enqueue one copy per tier on the side stream; returns the (start, end) CUDA
         events of the whole copy and of each tier."""
+        import numpy as np
         import torch
 
         page_bytes = [rb * self.page_size for rb in self.row_bytes]
-        highest = max((int(p.dst_pages.max()) for p in plan.tiers.values()), default=-1)
+        # The page lists in numpy, and all of them in one copy to the GPU: on a server's
+        # scheduler thread each small torch op or copy costs tens of microseconds.
+        lists = [(p.src_pages.numpy(), p.dst_pages.numpy()) for p in plan.tiers.values()]
+        highest = max((int(pages.max()) for _, pages in lists if pages.size), default=-1)
         for flat, pb in zip(dst.buffers, page_bytes, strict=True):
             limit = flat.numel() // pb
             if highest >= limit:
@@ -420,9 +424,13 @@ class DevicePath(DataPath):
             stream.wait_stream(other)
         events: dict[str, tuple[Any, Any]] = {}
         with torch.cuda.stream(stream):
-            for tier, pages in plan.tiers.items():
-                src_idx = pages.src_pages.to(self.device, non_blocking=True)
-                dst_idx = pages.dst_pages.to(self.device, non_blocking=True)
+            joined = torch.from_numpy(np.concatenate([a for pair in lists for a in pair]))
+            on_device = joined.to(self.device, non_blocking=True)
+            offset = 0
+            for tier, (src_pages, dst_pages) in zip(plan.tiers, lists, strict=True):
+                middle, end = offset + src_pages.size, offset + src_pages.size + dst_pages.size
+                src_idx, dst_idx = on_device[offset:middle], on_device[middle:end]
+                offset = end
                 events[tier] = (_timed_event(), _timed_event())
                 events[tier][0].record(stream)
                 if tier == tiers.HOST_TIER:
