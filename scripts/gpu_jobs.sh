@@ -21,9 +21,6 @@ python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache
 export PYTHONPATH=/tmp/site CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 export LD_LIBRARY_PATH=$PWD/.whl-mc/lib:${LD_LIBRARY_PATH:-} PYTHONUNBUFFERED=1
 export MC_TCP_SLICE_SIZE=1048576
-# A Triton cache carried from an earlier machine (carry [".whl-mc", ".triton-cache"],
-# unpacked from a call's triton-cache.tgz) spares the first server its kernel builds.
-if [[ -d .triton-cache ]]; then export TRITON_CACHE_DIR=$PWD/.triton-cache; fi
 start=$(date +%s)
 rm -rf /tmp/o  # a warm machine keeps /tmp between calls
 mkdir -p /tmp/o
@@ -60,8 +57,4 @@ for log in /tmp/o/*.log; do tail -c 20000 "$log" >"$OUT/$(basename "$log")"; don
 find /tmp/o -maxdepth 2 \( -name '*.json' -o -name '*.png' -o -name '*.jsonl' \) \
   -size -4M -exec sh -c 'cp "$1" "$OUT/$(basename "$(dirname "$1")")-$(basename "$1")"' _ {} \;
 tar czf "$OUT/all.tgz" -C /tmp/o . 2>/dev/null
-cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-if [[ -d $cache && $(du -sm "$cache" | cut -f1) -le 30 ]]; then
-  tar czf "$OUT/triton-cache.tgz" -C "$cache" .
-fi
 ls -la "$OUT"
