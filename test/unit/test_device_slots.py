@@ -452,7 +452,7 @@ def test_the_loop_offers_the_gil_cheaply_when_no_helper_thread_waits(side, monke
     calls: list[str] = []
     monkeypatch.setattr(scheduler_side.time, "sleep", lambda s: calls.append(f"sleep {s}"))
     monkeypatch.setattr(scheduler_side.os, "sched_yield", lambda: calls.append("yield"))
-    host_slots = side.pending.allocate("m-host", _tokens(32), None, path=side.paths["host"])
+    host_allocation = side.pending.allocate("m-host", _tokens(32), None, path=side.paths["host"])
     side.poll()
     assert "sleep 0" in calls and "yield" not in calls
     side.pending.abort("m-host")
@@ -462,4 +462,4 @@ def test_the_loop_offers_the_gil_cheaply_when_no_helper_thread_waits(side, monke
     side.poll()
     assert calls.count("yield") == 1 and "sleep 0" not in calls
     side.pending.abort("m-device")
-    assert host_slots.extra_length == 32
+    assert host_allocation.extra_length == 32

@@ -218,6 +218,8 @@ class MigrationSchedulerSide:
             return []
 
     def _profiled_poll(self, profile: RankProfile) -> list[Any]:
+        # The idle test of `_poll_once`, which keeps its own inline (it runs every
+        # iteration of every server; this one only with the profile on).
         if not (self.loop_timer.handled or self.has_work()):
             profile.idle()
             return self._poll_once()
