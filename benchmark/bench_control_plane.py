@@ -27,14 +27,16 @@ time of all against one and each phase's steps in both.
     PYTHONPATH=python .venv/bin/python benchmark/bench_control_plane.py --tokens 1024 \
         --concurrent 6 --concurrent-tokens 8192
 
-`--flows` (default all four, interleaved migration by migration), each forced by hiding
-wire features from one client's session info: `source-commit`, the client's default
-with servers of this version (two trips: allocate for the whole request; the transfer
-sends what the source holds — feature "partial_transfer" —, the ids travel as bytes —
+`--flows` (default all five, interleaved migration by migration), each forced by hiding
+wire features from one client's session info: `one-trip`, the client's default with
+single-rank servers of this version on one host (one call: the transfer asks the
+target's allocate channel for the slots itself — "source_allocate" —, sends what the
+source holds of the whole request — "partial_transfer" —, the ids travel as bytes —
 "binary_ids" — and the source hands its receipts to the target's mailbox, which commits
-by itself — "source_commit"); `binary` (the same with a commit trip: three trips);
-`partial` (that with JSON id lists); `size-query` (none of them: the source's size
-query first, four trips, as with servers that predate all three).
+by itself — "source_commit"); `source-commit` (the same with the client's allocate trip:
+two trips); `binary` (that with a commit trip: three trips); `partial` (that with JSON
+id lists); `size-query` (none of them: the source's size query first, four trips, as
+with servers that predate all four).
 
 `--profile N` then runs a few more migrations of N tokens under cProfile on three
 threads: the benchmark's client, the source's and the target's HTTP event loop, and
@@ -84,6 +86,7 @@ STEPS = (
     "scheduler",
     "handler",  # the transfer's scheduler part, split (`server/trace.py`)
     "waited",
+    "allocate",  # one trip: the part of `waited` until the target's channel answered
     "replying",
     "polls",
     "to_tokenizer",
@@ -182,10 +185,11 @@ def _start(lengths: list[int], concurrent: int = 0, concurrent_tokens: int = 0) 
 
 # Flow -> the wire features its client is made not to see (as with older servers).
 FLOWS = {
-    "source-commit": (),  # the client's default with servers of this version: two trips
-    "binary": ("source_commit",),
-    "partial": ("source_commit", "binary_ids"),
-    "size-query": ("source_commit", "binary_ids", "partial_transfer"),
+    "one-trip": (),  # the client's default with servers of this version
+    "source-commit": ("source_allocate",),  # two trips
+    "binary": ("source_allocate", "source_commit"),
+    "partial": ("source_allocate", "source_commit", "binary_ids"),
+    "size-query": ("source_allocate", "source_commit", "binary_ids", "partial_transfer"),
 }
 
 

@@ -7,10 +7,14 @@ on a flushed cache each time:
    `path="device"` (every phase from `result.timings`, `copy_seconds`, bytes, GB/s =
    bytes / copy_seconds), then the target serves A (TTFT, `cached_tokens_details`);
 3. host path: the same for another prompt B with `path="host"` (Mooncake TCP on one host);
-4. with `--commit-trip`, the device path again for a prompt C, through a second client
-   that does not see feature "source_commit": the client's own commit trip (three trips)
-   beside the two-trip default of row 2 (use with `--no-host` at 32K: the target's pool
-   holds the baseline and every migrated prefix of a round).
+4. with `--two-trips`, the device path again for a prompt D, through a client that does
+   not see feature "source_allocate": it allocates on the target itself (two trips)
+   beside the one-trip default of row 2 (the source allocates through the target's
+   channel);
+5. with `--commit-trip`, the same for a prompt C through a client that sees neither
+   "source_allocate" nor "source_commit": its own allocate and commit trips (three trips)
+   (use these with `--no-host` at 32K: the target's pool holds the baseline and every
+   migrated prefix of a round).
 Migrations run through the Python client in this process (one client for the whole run,
 so it may cache session info); no CLI start-up is timed. Medians over the repeats.
 
@@ -58,8 +62,11 @@ PHASES = ("session_info", "extra_token_size", "allocate", "transfer", "commit", 
 TARGET_RATIO = {False: 0.01, True: 0.02}  # whole device migration / re-prefill
 TARGET_COPY_GBPS = {False: 400.0, True: 200.0}  # keyed by "across GPUs"
 SETTLE_S = 0.5  # idle time on the source between its prefills and the migrations
-COMMIT_TRIP = "device_commit_trip"  # row 4: the device path with the client's commit trip
-ROW_KINDS = ("device", COMMIT_TRIP, "host")
+COMMIT_TRIP = "device_commit_trip"  # row 5: the device path with the client's commit trip
+TWO_TRIPS = "device_two_trips"  # row 4: the device path with the client's allocate trip
+ROW_KINDS = ("device", TWO_TRIPS, COMMIT_TRIP, "host")
+# Row -> the wire features its client is made not to see (as with older servers).
+HIDDEN = {TWO_TRIPS: ("source_allocate",), COMMIT_TRIP: ("source_allocate", "source_commit")}
 
 
 def main() -> None:
@@ -86,7 +93,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1K and 4K, one repeat")
     parser.add_argument(
         "--commit-trip", action="store_true",
-        help="also migrate on the device path with the client's commit trip (row 4)",
+        help="also migrate on the device path with the client's allocate and commit trips "
+        "(row 5)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--two-trips", action="store_true",
+        help="also migrate on the device path with the client's allocate trip (row 4)",
     )  # fmt: skip
     args = parser.parse_args()
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
@@ -116,6 +128,7 @@ def main() -> None:
         "server_flags": extra,
         "host_path": not args.no_host,
         "commit_trip_rows": args.commit_trip,
+        "two_trip_rows": args.two_trips,
     }
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
@@ -124,6 +137,7 @@ def main() -> None:
     with (
         running_servers(model_dir, specs, sequential=not across_gpus) as (source, target),
         MigrationClient(timeout=600) as client,
+        MigrationClient(timeout=600) as with_two_trips,
         MigrationClient(timeout=600) as with_commit_trip,
     ):
         config["startup_s"] = time.monotonic() - started
@@ -131,15 +145,18 @@ def main() -> None:
         rng = random.Random(0)
         warmup = _warm_up(client, source, target, rng, not args.no_host)
         print("warm-up:", json.dumps(warmup), flush=True)
-        three = None
+        others: dict[str, MigrationClient] = {}
+        if args.two_trips:
+            others[TWO_TRIPS] = with_two_trips
         if args.commit_trip:
-            three = with_commit_trip
+            others[COMMIT_TRIP] = with_commit_trip
+        for kind, other in others.items():
             for url in (source, target):  # the cached session info it plans from
-                info = three.session_info(url)
-                info["features"] = [f for f in info["features"] if f != "source_commit"]
+                info = other.session_info(url)
+                info["features"] = [f for f in info["features"] if f not in HIDDEN[kind]]
         for n in lengths:
             for rep in range(repeats):
-                row = _round(client, source, target, n, rep, rng, not args.no_host, three)
+                row = _round(client, source, target, n, rep, rng, not args.no_host, others)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     summary = [_median_row(n, [r for r in rows if r["tokens"] == n]) for n in lengths]
@@ -194,8 +211,9 @@ def _round(
     rep: int,
     rng: random.Random,
     host: bool,
-    three: MigrationClient | None = None,
+    others: dict[str, MigrationClient] | None = None,
 ) -> dict[str, Any]:
+    others = others or {}
     for url in (source, target):
         flush_cache(url)
     row: dict[str, Any] = {"tokens": n, "repeat": rep}
@@ -206,8 +224,8 @@ def _round(
 
     a = _tokens(rng, n)
     b = _tokens(rng, n) if host else []
-    c = _tokens(rng, n) if three is not None else []
-    for p in (a, b, c):
+    more = {kind: _tokens(rng, n) for kind in others}
+    for p in (a, b, *more.values()):
         if p:
             generate(source, p, 1)
     # Let the source finish with those requests (SGLang inserts a finished request into
@@ -219,8 +237,8 @@ def _round(
     row["device"] = _migrate_and_serve(client, source, target, a, "device")
     if host:
         row["host"] = _migrate_and_serve(client, source, target, b, "host")
-    if three is not None:
-        row[COMMIT_TRIP] = _migrate_and_serve(three, source, target, c, "device")
+    for kind, other in others.items():
+        row[kind] = _migrate_and_serve(other, source, target, more[kind], "device")
     return row
 
 

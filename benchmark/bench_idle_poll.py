@@ -1,14 +1,16 @@
 """What `--enable-kv-migration` costs a scheduler loop iteration when nothing migrates (CPU).
 
-SGLang calls our per-iteration hook (`scheduler_hooks.after_process_input_requests`) once
-per scheduler loop iteration on every server that has this package installed: with the
-flag off it finds no migration side and returns; with the flag on and nothing in flight
-the side's `poll()` returns at once (`scheduler_side.py`). This times both on a real
-`MigrationSchedulerSide` (CPU harness: SGLang's own HiRadixCache and host pool, a real
-Mooncake engine), side by side in one run, medians over repeats, and prints the
-difference per iteration. Multiplied by a server's loop rate (the GPU benchmark reads it
-from `sglang:kv_migration_poll_iterations_total`) it gives the share of the scheduler
-thread the flag takes while idle.
+SGLang calls our two per-iteration hooks (`scheduler_hooks.before_process_input_requests`
+and `after_process_input_requests`) once per scheduler loop iteration on every server
+that has this package installed: with the flag off they find no migration side and
+return; with the flag on and nothing in flight the side's `before_requests()` reads
+whether a source asked its allocate channel for slots (one zmq socket option, on
+single-rank servers) and its `poll()` returns at once (`scheduler_side.py`). This times
+both on a real `MigrationSchedulerSide` (CPU harness: SGLang's own HiRadixCache and host
+pool, a real Mooncake engine, a real allocate channel), side by side in one run, medians
+over repeats, and prints the difference per iteration. Multiplied by a server's loop
+rate (the GPU benchmark reads it from `sglang:kv_migration_poll_iterations_total`) it
+gives the share of the scheduler thread the flag takes while idle.
 
     .venv/bin/python benchmark/bench_idle_poll.py [--iterations 200000] [--repeats 7]
 """
@@ -63,7 +65,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
-    from sglang_kv_migration.server.scheduler_hooks import after_process_input_requests as hook
+    from sglang_kv_migration.server.scheduler_hooks import (
+        after_process_input_requests,
+        before_process_input_requests,
+    )
+
+    def hook(result: None, scheduler: object, recv: list) -> None:
+        # One loop iteration's calls, as SGLang's BEFORE and AFTER wrappers make them.
+        before_process_input_requests(scheduler, recv)
+        after_process_input_requests(result, scheduler, recv)
 
     harness, side = _build_side()
     off = SimpleNamespace(kv_migration=None)  # flag off: the hook finds no side

@@ -20,25 +20,27 @@ call=${1:?usage: bash scripts/h200_runs.sh 1|2|3|4}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
-  # Issue 21's targets with the two-trip client (the default: partial transfers, binary
-  # ids, the source commits through the target's mailbox): one-page
-  # migrations (2 tokens at page 1, 17 at page 16: the benchmark migrates each prompt less
-  # its last token), 1K, 2K, 4K, 32K beside re-prefill, each trip's steps_ms per row.
-  # Targets: one page <= 5 ms p50, 1K <= 8 ms, 32K <= 1% of re-prefill, migration + TTFT
-  # below re-prefill from 2K up. At page 1 every round also migrates through a client
-  # that sends the commit trip itself (--commit-trip: three trips beside the two).
+  # Issue 21's targets with the one-trip client (the default: the source allocates on the
+  # target through its channel, partial transfers, binary ids, the source commits through
+  # the target's mailbox) beside the two-trip client (--two-trips: the client's own
+  # allocate trip) in every round: one-page migrations (2 tokens at page 1, 17 at page 16:
+  # the benchmark migrates each prompt less its last token), 1K, 2K, 4K, 32K beside
+  # re-prefill, each trip's steps_ms per row. Targets: one page <= 5 ms p50, 1K <= 8 ms,
+  # 32K <= 1% of re-prefill, migration + TTFT below re-prefill from 2K up.
   exec bash scripts/gpu_jobs.sh 560 \
-    "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 4096 32768 --repeats 3 --no-host --commit-trip" \
-    "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 4096 32768 --repeats 3 --no-host"
+    "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 4096 32768 --repeats 3 --no-host --two-trips" \
+    "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 4096 32768 --repeats 3 --no-host --two-trips"
   ;;
 2)
   # Issue 19 item 3 (six concurrent 8K migrations to one target within 1.5x of one) at
-  # pages 16 and 1, three rounds each (the first after start-up stalls ~17-20 ms once), then the memory-saver GPU test at MHA page 16 beside it (a tiny model:
-  # distinct ports, little memory).
+  # page 16, three rounds (the first after start-up stalls ~17-20 ms once), with the
+  # one-trip client; the device-path GPU tests at MHA page 16 beside it (a tiny model:
+  # distinct ports, little memory), then the memory-saver GPU test (release/resume and
+  # the landing arena's rounds, each a one-trip move).
   exec bash scripts/gpu_jobs.sh 560 \
     "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency --concurrency-rounds 3" \
-    "0:conc1:python3 benchmark/bench_any_tier.py --page-size 1 --only-concurrency --concurrency-rounds 3" \
-    "+0:saver16:sleep 240; KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py"
+    "+0:devtest16:sleep 240; KVMIG_PORT_BASE=31500 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py" \
+    "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py"
   ;;
 3)
   # Issue 19's any-tier table at page 1 (tiers gpu / host / mixed at 4K/16K/32K beside

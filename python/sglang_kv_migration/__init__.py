@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 # Additions no older peer can receive are advertised in session info `features` instead
 # of a version bump (clients use one only when both servers list it): "page_ranges",
 # "bound_grants" (allocate's `source_instance`; grants bind destination and source),
-# "partial_transfer", "binary_ids", "source_commit", "epoch_check" (`io_types.py`).
+# "partial_transfer", "binary_ids", "source_commit", "epoch_check", "source_allocate"
+# (`io_types.py`).
 PROTOCOL_VERSION = 2
 
 # Wire feature: allocate takes `expect_epoch` (the target's session info `server_epoch`)

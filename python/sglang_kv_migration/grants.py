@@ -54,6 +54,9 @@ PARTIAL_FEATURE = "partial_transfer"
 # Wire feature: allocate takes `source_commit`; the source then hands its receipts to the
 # target's mailbox (`Grant.mailbox`, server/mailbox.py) and the target commits by itself.
 SOURCE_COMMIT_FEATURE = "source_commit"
+# Wire feature: a transfer takes `allocate_on_target`; the source asks the target's
+# allocate channel for the slots itself (server/allocate_channel.py): one client call.
+SOURCE_ALLOCATE_FEATURE = "source_allocate"
 _KEY_CONTEXT = b"sglang-kv-migration grant key\x00"
 # Grants used by this source (for replay refusal), remembered until they expire.
 MAX_REMEMBERED_GRANTS = 1 << 16

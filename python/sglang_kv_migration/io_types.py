@@ -30,7 +30,9 @@ from sglang_kv_migration.targets import HostTarget  # the host path's fields, on
 # "partial_transfer" (`grants.PARTIAL_FEATURE`): a transfer takes `partial_ok`, its
 # receipts say how many tokens were written, and commit inserts those.
 # "binary_ids" (`binary_ids.py`): bodies may carry the ids as bytes (`input_ids_u32`).
-# "source_commit" (`server/mailbox.py`) is listed only by servers with a mailbox.
+# "source_commit" (`server/mailbox.py`) is listed only by servers with a mailbox, and
+# "source_allocate" (`server/allocate_channel.py`) only by single-rank servers with an
+# allocate channel: a transfer may take `allocate_on_target` then.
 # "epoch_check": allocate takes `expect_epoch` and refuses, reserving nothing, when this
 # server's epoch is no longer the one the caller's session info names.
 WIRE_FEATURES = (
@@ -107,6 +109,9 @@ class GetTransferSessionInfoReqOutput(BaseReq):
     # `source_instance`, and only this server may write under the grant (changes on
     # a restart, like server_epoch).
     instance_id: str = ""
+    # Feature "source_allocate": a source on this host may allocate here directly
+    # (`server/allocate_channel.py`: address, secret, host); empty when it may not.
+    allocate_channel: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- extra size
@@ -227,6 +232,17 @@ class TransferRequestKVCacheTarget(HostTarget):
 
 
 @dataclass
+class AllocateOnTarget:
+    """Feature "source_allocate": where the source asks the target for the slots (its
+    session info's `allocate_channel`), and the allocate's JSON object, the transfer's
+    ids included (built by the source's HTTP layer; the target validates it again)."""
+
+    address: str
+    secret: str
+    allocate: bytes
+
+
+@dataclass
 class TransferRequestKVCacheReqInput(BaseReq):
     input_ids: list[int]
     extra_key: str | None = None
@@ -241,6 +257,9 @@ class TransferRequestKVCacheReqInput(BaseReq):
     # the receipts carry it), instead of refusing when it holds less.
     partial_ok: bool = False
     input_ids_u32: bytes = b""  # feature "binary_ids", as for the size query
+    # Feature "source_allocate": allocate on the target first (the sizes, migration id
+    # and the target rank's slots and grant come from its reply).
+    allocate_on_target: AllocateOnTarget | None = None
 
 
 @dataclass
@@ -275,6 +294,13 @@ class TransferRequestKVCacheReqOutput(BaseReq):
     # Feature "source_commit": every rank's receipts are in the target's mailbox, put
     # there before this reply; the target commits before it handles anything sent after.
     delivered: bool = False
+    # Feature "source_allocate": the target's allocate reply as it answered the source
+    # (empty when it was not asked, or did not answer): its migration id is what the
+    # client commits or aborts.
+    allocation: dict = field(default_factory=dict)
+    # Feature "source_allocate": why the source could not ask the target's channel (not
+    # on this host, not a channel, the target gone or silent); the client allocates then.
+    channel_error: str = ""
 
 
 # --------------------------------------------------------------------------- commit/abort

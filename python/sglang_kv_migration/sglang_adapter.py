@@ -723,6 +723,16 @@ def frees_kv_cache(memory_req: Any) -> bool:
     return not tags or GPU_MEMORY_TYPE_KV_CACHE in tags
 
 
+def wake_from_idle_sleep_on(scheduler: Any, socket: Any) -> None:
+    """With `--sleep-on-idle` SGLang's loop parks in a poll on its own sockets (up to
+    1 s, `IdleSleeper.maybe_sleep`): a request on `socket` (ours) wakes it too."""
+    sleeper = getattr(scheduler, "idle_sleeper", None)
+    if sleeper is not None:
+        import zmq
+
+        sleeper.poller.register(socket, zmq.POLLIN)
+
+
 def weight_update_types() -> tuple[type, ...]:
     """The scheduler requests that load new weights (SGLang 0.5.12's io_struct): a
     pending migration the source commits through the mailbox is dropped when one

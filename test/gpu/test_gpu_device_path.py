@@ -142,6 +142,16 @@ def _summary(result: Any) -> dict[str, Any]:
     return d
 
 
+def _allocating_client(transport: httpx.BaseTransport, s: Servers) -> MigrationClient:
+    """A client that sends its own allocate trip (it does not see "source_allocate"),
+    so a test can act between the allocate and the copy."""
+    allocating = MigrationClient(http_client=httpx.Client(transport=transport, timeout=120))
+    for url in (s.source, s.target):
+        info = allocating.session_info(url)  # the cached dict it plans from
+        info["features"] = [f for f in info["features"] if f != "source_allocate"]
+    return allocating
+
+
 class _AfterAllocate(httpx.BaseTransport):
     """Real HTTP, plus a hook on the first call the client makes after a successful
     allocate on the target (whatever that call is: the copy is driven from there). The
@@ -213,6 +223,10 @@ def test_device_path_prompt_served_from_target_gpu(servers: Servers, client: Mig
     assert result.migrated_token_size == expected
     assert result.matched_after_commit == expected
     assert result.migrated_bytes > 0 and result.copy_seconds > 0
+    # Single-rank servers list "source_allocate": one call, the source allocated on the
+    # target through its channel (TP/PP servers: the client's own allocate trip).
+    one_trip = "source_allocate" in client.session_info(s.target)["features"]
+    assert ("allocate" in result.timings) != one_trip, result.timings
     assert on_target["output_ids"] == reference["output_ids"]
     assert cached_tokens(on_target) >= expected
     assert details["device"] >= expected, details
@@ -323,7 +337,7 @@ def test_abort_of_a_device_allocation_returns_the_target_pool(
         return httpx.Response(503, json={"success": False, "message": "injected by the test"})
 
     transport = _AfterAllocate(fail_the_copy)
-    with MigrationClient(http_client=httpx.Client(transport=transport, timeout=120)) as failing:
+    with _allocating_client(transport, s) as failing:
         with pytest.raises(MigrationFailed) as failed:
             failing.migrate(s.source, s.target, prompt[:-1], path="device")
     after_abort = wait_for_value(
@@ -380,7 +394,7 @@ def test_flush_drops_a_pending_device_allocation(servers: Servers, client: Migra
         return None
 
     transport = _AfterAllocate(flush_then_continue)
-    with MigrationClient(http_client=httpx.Client(transport=transport, timeout=120)) as c:
+    with _allocating_client(transport, s) as c:
         with pytest.raises(MigrationFailed) as failed:
             c.migrate(s.source, s.target, prompt[:-1], path="device")
     after = wait_for_value(

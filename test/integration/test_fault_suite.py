@@ -22,6 +22,7 @@ from sglang_kv_migration.client.migration import (
     MigrationClient,
     MigrationFailed,
 )
+from sglang_kv_migration.server.allocate_channel import ALLOCATE_TIMEOUT_S
 from timing import wait_until
 
 PAGE = 16
@@ -87,7 +88,11 @@ def test_fifty_concurrent_migrations_both_ways_leave_pools_exact(pair) -> None:
     print(f"fault suite: {migrations} concurrent migrations in {ROUNDS} round(s), 0 failed")
 
 
-def test_a_target_killed_mid_migration_leaves_the_source_clean() -> None:
+@pytest.mark.parametrize("one_trip", [True, False])
+def test_a_target_killed_mid_migration_leaves_the_source_clean(one_trip: bool) -> None:
+    """Killed as the transfer is sent: with one trip (feature "source_allocate") before
+    it allocated, so the source answers that its process exited, and the client's own
+    allocate then fails to connect; with two trips after it allocated."""
     ids = list(range(300_000, 300_000 + 64 * PAGE))
     source, target = start_servers([ServerSpec(preload=[(ids, 1)]), ServerSpec()])
     try:
@@ -102,10 +107,18 @@ def test_a_target_killed_mid_migration_leaves_the_source_clean() -> None:
                     process.join(10)
 
         with httpx.Client(timeout=30.0, event_hooks={"request": [kill_target_on_transfer]}) as http:
+            client = MigrationClient(http_client=http)
+            if not one_trip:
+                for url in (source.url, target.url):
+                    info = client.session_info(url)
+                    info["features"].remove("source_allocate")
+            started = time.monotonic()
             with pytest.raises(MigrationFailed) as info:
-                MigrationClient(http_client=http).migrate(source.url, target.url, ids)
-        assert info.value.phase == "transfer"
+                client.migrate(source.url, target.url, ids)
+        assert info.value.phase == ("allocate" if one_trip else "transfer"), info.value
         assert not info.value.rolled_back  # the target is gone: nothing to roll back
+        # Not the channel's timeout: the source saw the process exit.
+        assert time.monotonic() - started < ALLOCATE_TIMEOUT_S
         # The source unpinned everything and keeps serving.
         assert wait_until(lambda: source.ask(0, "snapshot") == baseline, 60.0)
         info_reply = httpx.post(source.url + "/get_transfer_session_info", timeout=10)

@@ -386,10 +386,24 @@ def test_non_json_body_is_400(servers: Servers, http: httpx.Client, path: str) -
 # --------------------------------------------------------------------------- client
 
 
-def test_client_migrates_partial_then_rest_then_nothing(servers: Servers) -> None:
+def _hide_features(client: MigrationClient, urls: list[str], *features: str) -> None:
+    """Make `client` plan as if the servers did not list `features` (older servers)."""
+    for url in urls:
+        info = client.session_info(url)  # the cached dict the client plans from
+        info["features"] = [f for f in info["features"] if f not in features]
+
+
+@pytest.mark.parametrize("flow", ["one_trip", "two_trips"])
+def test_client_migrates_partial_then_rest_then_nothing(servers: Servers, flow: str) -> None:
+    """One trip: the source allocates on the target through its channel (feature
+    "source_allocate"), the client's default with single-rank servers on one host; two
+    trips: the client allocates (as with a target without a channel)."""
     src, dst = servers.source, servers.target
     aligned = SEQ_E2E[:128]
+    dst.ask(0, "flush")  # as the other flow's run found it
     with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
+        if flow == "two_trips":
+            _hide_features(client, [src.url, dst.url], "source_allocate")
         # A shorter prefix first: the target then holds the first 64 tokens with the
         # source's bytes, so the second migration moves only the tail.
         first = client.migrate(src.url, dst.url, SEQ_E2E[:64])
@@ -408,13 +422,22 @@ def test_client_migrates_partial_then_rest_then_nothing(servers: Servers) -> Non
         # mailbox: the source handed its receipts over, the target committed by itself,
         # before it answered anything sent after the transfer's reply.
         assert first.source_committed and second.source_committed
-        assert {"session_info", "allocate", "transfer", "total"} <= set(second.timings)
-        assert "commit" not in second.timings
+        trips = {"transfer"} if flow == "one_trip" else {"allocate", "transfer"}
+        assert set(second.timings) == {"session_info", "total", *trips}
         assert sum(dst.ask(0, "held", SEQ_E2E)) == 128
         # Where each trip's time went (`server/trace.py`): every step of every trip, and
         # the server's part of a trip is no more than the client's trip.
         assert set(second.steps_ms) == {"allocate", "transfer"}
+        if flow == "one_trip":
+            # The allocate is the target scheduler's part only (no HTTP trip of its own),
+            # inside the source's wait for it.
+            allocate = second.steps_ms["allocate"]
+            assert set(allocate) == {"scheduler"} and allocate["scheduler"] > 0
+            transfer = second.steps_ms["transfer"]
+            assert allocate["scheduler"] <= transfer["allocate"] <= transfer["waited"] + 0.01
         for phase, steps in second.steps_ms.items():
+            if phase not in trips:
+                continue
             assert set(TRIP_STEPS) <= set(steps), (phase, steps)
             assert all(v >= 0 for v in steps.values()), (phase, steps)
             assert steps["route"] <= second.timings[phase] * 1e3 + 0.01, (phase, steps)
@@ -640,6 +663,7 @@ def test_an_allocation_that_ended_before_the_delivery_fails_the_migration(
     before = dst.ask(0, "snapshot")
     http_client = httpx.Client(transport=_AbortAfterAllocate(), timeout=HTTP_TIMEOUT_S)
     with MigrationClient(http_client=http_client) as client:
+        _hide_features(client, [src.url, dst.url], "source_allocate")  # an allocate trip
         with pytest.raises(MigrationFailed) as failed:
             client.migrate(src.url, dst.url, SEQ_MAILBOX_ABORTED)
     assert failed.value.phase == "commit" and failed.value.status_code == 409, failed.value

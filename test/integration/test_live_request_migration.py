@@ -171,8 +171,10 @@ def test_live_move_copies_the_prompt_while_decoding(servers: Servers) -> None:
     assert 0 <= move.seconds["last_token_to_stop"] <= move.stall_s - move.seconds["migrate"]
     assert move.seconds["live"] >= SLOW_STAGE_S
     assert move.to_dict()["stages"][0]["migrated_tokens"] == stage1.migrated_tokens
-    # Two migrations (stage 1, delta): two size queries on the source.
-    assert transport.calls["/allocate_token_for_transfer"] == 2  # stage 1 and the delta
+    # Two migrations (stage 1, delta), each one transfer call that allocates on the
+    # target itself (feature "source_allocate": no allocate trip of the client's).
+    assert transport.calls["/transfer_request_kvcache"] == 2  # stage 1 and the delta
+    assert "/allocate_token_for_transfer" not in transport.calls
 
 
 def test_live_move_leaves_a_small_delta_to_the_target(servers: Servers) -> None:
@@ -191,7 +193,7 @@ def test_live_move_leaves_a_small_delta_to_the_target(servers: Servers) -> None:
     assert stage1.migrated_tokens == _aligned(len(prompt))
     assert move.estimate.decision == "migrate"
     assert (delta.decision, delta.migrated_tokens) == ("recompute", 0)
-    assert transport.calls["/allocate_token_for_transfer"] == 1  # stage 1 only
+    assert transport.calls["/transfer_request_kvcache"] == 1  # stage 1 only
     assert out.segments[1].cached_tokens == _aligned(len(prompt))
 
 
@@ -270,10 +272,11 @@ def test_live_move_falls_back_at_each_stage(servers: Servers, stage: str, on_fai
 
 
 def test_live_move_of_a_request_that_finishes_meanwhile(servers: Servers) -> None:
-    """The request finishes on the source during stage 1 (its allocate waits 2 s, the
+    """The request finishes on the source during stage 1 (its transfer waits 2 s, the
     request's 40 tokens about 0.4 s): that is the result."""
     prompt = _seq(6000, 2 * PAGE + 3)
-    slow = Shaped(slow="/allocate_token_for_transfer", delay=2.0)  # before the grant's clock
+    # The transfer, which allocates on the target: slowed before the grant's clock starts.
+    slow = Shaped(slow="/transfer_request_kvcache", delay=2.0)
     with _client(slow) as client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
         handle = m.submit(servers.source.url, GenerateRequest(prompt, {"max_new_tokens": 40}))
         assert wait_until(lambda: handle.handle.started, 10.0, interval_s=0.005)

@@ -108,7 +108,9 @@ def pair() -> Iterator[tuple[ServerHandle, ServerHandle]]:
 
 
 class _Bodies:
-    """Request bodies the client sent, by path (httpx event hook)."""
+    """Request bodies the client sent, by path (httpx event hook). The client relays the
+    target's runs itself: it does not see "source_allocate" (with it the source takes
+    them from the target's allocate channel, `test_source_allocate.py`)."""
 
     def __init__(self) -> None:
         self.sent: dict[str, dict[str, Any]] = {}
@@ -116,9 +118,13 @@ class _Bodies:
     def hook(self, request: httpx.Request) -> None:
         self.sent[request.url.path] = orjson.loads(request.content)
 
-    def client(self) -> MigrationClient:
+    def client(self, *servers: ServerHandle) -> MigrationClient:
         http = httpx.Client(timeout=HTTP_TIMEOUT_S, event_hooks={"request": [self.hook]})
-        return MigrationClient(http_client=http)
+        client = MigrationClient(http_client=http)
+        for server in servers:
+            info = client.session_info(server.url)  # the cached dict it plans from
+            info["features"] = [f for f in info["features"] if f != "source_allocate"]
+        return client
 
 
 def test_servers_list_the_feature(pair: tuple[ServerHandle, ServerHandle]) -> None:
@@ -129,7 +135,7 @@ def test_servers_list_the_feature(pair: tuple[ServerHandle, ServerHandle]) -> No
 def test_32k_tokens_travel_as_one_run_and_land(pair: tuple[ServerHandle, ServerHandle]) -> None:
     source, target = pair
     bodies = _Bodies()
-    with bodies.client() as client:
+    with bodies.client(source, target) as client:
         result = client.migrate(source.url, target.url, BIG)
     assert (result.path, result.migrated_token_size) == ("host", len(BIG))
     assert result.matched_after_commit == len(BIG)
@@ -145,7 +151,7 @@ def test_fragmented_pool_gives_many_runs(pair: tuple[ServerHandle, ServerHandle]
     source, target = pair
     target.ask(0, "fragment_host", 5)
     bodies = _Bodies()
-    with bodies.client() as client:
+    with bodies.client(source, target) as client:
         result = client.migrate(source.url, target.url, FRAGMENTED)
     assert result.migrated_token_size == len(FRAGMENTED)
     (entry,) = bodies.sent["/transfer_request_kvcache"]["target_per_rank"]

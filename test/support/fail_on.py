@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import httpx
 
-SOURCE_COMMIT = "source_commit"  # grants.SOURCE_COMMIT_FEATURE (no package import here)
+# Routes whose trip a wire feature saves, and that feature (grants.SOURCE_COMMIT_FEATURE,
+# grants.SOURCE_ALLOCATE_FEATURE; no package import here).
+SAVED_BY = {"/commit": "source_commit", "/allocate_token_for_transfer": "source_allocate"}
 
 
 class FailOn(httpx.BaseTransport):
     """Real HTTP, except `path` answers 503 ("injected failure"). Failing `/commit` also
-    hides feature "source_commit" from session info: servers that commit through the
-    mailbox need no commit trip, so the client must be made to send the one that fails."""
+    hides feature "source_commit" from session info (servers that commit through the
+    mailbox need no commit trip), and failing the allocate hides "source_allocate" (a
+    source that allocates on the target itself needs no allocate trip): the client must
+    be made to send the one that fails."""
 
     def __init__(self, path: str):
         self.path = path
@@ -24,10 +28,11 @@ class FailOn(httpx.BaseTransport):
             self.hits += 1
             return httpx.Response(503, json={"success": False, "message": "injected failure"})
         response = self._real.handle_request(request)
-        if self.path == "/commit" and request.url.path == "/get_transfer_session_info":
+        hidden = SAVED_BY.get(self.path)
+        if hidden and request.url.path == "/get_transfer_session_info":
             response.read()
             info = response.json()
-            info["features"] = [f for f in info.get("features", []) if f != SOURCE_COMMIT]
+            info["features"] = [f for f in info.get("features", []) if f != hidden]
             return httpx.Response(response.status_code, json=info)
         return response
 

@@ -217,6 +217,7 @@ class _MiniScheduler:
 
         stage_first = self.pp_rank * self.tp_size  # global rank of this stage's tp 0
         last_stage = self.pp_rank == self.pp_size - 1
+        idle_wait = _IdleWait(receiver, getattr(self, "kv_migration", None))
         while True:
             reqs: list[Any] = []
             if self.tp_rank == 0 and self.pp_rank == 0:
@@ -269,13 +270,34 @@ class _MiniScheduler:
             if extension is not None:
                 extension.tick()
             if not reqs and self.pp_rank == 0:
-                # SGLang's loop spins; here an idle iteration waits up to 1 ms, but wakes
-                # as soon as a request arrives (a plain sleep put 0.5 ms on average, and
-                # a GIL hand-off, into every trip: `bench_control_plane.py`).
-                if receiver is not None:
-                    receiver.poll(1)
-                else:
-                    time.sleep(0.001)
+                idle_wait.wait()
+
+
+class _IdleWait:
+    """SGLang's loop spins; here an idle iteration waits up to 1 ms, but wakes as soon as
+    a request arrives on the tokenizer's socket or on the allocate channel (a plain sleep
+    put 0.5 ms on average, and a GIL hand-off, into every trip: `bench_control_plane.py`).
+    While the source waits for a target's channel reply it spins, as SGLang's loop does."""
+
+    def __init__(self, receiver: Any, migration: Any) -> None:
+        import zmq
+
+        self.migration = migration
+        self.poller = zmq.Poller() if receiver is not None else None
+        if self.poller is not None:
+            self.poller.register(receiver, zmq.POLLIN)
+            channel = getattr(migration, "channel_allocations", None)
+            if channel is not None:
+                self.poller.register(channel.channel.socket, zmq.POLLIN)
+
+    def wait(self) -> None:
+        caller = self.migration.transfers.caller if self.migration is not None else None
+        if caller is not None and caller.waiting:
+            return
+        if self.poller is not None:
+            self.poller.poll(1)
+        else:
+            time.sleep(0.001)
 
 
 def _rank_main(

@@ -241,6 +241,21 @@ def _ids_in(body: dict) -> int:
     return len(body["input_ids"])
 
 
+def _allocate_on(target: dict, asked: int, call_number: int) -> dict:
+    """The allocate reply of `target` (see `_drive`) for a prefix of `asked` tokens."""
+    held = min(target["held"], asked)
+    extra = asked - held
+    assert extra <= target["limit"], "a round larger than the landing arena"
+    target["asked"] = asked
+    return {
+        "success": True,
+        "migration_id": f"m{call_number}" if extra else "",
+        "matched_token_size": held,
+        "extra_token_size": extra,
+        "ranks": [{"tp_rank": 0, "pp_rank": 0, "kv_pages": list(range(extra // 16))}],
+    }
+
+
 def _drive(steps, target, source_held: int):
     """Answer the client's calls as a source holding `source_held` tokens and `target`
     (a dict: the target's session info, its landing limit and what it holds) would."""
@@ -255,23 +270,12 @@ def _drive(steps, target, source_held: int):
             elif call.phase == "extra_token_size":
                 reply = (200, {"success": True, "matched_token_size": source_held})
             elif call.phase == "allocate":
-                asked = _ids_in(body)
-                held = min(target["held"], asked)
-                extra = asked - held
-                assert extra <= target["limit"], "a round larger than the landing arena"
-                ranks = [{"tp_rank": 0, "pp_rank": 0, "kv_pages": list(range(extra // 16))}]
-                reply = (
-                    200,
-                    {
-                        "success": True,
-                        "migration_id": f"m{len(calls)}" if extra else "",
-                        "matched_token_size": held,
-                        "extra_token_size": extra,
-                        "ranks": ranks,
-                    },
-                )
-                target["asked"] = asked
+                reply = (200, _allocate_on(target, _ids_in(body), len(calls)))
             elif call.phase == "transfer":
+                allocation = None
+                if "allocate_on_target" in body:  # feature source_allocate: one call
+                    allocation = _allocate_on(target, _ids_in(body), len(calls))
+                    body = {**body, **allocation}
                 n = body["extra_token_size"]
                 if body.get("partial_ok"):  # sends what it holds (feature partial_transfer)
                     n = max(0, min(n, source_held - body["matched_token_size"]))
@@ -283,6 +287,7 @@ def _drive(steps, target, source_held: int):
                         "transferred_token_size": n,
                         "transferred_bytes": n * 10,
                         "ranks": [],
+                        **({"allocation": allocation} if allocation else {}),
                     },
                 )
             elif call.phase == "commit":
@@ -329,6 +334,8 @@ def test_rounds_without_a_size_query_stop_where_the_source_holds_no_more(side_fa
     )
     result, calls = _drive(steps, target, source_held=144)
     assert "extra_token_size" not in [c.phase for c in calls]
+    # Single-rank servers on one host: each round one transfer that allocates itself.
+    assert "allocate" not in [c.phase for c in calls]
     assert result.rounds == 3 and [c.phase for c in calls].count("commit") == 3
     assert result.migrated_token_size == 144 and target["held"] == 144
 

@@ -15,12 +15,16 @@ servers share a host and the pages are on the source's GPU, else host) → alloc
 target (which reports what it already holds) → transfer from the source → commit on the
 target (by the source itself when both servers list "source_commit": it hands its
 receipts to the target's mailbox on the same host, and the target commits before it
-handles the next request; two round trips then). Any failure after allocate aborts the
-allocation on the target before `MigrationFailed` is raised; a failed device-path
-attempt falls back to the host path when the caller did not pin a path. Four round
-trips once session info is cached; three when both servers take partial transfers
-(feature "partial_transfer", docs/protocol.md): then the client allocates for the whole
-request without asking the source, and the transfer sends what the source holds of it.
+handles the next request; two round trips then). When both single-rank servers also
+list "source_allocate" and share a host, the allocate rides in the transfer: the
+source's scheduler asks the target's allocate channel for the slots, so a migration is
+one call (`_move_in_one_trip`; on a channel error the client allocates itself). Any
+failure after allocate aborts the allocation on the target before `MigrationFailed` is
+raised; a failed device-path attempt falls back to the host path when the caller did not
+pin a path. Four round trips once session info is cached; three when both servers take
+partial transfers (feature "partial_transfer", docs/protocol.md): then the client
+allocates for the whole request without asking the source, and the transfer sends what
+the source holds of it.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from sglang_kv_migration.client import aio_http11, http11
 from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.grants import FEATURE as BOUND_GRANTS
 from sglang_kv_migration.grants import PARTIAL_FEATURE as PARTIAL_TRANSFER
+from sglang_kv_migration.grants import SOURCE_ALLOCATE_FEATURE as SOURCE_ALLOCATE
 from sglang_kv_migration.grants import SOURCE_COMMIT_FEATURE as SOURCE_COMMIT
 from sglang_kv_migration.page_ranges import FEATURE as PAGE_RANGES
 
@@ -568,7 +573,17 @@ def _partial_ok(
 def _move(
     plan: _Plan, path: str, fallback_reason: str
 ) -> Generator[_Call, _Reply, MigrationResult]:
-    """Allocate on the target, transfer from the source, commit; abort on any failure."""
+    """Allocate on the target, transfer from the source, commit; abort on any failure.
+    One call when the source can allocate on the target itself (`_source_allocates`)."""
+    if _source_allocates(plan, path):
+        moved = yield from _move_in_one_trip(plan, path)
+        if moved is not None:
+            allocation, transfer = moved
+            if allocation["extra_token_size"] == 0:
+                return _result(plan, "", allocation, None, None, "", fallback_reason)
+            return (yield from _finish(plan, path, allocation, transfer, fallback_reason))
+        # Nothing was allocated (the channel could not be used, or the target refused):
+        # the allocate trip says why, or moves it.
     clock = time.perf_counter
     timings = plan.timings
     t0 = clock()
@@ -586,19 +601,68 @@ def _move(
         return _result(plan, "", allocation, None, None, "", fallback_reason)
 
     # From here on the target holds slots: every failure must abort them.
-    transfer: dict[str, Any] | None = None
     try:
         _check_epoch(plan.target_url, plan.target_info, allocation)
         t0 = clock()
         transfer = yield from _step(_transfer_call(plan, allocation, path))
         timings["transfer"] = clock() - t0
         plan.steps["transfer"] = _trip_steps(transfer, timings["transfer"])
+    except (MigrationFailed, _StaleSession) as failure:
+        yield from _abort(plan, migration_id, failure, None)
+        raise
+    return (yield from _finish(plan, path, allocation, transfer, fallback_reason))
+
+
+def _move_in_one_trip(
+    plan: _Plan, path: str
+) -> Generator[_Call, _Reply, tuple[dict[str, Any], dict[str, Any]] | None]:
+    """Feature "source_allocate": the transfer asks the target for the slots itself.
+    Returns (the target's allocate reply, the transfer reply), or None when nothing was
+    allocated (the caller allocates then); a failed transfer after an allocation is
+    aborted and raised."""
+    t0 = time.perf_counter()
+    try:
+        transfer = yield from _step(_one_trip_call(plan, path))
+    except MigrationFailed as failure:
+        reply = failure.reply or {}
+        allocation = reply.get("allocation") or {}
+        if allocation.get("success"):
+            failure.migration_id = allocation["migration_id"]
+            yield from _abort(plan, allocation["migration_id"], failure, None)
+            raise
+        if allocation:  # the target refused; a stale epoch: read session info again
+            _check_epoch(plan.target_url, plan.target_info, allocation)
+            return None  # its own allocate trip says why (or, new weights, moves it)
+        if reply.get("channel_error"):
+            return None  # the source could not reach the target's channel
+        # Any other failure is the transfer's (nothing was allocated): as with two trips.
+        raise
+    seconds = time.perf_counter() - t0
+    plan.timings["transfer"] = plan.timings.get("transfer", 0.0) + seconds
+    plan.steps["transfer"] = _trip_steps(transfer, seconds)
+    allocation = transfer["allocation"]
+    plan.steps["allocate"] = dict(allocation.get("steps_ms") or {})
+    return allocation, transfer
+
+
+def _finish(
+    plan: _Plan,
+    path: str,
+    allocation: dict[str, Any],
+    transfer: dict[str, Any],
+    fallback_reason: str,
+) -> Generator[_Call, _Reply, MigrationResult]:
+    """After a transfer into `allocation`: commit on the target, unless the source
+    handed its receipts to the target's mailbox; abort on a failure."""
+    migration_id = allocation["migration_id"]
+    commit: dict[str, Any] | None = None
+    try:
+        _check_epoch(plan.target_url, plan.target_info, allocation)
         if allocation.get("source_commit") and transfer.get("delivered"):
             # The receipts are in the target's mailbox: it commits by itself, before it
             # handles anything sent from now on (feature "source_commit").
             return _result(plan, path, allocation, transfer, None, migration_id, fallback_reason)
-
-        t0 = clock()
+        t0 = time.perf_counter()
         commit = yield from _step(
             _Call(
                 "commit",
@@ -611,24 +675,34 @@ def _move(
                 },
             )
         )
-        timings["commit"] = clock() - t0
-        plan.steps["commit"] = _trip_steps(commit, timings["commit"])
+        plan.timings["commit"] = time.perf_counter() - t0
+        plan.steps["commit"] = _trip_steps(commit, plan.timings["commit"])
     except (MigrationFailed, _StaleSession) as failure:
-        # The source's receipts (even of a failed transfer) may prove no write can still
-        # land, which frees the target's slots at once instead of after quarantine.
-        failed_reply = failure.reply if isinstance(failure, MigrationFailed) else None
-        receipts = _receipts(transfer if transfer is not None else failed_reply)
-        status, _ = yield _Call(
-            "abort",
-            plan.target_url,
-            "/abort_transfer",
-            {"migration_id": migration_id, "receipts": receipts},
-        )
-        if isinstance(failure, MigrationFailed):
-            failure.migration_id = migration_id
-            failure.rolled_back = status is not None and status < 300
+        yield from _abort(plan, migration_id, failure, transfer)
         raise
     return _result(plan, path, allocation, transfer, commit, migration_id, fallback_reason)
+
+
+def _abort(
+    plan: _Plan,
+    migration_id: str,
+    failure: MigrationFailed | _StaleSession,
+    transfer: dict[str, Any] | None,
+) -> Generator[_Call, _Reply, None]:
+    """Free the target's slots after `failure`. The source's receipts (even of a failed
+    transfer) may prove no write can still land, which frees them at once instead of
+    after quarantine."""
+    failed_reply = failure.reply if isinstance(failure, MigrationFailed) else None
+    receipts = _receipts(transfer if transfer is not None else failed_reply)
+    status, _ = yield _Call(
+        "abort",
+        plan.target_url,
+        "/abort_transfer",
+        {"migration_id": migration_id, "receipts": receipts},
+    )
+    if isinstance(failure, MigrationFailed):
+        failure.migration_id = migration_id
+        failure.rolled_back = status is not None and status < 300
 
 
 def _move_in_rounds(
@@ -705,6 +779,43 @@ def _expect_epoch(target_info: dict[str, Any]) -> dict[str, Any]:
     if EPOCH_CHECK not in target_info.get("features", []):
         return {}
     return {"expect_epoch": target_info.get("server_epoch", "")}
+
+
+def _source_allocates(plan: _Plan, path: str) -> bool:
+    """Feature "source_allocate": both servers list it, each is a single rank, and they
+    share a host (the target's channel is a local socket)."""
+    source, target = plan.source_info, plan.target_info
+    if not _both_list(source, target, SOURCE_ALLOCATE):
+        return False
+    if len(source["ranks"]) != 1 or len(target["ranks"]) != 1:
+        return False
+    channels = source.get("allocate_channel") or {}, target.get("allocate_channel") or {}
+    return bool(channels[1].get("address")) and channels[0].get("host") == channels[1].get("host")
+
+
+def _one_trip_call(plan: _Plan, path: str) -> _Call:
+    """The transfer that allocates on the target first (`_source_allocates`): the
+    allocate's fields ride along, the source adds the transfer's ids."""
+    allocate = dict(_allocate_call(plan, path).body or {})
+    for field_name in ("input_ids", binary_ids.FIELD):
+        allocate.pop(field_name, None)
+    channel = plan.target_info["allocate_channel"]
+    return _Call(
+        "transfer",
+        plan.source_url,
+        "/transfer_request_kvcache",
+        {
+            **ids_field(plan.source_info, plan.prefix, plan.encoded),
+            "extra_key": plan.extra_key,
+            "target_per_rank": [_target_entry(plan.target_info["ranks"][0], path)],
+            **({"partial_ok": True} if plan.partial else {}),
+            "allocate_on_target": {
+                "address": channel["address"],
+                "secret": channel["secret"],
+                "allocate": allocate,
+            },
+        },
+    )
 
 
 def _transfer_call(plan: _Plan, allocation: dict[str, Any], path: str) -> _Call:
@@ -870,33 +981,39 @@ def _targets(
     slots = {(r["tp_rank"], r["pp_rank"]): r for r in allocation["ranks"]}
     entries = []
     for rank in target_info["ranks"]:
-        position = (rank["tp_rank"], rank["pp_rank"])
-        entry: dict[str, Any] = {
-            "tp": rank["tp_rank"],
-            "pp": rank["pp_rank"],
-            "path": path,
-            "grant": slots[position].get("grant", ""),
-            "fingerprint": rank["fingerprint"],
-        }
+        granted = slots[(rank["tp_rank"], rank["pp_rank"])]
+        entry = _target_entry(rank, path)
+        entry["grant"] = granted.get("grant", "")
         # Runs when the target sent them (both servers speak "page_ranges"), else pages.
-        if slots[position].get("kv_page_ranges"):
-            entry["kv_page_ranges"] = slots[position]["kv_page_ranges"]
+        if granted.get("kv_page_ranges"):
+            entry["kv_page_ranges"] = granted["kv_page_ranges"]
         else:
-            entry["kv_pages"] = slots[position]["kv_pages"]
-        if slots[position].get("staging"):
-            entry["staging"] = slots[position]["staging"]
-        if path == "device":
-            entry["device_kv"] = rank["paths"]["device"]
-        else:
-            host = rank["paths"]["host"]
-            entry.update(
-                session_id=host["session_id"],
-                host_kv_data_ptrs=host["host_kv_data_ptrs"],
-                host_kv_data_lens=host["host_kv_data_lens"],
-                host_kv_item_lens=host["host_kv_item_lens"],
-            )
+            entry["kv_pages"] = granted["kv_pages"]
+        if granted.get("staging"):
+            entry["staging"] = granted["staging"]
         entries.append(entry)
     return entries
+
+
+def _target_entry(rank: dict[str, Any], path: str) -> dict[str, Any]:
+    """A transfer's target rank entry without its slots and grant: where to write."""
+    entry: dict[str, Any] = {
+        "tp": rank["tp_rank"],
+        "pp": rank["pp_rank"],
+        "path": path,
+        "fingerprint": rank["fingerprint"],
+    }
+    if path == "device":
+        entry["device_kv"] = rank["paths"]["device"]
+    else:
+        host = rank["paths"]["host"]
+        entry.update(
+            session_id=host["session_id"],
+            host_kv_data_ptrs=host["host_kv_data_ptrs"],
+            host_kv_data_lens=host["host_kv_data_lens"],
+            host_kv_item_lens=host["host_kv_item_lens"],
+        )
+    return entry
 
 
 def _both_list(source_info: dict[str, Any], target_info: dict[str, Any], feature: str) -> bool:

@@ -36,6 +36,7 @@ from sglang_kv_migration import binary_ids, page_ranges, sglang_adapter
 from sglang_kv_migration.errors import ErrorKind
 from sglang_kv_migration.io_types import (
     AbortTransferReqInput,
+    AllocateOnTarget,
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
     GetRequestExtraTokenSizeReqInput,
@@ -130,7 +131,10 @@ class ExtraTokenSizeBody(_IdsBody):
     extra_key: ExtraKey | None = None
 
 
-class AllocateBody(_IdsBody):
+class AllocateFields(_Body):
+    """An allocate's fields but its ids (the allocate a transfer forwards to its target
+    through the allocate channel, feature "source_allocate", takes the transfer's ids)."""
+
     extra_key: ExtraKey | None = None
     extra_token_size: NonNegative = 0
     source_fingerprints: list[dict[str, Any]] = Field(min_length=1)
@@ -145,6 +149,19 @@ class AllocateBody(_IdsBody):
     source_commit: bool = False
     # Feature "epoch_check": the session info `server_epoch` the caller planned with.
     expect_epoch: str = Field(default="", max_length=MAX_EPOCH_CHARS)
+
+
+class AllocateBody(_IdsBody, AllocateFields):
+    pass
+
+
+class AllocateOnTargetBody(_Body):
+    """Feature "source_allocate": the source asks the target (on its host) for the slots
+    itself, through the channel the target's session info names (`allocate_channel`)."""
+
+    address: str = Field(max_length=256)
+    secret: str = Field(pattern=r"^[0-9a-f]{32}$")
+    allocate: AllocateFields
 
 
 class TargetRankBody(_Body):
@@ -170,8 +187,10 @@ class TargetRankBody(_Body):
 
     @model_validator(mode="after")
     def _consistent(self) -> TargetRankBody:
-        if sum(map(bool, (self.kv_indices, self.kv_pages, self.kv_page_ranges))) != 1:
-            raise ValueError("give exactly one of kv_indices, kv_pages and kv_page_ranges")
+        # Exactly one for a transfer into granted slots, none when the source asks the
+        # target for them (`TransferBody._consistent_sizes` says which).
+        if sum(map(bool, (self.kv_indices, self.kv_pages, self.kv_page_ranges))) > 1:
+            raise ValueError(SLOT_FIELDS_MESSAGE)
         if self.kv_page_ranges:
             _check_page_ranges(self.kv_page_ranges)
         if self.staging and (
@@ -190,17 +209,29 @@ class TargetRankBody(_Body):
         return self
 
 
+SLOT_FIELDS_MESSAGE = "give exactly one of kv_indices, kv_pages and kv_page_ranges"
+
+
 class TransferBody(_IdsBody):
     extra_key: ExtraKey | None = None
-    matched_token_size: NonNegative
-    extra_token_size: Annotated[int, Field(gt=0)]
+    # Both 0 with `allocate_on_target` (the target's allocate reply says them), else the
+    # allocate reply's; extra_token_size > 0.
+    matched_token_size: NonNegative = 0
+    extra_token_size: NonNegative = 0
     target_per_rank: list[TargetRankBody] = Field(min_length=1, max_length=1024)
     migration_id: str = Field(default="", max_length=MAX_ID_CHARS)
     # Feature "partial_transfer": send what this source holds of the range.
     partial_ok: bool = False
+    # Feature "source_allocate": no slots, grant or migration id in the body; the source
+    # allocates on the target itself (single-rank servers on one host).
+    allocate_on_target: AllocateOnTargetBody | None = None
 
     @model_validator(mode="after")
     def _consistent_sizes(self) -> TransferBody:
+        if self.allocate_on_target is not None:
+            return self._consistent_for_source_allocate()
+        if self.extra_token_size <= 0:
+            raise ValueError("extra_token_size must be greater than 0")
         # `_one_form_of_ids` has decoded input_ids_u32: pydantic runs a base class's
         # validators before a subclass's.
         end = self.matched_token_size + self.extra_token_size
@@ -210,6 +241,8 @@ class TransferBody(_IdsBody):
                 f"{self.token_count}"
             )
         for target in self.target_per_rank:
+            if not (target.kv_indices or target.kv_pages or target.kv_page_ranges):
+                raise ValueError(f"target tp={target.tp} pp={target.pp}: {SLOT_FIELDS_MESSAGE}")
             if target.kv_indices and len(target.kv_indices) != self.extra_token_size:
                 raise ValueError(
                     f"target tp={target.tp} pp={target.pp}: {len(target.kv_indices)} "
@@ -228,6 +261,37 @@ class TransferBody(_IdsBody):
         if len(set(ranks)) != len(ranks):
             raise ValueError("target_per_rank lists a (tp, pp) rank twice")
         return self
+
+    def _consistent_for_source_allocate(self) -> TransferBody:
+        """With `allocate_on_target` the target's reply gives sizes, slots, grant and id:
+        the body names none of them, and one target rank (single-rank servers)."""
+        if self.matched_token_size or self.extra_token_size or self.migration_id:
+            raise ValueError(
+                "with allocate_on_target, matched_token_size, extra_token_size and "
+                "migration_id come from the target: leave them out"
+            )
+        if len(self.target_per_rank) != 1:
+            raise ValueError("allocate_on_target takes one target rank (TP 1, PP 1)")
+        target = self.target_per_rank[0]
+        if target.kv_indices or target.kv_pages or target.kv_page_ranges or target.grant:
+            raise ValueError(
+                "with allocate_on_target the target rank names no slots and no grant "
+                "(the target's allocate reply gives them)"
+            )
+        if target.staging:
+            raise ValueError("with allocate_on_target the target rank names no staging")
+        return self
+
+    def forwarded_allocate(self) -> bytes:
+        """The JSON object the source sends to the target's allocate channel: the body's
+        `allocate_on_target.allocate` and this transfer's ids, as the client sent them."""
+        assert self.allocate_on_target is not None
+        fields = self.allocate_on_target.allocate.model_dump(exclude_defaults=True)
+        if self.input_ids_u32:
+            fields[binary_ids.FIELD] = self.input_ids_u32
+        else:
+            fields["input_ids"] = self.input_ids
+        return orjson.dumps(fields)
 
 
 def _check_page_ranges(ranges: list[list[int]]) -> None:
@@ -300,9 +364,16 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     async def transfer_request_kvcache(body: TransferBody) -> Response:
         """Source: copy the pages into the target ranks' reserved slots."""
         targets = [TransferRequestKVCacheTarget(**_fields(t)) for t in body.target_per_rank]
+        on_target = body.allocate_on_target
+        if on_target is not None:  # built here, off the scheduler thread
+            on_target = AllocateOnTarget(
+                on_target.address, on_target.secret, body.forwarded_allocate()
+            )
         return await dispatch(
             TransferRequestKVCacheReqInput(
-                **_fields(body, exclude=frozenset({"target_per_rank"})), target_per_rank=targets
+                **_fields(body, exclude=frozenset({"target_per_rank", "allocate_on_target"})),
+                target_per_rank=targets,
+                allocate_on_target=on_target,
             )
         )
 
@@ -392,13 +463,36 @@ _INTERNAL_FIELDS = frozenset({"rid", "http_worker_ipc", "trace"})
 _ROUTE_STARTED: contextvars.ContextVar[float] = contextvars.ContextVar("kvmig_route_started")
 
 
-def _reply(output: Any, parsed: float | None = None) -> Response:
-    status = 200 if output.success else ErrorKind(output.error_kind or "internal").http_status
-    content = {
+def allocate_request(
+    body: Any, *, migration_id: str, weight_version: str
+) -> AllocateTokenForTransferReqInput:
+    """An allocate from a JSON object that did not come through a route (the allocate
+    channel, `channel_allocations.py`), validated like the route's body; ValueError
+    naming what is wrong."""
+    from pydantic import ValidationError
+
+    try:
+        parsed = AllocateBody.model_validate(body)
+    except ValidationError as e:
+        raise ValueError(_describe_errors(e.errors())) from None
+    return AllocateTokenForTransferReqInput(
+        **_fields(parsed), migration_id=migration_id, weight_version=weight_version
+    )
+
+
+def reply_content(output: Any) -> dict[str, Any]:
+    """A scheduler reply as the JSON object a route answers with (without the internal
+    fields)."""
+    return {
         f.name: _plain(getattr(output, f.name))
         for f in dataclasses.fields(output)
         if f.name not in _INTERNAL_FIELDS
     }
+
+
+def _reply(output: Any, parsed: float | None = None) -> Response:
+    status = 200 if output.success else ErrorKind(output.error_kind or "internal").http_status
+    content = reply_content(output)
     started = _ROUTE_STARTED.get(None)
     if started is not None and parsed is not None and "steps_ms" in content:
         # `trace.py`: the body read and parsed, and the whole route up to this reply.
@@ -479,8 +573,12 @@ def _parse_json_fast(request: Request) -> None:
 
 
 def _describe(error: RequestValidationError) -> str:
+    return _describe_errors(error.errors())
+
+
+def _describe_errors(errors: Any) -> str:
     parts = []
-    for item in error.errors()[:5]:
+    for item in list(errors)[:5]:
         where = ".".join(str(p) for p in item.get("loc", ()) if p != "body") or "body"
         parts.append(f"{where}: {item.get('msg', 'invalid')}")
     return "invalid request: " + "; ".join(parts)

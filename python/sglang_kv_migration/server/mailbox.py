@@ -72,7 +72,7 @@ class Mailbox:
                  slot_bytes: int = SLOT_BYTES):  # fmt: skip
         sweep_stale(directory)
         token = secrets.token_hex(16)
-        self.name = f"kvmig-mbox-{_pid_namespace()}-{os.getpid()}-{token}"
+        self.name = f"kvmig-mbox-{pid_namespace()}-{os.getpid()}-{token}"
         self.path = os.path.join(directory, self.name)
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
@@ -241,30 +241,35 @@ class Deliverer:
             self._open.popitem()[1][0].close()
 
 
-def sweep_stale(directory: str = SHM_DIR) -> list[str]:
-    """Unlink mailboxes whose creating process is gone (a server killed before its
-    `close()`); returns their names. Only files named like ours, and only those of this
-    process's pid namespace: a server in another container sharing `/dev/shm` has pids
-    this one cannot see, and sweeps its own."""
+def sweep_stale(
+    directory: str = SHM_DIR,
+    pattern: re.Pattern[str] = _NAME,
+    remove: Callable[[str], None] = os.unlink,
+) -> list[str]:
+    """Remove mailboxes (or, with `pattern` and `remove`, other per-process entries named
+    `<prefix>-<pid namespace>-<pid>-...`) whose creating process is gone (a server killed
+    before its `close()`); returns their names. Only entries named like ours, and only
+    those of this process's pid namespace: a server in another container sharing
+    `/dev/shm` has pids this one cannot see, and sweeps its own."""
     removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
-    namespace = str(_pid_namespace())
+    namespace = str(pid_namespace())
     for name in names:
-        match = _NAME.match(name)
-        if match is None or match.group(1) != namespace or _alive(int(match.group(2))):
+        match = pattern.match(name)
+        if match is None or match.group(1) != namespace or process_alive(int(match.group(2))):
             continue
         try:
-            os.unlink(os.path.join(directory, name))
+            remove(os.path.join(directory, name))
             removed.append(name)
         except OSError:
             pass
     return removed
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
     """The inode of this process's pid namespace (0 where /proc does not say)."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
@@ -272,7 +277,7 @@ def _pid_namespace() -> int:
         return 0
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

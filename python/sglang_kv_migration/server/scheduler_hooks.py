@@ -98,6 +98,8 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
     )
     scheduler.kv_migration = side
     sglang_adapter.add_request_handlers(scheduler, side.handlers())
+    if side.channel_allocations is not None:
+        sglang_adapter.wake_from_idle_sleep_on(scheduler, side.channel_allocations.channel.socket)
 
 
 def before_process_input_requests(scheduler: Any, recv_reqs: Any, *_: Any, **__: Any) -> None:

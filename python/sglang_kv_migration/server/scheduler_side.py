@@ -55,6 +55,9 @@ from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
 from sglang_kv_migration.paths.host.layout import HostPoolLayout
 from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig, open_transport
 from sglang_kv_migration.paths.host.target_staging import TargetStaging
+from sglang_kv_migration.server.allocate_channel import FEATURE as SOURCE_ALLOCATE
+from sglang_kv_migration.server.allocate_channel import ChannelCaller, open_channel
+from sglang_kv_migration.server.channel_allocations import ChannelAllocations
 from sglang_kv_migration.server.commits import Commits, in_progress_output
 from sglang_kv_migration.server.mailbox import FEATURE as SOURCE_COMMIT
 from sglang_kv_migration.server.mailbox import Deliverer
@@ -142,6 +145,8 @@ class MigrationSchedulerSide:
             },
             max_tokens=self.layout.num_slots,
             deliverer=Deliverer(),
+            # Feature "source_allocate": asks a target's allocate channel (one rank).
+            caller=ChannelCaller() if ctx.tp_size == 1 and ctx.pp_size == 1 else None,
         )
         self._destinations: dict[str, str] = {}  # path name -> destination digest
         self._open_target_side(staging_bytes)
@@ -194,11 +199,20 @@ class MigrationSchedulerSide:
 
     def before_requests(self, recv_reqs: list[Any]) -> None:
         """Once per loop iteration, before its requests are dispatched: commit what
-        sources delivered to the mailbox (`source_commits.py`). Never raises."""
-        if not self.pending.by_id:  # idle, the usual case: one attribute read
-            return
+        sources delivered to the mailbox (`source_commits.py`), then allocate what
+        sources asked for on the allocate channel (`channel_allocations.py`). Never
+        raises."""
+        channel = self.channel_allocations
+        if not self.pending.by_id and channel is None:
+            return  # idle, and no channel to read (multi-rank servers): two reads
         try:
-            self.source_commits.take(recv_reqs)
+            if self.pending.by_id:
+                self.source_commits.take(recv_reqs)
+            if channel is not None:
+                if recv_reqs:
+                    channel.observe(recv_reqs)
+                if channel.channel.readable():  # idle: one socket option read
+                    channel.serve()
         except Exception as e:
             self._poll_failed(e)
 
@@ -367,6 +381,8 @@ class MigrationSchedulerSide:
         self.commits.close()  # no scatter may run into pools being released
         self.pending.abort_all()
         self.source_commits.close()
+        if self.channel_allocations is not None:
+            self.channel_allocations.close()
         self.transfers.close()
         for path in self.paths.values():
             path.close()
@@ -409,6 +425,9 @@ class MigrationSchedulerSide:
         )
         if self.source_commits.enabled:
             output.features.append(SOURCE_COMMIT)
+        if self.channel_allocations is not None:
+            output.features.append(SOURCE_ALLOCATE)
+            output.allocate_channel = self.channel_allocations.channel.advertise()
         return output
 
     def get_request_extra_token_size(
@@ -668,6 +687,28 @@ class MigrationSchedulerSide:
             self.commits,
             self.metrics,
             sglang_adapter.weight_update_types(),
+        )
+        self.channel_allocations = self._open_channel()
+
+    def _open_channel(self) -> ChannelAllocations | None:
+        """Feature "source_allocate" on a single-rank server (one rank takes each channel
+        request, so every rank of a stage could not allocate it together)."""
+        if self.ctx.tp_size != 1 or self.ctx.pp_size != 1:
+            return None
+        from sglang_kv_migration.paths.device.cuda_ipc import host_identity
+
+        channel = open_channel(host_identity())
+        if channel is None:
+            return None
+        handler = self._guarding(
+            self._answering(self.allocate_token_for_transfer), AllocateTokenForTransferReqOutput
+        )
+        if self.profile is not None:
+            handler = self.profile.wrap(handler)
+        return ChannelAllocations(
+            channel,
+            sglang_adapter.weight_update_types(),
+            _received_first(self.loop_timer.timed(handler)),
         )
 
     def _open_staging(self, nbytes: int) -> TargetStaging | None:

@@ -18,6 +18,7 @@ one rank's error, so every rank enters them together.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -35,6 +36,7 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheTarget,
 )
 from sglang_kv_migration.paths.base import DEVICE, DataPath, KVPoll, SendJob, SendRange
+from sglang_kv_migration.server.allocate_channel import ALLOCATE_TIMEOUT_S, ChannelCaller
 from sglang_kv_migration.server.mailbox import Deliverer
 from sglang_kv_migration.server.metrics import MigrationMetrics
 from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, error_of
@@ -84,6 +86,13 @@ class InflightTransfer:
     # (its grant's `mailbox`, on rank 0 only), and until when (unix time).
     mailbox: str = ""
     mailbox_until: float = 0.0
+    # Feature "source_allocate": the call on the target's allocate channel this transfer
+    # waits for (b"": none), until when (monotonic), and the target's reply.
+    allocating: bytes = b""
+    allocate_by: float = 0.0
+    allocation: dict = dataclasses.field(default_factory=dict)
+    allocated: float = 0.0  # when the poll took the target's reply up
+    channel_error: str = ""  # why the target's channel could not be asked
 
     @property
     def waiting(self) -> bool:
@@ -133,6 +142,7 @@ class SourceTransfers:
         server_fingerprints: Mapping[tuple[int, int], LayoutFingerprint] | None = None,
         max_tokens: int = 1 << 62,
         deliverer: Deliverer | None = None,
+        caller: ChannelCaller | None = None,
     ):
         self.ctx = ctx
         self.fingerprint = fingerprint
@@ -146,6 +156,8 @@ class SourceTransfers:
         self.max_tokens = max_tokens  # the most slots one transfer can name (host pool)
         self._used_grants = grants.UsedGrants()
         self.deliverer = deliverer
+        self.caller = caller  # feature "source_allocate" (single-rank servers only)
+        self.allocate_timeout_s = ALLOCATE_TIMEOUT_S
         self.inflight: list[InflightTransfer] = []  # read-only outside this class
         self.polls = 0  # `poll()` calls with transfers in flight
         self._poll_started = 0.0  # when the current `poll()` began
@@ -161,7 +173,9 @@ class SourceTransfers:
         """Whether a transfer in flight may wait on a helper thread (the host path's
         transport workers, a verify digest): device-path sends run on the GPU."""
         return any(
-            t.path is None or t.path.name != DEVICE or t.send is None or t.send.verify
+            (t.path is None and not t.allocating)  # (asking a target's channel: no helper)
+            or (t.path is not None and t.path.name != DEVICE)
+            or (t.path is not None and (t.send is None or t.send.verify))
             for t in self.inflight
         )
 
@@ -170,10 +184,83 @@ class SourceTransfers:
         something here failed unexpectedly (then it says so: never two replies)."""
         inflight = InflightTransfer(request=req, started=time.monotonic(), first_poll=self.polls)
         self.inflight.append(inflight)
-        error = error_of(lambda: self._start(req, inflight))
+        if req.allocate_on_target is not None:
+            error = error_of(lambda: self._ask_target(req, inflight))
+        else:
+            error = error_of(lambda: self._start(req, inflight))
         if error is not None and inflight.error is None:
             inflight.error = error
         inflight.handled = time.monotonic()
+
+    def _ask_target(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
+        """Feature "source_allocate": ask the target's allocate channel for the slots;
+        the transfer starts in the poll that finds the reply (`_take_allocations`)."""
+        if self.caller is None:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                "allocate_on_target needs a single-rank source (TP 1, PP 1); allocate on "
+                "the target with /allocate_token_for_transfer",
+            )
+        on_target = req.allocate_on_target
+        try:
+            inflight.allocating = self.caller.call(
+                on_target.address, on_target.secret, on_target.allocate
+            )
+        except ValueError as e:
+            inflight.channel_error = str(e)
+            raise MigrationError(ErrorKind.BAD_REQUEST, str(e)) from None
+        inflight.allocate_by = time.monotonic() + self.allocate_timeout_s
+
+    def _take_allocations(self) -> None:
+        """Start the transfers whose target answered their allocate; fail those it did
+        not answer in time (a late allocation is freed by the target's watchdog)."""
+        replies = dict(self.caller.replies())
+        gone = set(self.caller.gone())
+        now = time.monotonic()
+        for inflight in self.inflight:
+            if not inflight.allocating:
+                continue
+            reply = replies.get(inflight.allocating)
+            if reply is None and now < inflight.allocate_by and inflight.allocating not in gone:
+                continue
+            self.caller.forget(inflight.allocating)
+            inflight.allocating = b""
+            if inflight.error is not None:
+                continue  # failed while it waited (a cache flush): the reply follows
+            if reply is None:
+                inflight.channel_error = (
+                    "the target's process exited before it answered the allocate"
+                    if now < inflight.allocate_by
+                    else "the target did not answer the allocate within "
+                    f"{self.allocate_timeout_s:.0f} s"
+                )
+                inflight.error = MigrationError(ErrorKind.UNAVAILABLE, inflight.channel_error)
+                continue
+            inflight.allocated = now
+            error = error_of(functools.partial(self._allocated, inflight, reply))
+            if error is not None and inflight.error is None:
+                inflight.error = error
+
+    def _allocated(self, inflight: InflightTransfer, reply: bytes) -> None:
+        """The target's allocate reply: start the transfer into what it granted."""
+        req = inflight.request
+        allocation = _allocation_of(reply)
+        inflight.allocation = allocation
+        if not allocation["success"]:
+            raise MigrationError(
+                _error_kind(allocation.get("error_kind")),
+                f"the target refused the allocate: {allocation.get('message', '')}",
+            )
+        req.matched_token_size = allocation["matched_token_size"]
+        req.extra_token_size = allocation["extra_token_size"]
+        req.migration_id = allocation["migration_id"]
+        if req.extra_token_size == 0:  # the target holds it all: nothing to send
+            inflight.result = RankTransferStatus(done=True, success=True)
+            return
+        req.target_per_rank = [_granted_target(req.target_per_rank, allocation)]
+        error = error_of(lambda: self._start(req, inflight))
+        if error is not None and inflight.error is None:
+            raise error
 
     def _start(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
         # First: even a refused transfer's receipt names this rank's slots (a settled
@@ -204,6 +291,8 @@ class SourceTransfers:
         if self.inflight:
             self.polls += 1
             self._poll_started = time.monotonic()
+            if self.caller is not None and self.caller.waiting:
+                self._take_allocations()
             if any(t.waiting for t in self.inflight):
                 # A collective: `waiting` is the same on every rank.
                 self.ctx.tree_cache.writing_check()
@@ -237,6 +326,8 @@ class SourceTransfers:
                 server_epoch=self.epoch_of(req.weight_version),
                 message=reason,
                 error_kind=ErrorKind.INTERNAL.value,
+                allocation=inflight.allocation,
+                channel_error=inflight.channel_error,
             )
             output.rid = req.rid
             self._send(output, inflight)
@@ -248,6 +339,8 @@ class SourceTransfers:
         self.inflight.clear()
         if self.deliverer is not None:
             self.deliverer.close()
+        if self.caller is not None:
+            self.caller.close()
 
     # ------------------------------------------------------------------ helpers
 
@@ -492,6 +585,8 @@ class SourceTransfers:
             # and fixed costs. A gathered copy of this rank's own status.
             moving_s = sum(seconds for _, seconds in mine.routes.values())
             self.metrics.routes(_path_name(req), mine.routes, max(0.0, elapsed - moving_s))
+        output.allocation = inflight.allocation
+        output.channel_error = inflight.channel_error
         output.rid = req.rid  # the tokenizer side matches concurrent transfers by rid
         self._send(output, inflight)
         if first_rank and output.success:
@@ -514,6 +609,9 @@ class SourceTransfers:
         now = time.monotonic()
         handled = inflight.handled or now
         polled = max(self._poll_started, handled)  # a reply sent from the handler: no wait
+        extra = {}
+        if inflight.allocated:  # feature "source_allocate": the target's part of `waited`
+            extra["allocate"] = ms(inflight.allocated - handled)
         stamp(
             output,
             inflight.request,
@@ -522,6 +620,7 @@ class SourceTransfers:
             handler=ms(handled - inflight.started),
             waited=ms(polled - handled),
             replying=ms(now - polled),
+            **extra,
         )
         self.ctx.send_output(output, inflight.request)
 
@@ -631,6 +730,78 @@ def _staging_extent(target: TransferRequestKVCacheTarget) -> tuple[int, int] | N
             f"the host path, got {target.staging} on path {target.path!r}",
         )
     return target.staging[0], target.staging[1]
+
+
+def _allocation_of(reply: bytes) -> dict:
+    """The target's allocate reply, checked for the fields read here (the grant and
+    slots are checked by `_check_target` as for any client-relayed allocation)."""
+    import orjson
+
+    try:
+        allocation = orjson.loads(reply)
+    except orjson.JSONDecodeError:
+        raise MigrationError(
+            ErrorKind.TRANSFER_FAILED, "the target's allocate reply is not JSON"
+        ) from None
+    if not isinstance(allocation, dict) or not isinstance(allocation.get("success"), bool):
+        raise MigrationError(ErrorKind.TRANSFER_FAILED, "the target's allocate reply is malformed")
+    if not allocation["success"]:
+        return allocation
+    ok = (
+        _is_count(allocation.get("matched_token_size"))
+        and _is_count(allocation.get("extra_token_size"))
+        and isinstance(allocation.get("migration_id"), str)
+        and isinstance(allocation.get("ranks"), list)
+        and len(allocation["ranks"]) == 1
+        and isinstance(allocation["ranks"][0], dict)
+    )
+    if not ok:
+        raise MigrationError(ErrorKind.TRANSFER_FAILED, "the target's allocate reply is malformed")
+    return allocation
+
+
+def _error_kind(value: object) -> ErrorKind:
+    """The target's `error_kind`, as ours (INTERNAL for anything else)."""
+    try:
+        return ErrorKind(value)
+    except ValueError:
+        return ErrorKind.INTERNAL
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _granted_target(
+    templates: list[TransferRequestKVCacheTarget], allocation: dict
+) -> TransferRequestKVCacheTarget:
+    """The body's one target rank with the slots, grant and staging the target's reply
+    gave it (a wrong type is refused here; counts and the grant by `_check_target`)."""
+    granted = allocation["ranks"][0]
+    template = templates[0]
+    fields: dict = {}
+    for name in ("kv_indices", "kv_pages", "kv_page_ranges", "staging"):
+        value = granted.get(name, [])
+        if not isinstance(value, list):
+            raise MigrationError(ErrorKind.TRANSFER_FAILED, f"the target's {name} is not a list")
+        fields[name] = value
+    grant = granted.get("grant", "")
+    if not isinstance(grant, str) or (granted.get("tp_rank"), granted.get("pp_rank")) != (
+        template.tp,
+        template.pp,
+    ):
+        raise MigrationError(
+            ErrorKind.TRANSFER_FAILED, "the target's allocate reply names another rank"
+        )
+    _check_ints(fields["kv_indices"], "kv_indices")
+    _check_ints(fields["kv_pages"], "kv_pages")
+    _check_ints(fields["staging"], "staging")
+    return dataclasses.replace(template, grant=grant, **fields)
+
+
+def _check_ints(values: list, name: str) -> None:
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise MigrationError(ErrorKind.TRANSFER_FAILED, f"the target's {name} are not slot ids")
 
 
 def _path_name(req: TransferRequestKVCacheReqInput) -> str:

@@ -1,0 +1,116 @@
+"""Target side of feature "source_allocate": allocations a source asks for directly.
+
+    each loop iteration,   the requests of the iteration are read for weight updates and
+    before dispatch        for the weight version our HTTP layer stamped last; then the
+                           channel's waiting requests are allocated, each with the
+                           handler of `/allocate_token_for_transfer`, and answered
+
+The scheduler does not see the weight version (the tokenizer manager keeps it), so a
+channel allocation takes the one stamped on the last migration request from this
+server's HTTP layer, and only while no weight update has arrived after it: otherwise it
+is refused (CONFLICT) and the client reads session info again, which stamps the new one.
+Single-rank servers only (TP 1, PP 1): an allocation on more ranks would need every rank
+to take the request in the same iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.io_types import (
+    REQUEST_TYPES,
+    AllocateTokenForTransferReqInput,
+    AllocateTokenForTransferReqOutput,
+)
+from sglang_kv_migration.server.allocate_channel import ChannelServer
+from sglang_kv_migration.server.trace import ms
+
+logger = logging.getLogger(__name__)
+
+_STAMPED_TYPES = tuple(request for _name, request, _output in REQUEST_TYPES)
+
+Handler = Callable[[AllocateTokenForTransferReqInput], AllocateTokenForTransferReqOutput]
+
+
+class ChannelAllocations:
+    """One single-rank target's allocate channel and what it knows of its weights."""
+
+    def __init__(
+        self,
+        channel: ChannelServer,
+        weight_update_types: tuple[type, ...],
+        allocate: Handler,
+    ):
+        self.channel = channel
+        self.weight_update_types = weight_update_types
+        self._allocate = allocate  # the route's handler, wrapped like the dispatcher's
+        self._stamped: str | None = None  # the last weight version our HTTP layer sent
+        self._updates = 0  # weight updates seen
+        self._stamped_after = -1  # `_updates` when `_stamped` was taken
+
+    def observe(self, recv_reqs: list[Any]) -> None:
+        """The iteration's requests, in order: weight updates, and our own requests'
+        weight version stamps."""
+        for req in recv_reqs:
+            if isinstance(req, _STAMPED_TYPES):
+                self._stamped, self._stamped_after = req.weight_version, self._updates
+            elif isinstance(req, self.weight_update_types):
+                self._updates += 1
+
+    def weight_version(self) -> str | None:
+        """This server's weight version, None when a weight update came after the last
+        stamp (unknown until the HTTP layer sends the next request)."""
+        return self._stamped if self._stamped_after == self._updates else None
+
+    def serve(self) -> None:
+        """Allocate and answer what waits on the channel (never raises per request)."""
+        for route, body in self.channel.take():
+            output = self._answer(body)
+            self.channel.reply(route, orjson.dumps(_content(output)))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _answer(self, body: dict[str, Any] | MigrationError) -> AllocateTokenForTransferReqOutput:
+        try:
+            req = self._request(body)
+        except MigrationError as e:
+            return AllocateTokenForTransferReqOutput(
+                success=False, message=e.message, error_kind=e.kind.value
+            )
+        output = self._allocate(req)
+        trace = getattr(output, "trace", None) or {}
+        if "received" in trace and "replied" in trace:
+            output.steps_ms = {"scheduler": ms(trace["replied"] - trace["received"])}
+        return output
+
+    def _request(self, body: dict[str, Any] | MigrationError) -> AllocateTokenForTransferReqInput:
+        from sglang_kv_migration.server import http_api
+
+        if isinstance(body, MigrationError):
+            raise body
+        weight_version = self.weight_version()
+        if weight_version is None:
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                "this server loaded new weights since its session info was read; read "
+                "/get_transfer_session_info again",
+            )
+        try:
+            return http_api.allocate_request(
+                body, migration_id=uuid.uuid4().hex, weight_version=weight_version
+            )
+        except ValueError as e:
+            raise MigrationError(ErrorKind.BAD_REQUEST, str(e)) from None
+
+
+def _content(output: AllocateTokenForTransferReqOutput) -> dict[str, Any]:
+    from sglang_kv_migration.server import http_api
+
+    return http_api.reply_content(output)
