@@ -90,6 +90,12 @@ def main() -> None:
         "--concurrency-rounds", type=int, default=1, help="measure the concurrency N times"
     )
     parser.add_argument(
+        "--two-trips",
+        action="store_true",
+        help="every concurrency round also through a client that allocates itself (it does "
+        "not see feature source_allocate), right after the default one-call client's",
+    )
+    parser.add_argument(
         "--freeze-gc",
         action="store_true",
         help="then POST /freeze_gc to both servers and measure the concurrency again",
@@ -120,8 +126,13 @@ def main() -> None:
     with (
         running_servers(model_dir, specs, sequential=args.target_gpu == 0) as (source, target),
         MigrationClient(timeout=600) as client,
+        MigrationClient(timeout=600) as two_trips,
     ):
         config["startup_s"] = time.monotonic() - started
+        config["two_trip_rounds"] = args.two_trips
+        for url in (source, target):  # the cached session info the second client plans from
+            info = two_trips.session_info(url)
+            info["features"] = [f for f in info["features"] if f != "source_allocate"]
         rng = random.Random(0)
         _warm_up(client, source, target, rng)
         for n in lengths:
@@ -138,7 +149,16 @@ def main() -> None:
         print(json.dumps({"concurrency": concurrency}), flush=True)
         # Later rounds on the same servers: is a first round's stall a warm-up?
         concurrency["later_rounds"] = []
-        for _ in range(args.concurrency_rounds - 1):
+        concurrency["two_trip_rounds"] = []
+        for i in range(args.concurrency_rounds):
+            if args.two_trips:  # side by side: each default round, then a two-trip one
+                two = _concurrency(
+                    two_trips, source, target, args.concurrent, args.concurrent_tokens, rng
+                )
+                print(json.dumps({"concurrency_two_trips": two}), flush=True)
+                concurrency["two_trip_rounds"].append(two)
+            if i == args.concurrency_rounds - 1:
+                break
             again = _concurrency(
                 client, source, target, args.concurrent, args.concurrent_tokens, rng
             )

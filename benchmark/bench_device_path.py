@@ -236,8 +236,10 @@ def _round(
 
     row["device"] = _migrate_and_serve(client, source, target, a, "device")
     if host:
+        time.sleep(SETTLE_S)  # the target, too, finishes the request it just served
         row["host"] = _migrate_and_serve(client, source, target, b, "host")
     for kind, other in others.items():
+        time.sleep(SETTLE_S)
         row[kind] = _migrate_and_serve(other, source, target, more[kind], "device")
     return row
 

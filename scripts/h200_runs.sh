@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|3|4}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|3|4|5}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -42,6 +42,15 @@ case $call in
     "+0:devtest16:sleep 240; KVMIG_PORT_BASE=31500 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py" \
     "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py"
   ;;
+5)
+  # One call for both comparisons on fresh servers: issue 21's one-call vs two-trip rows
+  # at page 1 (one page, 1K, 32K; each row after the target settled), then issue 19's
+  # six concurrent 8K moves, each round with the one-call client and then the two-trip
+  # client.
+  exec bash scripts/gpu_jobs.sh 540 \
+    "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 32768 --repeats 3 --no-host --two-trips" \
+    "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency --concurrency-rounds 3 --two-trips"
+  ;;
 3)
   # Issue 19's any-tier table at page 1 (tiers gpu / host / mixed at 4K/16K/32K beside
   # re-prefill and the host path), then the memory-saver test at MLA page 64.
@@ -56,7 +65,7 @@ case $call in
     "0:livetests:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py -k 'live or running_request_moves_with'"
   ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|3|4" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|3|4|5" >&2
   exit 2
   ;;
 esac

@@ -25,17 +25,24 @@ _LIMIT = 1 << 32
 def encode(ids: list[int]) -> str | None:
     """`ids` as the wire's base64 text; None when one cannot be sent this way (an id
     outside [0, 2**32)) or there is none: send the list then."""
+    raw = to_bytes(ids)
+    return base64.b64encode(raw).decode("ascii") if raw else None
+
+
+def to_bytes(ids: list[int]) -> bytes:
+    """`ids` as the little-endian uint32 bytes `encode` base64-encodes; b"" when one
+    cannot be sent so (an id outside [0, 2**32)) or there is none."""
     import numpy as np
 
     if not ids:
-        return None
+        return b""
     try:
         array = np.array(ids, dtype=np.int64)
     except (OverflowError, TypeError, ValueError):
-        return None
+        return b""
     if int(array.min()) < 0 or int(array.max()) >= _LIMIT:
-        return None
-    return base64.b64encode(array.astype("<u4").tobytes()).decode("ascii")
+        return b""
+    return array.astype("<u4").tobytes()
 
 
 def decode(text: str, max_ids: int) -> bytes:

@@ -234,12 +234,14 @@ class TransferRequestKVCacheTarget(HostTarget):
 @dataclass
 class AllocateOnTarget:
     """Feature "source_allocate": where the source asks the target for the slots (its
-    session info's `allocate_channel`), and the allocate's JSON object, the transfer's
-    ids included (built by the source's HTTP layer; the target validates it again)."""
+    session info's `allocate_channel`), the allocate's JSON object and the transfer's
+    ids as little-endian uint32 bytes (empty: the JSON lists them). Built by the source's
+    HTTP layer; the target validates both again."""
 
     address: str
     secret: str
     allocate: bytes
+    ids: bytes = b""
 
 
 @dataclass

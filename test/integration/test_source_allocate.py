@@ -21,7 +21,7 @@ import httpx
 import orjson
 import pytest
 import zmq
-from mini_server import ServerHandle, ServerSpec, start_servers
+from mini_server import ServerHandle, ServerSpec, serving
 from sglang_kv_migration.client import migration
 from sglang_kv_migration.client.migration import MigrationClient
 from sglang_kv_migration.server.allocate_channel import ALLOCATE_TIMEOUT_S
@@ -53,12 +53,8 @@ class Servers:
 def servers() -> Iterator[Servers]:
     preload = [(SEQ_HOSTILE, 1), (SEQ_WEIGHTS, 2), (SEQ_STALLED, 3), (SEQ_BESIDE, 4),
                (SEQ_HELD, 5), (SEQ_FALLBACK, 6)]  # fmt: skip
-    handles = start_servers([ServerSpec(preload=preload), ServerSpec(preload=[(SEQ_HELD, 5)])])
-    try:
+    with serving([ServerSpec(preload=preload), ServerSpec(preload=[(SEQ_HELD, 5)])]) as handles:
         yield Servers(*handles)
-    finally:
-        for handle in handles:
-            handle.stop()
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ once every rank is serving.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
@@ -30,6 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import cpu_harness
@@ -132,6 +134,17 @@ def start_servers(specs: list[ServerSpec], timeout_s: float = 240.0) -> list[Ser
             handle.stop()
         raise
     return handles
+
+
+@contextlib.contextmanager
+def serving(specs: list[ServerSpec]) -> Iterator[list[ServerHandle]]:
+    """`start_servers`, stopped on exit (a module fixture's body)."""
+    handles = start_servers(specs)
+    try:
+        yield handles
+    finally:
+        for handle in handles:
+            handle.stop()
 
 
 def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:

@@ -80,10 +80,10 @@ def test_a_request_and_its_reply_round_trip(server: ChannelServer, caller: Chann
     assert stat.S_IMODE(os.stat(server.directory).st_mode) == 0o700
     assert not server.readable()
 
-    call_id = caller.call(server.address, server.secret, b'{"path":"device"}')
+    call_id = caller.call(server.address, server.secret, b'{"path":"device"}', b"\x01\0\0\0")
     assert caller.waiting == 1
-    [(route, body)] = _take_within(server)
-    assert body == {"path": "device"}
+    [(route, body, ids)] = _take_within(server)
+    assert body == {"path": "device"} and ids == b"\x01\0\0\0"
     server.reply(route, b'{"success":true}')
     assert _replies_within(caller) == [(call_id, b'{"success":true}')]
     assert caller.waiting == 0
@@ -97,12 +97,12 @@ def test_a_wrong_secret_or_a_malformed_request_is_refused_by_name(
     server: ChannelServer, caller: ChannelCaller
 ) -> None:
     caller.call(server.address, "0" * 32, b"{}")
-    [(_, refused)] = _take_within(server)
+    [(_, refused, ids)] = _take_within(server)
     assert isinstance(refused, MigrationError) and refused.kind is ErrorKind.FORBIDDEN
-    assert "secret" in refused.message
+    assert "secret" in refused.message and ids == b""
 
     caller.call(server.address, server.secret, b"[1, 2]")  # not an object
-    [(_, refused)] = _take_within(server)
+    [(_, refused, ids)] = _take_within(server)
     assert isinstance(refused, MigrationError) and refused.kind is ErrorKind.BAD_REQUEST
 
     raw = zmq.Context.instance().socket(zmq.DEALER)
@@ -111,7 +111,7 @@ def test_a_wrong_secret_or_a_malformed_request_is_refused_by_name(
         raw.connect(server.address)
         raw.send_multipart([b"short-id", b"{}"])  # not our caller's frames: dropped
         raw.send_multipart([b"x" * 16, b"not json"])
-        [(_, refused)] = _take_within(server)
+        [(_, refused, ids)] = _take_within(server)
         assert isinstance(refused, MigrationError) and "not JSON" in refused.message
     finally:
         raw.close()
@@ -219,7 +219,7 @@ def test_a_channel_allocate_takes_the_last_stamped_weight_version_until_new_weig
 
     channel.observe([GetTransferSessionInfoReqInput(weight_version="v1")])
     assert channel.weight_version() == "v1"
-    fake.requests = [([b"r", b"1"], dict(BODY))]
+    fake.requests = [([b"r", b"1"], dict(BODY), b"")]
     channel.serve()
     assert [r.weight_version for r in seen] == ["v1"]
     assert seen[0].input_ids == [1, 2, 3]
@@ -230,7 +230,7 @@ def test_a_channel_allocate_takes_the_last_stamped_weight_version_until_new_weig
     channel.observe([CommitTransferRequestKVCacheReqInput(weight_version="v1"),
                      UpdateWeightFromDiskReqInput("new")])  # fmt: skip
     assert channel.weight_version() is None
-    fake.requests = [([b"r", b"2"], dict(BODY))]
+    fake.requests = [([b"r", b"2"], dict(BODY), b"")]
     channel.serve()
     assert len(seen) == 1  # refused before the handler
     reply = fake.replies[-1][1]
@@ -251,11 +251,67 @@ def test_a_channel_allocate_is_validated_like_the_routes_body() -> None:
         {"input_ids": [1]},  # no source_fingerprints
         {**BODY, "path": "elsewhere"},
     ]
-    fake.requests = [([b"r", str(i).encode()], body) for i, body in enumerate(bad)]
-    fake.requests.append(([b"r", b"e"], MigrationError(ErrorKind.FORBIDDEN, "wrong secret")))
+    fake.requests = [([b"r", str(i).encode()], body, b"") for i, body in enumerate(bad)]
+    fake.requests.append(([b"r", b"e"], MigrationError(ErrorKind.FORBIDDEN, "wrong secret"), b""))
     channel.serve()
     assert seen == []
     kinds = [reply["error_kind"] for _, reply in fake.replies]
     assert kinds == ["bad_request"] * 4 + ["forbidden"]
     assert "migration_id" in fake.replies[0][1]["message"]
     assert "input_ids.1" in fake.replies[1][1]["message"]
+
+
+class _CountingServer(_FakeServer):
+    def __init__(self, requests: list) -> None:
+        super().__init__(requests)
+        self.reads = 0
+
+    def readable(self) -> bool:
+        self.reads += 1
+        return bool(self.requests)
+
+
+def test_an_idle_loop_reads_the_channel_at_most_every_check_interval(monkeypatch) -> None:
+    from sglang_kv_migration.server import channel_allocations
+
+    clock = [100.0]
+    monkeypatch.setattr(channel_allocations.time, "monotonic", lambda: clock[0])
+    seen: list = []
+    fake = _CountingServer([])
+    channel = ChannelAllocations(fake, (UpdateWeightFromDiskReqInput,), lambda r: seen.append(r))  # type: ignore[arg-type]
+    channel.poll()
+    channel.poll()  # the same instant: not read again
+    assert fake.reads == 1
+    clock[0] += channel_allocations.CHECK_EVERY_S
+    channel.poll()
+    assert fake.reads == 2
+
+    # A full take: more may wait, so the next iteration reads again at once.
+    channel.observe([GetTransferSessionInfoReqInput(weight_version="")])
+    full = allocate_channel.MAX_PER_ITERATION
+    fake.requests = [([b"r", str(i).encode()], MigrationError(ErrorKind.FORBIDDEN, "x"), b"")
+                     for i in range(full)]  # fmt: skip
+    clock[0] += channel_allocations.CHECK_EVERY_S
+    channel.poll()
+    assert len(fake.replies) == full
+    channel.poll()  # the same instant, but read: the take was full
+    assert fake.reads == 4
+
+
+def test_ids_in_their_own_frame_are_checked_and_go_to_the_handler_as_bytes() -> None:
+    seen: list = []
+    channel, fake = _allocations([], seen)
+    channel.observe([GetTransferSessionInfoReqInput(weight_version="")])
+    fields = {k: v for k, v in BODY.items() if k != "input_ids"}
+    fake.requests = [
+        ([b"r", b"1"], dict(fields), b"\x07\0\0\0\x08\0\0\0"),
+        ([b"r", b"2"], dict(fields), b"\x07\0\0"),  # not whole 4-byte ids
+        ([b"r", b"3"], dict(BODY), b"\x07\0\0\0"),  # ids twice: in the JSON and the frame
+    ]
+    channel.serve()
+    assert [r.input_ids_u32 for r in seen] == [b"\x07\0\0\0\x08\0\0\0"]
+    assert seen[0].input_ids == []  # the list is made on the scheduler thread, once
+    kinds = [reply["error_kind"] for _, reply in fake.replies]
+    assert kinds == ["", "bad_request", "bad_request"]
+    assert "4-byte ids" in fake.replies[1][1]["message"]
+    assert "input_ids" in fake.replies[2][1]["message"]

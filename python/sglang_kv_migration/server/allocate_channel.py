@@ -21,8 +21,9 @@ The source's scheduler holds one DEALER socket per target it asked recently and 
 the replies in its per-iteration poll: a target that never answers fails only its own
 transfer, after `ALLOCATE_TIMEOUT_S`.
 
-Frames: request `[call id (16 bytes), JSON {"secret", "allocate"}]`, reply `[call id,
-JSON reply]`. No dependency on SGLang.
+Frames: request `[call id (16 bytes), JSON {"secret", "allocate"}, ids]` (the ids as
+little-endian uint32 bytes, left out when the JSON lists them), reply `[call id, JSON
+reply]`. No dependency on SGLang.
 """
 
 from __future__ import annotations
@@ -109,22 +110,26 @@ class ChannelServer:
         return {"address": self.address, "secret": self.secret, "host": self.host}
 
     def readable(self) -> bool:
-        """A request waits (one socket option read: cheap enough for every iteration)."""
+        """A request waits (one zmq socket option read, ~3 us: `ChannelAllocations.poll`
+        reads it at most every 50 us)."""
         return bool(self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
-    def take(self) -> list[tuple[list[bytes], dict[str, Any] | MigrationError]]:
-        """Up to `MAX_PER_ITERATION` requests: (reply route, allocate body) for a good
-        one, (reply route, why not) for one to refuse; malformed frames are dropped."""
-        taken: list[tuple[list[bytes], dict[str, Any] | MigrationError]] = []
+    def take(self) -> list[tuple[list[bytes], dict[str, Any] | MigrationError, bytes]]:
+        """Up to `MAX_PER_ITERATION` requests: (reply route, allocate body, ids frame or
+        b"") for a good one, (reply route, why not, b"") for one to refuse; malformed
+        frames are dropped."""
+        taken: list[tuple[list[bytes], dict[str, Any] | MigrationError, bytes]] = []
         while len(taken) < MAX_PER_ITERATION:
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) != 3 or len(frames[1]) != CALL_ID_BYTES:
+            if len(frames) not in (3, 4) or len(frames[1]) != CALL_ID_BYTES:
                 continue  # not from our caller: nobody to answer
             route = frames[:2]
-            taken.append((route, self._parse(frames[2])))
+            body = self._parse(frames[2])
+            ids = frames[3] if len(frames) == 4 and not isinstance(body, MigrationError) else b""
+            taken.append((route, body, ids))
         return taken
 
     def _parse(self, payload: bytes) -> dict[str, Any] | MigrationError:
@@ -169,15 +174,17 @@ class ChannelCaller:
         self._pids: dict[str, int] = {}  # address -> its process (0: not ours to see)
         self._checked = 0.0  # when `gone()` last looked
 
-    def call(self, address: str, secret: str, allocate: bytes) -> bytes:
-        """Send one allocate (`allocate`: its JSON object) to the channel at `address`;
-        returns the call id. ValueError naming the problem when the address is not a
-        channel of this user on this host."""
+    def call(self, address: str, secret: str, allocate: bytes, ids: bytes = b"") -> bytes:
+        """Send one allocate (`allocate`: its JSON object; `ids`: its ids as uint32
+        bytes, when the object has none) to the channel at `address`; returns the call
+        id. ValueError naming the problem when the address is not a channel of this user
+        on this host."""
         socket = self._socket(address)
         call_id = secrets.token_bytes(CALL_ID_BYTES)
         message = b'{"secret":"' + secret.encode("ascii") + b'","allocate":' + allocate + b"}"
+        frames = [call_id, message, ids] if ids else [call_id, message]
         try:
-            socket.send_multipart([call_id, message], zmq.NOBLOCK)
+            socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise ValueError(f"cannot send to the target's allocate channel: {e}") from None
         self._waiting[call_id] = address

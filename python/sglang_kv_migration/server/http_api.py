@@ -282,16 +282,17 @@ class TransferBody(_IdsBody):
             raise ValueError("with allocate_on_target the target rank names no staging")
         return self
 
-    def forwarded_allocate(self) -> bytes:
-        """The JSON object the source sends to the target's allocate channel: the body's
-        `allocate_on_target.allocate` and this transfer's ids, as the client sent them."""
+    def forwarded_allocate(self) -> tuple[bytes, bytes]:
+        """What the source sends to the target's allocate channel: the JSON object of
+        `allocate_on_target.allocate`, and this transfer's ids as little-endian uint32
+        bytes (a zmq frame of their own: no base64 to decode on the target's scheduler
+        thread). Ids of 2**32 and above go in the JSON as a list instead (bytes empty)."""
         assert self.allocate_on_target is not None
         fields = self.allocate_on_target.allocate.model_dump(exclude_defaults=True)
-        if self.input_ids_u32:
-            fields[binary_ids.FIELD] = self.input_ids_u32
-        else:
+        raw = self._ids_raw or binary_ids.to_bytes(self.input_ids)
+        if not raw:
             fields["input_ids"] = self.input_ids
-        return orjson.dumps(fields)
+        return orjson.dumps(fields), raw
 
 
 def _check_page_ranges(ranges: list[list[int]]) -> None:
@@ -367,7 +368,7 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
         on_target = body.allocate_on_target
         if on_target is not None:  # built here, off the scheduler thread
             on_target = AllocateOnTarget(
-                on_target.address, on_target.secret, body.forwarded_allocate()
+                on_target.address, on_target.secret, *body.forwarded_allocate()
             )
         return await dispatch(
             TransferRequestKVCacheReqInput(
@@ -464,19 +465,27 @@ _ROUTE_STARTED: contextvars.ContextVar[float] = contextvars.ContextVar("kvmig_ro
 
 
 def allocate_request(
-    body: Any, *, migration_id: str, weight_version: str
+    body: Any, *, migration_id: str, weight_version: str, ids: bytes = b""
 ) -> AllocateTokenForTransferReqInput:
     """An allocate from a JSON object that did not come through a route (the allocate
-    channel, `channel_allocations.py`), validated like the route's body; ValueError
-    naming what is wrong."""
+    channel, `channel_allocations.py`), validated like the route's body; `ids`: its ids
+    as little-endian uint32 bytes, when the object has none. ValueError naming what is
+    wrong."""
     from pydantic import ValidationError
 
     try:
-        parsed = AllocateBody.model_validate(body)
+        parsed = (AllocateFields if ids else AllocateBody).model_validate(body)
     except ValidationError as e:
         raise ValueError(_describe_errors(e.errors())) from None
+    fields = _fields(parsed)
+    if ids:
+        if len(ids) % binary_ids.ITEM_BYTES or len(ids) > MAX_TOKENS * binary_ids.ITEM_BYTES:
+            raise ValueError(
+                f"the ids frame has {len(ids)} bytes: not 1 to {MAX_TOKENS} 4-byte ids"
+            )
+        fields.update(input_ids=[], input_ids_u32=ids)
     return AllocateTokenForTransferReqInput(
-        **_fields(parsed), migration_id=migration_id, weight_version=weight_version
+        **fields, migration_id=migration_id, weight_version=weight_version
     )
 
 

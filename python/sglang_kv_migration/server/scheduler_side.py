@@ -211,8 +211,7 @@ class MigrationSchedulerSide:
             if channel is not None:
                 if recv_reqs:
                     channel.observe(recv_reqs)
-                if channel.channel.readable():  # idle: one socket option read
-                    channel.serve()
+                channel.poll()  # idle: a clock read, the socket every 50 us
         except Exception as e:
             self._poll_failed(e)
 

@@ -204,7 +204,7 @@ class SourceTransfers:
         on_target = req.allocate_on_target
         try:
             inflight.allocating = self.caller.call(
-                on_target.address, on_target.secret, on_target.allocate
+                on_target.address, on_target.secret, on_target.allocate, on_target.ids
             )
         except ValueError as e:
             inflight.channel_error = str(e)
