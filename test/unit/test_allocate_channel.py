@@ -315,3 +315,90 @@ def test_ids_in_their_own_frame_are_checked_and_go_to_the_handler_as_bytes() -> 
     assert kinds == ["", "bad_request", "bad_request"]
     assert "4-byte ids" in fake.replies[1][1]["message"]
     assert "input_ids" in fake.replies[2][1]["message"]
+
+
+# --------------------------------------------------------------------------- the source
+
+
+class _FakeCaller:
+    """A `ChannelCaller` whose target answers when the test says so."""
+
+    def __init__(self) -> None:
+        self.answers: list[tuple[bytes, bytes]] = []
+        self.pending: set[bytes] = set()
+
+    def call(self, address: str, secret: str, allocate: bytes, ids: bytes = b"") -> bytes:
+        self.pending.add(b"c" * 16)
+        return b"c" * 16
+
+    @property
+    def waiting(self) -> int:
+        return len(self.pending)
+
+    def replies(self) -> list[tuple[bytes, bytes]]:
+        found, self.answers = self.answers, []
+        return found
+
+    def gone(self) -> list[bytes]:
+        return []
+
+    def forget(self, call_id: bytes) -> None:
+        self.pending.discard(call_id)
+
+    def close(self) -> None:
+        pass
+
+
+def _one_trip_request() -> object:
+    from sglang_kv_migration.io_types import (
+        AllocateOnTarget,
+        TransferRequestKVCacheReqInput,
+        TransferRequestKVCacheTarget,
+    )
+
+    target = TransferRequestKVCacheTarget(tp=0, pp=0, path="host", session_id="127.0.0.1:1")
+    return TransferRequestKVCacheReqInput(
+        input_ids=list(range(32)),
+        target_per_rank=[target],
+        allocate_on_target=AllocateOnTarget("ipc:///dev/shm/x/s", "0" * 32, b"{}"),
+    )
+
+
+def test_a_transfer_failed_while_it_waits_still_reports_the_allocation(side_factory) -> None:
+    """A cache flush fails the transfer while its target allocates; when the answer comes
+    in the same poll, the failure names the allocation, so the client aborts it."""
+    side = side_factory(page_size=16)
+    fake = side.transfers.caller = _FakeCaller()
+    side.transfer_request_kvcache(_one_trip_request())
+    assert fake.waiting == 1 and len(side.transfers) == 1
+    side.prepare_for_cache_flush()
+    allocation = {"success": True, "migration_id": "m-1", "matched_token_size": 0,
+                  "extra_token_size": 32, "ranks": [{"tp_rank": 0, "pp_rank": 0}]}  # fmt: skip
+    fake.answers = [(b"c" * 16, orjson.dumps(allocation))]
+    side.poll()
+    [reply] = side.replies
+    assert not reply.success and "flushed" in reply.message
+    assert reply.allocation["migration_id"] == "m-1"
+    assert fake.waiting == 0 and len(side.transfers) == 0
+
+
+def test_a_target_that_does_not_answer_in_time_fails_only_with_a_channel_error(
+    side_factory,
+) -> None:
+    side = side_factory(page_size=16)
+    fake = side.transfers.caller = _FakeCaller()
+    side.transfers.allocate_timeout_s = 0.0
+    side.transfer_request_kvcache(_one_trip_request())
+    side.poll()
+    [reply] = side.replies
+    assert not reply.success and reply.error_kind == "unavailable"
+    assert "did not answer the allocate" in reply.channel_error == reply.message
+    assert reply.allocation == {} and fake.waiting == 0
+    # A failure before the answer (and before the time-out): the call is not waited for
+    # any more once the failure is the reply.
+    side.transfers.allocate_timeout_s = 60.0
+    side.transfer_request_kvcache(_one_trip_request())
+    side.prepare_for_cache_flush()
+    side.poll()
+    assert len(side.replies) == 2 and "flushed" in side.replies[-1].message
+    assert fake.waiting == 0 and len(side.transfers) == 0

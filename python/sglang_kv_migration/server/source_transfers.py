@@ -226,7 +226,11 @@ class SourceTransfers:
             self.caller.forget(inflight.allocating)
             inflight.allocating = b""
             if inflight.error is not None:
-                continue  # failed while it waited (a cache flush): the reply follows
+                # Failed while it waited (a cache flush): the failure is the reply, with
+                # the target's allocation in it, so the client aborts what it holds.
+                if reply is not None:
+                    error_of(functools.partial(self._keep_allocation, inflight, reply))
+                continue
             if reply is None:
                 inflight.channel_error = (
                     "the target's process exited before it answered the allocate"
@@ -240,6 +244,9 @@ class SourceTransfers:
             error = error_of(functools.partial(self._allocated, inflight, reply))
             if error is not None and inflight.error is None:
                 inflight.error = error
+
+    def _keep_allocation(self, inflight: InflightTransfer, reply: bytes) -> None:
+        inflight.allocation = _allocation_of(reply)
 
     def _allocated(self, inflight: InflightTransfer, reply: bytes) -> None:
         """The target's allocate reply: start the transfer into what it granted."""
@@ -313,6 +320,8 @@ class SourceTransfers:
         so the target keeps the slots quarantined until the grant's write window closes."""
         abandoned, self.inflight = self.inflight, []
         for inflight in abandoned:
+            if inflight.allocating and self.caller is not None:
+                self.caller.forget(inflight.allocating)
             if inflight.job is not None:
                 try:
                     inflight.job.release()
@@ -497,6 +506,8 @@ class SourceTransfers:
                 continue
             if inflight.job is not None:
                 inflight.job.release()
+            if inflight.allocating:  # failed before its target answered: not waited for
+                self.caller.forget(inflight.allocating)
             self._reply(inflight, statuses)
         self.inflight = still_running
 
