@@ -429,12 +429,14 @@ def test_client_migrates_partial_then_rest_then_nothing(servers: Servers, flow: 
         # the server's part of a trip is no more than the client's trip.
         assert set(second.steps_ms) == {"allocate", "transfer"}
         if flow == "one_trip":
-            # The allocate is the target scheduler's part only (no HTTP trip of its own),
-            # inside the source's wait for it.
+            # The allocate is the target scheduler's part only (no HTTP trip of its own);
+            # the source's wait for it is part of its `waited`. (Not compared with the
+            # target's part: the source may lose its CPU between its send and the end of
+            # its handler, while the target answers.)
             allocate = second.steps_ms["allocate"]
             assert set(allocate) == {"scheduler"} and allocate["scheduler"] > 0
             transfer = second.steps_ms["transfer"]
-            assert allocate["scheduler"] <= transfer["allocate"] <= transfer["waited"] + 0.01
+            assert 0 <= transfer["allocate"] <= transfer["waited"]
         for phase, steps in second.steps_ms.items():
             if phase not in trips:
                 continue

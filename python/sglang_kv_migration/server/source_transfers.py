@@ -91,7 +91,7 @@ class InflightTransfer:
     allocating: bytes = b""
     allocate_by: float = 0.0
     allocation: dict = dataclasses.field(default_factory=dict)
-    allocated: float = 0.0  # when the poll took the target's reply up
+    allocated: float = 0.0  # when the poll that took the target's reply up began
     channel_error: str = ""  # why the target's channel could not be asked
 
     @property
@@ -240,7 +240,7 @@ class SourceTransfers:
                 )
                 inflight.error = MigrationError(ErrorKind.UNAVAILABLE, inflight.channel_error)
                 continue
-            inflight.allocated = now
+            inflight.allocated = self._poll_started  # the poll that took the answer
             error = error_of(functools.partial(self._allocated, inflight, reply))
             if error is not None and inflight.error is None:
                 inflight.error = error
