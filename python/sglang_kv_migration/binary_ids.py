@@ -54,10 +54,18 @@ def decode(text: str, max_ids: int) -> bytes:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"not base64: {e}") from None
+    return check_bytes(raw, max_ids)
+
+
+def check_bytes(raw: bytes, max_ids: int) -> bytes:
+    """`raw` if it holds 1 to `max_ids` whole ids (decoded text, or a frame of bytes
+    that came so); ValueError naming what is wrong."""
     if not raw:
         raise ValueError("no ids")
     if len(raw) % ITEM_BYTES:
         raise ValueError(f"{len(raw)} bytes are not whole {ITEM_BYTES}-byte ids")
+    if len(raw) > max_ids * ITEM_BYTES:
+        raise ValueError(f"more than {max_ids} ids")
     return raw
 
 

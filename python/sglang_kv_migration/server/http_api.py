@@ -185,6 +185,10 @@ class TargetRankBody(_Body):
     # Host path: the staging extent [addr, length] the allocate reply granted this rank.
     staging: list[Address] = Field(default_factory=list, max_length=2)
 
+    @property
+    def names_slots(self) -> bool:
+        return bool(self.kv_indices or self.kv_pages or self.kv_page_ranges)
+
     @model_validator(mode="after")
     def _consistent(self) -> TargetRankBody:
         # Exactly one for a transfer into granted slots, none when the source asks the
@@ -241,7 +245,7 @@ class TransferBody(_IdsBody):
                 f"{self.token_count}"
             )
         for target in self.target_per_rank:
-            if not (target.kv_indices or target.kv_pages or target.kv_page_ranges):
+            if not target.names_slots:
                 raise ValueError(f"target tp={target.tp} pp={target.pp}: {SLOT_FIELDS_MESSAGE}")
             if target.kv_indices and len(target.kv_indices) != self.extra_token_size:
                 raise ValueError(
@@ -273,7 +277,7 @@ class TransferBody(_IdsBody):
         if len(self.target_per_rank) != 1:
             raise ValueError("allocate_on_target takes one target rank (TP 1, PP 1)")
         target = self.target_per_rank[0]
-        if target.kv_indices or target.kv_pages or target.kv_page_ranges or target.grant:
+        if target.names_slots or target.grant:
             raise ValueError(
                 "with allocate_on_target the target rank names no slots and no grant "
                 "(the target's allocate reply gives them)"
@@ -479,10 +483,10 @@ def allocate_request(
         raise ValueError(_describe_errors(e.errors())) from None
     fields = _fields(parsed)
     if ids:
-        if len(ids) % binary_ids.ITEM_BYTES or len(ids) > MAX_TOKENS * binary_ids.ITEM_BYTES:
-            raise ValueError(
-                f"the ids frame has {len(ids)} bytes: not 1 to {MAX_TOKENS} 4-byte ids"
-            )
+        try:
+            binary_ids.check_bytes(ids, MAX_TOKENS)
+        except ValueError as e:
+            raise ValueError(f"the ids frame: {e}") from None
         fields.update(input_ids=[], input_ids_u32=ids)
     return AllocateTokenForTransferReqInput(
         **fields, migration_id=migration_id, weight_version=weight_version

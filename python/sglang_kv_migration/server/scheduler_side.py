@@ -188,14 +188,20 @@ class MigrationSchedulerSide:
             (AbortTransferReqInput, answering(self.abort_transfer)),
         ]
         outputs = {request: output for _name, request, output in REQUEST_TYPES}
-        guarded_pairs = [(kind, self._guarding(h, outputs[kind])) for kind, h in pairs]
-        guarded_pairs.append((StageSyncReqInput, self._guarding(self.stage_sync, None)))
+        dispatched = [(kind, self._dispatched(h, outputs[kind])) for kind, h in pairs]
+        dispatched.append((StageSyncReqInput, self._dispatched(self.stage_sync, None)))
+        return dispatched
+
+    def _dispatched(
+        self, handler: Callable[[Any], Any], output_type: type | None
+    ) -> Callable[[Any], Any]:
+        """`handler` as the scheduler runs it, from the dispatcher or the allocate
+        channel: guarded (`_guarding`), profiled when the profile is on, timed on
+        `loop_timer`, and stamped and given its ids list when taken up."""
+        guarded = self._guarding(handler, output_type)
         if self.profile is not None:
-            guarded_pairs = [(kind, self.profile.wrap(h)) for kind, h in guarded_pairs]
-        return [
-            (kind, _received_first(self.loop_timer.timed(handler)))
-            for kind, handler in guarded_pairs
-        ]
+            guarded = self.profile.wrap(guarded)
+        return _received_first(self.loop_timer.timed(guarded))
 
     def before_requests(self, recv_reqs: list[Any]) -> None:
         """Once per loop iteration, before its requests are dispatched: commit what
@@ -699,16 +705,10 @@ class MigrationSchedulerSide:
         channel = open_channel(host_identity())
         if channel is None:
             return None
-        handler = self._guarding(
+        allocate = self._dispatched(
             self._answering(self.allocate_token_for_transfer), AllocateTokenForTransferReqOutput
         )
-        if self.profile is not None:
-            handler = self.profile.wrap(handler)
-        return ChannelAllocations(
-            channel,
-            sglang_adapter.weight_update_types(),
-            _received_first(self.loop_timer.timed(handler)),
-        )
+        return ChannelAllocations(channel, sglang_adapter.weight_update_types(), allocate)
 
     def _open_staging(self, nbytes: int) -> TargetStaging | None:
         """The staging arena of the host path's target role (None: staging off)."""
