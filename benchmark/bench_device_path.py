@@ -64,9 +64,15 @@ TARGET_COPY_GBPS = {False: 400.0, True: 200.0}  # keyed by "across GPUs"
 SETTLE_S = 0.5  # idle time on the source between its prefills and the migrations
 COMMIT_TRIP = "device_commit_trip"  # row 5: the device path with the client's commit trip
 TWO_TRIPS = "device_two_trips"  # row 4: the device path with the client's allocate trip
-ROW_KINDS = ("device", TWO_TRIPS, COMMIT_TRIP, "host")
+# Row 6: one call, the target's device_kv in full in every body (no "destination_digest").
+FULL_DESTINATION = "device_full_destination"
+ROW_KINDS = ("device", TWO_TRIPS, COMMIT_TRIP, FULL_DESTINATION, "host")
 # Row -> the wire features its client is made not to see (as with older servers).
-HIDDEN = {TWO_TRIPS: ("source_allocate",), COMMIT_TRIP: ("source_allocate", "source_commit")}
+HIDDEN = {
+    TWO_TRIPS: ("source_allocate",),
+    COMMIT_TRIP: ("source_allocate", "source_commit"),
+    FULL_DESTINATION: ("destination_digest",),
+}
 
 
 def main() -> None:
@@ -100,6 +106,11 @@ def main() -> None:
         "--two-trips", action="store_true",
         help="also migrate on the device path with the client's allocate trip (row 4)",
     )  # fmt: skip
+    parser.add_argument(
+        "--full-destination", action="store_true",
+        help="also migrate in one call with the target's device_kv in full in the body "
+        "(row 6: a client that does not name it by digest)",
+    )  # fmt: skip
     args = parser.parse_args()
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
     repeats = 1 if args.quick else args.repeats
@@ -128,6 +139,7 @@ def main() -> None:
         "server_flags": extra,
         "host_path": not args.no_host,
         "commit_trip_rows": args.commit_trip,
+        "full_destination_rows": args.full_destination,
         "two_trip_rows": args.two_trips,
     }
     started = time.monotonic()
@@ -139,6 +151,7 @@ def main() -> None:
         MigrationClient(timeout=600) as client,
         MigrationClient(timeout=600) as with_two_trips,
         MigrationClient(timeout=600) as with_commit_trip,
+        MigrationClient(timeout=600) as with_full_destination,
     ):
         config["startup_s"] = time.monotonic() - started
         print(f"servers ready in {config['startup_s']:.0f} s", flush=True)
@@ -150,6 +163,8 @@ def main() -> None:
             others[TWO_TRIPS] = with_two_trips
         if args.commit_trip:
             others[COMMIT_TRIP] = with_commit_trip
+        if args.full_destination:
+            others[FULL_DESTINATION] = with_full_destination
         for kind, other in others.items():
             for url in (source, target):  # the cached session info it plans from
                 info = other.session_info(url)

@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|3|4|5}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|3|4|5|6|7}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -51,6 +51,23 @@ case $call in
     "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 32768 --repeats 3 --no-host --two-trips" \
     "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency --concurrency-rounds 3 --two-trips"
   ;;
+6)
+  # Issue 21 after "prepare while the target allocates" and "destination_digest": page 1,
+  # each round one call (device_kv named by digest), two trips, and one call with the
+  # device_kv in full (--full-destination), each row after the target settled; then
+  # issue 19's six concurrent 8K moves, one-call and two-trip rounds.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 32768 --repeats 3 --no-host --two-trips --full-destination" \
+    "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency --concurrency-rounds 3 --two-trips"
+  ;;
+7)
+  # The same rows at page 16, then the memory-saver GPU test (MHA page 16) and the
+  # device-path GPU tests at MLA page 64 on this code.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --two-trips --full-destination" \
+    "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py" \
+    "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
+  ;;
 3)
   # Issue 19's any-tier table at page 1 (tiers gpu / host / mixed at 4K/16K/32K beside
   # re-prefill and the host path), then the memory-saver test at MLA page 64.
@@ -65,7 +82,7 @@ case $call in
     "0:livetests:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py -k 'live or running_request_moves_with'"
   ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|3|4|5" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|3|4|5|6|7" >&2
   exit 2
   ;;
 esac

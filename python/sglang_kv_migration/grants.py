@@ -57,6 +57,9 @@ SOURCE_COMMIT_FEATURE = "source_commit"
 # Wire feature: a transfer takes `allocate_on_target`; the source asks the target's
 # allocate channel for the slots itself (server/allocate_channel.py): one client call.
 SOURCE_ALLOCATE_FEATURE = "source_allocate"
+# Wire feature: a device-path target entry may name its `device_kv` by the digest grants
+# bind (`device_kv_digest`), once the source was sent it in full (known_destinations.py).
+DESTINATION_DIGEST_FEATURE = "destination_digest"
 _KEY_CONTEXT = b"sglang-kv-migration grant key\x00"
 # Grants used by this source (for replay refusal), remembered until they expire.
 MAX_REMEMBERED_GRANTS = 1 << 16

@@ -229,6 +229,10 @@ class TransferRequestKVCacheTarget(HostTarget):
     staging: list[int] = field(default_factory=list)  # the allocate reply's extent, if any
     # [first_page, count] runs instead of kv_pages (feature "page_ranges").
     kv_page_ranges: list[list[int]] = field(default_factory=list)
+    # Feature "destination_digest": `device_kv` named by its digest, for a source that
+    # was sent it in full before (`server/known_destinations.py`); the source fills
+    # `device_kv` in from what it hashed itself.
+    device_kv_digest: str = ""
 
 
 @dataclass
@@ -303,6 +307,10 @@ class TransferRequestKVCacheReqOutput(BaseReq):
     # Feature "source_allocate": why the source could not ask the target's channel (not
     # on this host, not a channel, the target gone or silent); the client allocates then.
     channel_error: str = ""
+    # Feature "destination_digest": the body named its device destination by a digest
+    # this source does not know (forgotten, or never sent in full): nothing was done;
+    # send `device_kv` in full.
+    destination_unknown: bool = False
 
 
 # --------------------------------------------------------------------------- commit/abort

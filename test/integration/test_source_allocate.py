@@ -22,6 +22,7 @@ import orjson
 import pytest
 import zmq
 from mini_server import ServerHandle, ServerSpec, serving
+from sglang_kv_migration import grants
 from sglang_kv_migration.client import migration
 from sglang_kv_migration.client.migration import MigrationClient
 from sglang_kv_migration.server.allocate_channel import ALLOCATE_TIMEOUT_S
@@ -339,6 +340,78 @@ def test_the_client_falls_back_to_two_trips_when_the_channel_is_unreachable(
     assert "allocate" in result.timings  # the client's own allocate trip
     assert sum(servers.target.ask(0, "held", SEQ_FALLBACK)) == len(SEQ_FALLBACK)
     assert servers.target.ask(0, "pending") == 0
+
+
+def _device_entry(target_info: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    entry = {
+        "tp": 0,
+        "pp": 0,
+        "path": "device",
+        "fingerprint": target_info["ranks"][0]["fingerprint"],
+    }
+    return {**entry, **fields}
+
+
+def test_a_destination_named_by_digest_resolves_only_once_sent_in_full(
+    servers: Servers, http: httpx.Client
+) -> None:
+    """Feature "destination_digest" on a real source: an unknown digest is refused before
+    anything is asked or pinned (409, `destination_unknown`); after the description was
+    sent in full, the same digest resolves (these CPU servers then refuse the device path
+    itself, which proves the resolution ran)."""
+    target = _info(http, servers.target)
+    device_kv = {"host_identity": "h", "gpu_uuid": "GPU-x", "instance_id": secrets.token_hex(8),
+                 "row_bytes": [64], "num_rows": [8], "buffers": [{"handle": "x"}]}  # fmt: skip
+    digest = grants.destination_digest(device_kv)
+    url = servers.source.url + "/transfer_request_kvcache"
+    sized = {"matched_token_size": 0, "extra_token_size": 2 * PAGE, "migration_id": "m"}
+
+    def post(entry: dict[str, Any], one_trip: bool) -> httpx.Response:
+        body = _body(http, servers, SEQ_HOSTILE)
+        body["target_per_rank"] = [entry]
+        if not one_trip:
+            del body["allocate_on_target"]
+            body.update(sized)
+            entry.update(kv_page_ranges=[[0, 2]], grant="g")
+        return http.post(url, json=body)
+
+    before = servers.source.ask(0, "snapshot"), servers.target.ask(0, "snapshot")
+    for one_trip in (True, False):
+        r = post(_device_entry(target, device_kv_digest=digest), one_trip)
+        assert r.status_code == 409 and r.json()["destination_unknown"], r.text
+        assert "send device_kv in full" in r.json()["message"]
+        assert not r.json()["allocation"]  # the target was not asked
+    assert (servers.source.ask(0, "snapshot"), servers.target.ask(0, "snapshot")) == before
+    assert servers.target.ask(0, "pending") == 0
+    r = post(_device_entry(target, device_kv=device_kv), one_trip=False)
+    assert r.status_code == 409 and "data path 'device' is not available" in r.text, r.text
+    assert not r.json()["destination_unknown"]
+    r = post(_device_entry(target, device_kv_digest=digest), one_trip=False)
+    assert r.status_code == 409 and "data path 'device' is not available" in r.text, r.text
+    assert not r.json()["destination_unknown"]
+    assert servers.source.ask(0, "snapshot") == before[0]
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"device_kv": {"a": 1}, "device_kv_digest": "0" * 64}, "exactly one of device_kv"),
+        ({}, "exactly one of device_kv"),
+        ({"device_kv_digest": "XYZ"}, "device_kv_digest"),
+        ({"path": "host", "device_kv_digest": "0" * 64}, "device_kv_digest is for path"),
+    ],
+)
+def test_a_malformed_destination_digest_is_refused(
+    servers: Servers, http: httpx.Client, fields: dict, needle: str
+) -> None:
+    body = _body(http, servers, SEQ_HOSTILE)
+    entry = body["target_per_rank"][0]
+    if fields.get("path") != "host":
+        entry = _device_entry(_info(http, servers.target))
+    entry.update(fields)
+    body["target_per_rank"] = [entry]
+    r = http.post(servers.source.url + "/transfer_request_kvcache", json=body)
+    assert r.status_code == 400 and needle in r.json()["message"], r.text
 
 
 def test_harness_page_size_is_the_one_these_bodies_assume() -> None:

@@ -220,6 +220,46 @@ def test_tier_pin_holds_device_and_host_nodes_until_released(harness_factory):
     h.allocator.free(target)
 
 
+def test_a_send_prepared_while_the_target_allocates_plans_and_pins_as_a_fresh_one(
+    harness_factory,
+):
+    """Feature "source_allocate": `DevicePath.prepare_send` matches and pins the whole
+    request before the target says from where to send; a send of any prefix of those ids
+    plans the same pages as a fresh match, and the pin lasts until released once."""
+    h = harness_factory(page_size=16, layer_num=2)
+    tokens, _ = _hold_three_ways(h, 16)["mixed"]
+    path = DevicePath(h.cache)
+    prepared = path.prepare_send(tokens, None)
+    assert prepared.prefix.length == len(tokens)
+    assert prepared.prefix.last_device_node.lock_ref > 0
+    assert all(n.host_ref_counter > 0 for n in prepared.prefix.host_nodes)
+    target = h.allocator.alloc(len(tokens) - 16)
+    send = _send(tokens, 16, target)  # the target held the first page
+    fresh = prepare_tiered_send(h.cache, send, 16)
+    reused = prepare_tiered_send(h.cache, send, 16, prepared.prefix)
+    for tier in ("device", "host"):
+        assert torch.equal(fresh.plan.tiers[tier].src_pages, reused.plan.tiers[tier].src_pages)
+        assert torch.equal(fresh.plan.tiers[tier].dst_pages, reused.plan.tiers[tier].dst_pages)
+    assert prepared.serves(send)
+    assert prepared.serves(dataclasses.replace(send, end=32, target_slots=target[:16]))
+    assert not prepared.serves(dataclasses.replace(send, input_ids=list(tokens)))  # other ids
+    assert not prepared.serves(dataclasses.replace(send, extra_key="other"))
+    pin = prepared.take_pin()
+    assert pin is not None and not prepared.serves(send)  # taken: the caller's now
+    prepared.release()  # nothing left to release here
+    assert h.snapshot().total_lock_ref > 0
+    pin.release()
+    after = h.snapshot()
+    assert (after.total_lock_ref, after.total_host_ref) == (0, 0)
+    # Released without being taken: unpinned once, however often it is called.
+    again = path.prepare_send(tokens, None)
+    again.release()
+    again.release()
+    after = h.snapshot()
+    assert (after.total_lock_ref, after.total_host_ref) == (0, 0)
+    h.allocator.free(target)
+
+
 def test_prepare_refuses_a_range_the_source_no_longer_holds(harness_factory):
     h = harness_factory(page_size=16, layer_num=2)
     tokens, _ = _hold_three_ways(h, 16)["device"]

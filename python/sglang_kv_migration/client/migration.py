@@ -42,10 +42,12 @@ from sglang_kv_migration import EPOCH_CHECK_FEATURE as EPOCH_CHECK
 from sglang_kv_migration import PROTOCOL_VERSION, binary_ids
 from sglang_kv_migration.client import aio_http11, http11
 from sglang_kv_migration.fingerprint import LayoutFingerprint
+from sglang_kv_migration.grants import DESTINATION_DIGEST_FEATURE as DESTINATION_DIGEST
 from sglang_kv_migration.grants import FEATURE as BOUND_GRANTS
 from sglang_kv_migration.grants import PARTIAL_FEATURE as PARTIAL_TRANSFER
 from sglang_kv_migration.grants import SOURCE_ALLOCATE_FEATURE as SOURCE_ALLOCATE
 from sglang_kv_migration.grants import SOURCE_COMMIT_FEATURE as SOURCE_COMMIT
+from sglang_kv_migration.grants import destination_digest
 from sglang_kv_migration.page_ranges import FEATURE as PAGE_RANGES
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -391,6 +393,10 @@ class SessionCache:
 
     def __init__(self) -> None:
         self._infos: dict[str, dict[str, Any]] = {}
+        # Feature "destination_digest": (source URL, its instance, digest) of the device
+        # destinations each source was sent in full and accepted.
+        self._sent: set[tuple[str, str, str]] = set()
+        self._digests: dict[int, tuple[dict[str, Any], str]] = {}  # id -> (it, digest)
 
     def get(self, url: str) -> dict[str, Any] | None:
         return self._infos.get(url.rstrip("/"))
@@ -400,6 +406,24 @@ class SessionCache:
 
     def drop(self, url: str) -> None:
         self._infos.pop(url.rstrip("/"), None)
+
+    def digest_of(self, device_kv: dict[str, Any]) -> str:
+        """`grants.destination_digest` of a target rank's `paths["device"]`, once per
+        session info read (the dict is the cached info's own)."""
+        known = self._digests.get(id(device_kv))
+        if known is None or known[0] is not device_kv:
+            known = self._digests[id(device_kv)] = (device_kv, destination_digest(device_kv))
+        return known[1]
+
+    def source_knows(self, url: str, instance: str, digest: str) -> bool:
+        return (url.rstrip("/"), instance, digest) in self._sent
+
+    def sent(self, url: str, instance: str, digest: str, known: bool) -> None:
+        key = (url.rstrip("/"), instance, digest)
+        if known:
+            self._sent.add(key)
+        else:
+            self._sent.discard(key)
 
 
 class _StaleSession(Exception):
@@ -427,6 +451,7 @@ class _Plan:
     # The prefix's ids as `binary_ids` text, by length (allocate and transfer send the
     # same ids: encoded once); None where they cannot be sent so.
     encoded: dict[int, str | None] = field(default_factory=dict)
+    sessions: SessionCache | None = None  # what sources know (feature "destination_digest")
 
 
 def ids_field(
@@ -531,6 +556,7 @@ def _attempt(
         verify,
         steps,
         partial=partial,
+        sessions=sessions,
     )
     if not prefix:
         return _result(plan, "", {"matched_token_size": 0}, None, None, "", "")
@@ -580,6 +606,7 @@ def _move(
         if moved is not None:
             allocation, transfer = moved
             if allocation["extra_token_size"] == 0:
+                _check_epoch(plan.target_url, plan.target_info, allocation)
                 return _result(plan, "", allocation, None, None, "", fallback_reason)
             return (yield from _finish(plan, path, allocation, transfer, fallback_reason))
         # Nothing was allocated (the channel could not be used, or the target refused):
@@ -604,7 +631,7 @@ def _move(
     try:
         _check_epoch(plan.target_url, plan.target_info, allocation)
         t0 = clock()
-        transfer = yield from _step(_transfer_call(plan, allocation, path))
+        transfer = yield from _transfer_step(plan, _transfer_call(plan, allocation, path))
         timings["transfer"] = clock() - t0
         plan.steps["transfer"] = _trip_steps(transfer, timings["transfer"])
     except (MigrationFailed, _StaleSession) as failure:
@@ -622,7 +649,7 @@ def _move_in_one_trip(
     aborted and raised."""
     t0 = time.perf_counter()
     try:
-        transfer = yield from _step(_one_trip_call(plan, path))
+        transfer = yield from _transfer_step(plan, _one_trip_call(plan, path))
     except MigrationFailed as failure:
         reply = failure.reply or {}
         allocation = reply.get("allocation") or {}
@@ -816,6 +843,44 @@ def _one_trip_call(plan: _Plan, path: str) -> _Call:
             },
         },
     )
+
+
+def _transfer_step(plan: _Plan, call: _Call) -> Generator[_Call, _Reply, dict[str, Any]]:
+    """A transfer; its device destination named by digest to a source that was sent it
+    in full (feature "destination_digest": ~26 KB less per body for an 8B model), and
+    sent in full again to one that no longer knows it."""
+    entries = call.body["target_per_rank"] if call.body else []
+    digest = _destination_digest(plan, entries)
+    if not digest:
+        return (yield from _step(call))
+    source, instance = plan.source_url, plan.source_info.get("instance_id", "")
+    if plan.sessions.source_knows(source, instance, digest):
+        short = dict(entries[0])
+        del short["device_kv"]
+        short["device_kv_digest"] = digest
+        try:
+            return (
+                yield from _step(
+                    dataclasses.replace(call, body={**call.body, "target_per_rank": [short]})
+                )
+            )
+        except MigrationFailed as failure:
+            if not (failure.reply or {}).get("destination_unknown"):
+                raise
+            plan.sessions.sent(source, instance, digest, known=False)
+    reply = yield from _step(call)
+    plan.sessions.sent(source, instance, digest, known=True)
+    return reply
+
+
+def _destination_digest(plan: _Plan, entries: list[dict[str, Any]]) -> str:
+    """The digest of the one device entry's `device_kv`, when the source names device
+    destinations by digest; "" otherwise."""
+    if plan.sessions is None or len(entries) != 1 or "device_kv" not in entries[0]:
+        return ""
+    if DESTINATION_DIGEST not in plan.source_info.get("features", []):
+        return ""
+    return plan.sessions.digest_of(entries[0]["device_kv"])
 
 
 def _transfer_call(plan: _Plan, allocation: dict[str, Any], path: str) -> _Call:

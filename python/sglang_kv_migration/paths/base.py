@@ -109,6 +109,9 @@ class SendRange:
     # Send what this source holds of [start, end), whole pages from `start` (feature
     # "partial_transfer"); else a source that holds less refuses (CONFLICT).
     partial_ok: bool = False
+    # What `DataPath.prepare_send` did for this send while the target allocated, if
+    # anything: `start_send` takes it over or leaves it to its caller to release.
+    prepared: PreparedSend | None = None
 
     def cut_to(self, held: int, where: str) -> SendRange:
         """This send, ending where the source's `held` page-aligned prefix ends when that
@@ -126,6 +129,16 @@ class SendRange:
         return dataclasses.replace(
             self, end=end, target_slots=self.target_slots[: end - self.start]
         )
+
+
+class PreparedSend(abc.ABC):
+    """Work a path did for a send before the target's slots were known (the device path:
+    the radix match, and the pin that keeps what it matched); `release()` is idempotent."""
+
+    seconds: float = 0.0  # how long the preparation took (the reply's `prepare` step)
+
+    @abc.abstractmethod
+    def release(self) -> None: ...
 
 
 class SendJob(abc.ABC):
@@ -255,6 +268,12 @@ class DataPath(abc.ABC):
     @abc.abstractmethod
     def start_send(self, send: SendRange) -> SendJob:
         """Validate the peer data, pin the source pages, start (or queue) the copy."""
+
+    def prepare_send(self, input_ids: list[int], extra_key: str | None) -> PreparedSend | None:
+        """Optional, while a target allocates (feature "source_allocate"): the part of a
+        later `start_send` of a prefix of `input_ids` that needs no target slots. None:
+        nothing prepared. Raises what the same step of `start_send` would."""
+        return None
 
 
 def parse_path_names(spec: str | Sequence[str]) -> tuple[str, ...]:

@@ -175,6 +175,9 @@ class TargetRankBody(_Body):
     host_kv_item_lens: list[Annotated[int, Field(gt=0)]] = Field(default_factory=list)
     # Device path: the target rank's `paths["device"]` from its session info.
     device_kv: dict[str, Any] | None = None
+    # Feature "destination_digest": `device_kv` named by its digest (a source that was
+    # sent it in full before; `server/known_destinations.py`).
+    device_kv_digest: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     # The allocated slots: token slots, or whole pages (protocol 2), or runs of whole
     # pages (feature "page_ranges").
     kv_indices: IdList = Field(default_factory=list)
@@ -202,9 +205,13 @@ class TargetRankBody(_Body):
         ):
             raise ValueError("staging must be [addr, length], both > 0, on the host path")
         if self.path == "device":
-            if not self.device_kv:
-                raise ValueError("device_kv is required for path 'device'")
+            if bool(self.device_kv) == bool(self.device_kv_digest):
+                raise ValueError(
+                    "give exactly one of device_kv and device_kv_digest for path 'device'"
+                )
             return self
+        if self.device_kv_digest:
+            raise ValueError("device_kv_digest is for path 'device'")
         if not self.session_id or not self.host_kv_data_ptrs:
             raise ValueError("session_id and host_kv_data_ptrs are required for path 'host'")
         problem = HostTarget.from_wire(dict(self)).buffer_count_problem()

@@ -59,6 +59,8 @@ from sglang_kv_migration.server.allocate_channel import FEATURE as SOURCE_ALLOCA
 from sglang_kv_migration.server.allocate_channel import ChannelCaller, open_channel
 from sglang_kv_migration.server.channel_allocations import ChannelAllocations
 from sglang_kv_migration.server.commits import Commits, in_progress_output
+from sglang_kv_migration.server.known_destinations import FEATURE as DESTINATION_DIGEST
+from sglang_kv_migration.server.known_destinations import KnownDestinations
 from sglang_kv_migration.server.mailbox import FEATURE as SOURCE_COMMIT
 from sglang_kv_migration.server.mailbox import Deliverer
 from sglang_kv_migration.server.metrics import LoopTimer, MigrationMetrics, NullMetrics
@@ -133,6 +135,7 @@ class MigrationSchedulerSide:
         # Memory saver: the device path's target writes land in an arena of this size.
         self.landing_bytes = landing_bytes if enable_memory_saver else 0
         self.paths = self._open_paths(path_names, transport_config, transport, enable_memory_saver)
+        single_rank = ctx.tp_size == 1 and ctx.pp_size == 1
         self.transfers = SourceTransfers(
             ctx,
             self.fingerprint,
@@ -146,7 +149,9 @@ class MigrationSchedulerSide:
             max_tokens=self.layout.num_slots,
             deliverer=Deliverer(),
             # Feature "source_allocate": asks a target's allocate channel (one rank).
-            caller=ChannelCaller() if ctx.tp_size == 1 and ctx.pp_size == 1 else None,
+            caller=ChannelCaller() if single_rank else None,
+            # Feature "destination_digest": device destinations named by digest.
+            destinations=KnownDestinations() if single_rank else None,
         )
         self._destinations: dict[str, str] = {}  # path name -> destination digest
         self._open_target_side(staging_bytes)
@@ -433,6 +438,8 @@ class MigrationSchedulerSide:
         if self.channel_allocations is not None:
             output.features.append(SOURCE_ALLOCATE)
             output.allocate_channel = self.channel_allocations.channel.advertise()
+        if self.transfers.destinations is not None and DEVICE in self.paths:
+            output.features.append(DESTINATION_DIGEST)
         return output
 
     def get_request_extra_token_size(

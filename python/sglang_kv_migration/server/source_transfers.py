@@ -35,8 +35,16 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheReqOutput,
     TransferRequestKVCacheTarget,
 )
-from sglang_kv_migration.paths.base import DEVICE, DataPath, KVPoll, SendJob, SendRange
+from sglang_kv_migration.paths.base import (
+    DEVICE,
+    DataPath,
+    KVPoll,
+    PreparedSend,
+    SendJob,
+    SendRange,
+)
 from sglang_kv_migration.server.allocate_channel import ALLOCATE_TIMEOUT_S, ChannelCaller
+from sglang_kv_migration.server.known_destinations import KnownDestinations, UnknownDestination
 from sglang_kv_migration.server.mailbox import Deliverer
 from sglang_kv_migration.server.metrics import MigrationMetrics
 from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, error_of
@@ -93,6 +101,19 @@ class InflightTransfer:
     allocation: dict = dataclasses.field(default_factory=dict)
     allocated: float = 0.0  # when the poll that took the target's reply up began
     channel_error: str = ""  # why the target's channel could not be asked
+    # Done while the target allocated (`SourceTransfers._prepare`): the path's part
+    # (released here unless its job took it) and the digest of the request's ids.
+    prepared: PreparedSend | None = None
+    tokens: tuple[int, str] = (-1, "")  # (how many ids, their digest)
+    destination_unknown: bool = False  # feature "destination_digest": nothing was done
+
+    def release(self) -> None:
+        """Unpin what the transfer holds; idempotent."""
+        if self.job is not None:
+            self.job.release()
+        if self.prepared is not None:
+            self.prepared.release()
+            self.prepared = None
 
     @property
     def waiting(self) -> bool:
@@ -143,6 +164,7 @@ class SourceTransfers:
         max_tokens: int = 1 << 62,
         deliverer: Deliverer | None = None,
         caller: ChannelCaller | None = None,
+        destinations: KnownDestinations | None = None,
     ):
         self.ctx = ctx
         self.fingerprint = fingerprint
@@ -157,6 +179,7 @@ class SourceTransfers:
         self._used_grants = grants.UsedGrants()
         self.deliverer = deliverer
         self.caller = caller  # feature "source_allocate" (single-rank servers only)
+        self.destinations = destinations  # feature "destination_digest" (single-rank too)
         self.allocate_timeout_s = ALLOCATE_TIMEOUT_S
         self.inflight: list[InflightTransfer] = []  # read-only outside this class
         self.polls = 0  # `poll()` calls with transfers in flight
@@ -184,10 +207,12 @@ class SourceTransfers:
         something here failed unexpectedly (then it says so: never two replies)."""
         inflight = InflightTransfer(request=req, started=time.monotonic(), first_poll=self.polls)
         self.inflight.append(inflight)
-        if req.allocate_on_target is not None:
+        error = error_of(lambda: self._resolve_destinations(req))
+        if error is None and req.allocate_on_target is not None:
             error = error_of(lambda: self._ask_target(req, inflight))
-        else:
+        elif error is None:
             error = error_of(lambda: self._start(req, inflight))
+        inflight.destination_unknown = isinstance(error, UnknownDestination)
         if error is not None and inflight.error is None:
             inflight.error = error
         inflight.handled = time.monotonic()
@@ -210,6 +235,33 @@ class SourceTransfers:
             inflight.channel_error = str(e)
             raise MigrationError(ErrorKind.BAD_REQUEST, str(e)) from None
         inflight.allocate_by = time.monotonic() + self.allocate_timeout_s
+        self._prepare(req, inflight)
+
+    def _prepare(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
+        """While the target allocates (1-5 ms on one host): the work that does not need
+        its answer, the digest of the ids and the path's radix match and pin. Best
+        effort: what fails here fails again, and is reported, once the answer came."""
+        inflight.tokens = (len(req.input_ids), grants.tokens_digest(req.input_ids, req.extra_key))
+        path = self.paths.get(req.target_per_rank[0].path) if req.target_per_rank else None
+        if path is None:
+            return
+        try:
+            inflight.prepared = path.prepare_send(req.input_ids, req.extra_key)
+        except Exception as e:  # noqa: BLE001 - the transfer's own start says it again
+            logger.debug("KV migration: nothing prepared while the target allocates: %s", e)
+
+    def _resolve_destinations(self, req: TransferRequestKVCacheReqInput) -> None:
+        """Feature "destination_digest": a device entry named by digest gets the
+        description this source remembers; a full one is remembered."""
+        if self.destinations is None:
+            if any(t.device_kv_digest for t in req.target_per_rank):
+                raise MigrationError(
+                    ErrorKind.BAD_REQUEST,
+                    "device_kv_digest needs a single-rank source (TP 1, PP 1); send device_kv",
+                )
+            return
+        for target in req.target_per_rank:
+            self.destinations.resolve(target)
 
     def _take_allocations(self) -> None:
         """Start the transfers whose target answered their allocate; fail those it did
@@ -311,8 +363,7 @@ class SourceTransfers:
         for inflight in self.inflight:
             if inflight.result is None and inflight.error is None:
                 inflight.error = MigrationError(ErrorKind.CONFLICT, reason)
-            if inflight.job is not None:
-                inflight.job.release()  # idempotent: `_finish_done` calls it again
+            inflight.release()  # idempotent: `_finish_done` calls it again
 
     def abandon_all(self, reason: str) -> None:
         """Answer every transfer in flight with an INTERNAL failure now, without the
@@ -322,11 +373,10 @@ class SourceTransfers:
         for inflight in abandoned:
             if inflight.allocating and self.caller is not None:
                 self.caller.forget(inflight.allocating)
-            if inflight.job is not None:
-                try:
-                    inflight.job.release()
-                except Exception:  # the reply below must still go out
-                    logger.exception("KV migration could not release a failed transfer")
+            try:
+                inflight.release()
+            except Exception:  # the reply below must still go out
+                logger.exception("KV migration could not release a failed transfer")
             req = inflight.request
             self.metrics.outcome("source", "send_failed")
             output = TransferRequestKVCacheReqOutput(
@@ -337,14 +387,14 @@ class SourceTransfers:
                 error_kind=ErrorKind.INTERNAL.value,
                 allocation=inflight.allocation,
                 channel_error=inflight.channel_error,
+                destination_unknown=inflight.destination_unknown,
             )
             output.rid = req.rid
             self._send(output, inflight)
 
     def close(self) -> None:
         for inflight in self.inflight:
-            if inflight.job is not None:
-                inflight.job.release()
+            inflight.release()
         self.inflight.clear()
         if self.deliverer is not None:
             self.deliverer.close()
@@ -388,10 +438,12 @@ class SourceTransfers:
         by_rank = {(t.tp, t.pp): t for t in req.target_per_rank}
         me = (self.ctx.tp_rank, self.ctx.pp_rank)
         target = by_rank.get(me)
-        # One digest of the prefix for every entry checked (one pass over the tokens).
-        tokens = grants.tokens_digest(
-            req.input_ids[: req.matched_token_size + req.extra_token_size], req.extra_key
-        )
+        # One digest of the prefix for every entry checked (one pass over the tokens),
+        # or the one taken while the target allocated.
+        end = req.matched_token_size + req.extra_token_size
+        count, tokens = inflight.tokens
+        if count != end:
+            tokens = grants.tokens_digest(req.input_ids[:end], req.extra_key)
         if self.ctx.first_stage:
             # IMPORTANT: stage 0 checks every later stage's entry too (structure,
             # fingerprint, grant), so a later stage cannot refuse after this one pinned
@@ -420,6 +472,7 @@ class SourceTransfers:
             write_until=grant.write_until or float("inf"),
             verify=grant.verify,
             partial_ok=req.partial_ok,
+            prepared=inflight.prepared,
         )
 
     def _parse_own_slots(
@@ -488,13 +541,24 @@ class SourceTransfers:
             staging=_staging_extent(target),  # a staging extent is written only if granted
             # Where the body says the bytes go must be what the target published, and
             # the grant must have been issued to this server.
-            destination=grants.destination_digest(self.paths[target.path].destination_of(target)),
+            destination=self._destination_digest(target),
             source=self.server_epoch,
         )
         return slots, digest, grant
 
+    def _destination_digest(self, target: TransferRequestKVCacheTarget) -> str:
+        descriptor = self.paths[target.path].destination_of(target)
+        if self.destinations is not None:
+            return self.destinations.digest_of(descriptor)
+        return grants.destination_digest(descriptor)
+
     def _start_job(self, inflight: InflightTransfer) -> None:
-        inflight.job = inflight.path.start_send(inflight.send)
+        try:
+            inflight.job = inflight.path.start_send(inflight.send)
+        finally:
+            if inflight.prepared is not None:  # the job took it over, or it was not used
+                inflight.prepared.release()
+                inflight.prepared = None
 
     def _finish_done(self) -> None:
         per_rank = self.ctx.all_gather([self._status(t) for t in self.inflight])
@@ -504,8 +568,7 @@ class SourceTransfers:
             if not all(s.done for s in statuses):
                 still_running.append(inflight)
                 continue
-            if inflight.job is not None:
-                inflight.job.release()
+            inflight.release()
             if inflight.allocating:  # failed before its target answered: not waited for
                 self.caller.forget(inflight.allocating)
             self._reply(inflight, statuses)
@@ -598,6 +661,7 @@ class SourceTransfers:
             self.metrics.routes(_path_name(req), mine.routes, max(0.0, elapsed - moving_s))
         output.allocation = inflight.allocation
         output.channel_error = inflight.channel_error
+        output.destination_unknown = inflight.destination_unknown
         output.rid = req.rid  # the tokenizer side matches concurrent transfers by rid
         self._send(output, inflight)
         if first_rank and output.success:

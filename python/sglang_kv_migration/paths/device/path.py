@@ -50,6 +50,7 @@ from sglang_kv_migration.paths.base import (
     DataPath,
     KVPoll,
     NothingToSend,
+    PreparedSend,
     SendJob,
     SendRange,
     SendStats,
@@ -301,7 +302,12 @@ class DevicePath(DataPath):
         except (KeyError, TypeError, ValueError) as e:
             raise MigrationError(ErrorKind.BAD_REQUEST, f"bad device_kv description: {e}") from None
         started = time.perf_counter()
-        tiered = prepare_tiered_send(self.cache, send, self.page_size)
+        prepared = send.prepared if isinstance(send.prepared, PreparedPrefix) else None
+        if prepared is not None and not prepared.serves(send):
+            prepared = None  # matched less than this send asks: match again
+        tiered = prepare_tiered_send(
+            self.cache, send, self.page_size, prepared.prefix if prepared else None
+        )
         if tiered is None:
             return NothingToSend(send)
         matched = time.perf_counter()
@@ -314,7 +320,8 @@ class DevicePath(DataPath):
                 f"only and cannot read its host pool in place ({self._host_refusal}): use "
                 "the host path",
             )
-        job = DeviceSendJob(TierPin.take(self.cache, tiered.prefix))
+        pin = prepared.take_pin() if prepared is not None else None
+        job = DeviceSendJob(pin or TierPin.take(self.cache, tiered.prefix))
         job.end = send.end
         job.stats.bytes = (send.end - send.start) * self.bytes_per_token
         plan = tiered.plan
@@ -345,7 +352,18 @@ class DevicePath(DataPath):
         # the checks, the pin and the copy's launch (the mapping's open, if it ran here).
         job.stats.steps["match"] = matched - started
         job.stats.steps["launch"] = time.perf_counter() - matched
+        if prepared is not None:  # done while the target allocated
+            job.stats.steps["prepare"] = prepared.seconds
         return job
+
+    def prepare_send(self, input_ids: list[int], extra_key: str | None) -> PreparedPrefix:
+        """The radix match of the whole of `input_ids`, pinned: what `start_send` of any
+        prefix of it reads (the target's answer says from where)."""
+        started = time.perf_counter()
+        prefix = sglang_adapter.match_tiered_prefix(self.cache, input_ids, extra_key)
+        prepared = PreparedPrefix(input_ids, extra_key, prefix, TierPin.take(self.cache, prefix))
+        prepared.seconds = time.perf_counter() - started
+        return prepared
 
     # ------------------------------------------------------------------ helpers
 
@@ -424,8 +442,14 @@ class DevicePath(DataPath):
             stream.wait_stream(other)
         events: dict[str, tuple[Any, Any]] = {}
         with torch.cuda.stream(stream):
-            joined = torch.from_numpy(np.concatenate([a for pair in lists for a in pair]))
-            on_device = joined.to(self.device, non_blocking=True)
+            joined = np.concatenate([a for pair in lists for a in pair])
+            # Through pinned memory: from pageable memory the driver may first wait for
+            # the stream, which waits for the scheduler's stream (a forward pass in
+            # flight) and would block this thread that long. The caching host allocator
+            # keeps the block until the copy is done.
+            staged = torch.empty(joined.size, dtype=torch.int64, pin_memory=True)
+            staged.numpy()[:] = joined
+            on_device = staged.to(self.device, non_blocking=True)
             offset = 0
             for tier, (src_pages, dst_pages) in zip(plan.tiers, lists, strict=True):
                 middle, end = offset + src_pages.size, offset + src_pages.size + dst_pages.size
@@ -664,12 +688,20 @@ class TieredSend:
     send: SendRange  # the send asked for, cut to what the source holds (partial_ok)
 
 
-def prepare_tiered_send(cache: HiRadixCache, send: SendRange, page_size: int) -> TieredSend | None:
+def prepare_tiered_send(
+    cache: HiRadixCache,
+    send: SendRange,
+    page_size: int,
+    prefix: sglang_adapter.TieredPrefix | None = None,
+) -> TieredSend | None:
     """Where each page of the send lies on this source and where it goes (no CUDA, no
     locks): raises CONFLICT when the source no longer holds the range (a partial send
     is cut to what it holds: None when that is nothing past `start`), BAD_REQUEST for
-    slots that are not whole pages."""
-    prefix = sglang_adapter.match_tiered_prefix(cache, send.input_ids[: send.end], send.extra_key)
+    slots that are not whole pages. `prefix`: matched (and pinned) already."""
+    if prefix is None:
+        prefix = sglang_adapter.match_tiered_prefix(
+            cache, send.input_ids[: send.end], send.extra_key
+        )
     send = send.cut_to(prefix.length, "on device or host")
     if send.end == send.start:
         return None
@@ -678,6 +710,43 @@ def prepare_tiered_send(cache: HiRadixCache, send: SendRange, page_size: int) ->
     except ValueError as e:
         raise MigrationError(ErrorKind.BAD_REQUEST, f"device copy plan: {e}") from None
     return TieredSend(prefix, plan, send)
+
+
+class PreparedPrefix(PreparedSend):
+    """`DevicePath.prepare_send`: a request's prefix matched by tier and pinned, before
+    the target said from where to send it."""
+
+    def __init__(
+        self,
+        input_ids: list[int],
+        extra_key: str | None,
+        prefix: sglang_adapter.TieredPrefix,
+        pin: TierPin,
+    ):
+        self.input_ids = input_ids
+        self.extra_key = extra_key
+        self.prefix = prefix
+        self._pin: TierPin | None = pin
+
+    def serves(self, send: SendRange) -> bool:
+        """Whether this match covers `send`: the same ids and namespace, held to its end
+        (a prefix that was shorter may have grown since: matched again then)."""
+        return (
+            self._pin is not None
+            and send.input_ids is self.input_ids
+            and send.extra_key == self.extra_key
+            and self.prefix.length >= send.end
+        )
+
+    def take_pin(self) -> TierPin | None:
+        """The pin, now the caller's to release."""
+        pin, self._pin = self._pin, None
+        return pin
+
+    def release(self) -> None:
+        if self._pin is not None:
+            self._pin.release()
+            self._pin = None
 
 
 class TierPin:

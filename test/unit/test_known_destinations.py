@@ -1,0 +1,223 @@
+"""Feature "destination_digest": a device destination named by digest, on both ends.
+
+The source resolves a digest only among the descriptions it was sent in full and hashed
+itself; the client names a destination by digest only to a source that accepted it in
+full, and sends it in full again when the source says it no longer knows it."""
+
+from __future__ import annotations
+
+import copy
+
+import orjson
+import pytest
+from sglang_kv_migration import grants
+from sglang_kv_migration.client.migration import (
+    MigrationFailed,
+    SessionCache,
+    _Call,
+    _Plan,
+    _transfer_step,
+)
+from sglang_kv_migration.io_types import (
+    AllocateOnTarget,
+    TransferRequestKVCacheReqInput,
+    TransferRequestKVCacheTarget,
+)
+from sglang_kv_migration.server.known_destinations import KnownDestinations, UnknownDestination
+
+
+def _device_kv(n: int = 0) -> dict:
+    buffers = [{"handle": f"h{n}-{i}", "nbytes": 1 << 20} for i in range(4)]
+    return {"host_identity": "h", "gpu_uuid": "GPU-0", "instance_id": f"t{n}", "buffers": buffers}
+
+
+def _entry(**fields) -> TransferRequestKVCacheTarget:
+    return TransferRequestKVCacheTarget(tp=0, pp=0, path="device", **fields)
+
+
+def test_a_digest_resolves_only_to_a_description_the_source_was_sent():
+    known = KnownDestinations()
+    wire = _device_kv()
+    digest = grants.destination_digest(wire)
+    with pytest.raises(UnknownDestination):
+        known.resolve(_entry(device_kv_digest=digest))  # never sent in full
+    known.resolve(_entry(device_kv=wire))
+    named = _entry(device_kv_digest=digest)
+    known.resolve(named)
+    assert named.device_kv is wire
+    # Its digest is found without hashing again, and is the grant's digest of it.
+    assert known.digest_of(named.device_kv) == digest
+    # The same description sent again is deduplicated to the one remembered.
+    again = _entry(device_kv=copy.deepcopy(wire))
+    known.resolve(again)
+    assert again.device_kv is wire and len(known) == 1
+    # A digest a client made up for another description names nothing.
+    with pytest.raises(UnknownDestination):
+        known.resolve(_entry(device_kv_digest=grants.destination_digest(_device_kv(9))))
+    # Host entries are left alone.
+    host = TransferRequestKVCacheTarget(tp=0, pp=0, path="host", device_kv_digest=digest)
+    known.resolve(host)
+    assert host.device_kv is None
+
+
+def test_the_least_recently_used_description_is_forgotten_first():
+    known = KnownDestinations(limit=2)
+    first, second, third = _device_kv(1), _device_kv(2), _device_kv(3)
+    for wire in (first, second):
+        known.resolve(_entry(device_kv=wire))
+    assert known.digest_of(copy.deepcopy(first)) == grants.destination_digest(first)  # hashed
+    known.resolve(_entry(device_kv_digest=grants.destination_digest(second)))  # used: newest
+    known.resolve(_entry(device_kv=third))
+    assert len(known) == 2
+    with pytest.raises(UnknownDestination):  # the least recently used one
+        known.resolve(_entry(device_kv_digest=grants.destination_digest(_device_kv(1))))
+    known.resolve(_entry(device_kv_digest=grants.destination_digest(second)))
+
+
+def _plan(sessions: SessionCache, features: list[str]) -> tuple[_Plan, _Call]:
+    source = {"features": features, "ranks": [], "instance_id": "s1"}
+    plan = _Plan("http://s", "http://t", None, source, {}, [1, 2], {}, sessions=sessions)
+    entry = {"tp": 0, "pp": 0, "path": "device", "device_kv": _device_kv()}
+    call = _Call("transfer", "http://s", "/transfer_request_kvcache", {"target_per_rank": [entry]})
+    return plan, call
+
+
+def _drive(plan: _Plan, call: _Call, replies: list[tuple[int, dict]]) -> tuple[list[dict], dict]:
+    """Run `_transfer_step`, answering its calls with `replies`; (bodies sent, result)."""
+    sent: list[dict] = []
+    steps = _transfer_step(plan, call)
+    try:
+        made = next(steps)
+        for reply in replies:
+            sent.append(made.body)
+            made = steps.send(reply)
+    except StopIteration as done:
+        return sent, done.value
+    raise AssertionError(f"more calls than replies: {made}")
+
+
+def test_the_client_names_by_digest_only_what_the_source_accepted_in_full():
+    ok = (200, {"success": True})
+    sessions = SessionCache()
+    plan, call = _plan(sessions, [grants.DESTINATION_DIGEST_FEATURE])
+    digest = grants.destination_digest(call.body["target_per_rank"][0]["device_kv"])
+    sent, _ = _drive(plan, call, [ok])
+    assert "device_kv" in sent[0]["target_per_rank"][0]  # first time: in full
+    sent, _ = _drive(plan, call, [ok])
+    entry = sent[0]["target_per_rank"][0]
+    assert entry["device_kv_digest"] == digest and "device_kv" not in entry
+    assert "device_kv" in call.body["target_per_rank"][0]  # the call itself is unchanged
+    # A source that forgot it (restart, memory resume, eviction) is sent it again once.
+    forgot = (409, {"success": False, "message": "unknown", "destination_unknown": True})
+    sent, reply = _drive(plan, call, [forgot, ok])
+    assert [("device_kv" in b["target_per_rank"][0]) for b in sent] == [False, True]
+    assert reply == ok[1]
+    # Any other failure is the transfer's: raised, not retried.
+    refused = (403, {"success": False, "message": "write refused"})
+    with pytest.raises(MigrationFailed):
+        _drive(plan, call, [refused])
+    # Another instance of the source at that URL knows nothing yet.
+    plan.source_info["instance_id"] = "s2"
+    sent, _ = _drive(plan, call, [ok])
+    assert "device_kv" in sent[0]["target_per_rank"][0]
+
+
+def test_a_source_without_the_feature_always_gets_the_description():
+    ok = (200, {"success": True})
+    plan, call = _plan(SessionCache(), [])
+    for _ in range(2):
+        sent, _ = _drive(plan, call, [ok])
+        assert "device_kv" in sent[0]["target_per_rank"][0]
+
+
+# --------------------------------------------------------------------------- the source
+
+
+class _SilentTarget:
+    """A `ChannelCaller` whose target answers when the test says so."""
+
+    def __init__(self) -> None:
+        self.answers: list[tuple[bytes, bytes]] = []
+        self.pending: set[bytes] = set()
+
+    def call(self, address: str, secret: str, allocate: bytes, ids: bytes = b"") -> bytes:
+        self.pending.add(b"c" * 16)
+        return b"c" * 16
+
+    @property
+    def waiting(self) -> int:
+        return len(self.pending)
+
+    def replies(self) -> list[tuple[bytes, bytes]]:
+        found, self.answers = self.answers, []
+        return found
+
+    def gone(self) -> list[bytes]:
+        return []
+
+    def forget(self, call_id: bytes) -> None:
+        self.pending.discard(call_id)
+
+    def close(self) -> None:
+        pass
+
+
+def _one_trip(ids: list[int], **entry: object) -> TransferRequestKVCacheReqInput:
+    target = TransferRequestKVCacheTarget(tp=0, pp=0, path="device", **entry)
+    return TransferRequestKVCacheReqInput(
+        input_ids=ids,
+        target_per_rank=[target],
+        allocate_on_target=AllocateOnTarget("ipc:///dev/shm/x/s", "0" * 32, b"{}"),
+    )
+
+
+def test_what_a_source_pinned_while_its_target_allocated_is_released_on_every_end(
+    side_factory,
+) -> None:
+    """The device path matches and pins the prefix while the target allocates: a refused
+    allocation, a cache flush before the answer and an unknown destination leave no pin
+    (real HiRadixCache; the copy itself needs CUDA and is not reached)."""
+    from sglang_kv_migration.paths.device.path import DevicePath
+
+    side = side_factory(page_size=16)
+    h = side.harness
+    ids = list(range(3000, 3064))
+    h.insert_random(ids, seed=7)
+    side.transfers.paths = {**side.transfers.paths, "device": DevicePath(h.cache)}
+    fake = side.transfers.caller = _SilentTarget()
+    baseline = h.snapshot()
+
+    side.transfer_request_kvcache(_one_trip(ids, device_kv=_device_kv()))
+    inflight = side.transfers.inflight[0]
+    assert inflight.prepared is not None and inflight.tokens[0] == len(ids)
+    assert h.snapshot().total_lock_ref > baseline.total_lock_ref  # pinned while it waits
+    refusal = {"success": False, "message": "no room", "error_kind": "unavailable"}
+    fake.answers = [(b"c" * 16, orjson.dumps(refusal))]
+    side.poll()
+    assert "the target refused the allocate: no room" in side.replies[-1].message
+    assert h.snapshot() == baseline
+
+    side.transfer_request_kvcache(_one_trip(ids, device_kv=_device_kv()))
+    assert h.snapshot().total_lock_ref > baseline.total_lock_ref
+    side.prepare_for_cache_flush()
+    side.poll()
+    assert "flushed" in side.replies[-1].message and fake.waiting == 0
+    assert h.snapshot() == baseline
+
+    unknown = grants.destination_digest(_device_kv(5))
+    side.transfer_request_kvcache(_one_trip(ids, device_kv_digest=unknown))
+    side.poll()
+    assert side.replies[-1].destination_unknown and fake.waiting == 0  # not even asked
+    assert h.snapshot() == baseline and len(side.transfers) == 0
+
+
+def test_a_digest_needs_a_single_rank_source(side_factory) -> None:
+    side = side_factory(page_size=16, pp_rank=0, pp_size=2)
+    assert side.transfers.destinations is None
+    entry = _entry(device_kv_digest=grants.destination_digest(_device_kv()))
+    side.transfer_request_kvcache(
+        TransferRequestKVCacheReqInput(input_ids=list(range(32)), target_per_rank=[entry])
+    )
+    side.poll()
+    [reply] = side.replies
+    assert reply.error_kind == "bad_request" and "single-rank source" in reply.message
