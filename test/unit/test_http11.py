@@ -3,6 +3,7 @@ keep-alive reuse, a connection the server closed, one socket per thread, errors.
 
 from __future__ import annotations
 
+import gc
 import http.server
 import threading
 from collections.abc import Iterator
@@ -56,15 +57,26 @@ def test_reuses_one_connection_and_replaces_a_closed_one(server: str) -> None:
     assert ports[0] == ports[1] == ports[2] != ports[3]
 
 
-def test_threads_get_their_own_connections(server: str) -> None:
+def test_threads_get_their_own_connections_closed_when_they_end(server: str) -> None:
     client = http11.Http11(timeout=5)
     client.post(server + "/main", b"", {})
-    worker = threading.Thread(target=client.post, args=(server + "/worker", b"", {}))
+    sockets = []
+
+    def work() -> None:
+        client.post(server + "/worker", b"", {})
+        sockets.extend(conn.sock for conn in client._local.conns.values())
+
+    worker = threading.Thread(target=work)
     worker.start()
     worker.join()
+    gc.collect()
+    # The ended thread's socket is closed, not kept until the client closes.
+    assert len(sockets) == 1 and sockets[0].fileno() == -1
+    assert len(client._all) == 1  # the main thread's, still open
+    client.post(server + "/main-again", b"", {})
     client.close()
-    (main_port, _, _), (worker_port, _, _) = _Handler.seen
-    assert main_port != worker_port
+    (main_port, _, _), (worker_port, _, _), (again_port, _, _) = _Handler.seen
+    assert main_port != worker_port and again_port == main_port
 
 
 def test_migration_client_reports_status_and_unreachable_servers(server: str) -> None:

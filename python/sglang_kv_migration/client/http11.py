@@ -7,7 +7,9 @@ sizeable part of a small migration. `MigrationClient` uses this unless it is han
 `httpx.Client` (for proxies, custom transports, or anything else httpx offers): this
 one connects directly, ignoring the `HTTP(S)_PROXY` variables.
 
-One connection per (thread, origin), so threads sharing a client never share a socket.
+One connection per (thread, origin), so threads sharing a client never share a socket;
+a thread's connections are closed when the thread ends (a rollout manager that makes
+new worker threads for every batch would otherwise keep every socket they opened).
 A kept-alive connection the server has since closed (uvicorn closes idle ones after 5 s)
 is detected before the request is written, as httpcore does, and replaced; a request
 that was written is never sent again (an allocate must not run twice).
@@ -18,6 +20,7 @@ from __future__ import annotations
 import http.client
 import select
 import threading
+import weakref
 from urllib.parse import urlsplit
 
 # What a failed call raises (the caller turns it into a failed phase).
@@ -31,7 +34,9 @@ class Http11:
         self.timeout = timeout
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._all: list[http.client.HTTPConnection] = []
+        # Every open connection, for `close()`; a thread's own dict holds the only strong
+        # references, so its connections go (closed) with the thread.
+        self._all: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
 
     def post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         parts = urlsplit(url)
@@ -53,12 +58,12 @@ class Http11:
 
     def close(self) -> None:
         with self._lock:
-            conns, self._all = self._all, []
+            conns, self._all = list(self._all), weakref.WeakSet()
         for conn in conns:
             conn.close()
 
     def _connection(self, origin: tuple[str, str, int | None]) -> http.client.HTTPConnection:
-        conns: dict = self._local.__dict__.setdefault("conns", {})
+        conns: dict = self._local.__dict__.setdefault("conns", _ThreadConnections())
         conn = conns.get(origin)
         if conn is not None and _closed_by_peer(conn):
             self._drop(origin, conn)
@@ -69,7 +74,7 @@ class Http11:
             conn = cls(host, port, timeout=self.timeout)
             conns[origin] = conn
             with self._lock:
-                self._all.append(conn)
+                self._all.add(conn)
         return conn
 
     def _drop(self, origin: tuple[str, str, int | None], conn: http.client.HTTPConnection) -> None:
@@ -78,8 +83,16 @@ class Http11:
         if conns.get(origin) is conn:
             del conns[origin]
         with self._lock:
-            if conn in self._all:
-                self._all.remove(conn)
+            self._all.discard(conn)
+
+
+class _ThreadConnections(dict):
+    """One thread's connections by origin; closed when the thread ends (CPython drops a
+    `threading.local`'s per-thread dict with its thread)."""
+
+    def __del__(self) -> None:
+        for conn in list(self.values()):
+            conn.close()
 
 
 def _closed_by_peer(conn: http.client.HTTPConnection) -> bool:
