@@ -113,3 +113,35 @@ def receipts_for(side: object, allocation: object, success: bool = True) -> list
         )
         receipts.append(side.signer.encode(receipt))
     return receipts
+
+
+class SilentTarget:
+    """A `ChannelCaller` (feature "source_allocate") whose target answers only when the
+    test puts `(call id, reply bytes)` into `answers`."""
+
+    CALL_ID = b"c" * 16
+
+    def __init__(self) -> None:
+        self.answers: list[tuple[bytes, bytes]] = []
+        self.pending: set[bytes] = set()
+
+    def call(self, address: str, secret: str, allocate: bytes, ids: bytes = b"") -> bytes:
+        self.pending.add(self.CALL_ID)
+        return self.CALL_ID
+
+    @property
+    def waiting(self) -> int:
+        return len(self.pending)
+
+    def replies(self) -> list[tuple[bytes, bytes]]:
+        found, self.answers = self.answers, []
+        return found
+
+    def gone(self) -> list[bytes]:
+        return []
+
+    def forget(self, call_id: bytes) -> None:
+        self.pending.discard(call_id)
+
+    def close(self) -> None:
+        pass

@@ -25,6 +25,7 @@ from sglang_kv_migration.io_types import (
 from sglang_kv_migration.server import allocate_channel
 from sglang_kv_migration.server.allocate_channel import ChannelCaller, ChannelServer
 from sglang_kv_migration.server.channel_allocations import ChannelAllocations
+from side_helpers import SilentTarget
 
 DEADLINE_S = 5.0
 
@@ -320,35 +321,6 @@ def test_ids_in_their_own_frame_are_checked_and_go_to_the_handler_as_bytes() -> 
 # --------------------------------------------------------------------------- the source
 
 
-class _FakeCaller:
-    """A `ChannelCaller` whose target answers when the test says so."""
-
-    def __init__(self) -> None:
-        self.answers: list[tuple[bytes, bytes]] = []
-        self.pending: set[bytes] = set()
-
-    def call(self, address: str, secret: str, allocate: bytes, ids: bytes = b"") -> bytes:
-        self.pending.add(b"c" * 16)
-        return b"c" * 16
-
-    @property
-    def waiting(self) -> int:
-        return len(self.pending)
-
-    def replies(self) -> list[tuple[bytes, bytes]]:
-        found, self.answers = self.answers, []
-        return found
-
-    def gone(self) -> list[bytes]:
-        return []
-
-    def forget(self, call_id: bytes) -> None:
-        self.pending.discard(call_id)
-
-    def close(self) -> None:
-        pass
-
-
 def _one_trip_request() -> object:
     from sglang_kv_migration.io_types import (
         AllocateOnTarget,
@@ -368,7 +340,7 @@ def test_a_transfer_failed_while_it_waits_still_reports_the_allocation(side_fact
     """A cache flush fails the transfer while its target allocates; when the answer comes
     in the same poll, the failure names the allocation, so the client aborts it."""
     side = side_factory(page_size=16)
-    fake = side.transfers.caller = _FakeCaller()
+    fake = side.transfers.caller = SilentTarget()
     side.transfer_request_kvcache(_one_trip_request())
     assert fake.waiting == 1 and len(side.transfers) == 1
     side.prepare_for_cache_flush()
@@ -386,7 +358,7 @@ def test_a_target_that_does_not_answer_in_time_fails_only_with_a_channel_error(
     side_factory,
 ) -> None:
     side = side_factory(page_size=16)
-    fake = side.transfers.caller = _FakeCaller()
+    fake = side.transfers.caller = SilentTarget()
     side.transfers.allocate_timeout_s = 0.0
     side.transfer_request_kvcache(_one_trip_request())
     side.poll()

@@ -24,6 +24,7 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheTarget,
 )
 from sglang_kv_migration.server.known_destinations import KnownDestinations, UnknownDestination
+from side_helpers import SilentTarget
 
 
 def _device_kv(n: int = 0) -> dict:
@@ -133,35 +134,6 @@ def test_a_source_without_the_feature_always_gets_the_description():
 # --------------------------------------------------------------------------- the source
 
 
-class _SilentTarget:
-    """A `ChannelCaller` whose target answers when the test says so."""
-
-    def __init__(self) -> None:
-        self.answers: list[tuple[bytes, bytes]] = []
-        self.pending: set[bytes] = set()
-
-    def call(self, address: str, secret: str, allocate: bytes, ids: bytes = b"") -> bytes:
-        self.pending.add(b"c" * 16)
-        return b"c" * 16
-
-    @property
-    def waiting(self) -> int:
-        return len(self.pending)
-
-    def replies(self) -> list[tuple[bytes, bytes]]:
-        found, self.answers = self.answers, []
-        return found
-
-    def gone(self) -> list[bytes]:
-        return []
-
-    def forget(self, call_id: bytes) -> None:
-        self.pending.discard(call_id)
-
-    def close(self) -> None:
-        pass
-
-
 def _one_trip(ids: list[int], **entry: object) -> TransferRequestKVCacheReqInput:
     target = TransferRequestKVCacheTarget(tp=0, pp=0, path="device", **entry)
     return TransferRequestKVCacheReqInput(
@@ -184,7 +156,7 @@ def test_what_a_source_pinned_while_its_target_allocated_is_released_on_every_en
     ids = list(range(3000, 3064))
     h.insert_random(ids, seed=7)
     side.transfers.paths = {**side.transfers.paths, "device": DevicePath(h.cache)}
-    fake = side.transfers.caller = _SilentTarget()
+    fake = side.transfers.caller = SilentTarget()
     baseline = h.snapshot()
 
     side.transfer_request_kvcache(_one_trip(ids, device_kv=_device_kv()))
