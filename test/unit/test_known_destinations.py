@@ -108,6 +108,12 @@ def test_the_client_names_by_digest_only_what_the_source_accepted_in_full():
     entry = sent[0]["target_per_rank"][0]
     assert entry["device_kv_digest"] == digest and "device_kv" not in entry
     assert "device_kv" in call.body["target_per_rank"][0]  # the call itself is unchanged
+    # A session-info read drops the digest memos (they would keep replaced infos alive);
+    # what the source accepted is still known.
+    sessions.put("http://t", {"ranks": []})
+    assert not sessions._digests
+    sent, _ = _drive(plan, call, [ok])
+    assert sent[0]["target_per_rank"][0]["device_kv_digest"] == digest
     # A source that forgot it (restart, memory resume, eviction) is sent it again once.
     forgot = (409, {"success": False, "message": "unknown", "destination_unknown": True})
     sent, reply = _drive(plan, call, [forgot, ok])

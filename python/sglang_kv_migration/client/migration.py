@@ -403,9 +403,11 @@ class SessionCache:
 
     def put(self, url: str, info: dict[str, Any]) -> None:
         self._infos[url.rstrip("/")] = info
+        self._digests.clear()  # memos of replaced infos' dicts would keep them alive
 
     def drop(self, url: str) -> None:
         self._infos.pop(url.rstrip("/"), None)
+        self._digests.clear()
 
     def digest_of(self, device_kv: dict[str, Any]) -> str:
         """`grants.destination_digest` of a target rank's `paths["device"]`, once per

@@ -111,6 +111,10 @@ class InflightTransfer:
         """Unpin what the transfer holds; idempotent."""
         if self.job is not None:
             self.job.release()
+        self.release_prepared()
+
+    def release_prepared(self) -> None:
+        """Drop what was prepared (a no-op for a part the job took over)."""
         if self.prepared is not None:
             self.prepared.release()
             self.prepared = None
@@ -197,8 +201,7 @@ class SourceTransfers:
         transport workers, a verify digest): device-path sends run on the GPU."""
         return any(
             (t.path is None and not t.allocating)  # (asking a target's channel: no helper)
-            or (t.path is not None and t.path.name != DEVICE)
-            or (t.path is not None and (t.send is None or t.send.verify))
+            or (t.path is not None and (t.path.name != DEVICE or t.send is None or t.send.verify))
             for t in self.inflight
         )
 
@@ -556,9 +559,7 @@ class SourceTransfers:
         try:
             inflight.job = inflight.path.start_send(inflight.send)
         finally:
-            if inflight.prepared is not None:  # the job took it over, or it was not used
-                inflight.prepared.release()
-                inflight.prepared = None
+            inflight.release_prepared()  # the job took it over, or it was not used
 
     def _finish_done(self) -> None:
         per_rank = self.ctx.all_gather([self._status(t) for t in self.inflight])
@@ -875,7 +876,7 @@ def _granted_target(
 
 
 def _check_ints(values: list, name: str) -> None:
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+    if not all(map(_is_count, values)):
         raise MigrationError(ErrorKind.TRANSFER_FAILED, f"the target's {name} are not slot ids")
 
 

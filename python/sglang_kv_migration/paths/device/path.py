@@ -320,8 +320,8 @@ class DevicePath(DataPath):
                 f"only and cannot read its host pool in place ({self._host_refusal}): use "
                 "the host path",
             )
-        pin = prepared.take_pin() if prepared is not None else None
-        job = DeviceSendJob(pin or TierPin.take(self.cache, tiered.prefix))
+        pin = prepared.take_pin() if prepared else TierPin.take(self.cache, tiered.prefix)
+        job = DeviceSendJob(pin)
         job.end = send.end
         job.stats.bytes = (send.end - send.start) * self.bytes_per_token
         plan = tiered.plan
@@ -738,9 +738,10 @@ class PreparedPrefix(PreparedSend):
             and self.prefix.length >= send.end
         )
 
-    def take_pin(self) -> TierPin | None:
-        """The pin, now the caller's to release."""
+    def take_pin(self) -> TierPin:
+        """The pin, now the caller's to release (once, after `serves`)."""
         pin, self._pin = self._pin, None
+        assert pin is not None, "the pin was taken or released already"
         return pin
 
     def release(self) -> None:
