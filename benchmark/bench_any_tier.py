@@ -14,7 +14,8 @@ Llama-3-8B shape, dummy weights, two real SGLang servers on one GPU. Per prefix 
    `copy_host` in `transfer_steps_ms`), then the target serves the prompt (TTFT and
    `cached_tokens_details`).
 Last, concurrency: 7 prompts of 8K on the source's GPU; one migrates alone, then six at
-once (threads, one client), wall time of each and of all.
+once (threads, one client), wall time of each and of all; then the same six again, the
+target flushed, in one `migrate_many` (their transfers in one call, "transfer_batch").
 
     KVMIG_GPU_OUT=$OUT python3 benchmark/bench_any_tier.py --page-size 1
     KVMIG_GPU_OUT=$OUT python3 benchmark/bench_any_tier.py --page-size 16
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from sglang_kv_migration.client import MigrationResult, Move
 from sglang_kv_migration.client.migration import MigrationClient
 
 _HERE = Path(__file__).resolve().parent
@@ -329,9 +331,36 @@ def _concurrency(
         many = list(pool.map(warm_then_move, prompts[1:]))
     all_ms = (time.perf_counter() - t0) * 1e3
     wall_ms = (max(m["ended"] for m in many) - min(m["started"] for m in many)) * 1e3
+    batch = _batched(client, source, target, prompts[1:])
+    print(f"concurrency: one {one['wall_ms']:.1f} ms; {k} threads {wall_ms:.1f} ms "
+          f"({wall_ms / one['wall_ms']:.2f}x); {k} in one migrate_many {batch['wall_ms']:.1f} "
+          f"ms ({batch['wall_ms'] / one['wall_ms']:.2f}x)", flush=True)  # fmt: skip
     return {"tokens": n, "one": one, "concurrent": many, "concurrent_wall_ms": wall_ms,
             "ratio": wall_ms / one["wall_ms"], "with_thread_start_ms": all_ms,
-            "ratio_with_thread_start": all_ms / one["wall_ms"]}  # fmt: skip
+            "ratio_with_thread_start": all_ms / one["wall_ms"], "batch": batch,
+            "batch_ratio": batch["wall_ms"] / one["wall_ms"]}  # fmt: skip
+
+
+def _batched(
+    client: MigrationClient, source: str, target: str, prompts: list[list[int]]
+) -> dict[str, Any]:
+    """The same prompts again, once the target forgot them, in one `migrate_many` (feature
+    "transfer_batch": their transfers in one call), from this thread."""
+    flush_cache(target)
+    time.sleep(SETTLE_S)
+    t0 = time.perf_counter()
+    results = client.migrate_many([Move(source, target, p[:-1]) for p in prompts])
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    moves = []
+    for p, r in zip(prompts, results, strict=True):
+        if not isinstance(r, MigrationResult):
+            moves.append({"failed": str(r)})
+            continue
+        moves.append({"path": r.path, "migrated": r.migrated_token_size, "of": len(p) - 1,
+                      "copy_ms": r.copy_seconds * 1e3, "timings_ms": _ms(r.timings),
+                      "fallback_reason": r.fallback_reason, "steps_ms": r.steps_ms,
+                      "transfer_steps_ms": r.transfer_steps_ms})  # fmt: skip
+    return {"wall_ms": wall_ms, "moves": moves}
 
 
 if __name__ == "__main__":

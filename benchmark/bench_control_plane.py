@@ -18,8 +18,9 @@ tokenizer side, the scheduler's dispatch and back, a 404) through the clients' o
 interleaved: the fixed cost of one trip.
 
 `--concurrent K` then moves K other prefixes of `--concurrent-tokens` at once (threads,
-one client, as `bench_any_tier.py` on the GPU) against one alone, and reports the wall
-time of all against one and each phase's steps in both.
+one client, as `bench_any_tier.py` on the GPU) and then in one `migrate_many` (feature
+"transfer_batch": their transfers in one call) against one alone, and reports the wall
+time of all against one and each phase's steps in each.
 
     PYTHONPATH=python .venv/bin/python benchmark/bench_control_plane.py
     PYTHONPATH=python .venv/bin/python benchmark/bench_control_plane.py --tokens 32768 \
@@ -320,8 +321,11 @@ def _floor(target: Any, n: int) -> dict[str, Any]:
 
 
 def _concurrency(client: Any, source: Any, target: Any, k: int, n: int, repeats: int) -> dict:
-    """One migration alone, then `k` at once, `repeats` times; medians (ms)."""
+    """One migration alone, then `k` at once from `k` threads, then the same `k` in one
+    `migrate_many` (feature "transfer_batch"), `repeats` times; medians (ms)."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from sglang_kv_migration.client import MigrationResult, Move
 
     prefixes = [_concurrent_prefix(i, n) for i in range(k + 1)]
 
@@ -332,7 +336,14 @@ def _concurrency(client: Any, source: Any, target: Any, k: int, n: int, repeats:
             raise RuntimeError(f"moved {r.migrated_token_size} of {n} tokens: {r}")
         return r, (time.perf_counter() - t0) * 1e3
 
-    ones, walls, lasts, everyone = [], [], [], []
+    def batch(ps: list[list[int]]) -> list[Any]:
+        results = client.migrate_many([Move(source.url, target.url, p) for p in ps])
+        bad = [r for r in results if not isinstance(r, MigrationResult)]
+        if bad or any(r.migrated_token_size != n for r in results):
+            raise RuntimeError(f"a batched move failed or moved less: {bad or results}")
+        return results
+
+    ones, walls, lasts, everyone, batches, batched = [], [], [], [], [], []
     with ThreadPoolExecutor(k) as pool:
         for _ in range(repeats + 1):  # the first round warms up
             target.ask(0, "flush")
@@ -344,10 +355,15 @@ def _concurrency(client: Any, source: Any, target: Any, k: int, n: int, repeats:
             ones.append(one)
             lasts.append(max(w for _r, w in many))
             everyone.extend(many)
-    ones, walls, lasts = ones[1:], walls[1:], lasts[1:]
-    everyone = everyone[k:]
+            target.ask(0, "flush")
+            t0 = time.perf_counter()
+            batched.extend(batch(prefixes[1:]))  # the same k in one migrate_many
+            batches.append((time.perf_counter() - t0) * 1e3)
+    ones, walls, lasts, batches = ones[1:], walls[1:], lasts[1:], batches[1:]
+    everyone, batched = everyone[k:], batched[k:]
     one_ms = statistics.median(w for _r, w in ones)
     wall_ms = statistics.median(walls)
+    batch_ms = statistics.median(batches)
     return {
         "tokens": n,
         "k": k,
@@ -355,6 +371,9 @@ def _concurrency(client: Any, source: Any, target: Any, k: int, n: int, repeats:
         "one_ms": one_ms,
         "concurrent_wall_ms": wall_ms,
         "ratio": wall_ms / one_ms,
+        "batch_ms": batch_ms,
+        "batch_ratio": batch_ms / one_ms,
+        "batch_steps": _median_steps(batched),
         "one_phases_ms": {
             p: statistics.median(r.timings.get(p, 0.0) for r, _ in ones) * 1e3 for p in PHASES
         },
@@ -370,7 +389,8 @@ def _print_concurrency(c: dict[str, Any]) -> None:
     print(
         f"\n[{c['flow']}] {c['k']} concurrent migrations of {c['tokens']} tokens to one "
         f"target (medians of {c['repeats']} rounds): all {c['concurrent_wall_ms']:.2f} ms "
-        f"against one {c['one_ms']:.2f} ms: {c['ratio']:.2f}x\n"
+        f"against one {c['one_ms']:.2f} ms: {c['ratio']:.2f}x; in one migrate_many "
+        f"{c['batch_ms']:.2f} ms: {c['batch_ratio']:.2f}x\n"
     )
     print("| phase | " + " | ".join(PHASES) + " |")
     print("|" + "---|" * (len(PHASES) + 1))
@@ -385,6 +405,9 @@ def _print_concurrency(c: dict[str, Any]) -> None:
             f"Steps of each of the {c['k']} concurrent ones, ms (median):", c["concurrent_steps"]
         )
     )
+    print()
+    title = f"Steps of each of the {c['k']} batched ones, ms (median):"
+    print(_steps_table(title, c["batch_steps"]))
 
 
 def _profile(client: Any, source: Any, target: Any, n: int, repeats: int, top: int) -> None:

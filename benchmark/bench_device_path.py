@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_kv_migration.client.migration import MigrationClient
+from sglang_kv_migration.server import profiling, thread_costs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
 from real_servers import (  # noqa: E402
@@ -111,7 +112,18 @@ def main() -> None:
         help="also migrate in one call with the target's device_kv in full in the body "
         "(row 6: a client that does not name it by digest)",
     )  # fmt: skip
+    parser.add_argument(
+        "--concurrency-rounds", type=int, default=0,
+        help="after the rows, N rounds of bench_any_tier.py's concurrency on these servers "
+        "(six 8K moves from six threads, then in one migrate_many, against one)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calibrate", action="store_true",
+        help="time small operations (`server/thread_costs.py`) in this process and on "
+        "both servers' scheduler threads, idle before the rows and after them",
+    )  # fmt: skip
     args = parser.parse_args()
+    calibration = _Calibration(OUT_DIR / "calibration") if args.calibrate else None
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
     repeats = 1 if args.quick else args.repeats
     if max(lengths) + 8 > args.context_length:
@@ -158,6 +170,8 @@ def main() -> None:
         rng = random.Random(0)
         warmup = _warm_up(client, source, target, rng, not args.no_host)
         print("warm-up:", json.dumps(warmup), flush=True)
+        if calibration is not None:
+            calibration.take("idle before the rows")
         others: dict[str, MigrationClient] = {}
         if args.two_trips:
             others[TWO_TRIPS] = with_two_trips
@@ -174,10 +188,20 @@ def main() -> None:
                 row = _round(client, source, target, n, rep, rng, not args.no_host, others)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        if calibration is not None:
+            calibration.take("idle after the rows")
+        concurrency = []
+        if args.concurrency_rounds:
+            from bench_any_tier import _concurrency  # it imports this module
+
+            for _ in range(args.concurrency_rounds):
+                concurrency.append(_concurrency(client, source, target, 6, 8192, rng))
     summary = [_median_row(n, [r for r in rows if r["tokens"] == n]) for n in lengths]
     result = {
         "config": config,
         "warmup": warmup,
+        "calibration": calibration.report() if calibration is not None else None,
+        "concurrency": concurrency,
         "rows": rows,
         "medians": summary,
         "wall_s": time.monotonic() - started,
@@ -185,7 +209,68 @@ def main() -> None:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / "bench_device_path.json").write_text(json.dumps(result, indent=1))
     _print_tables(summary, config, across_gpus)
+    if calibration is not None:
+        calibration.print_table()
     print(f"\nwall time {result['wall_s']:.0f} s", flush=True)
+
+
+class _Calibration:
+    """`--calibrate`: the same small operations timed in this process and on each
+    server's scheduler thread (`thread_costs.py`; the servers run with the opt-in
+    profile and `SGLANG_KV_MIGRATION_CALIBRATE=1`, set here before they start)."""
+
+    def __init__(self, directory: Path):
+        import os
+        import shutil
+
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        self.directory = directory
+        os.environ[profiling.ENV] = str(directory)
+        os.environ[profiling.GC_ONLY_ENV] = "1"  # no cProfile: it would slow the handlers
+        os.environ[thread_costs.ENV] = "1"
+        self.here: dict[str, Any] = {}
+
+    def take(self, label: str, timeout_s: float = 20.0) -> None:
+        """This process first, then both schedulers (each once idle, within a second)."""
+        self.here[label] = thread_costs.measure()
+        (self.directory / "calibrate").write_text(label)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if len([r for r in self._ranks().values() if label in r]) >= 2:
+                return
+            time.sleep(0.2)
+        print(f"calibration {label!r}: not every scheduler answered", flush=True)
+
+    def _ranks(self) -> dict[str, dict[str, Any]]:
+        found = {}
+        for path in sorted(self.directory.glob("*-calibration.json")):
+            try:
+                entries = json.loads(path.read_text())
+            except ValueError:  # being written
+                continue
+            found[path.name.removesuffix("-calibration.json")] = {e["when"]: e for e in entries}
+        return found
+
+    def report(self) -> dict[str, Any]:
+        return {"this_process": self.here, "schedulers": self._ranks()}
+
+    def print_table(self) -> None:
+        columns = [(f"here: {k}", v) for k, v in self.here.items()]
+        for rank, entries in self._ranks().items():
+            columns += [(f"{rank}: {k}", v) for k, v in entries.items()]
+        if not columns:
+            return
+        print("\n### Calibration: p50 us per call (`thread_costs.py`)\n")
+        print("| op | " + " | ".join(name for name, _ in columns) + " |")
+        print("|---|" + "---|" * len(columns))
+        for op in columns[0][1]["costs_us"]:
+            cells = [str(c["costs_us"].get(op, {}).get("p50", "")) for _, c in columns]
+            print(f"| {op} | " + " | ".join(cells) + " |")
+        for key in ("cpu_share", "context_switches"):
+            print(f"| {key} | " + " | ".join(str(c.get(key)) for _, c in columns) + " |")
+        for _, c in columns:
+            print(json.dumps(c["state"]))
 
 
 def _warm_up(

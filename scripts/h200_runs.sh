@@ -3,7 +3,7 @@
 # time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
 # session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..4, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..9, one device call each, kind nvidia-h200
 #
 # Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
 #   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|3|4|5|6|7}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|3|4|5|6|7|8|9}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -68,6 +68,23 @@ case $call in
     "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py" \
     "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
   ;;
+8)
+  # Issue 19 item 3 after "transfer_batch" and the launches together: page 16, three
+  # rounds of one move, six from six threads, and the same six in one migrate_many; the
+  # device-path GPU tests (MHA page 16, the batched-moves test among them) beside it.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency --concurrency-rounds 3" \
+    "+0:devtest16:sleep 240; KVMIG_PORT_BASE=31500 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+  ;;
+9)
+  # Issue 21 on this code (page 1: one page, 1K, 2K, 32K beside re-prefill, each row after
+  # the target settled; the scheduler-thread calibration before and after the rows), then
+  # two concurrency rounds on the same servers (threads, and one migrate_many); then the
+  # memory-saver GPU test (the landing arena's one-call moves, release/resume).
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 32768 --repeats 3 --no-host --calibrate --concurrency-rounds 2" \
+    "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py"
+  ;;
 3)
   # Issue 19's any-tier table at page 1 (tiers gpu / host / mixed at 4K/16K/32K beside
   # re-prefill and the host path), then the memory-saver test at MLA page 64.
@@ -82,7 +99,7 @@ case $call in
     "0:livetests:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py -k 'live or running_request_moves_with'"
   ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|3|4|5|6|7" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|3|4|5|6|7|8|9" >&2
   exit 2
   ;;
 esac

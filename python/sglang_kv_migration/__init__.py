@@ -15,10 +15,14 @@ __version__ = "0.1.0"
 # Additions no older peer can receive are advertised in session info `features` instead
 # of a version bump (clients use one only when both servers list it): "page_ranges",
 # "bound_grants" (allocate's `source_instance`; grants bind destination and source),
-# "partial_transfer", "binary_ids", "source_commit", "epoch_check", "source_allocate"
-# (`io_types.py`).
+# "partial_transfer", "binary_ids", "source_commit", "epoch_check", "source_allocate",
+# "destination_digest", "transfer_batch" (`io_types.py`).
 PROTOCOL_VERSION = 2
 
 # Wire feature: allocate takes `expect_epoch` (the target's session info `server_epoch`)
 # and refuses a stale one before it reserves anything.
 EPOCH_CHECK_FEATURE = "epoch_check"
+
+# Wire feature: `/transfer_request_kvcache` takes `{"moves": [transfer, ...]}`, several
+# transfers in one call (`server/http_api.py`, `TransferBatchBody`).
+TRANSFER_BATCH_FEATURE = "transfer_batch"

@@ -81,10 +81,21 @@ def to_list(raw: bytes) -> list[int]:
     return np.frombuffer(raw, dtype="<u4", count=count(raw)).tolist()
 
 
+_RAW = "_kvmig_ids_u32"  # in-process only: the bytes `unpack_request` made the list of
+
+
 def unpack_request(req: Any) -> None:
-    """Give a request that carries its ids as bytes its `input_ids` list (once: the bytes
-    are dropped), on the scheduler thread before any handler reads it."""
+    """Give a request that carries its ids as bytes its `input_ids` list (once: the wire
+    field is emptied), on the scheduler thread before any handler reads it. The bytes
+    stay on the request for `raw_of` (hashing them is cheaper than the list)."""
     raw = getattr(req, FIELD, b"")
     if raw:
         req.input_ids = to_list(raw)
         setattr(req, FIELD, b"")
+        setattr(req, _RAW, raw)
+
+
+def raw_of(req: Any) -> bytes:
+    """The bytes a request's `input_ids` were made of (`unpack_request`), or b"" when
+    they came as a list."""
+    return getattr(req, _RAW, b"")

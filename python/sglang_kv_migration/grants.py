@@ -85,6 +85,28 @@ def tokens_digest(input_ids: list[int], extra_key: str | None) -> str:
     return h.hexdigest()
 
 
+def tokens_digest_u32(raw: bytes, extra_key: str | None) -> str:
+    """`tokens_digest` of the ids in `raw` (little-endian uint32, `binary_ids`), without
+    making a list of them: 6x faster at 8K ids."""
+    import numpy as np
+
+    ids = np.frombuffer(raw, dtype="<u4", count=len(raw) // 4).astype("<i8")
+    h = xxhash.xxh64(ids.tobytes())
+    h.update(b"\x00" + (extra_key or "").encode())
+    return h.hexdigest()
+
+
+def request_tokens_digest(req: Any, end: int) -> str:
+    """`tokens_digest` of a request's first `end` ids (`input_ids`, `extra_key`), from
+    the bytes they came as when they did (`binary_ids.raw_of`)."""
+    from sglang_kv_migration import binary_ids
+
+    raw = binary_ids.raw_of(req)
+    if len(raw) >= end * binary_ids.ITEM_BYTES:
+        return tokens_digest_u32(raw[: end * binary_ids.ITEM_BYTES], req.extra_key)
+    return tokens_digest(req.input_ids[:end], req.extra_key)
+
+
 def destination_digest(descriptor: Any) -> str:
     """sha256 of a data path's destination descriptor (`DataPath.destination_of`), as
     canonical JSON: what the target published and what a transfer body names hash the

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 
 from sglang.srt.managers.io_struct import BaseReq
 
-from sglang_kv_migration import EPOCH_CHECK_FEATURE, binary_ids, grants, page_ranges
+from sglang_kv_migration import (
+    EPOCH_CHECK_FEATURE,
+    TRANSFER_BATCH_FEATURE,
+    binary_ids,
+    grants,
+    page_ranges,
+)
 from sglang_kv_migration.targets import HostTarget  # the host path's fields, once
 
 # Optional wire features this version understands (session info `features`).
@@ -35,12 +41,15 @@ from sglang_kv_migration.targets import HostTarget  # the host path's fields, on
 # allocate channel: a transfer may take `allocate_on_target` then.
 # "epoch_check": allocate takes `expect_epoch` and refuses, reserving nothing, when this
 # server's epoch is no longer the one the caller's session info names.
+# "transfer_batch": a transfer body may be `{"moves": [...]}`, several transfers in one
+# call (`server/http_api.py`).
 WIRE_FEATURES = (
     page_ranges.FEATURE,
     grants.FEATURE,
     grants.PARTIAL_FEATURE,
     binary_ids.FEATURE,
     EPOCH_CHECK_FEATURE,
+    TRANSFER_BATCH_FEATURE,
 )
 
 # --------------------------------------------------------------------------- PP stages

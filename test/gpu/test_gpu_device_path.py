@@ -503,6 +503,47 @@ def test_device_path_when_the_source_holds_half_on_device_half_on_host(
     _check_any_tier_migration(s, client, prompt, "device_source_mixed", expected - half)
 
 
+def test_moves_batched_in_one_call_each_serve_from_the_target_gpu(
+    servers: Servers, client: MigrationClient
+):
+    """Feature "transfer_batch": three prompts, one of them held only on the source's
+    host tier, moved by one `migrate_many` (their transfers in one call; the copies of
+    the moves the source starts in one iteration launched together): each is served
+    from the target's GPU with the source's answer."""
+    from sglang_kv_migration.client import MigrationResult, Move
+
+    s = servers
+    rng = random.Random(8)
+    flush_cache(s.source)
+    flush_cache(s.target)
+    on_host = _tokens(rng, 1201, s.vocab_size)
+    generate(s.source, on_host, 1)
+    _push_to_host(s, rng)
+    prompts = [on_host, _tokens(rng, 1601, s.vocab_size), _tokens(rng, 801, s.vocab_size)]
+    for p in prompts[1:]:
+        generate(s.source, p, 1)
+    results = client.migrate_many([Move(s.source, s.target, p[:-1]) for p in prompts])
+    served = [generate(s.target, p) for p in prompts]
+    references = [generate(s.source, p) for p in prompts]
+    record(
+        "device_batched_moves",
+        {
+            "results": [_summary(r) if isinstance(r, MigrationResult) else str(r) for r in results],
+            "target_cached_details": [cached_details(o) for o in served],
+            "outputs_equal": [
+                o["output_ids"] == r["output_ids"] for o, r in zip(served, references, strict=True)
+            ],
+        },
+    )
+    for p, result, on_target, reference in zip(prompts, results, served, references, strict=True):
+        expected = _aligned(len(p) - 1, s.page_size)
+        assert isinstance(result, MigrationResult), result
+        assert result.path == "device" and not result.fallback_reason, result
+        assert result.migrated_token_size == expected
+        assert on_target["output_ids"] == reference["output_ids"]
+        assert cached_details(on_target)["device"] >= expected, cached_details(on_target)
+
+
 def test_route_metrics_teach_the_cost_model(servers: Servers):
     """Runs after the migrations above (fresh, host-only and mixed prefixes on the device
     path): the source reported bytes and copy time per route and its fixed cost, and the

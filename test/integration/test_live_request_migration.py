@@ -15,12 +15,11 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import pytest
 from generate_standin import StandinConfig, next_token, standin_factory
-from mini_server import ServerHandle, ServerSpec, start_servers
+from mini_server import ServerHandle, ServerPair, ServerSpec, start_servers
 from sglang_kv_migration import cli
 from sglang_kv_migration.client.migration import MigrationClient
 from sglang_kv_migration.rollout.cost_model import CostModel, MigrationCosts, PrefillCosts
@@ -55,14 +54,8 @@ STAGED_PROMPT = _seq(50_000, 2 * PAGE + 7)
 STAGED_HISTORY = STAGED_PROMPT + expected_output(STAGED_PROMPT, 100)
 
 
-@dataclass
-class Servers:
-    source: ServerHandle
-    target: ServerHandle
-
-
 @pytest.fixture(scope="module")
-def servers() -> Iterator[Servers]:
+def servers() -> Iterator[ServerPair]:
     config = StandinConfig(max_running=2, step_s=STEP_S, capacity_tokens=100_000)
     handles = start_servers(
         [
@@ -71,7 +64,7 @@ def servers() -> Iterator[Servers]:
         ]
     )
     try:
-        yield Servers(*handles)
+        yield ServerPair(*handles)
     finally:
         for handle in handles:
             handle.stop()
@@ -138,7 +131,7 @@ def _aligned(n: int) -> int:
 # --------------------------------------------------------------------------- tests
 
 
-def test_live_move_copies_the_prompt_while_decoding(servers: Servers) -> None:
+def test_live_move_copies_the_prompt_while_decoding(servers: ServerPair) -> None:
     prompt = _seq(1000, 2 * PAGE + 7)
     transport = Shaped()
     with _client(transport) as client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
@@ -177,7 +170,7 @@ def test_live_move_copies_the_prompt_while_decoding(servers: Servers) -> None:
     assert "/allocate_token_for_transfer" not in transport.calls
 
 
-def test_live_move_leaves_a_small_delta_to_the_target(servers: Servers) -> None:
+def test_live_move_leaves_a_small_delta_to_the_target(servers: ServerPair) -> None:
     """mode="auto": the cost model prices the delta from what stage 1 moved, and a
     `recompute` verdict resumes at once (no migration round trips after the stop)."""
     prompt = _seq(2000, 6 * PAGE + 7)
@@ -197,7 +190,7 @@ def test_live_move_leaves_a_small_delta_to_the_target(servers: Servers) -> None:
     assert out.segments[1].cached_tokens == _aligned(len(prompt))
 
 
-def test_live_move_takes_more_stages_while_the_source_holds_more(servers: Servers) -> None:
+def test_live_move_takes_more_stages_while_the_source_holds_more(servers: ServerPair) -> None:
     """The source holds more of the request the longer it decodes (`STAGED_HISTORY`):
     stages repeat while it holds a page more than the target, at most `live_max_stages`
     (asyncio API)."""
@@ -237,7 +230,9 @@ def test_live_move_takes_more_stages_while_the_source_holds_more(servers: Server
     "stage,on_failure",
     [("decoding", "target"), ("decoding", "source"), ("delta", "target"), ("delta", "source")],
 )
-def test_live_move_falls_back_at_each_stage(servers: Servers, stage: str, on_failure: str) -> None:
+def test_live_move_falls_back_at_each_stage(
+    servers: ServerPair, stage: str, on_failure: str
+) -> None:
     base = {"decoding": 3000, "delta": 4000}[stage] + (0 if on_failure == "target" else 500)
     prompt = _seq(base, 2 * PAGE + 7)
     # Stage 1's transfer is the first, the delta's the second.
@@ -271,7 +266,7 @@ def test_live_move_falls_back_at_each_stage(servers: Servers, stage: str, on_fai
         assert resumed.cached_tokens == 0
 
 
-def test_live_move_of_a_request_that_finishes_meanwhile(servers: Servers) -> None:
+def test_live_move_of_a_request_that_finishes_meanwhile(servers: ServerPair) -> None:
     """The request finishes on the source during stage 1 (its transfer waits 2 s, the
     request's 40 tokens about 0.4 s): that is the result."""
     prompt = _seq(6000, 2 * PAGE + 3)
@@ -288,7 +283,7 @@ def test_live_move_of_a_request_that_finishes_meanwhile(servers: Servers) -> Non
     assert [s.kind for s in out.segments] == ["original"]
 
 
-def test_recompute_mode_ignores_live(servers: Servers) -> None:
+def test_recompute_mode_ignores_live(servers: ServerPair) -> None:
     prompt = _seq(6500, PAGE + 3)
     with RequestMigrator(cost_model=ALWAYS_MIGRATE) as m:
         handle = _start_decoding(m, servers.source, prompt, 40)
@@ -299,7 +294,7 @@ def test_recompute_mode_ignores_live(servers: Servers) -> None:
     assert move.stall_s is not None
 
 
-def test_rebalance_cli_moves_a_decoding_request_live(servers: Servers, tmp_path, capsys) -> None:
+def test_rebalance_cli_moves_a_decoding_request_live(servers: ServerPair, tmp_path, capsys) -> None:
     """`--live --move-running`: the running request on the pressured source moves live."""
     prompts = [_seq(7000, 2 * PAGE + 5), _seq(7100, 2 * PAGE + 5), _seq(7200, PAGE)]
     lines = [
@@ -330,7 +325,7 @@ def test_rebalance_cli_moves_a_decoding_request_live(servers: Servers, tmp_path,
 # --------------------------------------------------------------------------- benchmark
 
 
-def test_bench_live_move_arms_on_cpu(servers: Servers) -> None:
+def test_bench_live_move_arms_on_cpu(servers: ServerPair) -> None:
     """`benchmark/bench_live_move.py`'s arms and report on the mini servers (the GPU run
     is the lead's): every arm moves the decoding request and gives the reference output;
     the live arms report their stages and a stall."""

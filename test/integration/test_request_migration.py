@@ -16,13 +16,12 @@ import concurrent.futures
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import pytest
 from fail_on import FailOn
 from generate_standin import StandinConfig, next_token, standin_factory
-from mini_server import ServerHandle, ServerSpec, start_servers
+from mini_server import ServerHandle, ServerPair, ServerSpec, start_servers
 from sglang_kv_migration import cli
 from sglang_kv_migration.client.migration import MigrationClient
 from sglang_kv_migration.rollout.cost_model import CostModel, MigrationCosts, PrefillCosts
@@ -48,12 +47,6 @@ def _seq(start: int, length: int) -> list[int]:
 
 # The source holds this conversation prefix from the start (a previous turn).
 QUEUED_HISTORY = _seq(3000, 3 * PAGE)
-
-
-@dataclass
-class Servers:
-    source: ServerHandle
-    target: ServerHandle
 
 
 # Earlier turns of the conversations the rebalancer test queues on the source.
@@ -83,7 +76,7 @@ sglang:realtime_tokens_total{mode="prefill_compute"} 5000
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[Servers]:
+def servers() -> Iterator[ServerPair]:
     source = standin_factory(
         StandinConfig(
             max_running=1,
@@ -103,7 +96,7 @@ def servers() -> Iterator[Servers]:
         [ServerSpec(extension=source, preload=preload), ServerSpec(extension=target)]
     )
     try:
-        yield Servers(*handles)
+        yield ServerPair(*handles)
     finally:
         for handle in handles:
             handle.stop()
@@ -170,7 +163,7 @@ def test_continuation_and_finished_by() -> None:
     assert req.finished_by(list(range(20, 30)), eos) == {"type": "length", "length": 10}
 
 
-def test_running_request_moves_with_its_kv(servers: Servers) -> None:
+def test_running_request_moves_with_its_kv(servers: ServerPair) -> None:
     prompt = _seq(1000, 2 * PAGE + 7)
     with RequestMigrator(cost_model=ALWAYS_MIGRATE) as migrator:
         handle = migrator.submit(
@@ -209,7 +202,7 @@ def test_running_request_moves_with_its_kv(servers: Servers) -> None:
     assert second.cached_tokens == move.migration.matched_after_commit == moved_len
 
 
-def test_queued_request_moves_its_history(servers: Servers) -> None:
+def test_queued_request_moves_its_history(servers: ServerPair) -> None:
     """A request queued behind another: nothing generated yet, but the conversation so far
     (cached from an earlier turn) moves."""
     blocker_prompt = _seq(4000, PAGE)
@@ -255,7 +248,7 @@ PHASE_ROUTES = {
 
 
 @pytest.mark.parametrize("phase", list(PHASE_ROUTES))
-def test_failure_at_each_phase_falls_back_to_reprefill(servers: Servers, phase: str) -> None:
+def test_failure_at_each_phase_falls_back_to_reprefill(servers: ServerPair, phase: str) -> None:
     prompt = _seq(5000 + 100 * list(PHASE_ROUTES).index(phase), PAGE + 5)
     transport = FailOn(PHASE_ROUTES[phase])
     client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
@@ -290,7 +283,7 @@ class CountCalls(httpx.BaseTransport):
         self._real.close()
 
 
-def test_one_size_query_per_move(servers: Servers) -> None:
+def test_one_size_query_per_move(servers: ServerPair) -> None:
     """In auto mode the source's size query prices the move and the migration reuses it;
     session info comes from the client's cache."""
     prompt = _seq(6500, 2 * PAGE + 1)
@@ -310,7 +303,7 @@ def test_one_size_query_per_move(servers: Servers) -> None:
     assert transport.calls[(target_port, "/get_transfer_session_info")] == 1
 
 
-def test_failure_can_resume_on_the_source(servers: Servers) -> None:
+def test_failure_can_resume_on_the_source(servers: ServerPair) -> None:
     prompt = _seq(6000, 2 * PAGE + 1)
     client = MigrationClient(http_client=httpx.Client(transport=FailOn("/commit"), timeout=30))
     with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as migrator:
@@ -326,7 +319,7 @@ def test_failure_can_resume_on_the_source(servers: Servers) -> None:
     assert out.segments[1].cached_tokens > 0
 
 
-def test_cost_model_says_recompute(servers: Servers) -> None:
+def test_cost_model_says_recompute(servers: ServerPair) -> None:
     prompt = _seq(7000, PAGE + 3)
     slow_path = CostModel(
         MigrationCosts(bandwidth_bytes_per_s=1.0, overhead_s=10.0),
@@ -345,7 +338,7 @@ def test_cost_model_says_recompute(servers: Servers) -> None:
     assert out.segments[1].kind == "reprefill"
 
 
-def test_cost_model_learned_from_metrics_decides(servers: Servers) -> None:
+def test_cost_model_learned_from_metrics_decides(servers: ServerPair) -> None:
     prompt = _seq(7500, 3 * PAGE + 2)
     with RequestMigrator() as migrator:
         model = migrator.refresh_cost_model(servers.source.url, servers.target.url)
@@ -365,7 +358,7 @@ def test_cost_model_learned_from_metrics_decides(servers: Servers) -> None:
     assert out.output_ids == expected_output(prompt, 30)
 
 
-def test_finished_request_is_not_moved(servers: Servers) -> None:
+def test_finished_request_is_not_moved(servers: ServerPair) -> None:
     prompt = _seq(8000, 5)
     with RequestMigrator() as migrator:
         handle = migrator.submit(servers.source.url, GenerateRequest(prompt, {"max_new_tokens": 3}))
@@ -377,7 +370,7 @@ def test_finished_request_is_not_moved(servers: Servers) -> None:
         RequestMigrator().move_request(handle, servers.source.url)
 
 
-def test_adopted_call_moves(servers: Servers) -> None:
+def test_adopted_call_moves(servers: ServerPair) -> None:
     """The caller sent /generate itself (with its rid) and hands the in-flight call over."""
     prompt = _seq(8500, PAGE + 9)
     request = GenerateRequest(prompt, {"max_new_tokens": 40})
@@ -402,7 +395,7 @@ def test_adopted_call_moves(servers: Servers) -> None:
     assert out.segments[0].rid == request.rid != out.segments[1].rid
 
 
-def test_source_that_never_answers_restarts_on_the_target(servers: Servers) -> None:
+def test_source_that_never_answers_restarts_on_the_target(servers: ServerPair) -> None:
     prompt = _seq(8700, 7)
 
     async def scenario() -> tuple:
@@ -423,7 +416,7 @@ def test_source_that_never_answers_restarts_on_the_target(servers: Servers) -> N
 # --------------------------------------------------------------------------- rebalancer
 
 
-def test_rebalancer_moves_queued_high_priority_requests(servers: Servers) -> None:
+def test_rebalancer_moves_queued_high_priority_requests(servers: ServerPair) -> None:
     """The source runs one long low-priority request and queues three others (each with a
     cached earlier turn); the rebalancer moves the queued ones, highest priority first,
     two at a time, and stops by itself once everything finished."""
@@ -473,7 +466,7 @@ def test_rebalancer_moves_queued_high_priority_requests(servers: Servers) -> Non
     assert blocker_out.output_ids == expected_output(blocker_prompt, 80)
 
 
-def test_rebalancer_leaves_a_running_request_alone(servers: Servers) -> None:
+def test_rebalancer_leaves_a_running_request_alone(servers: ServerPair) -> None:
     """A high-priority request already decoding on the pressured source is not moved (the
     migrator's streamed call saw its first token); the queued low-priority ones are."""
     running_prompt = _seq(15_000, PAGE)
@@ -515,7 +508,7 @@ def test_rebalancer_leaves_a_running_request_alone(servers: Servers) -> None:
         assert out.output_ids == expected_output(prompt, 4)
 
 
-def test_rebalancer_sees_the_scene(servers: Servers) -> None:
+def test_rebalancer_sees_the_scene(servers: ServerPair) -> None:
     """The seed's scene on a mini server: its one running slot is taken by a decoding
     high-priority request (KV has room: the pressure is the full slot); queued behind it
     are two high-priority conversations whose earlier turns the source holds — in its
@@ -608,7 +601,7 @@ def test_stream_reader_folds_cumulative_and_incremental_chunks() -> None:
         asyncio.run(read_generate_stream(lines(["data: [DONE]"]), progress, "srv"))
 
 
-def test_rebalance_cli_runs_a_batch(servers: Servers, tmp_path, capsys) -> None:
+def test_rebalance_cli_runs_a_batch(servers: ServerPair, tmp_path, capsys) -> None:
     prompts = [CLI_HISTORIES[0] + _seq(15_500, 3), CLI_HISTORIES[1] + _seq(16_500, 4)]
     lines = [
         {"server": servers.source.url, "input_ids": prompts[0], "priority": 5,
@@ -637,7 +630,7 @@ def test_rebalance_cli_runs_a_batch(servers: Servers, tmp_path, capsys) -> None:
     assert len(moved) == 1 and moved[0]["segments"][1]["cached_tokens"] == 2 * PAGE
 
 
-def test_rebalance_cli_watch_and_bad_arguments(servers: Servers, capsys) -> None:
+def test_rebalance_cli_watch_and_bad_arguments(servers: ServerPair, capsys) -> None:
     server_args = ["--server", servers.source.url, "--server", servers.target.url]
     assert cli.main(["rebalance", *server_args, "--max-rounds", "2", "--interval", "0.01"]) == 0
     rounds = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -2,7 +2,7 @@
 target's allocate channel for its slots (one client call), its hostile bodies, new
 weights on the target, and a target channel that never answers.
 
-Servers are `mini_server` processes (see `test_http_api.py`): real HiRadixCache, our
+ServerPair are `mini_server` processes (see `test_http_api.py`): real HiRadixCache, our
 scheduler hooks and handlers, our routes on uvicorn, Mooncake TCP, the real channel.
 """
 
@@ -13,7 +13,6 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import cpu_harness
@@ -21,7 +20,7 @@ import httpx
 import orjson
 import pytest
 import zmq
-from mini_server import ServerHandle, ServerSpec, serving
+from mini_server import ServerHandle, ServerPair, ServerSpec, serving
 from sglang_kv_migration import grants
 from sglang_kv_migration.client import migration
 from sglang_kv_migration.client.migration import MigrationClient
@@ -44,18 +43,12 @@ SEQ_HELD = _seq(24000, 2 * PAGE)
 SEQ_FALLBACK = _seq(25000, 2 * PAGE)
 
 
-@dataclass
-class Servers:
-    source: ServerHandle
-    target: ServerHandle
-
-
 @pytest.fixture(scope="module")
-def servers() -> Iterator[Servers]:
+def servers() -> Iterator[ServerPair]:
     preload = [(SEQ_HOSTILE, 1), (SEQ_WEIGHTS, 2), (SEQ_STALLED, 3), (SEQ_BESIDE, 4),
                (SEQ_HELD, 5), (SEQ_FALLBACK, 6)]  # fmt: skip
     with serving([ServerSpec(preload=preload), ServerSpec(preload=[(SEQ_HELD, 5)])]) as handles:
-        yield Servers(*handles)
+        yield ServerPair(*handles)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +63,7 @@ def _info(http: httpx.Client, server: ServerHandle) -> dict[str, Any]:
     return r.json()
 
 
-def _body(http: httpx.Client, servers: Servers, ids: list[int], **changes: Any) -> dict:
+def _body(http: httpx.Client, servers: ServerPair, ids: list[int], **changes: Any) -> dict:
     """A one-trip transfer body as the client builds it (`_one_trip_call`)."""
     source, target = _info(http, servers.source), _info(http, servers.target)
     allocate = {
@@ -103,7 +96,7 @@ def _body(http: httpx.Client, servers: Servers, ids: list[int], **changes: Any) 
     return body
 
 
-def test_both_servers_advertise_the_channel(servers: Servers, http: httpx.Client) -> None:
+def test_both_servers_advertise_the_channel(servers: ServerPair, http: httpx.Client) -> None:
     for server in (servers.source, servers.target):
         info = _info(http, server)
         assert "source_allocate" in info["features"]
@@ -113,7 +106,7 @@ def test_both_servers_advertise_the_channel(servers: Servers, http: httpx.Client
     assert _info(http, servers.source)["allocate_channel"]["host"] == channel["host"]
 
 
-def test_a_one_trip_transfer_moves_the_prefix(servers: Servers, http: httpx.Client) -> None:
+def test_a_one_trip_transfer_moves_the_prefix(servers: ServerPair, http: httpx.Client) -> None:
     r = http.post(
         servers.source.url + "/transfer_request_kvcache", json=_body(http, servers, SEQ_BESIDE)
     )
@@ -160,7 +153,7 @@ HOSTILE = [
 
 @pytest.mark.parametrize("changes, status, needle", HOSTILE)
 def test_a_hostile_one_trip_body_is_refused_and_nothing_is_held(
-    servers: Servers, http: httpx.Client, changes: dict, status: int, needle: str
+    servers: ServerPair, http: httpx.Client, changes: dict, status: int, needle: str
 ) -> None:
     before = servers.target.ask(0, "snapshot")
     r = http.post(
@@ -184,7 +177,7 @@ def test_a_hostile_one_trip_body_is_refused_and_nothing_is_held(
     ],
 )
 def test_what_only_the_target_or_the_channel_can_refuse_is_refused_by_name(
-    servers: Servers, http: httpx.Client, changes: dict, status: int, needle: str
+    servers: ServerPair, http: httpx.Client, changes: dict, status: int, needle: str
 ) -> None:
     replace = {"SECRET": _a_secret_not_theirs(), "MISSING": _missing_channel()}
     changes = {k: replace.get(v, v) if isinstance(v, str) else v for k, v in changes.items()}
@@ -203,7 +196,7 @@ def test_what_only_the_target_or_the_channel_can_refuse_is_refused_by_name(
 
 
 def test_new_weights_on_the_target_refuse_the_channel_until_its_http_layer_stamps_again(
-    servers: Servers, http: httpx.Client
+    servers: ServerPair, http: httpx.Client
 ) -> None:
     src, dst = servers.source, servers.target
     body = _body(http, servers, SEQ_WEIGHTS)
@@ -242,7 +235,7 @@ class _SilentChannel:
 
 
 def test_a_target_channel_that_never_answers_fails_only_its_own_transfer(
-    servers: Servers, http: httpx.Client
+    servers: ServerPair, http: httpx.Client
 ) -> None:
     silent = _SilentChannel()
     try:
@@ -297,7 +290,7 @@ FORGED = {
     ],
 )  # fmt: skip
 def test_a_channel_that_answers_with_a_forged_or_malformed_allocation_writes_nothing(
-    servers: Servers, http: httpx.Client, answer: bytes, status: int, needle: str
+    servers: ServerPair, http: httpx.Client, answer: bytes, status: int, needle: str
 ) -> None:
     """What a target's channel answers is checked like a client-relayed allocation: a
     grant the source cannot verify, or a reply of the wrong shape, moves no byte."""
@@ -328,7 +321,7 @@ def test_a_channel_that_answers_with_a_forged_or_malformed_allocation_writes_not
 
 
 def test_the_client_falls_back_to_two_trips_when_the_channel_is_unreachable(
-    servers: Servers,
+    servers: ServerPair,
 ) -> None:
     """A target in another mount namespace (its /dev/shm not ours) advertises a channel
     the source cannot open: the client allocates itself."""
@@ -353,7 +346,7 @@ def _device_entry(target_info: dict[str, Any], **fields: Any) -> dict[str, Any]:
 
 
 def test_a_destination_named_by_digest_resolves_only_once_sent_in_full(
-    servers: Servers, http: httpx.Client
+    servers: ServerPair, http: httpx.Client
 ) -> None:
     """Feature "destination_digest" on a real source: an unknown digest is refused before
     anything is asked or pinned (409, `destination_unknown`); after the description was
@@ -402,7 +395,7 @@ def test_a_destination_named_by_digest_resolves_only_once_sent_in_full(
     ],
 )
 def test_a_malformed_destination_digest_is_refused(
-    servers: Servers, http: httpx.Client, fields: dict, needle: str
+    servers: ServerPair, http: httpx.Client, fields: dict, needle: str
 ) -> None:
     body = _body(http, servers, SEQ_HOSTILE)
     entry = body["target_per_rank"][0]

@@ -75,6 +75,14 @@ class ServerSpec:
     staging_mb: int = 4
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerPair:
+    """A source and a target server, as the tests of one migration direction use them."""
+
+    source: ServerHandle
+    target: ServerHandle
+
+
 @dataclasses.dataclass
 class ServerHandle:
     url: str

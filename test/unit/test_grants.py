@@ -222,6 +222,24 @@ def test_tokens_digest_bytes_are_those_of_older_servers() -> None:
     assert grants.tokens_digest(list(range(300000, 300000 + 32768)), None) == "08faf38f30a01207"
 
 
+def test_the_digest_of_ids_sent_as_bytes_is_that_of_their_list() -> None:
+    from sglang_kv_migration import binary_ids
+    from sglang_kv_migration.io_types import GetRequestExtraTokenSizeReqInput
+
+    ids = [0, 1, 70000, (1 << 32) - 1, *range(300000, 300000 + 8192)]
+    raw = binary_ids.to_bytes(ids)
+    assert grants.tokens_digest_u32(raw, "ns") == grants.tokens_digest(ids, "ns")
+    # A request whose ids came as bytes: any prefix hashes as its list's prefix would.
+    req = GetRequestExtraTokenSizeReqInput(input_ids=[], extra_key="ns")
+    setattr(req, binary_ids.FIELD, raw)
+    binary_ids.unpack_request(req)
+    assert req.input_ids == ids and binary_ids.raw_of(req) == raw
+    for end in (1, 3, len(ids)):
+        assert grants.request_tokens_digest(req, end) == grants.tokens_digest(ids[:end], "ns")
+    listed = GetRequestExtraTokenSizeReqInput(input_ids=ids, extra_key=None)
+    assert grants.request_tokens_digest(listed, 5) == grants.tokens_digest(ids[:5], None)
+
+
 # --------------------------------------------------------------------------- issue 17
 
 

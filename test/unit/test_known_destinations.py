@@ -167,6 +167,8 @@ def test_what_a_source_pinned_while_its_target_allocated_is_released_on_every_en
 
     side.transfer_request_kvcache(_one_trip(ids, device_kv=_device_kv()))
     inflight = side.transfers.inflight[0]
+    assert inflight.prepared is None  # prepared in the iteration's poll, once all asked
+    side.poll()
     assert inflight.prepared is not None and inflight.tokens[0] == len(ids)
     assert h.snapshot().total_lock_ref > baseline.total_lock_ref  # pinned while it waits
     refusal = {"success": False, "message": "no room", "error_kind": "unavailable"}
@@ -176,6 +178,7 @@ def test_what_a_source_pinned_while_its_target_allocated_is_released_on_every_en
     assert h.snapshot() == baseline
 
     side.transfer_request_kvcache(_one_trip(ids, device_kv=_device_kv()))
+    side.poll()
     assert h.snapshot().total_lock_ref > baseline.total_lock_ref
     side.prepare_for_cache_flush()
     side.poll()

@@ -45,3 +45,48 @@ def test_host_path_with_a_reason_when_a_source_rank_reads_device_pages_only():
 def test_other_host_takes_the_host_path_whatever_the_tier():
     path, reason = _choose_path(None, _info("h1", ["device", "host"]), _info("h2", None), ON_DEVICE)
     assert (path, reason) == ("host", "servers are on different hosts")
+
+
+def _compat_info(page_size: int) -> dict:
+    from sglang_kv_migration import PROTOCOL_VERSION
+    from sglang_kv_migration.fingerprint import LayoutFingerprint
+
+    fingerprint = LayoutFingerprint(
+        PROTOCOL_VERSION, "m", "bfloat16", "mha", 0, 2, 2, 16, 0, 0, page_size, "layer_first",
+        1, 0, 1, 0,
+    ).to_dict()  # fmt: skip
+    return {
+        "protocol_version": PROTOCOL_VERSION,
+        "ranks": [{"tp_rank": 0, "pp_rank": 0, "fingerprint": fingerprint}],
+    }
+
+
+def test_the_compatibility_check_is_kept_per_pair_of_infos_until_one_is_replaced(monkeypatch):
+    from sglang_kv_migration.client import migration
+    from sglang_kv_migration.client.migration import MigrationFailed, SessionCache
+
+    checked: list[tuple[dict, dict]] = []
+    real = migration._check_compatible
+
+    def counting(source: dict, target: dict) -> None:
+        checked.append((source, target))
+        real(source, target)
+
+    monkeypatch.setattr(migration, "_check_compatible", counting)
+    sessions = SessionCache()
+    source, target = _compat_info(16), _compat_info(16)
+    sessions.put("http://s", source)
+    sessions.put("http://t", target)
+    sessions.check_compatible(source, target)
+    sessions.check_compatible(source, target)
+    assert len(checked) == 1  # the same pair: checked once
+    restarted = _compat_info(64)  # the target came back with another layout
+    sessions.put("http://t", restarted)
+    try:
+        sessions.check_compatible(source, restarted)
+    except MigrationFailed as e:
+        assert "page_size" in str(e)
+    else:
+        raise AssertionError("a changed layout passed the check")
+    sessions.check_compatible(source, target)  # memos were dropped with the put
+    assert len(checked) == 3

@@ -77,3 +77,33 @@ def test_the_report_names_this_process_threads(monkeypatch, tmp_path):
     report = json.loads((tmp_path / "scheduler-30004-tp0-pp0-gc.json").read_text())
     assert "MainThread" in report["python_threads"]
     assert report["threads"] and all(t["cpu_s"] >= 0 for t in report["threads"])
+
+
+def test_an_idle_rank_calibrates_once_for_each_new_label(monkeypatch, tmp_path):
+    from sglang_kv_migration.server import thread_costs
+
+    monkeypatch.setenv(profiling.ENV, str(tmp_path))
+    monkeypatch.setenv(profiling.GC_ONLY_ENV, "1")
+    monkeypatch.setenv(thread_costs.ENV, "1")
+    monkeypatch.setattr(profiling, "CALIBRATE_CHECK_S", 0.0)
+    monkeypatch.setattr(thread_costs, "REPEATS", 5)
+    profile = profiling.rank_profile(30005, 0, 0)
+    assert profile is not None
+    written = tmp_path / "scheduler-30005-tp0-pp0-calibration.json"
+    try:
+        profile.idle()
+        assert not written.exists()  # no label asked for yet
+        (tmp_path / "calibrate").write_text("before")
+        profile.idle()
+        profile.idle()  # the same label: not again
+        (tmp_path / "calibrate").write_text("after")
+        profile.idle()
+    finally:
+        profile.close()
+    entries = json.loads(written.read_text())
+    assert [e["when"] for e in entries] == ["before", "after"]
+    costs = entries[0]["costs_us"]
+    assert costs["torch_cpu_cumsum_64"]["p50"] > 0 and costs["python_loop_1000"]["p50"] > 0
+    assert entries[0]["cold_costs_us"]["torch_cpu_cumsum_64"]["p50"] > 0
+    assert 0 < entries[0]["cpu_share"] <= 1.01
+    assert entries[0]["state"]["thread"] == "MainThread"

@@ -31,9 +31,10 @@ rank, unless said otherwise):
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -268,6 +269,14 @@ class DataPath(abc.ABC):
     @abc.abstractmethod
     def start_send(self, send: SendRange) -> SendJob:
         """Validate the peer data, pin the source pages, start (or queue) the copy."""
+
+    @contextlib.contextmanager
+    def launching_together(self) -> Iterator[None]:
+        """Optional: sends started inside may queue their copies and launch them together
+        when the block ends (one launch for every send into one target), instead of one
+        launch each. A job whose queued launch failed reports it from `poll()`. Called
+        around the sends a scheduler iteration starts at once; nestable."""
+        yield
 
     def prepare_send(self, input_ids: list[int], extra_key: str | None) -> PreparedSend | None:
         """Optional, while a target allocates (feature "source_allocate"): the part of a

@@ -14,6 +14,10 @@ takes milliseconds) and at `close()`, it writes
 
 cProfile slows Python-heavy code by up to ~2x: read the split, not the absolute times.
 `SGLANG_KV_MIGRATION_PROFILE_GC_ONLY=1` times the collections alone, at no such cost.
+`SGLANG_KV_MIGRATION_CALIBRATE=1` also times a fixed set of small operations on the
+scheduler thread (`thread_costs.py`), once for each new label a benchmark writes into
+`<dir>/calibrate` (read once a second while idle), into
+`scheduler-<port>-tp<r>-pp<s>-calibration.json`.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sglang_kv_migration.server import thread_costs
+
 ENV = "SGLANG_KV_MIGRATION_PROFILE_DIR"
 GC_ONLY_ENV = "SGLANG_KV_MIGRATION_PROFILE_GC_ONLY"
 IDLE_BEFORE_DUMP_S = 1.0
+CALIBRATE_CHECK_S = 1.0  # how often an idle rank looks for a new calibration label
 LONG_GC_MS = 1.0
 MAX_LONG_GCS = 2000
 
@@ -42,6 +49,11 @@ class RankProfile:
         directory.mkdir(parents=True, exist_ok=True)
         self._prof_path = directory / f"{name}.prof"
         self._gc_path = directory / f"{name}-gc.json"
+        self._calibration_path = directory / f"{name}-calibration.json"
+        self._calibrations: list[dict[str, Any]] | None = [] if thread_costs.enabled() else None
+        self._trigger_path = directory / "calibrate"
+        self._labels_done: set[str] = set()
+        self._trigger_checked = 0.0
         self._profile = cProfile.Profile() if calls else None
         self._depth = 0
         self._busy_until = 0.0
@@ -68,8 +80,18 @@ class RankProfile:
 
     def idle(self) -> None:
         """An idle loop iteration: write the files once idle for `IDLE_BEFORE_DUMP_S`."""
-        if self._unwritten and time.monotonic() - self._busy_until >= IDLE_BEFORE_DUMP_S:
+        now = time.monotonic()
+        if self._unwritten and now - self._busy_until >= IDLE_BEFORE_DUMP_S:
             self.dump()
+        elif self._calibrations is not None and now - self._trigger_checked >= CALIBRATE_CHECK_S:
+            self._trigger_checked = now
+            try:
+                label = self._trigger_path.read_text().strip()
+            except OSError:
+                return
+            if label and label not in self._labels_done:
+                self._labels_done.add(label)
+                self._calibrate(label)
 
     def wrap(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def profiled(req: Any) -> Any:
@@ -117,6 +139,11 @@ class RankProfile:
             "python_threads": sorted(t.name for t in threading.enumerate()),
         }
         self._gc_path.write_text(json.dumps(gc_report, indent=1))
+
+    def _calibrate(self, when: str) -> None:
+        assert self._calibrations is not None
+        self._calibrations.append({"when": when, "at": time.monotonic(), **thread_costs.measure()})
+        self._calibration_path.write_text(json.dumps(self._calibrations, indent=1))
 
     def close(self) -> None:
         if self._on_gc in gc.callbacks:

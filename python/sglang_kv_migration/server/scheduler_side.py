@@ -591,9 +591,8 @@ class MigrationSchedulerSide:
                 slots_digest=grants.slots_digest(alloc.host_slots),
                 num_tokens=alloc.extra_length,
                 expires_at=expires_at,
-                tokens_digest=grants.tokens_digest(
-                    req.input_ids[: alloc.matched_length + alloc.extra_length],
-                    req.extra_key,
+                tokens_digest=grants.request_tokens_digest(
+                    req, alloc.matched_length + alloc.extra_length
                 ),
                 staging_addr=extent[0] if extent else 0,
                 staging_length=extent[1] if extent else 0,

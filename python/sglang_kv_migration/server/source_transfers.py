@@ -17,6 +17,7 @@ one rank's error, so every rank enters them together.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -186,6 +187,7 @@ class SourceTransfers:
         self.destinations = destinations  # feature "destination_digest" (single-rank too)
         self.allocate_timeout_s = ALLOCATE_TIMEOUT_S
         self.inflight: list[InflightTransfer] = []  # read-only outside this class
+        self._to_prepare: list[InflightTransfer] = []  # asked their target this iteration
         self.polls = 0  # `poll()` calls with transfers in flight
         self._poll_started = 0.0  # when the current `poll()` began
 
@@ -238,13 +240,23 @@ class SourceTransfers:
             inflight.channel_error = str(e)
             raise MigrationError(ErrorKind.BAD_REQUEST, str(e)) from None
         inflight.allocate_by = time.monotonic() + self.allocate_timeout_s
-        self._prepare(req, inflight)
+        # Prepared in this iteration's poll, after every transfer of the iteration asked
+        # its target: moves sent at once are all being allocated while this rank works.
+        self._to_prepare.append(inflight)
+
+    def _prepare_asked(self) -> None:
+        asked, self._to_prepare = self._to_prepare, []
+        for inflight in asked:
+            waiting = inflight.allocating and inflight.error is None and inflight.result is None
+            if waiting and inflight.prepared is None and inflight in self.inflight:
+                self._prepare(inflight.request, inflight)
 
     def _prepare(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
         """While the target allocates (1-5 ms on one host): the work that does not need
         its answer, the digest of the ids and the path's radix match and pin. Best
         effort: what fails here fails again, and is reported, once the answer came."""
-        inflight.tokens = (len(req.input_ids), grants.tokens_digest(req.input_ids, req.extra_key))
+        count = len(req.input_ids)
+        inflight.tokens = (count, grants.request_tokens_digest(req, count))
         path = self.paths.get(req.target_per_rank[0].path) if req.target_per_rank else None
         if path is None:
             return
@@ -268,7 +280,15 @@ class SourceTransfers:
 
     def _take_allocations(self) -> None:
         """Start the transfers whose target answered their allocate; fail those it did
-        not answer in time (a late allocation is freed by the target's watchdog)."""
+        not answer in time (a late allocation is freed by the target's watchdog). The
+        copies of the transfers started here launch together (`launching_together`):
+        moves sent at once are answered together, and each launch costs ~1 ms."""
+        with contextlib.ExitStack() as together:
+            for path in self.paths.values():
+                together.enter_context(path.launching_together())
+            self._start_answered()
+
+    def _start_answered(self) -> None:
         replies = dict(self.caller.replies())
         gone = set(self.caller.gone())
         now = time.monotonic()
@@ -353,6 +373,8 @@ class SourceTransfers:
         if self.inflight:
             self.polls += 1
             self._poll_started = time.monotonic()
+            if self._to_prepare:
+                self._prepare_asked()
             if self.caller is not None and self.caller.waiting:
                 self._take_allocations()
             if any(t.waiting for t in self.inflight):
@@ -373,6 +395,7 @@ class SourceTransfers:
         ranks' gather (after a failed poll, which may fail again). No receipt goes out,
         so the target keeps the slots quarantined until the grant's write window closes."""
         abandoned, self.inflight = self.inflight, []
+        self._to_prepare = []
         for inflight in abandoned:
             if inflight.allocating and self.caller is not None:
                 self.caller.forget(inflight.allocating)
@@ -399,6 +422,7 @@ class SourceTransfers:
         for inflight in self.inflight:
             inflight.release()
         self.inflight.clear()
+        self._to_prepare = []
         if self.deliverer is not None:
             self.deliverer.close()
         if self.caller is not None:
@@ -446,7 +470,7 @@ class SourceTransfers:
         end = req.matched_token_size + req.extra_token_size
         count, tokens = inflight.tokens
         if count != end:
-            tokens = grants.tokens_digest(req.input_ids[:end], req.extra_key)
+            tokens = grants.request_tokens_digest(req, end)
         if self.ctx.first_stage:
             # IMPORTANT: stage 0 checks every later stage's entry too (structure,
             # fingerprint, grant), so a later stage cannot refuse after this one pinned

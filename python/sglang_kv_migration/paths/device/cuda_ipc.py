@@ -53,6 +53,7 @@ def gpu_uuid(device_index: int) -> str:
     return str(torch.cuda.get_device_properties(device_index).uuid)
 
 
+@cache  # a process's visible GPUs do not change (read per send otherwise, ~30 us each)
 def local_device_of(uuid_str: str) -> int | None:
     """Index of the visible GPU with this UUID, or None."""
     import torch
@@ -126,6 +127,10 @@ def open_tensor(desc: dict[str, Any], device_index: int) -> Any:
 class OpenedPeer:
     buffers: list[Any]  # flat uint8 tensors mapping the peer's buffers
     pointers: Any  # int64 tensor of their addresses, on the device they were mapped on
+    # Set by the device path once it checked the buffers' sizes against a description:
+    # (num_rows, row_bytes) checked, and how many whole pages every buffer holds.
+    checked: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    page_limit: int = 0
 
 
 class PeerBuffers:

@@ -32,9 +32,11 @@ process cannot see, or host pages this server cannot read in place.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -107,6 +109,9 @@ class DevicePath(DataPath):
         self.row_bytes = [b[0].numel() * b.element_size() for b in self.buffers]
         self.num_rows = [int(b.shape[0]) for b in self.buffers]
         self.bytes_per_token = sum(self.row_bytes)
+        self.page_bytes = [rb * self.page_size for rb in self.row_bytes]
+        # Inside `launching_together`: the launches its sends queued (None outside).
+        self._together: list[_QueuedLaunch] | None = None
         self.instance_id = uuid.uuid4().hex  # a restarted server is a new peer
         self._peers = cuda_ipc.PeerBuffers()
         # The target role (reserve / release / insert) needs no CUDA: CPU tests run it on
@@ -340,6 +345,10 @@ class DevicePath(DataPath):
                     "opened; nothing was written",
                 )
             dst = self._checked_peer(opening.result(), peer)
+            if self._together is not None:  # launched with the others at the block's end
+                self._together.append(_QueuedLaunch(tiered.plan, dst, job))
+                job.queue_launch()
+                return
             job.launched(*self._launch(tiered.plan, dst))
 
         job.launch_when(opening, launch)
@@ -355,6 +364,21 @@ class DevicePath(DataPath):
         if prepared is not None:  # done while the target allocated
             job.stats.steps["prepare"] = prepared.seconds
         return job
+
+    @contextlib.contextmanager
+    def launching_together(self) -> Iterator[None]:
+        """Sends started inside launch their copies when the block ends: one launch per
+        tier for all the sends into one target (each launch costs ~1 ms of a server's
+        scheduler thread, where its torch and CUDA calls run cold), not one each."""
+        if self._together is not None:
+            yield  # nested: the outer block launches
+            return
+        self._together = []
+        try:
+            yield
+        finally:
+            queued, self._together = self._together, None
+            self._launch_queued(queued)
 
     def prepare_send(self, input_ids: list[int], extra_key: str | None) -> PreparedPrefix:
         """The radix match of the whole of `input_ids`, pinned: what `start_send` of any
@@ -406,13 +430,49 @@ class DevicePath(DataPath):
         return self._peers.open_async(instance, descs, here, cached=not peer.landing_tokens)
 
     def _checked_peer(self, opened: cuda_ipc.OpenedPeer, peer: DeviceTarget) -> cuda_ipc.OpenedPeer:
+        """The mapped buffers have the sizes `peer` describes (checked once per mapping
+        and description: a kept mapping is checked on its first send only)."""
+        described = (tuple(peer.num_rows), tuple(peer.row_bytes))
+        if opened.checked == described:
+            return opened
         for flat, rows, rb in zip(opened.buffers, peer.num_rows, peer.row_bytes, strict=True):
             if flat.numel() != rows * rb:
                 raise MigrationError(
                     ErrorKind.BAD_REQUEST,
                     f"device buffer of {flat.numel()} bytes, expected {rows} rows of {rb}",
                 )
+        opened.page_limit = min(
+            flat.numel() // pb for flat, pb in zip(opened.buffers, self.page_bytes, strict=True)
+        )
+        opened.checked = described
         return opened
+
+    def _launch_queued(self, queued: list[_QueuedLaunch]) -> None:
+        """Launch what `launching_together` queued: per target, one launch of all its
+        sends' pages. Sends released meanwhile are left out (their pages are unpinned)."""
+        groups: dict[int, list[_QueuedLaunch]] = {}
+        for q in queued:
+            if not q.job.released:
+                groups.setdefault(id(q.dst), []).append(q)
+        for group in groups.values():
+            started = time.perf_counter()
+            plans = [q.plan for q in group]
+            try:
+                plan = tiers.merge_plans(plans) if len(plans) > 1 else plans[0]
+                events = self._launch(plan, group[0].dst)
+            except Exception as e:  # every send of the group fails; none may be copying
+                if self._stream is not None:
+                    self._stream.synchronize()
+                error = e if isinstance(e, MigrationError) else None
+                error = error or MigrationError(ErrorKind.CONFLICT, f"device copy not started: {e}")
+                for q in group:
+                    q.job.launch_failed(error)
+                continue
+            seconds = time.perf_counter() - started
+            tier_bytes = {t: plan.tokens(t) * self.bytes_per_token for t in plan.tiers}
+            for q in group:
+                q.job.launched(*events, group_tier_bytes=tier_bytes if len(group) > 1 else None)
+                q.job.stats.steps["launch"] = q.job.stats.steps.get("launch", 0.0) + seconds
 
     def _launch(
         self, plan: tiers.TierPlan, dst: cuda_ipc.OpenedPeer
@@ -422,18 +482,16 @@ class DevicePath(DataPath):
         import numpy as np
         import torch
 
-        page_bytes = [rb * self.page_size for rb in self.row_bytes]
+        page_bytes = self.page_bytes
         # The page lists in numpy, and all of them in one copy to the GPU: on a server's
         # scheduler thread each small torch op or copy costs tens of microseconds.
         lists = [(p.src_pages.numpy(), p.dst_pages.numpy()) for p in plan.tiers.values()]
         highest = max((int(pages.max()) for _, pages in lists if pages.size), default=-1)
-        for flat, pb in zip(dst.buffers, page_bytes, strict=True):
-            limit = flat.numel() // pb
-            if highest >= limit:
-                raise MigrationError(
-                    ErrorKind.BAD_REQUEST,
-                    f"target page {highest} lies outside its device pool of {limit} pages",
-                )
+        if highest >= dst.page_limit:  # (`_checked_peer` set the limit)
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                f"target page {highest} lies outside its device pool of {dst.page_limit} pages",
+            )
         stream = self._stream
         # IMPORTANT: order the copy after every stream that may still write these pages
         # (the scheduler's stream and HiCache's load-back), before reading them.
@@ -608,12 +666,35 @@ class DeviceSendJob(SendJob):
         self._tier_events: dict[str, tuple[Any, Any]] = {}
         self.tier_bytes: dict[str, int] = {}  # bytes read from each source tier
         self.into_landing = False  # the target is a landing arena (memory saver)
+        # Launched with other sends (`DevicePath.launching_together`): the bytes of the
+        # whole launch per tier, so this send's share of its events' time is known.
+        self._group_tier_bytes: dict[str, int] | None = None
+        self._queued = False  # waiting for the end of a `launching_together` block
+        self._launch_error: MigrationError | None = None
 
     def launch_when(self, opening: Future[Any], launch: Any) -> None:
         self._opening, self._launch = opening, launch
 
-    def launched(self, start: Any, end: Any, tier_events: dict[str, tuple[Any, Any]]) -> None:
+    def queue_launch(self) -> None:
+        self._queued = True
+
+    def launched(
+        self,
+        start: Any,
+        end: Any,
+        tier_events: dict[str, tuple[Any, Any]],
+        group_tier_bytes: dict[str, int] | None = None,
+    ) -> None:
         self._start, self._end, self._tier_events = start, end, tier_events
+        self._group_tier_bytes = group_tier_bytes
+        self._queued = False
+
+    def launch_failed(self, error: MigrationError) -> None:
+        self._launch_error, self._queued = error, False
+
+    @property
+    def released(self) -> bool:
+        return self._pin is None
 
     @property
     def started_writing(self) -> bool:
@@ -622,7 +703,9 @@ class DeviceSendJob(SendJob):
     def poll_launch(self) -> bool:
         """Launch once the peer is open; True once launched. Raises what the launch does."""
         if self._end is None:
-            if self._opening is None or not self._opening.done():
+            if self._launch_error is not None:
+                raise self._launch_error
+            if self._queued or self._opening is None or not self._opening.done():
                 return False
             try:
                 self._launch()
@@ -657,9 +740,9 @@ class DeviceSendJob(SendJob):
                 logger.exception("digest of the sent pages failed")
                 self.error = MigrationError(ErrorKind.INTERNAL, f"verify digest failed: {e!r}")
                 return KVPoll.FAILED
-        self.stats.seconds = self._start.elapsed_time(self._end) / 1e3
+        self.stats.seconds = self._start.elapsed_time(self._end) / 1e3 * self._share()
         for tier, (start, end) in self._tier_events.items():
-            self.stats.steps[f"copy_{tier}"] = start.elapsed_time(end) / 1e3
+            self.stats.steps[f"copy_{tier}"] = start.elapsed_time(end) / 1e3 * self._share(tier)
         self.stats.routes = {
             _TIER_ROUTES[tier]: (nbytes, self.stats.steps.get(f"copy_{tier}", 0.0))
             for tier, nbytes in self.tier_bytes.items()
@@ -668,6 +751,16 @@ class DeviceSendJob(SendJob):
         if self.into_landing:  # one route, whichever tier: the target copies it again
             self.stats.routes = {ROUTE_LANDING: (self.stats.bytes, self.stats.seconds)}
         return KVPoll.SUCCESS
+
+    def _share(self, tier: str | None = None) -> float:
+        """This send's part of a launch it shared (1 alone): its bytes over the
+        launch's, of one tier or of all."""
+        group = self._group_tier_bytes
+        if not group:
+            return 1.0
+        mine = self.tier_bytes.get(tier, 0) if tier else sum(self.tier_bytes.values())
+        total = group.get(tier, 0) if tier else sum(group.values())
+        return mine / total if total else 1.0
 
     def release(self) -> None:
         # The copy must be over before its pages are unpinned and before the target's
@@ -679,6 +772,15 @@ class DeviceSendJob(SendJob):
             self._pin = None
         # Drop the references to the opened peer: an uncached mapping closes here.
         self._opening = self._launch = None
+
+
+@dataclass
+class _QueuedLaunch:
+    """A send's copy, queued by `DevicePath.launching_together`."""
+
+    plan: tiers.TierPlan
+    dst: cuda_ipc.OpenedPeer
+    job: DeviceSendJob
 
 
 @dataclass

@@ -82,6 +82,29 @@ class TierPlan:
         return sum(p.num_pages for p in self.tiers.values())
 
 
+def merge_plans(plans: Sequence[TierPlan]) -> TierPlan:
+    """One plan that copies the pages of all of `plans` (sends into one target: each
+    launch then moves all of them). Their pages are disjoint on the target's side (each
+    send writes its own granted slots); `runs` of the result are each plan's in turn."""
+    import torch
+
+    if not plans:
+        raise ValueError("nothing to merge")
+    page_size = plans[0].page_size
+    if any(p.page_size != page_size for p in plans):
+        raise ValueError("plans of different page sizes")
+    tiers: dict[str, TierPages] = {}
+    for tier in TIERS:
+        parts = [p.tiers[tier] for p in plans if tier in p.tiers]
+        if parts:
+            tiers[tier] = TierPages(
+                torch.cat([part.src_pages for part in parts]),
+                torch.cat([part.dst_pages for part in parts]),
+            )
+    runs = tuple(run for p in plans for run in p.runs)
+    return TierPlan(page_size=page_size, tiers=tiers, runs=runs)
+
+
 def pages_of(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Page ids of token slots that fill whole, aligned pages; raises ValueError."""
     import torch

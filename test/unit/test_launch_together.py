@@ -1,0 +1,169 @@
+"""The device path's sends launched together (`DevicePath.launching_together`): the
+copies of the sends a scheduler iteration starts at once go in one launch per target.
+
+Real DevicePath and HiRadixCache on CPU; only CUDA is replaced: the target's buffers are
+"opened" as this pool's own (the sends copy into other slots of it), and the launch runs
+the torch reference copy (`tiers.copy_plan_torch`, the Triton kernel's addressing) with
+stand-in events whose elapsed time is one ms per page.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+import torch
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
+from sglang_kv_migration.paths.base import KVPoll, SendRange
+from sglang_kv_migration.paths.device import cuda_ipc, tiers
+from sglang_kv_migration.paths.device.path import DevicePath
+
+PAGE = 16
+
+
+class _Event:
+    """A CUDA event stand-in: done at once, `at` ms into the copy."""
+
+    def __init__(self, at: float):
+        self.at = at
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _Event) -> float:
+        return end.at - self.at
+
+
+class _CpuSource(DevicePath):
+    """A DevicePath whose GPU parts run on the CPU (see the module docstring)."""
+
+    def __init__(self, cache: Any, fail: bool = False):
+        super().__init__(cache)
+        self.launches: list[tiers.TierPlan] = []
+        self.fail = fail
+        flats = [b.view(-1).view(torch.uint8) for b in self.buffers]
+        self.opened = cuda_ipc.OpenedPeer(buffers=flats, pointers=None)
+
+    def _open_peer(self, peer: Any) -> Future[cuda_ipc.OpenedPeer]:
+        done: Future[cuda_ipc.OpenedPeer] = Future()
+        done.set_result(self.opened)
+        return done
+
+    def _launch(self, plan: tiers.TierPlan, dst: cuda_ipc.OpenedPeer) -> Any:
+        self.launches.append(plan)
+        if self.fail:
+            raise MigrationError(ErrorKind.CONFLICT, "the copy kernel refused")
+        destination = tiers.TierBuffers.of_device(self.buffers, self.page_size)
+        tiers.copy_plan_torch(plan, self.source_tiers(), destination)
+        at, events = 0.0, {}
+        for tier, pages in plan.tiers.items():
+            events[tier] = (_Event(at), _Event(at + pages.num_pages))
+            at += pages.num_pages
+        ordered = list(events.values())
+        return ordered[0][0], ordered[-1][1], events
+
+
+def _moves(h: Any, path: DevicePath, pages: list[int]) -> list[tuple[SendRange, Any]]:
+    """Prefixes of `pages[i]` pages on the source's GPU, each with its own target slots;
+    returns each send and the KV it must land."""
+    entry = TransferRequestKVCacheTarget(tp=0, pp=0, path="device", device_kv=path.advertise())
+    moves = []
+    for i, n in enumerate(pages):
+        tokens = list(range(10_000 * (i + 1), 10_000 * (i + 1) + n * PAGE))
+        kv = h.read_device_kv(h.insert_random(tokens, seed=i + 1))
+        send = SendRange(tokens, None, 0, len(tokens), entry, h.allocator.alloc(len(tokens)), "m")
+        moves.append((send, kv))
+    return moves
+
+
+def _landed(h: Any, send: SendRange, kv: list[torch.Tensor]) -> bool:
+    got = h.read_device_kv(send.target_slots)
+    return all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, kv, strict=True)
+    )
+
+
+def test_sends_started_together_launch_once_and_each_lands_its_own_pages(harness_factory):
+    h = harness_factory(page_size=PAGE, layer_num=2)
+    path = _CpuSource(h.cache)
+    moves = _moves(h, path, [1, 2, 3])
+    baseline_locks = h.snapshot().total_lock_ref
+    with path.launching_together():
+        jobs = [path.start_send(send) for send, _ in moves]
+        assert path.launches == []  # queued, not launched
+        assert all(job.poll() is KVPoll.TRANSFERRING for job in jobs)
+    assert len(path.launches) == 1 and path.launches[0].num_pages == 6
+    for (send, kv), job, pages in zip(moves, jobs, [1, 2, 3], strict=True):
+        assert job.poll() is KVPoll.SUCCESS and job.started_writing
+        assert _landed(h, send, kv)
+        # Each send's share of the launch's 6 ms, by its bytes.
+        assert job.stats.seconds == pytest.approx(6e-3 * pages / 6)
+        assert job.stats.steps["copy_device"] == pytest.approx(6e-3 * pages / 6)
+        job.release()
+    assert h.snapshot().total_lock_ref == baseline_locks
+
+
+def test_outside_the_block_every_send_launches_at_once(harness_factory):
+    h = harness_factory(page_size=PAGE, layer_num=2)
+    path = _CpuSource(h.cache)
+    moves = _moves(h, path, [1, 2])
+    jobs = [path.start_send(send) for send, _ in moves]
+    assert len(path.launches) == 2
+    for (send, kv), job in zip(moves, jobs, strict=True):
+        assert job.poll() is KVPoll.SUCCESS and _landed(h, send, kv)
+        job.release()
+
+
+def test_a_send_released_before_the_launch_is_left_out(harness_factory):
+    h = harness_factory(page_size=PAGE, layer_num=2)
+    path = _CpuSource(h.cache)
+    (kept, kept_kv), (dropped, dropped_kv) = _moves(h, path, [2, 1])
+    before = h.read_device_kv(dropped.target_slots)
+    with path.launching_together():
+        kept_job = path.start_send(kept)
+        dropped_job = path.start_send(dropped)
+        dropped_job.release()  # e.g. its transfer failed before the block ended
+    assert [plan.num_pages for plan in path.launches] == [2]
+    assert kept_job.poll() is KVPoll.SUCCESS and _landed(h, kept, kept_kv)
+    after = h.read_device_kv(dropped.target_slots)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    kept_job.release()
+
+
+def test_a_failed_launch_fails_every_send_of_it_and_unpins(harness_factory):
+    h = harness_factory(page_size=PAGE, layer_num=2)
+    path = _CpuSource(h.cache, fail=True)
+    moves = _moves(h, path, [1, 1])
+    baseline_locks = h.snapshot().total_lock_ref
+    with path.launching_together():
+        jobs = [path.start_send(send) for send, _ in moves]
+    for job in jobs:
+        assert job.poll() is KVPoll.FAILED
+        assert "the copy kernel refused" in job.error.message
+        assert not job.started_writing
+        job.release()
+    assert h.snapshot().total_lock_ref == baseline_locks
+
+
+def test_merge_plans_concatenates_each_tier_in_order():
+    def plan(device: list[int], host: list[int]) -> tiers.TierPlan:
+        parts, runs = {}, []
+        for tier, pages in (("device", device), ("host", host)):
+            if pages:
+                t = torch.tensor(pages, dtype=torch.int64)
+                parts[tier] = tiers.TierPages(t, t + 100)
+                runs.append((tier, len(pages)))
+        return tiers.TierPlan(page_size=PAGE, tiers=parts, runs=tuple(runs))
+
+    merged = tiers.merge_plans([plan([1, 2], [7]), plan([3], []), plan([], [8, 9])])
+    assert merged.tiers["device"].src_pages.tolist() == [1, 2, 3]
+    assert merged.tiers["device"].dst_pages.tolist() == [101, 102, 103]
+    assert merged.tiers["host"].src_pages.tolist() == [7, 8, 9]
+    assert merged.num_pages == 6
+    with pytest.raises(ValueError):
+        tiers.merge_plans([])
