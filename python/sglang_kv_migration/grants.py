@@ -80,18 +80,22 @@ def tokens_digest(input_ids: list[int], extra_key: str | None) -> str:
     grant's slots will hold. The bytes are those of older servers (numpy int64); `struct`
     packs a list of ints in about half of numpy's time (0.35 vs 0.6 ms at 32K ids), and
     every grant is hashed once on each side."""
-    h = xxhash.xxh64(struct.pack(f"<{len(input_ids)}q", *input_ids))
-    h.update(b"\x00" + (extra_key or "").encode())
-    return h.hexdigest()
+    return _tokens_hash(struct.pack(f"<{len(input_ids)}q", *input_ids), extra_key)
 
 
 def tokens_digest_u32(raw: bytes, extra_key: str | None) -> str:
     """`tokens_digest` of the ids in `raw` (little-endian uint32, `binary_ids`), without
-    making a list of them: 6x faster at 8K ids."""
+    making a list of them first."""
     import numpy as np
 
     ids = np.frombuffer(raw, dtype="<u4", count=len(raw) // 4).astype("<i8")
-    h = xxhash.xxh64(ids.tobytes())
+    return _tokens_hash(ids.tobytes(), extra_key)
+
+
+def _tokens_hash(int64_ids: bytes, extra_key: str | None) -> str:
+    """The one definition of the tokens digest: the ids as int64 little-endian, a NUL,
+    the namespace."""
+    h = xxhash.xxh64(int64_ids)
     h.update(b"\x00" + (extra_key or "").encode())
     return h.hexdigest()
 

@@ -439,6 +439,17 @@ def _push_to_host(s: Servers, rng: random.Random) -> int:
     return flood
 
 
+def _held_on_host_only(s: Servers, rng: random.Random, n: int) -> list[int]:
+    """A fresh prompt of `n` tokens the source holds only on its host tier (both caches
+    flushed first)."""
+    flush_cache(s.source)
+    flush_cache(s.target)
+    prompt = _tokens(rng, n, s.vocab_size)
+    generate(s.source, prompt, 1)
+    _push_to_host(s, rng)
+    return prompt
+
+
 def _check_any_tier_migration(
     s: Servers, client: MigrationClient, prompt: list[int], name: str, host_tokens: int
 ) -> None:
@@ -474,11 +485,7 @@ def test_device_path_when_the_source_holds_the_prefix_only_on_host(
     the source's pinned host pool in place; the size query says device_token_size 0."""
     s = servers
     rng = random.Random(6)
-    flush_cache(s.source)
-    flush_cache(s.target)
-    prompt = _tokens(rng, 2001, s.vocab_size)
-    generate(s.source, prompt, 1)
-    _push_to_host(s, rng)
+    prompt = _held_on_host_only(s, rng, 2001)
     expected = _aligned(len(prompt) - 1, s.page_size)
     _check_any_tier_migration(s, client, prompt, "device_source_on_host", expected)
 
@@ -490,11 +497,7 @@ def test_device_path_when_the_source_holds_half_on_device_half_on_host(
     half back to the source's GPU; the second half stays on host only."""
     s = servers
     rng = random.Random(7)
-    flush_cache(s.source)
-    flush_cache(s.target)
-    prompt = _tokens(rng, 2001, s.vocab_size)
-    generate(s.source, prompt, 1)
-    _push_to_host(s, rng)
+    prompt = _held_on_host_only(s, rng, 2001)
     half = _aligned(1000, s.page_size)
     generate(s.source, prompt[:half] + _tokens(rng, 64, s.vocab_size), 1)  # loads half back
     held = client.call(s.source, "/get_request_extra_token_size", {"input_ids": prompt[:-1]})
@@ -514,11 +517,7 @@ def test_moves_batched_in_one_call_each_serve_from_the_target_gpu(
 
     s = servers
     rng = random.Random(8)
-    flush_cache(s.source)
-    flush_cache(s.target)
-    on_host = _tokens(rng, 1201, s.vocab_size)
-    generate(s.source, on_host, 1)
-    _push_to_host(s, rng)
+    on_host = _held_on_host_only(s, rng, 1201)
     prompts = [on_host, _tokens(rng, 1601, s.vocab_size), _tokens(rng, 801, s.vocab_size)]
     for p in prompts[1:]:
         generate(s.source, p, 1)

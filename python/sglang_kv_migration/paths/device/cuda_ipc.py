@@ -53,7 +53,7 @@ def gpu_uuid(device_index: int) -> str:
     return str(torch.cuda.get_device_properties(device_index).uuid)
 
 
-@cache  # a process's visible GPUs do not change (read per send otherwise, ~30 us each)
+@cache  # a process's visible GPUs do not change (read per send otherwise)
 def local_device_of(uuid_str: str) -> int | None:
     """Index of the visible GPU with this UUID, or None."""
     import torch

@@ -463,10 +463,8 @@ class DevicePath(DataPath):
             except Exception as e:  # every send of the group fails; none may be copying
                 if self._stream is not None:
                     self._stream.synchronize()
-                error = e if isinstance(e, MigrationError) else None
-                error = error or MigrationError(ErrorKind.CONFLICT, f"device copy not started: {e}")
                 for q in group:
-                    q.job.launch_failed(error)
+                    q.job.launch_failed(_launch_error(e))
                 continue
             seconds = time.perf_counter() - started
             tier_bytes = {t: plan.tokens(t) * self.bytes_per_token for t in plan.tiers}
@@ -709,10 +707,8 @@ class DeviceSendJob(SendJob):
                 return False
             try:
                 self._launch()
-            except MigrationError:
-                raise
-            except Exception as e:  # the open failed: CUDA refused the handle
-                raise MigrationError(ErrorKind.CONFLICT, f"device copy not started: {e}") from e
+            except Exception as e:  # e.g. the open failed: CUDA refused the handle
+                raise _launch_error(e) from e
         return True
 
     def poll(self) -> KVPoll:
@@ -772,6 +768,13 @@ class DeviceSendJob(SendJob):
             self._pin = None
         # Drop the references to the opened peer: an uncached mapping closes here.
         self._opening = self._launch = None
+
+
+def _launch_error(error: Exception) -> MigrationError:
+    """What a send reports when its copy could not be launched."""
+    if isinstance(error, MigrationError):
+        return error
+    return MigrationError(ErrorKind.CONFLICT, f"device copy not started: {error}")
 
 
 @dataclass
