@@ -3,7 +3,7 @@
 # time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
 # session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..9, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..10, one device call each, kind nvidia-h200
 #
 # Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
 #   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|3|4|5|6|7|8|9}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|10}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -98,8 +98,19 @@ case $call in
     "0:live:python3 benchmark/bench_live_move.py" \
     "0:livetests:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py -k 'live or running_request_moves_with'"
   ;;
+10)
+  # Issues 19 and 21 after the target serves its allocate channel before unrelated
+  # mailbox commits and the source hands the GIL to its IPC opener thread: the
+  # memory-saver test (the first move after a resume maps a fresh landing arena), the
+  # device-path tests at MLA page 64, then page 16 rows beside re-prefill and two
+  # concurrency rounds (six 8K moves from threads, and in one migrate_many).
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py" \
+    "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py" \
+    "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|3|4|5|6|7|8|9" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|10" >&2
   exit 2
   ;;
 esac

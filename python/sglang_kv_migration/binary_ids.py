@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import struct
 from typing import Any
 
 FEATURE = "binary_ids"
@@ -79,6 +80,18 @@ def to_list(raw: bytes) -> list[int]:
     import numpy as np
 
     return np.frombuffer(raw, dtype="<u4", count=count(raw)).tolist()
+
+
+def request_ids(req: Any, start: int, end: int) -> list[int]:
+    """Ids `[start, end)` of a request, from its list or, before `unpack_request`, from
+    the bytes it carries (only those ids are decoded); fewer when it has fewer."""
+    if req.input_ids:
+        return req.input_ids[start:end]
+    raw = getattr(req, FIELD, b"") or raw_of(req)
+    first, last = max(start, 0), min(max(end, 0), count(raw))
+    if first >= last:
+        return []
+    return list(struct.unpack_from(f"<{last - first}I", raw, first * ITEM_BYTES))
 
 
 _RAW = "_kvmig_ids_u32"  # in-process only: the bytes `unpack_request` made the list of

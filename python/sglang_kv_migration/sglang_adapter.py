@@ -67,6 +67,11 @@ def make_key(cache: HiRadixCache, input_ids: list[int], extra_key: str | None) -
     return RadixKey(list(input_ids), extra_key=extra_key).page_aligned(cache.page_size)
 
 
+def key_parts(key: RadixKey) -> tuple[list[int], str | None]:
+    """A key's token ids (not copied: read only) and namespace."""
+    return key.token_ids, key.extra_key
+
+
 def match_held_prefix(
     cache: HiRadixCache, input_ids: list[int], extra_key: str | None
 ) -> HeldPrefix:

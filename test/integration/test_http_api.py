@@ -434,9 +434,12 @@ def test_client_migrates_partial_then_rest_then_nothing(servers: Servers, flow: 
             # target's part: the source may lose its CPU between its send and the end of
             # its handler, while the target answers.)
             allocate = second.steps_ms["allocate"]
-            assert set(allocate) == {"scheduler"} and allocate["scheduler"] > 0
+            target_steps = {"scheduler", "queued", "match_reserve", "slots", "grant"}
+            assert set(allocate) == target_steps and allocate["scheduler"] > 0
             transfer = second.steps_ms["transfer"]
             assert 0 <= transfer["allocate"] <= transfer["waited"]
+            # ... and the target's own steps, in the transfer's reply too.
+            assert {f"target_{k}": allocate[k] for k in target_steps}.items() <= transfer.items()
         for phase, steps in second.steps_ms.items():
             if phase not in trips:
                 continue

@@ -167,3 +167,53 @@ def test_merge_plans_concatenates_each_tier_in_order():
     assert merged.num_pages == 6
     with pytest.raises(ValueError):
         tiers.merge_plans([])
+
+
+class _OpeningSource(_CpuSource):
+    """Its peer's buffers open only when the test says so (the opener thread's work)."""
+
+    def __init__(self, cache: Any):
+        super().__init__(cache)
+        self.opening: Future[cuda_ipc.OpenedPeer] = Future()
+
+    def _open_peer(self, peer: Any) -> Future[cuda_ipc.OpenedPeer]:
+        return self.opening
+
+
+def test_a_send_waiting_for_its_peers_mapping_waits_on_a_helper_thread(harness_factory):
+    """While the opener thread maps the peer's buffers, the scheduler must hand it the
+    GIL (`on_helper_threads`): a spinning loop would give it one turn per 5 ms."""
+    from types import SimpleNamespace
+
+    from sglang_kv_migration.server.source_transfers import InflightTransfer, SourceTransfers
+
+    h = harness_factory(page_size=PAGE)
+    path = _OpeningSource(h.cache)
+    [(send, kv)] = _moves(h, path, [2])
+    job = path.start_send(send)
+    inflight = InflightTransfer(request=None, started=0.0, path=path, send=send, job=job)  # type: ignore[arg-type]
+    transfers = SimpleNamespace(inflight=[inflight])
+    assert job.waits_on_helper and SourceTransfers.on_helper_threads(transfers)  # type: ignore[arg-type]
+    path.opening.set_result(path.opened)
+    assert not job.waits_on_helper  # mapped: the copy needs no helper
+    assert not SourceTransfers.on_helper_threads(transfers)  # type: ignore[arg-type]
+    assert job.poll() is KVPoll.SUCCESS and _landed(h, send, kv)
+    job.release()
+
+
+def test_the_first_copy_into_a_kept_mapping_is_no_sample_of_the_routes_rates(harness_factory):
+    """Its copy has taken up to 80 ms on the H200 whatever its size (a one-off): it
+    reports no route (the cost model's rates), so its time counts as the send's fixed
+    cost."""
+    h = harness_factory(page_size=PAGE)
+    path = _CpuSource(h.cache)
+    jobs = []
+    for send, _kv in _moves(h, path, [2, 3]):
+        job = path.start_send(send)
+        assert job.poll() is KVPoll.SUCCESS
+        jobs.append(job)
+    assert [j.first_into_mapping for j in jobs] == [True, False]
+    assert jobs[0].stats.routes == {} and jobs[0].stats.seconds > 0
+    assert set(jobs[1].stats.routes) == {"gpu_to_gpu"}
+    for job in jobs:
+        job.release()

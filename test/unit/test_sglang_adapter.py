@@ -134,6 +134,7 @@ def test_make_key_is_page_aligned_and_keeps_the_namespace(harness_factory):
     assert key.token_ids == _tokens(32)
     assert key.extra_key == "ns"
     assert len(adapter.make_key(h.cache, _tokens(15), None)) == 0
+    assert adapter.key_parts(key) == (_tokens(32), "ns")
 
 
 def test_path_from_root(harness_factory):

@@ -105,3 +105,158 @@ def test_an_allocation_failing_after_its_slots_were_reserved_gives_them_back(
     assert "injected fault" in out.message
     assert len(side.pending) == 0 and side.pending.quarantined() == 0
     assert side.harness.snapshot() == before  # the slots went back at once
+
+
+# ------------------------------------------------- channel allocations and commits
+
+
+def _ask_on_channel(side, caller, input_ids: list[int]) -> bytes:
+    """An allocate asked on `side`'s own channel, as a source with its layout asks."""
+    import orjson
+    from sglang_kv_migration import binary_ids
+
+    body = {
+        "source_fingerprints": [side.fingerprint.to_dict()],
+        "source_instance": side.server_epoch,
+        "source_commit": True,
+        "path": "host",
+    }
+    channel = side.channel_allocations.channel
+    return caller.call(
+        channel.address, channel.secret, orjson.dumps(body), binary_ids.to_bytes(input_ids)
+    )
+
+
+def _serve_channel_once(side, recorded: list) -> None:
+    """One iteration's `before_requests` once the channel has something to read (bounded
+    wait), with the order of commits and channel allocations in `recorded`."""
+    import time
+
+    from sglang_kv_migration.io_types import GetTransferSessionInfoReqInput
+
+    channel = side.channel_allocations
+    commit, allocate = side.commits.commit, channel._allocate
+
+    def recorded_commit(req):
+        recorded.append(("commit", req.migration_id))
+        return commit(req)
+
+    def recorded_allocate(req):
+        output = allocate(req)
+        recorded.append(("allocate", output.matched_token_size))
+        return output
+
+    side.commits.commit, channel._allocate = recorded_commit, recorded_allocate
+    try:
+        for _ in range(2000):
+            if channel.readable():
+                break
+            time.sleep(0.001)
+        side.before_requests([GetTransferSessionInfoReqInput(weight_version="")])
+    finally:
+        side.commits.commit, channel._allocate = commit, allocate
+
+
+@pytest.fixture
+def caller():
+    from sglang_kv_migration.server.allocate_channel import ChannelCaller
+
+    c = ChannelCaller()
+    yield c
+    c.close()
+
+
+def test_a_channel_allocate_that_builds_on_nothing_delivered_goes_before_the_commits(
+    loaded, caller
+):
+    side, ids = loaded
+    held = list(range(900, 900 + 4 * PAGE))
+    reply = _send(side, ids, _allocate(side, held, "m7"))
+    assert reply.success and reply.delivered, reply.message
+    _ask_on_channel(side, caller, list(range(5000, 5000 + 2 * PAGE)))
+    recorded: list = []
+    _serve_channel_once(side, recorded)
+    assert recorded == [("allocate", 0), ("commit", "m7")]
+    assert side.pending.get("m7") is None  # still committed before the requests
+
+
+def test_a_channel_allocate_that_may_build_on_a_delivered_commit_goes_after_it(loaded, caller):
+    side, ids = loaded
+    held = list(range(900, 900 + 4 * PAGE))
+    reply = _send(side, ids, _allocate(side, held, "m8"))
+    assert reply.success and reply.delivered, reply.message
+    _ask_on_channel(side, caller, held + list(range(7000, 7000 + 2 * PAGE)))
+    recorded: list = []
+    _serve_channel_once(side, recorded)
+    # The continuation found the delivered prefix committed: it needs only its own pages.
+    assert recorded == [("commit", "m8"), ("allocate", len(held))]
+
+
+def test_builds_on_compares_the_ids_where_a_match_could_reach_the_committed_pages(side):
+    from sglang_kv_migration import binary_ids
+    from sglang_kv_migration.io_types import AllocateTokenForTransferReqInput
+    from sglang_kv_migration.server.source_commits import builds_on
+
+    held = list(range(100, 100 + 2 * PAGE))
+    side.harness.insert_random(held, seed=1)
+    ids = held + list(range(3000, 3000 + 4 * PAGE))  # the target holds `held` already
+    alloc = _allocate(side, ids, "m9")
+    assert alloc.success and alloc.matched_token_size == len(held)
+    pending = side.pending.get("m9")
+
+    def request(input_ids: list[int], as_bytes: bool = False, extra_key=None):
+        if as_bytes:
+            return AllocateTokenForTransferReqInput(
+                input_ids=[], input_ids_u32=binary_ids.to_bytes(input_ids), extra_key=extra_key
+            )
+        return AllocateTokenForTransferReqInput(input_ids=input_ids, extra_key=extra_key)
+
+    longer = ids + [9, 9, 9]
+    for as_bytes in (False, True):
+        assert builds_on(pending, request(longer, as_bytes))
+        assert builds_on(pending, request(ids[: len(held) + 1], as_bytes))
+        # Shares only what the target held: branches off before the committed pages.
+        assert not builds_on(pending, request(held + [1] * PAGE, as_bytes))
+        # Too short to reach them.
+        assert not builds_on(pending, request(held, as_bytes))
+        # Another first token, another namespace.
+        assert not builds_on(pending, request([7] + longer[1:], as_bytes))
+        assert not builds_on(pending, request(longer, as_bytes, extra_key="lora-2"))
+
+
+def test_requests_that_arrive_while_the_channel_is_served_are_served_in_the_same_iteration(
+    side, caller
+):
+    import time
+
+    import orjson
+
+    channel = side.channel_allocations
+    allocate = channel._allocate
+    asked: list[bytes] = []
+
+    def asking_meanwhile(req):
+        if len(asked) < 3:  # each allocate brings the next request (bounded)
+            first = 8000 + 100 * len(asked)
+            asked.append(_ask_on_channel(side, caller, list(range(first, first + PAGE))))
+            for _ in range(2000):
+                if channel.readable():
+                    break
+                time.sleep(0.001)
+        return allocate(req)
+
+    channel._allocate = asking_meanwhile
+    asked.append(_ask_on_channel(side, caller, list(range(6000, 6000 + PAGE))))
+    _serve_channel_once(side, [])
+    replies: dict[bytes, dict] = {}
+    for _ in range(2000):
+        replies.update((call, orjson.loads(r)) for call, r in caller.replies())
+        if len(replies) == len(asked):
+            break
+        time.sleep(0.001)
+    assert len(asked) == 3 and set(replies) == set(asked)  # all in one iteration
+    for reply in replies.values():
+        assert reply["success"], reply["message"]
+        steps = reply["steps_ms"]
+        assert {"queued", "scheduler", "match_reserve", "slots", "grant"} <= set(steps)
+        assert all(v >= 0 for v in steps.values())

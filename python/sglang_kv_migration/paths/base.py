@@ -168,6 +168,12 @@ class SendJob(abc.ABC):
         """True once a write may have reached the target (then only completion settles it)."""
         return True
 
+    @property
+    def waits_on_helper(self) -> bool:
+        """True while the job waits for work on a helper thread of this process, which
+        needs the scheduler thread to hand it the GIL (`scheduler_side.poll`)."""
+        return False
+
 
 class NothingToSend(SendJob):
     """A partial send of a source that holds nothing past `start`: done, nothing written."""

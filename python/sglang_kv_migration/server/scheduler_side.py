@@ -21,6 +21,7 @@ Handlers never raise across the process boundary: errors become
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -68,9 +69,9 @@ from sglang_kv_migration.server.pending import PendingMigrations
 from sglang_kv_migration.server.pp_stages import refusal_of, refused_output
 from sglang_kv_migration.server.profiling import RankProfile
 from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, guarded
-from sglang_kv_migration.server.source_commits import SourceCommits
+from sglang_kv_migration.server.source_commits import SourceCommits, builds_on
 from sglang_kv_migration.server.source_transfers import SourceTransfers
-from sglang_kv_migration.server.trace import mark_received, stamp
+from sglang_kv_migration.server.trace import mark_received, ms, stamp
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,10 @@ WATCHDOG_EVERY_ITERATIONS = 64
 
 # How many distinct poll errors are remembered (each logged once with its traceback).
 MAX_DISTINCT_POLL_ERRORS = 64
+# Takes of the allocate channel one loop iteration serves at most (each up to
+# `allocate_channel.MAX_PER_ITERATION` requests): requests that arrive while the
+# iteration allocates are served in it, within a bound on the iteration's length.
+CHANNEL_ROUNDS = 4
 
 _UNSIGNED_WARNING = (
     "KV migration grants are unsigned: set --kv-migration-grant-key (the same on every "
@@ -209,22 +214,43 @@ class MigrationSchedulerSide:
         return _received_first(self.loop_timer.timed(guarded))
 
     def before_requests(self, recv_reqs: list[Any]) -> None:
-        """Once per loop iteration, before its requests are dispatched: commit what
-        sources delivered to the mailbox (`source_commits.py`), then allocate what
-        sources asked for on the allocate channel (`channel_allocations.py`). Never
-        raises."""
+        """Once per loop iteration, before its requests are dispatched: allocate what
+        sources asked for on the allocate channel (`channel_allocations.py`) and commit
+        what sources delivered to the mailbox (`source_commits.py`). Never raises."""
         channel = self.channel_allocations
         if not self.pending.by_id and channel is None:
             return  # idle, and no channel to read (multi-rank servers): two reads
         try:
-            if self.pending.by_id:
-                self.source_commits.take(recv_reqs)
             if channel is not None:
                 if recv_reqs:
                     channel.observe(recv_reqs)
-                channel.poll()  # idle: a clock read, the socket every 50 us
+                self._allocate_asked(channel)
+            if self.pending.by_id:
+                self.source_commits.take(recv_reqs)
         except Exception as e:
             self._poll_failed(e)
+
+    def _allocate_asked(self, channel: ChannelAllocations) -> None:
+        """Serve the channel until it is empty (at most `CHANNEL_ROUNDS` takes), each
+        take before the commits it may build on and before the other commits.
+
+        A source's next allocate may build on its last commit (the next round into a
+        landing arena, a conversation's next turn): it delivered that commit before it
+        asked, so reading the mailbox *after* taking the requests finds it, and it is
+        committed first. Every other delivered commit waits until the channel is
+        empty: a commit costs the target as much as an allocate (~1.5 ms at 8K on the
+        H200), and moves sent together would otherwise be answered in waves."""
+        asked = channel.due()
+        for rounds in range(1, CHANNEL_ROUNDS + 1):
+            if not asked:
+                return
+            if self.pending.by_id:
+                requests = [a.request for a in asked if a.request is not None]
+                self.source_commits.commit_delivered(functools.partial(_built_on, requests))
+            channel.answer(asked)
+            if rounds == CHANNEL_ROUNDS or not channel.readable():
+                return
+            asked = channel.take()
 
     def poll(self) -> list[Any]:
         """Once per scheduler loop iteration: finish transfers and staged commits, run the
@@ -302,7 +328,8 @@ class MigrationSchedulerSide:
     def _helpers_may_wait(self) -> bool:
         """Whether a helper thread of ours may be waiting for the GIL: a staged commit's
         scatter, a pending host-path allocation (its staging watcher), a host-path
-        transfer (the transport workers) or a verify digest."""
+        transfer (the transport workers), a verify digest or the mapping of a device-path
+        peer's buffers (`SourceTransfers.on_helper_threads`)."""
         if len(self.commits) or self.transfers.on_helper_threads():
             return True
         return any(p.path.name != DEVICE for p in self.pending.by_id.values())
@@ -499,6 +526,7 @@ class MigrationSchedulerSide:
             page_size=outputs[0].page_size,
             server_epoch=self.epoch_for(req),
             source_commit=outputs[0].source_commit,
+            steps_ms=outputs[0].steps_ms,
         )
 
     def _allocate_on_rank(
@@ -520,6 +548,7 @@ class MigrationSchedulerSide:
                 "info was read (read /get_transfer_session_info again)",
             )
         path = self._path(req.path)
+        started = time.perf_counter()
         alloc = self.pending.allocate(
             req.migration_id,
             req.input_ids,
@@ -530,7 +559,9 @@ class MigrationSchedulerSide:
             weight_version=req.weight_version,
             write_window_s=self.grant_ttl_s + path.late_write_margin_s,
         )
+        reserved = time.perf_counter()
         rank = self._allocated_rank(req, alloc)
+        listed = time.perf_counter()
         extent = self._grant_staging(req, alloc, path)
         if extent is not None:
             rank.staging = list(extent)
@@ -541,6 +572,13 @@ class MigrationSchedulerSide:
         if alloc.extra_length:
             rank.grant = self._sign_grant(req, alloc, path, extent, mailbox)
         return AllocateTokenForTransferReqOutput(
+            # This rank's part (rank 0's is the reply's): the radix match and the
+            # reservation, the slots listed, the grant signed.
+            steps_ms={
+                "match_reserve": ms(reserved - started),
+                "slots": ms(listed - reserved),
+                "grant": ms(time.perf_counter() - listed),
+            },
             success=True,
             source_commit=bool(mailbox),
             migration_id=alloc.migration_id if alloc.extra_length else "",
@@ -843,6 +881,10 @@ class MigrationSchedulerSide:
         for _ in self.pending.expire(due):
             self.metrics.outcome("target", "expired")
         return due
+
+
+def _built_on(requests: list[Any], pending: Any) -> bool:
+    return any(builds_on(pending, r) for r in requests)
 
 
 def _received_first(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -20,13 +20,14 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from sglang_kv_migration import binary_ids, sglang_adapter
 from sglang_kv_migration.io_types import CommitTransferRequestKVCacheReqInput
 from sglang_kv_migration.server.mailbox import Mailbox, MailboxSlots, open_mailbox
 
 if TYPE_CHECKING:
     from sglang_kv_migration.server.commits import Commits
     from sglang_kv_migration.server.metrics import MigrationMetrics, NullMetrics
-    from sglang_kv_migration.server.pending import PendingMigrations
+    from sglang_kv_migration.server.pending import PendingMigration, PendingMigrations
     from sglang_kv_migration.server.rank_context import RankContext
 
 logger = logging.getLogger(__name__)
@@ -79,14 +80,8 @@ class SourceCommits:
     def take(self, recv_reqs: list[Any]) -> None:
         """Before the iteration's requests are dispatched: commit what was delivered;
         then drop what still waits if one of the requests loads new weights."""
-        awaiting = self.pending.awaiting_source_commit()
-        if not awaiting:  # the usual case, the same on every rank
+        if not self.commit_delivered():  # the usual case, the same on every rank
             return
-        found = self._read(awaiting)
-        if self.ctx.tp_size > 1:
-            found = self.ctx.all_gather(found)[0]  # rank 0's findings, on every rank
-        for migration_id, receipts in found.items():
-            self._commit(migration_id, receipts)
         if any(isinstance(r, self.weight_update_types) for r in recv_reqs):
             ids = [p.migration_id for p in self.pending.awaiting_source_commit()]
             dropped = self.pending.drop_for_new_weights(ids)
@@ -97,6 +92,23 @@ class SourceCommits:
                     "New weights drop KV migrations waiting for their source's commit: %s",
                     ", ".join(dropped),
                 )
+
+    def commit_delivered(self, select: Callable[[PendingMigration], bool] | None = None) -> int:
+        """Commit what was delivered for the pending migrations `select` picks (all by
+        default); returns how many waited for their source before. A selection is for
+        single-rank servers (`builds_on`): the ranks would have to select alike."""
+        awaiting = self.pending.awaiting_source_commit()
+        if select is not None:
+            assert self.ctx.tp_size == 1, "selected commits on a multi-rank server"
+            awaiting = [p for p in awaiting if select(p)]
+        if not awaiting:
+            return 0
+        found = self._read(awaiting)
+        if self.ctx.tp_size > 1:
+            found = self.ctx.all_gather(found)[0]  # rank 0's findings, on every rank
+        for migration_id, receipts in found.items():
+            self._commit(migration_id, receipts)
+        return len(awaiting)
 
     def close(self) -> None:
         if self.mailbox is not None:
@@ -153,3 +165,23 @@ class SourceCommits:
         assert self.mailbox is not None and self.slots is not None
         self.mailbox.clear(slot)
         self.slots.give_back(slot, not_before)
+
+
+# Ids compared at each of the two places `builds_on` looks.
+_WINDOW = 16
+
+
+def builds_on(pending: PendingMigration, request: Any) -> bool:
+    """Whether allocating `request` (an allocate not yet taken up: its ids may still be
+    bytes) may match pages that `pending` will commit. Matching them needs the request's
+    ids to equal the pending prefix up to the first token past what the target held
+    (`matched_length`); ids that differ in the first or the last `_WINDOW` of those, or a
+    request that is shorter, cannot. Otherwise: maybe (so the commit goes first)."""
+    ids, namespace = sglang_adapter.key_parts(pending.key)
+    if (request.extra_key or "") != (namespace or ""):
+        return False
+    end = min(pending.matched_length + 1, len(ids))
+    for start, stop in ((0, min(_WINDOW, end)), (max(end - _WINDOW, 0), end)):
+        if binary_ids.request_ids(request, start, stop) != ids[start:stop]:
+            return False
+    return True

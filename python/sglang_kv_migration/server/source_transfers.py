@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration import grants, page_ranges
 from sglang_kv_migration.errors import ErrorKind, MigrationError
@@ -200,10 +200,12 @@ class SourceTransfers:
 
     def on_helper_threads(self) -> bool:
         """Whether a transfer in flight may wait on a helper thread (the host path's
-        transport workers, a verify digest): device-path sends run on the GPU."""
+        transport workers, a verify digest, the device path's mapping of a peer's
+        buffers): device-path copies run on the GPU."""
         return any(
             (t.path is None and not t.allocating)  # (asking a target's channel: no helper)
             or (t.path is not None and (t.path.name != DEVICE or t.send is None or t.send.verify))
+            or (t.job is not None and t.job.waits_on_helper)
             for t in self.inflight
         )
 
@@ -712,6 +714,10 @@ class SourceTransfers:
         extra = {}
         if inflight.allocated:  # feature "source_allocate": the target's part of `waited`
             extra["allocate"] = ms(inflight.allocated - handled)
+            # ... and of it the target's own steps (`queued`: behind other work there).
+            target_steps = (inflight.allocation or {}).get("steps_ms")
+            if isinstance(target_steps, dict):
+                extra.update(_target_steps(target_steps))
         stamp(
             output,
             inflight.request,
@@ -723,6 +729,19 @@ class SourceTransfers:
             **extra,
         )
         self.ctx.send_output(output, inflight.request)
+
+
+_TARGET_STEPS = ("queued", "scheduler", "match_reserve", "slots", "grant")
+
+
+def _target_steps(steps: dict[str, Any]) -> dict[str, float]:
+    """The target's allocate steps as `target_<step>` (only known ones, as numbers: the
+    reply is the target's word)."""
+    return {
+        f"target_{k}": float(steps[k])
+        for k in _TARGET_STEPS
+        if isinstance(steps.get(k), int | float) and not isinstance(steps[k], bool)
+    }
 
 
 def _uneven_lengths(statuses: list[RankTransferStatus]) -> list[RankTransferStatus]:
