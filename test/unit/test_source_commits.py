@@ -260,3 +260,29 @@ def test_requests_that_arrive_while_the_channel_is_served_are_served_in_the_same
         steps = reply["steps_ms"]
         assert {"queued", "scheduler", "match_reserve", "slots", "grant"} <= set(steps)
         assert all(v >= 0 for v in steps.values())
+
+
+def test_requests_taken_off_the_channel_are_answered_even_when_a_commit_fails(
+    loaded, caller, monkeypatch: pytest.MonkeyPatch
+):
+    import time
+
+    import orjson
+
+    side, ids = loaded
+    reply = _send(side, ids, _allocate(side, list(range(900, 900 + 4 * PAGE)), "m10"))
+    assert reply.delivered, reply.message
+
+    def boom(select=None):
+        raise RuntimeError("injected commit fault")
+
+    monkeypatch.setattr(side.source_commits, "commit_delivered", boom)
+    call = _ask_on_channel(side, caller, list(range(5000, 5000 + 2 * PAGE)))
+    _serve_channel_once(side, [])  # the fault goes to the poll's failure handling
+    answers: dict[bytes, dict] = {}
+    for _ in range(2000):
+        answers.update((c, orjson.loads(r)) for c, r in caller.replies())
+        if call in answers:
+            break
+        time.sleep(0.001)
+    assert answers[call]["success"], answers[call]  # answered at once, not after 10 s

@@ -244,10 +244,12 @@ class MigrationSchedulerSide:
         for rounds in range(1, CHANNEL_ROUNDS + 1):
             if not asked:
                 return
-            if self.pending.by_id:
-                requests = [a.request for a in asked if a.request is not None]
-                self.source_commits.commit_delivered(functools.partial(_built_on, requests))
-            channel.answer(asked)
+            try:
+                if self.pending.by_id:
+                    requests = [a.request for a in asked if a.request is not None]
+                    self.source_commits.commit_delivered(functools.partial(_built_on, requests))
+            finally:  # taken off the channel: answered whatever happens (else 10 s waits)
+                channel.answer(asked)
             if rounds == CHANNEL_ROUNDS or not channel.readable():
                 return
             asked = channel.take()
