@@ -3,7 +3,7 @@
 # time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
 # session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..10, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..11, one device call each, kind nvidia-h200
 #
 # Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
 #   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|10}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|11}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -109,8 +109,18 @@ case $call in
     "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py" \
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2"
   ;;
+11)
+  # Waiting from the fourth session of 2026-12-02 (its budget ran out): the device-path
+  # tests at MLA page 64 on the final code (the route-metrics test, with the first copy
+  # into a kept mapping no longer a rate sample; the first channel allocate without the
+  # import), the memory-saver test at MLA page 64, then the page-16 concurrency rounds.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py" \
+    "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py" \
+    "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency --concurrency-rounds 3"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|10" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|11" >&2
   exit 2
   ;;
 esac

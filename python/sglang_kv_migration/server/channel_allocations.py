@@ -2,8 +2,11 @@
 
     each loop iteration,   the requests of the iteration are read for weight updates and
     before dispatch        for the weight version our HTTP layer stamped last; then the
-                           channel's waiting requests are allocated, each with the
-                           handler of `/allocate_token_for_transfer`, and answered
+                           channel's waiting requests are taken (`due`, `take`), the
+                           mailbox commits they may build on are made, and they are
+                           allocated, each with the handler of
+                           `/allocate_token_for_transfer`, and answered (`answer`);
+                           `MigrationSchedulerSide.before_requests` orders these steps
 
 The scheduler does not see the weight version (the tokenizer manager keeps it), so a
 channel allocation takes the one stamped on the last migration request from this
