@@ -221,7 +221,7 @@ def test_a_channel_allocate_takes_the_last_stamped_weight_version_until_new_weig
     channel.observe([GetTransferSessionInfoReqInput(weight_version="v1")])
     assert channel.weight_version() == "v1"
     fake.requests = [([b"r", b"1"], dict(BODY), b"")]
-    channel.serve()
+    channel.answer(channel.take())
     assert [r.weight_version for r in seen] == ["v1"]
     assert seen[0].input_ids == [1, 2, 3]
     assert fake.replies[-1][1]["success"] is True
@@ -232,7 +232,7 @@ def test_a_channel_allocate_takes_the_last_stamped_weight_version_until_new_weig
                      UpdateWeightFromDiskReqInput("new")])  # fmt: skip
     assert channel.weight_version() is None
     fake.requests = [([b"r", b"2"], dict(BODY), b"")]
-    channel.serve()
+    channel.answer(channel.take())
     assert len(seen) == 1  # refused before the handler
     reply = fake.replies[-1][1]
     assert reply["success"] is False and reply["error_kind"] == "conflict"
@@ -254,7 +254,7 @@ def test_a_channel_allocate_is_validated_like_the_routes_body() -> None:
     ]
     fake.requests = [([b"r", str(i).encode()], body, b"") for i, body in enumerate(bad)]
     fake.requests.append(([b"r", b"e"], MigrationError(ErrorKind.FORBIDDEN, "wrong secret"), b""))
-    channel.serve()
+    channel.answer(channel.take())
     assert seen == []
     kinds = [reply["error_kind"] for _, reply in fake.replies]
     assert kinds == ["bad_request"] * 4 + ["forbidden"]
@@ -280,11 +280,11 @@ def test_an_idle_loop_reads_the_channel_at_most_every_check_interval(monkeypatch
     seen: list = []
     fake = _CountingServer([])
     channel = ChannelAllocations(fake, (UpdateWeightFromDiskReqInput,), lambda r: seen.append(r))  # type: ignore[arg-type]
-    channel.poll()
-    channel.poll()  # the same instant: not read again
+    channel.answer(channel.due())
+    channel.answer(channel.due())  # the same instant: not read again
     assert fake.reads == 1
     clock[0] += channel_allocations.CHECK_EVERY_S
-    channel.poll()
+    channel.answer(channel.due())
     assert fake.reads == 2
 
     # A full take: more may wait, so the next iteration reads again at once.
@@ -293,9 +293,9 @@ def test_an_idle_loop_reads_the_channel_at_most_every_check_interval(monkeypatch
     fake.requests = [([b"r", str(i).encode()], MigrationError(ErrorKind.FORBIDDEN, "x"), b"")
                      for i in range(full)]  # fmt: skip
     clock[0] += channel_allocations.CHECK_EVERY_S
-    channel.poll()
+    channel.answer(channel.due())
     assert len(fake.replies) == full
-    channel.poll()  # the same instant, but read: the take was full
+    channel.answer(channel.due())  # the same instant, but read: the take was full
     assert fake.reads == 4
 
 
@@ -309,7 +309,7 @@ def test_ids_in_their_own_frame_are_checked_and_go_to_the_handler_as_bytes() -> 
         ([b"r", b"2"], dict(fields), b"\x07\0\0"),  # not whole 4-byte ids
         ([b"r", b"3"], dict(BODY), b"\x07\0\0\0"),  # ids twice: in the JSON and the frame
     ]
-    channel.serve()
+    channel.answer(channel.take())
     assert [r.input_ids_u32 for r in seen] == [b"\x07\0\0\0\x08\0\0\0"]
     assert seen[0].input_ids == []  # the list is made on the scheduler thread, once
     kinds = [reply["error_kind"] for _, reply in fake.replies]

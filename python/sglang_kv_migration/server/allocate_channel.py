@@ -110,7 +110,7 @@ class ChannelServer:
         return {"address": self.address, "secret": self.secret, "host": self.host}
 
     def readable(self) -> bool:
-        """A request waits (one zmq socket option read, ~3 us: `ChannelAllocations.poll`
+        """A request waits (one zmq socket option read, ~3 us: `ChannelAllocations.due`
         reads it at most every 50 us)."""
         return bool(self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 

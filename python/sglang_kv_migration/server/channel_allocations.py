@@ -92,10 +92,6 @@ class ChannelAllocations:
         stamp (unknown until the HTTP layer sends the next request)."""
         return self._stamped if self._stamped_after == self._updates else None
 
-    def poll(self) -> None:
-        """Allocate and answer what `due()` takes (`answer`)."""
-        self.answer(self.due())
-
     def due(self) -> list[Asked]:
         """Once per loop iteration: what waits on the channel, if `CHECK_EVERY_S` has
         passed since it was last read. Reading it costs a zmq socket option (~3 us); a
@@ -105,10 +101,6 @@ class ChannelAllocations:
             return []
         self._next_check = now + CHECK_EVERY_S
         return self.take() if self.channel.readable() else []
-
-    def serve(self) -> None:
-        """Allocate and answer what waits on the channel."""
-        self.answer(self.take())
 
     def take(self) -> list[Asked]:
         """Up to `MAX_PER_ITERATION` waiting requests, each parsed and checked (the

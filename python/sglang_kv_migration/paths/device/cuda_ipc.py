@@ -131,7 +131,7 @@ class OpenedPeer:
     # (num_rows, row_bytes) checked, and how many whole pages every buffer holds.
     checked: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     page_limit: int = 0
-    launches: int = 0  # copies launched into it (the device path counts them)
+    used: bool = False  # a copy was launched into it (set by the device path)
 
 
 class PeerBuffers:

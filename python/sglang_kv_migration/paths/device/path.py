@@ -345,8 +345,8 @@ class DevicePath(DataPath):
                     "opened; nothing was written",
                 )
             dst = self._checked_peer(opening.result(), peer)
-            job.first_into_mapping = dst.launches == 0 and not job.into_landing
-            dst.launches += 1
+            job.first_into_mapping = not dst.used and not job.into_landing
+            dst.used = True
             if self._together is not None:  # launched with the others at the block's end
                 self._together.append(_QueuedLaunch(tiered.plan, dst, job))
                 job.queue_launch()
