@@ -67,7 +67,7 @@ class ChannelAllocations:
     ):
         # Imported at start-up, not in the first allocate: it brings FastAPI into the
         # scheduler's process, which held the first channel allocate of every target
-        # 27-40 ms on the H200 (167 ms on the CI's CPU).
+        # 27-40 ms on the H200.
         from sglang_kv_migration.server import http_api  # noqa: F401
 
         self.channel = channel
