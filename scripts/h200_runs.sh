@@ -3,7 +3,7 @@
 # time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
 # session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..11, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..13, one device call each, kind nvidia-h200
 #
 # Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
 #   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|11}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|13}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -119,8 +119,24 @@ case $call in
     "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py" \
     "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency --concurrency-rounds 3"
   ;;
+12)
+  # Issue 21 after the HTTP trip's cuts (fifth session of 2026-12-02: the routes'
+  # fast path without Starlette's router and FastAPI, the client's socket HTTP/1.1): page
+  # 1 rows beside re-prefill and two concurrency rounds, then the device-path tests at
+  # MLA page 64 waiting from call 11 (the route-metrics test).
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2" \
+    "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
+  ;;
+13)
+  # The rest of call 11 on this code: the memory-saver test at MLA page 64, then page 16
+  # rows beside re-prefill with two concurrency rounds (threads, one migrate_many).
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py" \
+    "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|11" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|13" >&2
   exit 2
   ;;
 esac

@@ -20,12 +20,13 @@ import asyncio
 import ssl
 from urllib.parse import urlsplit
 
-MAX_BODY_BYTES = 256 << 20  # far above any reply of the six routes
-
-
-class ProtocolError(ValueError):
-    """The server's reply is not HTTP/1.1 this client can read."""
-
+from sglang_kv_migration.client.http_reply import (
+    MAX_BODY_BYTES,
+    ProtocolError,
+    chunk_size,
+    parse_head,
+    request_bytes,
+)
 
 # What a failed call raises (the caller turns it into a failed phase). TimeoutError is
 # an OSError; IncompleteReadError an EOFError.
@@ -63,14 +64,8 @@ class AsyncHttp11:
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         parts = urlsplit(url)
         scheme = parts.scheme or "http"
-        host = parts.hostname or ""
-        port = parts.port or (443 if scheme == "https" else 80)
-        origin = (scheme, host, port)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        head = [f"POST {target} HTTP/1.1", f"Host: {parts.netloc}"]
-        head += [f"{k}: {v}" for k, v in headers.items()]
-        head.append(f"Content-Length: {len(body)}")
-        request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+        origin = (scheme, parts.hostname or "", parts.port or (443 if scheme == "https" else 80))
+        request = request_bytes(parts, body, headers)
         conn: _Connection | None = None
         try:
             async with asyncio.timeout(self.timeout):
@@ -114,40 +109,21 @@ class AsyncHttp11:
 async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
     """(status, body, whether the connection may carry another request)."""
     try:  # bounded by the stream's limit (asyncio's default: 64 KiB)
-        head = await reader.readuntil(b"\r\n\r\n")
+        head = parse_head((await reader.readuntil(b"\r\n\r\n"))[:-4])
     except asyncio.LimitOverrunError:
         raise ProtocolError("reply headers too long") from None
-    status_line, *lines = head[:-4].decode("latin-1").split("\r\n")
-    version, _, rest = status_line.partition(" ")
-    code = rest.partition(" ")[0]
-    if not version.startswith("HTTP/1.") or not code.isdigit():
-        raise ProtocolError(f"not an HTTP/1.x reply: {status_line[:80]!r}")
-    fields: dict[str, str] = {}
-    for line in lines:
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise ProtocolError(f"bad reply header {line[:80]!r}")
-        fields[name.strip().lower()] = value.strip()
-    keep = version == "HTTP/1.1" and fields.get("connection", "").lower() != "close"
-    if "chunked" in fields.get("transfer-encoding", "").lower():
-        return int(code), await _read_chunked(reader), keep
-    if "content-length" in fields:
-        length = fields["content-length"]
-        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
-            raise ProtocolError(f"bad Content-Length {length[:20]!r}")
-        return int(code), await reader.readexactly(int(length)), keep
-    return int(code), await reader.read(MAX_BODY_BYTES), False  # until the server closes
+    if head.chunked:
+        return head.status, await _read_chunked(reader), head.keep_alive
+    if head.length is not None:
+        return head.status, await reader.readexactly(head.length), head.keep_alive
+    return head.status, await reader.read(MAX_BODY_BYTES), False  # until the server closes
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
     chunks: list[bytes] = []
     total = 0
     while True:
-        size_line = (await reader.readline()).split(b";")[0].strip()
-        try:
-            size = int(size_line, 16)
-        except ValueError:
-            raise ProtocolError(f"bad chunk size {size_line[:20]!r}") from None
+        size = chunk_size(await reader.readline())
         if size == 0:
             while (await reader.readline()) not in (b"\r\n", b"\n", b""):
                 pass  # trailers

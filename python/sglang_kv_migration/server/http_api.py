@@ -46,6 +46,7 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheReqInput,
     TransferRequestKVCacheTarget,
 )
+from sglang_kv_migration.server.fast_routes import FastRoutes
 from sglang_kv_migration.targets import HostTarget
 
 DISABLED_MESSAGE = (
@@ -345,10 +346,45 @@ class CommitBody(MigrationIdBody):
 # --------------------------------------------------------------------------- routes
 
 
-def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRouter:
-    """The six routes; `get_backend()` returns None when migration is disabled."""
-    router = APIRouter(route_class=_BadRequestOnInvalidBody, tags=["kv-migration"])
+# The scheduler request each route sends, from its validated body: one builder per
+# route, shared by the route and by `fast_routes` (which serves well-formed bodies).
 
+
+def _session_info_request(_body: None) -> GetTransferSessionInfoReqInput:
+    return GetTransferSessionInfoReqInput()
+
+
+def _extra_size_request(body: ExtraTokenSizeBody) -> GetRequestExtraTokenSizeReqInput:
+    return GetRequestExtraTokenSizeReqInput(**_fields(body))
+
+
+def _allocate_request(body: AllocateBody) -> AllocateTokenForTransferReqInput:
+    # The migration id is minted here once; every rank uses it.
+    return AllocateTokenForTransferReqInput(**_fields(body), migration_id=uuid.uuid4().hex)
+
+
+def _commit_request(body: CommitBody) -> CommitTransferRequestKVCacheReqInput:
+    return CommitTransferRequestKVCacheReqInput(**_fields(body))
+
+
+def _abort_request(body: MigrationIdBody) -> AbortTransferReqInput:
+    return AbortTransferReqInput(**_fields(body))
+
+
+# path -> (body model, or None for a route that reads no body; its request's builder)
+_BODY_ROUTES: dict[str, tuple[type[_Body] | None, Callable[[Any], Any]]] = {
+    "/get_transfer_session_info": (None, _session_info_request),
+    "/get_request_extra_token_size": (ExtraTokenSizeBody, _extra_size_request),
+    "/allocate_token_for_transfer": (AllocateBody, _allocate_request),
+    "/commit": (CommitBody, _commit_request),
+    "/abort_transfer": (MigrationIdBody, _abort_request),
+}
+TRANSFER_PATH = "/transfer_request_kvcache"
+
+
+def _dispatcher(
+    get_backend: Callable[[], MigrationBackend | None],
+) -> Callable[[Any], Coroutine[Any, Any, Response]]:
     async def dispatch(request: Any) -> Response:
         backend = get_backend()
         if backend is None:
@@ -356,19 +392,76 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
         parsed = time.monotonic()
         return _reply(await backend.call(request), parsed)
 
+    return dispatch
+
+
+async def _serve_transfer(
+    payload: Any, get_backend: Callable[[], MigrationBackend | None]
+) -> Response:
+    """One transfer, or with `moves` several at once; RequestValidationError (before
+    anything is sent) for a body that is neither."""
+    if not (isinstance(payload, dict) and "moves" in payload):
+        request = _transfer_request(_validated(TransferBody, payload))
+        return await _dispatcher(get_backend)(request)
+    batch = _validated(TransferBatchBody, payload)
+    backend = get_backend()
+    if backend is None:
+        return _error(ErrorKind.UNAVAILABLE, DISABLED_MESSAGE)
+    parsed = time.monotonic()
+    # Sent to the scheduler back to back: it takes them up in one loop iteration.
+    outputs = await asyncio.gather(*(backend.call(_transfer_request(m)) for m in batch.moves))
+    return _batch_reply(outputs, parsed)
+
+
+def fast_handlers(
+    get_backend: Callable[[], MigrationBackend | None],
+) -> dict[str, Callable[[Any], Coroutine[Any, Any, Response | None]]]:
+    """Per path, what `fast_routes.FastRoutes` calls with a request's parsed JSON body:
+    the route's reply, or None when the body is not one the route accepts (the route
+    itself then answers, with its 400 naming the field)."""
+    dispatch = _dispatcher(get_backend)
+
+    def typed(model: type[_Body] | None, build: Callable[[Any], Any]) -> Any:
+        async def serve(payload: Any) -> Response | None:
+            if model is None:
+                return await dispatch(build(None))
+            try:
+                body = model.model_validate(payload)
+            except ValidationError:
+                return None
+            return await dispatch(build(body))
+
+        return serve
+
+    async def transfer(payload: Any) -> Response | None:
+        try:
+            return await _serve_transfer(payload, get_backend)
+        except RequestValidationError:
+            return None
+
+    handlers = {path: typed(model, build) for path, (model, build) in _BODY_ROUTES.items()}
+    handlers[TRANSFER_PATH] = transfer
+    return handlers
+
+
+def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRouter:
+    """The six routes; `get_backend()` returns None when migration is disabled."""
+    router = APIRouter(route_class=_BadRequestOnInvalidBody, tags=["kv-migration"])
+    dispatch = _dispatcher(get_backend)
+
     # curl -X POST localhost:30000/get_transfer_session_info
     @router.post("/get_transfer_session_info")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def get_transfer_session_info() -> Response:
         """Per rank: transfer session id, host buffers and layout fingerprint."""
-        return await dispatch(GetTransferSessionInfoReqInput())
+        return await dispatch(_session_info_request(None))
 
     # curl -X POST localhost:30000/get_request_extra_token_size -d '{"input_ids": [1, 2]}'
     @router.post("/get_request_extra_token_size")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def get_request_extra_token_size(body: ExtraTokenSizeBody) -> Response:
         """How much of the page-aligned prefix of input_ids this server holds."""
-        return await dispatch(GetRequestExtraTokenSizeReqInput(**_fields(body)))
+        return await dispatch(_extra_size_request(body))
 
     # curl -X POST localhost:30000/allocate_token_for_transfer \
     #   -d '{"input_ids": [...], "source_fingerprints": [...]}'
@@ -376,43 +469,30 @@ def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRoute
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def allocate_token_for_transfer(body: AllocateBody) -> Response:
         """Target: lock the held prefix, reserve slots (host or device path) for the rest."""
-        migration_id = uuid.uuid4().hex  # minted here once; every rank uses it
-        return await dispatch(
-            AllocateTokenForTransferReqInput(**_fields(body), migration_id=migration_id)
-        )
+        return await dispatch(_allocate_request(body))
 
     # curl -X POST localhost:30000/transfer_request_kvcache -d '{"input_ids": [...], ...}'
     # curl -X POST localhost:30000/transfer_request_kvcache -d '{"moves": [{...}, {...}]}'
-    @router.post("/transfer_request_kvcache")
+    @router.post(TRANSFER_PATH)
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def transfer_request_kvcache(request: Request) -> Response:
         """Source: copy the pages into the target ranks' reserved slots; with `moves`,
         several transfers at once (feature "transfer_batch")."""
-        payload = await _json_body(request)
-        if not (isinstance(payload, dict) and "moves" in payload):
-            return await dispatch(_transfer_request(_validated(TransferBody, payload)))
-        batch = _validated(TransferBatchBody, payload)
-        backend = get_backend()
-        if backend is None:
-            return _error(ErrorKind.UNAVAILABLE, DISABLED_MESSAGE)
-        parsed = time.monotonic()
-        # Sent to the scheduler back to back: it takes them up in one loop iteration.
-        outputs = await asyncio.gather(*(backend.call(_transfer_request(m)) for m in batch.moves))
-        return _batch_reply(outputs, parsed)
+        return await _serve_transfer(await _json_body(request), get_backend)
 
     # curl -X POST localhost:30000/commit -d '{"migration_id": "..."}'
     @router.post("/commit")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def commit(body: CommitBody) -> Response:
         """Target: insert the written pages into the radix cache."""
-        return await dispatch(CommitTransferRequestKVCacheReqInput(**_fields(body)))
+        return await dispatch(_commit_request(body))
 
     # curl -X POST localhost:30000/abort_transfer -d '{"migration_id": "..."}'
     @router.post("/abort_transfer")
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def abort_transfer(body: MigrationIdBody) -> Response:
         """Target: free a pending allocation now instead of at the watchdog."""
-        return await dispatch(AbortTransferReqInput(**_fields(body)))
+        return await dispatch(_abort_request(body))
 
     return router
 
@@ -454,6 +534,14 @@ def add_routes(app: Any, get_backend: Callable[[], MigrationBackend | None]) -> 
     ours = routes[before:]
     del routes[before:]
     routes[0:0] = ours
+    # Well-formed requests skip the router and FastAPI (`fast_routes.py`). Added now,
+    # before SGLang's launch adds its API-key middleware outside it.
+    app.add_middleware(
+        FastRoutes,
+        handlers=fast_handlers(get_backend),
+        max_body_bytes=MAX_BODY_BYTES,
+        on_start=_ROUTE_STARTED.set,
+    )
 
 
 def warn_without_fast_http_parser() -> bool:
