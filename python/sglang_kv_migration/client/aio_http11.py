@@ -18,21 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from urllib.parse import urlsplit
 
 from sglang_kv_migration.client.http_reply import (
+    ERRORS,
     MAX_BODY_BYTES,
+    Origin,
     ProtocolError,
     chunk_size,
     parse_head,
-    request_bytes,
+    prepare_post,
 )
 
-# What a failed call raises (the caller turns it into a failed phase). TimeoutError is
-# an OSError; IncompleteReadError an EOFError.
-ERRORS = (OSError, EOFError, ProtocolError)
-
-_Origin = tuple[str, str, int]
+# ERRORS: what a failed call raises (the caller turns it into a failed phase).
+__all__ = ["ERRORS", "AsyncHttp11", "ProtocolError"]
 
 
 class _Connection:
@@ -59,13 +57,10 @@ class AsyncHttp11:
 
     def __init__(self, timeout: float):
         self.timeout = timeout
-        self._idle: dict[_Origin, list[_Connection]] = {}
+        self._idle: dict[Origin, list[_Connection]] = {}
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        parts = urlsplit(url)
-        scheme = parts.scheme or "http"
-        origin = (scheme, parts.hostname or "", parts.port or (443 if scheme == "https" else 80))
-        request = request_bytes(parts, body, headers)
+        origin, request = prepare_post(url, body, headers)
         conn: _Connection | None = None
         try:
             async with asyncio.timeout(self.timeout):
@@ -89,7 +84,7 @@ class AsyncHttp11:
             for conn in conns:
                 conn.close()
 
-    async def _connection(self, origin: _Origin) -> _Connection:
+    async def _connection(self, origin: Origin) -> _Connection:
         idle = self._idle.get(origin, [])
         loop = asyncio.get_running_loop()
         for conn in list(idle):

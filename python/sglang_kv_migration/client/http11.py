@@ -3,9 +3,9 @@
 A migration is one to four short POSTs whose bodies are already encoded JSON, so the
 client needs no more of HTTP than a request written in one buffer and a reply read by
 its Content-Length (`http_reply.py`, shared with the asyncio client). `http.client`
-costs ~0.3 ms more per call here, mostly its header parse through the `email` package,
-when a call runs cold between other work (`benchmark/probe_http_trip.py`); httpx more
-still (`docs/benchmarks.md`, "The control plane on CPU"). `MigrationClient` uses this
+(header objects, a reply-header parse through the `email` package) costs ~0.25 ms more
+per call when a call runs cold between other work (`benchmark/probe_http_trip.py`);
+httpx more still (`docs/benchmarks.md`, "The control plane on CPU"). `MigrationClient` uses this
 unless it is handed an `httpx.Client` (for proxies, custom transports, or anything else
 httpx offers): this one connects directly, ignoring the `HTTP(S)_PROXY` variables.
 
@@ -24,22 +24,20 @@ import socket
 import ssl
 import threading
 import weakref
-from urllib.parse import urlsplit
 
 from sglang_kv_migration.client.http_reply import (
+    ERRORS,
     MAX_BODY_BYTES,
     MAX_HEAD_BYTES,
+    Origin,
     ProtocolError,
     chunk_size,
     parse_head,
-    request_bytes,
+    prepare_post,
 )
 
-# What a failed call raises (the caller turns it into a failed phase); a timeout is an
-# OSError, a reply cut short an EOFError.
-ERRORS = (OSError, EOFError, ProtocolError)
-
-_Origin = tuple[str, str, int]
+# ERRORS: what a failed call raises (the caller turns it into a failed phase).
+__all__ = ["ERRORS", "Http11", "ProtocolError"]
 
 
 class _Connection:
@@ -132,10 +130,7 @@ class Http11:
         self._all: weakref.WeakSet[_Connection] = weakref.WeakSet()
 
     def post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        parts = urlsplit(url)
-        scheme = parts.scheme or "http"
-        origin = (scheme, parts.hostname or "", parts.port or (443 if scheme == "https" else 80))
-        request = request_bytes(parts, body, headers)
+        origin, request = prepare_post(url, body, headers)
         conn = self._connection(origin)
         try:
             conn.send(request)
@@ -153,7 +148,7 @@ class Http11:
         for conn in conns:
             conn.close()
 
-    def _connection(self, origin: _Origin) -> _Connection:
+    def _connection(self, origin: Origin) -> _Connection:
         conns: dict = self._local.__dict__.setdefault("conns", _ThreadConnections())
         conn = conns.get(origin)
         if conn is not None and not conn.usable:
@@ -166,7 +161,7 @@ class Http11:
                 self._all.add(conn)
         return conn
 
-    def _drop(self, origin: _Origin, conn: _Connection) -> None:
+    def _drop(self, origin: Origin, conn: _Connection) -> None:
         conn.close()
         conns: dict = self._local.__dict__.get("conns", {})
         if conns.get(origin) is conn:
@@ -175,7 +170,7 @@ class Http11:
             self._all.discard(conn)
 
 
-def _connect(origin: _Origin, timeout: float) -> socket.socket:
+def _connect(origin: Origin, timeout: float) -> socket.socket:
     scheme, host, port = origin
     sock = socket.create_connection((host, port), timeout=timeout)
     try:

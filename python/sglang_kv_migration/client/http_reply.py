@@ -8,7 +8,7 @@ with the connection are read too (a proxy or another server may send them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import SplitResult
+from urllib.parse import SplitResult, urlsplit
 
 MAX_BODY_BYTES = 256 << 20  # far above any reply of the six routes
 MAX_HEAD_BYTES = 64 << 10
@@ -18,12 +18,27 @@ class ProtocolError(ValueError):
     """The server's reply is not HTTP/1.1 this client can read."""
 
 
+# What a failed call raises (the caller turns it into a failed phase): a timeout is an
+# OSError, a reply cut short an EOFError (asyncio's IncompleteReadError is one).
+ERRORS = (OSError, EOFError, ProtocolError)
+
+Origin = tuple[str, str, int]  # (scheme, host, port): one pool of connections each
+
+
 @dataclass(frozen=True)
 class ReplyHead:
     status: int
     length: int | None  # Content-Length; None: chunked, or until the server closes
     chunked: bool
     keep_alive: bool  # the connection may carry another request
+
+
+def prepare_post(url: str, body: bytes, headers: dict[str, str]) -> tuple[Origin, bytes]:
+    """Where a POST of `body` to `url` goes, and its bytes."""
+    parts = urlsplit(url)
+    scheme = parts.scheme or "http"
+    origin = (scheme, parts.hostname or "", parts.port or (443 if scheme == "https" else 80))
+    return origin, request_bytes(parts, body, headers)
 
 
 def request_bytes(parts: SplitResult, body: bytes, headers: dict[str, str]) -> bytes:

@@ -3,7 +3,7 @@ well-formed requests.
 
 A migration is one to four HTTP trips, each a few hundred bytes to a few MB of JSON. Behind
 uvicorn, the trip through Starlette's middleware stack, its router, FastAPI's dependency
-solving and response classes costs ~0.45 ms when it runs cold between other work (a
+solving and response classes costs ~0.3 ms when it runs cold between other work (a
 server answers a migration now and then, not in a hot loop): on the order of a whole
 page's copy (`benchmark/probe_http_trip.py`). This ASGI middleware answers a POST to one
 of the six paths itself when its body is JSON the route accepts, with the route's own
