@@ -3,7 +3,7 @@
 # time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
 # session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..14, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..16, one device call each, kind nvidia-h200
 #
 # Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
 #   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|14}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|16}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -143,8 +143,22 @@ case $call in
     "0:anytier16:python3 benchmark/bench_any_tier.py --page-size 16" \
     "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
   ;;
+15)
+  # Issues 21 and 19 after the adapter's radix walk compares node keys as whole lists
+  # (SGLang's own walk loops over tokens at page 1, pages above): page 1 rows beside
+  # re-prefill with two concurrency rounds.
+  exec bash scripts/gpu_jobs.sh 280 \
+    "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2"
+  ;;
+16)
+  # Waiting from the fifth session of 2026-12-02 (its budget ran out): page 16 rows and
+  # concurrency with the adapter's walk, and the device-path GPU tests at MHA page 16.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2" \
+    "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|14" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|16" >&2
   exit 2
   ;;
 esac

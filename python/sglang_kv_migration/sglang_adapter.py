@@ -9,8 +9,11 @@ real classes on CPU).
 Tree operations use the cache's public API (`match_prefix`, `insert`, `write_backup`,
 `writing_check`, `inc_lock_ref`/`dec_lock_ref`, `protect_host`/`release_host`, `evict`,
 `evict_host`), except `HiRadixCache._insert_helper_host` (the way SGLang itself inserts
-prefetched host pages). Pools: the host pool is `cache.cache_controller.mem_pool_host`,
-the device pool `cache.kv_cache` and its allocator `cache.token_to_kv_pool_allocator`.
+prefetched host pages) and the radix walk: `_walk` is `HiRadixCache._match_prefix_helper`
+with node keys compared as whole lists, calling SGLang's `_split_node` (checked against
+SGLang's own `match_prefix` on twin trees by the tests). Pools: the host pool is
+`cache.cache_controller.mem_pool_host`, the device pool `cache.kv_cache` and its
+allocator `cache.token_to_kv_pool_allocator`.
 
 All functions must be called on the scheduler thread (or under the lock that guards the
 tree), and in the same order on every TP rank: `write_back_path` runs collectives.
@@ -80,18 +83,115 @@ def match_held_prefix(
     Like the scheduler's own lookups, this may split a node at the match boundary, so
     the returned node ends exactly at `length`.
     """
-    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-
     key = make_key(cache, input_ids, extra_key)
     if len(key) == 0:
         return HeldPrefix(length=0, last_node=cache.root_node, device_length=0)
-    result = cache.match_prefix(MatchPrefixParams(key=key))
-    device_length = len(result.device_indices)
-    length = device_length + result.host_hit_length
+    match = _match_prefix(cache, key)
+    device_length = sum(len(v) for v in match.device_values)
+    length = device_length + match.host_hit_length
     # Evicted nodes only ever hang below device nodes, so the deepest matched node is the
     # deepest host node when there is a host hit, else the deepest device node.
-    last_node = result.last_host_node if result.host_hit_length > 0 else result.last_device_node
+    last_node = match.last_host_node if match.host_hit_length > 0 else match.last_device_node
     return HeldPrefix(length=length, last_node=last_node, device_length=device_length)
+
+
+@dataclass
+class _Match:
+    """What `HiRadixCache.match_prefix` finds, its device indices still per node."""
+
+    device_values: list[Any]  # tensors of device slots, prefix order
+    last_device_node: TreeNode
+    last_host_node: TreeNode
+    host_hit_length: int
+
+
+def _match_prefix(cache: HiRadixCache, key: RadixKey) -> _Match:
+    """`cache.match_prefix(key)`: the same walk, splits and access times. With SGLang's
+    own `HiRadixCache` matching, each node's key is compared as whole lists instead of
+    SGLang's Python loop over tokens (page size 1) or pages (`RadixKey.match`): an 8K
+    prefix at page 1 took 0.30-0.49 ms that way on CPU, most of a migration's prepare,
+    and takes 0.05 ms this way (`benchmark/bench_radix_match.py`)."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    if len(key) == 0 or not _fast_walk_applies(cache, key):
+        result = cache.match_prefix(MatchPrefixParams(key=key))
+        return _Match(
+            [result.device_indices],
+            result.last_device_node,
+            result.last_host_node,
+            result.host_hit_length,
+        )
+    values, last_node = _walk(cache, key)
+    # As `HiRadixCache.match_prefix`: the host hit is the evicted tail of the path.
+    host_hit_length = 0
+    last_host_node = last_node
+    while last_node.evicted:
+        host_hit_length += len(last_node.host_value)
+        last_node = last_node.parent
+    while not last_host_node.backuped:
+        last_host_node = last_host_node.parent
+    return _Match(values, last_node, last_host_node, host_hit_length)
+
+
+def _fast_walk_applies(cache: HiRadixCache, key: RadixKey) -> bool:
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+
+    kind = type(cache)
+    return (
+        not cache.disable
+        and not getattr(cache, "is_eagle", False)
+        and not key.is_bigram
+        and type(key.token_ids) is list
+        and kind.match_prefix is HiRadixCache.match_prefix
+        and kind._match_prefix_helper is HiRadixCache._match_prefix_helper
+    )
+
+
+def _walk(cache: HiRadixCache, key: RadixKey) -> tuple[list[Any], TreeNode]:
+    """`HiRadixCache._match_prefix_helper` (a node's dict key is its first page, namespaced
+    by `extra_key`; a match ends at a page boundary), comparing each node's key in C."""
+    ids, extra, page = key.token_ids, key.extra_key, cache.page_size
+    node = cache.root_node
+    node.last_access_time = time.monotonic()
+    values: list[Any] = []
+    pos = 0
+    while pos < len(ids):
+        first = ids[pos] if page == 1 else tuple(ids[pos : pos + page])
+        child = node.children.get(first if extra is None else (extra, first))
+        if child is None:
+            break
+        child.last_access_time = time.monotonic()
+        child_ids = child.key.token_ids
+        if type(child_ids) is list:
+            matched = _common_prefix(child_ids, ids, pos) // page * page
+        else:  # not a list (never so in 0.5.12): SGLang's own comparison
+            matched = child.key.match(key[pos:], page_size=page)
+        if matched < len(child_ids):
+            node = cache._split_node(child.key, child, matched)
+            if not node.evicted:
+                values.append(node.value)
+            break
+        if not child.evicted:
+            values.append(child.value)
+        node = child
+        pos += matched
+    return values, node
+
+
+def _common_prefix(node_ids: list[int], ids: list[int], start: int) -> int:
+    """How many of `node_ids` equal `ids[start:]`, position by position: list slices
+    compared in C, bisecting to the first difference."""
+    low, high = 0, min(len(node_ids), len(ids) - start)
+    if node_ids[:high] == ids[start : start + high]:
+        return high
+    # node_ids[:low] matches; the first difference lies in [low, high).
+    while high - low > 1:
+        middle = (low + high) // 2
+        if node_ids[low:middle] == ids[start + low : start + middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 DEVICE_TIER = "device"  # the node's KV is in the device pool
@@ -123,14 +223,22 @@ def match_device_prefix(
 ) -> DevicePrefix:
     """Longest page-aligned prefix of `input_ids` held on device (host-only parts excluded)."""
     import torch
-    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
     key = make_key(cache, input_ids, extra_key)
     if len(key) == 0:
         return DevicePrefix(0, cache.root_node, torch.empty(0, dtype=torch.int64))
-    result = cache.match_prefix(MatchPrefixParams(key=key))
-    indices = result.device_indices
-    return DevicePrefix(len(indices), result.last_device_node, indices)
+    match = _match_prefix(cache, key)
+    indices = _joined(cache, match.device_values)
+    return DevicePrefix(len(indices), match.last_device_node, indices)
+
+
+def _joined(cache: HiRadixCache, values: list[Any]) -> torch.Tensor:
+    """One tensor of device slots, as `match_prefix` returns them."""
+    import torch
+
+    if not values:
+        return cache._empty_match_result.device_indices
+    return torch.cat(values)  # a copy, never a node's own tensor
 
 
 @dataclass
@@ -443,9 +551,9 @@ def insert_device_pages(
     `device_indices[:returned]`.
     """
     import torch
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
-    prefix = cache.match_prefix(MatchPrefixParams(key=key[:anchor_length])).device_indices
+    prefix = _joined(cache, _match_prefix(cache, key[:anchor_length]).device_values)
     if len(prefix) != anchor_length:
         raise MigrationError(
             ErrorKind.INTERNAL,

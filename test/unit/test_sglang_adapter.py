@@ -102,6 +102,93 @@ def test_match_held_prefix_counts_device_and_host(harness_factory, attention, pa
     assert (other.length, other.last_node) == (0, h.cache.root_node)
 
 
+def _shape(h: Harness) -> list[tuple]:
+    """The tree as keys and slots by path (node ids differ between two harnesses)."""
+
+    def walk(node, path: tuple) -> list[tuple]:
+        rows = []
+        for child in node.children.values():
+            here = path + (tuple(child.key.token_ids), child.key.extra_key)
+            rows.append(
+                (
+                    here,
+                    None if child.value is None else tuple(child.value.tolist()),
+                    None if child.host_value is None else tuple(child.host_value.tolist()),
+                    child.lock_ref,
+                )
+            )
+            rows += walk(child, here)
+        return rows
+
+    return sorted(walk(h.cache.root_node, ()), key=repr)
+
+
+@pytest.mark.parametrize(("attention", "page_size"), CONFIGS, ids=CONFIG_IDS)
+def test_the_adapters_walk_finds_and_splits_what_sglangs_match_prefix_does(
+    harness_factory, attention, page_size
+):
+    """`_match_prefix` (whole-list compares) against SGLang's own `match_prefix` on a
+    twin tree: the same results, splits and tree after every lookup, over device,
+    host-only and namespaced branches and lookups that end anywhere."""
+    import random
+
+    ours, theirs = (
+        harness_factory(attention=attention, page_size=page_size, device_tokens=8192)
+        for _ in range(2)
+    )
+    rng = random.Random(7)
+    trunk = _tokens(300)
+    sequences = [
+        trunk[: rng.randrange(1, 300)] + _tokens(rng.randrange(1, 40), start=10_000 * (i + 1))
+        for i in range(12)
+    ]
+    for h in (ours, theirs):
+        for i, seq in enumerate(sequences):
+            h.insert_random(seq, extra_key="ns" if i % 4 == 3 else None, seed=i)
+        h.write_back_all()
+        assert _evict_device(h, 150) > 0  # some branches are host-only now
+    assert _shape(ours) == _shape(theirs)
+    assert adapter._fast_walk_applies(ours.cache, adapter.make_key(ours.cache, trunk, None))
+    lookups = [seq[: rng.randrange(1, len(seq) + 1)] for seq in sequences]
+    lookups += [seq + [rng.randrange(1, 99)] for seq in sequences[:4]]
+    # Diverging inside a node, past its first page, and at once.
+    lookups += [trunk[:k] + _tokens(40, start=900_000 + k) for k in (1, 57, 150, 299)]
+    lookups += [[123_456_789] * 20]
+    for i, ids in enumerate(lookups):
+        extra = "ns" if i % 5 == 4 else None
+        mine = adapter._match_prefix(ours.cache, adapter.make_key(ours.cache, ids, extra))
+        result = theirs.match(ids, extra)
+        assert adapter._joined(ours.cache, mine.device_values).tolist() == (
+            result.device_indices.tolist()
+        )
+        assert mine.host_hit_length == result.host_hit_length
+        for node, other in (
+            (mine.last_device_node, result.last_device_node),
+            (mine.last_host_node, result.last_host_node),
+        ):
+            assert _path_tokens(ours, node) == _path_tokens(theirs, other)
+        assert _shape(ours) == _shape(theirs), f"trees differ after lookup {i}"
+
+
+def test_eagle_keys_and_other_caches_use_sglangs_own_match(harness_factory, monkeypatch):
+    h = harness_factory(attention="mha", page_size=16)
+    tokens, _ = _two_tier_tree(h)
+    key = adapter.make_key(h.cache, tokens, None)
+    assert adapter._fast_walk_applies(h.cache, key)
+    key.is_bigram = True  # EAGLE's bigram keys: SGLang's walk
+    assert not adapter._fast_walk_applies(h.cache, key)
+
+    class OtherMatch(type(h.cache)):  # a subclass that matches its own way
+        def _match_prefix_helper(self, node, key):
+            return super()._match_prefix_helper(node, key)
+
+    monkeypatch.setattr(h.cache, "__class__", OtherMatch)
+    assert not adapter._fast_walk_applies(h.cache, adapter.make_key(h.cache, tokens, None))
+    monkeypatch.setattr(adapter, "_walk", None)  # never reached
+    held = adapter.match_held_prefix(h.cache, tokens, None)
+    assert (held.length, held.device_length) == (96, 32)
+
+
 @pytest.mark.parametrize(("attention", "page_size"), CONFIGS, ids=CONFIG_IDS)
 def test_match_device_prefix_excludes_host_only_parts(harness_factory, attention, page_size):
     h = harness_factory(attention=attention, page_size=page_size)

@@ -86,6 +86,10 @@ REQUIRED_SYMBOLS: tuple[str, ...] = (
     "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool",
     # Private: the only way to add host-only nodes, used by SGLang for storage prefetch.
     "sglang.srt.mem_cache.hiradix_cache.HiRadixCache._insert_helper_host",
+    # Private: the walk `sglang_adapter._walk` mirrors (compared against it on twin trees
+    # by test_sglang_adapter.py), and the node split it calls.
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache._match_prefix_helper",
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache._split_node",
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.alloc",
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.free",
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.available_size",
