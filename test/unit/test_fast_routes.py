@@ -42,15 +42,20 @@ class CountingRoutes:
         await self.app(scope, receive, send)
 
 
-def _app(api_key: str | None = None) -> tuple[FastAPI, Backend, CountingRoutes]:
+def _app(
+    api_key: str | None = None, key_first: bool = False
+) -> tuple[FastAPI, Backend, CountingRoutes]:
+    from sglang.srt.utils.auth import add_api_key_middleware
+    from starlette.middleware import Middleware
+
     app = FastAPI()
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"])
-    app.add_middleware(CountingRoutes)  # inside FastRoutes, which add_routes adds next
+    if api_key is not None and key_first:  # an app that has its key check already
+        add_api_key_middleware(app, api_key=None, admin_api_key=api_key)
     backend = Backend()
     http_api.add_routes(app, lambda: backend)
-    if api_key is not None:  # as SGLang's launch does, after the plugin's hook
-        from sglang.srt.utils.auth import add_api_key_middleware
-
+    app.user_middleware.append(Middleware(CountingRoutes))  # inside FastRoutes
+    if api_key is not None and not key_first:  # as SGLang's launch does, after our hook
         add_api_key_middleware(app, api_key=None, admin_api_key=api_key)
     return app, backend, _counter(app)
 
@@ -153,13 +158,20 @@ def test_anything_the_route_refuses_reaches_the_route_with_its_body(
     assert routes.requests == 1 and backend.calls == []
 
 
-def test_cross_origin_and_other_methods_go_to_the_app() -> None:
+def test_cross_origin_replies_carry_cors_headers_and_other_methods_go_to_the_app() -> None:
     app, backend, routes = _app()
     reply = _post(
         app, "/abort_transfer", json={"migration_id": "m"}, headers={"origin": "http://x"}
     )
     assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "*"
-    assert routes.requests == 1 and len(backend.calls) == 1
+    assert routes.requests == 0 and len(backend.calls) == 1  # the fast path, inside CORS
+    assert (
+        _post(app, "/abort_transfer", json={}, headers={"origin": "http://x"}).headers[
+            "access-control-allow-origin"
+        ]
+        == "*"
+    )  # and the route's 400, as before
+    assert routes.requests == 1
 
     async def get() -> int:
         transport = httpx.ASGITransport(app=app)
@@ -176,8 +188,9 @@ def test_a_body_over_the_limit_is_refused_by_the_route_unread(monkeypatch) -> No
     assert reply.status_code == 413 and routes.requests == 1 and backend.calls == []
 
 
-def test_the_api_key_middleware_added_at_launch_still_guards_the_fast_path() -> None:
-    app, backend, routes = _app(api_key="admin-secret")
+@pytest.mark.parametrize("key_first", [False, True], ids=["key-added-after", "key-added-before"])
+def test_the_api_key_middleware_guards_the_fast_path_whenever_it_was_added(key_first) -> None:
+    app, backend, routes = _app(api_key="admin-secret", key_first=key_first)
     refused = _post(app, "/abort_transfer", json={"migration_id": "m"})
     assert refused.status_code == 401 and backend.calls == []
     ok = _post(

@@ -1,20 +1,21 @@
 """Our six routes without Starlette's routing and FastAPI's request machinery, for
 well-formed requests.
 
-A migration is one to four HTTP trips, each a few hundred bytes to a few MB of JSON. Behind
-uvicorn, the trip through Starlette's middleware stack, its router, FastAPI's dependency
-solving and response classes costs ~0.3 ms when it runs cold between other work (a
-server answers a migration now and then, not in a hot loop): on the order of a whole
-page's copy (`benchmark/probe_http_trip.py`). This ASGI middleware answers a POST to one
+A migration is one to four HTTP trips, each a few hundred bytes to a few MB of JSON.
+Starlette's router and FastAPI's request handling (dependency solving, its body parse
+and validation, response classes) cost a trip ~0.25 ms when it runs cold between other
+work (a server answers a migration now and then, not in a hot loop): on the order of a
+whole page's copy (`benchmark/probe_http_trip.py`). This ASGI middleware answers a POST to one
 of the six paths itself when its body is JSON the route accepts, with the route's own
 request builder, dispatch and reply (`http_api.fast_handlers`). Anything else goes on
-to the app untouched, the body replayed: a body the route refuses (its 400 names the
-field), any other method, a cross-origin request (so CORS answers it), an app mounted
-under a root path, a body with no length or over the limit (413).
+to the router untouched, the body replayed: a body the route refuses (its 400 names
+the field), any other method, an app mounted under a root path, a body with no length
+or over the limit (413).
 
-Auth is unchanged: `add_routes` adds this middleware before SGLang's launch adds its
-API-key middleware, which is then outside it and checks every request first, reading
-the auth level of our routes, which stay in the app's route list.
+It is the innermost of the app's middleware (`add_innermost`), whatever is added
+before or after it: SGLang's API-key middleware checks every request before it (reading
+the auth level of our routes, which stay in the app's route list), CORS adds its
+headers to its replies, and SGLang's metrics middleware counts them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ from typing import Any
 import orjson
 
 Handler = Callable[[Any], Coroutine[Any, Any, Any]]  # payload -> Response, or None
+
+
+def add_innermost(app: Any, **options: Any) -> None:
+    """Add `FastRoutes` to a Starlette/FastAPI `app` inside every middleware it has or
+    will have (Starlette's `add_middleware` puts each new one outermost)."""
+    from starlette.middleware import Middleware
+
+    if app.middleware_stack is not None:
+        raise RuntimeError("cannot add middleware after the application has started")
+    app.user_middleware.append(Middleware(FastRoutes, **options))
 
 
 class FastRoutes:
@@ -65,8 +76,6 @@ class FastRoutes:
             return None
         length = None
         for name, value in scope.get("headers", ()):
-            if name == b"origin":
-                return None  # CORS adds its headers on the app's own way
             if name == b"content-length":
                 length = value
             elif name == b"content-type" and not _is_json(value):

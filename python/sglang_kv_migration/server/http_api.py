@@ -46,7 +46,7 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheReqInput,
     TransferRequestKVCacheTarget,
 )
-from sglang_kv_migration.server.fast_routes import FastRoutes
+from sglang_kv_migration.server import fast_routes
 from sglang_kv_migration.targets import HostTarget
 
 DISABLED_MESSAGE = (
@@ -534,10 +534,8 @@ def add_routes(app: Any, get_backend: Callable[[], MigrationBackend | None]) -> 
     ours = routes[before:]
     del routes[before:]
     routes[0:0] = ours
-    # Well-formed requests skip the router and FastAPI (`fast_routes.py`). Added now,
-    # before SGLang's launch adds its API-key middleware outside it.
-    app.add_middleware(
-        FastRoutes,
+    fast_routes.add_innermost(
+        app,
         handlers=fast_handlers(get_backend),
         max_body_bytes=MAX_BODY_BYTES,
         on_start=_ROUTE_STARTED.set,
