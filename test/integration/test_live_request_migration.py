@@ -295,7 +295,9 @@ def test_recompute_mode_ignores_live(servers: ServerPair) -> None:
 
 
 def test_rebalance_cli_moves_a_decoding_request_live(servers: ServerPair, tmp_path, capsys) -> None:
-    """`--live --move-running`: the running request on the pressured source moves live."""
+    """`--live --move-running`: the running request on the pressured source moves live.
+    `--min-held-tokens`: only once the source holds its prompt's KV (a request moved
+    before its prefill was cached has nothing to copy while it decodes: no live stage)."""
     prompts = [_seq(7000, 2 * PAGE + 5), _seq(7100, 2 * PAGE + 5), _seq(7200, PAGE)]
     lines = [
         {"server": servers.source.url, "input_ids": p, "priority": 5 - i,
@@ -309,6 +311,7 @@ def test_rebalance_cli_moves_a_decoding_request_live(servers: ServerPair, tmp_pa
         ["rebalance", "--server", servers.source.url, "--server", servers.target.url,
          "--requests", str(requests), "--output", str(output), "--mode", "migrate",
          "--move-running", "--live", "--kv-pressure", "0.0", "--interval", "0.05",
+         "--min-held-tokens", str(PAGE),
          "--max-rounds", "400", "--max-concurrent", "1", "--max-moves-per-round", "1"]
     )  # fmt: skip
     assert code == 0
