@@ -105,6 +105,8 @@ def test_server_args_pickle_keeps_migration_fields() -> None:
         ({"pp_size": 2, "nnodes": 2}, "needs every stage on one node"),
         ({"dp_size": 2}, "does not support --dp-size > 1"),
         ({"attn_cp_size": 2, "tp_size": 2}, "does not support --attn-cp-size > 1"),
+        ({"tokenizer_worker_num": 2}, "drop --tokenizer-worker-num > 1 and --enable-http2"),
+        ({"enable_http2": True}, "drop --tokenizer-worker-num > 1 and --enable-http2"),
     ],
 )
 def test_invalid_flags_are_refused(overrides: dict, expected: str) -> None:

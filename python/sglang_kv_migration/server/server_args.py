@@ -281,6 +281,14 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
             f"{args.attn_cp_size}): KV migration between attention-context-parallel servers "
             "has not been verified; run without --attn-cp-size."
         )
+    if args.tokenizer_worker_num > 1 or args.enable_http2:
+        # SGLang then serves HTTP from worker processes that import its app afresh; the
+        # plugin adds the migration routes to the main process's app only.
+        raise KVMigrationArgsError(
+            "--enable-kv-migration needs SGLang's single HTTP process: drop "
+            "--tokenizer-worker-num > 1 and --enable-http2 (their HTTP workers would not "
+            "serve the migration routes)."
+        )
     if args.pp_size > 1 and args.nnodes > 1:
         # Later PP stages reply to the tokenizer manager over its node-local IPC socket.
         raise KVMigrationArgsError(
