@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import Callable, Coroutine
@@ -382,17 +383,13 @@ _BODY_ROUTES: dict[str, tuple[type[_Body] | None, Callable[[Any], Any]]] = {
 TRANSFER_PATH = "/transfer_request_kvcache"
 
 
-def _dispatcher(
-    get_backend: Callable[[], MigrationBackend | None],
-) -> Callable[[Any], Coroutine[Any, Any, Response]]:
-    async def dispatch(request: Any) -> Response:
-        backend = get_backend()
-        if backend is None:
-            return _error(ErrorKind.UNAVAILABLE, DISABLED_MESSAGE)
-        parsed = time.monotonic()
-        return _reply(await backend.call(request), parsed)
-
-    return dispatch
+async def _dispatch(get_backend: Callable[[], MigrationBackend | None], request: Any) -> Response:
+    """Send `request` to the scheduler; its reply as the route's response."""
+    backend = get_backend()
+    if backend is None:
+        return _error(ErrorKind.UNAVAILABLE, DISABLED_MESSAGE)
+    parsed = time.monotonic()
+    return _reply(await backend.call(request), parsed)
 
 
 async def _serve_transfer(
@@ -402,7 +399,7 @@ async def _serve_transfer(
     anything is sent) for a body that is neither."""
     if not (isinstance(payload, dict) and "moves" in payload):
         request = _transfer_request(_validated(TransferBody, payload))
-        return await _dispatcher(get_backend)(request)
+        return await _dispatch(get_backend, request)
     batch = _validated(TransferBatchBody, payload)
     backend = get_backend()
     if backend is None:
@@ -419,7 +416,7 @@ def fast_handlers(
     """Per path, what `fast_routes.FastRoutes` calls with a request's parsed JSON body:
     the route's reply, or None when the body is not one the route accepts (the route
     itself then answers, with its 400 naming the field)."""
-    dispatch = _dispatcher(get_backend)
+    dispatch = functools.partial(_dispatch, get_backend)
 
     def typed(model: type[_Body] | None, build: Callable[[Any], Any]) -> Any:
         async def serve(payload: Any) -> Response | None:
@@ -447,7 +444,7 @@ def fast_handlers(
 def build_router(get_backend: Callable[[], MigrationBackend | None]) -> APIRouter:
     """The six routes; `get_backend()` returns None when migration is disabled."""
     router = APIRouter(route_class=_BadRequestOnInvalidBody, tags=["kv-migration"])
-    dispatch = _dispatcher(get_backend)
+    dispatch = functools.partial(_dispatch, get_backend)
 
     # curl -X POST localhost:30000/get_transfer_session_info
     @router.post("/get_transfer_session_info")
