@@ -3,7 +3,7 @@
 # time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
 # session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..16, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..19, one device call each, kind nvidia-h200
 #
 # Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
 #   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|16}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|19}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -157,8 +157,31 @@ case $call in
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2" \
     "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
   ;;
+17)
+  # Issue 21 after the sixth session's cuts (2026-12-02: the page lists uploaded through
+  # kept buffers, the device slots copied to the host while the target allocates, the
+  # idle scheduler's brief wait for allocate replies and copy events, log lines kept
+  # back): the page-copy self-check with the kept buffers' tests, then page 1 rows (five
+  # repeats) beside re-prefill and two concurrency rounds.
+  exec bash scripts/gpu_jobs.sh 400 \
+    "0:copytest:$T test/gpu/test_gpu_page_copy.py" \
+    "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 32768 --repeats 5 --no-host --concurrency-rounds 2"
+  ;;
+18)
+  # The same at page 16 (rows and concurrency), then the device-path GPU tests at MHA
+  # page 16 (waiting since call 16).
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 5 --no-host --concurrency-rounds 2" \
+    "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+  ;;
+19)
+  # The memory-saver and device-path GPU tests at MLA page 64 on this code.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py" \
+    "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|16" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|19" >&2
   exit 2
   ;;
 esac

@@ -22,6 +22,7 @@ tree), and in the same order on every TP rank: `write_back_path` runs collective
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -834,6 +835,33 @@ def frees_kv_cache(memory_req: Any) -> bool:
 
     tags = getattr(memory_req, "tags", None)
     return not tags or GPU_MEMORY_TYPE_KV_CACHE in tags
+
+
+def scheduler_idle_check(scheduler: Any) -> Callable[[], bool]:
+    """A test that SGLang has nothing to run or finish on this rank: no batch running or
+    waiting, no HiCache copy in flight (`Scheduler.is_fully_idle`, read-only)."""
+    return scheduler.is_fully_idle
+
+
+def input_waiting_check(scheduler: Any) -> Callable[[], bool]:
+    """A non-blocking test that a request for SGLang waits on this rank's input sockets
+    (the tokenizer manager's and the RPC socket; only the first rank of the first stage
+    has them: elsewhere it is always False)."""
+    import zmq
+
+    sockets = [
+        s
+        for s in (
+            getattr(scheduler, "recv_from_tokenizer", None),
+            getattr(scheduler, "recv_from_rpc", None),
+        )
+        if s is not None
+    ]
+
+    def waiting() -> bool:
+        return any(s.getsockopt(zmq.EVENTS) & zmq.POLLIN for s in sockets)
+
+    return waiting
 
 
 def wake_from_idle_sleep_on(scheduler: Any, socket: Any) -> None:

@@ -128,3 +128,55 @@ def test_host_to_gpu_bandwidth_is_reported():
     views = source.views()
     for b in (0, len(offsets) - 1):
         assert torch.equal(dev[b].cpu().view(pages, page_size, row_bytes), views[b])
+
+
+def test_page_lists_reuse_kept_buffers_only_once_the_last_launch_is_done():
+    import numpy as np
+    from sglang_kv_migration.paths.device.page_lists import PageListUpload
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device=device)
+    upload = PageListUpload(device)
+    values = np.arange(10, dtype=np.int64)
+    with torch.cuda.stream(stream):
+        first = upload.upload(values)
+        done = torch.cuda.Event()
+        done.record(stream)
+    upload.used_until(done)
+    done.synchronize()
+    assert first.tolist() == list(range(10)) and upload.kept_uses == 1
+    # A launch still running (the stream held up by a long kernel on it): a fresh pair.
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)
+        second = upload.upload(values + 100)
+        busy = torch.cuda.Event()
+        busy.record(stream)
+    upload.used_until(busy)
+    with torch.cuda.stream(stream):
+        third = upload.upload(values + 200)
+    stream.synchronize()
+    assert second.tolist() == [v + 100 for v in range(10)]
+    assert third.tolist() == [v + 200 for v in range(10)]
+    assert upload.kept_uses == 2 and third.data_ptr() != first.data_ptr()
+    # Done: the kept pair again, grown for a longer list.
+    upload.used_until(None)
+    with torch.cuda.stream(stream):
+        longer = upload.upload(np.arange(20_000, dtype=np.int64))
+    stream.synchronize()
+    assert upload.kept_uses == 3 and longer.tolist() == list(range(20_000))
+
+
+def test_segments_on_host_copies_the_device_slots_once_in_order():
+    from sglang_kv_migration.sglang_adapter import DEVICE_TIER, HOST_TIER, Segment
+
+    device_a = torch.arange(0, 5, device="cuda")
+    host = torch.arange(100, 103)
+    device_b = torch.arange(50, 58, device="cuda").view(2, 4)
+    on_host = tiers.segments_on_host(
+        [Segment(DEVICE_TIER, device_a), Segment(HOST_TIER, host), Segment(DEVICE_TIER, device_b)]
+    )
+    assert [s.tier for s in on_host] == [DEVICE_TIER, HOST_TIER, DEVICE_TIER]
+    assert all(s.slots.device.type == "cpu" for s in on_host)
+    assert on_host[0].slots.tolist() == list(range(5))
+    assert on_host[1].slots is host
+    assert on_host[2].slots.tolist() == list(range(50, 58))

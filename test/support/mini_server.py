@@ -355,6 +355,7 @@ def _rank_main(
             sender = context.socket(zmq.PUSH)
             sender.connect(ports.tokenizer)
         scheduler = _MiniScheduler(spec, rank, harness, sender)
+        scheduler.recv_from_tokenizer = sched_in  # (what `input_waiting_check` reads)
         port_args = SimpleNamespace(tokenizer_ipc_name=ports.tokenizer)
         scheduler_hooks.after_init_ipc_channels(None, scheduler, port_args)
         scheduler_hooks.after_init_request_dispatcher(None, scheduler)

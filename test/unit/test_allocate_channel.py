@@ -94,6 +94,23 @@ def test_a_request_and_its_reply_round_trip(server: ChannelServer, caller: Chann
     assert caller.replies() == []
 
 
+def test_replied_says_a_reply_waits_without_reading_it(
+    server: ChannelServer, caller: ChannelCaller
+) -> None:
+    assert not caller.replied()  # nothing asked
+    call_id = caller.call(server.address, server.secret, b'{"path":"device"}')
+    [(route, _, _)] = _take_within(server)
+    assert not caller.replied()  # asked, not answered
+    server.reply(route, b'{"success":true}')
+    deadline = time.monotonic() + DEADLINE_S
+    while not caller.replied() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert caller.replied()
+    assert caller.replied()  # still there: `replied` reads nothing
+    assert caller.replies() == [(call_id, b'{"success":true}')]
+    assert not caller.replied()
+
+
 def test_a_wrong_secret_or_a_malformed_request_is_refused_by_name(
     server: ChannelServer, caller: ChannelCaller
 ) -> None:

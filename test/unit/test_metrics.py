@@ -49,6 +49,9 @@ def test_target_outcomes_tokens_bytes_and_phases(side, caplog) -> None:
         assert side.commit_transfer_request_kvcache(
             CommitTransferRequestKVCacheReqInput(migration_id="m-commit", receipts=receipts)
         ).success
+        # The line is kept back until the rank has nothing in flight (`deferred_log.py`).
+        assert not [r for r in caplog.records if "m-commit committed" in r.getMessage()]
+        side.poll()
     # A repeated commit is harmless and counts nothing.
     assert side.commit_transfer_request_kvcache(
         CommitTransferRequestKVCacheReqInput(migration_id="m-commit")

@@ -174,6 +174,12 @@ class SendJob(abc.ABC):
         needs the scheduler thread to hand it the GIL (`scheduler_side.poll`)."""
         return False
 
+    @property
+    def completion_event(self) -> Any:
+        """Where the job now waits only for its copy on the GPU: the event (with a
+        non-blocking `query()`) after which `poll` reports it done; else None."""
+        return None
+
 
 class NothingToSend(SendJob):
     """A partial send of a source that holds nothing past `start`: done, nothing written."""

@@ -204,6 +204,15 @@ class ChannelCaller:
                     found.append((frames[0], frames[1]))
         return found
 
+    def replied(self) -> bool:
+        """Whether a reply may wait to be read (`replies`): one socket option read per
+        target waited for, without reading anything."""
+        for address in {*self._waiting.values()}:
+            socket = self._sockets.get(address)
+            if socket is not None and socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return True
+        return False
+
     def gone(self) -> list[bytes]:
         """The calls whose target process has exited (a killed server leaves its socket
         file: nothing would answer before the timeout). Looks at most every 0.1 s."""

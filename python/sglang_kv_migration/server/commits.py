@@ -35,6 +35,7 @@ from sglang_kv_migration.paths.host.target_staging import (
     receipt_plan,
     staged_refusal,
 )
+from sglang_kv_migration.server.deferred_log import DeferredLog
 from sglang_kv_migration.server.pp_stages import refusal_of, refused_output
 from sglang_kv_migration.server.rank_context import RankContext, guarded
 
@@ -62,6 +63,8 @@ class Commits:
         self.pending = pending
         self.signer = signer
         self.metrics = metrics
+        # Per-commit lines, written once idle (the scheduler side shares its own).
+        self.log_later = DeferredLog()
         self.staging = staging
         self.bytes_per_token = bytes_per_token  # on this rank
         self._reply_later = reply_later
@@ -320,7 +323,8 @@ class Commits:
         self.metrics.phase("commit", now - started)
         self.metrics.phase("pending", now - pending.created_at)
         if self.ctx.tp_rank == 0:
-            logger.info(
+            self.log_later.info(
+                logger,
                 "KV migration %s committed: %d tokens, %d bytes (%d ranks), %.1f ms after "
                 "allocate; prefix now %d tokens",
                 migration_id,

@@ -96,6 +96,8 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         landing_bytes=args.kv_migration_landing_mb << 20,
         profile=rank_profile(args.port, ctx.tp_rank, ctx.pp_rank),
     )
+    side.scheduler_idle = sglang_adapter.scheduler_idle_check(scheduler)
+    side.input_waiting = sglang_adapter.input_waiting_check(scheduler)
     scheduler.kv_migration = side
     sglang_adapter.add_request_handlers(scheduler, side.handlers())
     if side.channel_allocations is not None:
@@ -114,6 +116,8 @@ def after_process_input_requests(_result: None, scheduler: Any, recv_reqs: Any, 
     """Once per loop iteration, after the requests of the iteration were dispatched."""
     side = scheduler.kv_migration
     if side is not None:
+        if side.transfers.inflight:  # (what an idle rank has in flight: nothing)
+            side.wait_briefly()
         forward = side.poll()
         if forward:
             # Stage 0's watchdog decisions, for the later PP stages (`pp_stages.py`).

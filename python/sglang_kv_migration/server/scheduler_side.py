@@ -60,6 +60,7 @@ from sglang_kv_migration.server.allocate_channel import FEATURE as SOURCE_ALLOCA
 from sglang_kv_migration.server.allocate_channel import ChannelCaller, open_channel
 from sglang_kv_migration.server.channel_allocations import ChannelAllocations
 from sglang_kv_migration.server.commits import Commits, in_progress_output
+from sglang_kv_migration.server.deferred_log import DeferredLog
 from sglang_kv_migration.server.known_destinations import FEATURE as DESTINATION_DIGEST
 from sglang_kv_migration.server.known_destinations import KnownDestinations
 from sglang_kv_migration.server.mailbox import FEATURE as SOURCE_COMMIT
@@ -77,6 +78,12 @@ logger = logging.getLogger(__name__)
 
 # The watchdog's collective runs every this many loop iterations while anything is pending.
 WATCHDOG_EVERY_ITERATIONS = 64
+# Longest an idle scheduler waits in one loop iteration for what its transfers wait for
+# (`wait_briefly`). A pass of SGLang's idle loop (pool checks, batch planning) takes
+# ~0.2 ms on an H200 server: each allocate reply and copy event waited half a pass on
+# average for the next poll, which the wait removes; the bound keeps every other duty
+# of the loop at most this late (a request for SGLang ends the wait at once).
+BRIEF_WAIT_S = 0.002
 
 # How many distinct poll errors are remembered (each logged once with its traceback).
 MAX_DISTINCT_POLL_ERRORS = 64
@@ -140,16 +147,43 @@ class MigrationSchedulerSide:
         # Memory saver: the device path's target writes land in an arena of this size.
         self.landing_bytes = landing_bytes if enable_memory_saver else 0
         self.paths = self._open_paths(path_names, transport_config, transport, enable_memory_saver)
-        single_rank = ctx.tp_size == 1 and ctx.pp_size == 1
-        self.transfers = SourceTransfers(
-            ctx,
+        # One list of kept-back log lines for the source and the target parts.
+        self.log_later = DeferredLog()
+        self.transfers = self._open_source_side()
+        self._destinations: dict[str, str] = {}  # path name -> destination digest
+        self._open_target_side(staging_bytes)
+        self.commits.log_later = self.log_later
+        self._iteration = 0
+        self._poll_timed = False  # between `begin_poll` and `end_iteration`
+        self._poll_errors: set[str] = set()  # poll errors already logged with a traceback
+        # Offer the GIL to our helper threads once per busy iteration (see `poll`);
+        # benchmarks turn it off to show what it is for.
+        self.yield_gil = True
+        # `wait_briefly`: tests of SGLang's state, set by the scheduler hook (None: no
+        # waits), and off after an error.
+        self.scheduler_idle: Callable[[], bool] | None = None
+        self.input_waiting: Callable[[], bool] | None = None
+        self._brief_wait_off = False
+        logger.info(
+            "KV migration ready on tp_rank=%d pp_rank=%d: paths %s, page_size=%d",
+            ctx.tp_rank,
+            ctx.pp_rank,
+            ", ".join(self.paths) or "none",
+            self.layout.page_size,
+        )
+
+    def _open_source_side(self) -> SourceTransfers:
+        """The source role: its transfers, with what a single-rank source has besides."""
+        single_rank = self.ctx.tp_size == 1 and self.ctx.pp_size == 1
+        transfers = SourceTransfers(
+            self.ctx,
             self.fingerprint,
             self.paths,
             self.metrics,
             self.server_epoch,
             self.signer,
             server_fingerprints={
-                (fp.tp_rank, fp.pp_rank): fp for fp in ctx.all_gather_world(self.fingerprint)
+                (fp.tp_rank, fp.pp_rank): fp for fp in self.ctx.all_gather_world(self.fingerprint)
             },
             max_tokens=self.layout.num_slots,
             deliverer=Deliverer(),
@@ -158,21 +192,8 @@ class MigrationSchedulerSide:
             # Feature "destination_digest": device destinations named by digest.
             destinations=KnownDestinations() if single_rank else None,
         )
-        self._destinations: dict[str, str] = {}  # path name -> destination digest
-        self._open_target_side(staging_bytes)
-        self._iteration = 0
-        self._poll_timed = False  # between `begin_poll` and `end_iteration`
-        self._poll_errors: set[str] = set()  # poll errors already logged with a traceback
-        # Offer the GIL to our helper threads once per busy iteration (see `poll`);
-        # benchmarks turn it off to show what it is for.
-        self.yield_gil = True
-        logger.info(
-            "KV migration ready on tp_rank=%d pp_rank=%d: paths %s, page_size=%d",
-            ctx.tp_rank,
-            ctx.pp_rank,
-            ", ".join(self.paths) or "none",
-            self.layout.page_size,
-        )
+        transfers.log_later = self.log_later
+        return transfers
 
     @property
     def transport(self) -> KVTransport:
@@ -254,6 +275,34 @@ class MigrationSchedulerSide:
                 return
             asked = channel.take()
 
+    def wait_briefly(self) -> bool:
+        """Before the iteration's poll, on a scheduler with nothing else to do: wait up
+        to `BRIEF_WAIT_S` for what this rank's transfers wait for (a target's allocate
+        reply, a copy's event; `SourceTransfers.awaited`), so the poll acts on it at once
+        instead of after another pass of SGLang's idle loop. Stops as soon as a request
+        for SGLang (`input_waiting`) or for this rank's allocate channel arrives. Waits
+        only when SGLang is idle (`scheduler_idle`) and no helper thread of ours needs
+        the GIL.
+        True when what it waited for is ready. Never raises."""
+        scheduler_idle, input_waiting = self.scheduler_idle, self.input_waiting
+        if self._brief_wait_off or scheduler_idle is None or input_waiting is None:
+            return False
+        try:
+            ready = self.transfers.awaited()
+            if ready is None or self._helpers_may_wait() or not scheduler_idle():
+                return False
+            channel = self.channel_allocations
+            if channel is not None:
+                own = channel.readable
+                interrupted = lambda: input_waiting() or own()  # noqa: E731
+            else:
+                interrupted = input_waiting
+            return spin_until(ready, interrupted, BRIEF_WAIT_S)
+        except Exception:  # a bug: stop waiting, never stop the scheduler
+            logger.exception("KV migration: brief waits off after an error")
+            self._brief_wait_off = True
+            return False
+
     def poll(self) -> list[Any]:
         """Once per scheduler loop iteration: finish transfers and staged commits, run the
         watchdog; closes the iteration's `loop_timer` account. Returns messages for the
@@ -286,6 +335,8 @@ class MigrationSchedulerSide:
             # gather. This is all the flag costs a server that migrates nothing, every
             # loop iteration: keep it to a few attribute reads (`bench_idle_poll.py`).
             timer.idle_iteration()
+            if self.log_later:  # the lines our moves kept back (`deferred_log.py`)
+                self.log_later.flush()
             return []
         timer.begin_poll()
         self._poll_timed = True
@@ -417,6 +468,7 @@ class MigrationSchedulerSide:
         self.memory_released = False
 
     def close(self) -> None:
+        self.log_later.flush()
         self.commits.close()  # no scatter may run into pools being released
         self.pending.abort_all()
         self.source_commits.close()
@@ -961,3 +1013,14 @@ def advertised_hostname(configured: str | None, server_host: str) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def spin_until(ready: Callable[[], bool], interrupted: Callable[[], bool], limit_s: float) -> bool:
+    """Busy-wait (the scheduler thread spins anyway when idle) until `ready()`, or until
+    `interrupted()` or `limit_s` passed; returns `ready()`'s last answer."""
+    deadline = time.perf_counter() + limit_s
+    while True:
+        if ready():
+            return True
+        if interrupted() or time.perf_counter() >= deadline:
+            return False

@@ -57,7 +57,7 @@ from sglang_kv_migration.paths.base import (
     SendRange,
     SendStats,
 )
-from sglang_kv_migration.paths.device import cuda_ipc, landing, page_copy, tiers
+from sglang_kv_migration.paths.device import cuda_ipc, landing, page_copy, page_lists, tiers
 from sglang_kv_migration.targets import DeviceTarget
 
 if TYPE_CHECKING:
@@ -129,8 +129,12 @@ class DevicePath(DataPath):
             )
         self._landing: landing.LandingArena | None = None
         self.landing_refusal = ""  # why a landing-mode rank has no arena now
+        self._page_lists: page_lists.PageListUpload | None = None
+        self._order_event: Any = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
+            self._page_lists = page_lists.PageListUpload(self.device)
+            self._order_event = torch.cuda.Event()
             self._gpu_uuid = cuda_ipc.gpu_uuid(self.device.index)
             self._src_ptrs = _pointer_table(self.buffers, self.device)
         self._open_destination()
@@ -387,7 +391,14 @@ class DevicePath(DataPath):
         prefix of it reads (the target's answer says from where)."""
         started = time.perf_counter()
         prefix = sglang_adapter.match_tiered_prefix(self.cache, input_ids, extra_key)
-        prepared = PreparedPrefix(input_ids, extra_key, prefix, TierPin.take(self.cache, prefix))
+        pin = TierPin.take(self.cache, prefix)
+        try:
+            # The device slots' GPU sync now, not once the target answered.
+            prefix.segments = tiers.segments_on_host(prefix.segments)
+        except BaseException:
+            pin.release()
+            raise
+        prepared = PreparedPrefix(input_ids, extra_key, prefix, pin)
         prepared.seconds = time.perf_counter() - started
         return prepared
 
@@ -494,32 +505,45 @@ class DevicePath(DataPath):
             )
         stream = self._stream
         # IMPORTANT: order the copy after every stream that may still write these pages
-        # (the scheduler's stream and HiCache's load-back), before reading them.
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        for other in sglang_adapter.pending_device_write_streams(self.cache):
-            stream.wait_stream(other)
+        # (the scheduler's stream and HiCache's load-back), before reading them. (One
+        # kept event: a wait takes the event's state when it is enqueued.)
+        for other in (
+            torch.cuda.current_stream(self.device),
+            *sglang_adapter.pending_device_write_streams(self.cache),
+        ):
+            self._order_event.record(other)
+            stream.wait_event(self._order_event)
         events: dict[str, tuple[Any, Any]] = {}
         with torch.cuda.stream(stream):
-            joined = np.concatenate([a for pair in lists for a in pair])
             # Through pinned memory: from pageable memory the driver may first wait for
             # the stream, which waits for the scheduler's stream (a forward pass in
-            # flight) and would block this thread that long. The caching host allocator
-            # keeps the block until the copy is done.
-            staged = torch.empty(joined.size, dtype=torch.int64, pin_memory=True)
-            staged.numpy()[:] = joined
-            on_device = staged.to(self.device, non_blocking=True)
-            offset = 0
-            for tier, (src_pages, dst_pages) in zip(plan.tiers, lists, strict=True):
-                middle, end = offset + src_pages.size, offset + src_pages.size + dst_pages.size
-                src_idx, dst_idx = on_device[offset:middle], on_device[middle:end]
-                offset = end
-                events[tier] = (_timed_event(), _timed_event())
-                events[tier][0].record(stream)
-                if tier == tiers.HOST_TIER:
-                    self._copy_host_pages(src_idx, dst, dst_idx)
+            # flight) and would block this thread that long.
+            on_device = self._page_lists.upload(np.concatenate([a for pair in lists for a in pair]))
+            launched = False
+            try:
+                offset = 0
+                for tier, (src_pages, dst_pages) in zip(plan.tiers, lists, strict=True):
+                    middle = offset + src_pages.size
+                    end = middle + dst_pages.size
+                    src_idx, dst_idx = on_device[offset:middle], on_device[middle:end]
+                    offset = end
+                    events[tier] = (_timed_event(), _timed_event())
+                    events[tier][0].record(stream)
+                    if tier == tiers.HOST_TIER:
+                        self._copy_host_pages(src_idx, dst, dst_idx)
+                    else:
+                        self._copy_device_pages(src_idx, dst, dst_idx, page_bytes)
+                    events[tier][1].record(stream)
+                launched = True
+            finally:
+                # IMPORTANT: the kept page lists are not rewritten before whatever this
+                # launch enqueued has read them, also when it failed halfway.
+                if launched:
+                    last = list(events.values())[-1][1]
                 else:
-                    self._copy_device_pages(src_idx, dst, dst_idx, page_bytes)
-                events[tier][1].record(stream)
+                    last = torch.cuda.Event()
+                    last.record(stream)
+                self._page_lists.used_until(last)
         ordered = list(events.values())
         return ordered[0][0], ordered[-1][1], events
 
@@ -707,6 +731,14 @@ class DeviceSendJob(SendJob):
         # giving the GIL up and waiting for it back (a landing arena: on every send).
         return self._end is None and self._opening is not None and not self._opening.done()
 
+    @property
+    def completion_event(self) -> Any:
+        # Launched and not verified: only the copy is left (a verify digest runs on a
+        # helper thread afterwards).
+        if self._end is None or self.error is not None or self.digest_pieces is not None:
+            return None
+        return self._end
+
     def poll_launch(self) -> bool:
         """Launch once the peer is open; True once launched. Raises what the launch does."""
         if self._end is None:
@@ -822,6 +854,7 @@ def prepare_tiered_send(
         prefix = sglang_adapter.match_tiered_prefix(
             cache, send.input_ids[: send.end], send.extra_key
         )
+        prefix.segments = tiers.segments_on_host(prefix.segments)  # one GPU sync
     send = send.cut_to(prefix.length, "on device or host")
     if send.end == send.start:
         return None

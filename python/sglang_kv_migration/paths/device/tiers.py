@@ -114,6 +114,26 @@ def pages_of(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     return torch.from_numpy(pages.copy() if page_size == 1 else pages)
 
 
+def segments_on_host(segments: Sequence[Segment]) -> list[Segment]:
+    """`segments` with their slots on the CPU (int64): the device ones in one copy, so
+    one GPU sync, where planning copies each when it reads it. A source does this while
+    the target allocates (`DevicePath.prepare_send`), not once the answer came. The
+    nodes must be pinned: their slots then cannot change."""
+    import torch
+
+    on_device = [i for i, seg in enumerate(segments) if seg.slots.device.type != "cpu"]
+    if not on_device:
+        return list(segments)
+    flat = [segments[i].slots.reshape(-1) for i in on_device]
+    host = (torch.cat(flat) if len(flat) > 1 else flat[0]).to("cpu", torch.int64)
+    result, offset = list(segments), 0
+    for i, part in zip(on_device, flat, strict=True):
+        n = int(part.numel())
+        result[i] = Segment(segments[i].tier, host[offset : offset + n])
+        offset += n
+    return result
+
+
 def _slots_np(slots: torch.Tensor) -> np.ndarray:
     # One copy to the host (device slots: one sync); the checks below are numpy, not a
     # dozen small torch ops (each costs microseconds on the scheduler thread).

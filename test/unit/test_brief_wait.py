@@ -1,0 +1,220 @@
+"""The scheduler's brief wait for what its transfers wait for (`scheduler_side.
+wait_briefly`, `SourceTransfers.awaited`, `spin_until`) and the log lines kept back
+until a rank is idle (`deferred_log.py`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from sglang_kv_migration.paths.device.path import DeviceSendJob
+from sglang_kv_migration.server import deferred_log, scheduler_side
+from sglang_kv_migration.server.deferred_log import DeferredLog
+from sglang_kv_migration.server.scheduler_side import spin_until
+from sglang_kv_migration.server.source_transfers import InflightTransfer, SourceTransfers
+
+
+class _Event:
+    """A CUDA event's `query` (done or not)."""
+
+    def __init__(self, done: bool = False):
+        self.done = done
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+
+class _Caller:
+    def __init__(self, waiting: int = 0, replied: bool = False):
+        self.waiting = waiting
+        self._replied = replied
+
+    def replied(self) -> bool:
+        return self._replied
+
+
+class _Job:
+    def __init__(self, event: Any):
+        self.completion_event = event
+
+
+def _transfers(caller: Any, inflight: list[InflightTransfer]) -> SourceTransfers:
+    # `awaited` reads only these attributes.
+    transfers = SourceTransfers.__new__(SourceTransfers)
+    transfers.caller = caller
+    transfers.inflight = inflight
+    transfers._to_prepare = []
+    return transfers
+
+
+def _inflight(job: Any = None, allocating: bytes = b"") -> InflightTransfer:
+    return InflightTransfer(request=SimpleNamespace(), started=0.0, job=job, allocating=allocating)
+
+
+def test_spin_until_returns_when_ready_interrupted_or_out_of_time() -> None:
+    calls = iter([False, False, True])
+    assert spin_until(lambda: next(calls), lambda: False, 1.0)
+    assert not spin_until(lambda: False, lambda: True, 1.0)  # a request came: stop
+    started = time.perf_counter()
+    assert not spin_until(lambda: False, lambda: False, 0.01)
+    assert 0.01 <= time.perf_counter() - started < 1.0  # bounded
+
+
+def test_awaited_covers_allocate_replies_and_copy_events_only() -> None:
+    event = _Event()
+    waiting_reply = _inflight(allocating=b"call")
+    copying = _inflight(job=_Job(event))
+    caller = _Caller(waiting=1)
+    ready = _transfers(caller, [waiting_reply, copying]).awaited()
+    assert ready is not None and not ready()
+    caller._replied = True
+    assert ready()  # the target answered
+    caller._replied = False
+    event.done = True
+    assert ready()  # the copy is done
+
+    only_copy = _transfers(_Caller(waiting=0), [_inflight(job=_Job(_Event(done=True)))]).awaited()
+    assert only_copy is not None and only_copy()
+
+    # Nothing to wait for, or something the poll must do or another thread does: None.
+    assert _transfers(_Caller(), []).awaited() is None
+    assert _transfers(None, [copying]).awaited() is None  # a multi-rank source
+    assert _transfers(_Caller(), [_inflight(job=_Job(None))]).awaited() is None  # host path
+    assert _transfers(_Caller(), [_inflight()]).awaited() is None  # failed or answered
+    prepared_next = _transfers(_Caller(waiting=1), [waiting_reply])
+    prepared_next._to_prepare = [waiting_reply]
+    assert prepared_next.awaited() is None
+
+
+def test_a_device_job_waits_only_on_its_copy_once_launched() -> None:
+    job = DeviceSendJob(pin=SimpleNamespace(release=lambda: None))
+    assert job.completion_event is None  # not launched
+    end = _Event()
+    job.launched(_Event(), end, {})
+    assert job.completion_event is end
+    job.digest_pieces = []  # verify: a digest on a helper thread follows the copy
+    assert job.completion_event is None
+
+
+def _side(ready: Any, idle: bool, input_waiting: Any, helpers: bool = False) -> Any:
+    side = scheduler_side.MigrationSchedulerSide.__new__(scheduler_side.MigrationSchedulerSide)
+    side.transfers = SimpleNamespace(awaited=lambda: ready)
+    side.channel_allocations = None
+    side.scheduler_idle = lambda: idle
+    side.input_waiting = input_waiting
+    side._brief_wait_off = False
+    side._helpers_may_wait = lambda: helpers
+    return side
+
+
+def test_wait_briefly_waits_only_on_an_idle_scheduler_and_stops_for_sglang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(scheduler_side, "BRIEF_WAIT_S", 0.05)
+    answers = iter([False, False, True])
+    assert _side(lambda: next(answers), True, lambda: False).wait_briefly()
+    # Busy (a batch runs), a helper thread needs the GIL, nothing awaited: no wait.
+    for side in (
+        _side(lambda: True, False, lambda: False),
+        _side(lambda: True, True, lambda: False, helpers=True),
+        _side(None, True, lambda: False),
+    ):
+        assert not side.wait_briefly()
+    # A request for SGLang ends the wait at once.
+    started = time.perf_counter()
+    assert not _side(lambda: False, True, lambda: True).wait_briefly()
+    assert time.perf_counter() - started < 0.05
+    # Without SGLang's state (set by the scheduler hook) it never waits.
+    side = _side(lambda: True, True, lambda: False)
+    side.input_waiting = None
+    assert not side.wait_briefly()
+
+
+def test_wait_briefly_turns_itself_off_after_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> bool:
+        raise RuntimeError("boom")
+
+    side = _side(broken, True, lambda: False)
+    with caplog.at_level(logging.ERROR):
+        assert not side.wait_briefly()
+    assert side._brief_wait_off and "brief waits off" in caplog.text
+    side.transfers = SimpleNamespace(awaited=lambda: lambda: True)
+    assert not side.wait_briefly()  # off: never waits again
+
+
+def test_deferred_lines_are_written_in_order_on_flush(caplog: pytest.LogCaptureFixture) -> None:
+    log = DeferredLog()
+    one, two = logging.getLogger("kvmig.test.one"), logging.getLogger("kvmig.test.two")
+    with caplog.at_level(logging.INFO):
+        log.info(one, "moved %d", 1)
+        log.info(two, "committed %s", "x")
+        assert len(log) == 2 and caplog.records == []  # kept back
+        log.flush()
+        assert [(r.name, r.getMessage()) for r in caplog.records] == [
+            ("kvmig.test.one", "moved 1"),
+            ("kvmig.test.two", "committed x"),
+        ]
+        assert len(log) == 0
+
+
+def test_deferred_lines_are_bounded_and_skipped_below_the_level(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(deferred_log, "MAX_KEPT", 3)
+    log = DeferredLog()
+    quiet = logging.getLogger("kvmig.test.quiet")
+    with caplog.at_level(logging.WARNING, logger="kvmig.test.quiet"):
+        log.info(quiet, "not kept")
+        assert len(log) == 0
+    loud = logging.getLogger("kvmig.test.loud")
+    with caplog.at_level(logging.INFO):
+        for i in range(3):
+            log.info(loud, "line %d", i)
+        assert len(log) == 0  # the third line reached the bound: all written
+        assert [r.getMessage() for r in caplog.records] == ["line 0", "line 1", "line 2"]
+
+
+def test_input_waiting_reads_sglangs_input_sockets_without_taking_anything() -> None:
+    import zmq
+    from sglang_kv_migration import sglang_adapter
+
+    context = zmq.Context()
+    try:
+        pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+        pull.bind("inproc://kvmig-brief-wait")
+        push.connect("inproc://kvmig-brief-wait")
+        # A later rank has no sockets (SGLang sets them to None): never waiting.
+        assert not sglang_adapter.input_waiting_check(
+            SimpleNamespace(recv_from_tokenizer=None, recv_from_rpc=None)
+        )()
+        waiting = sglang_adapter.input_waiting_check(
+            SimpleNamespace(recv_from_tokenizer=pull, recv_from_rpc=None)
+        )
+        assert not waiting()
+        push.send(b"request")
+        deadline = time.monotonic() + 5.0
+        while not waiting() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert waiting() and waiting()  # still there for SGLang to read
+        assert pull.recv(zmq.NOBLOCK) == b"request"
+        assert not waiting()
+    finally:
+        context.destroy(linger=0)
+
+
+def test_sglang_still_names_the_sockets_and_the_idle_test_the_adapter_reads() -> None:
+    import inspect
+
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang_kv_migration import sglang_adapter
+
+    source = inspect.getsource(Scheduler.init_ipc_channels)
+    assert "self.recv_from_tokenizer = " in source and "self.recv_from_rpc = " in source
+    scheduler = SimpleNamespace(is_fully_idle=lambda: False)
+    assert sglang_adapter.scheduler_idle_check(scheduler)() is False
+    assert callable(Scheduler.is_fully_idle)
