@@ -3,7 +3,7 @@
 # time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
 # session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..19, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..20, one device call each, kind nvidia-h200
 #
 # Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
 #   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|19}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|20}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -180,8 +180,18 @@ case $call in
     "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py" \
     "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
   ;;
+20)
+  # Where a one-page move's time goes after the target's answer at page 16 (the transfer
+  # reply's `answer`, `start`, `copy_wait`, `finish`, new in the sixth session of
+  # 2026-12-02): page 16 one page and 2K, then page 1 the same, eight repeats each. A
+  # fresh machine's first server start takes ~2.5 min: the sixth session's 230 s call
+  # ended before the rows.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:steps16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 --repeats 8 --no-host" \
+    "0:steps1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 2048 --repeats 8 --no-host"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|19" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|20" >&2
   exit 2
   ;;
 esac

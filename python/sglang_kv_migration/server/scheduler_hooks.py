@@ -113,7 +113,9 @@ def before_process_input_requests(scheduler: Any, recv_reqs: Any, *_: Any, **__:
 
 
 def after_process_input_requests(_result: None, scheduler: Any, recv_reqs: Any, *_: Any) -> None:
-    """Once per loop iteration, after the requests of the iteration were dispatched."""
+    """Once per loop iteration, after the requests of the iteration were dispatched: a
+    brief wait for what the source's transfers wait for (`wait_briefly`: only while
+    SGLang is idle), then the poll."""
     side = scheduler.kv_migration
     if side is not None:
         if side.transfers.inflight:  # (what an idle rank has in flight: nothing)

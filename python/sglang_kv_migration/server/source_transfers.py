@@ -102,6 +102,11 @@ class InflightTransfer:
     allocate_by: float = 0.0
     allocation: dict = dataclasses.field(default_factory=dict)
     allocated: float = 0.0  # when the poll that took the target's reply up began
+    # Where `replying` goes (monotonic): the answer taken up, the copy launched (or the
+    # transfer failed), the copy seen done.
+    answered: float = 0.0
+    launched: float = 0.0
+    finished: float = 0.0
     channel_error: str = ""  # why the target's channel could not be asked
     # Done while the target allocated (`SourceTransfers._prepare`): the path's part
     # (released here unless its job took it) and the digest of the request's ids.
@@ -342,7 +347,9 @@ class SourceTransfers:
                 inflight.error = MigrationError(ErrorKind.UNAVAILABLE, inflight.channel_error)
                 continue
             inflight.allocated = self._poll_started  # the poll that took the answer
+            inflight.answered = time.monotonic()
             error = error_of(functools.partial(self._allocated, inflight, reply))
+            inflight.launched = time.monotonic()
             if error is not None and inflight.error is None:
                 inflight.error = error
 
@@ -619,6 +626,7 @@ class SourceTransfers:
             if not all(s.done for s in statuses):
                 still_running.append(inflight)
                 continue
+            inflight.finished = time.monotonic()
             inflight.release()
             if inflight.allocating:  # failed before its target answered: not waited for
                 self.caller.forget(inflight.allocating)
@@ -739,6 +747,14 @@ class SourceTransfers:
         extra = {}
         if inflight.allocated:  # feature "source_allocate": the target's part of `waited`
             extra["allocate"] = ms(inflight.allocated - handled)
+            if inflight.answered and inflight.launched and inflight.finished:
+                # After the answer: its poll up to it (`answer`), the checks, match and
+                # launch (`start`), until the copy was seen done (`copy_wait`), then the
+                # receipts, the mailbox and the reply (`finish`).
+                extra["answer"] = ms(inflight.answered - max(inflight.allocated, handled))
+                extra["start"] = ms(inflight.launched - inflight.answered)
+                extra["copy_wait"] = ms(inflight.finished - inflight.launched)
+                extra["finish"] = ms(now - inflight.finished)
             # ... and of it the target's own steps (`queued`: behind other work there).
             target_steps = (inflight.allocation or {}).get("steps_ms")
             if isinstance(target_steps, dict):
