@@ -58,13 +58,14 @@ class Commits:
         staging: TargetStaging | None,
         bytes_per_token: int,
         reply_later: Callable[[Any, Any], None],
+        log_later: DeferredLog | None = None,
     ):
         self.ctx = ctx
         self.pending = pending
         self.signer = signer
         self.metrics = metrics
-        # Per-commit lines, written once idle (the scheduler side shares its own).
-        self.log_later = DeferredLog()
+        # Per-commit lines, written once idle (the scheduler side passes the one it flushes).
+        self.log_later = log_later if log_later is not None else DeferredLog()
         self.staging = staging
         self.bytes_per_token = bytes_per_token  # on this rank
         self._reply_later = reply_later

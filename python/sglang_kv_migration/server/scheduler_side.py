@@ -152,7 +152,6 @@ class MigrationSchedulerSide:
         self.transfers = self._open_source_side()
         self._destinations: dict[str, str] = {}  # path name -> destination digest
         self._open_target_side(staging_bytes)
-        self.commits.log_later = self.log_later
         self._iteration = 0
         self._poll_timed = False  # between `begin_poll` and `end_iteration`
         self._poll_errors: set[str] = set()  # poll errors already logged with a traceback
@@ -175,7 +174,7 @@ class MigrationSchedulerSide:
     def _open_source_side(self) -> SourceTransfers:
         """The source role: its transfers, with what a single-rank source has besides."""
         single_rank = self.ctx.tp_size == 1 and self.ctx.pp_size == 1
-        transfers = SourceTransfers(
+        return SourceTransfers(
             self.ctx,
             self.fingerprint,
             self.paths,
@@ -191,9 +190,8 @@ class MigrationSchedulerSide:
             caller=ChannelCaller() if single_rank else None,
             # Feature "destination_digest": device destinations named by digest.
             destinations=KnownDestinations() if single_rank else None,
+            log_later=self.log_later,
         )
-        transfers.log_later = self.log_later
-        return transfers
 
     @property
     def transport(self) -> KVTransport:
@@ -783,6 +781,7 @@ class MigrationSchedulerSide:
             self.staging,
             self.bytes_per_token,
             self._reply_later,
+            log_later=self.log_later,
         )
         self.source_commits = SourceCommits(
             self.ctx,

@@ -176,6 +176,7 @@ class SourceTransfers:
         deliverer: Deliverer | None = None,
         caller: ChannelCaller | None = None,
         destinations: KnownDestinations | None = None,
+        log_later: DeferredLog | None = None,
     ):
         self.ctx = ctx
         self.fingerprint = fingerprint
@@ -183,8 +184,8 @@ class SourceTransfers:
         self.server_fingerprints = server_fingerprints or {(ctx.tp_rank, ctx.pp_rank): fingerprint}
         self.paths = paths
         self.metrics = metrics
-        # Per-move lines, written once idle (the scheduler side shares its own).
-        self.log_later = DeferredLog()
+        # Per-move lines, written once idle (the scheduler side passes the one it flushes).
+        self.log_later = log_later if log_later is not None else DeferredLog()
         self.server_epoch = server_epoch  # this server's instance id (receipts name it)
         self.epoch_suffix = ""  # set on every KV memory resume (scheduler_side.py)
         self.signer = signer or grants.Signer(None)

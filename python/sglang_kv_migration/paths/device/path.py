@@ -519,7 +519,6 @@ class DevicePath(DataPath):
             # the stream, which waits for the scheduler's stream (a forward pass in
             # flight) and would block this thread that long.
             on_device = self._page_lists.upload(np.concatenate([a for pair in lists for a in pair]))
-            launched = False
             try:
                 offset = 0
                 for tier, (src_pages, dst_pages) in zip(plan.tiers, lists, strict=True):
@@ -534,17 +533,15 @@ class DevicePath(DataPath):
                     else:
                         self._copy_device_pages(src_idx, dst, dst_idx, page_bytes)
                     events[tier][1].record(stream)
-                launched = True
-            finally:
+            except BaseException:
                 # IMPORTANT: the kept page lists are not rewritten before whatever this
                 # launch enqueued has read them, also when it failed halfway.
-                if launched:
-                    last = list(events.values())[-1][1]
-                else:
-                    last = torch.cuda.Event()
-                    last.record(stream)
-                self._page_lists.used_until(last)
+                failed = torch.cuda.Event()
+                failed.record(stream)
+                self._page_lists.used_until(failed)
+                raise
         ordered = list(events.values())
+        self._page_lists.used_until(ordered[-1][1])
         return ordered[0][0], ordered[-1][1], events
 
     def _copy_device_pages(
