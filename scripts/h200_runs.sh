@@ -3,7 +3,7 @@
 # time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
 # session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..20, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..22, one device call each, kind nvidia-h200
 #
 # Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
 #   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|20}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|22}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -190,8 +190,26 @@ case $call in
     "0:steps16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 --repeats 8 --no-host" \
     "0:steps1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 2048 --repeats 8 --no-host"
   ;;
+21)
+  # Issue 21 after the source waits in the poll for the answer it prepared for and for
+  # the copy it started (first session of 2026-12-03: a one-page move replied a pass of
+  # SGLang's loop after its 60 us copy): page 16 then page 1 rows beside re-prefill
+  # (one page, 1K, 2K, 32K; five repeats) with two concurrency rounds each, then the
+  # device-path GPU tests at MHA page 16.
+  exec bash scripts/gpu_jobs.sh 570 \
+    "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 5 --no-host --concurrency-rounds 2" \
+    "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 32768 --repeats 5 --no-host --concurrency-rounds 2" \
+    "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+  ;;
+22)
+  # The device-path GPU tests at MHA page 16 that call 21's budget cut (flush, tiers
+  # host-only and half/half, batched moves, route metrics), on the code with the copy's
+  # launch stamped after the launch.
+  exec bash scripts/gpu_jobs.sh 400 \
+    "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py -k 'flush or only_on_host or half or batched or route_metrics'"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|20" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|22" >&2
   exit 2
   ;;
 esac

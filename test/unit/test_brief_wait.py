@@ -101,6 +101,38 @@ def test_a_device_job_waits_only_on_its_copy_once_launched() -> None:
     assert job.completion_event is None
 
 
+def _polled(started: int, wait: Any, prepare: bool = False) -> list[str]:
+    """The order of a poll's steps when its answers started `started` copies."""
+    steps: list[str] = []
+    asked = _inflight(allocating=b"call")
+    transfers = _transfers(_Caller(waiting=1), [asked])
+    transfers.polls = 0
+    transfers._to_prepare = [asked] if prepare else []
+    transfers._prepare_asked = lambda: steps.append("prepare")
+    transfers._take_allocations = lambda: steps.append("take") or started
+    transfers._finish_done = lambda: steps.append("finish")
+    transfers.wait_for_copies = wait if wait is None else lambda: steps.append("wait") or True
+    transfers.poll()
+    return steps
+
+
+def test_a_poll_waits_for_the_answers_it_prepared_for_and_the_copies_it_started() -> None:
+    # The copy of a one-page move is done within microseconds: this poll replies.
+    assert _polled(1, wait=True) == ["take", "wait", "finish"]
+    # The target allocates while the source prepares: its answer is taken in this poll.
+    assert _polled(1, wait=True, prepare=True) == ["prepare", "wait", "take", "wait", "finish"]
+    # Nothing prepared nor started (no answer yet, or it failed): the wait before the
+    # next poll; and no brief waits at all on a multi-rank source.
+    assert _polled(0, wait=True) == ["take", "finish"]
+    assert _polled(2, wait=None, prepare=True) == ["prepare", "take", "finish"]
+
+
+def test_the_scheduler_side_gives_its_transfers_its_brief_wait(side_factory: Any) -> None:
+    side = side_factory(page_size=16)
+    assert side.transfers.wait_for_copies == side.wait_briefly
+    assert not side.transfers.wait_for_copies()  # no SGLang state set yet: no wait
+
+
 def _side(ready: Any, idle: bool, input_waiting: Any, helpers: bool = False) -> Any:
     side = scheduler_side.MigrationSchedulerSide.__new__(scheduler_side.MigrationSchedulerSide)
     side.transfers = SimpleNamespace(awaited=lambda: ready)

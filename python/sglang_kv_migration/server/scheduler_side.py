@@ -78,11 +78,12 @@ logger = logging.getLogger(__name__)
 
 # The watchdog's collective runs every this many loop iterations while anything is pending.
 WATCHDOG_EVERY_ITERATIONS = 64
-# Longest an idle scheduler waits in one loop iteration for what its transfers wait for
-# (`wait_briefly`). A pass of SGLang's idle loop (pool checks, batch planning) takes
-# ~0.2 ms on an H200 server: each allocate reply and copy event waited half a pass on
-# average for the next poll, which the wait removes; the bound keeps every other duty
-# of the loop at most this late (a request for SGLang ends the wait at once).
+# Longest an idle scheduler waits at once for what its transfers wait for (`wait_briefly`:
+# before the iteration's poll, and in a poll that prepared moves or started copies). A
+# pass of SGLang's idle loop (pool checks, batch planning) takes ~0.2-0.6 ms on an H200
+# server: each allocate reply and copy event waited for the next poll, which the waits
+# remove; the bound keeps every other duty of the loop at most this late per wait (a
+# request for SGLang ends a wait at once).
 BRIEF_WAIT_S = 0.002
 
 # How many distinct poll errors are remembered (each logged once with its traceback).
@@ -150,6 +151,7 @@ class MigrationSchedulerSide:
         # One list of kept-back log lines for the source and the target parts.
         self.log_later = DeferredLog()
         self.transfers = self._open_source_side()
+        self.transfers.wait_for_copies = self.wait_briefly
         self._destinations: dict[str, str] = {}  # path name -> destination digest
         self._open_target_side(staging_bytes)
         self._iteration = 0

@@ -199,6 +199,9 @@ class SourceTransfers:
         self._to_prepare: list[InflightTransfer] = []  # asked their target this iteration
         self.polls = 0  # `poll()` calls with transfers in flight
         self._poll_started = 0.0  # when the current `poll()` began
+        # The scheduler side's brief wait (`MigrationSchedulerSide.wait_briefly`), run
+        # in a poll that prepared moves or started copies: None for none (multi-rank).
+        self.wait_for_copies: Callable[[], bool] | None = None
 
     def epoch_of(self, weight_version: str) -> str:
         """The epoch replies carry: instance, KV memory generation and weights."""
@@ -310,17 +313,23 @@ class SourceTransfers:
         for target in req.target_per_rank:
             self.destinations.resolve(target)
 
-    def _take_allocations(self) -> None:
+    def _take_allocations(self) -> int:
         """Start the transfers whose target answered their allocate; fail those it did
         not answer in time (a late allocation is freed by the target's watchdog). The
         copies of the transfers started here launch together (`launching_together`):
-        moves sent at once are answered together, and each launch costs ~1 ms."""
+        moves sent at once are answered together, and each launch costs ~1 ms. Returns
+        how many started without an error."""
         with contextlib.ExitStack() as together:
             for path in self.paths.values():
                 together.enter_context(path.launching_together())
-            self._start_answered()
+            answered = self._start_answered()
+        launched = time.monotonic()  # (the block's end launched their copies)
+        for inflight in answered:
+            inflight.launched = launched
+        return sum(inflight.error is None for inflight in answered)
 
-    def _start_answered(self) -> None:
+    def _start_answered(self) -> list[InflightTransfer]:
+        answered: list[InflightTransfer] = []
         replies = dict(self.caller.replies())
         gone = set(self.caller.gone())
         now = time.monotonic()
@@ -350,9 +359,10 @@ class SourceTransfers:
             inflight.allocated = self._poll_started  # the poll that took the answer
             inflight.answered = time.monotonic()
             error = error_of(functools.partial(self._allocated, inflight, reply))
-            inflight.launched = time.monotonic()
             if error is not None and inflight.error is None:
                 inflight.error = error
+            answered.append(inflight)
+        return answered
 
     def _keep_allocation(self, inflight: InflightTransfer, reply: bytes) -> None:
         inflight.allocation = _allocation_of(reply)
@@ -407,10 +417,21 @@ class SourceTransfers:
         if self.inflight:
             self.polls += 1
             self._poll_started = time.monotonic()
-            if self._to_prepare:
+            wait = self.wait_for_copies
+            prepared = bool(self._to_prepare)
+            if prepared:
                 self._prepare_asked()
             if self.caller is not None and self.caller.waiting:
-                self._take_allocations()
+                if prepared and wait is not None:
+                    # The target allocates meanwhile (~1 ms on one host): its answer is
+                    # taken in this poll, not after another pass of SGLang's loop.
+                    wait()
+                if self._take_allocations() and wait is not None:
+                    # A copy started now is often done within microseconds (one page:
+                    # ~60 us on an H200): waiting for it here lets this poll reply,
+                    # where the next poll came after a pass of SGLang's loop (0.4-0.65
+                    # ms of a one-page move's `copy_wait`, H200 2026-12-03).
+                    wait()
             if any(t.waiting for t in self.inflight):
                 # A collective: `waiting` is the same on every rank.
                 self.ctx.tree_cache.writing_check()
