@@ -3,7 +3,7 @@
 # time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
 # session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..22, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..23, one device call each, kind nvidia-h200
 #
 # Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
 #   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|22}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|23}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -204,12 +204,24 @@ case $call in
 22)
   # The device-path GPU tests at MHA page 16 that call 21's budget cut (flush, tiers
   # host-only and half/half, batched moves, route metrics), on the code with the copy's
-  # launch stamped after the launch.
+  # launch stamped after the launch. (Run on 2026-12-03 as `gpu_jobs.sh 165` with the
+  # same job: 165 s of device time were left.)
   exec bash scripts/gpu_jobs.sh 400 \
     "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py -k 'flush or only_on_host or half or batched or route_metrics'"
   ;;
+23)
+  # Waiting from the first session of 2026-12-03 (its budget ran out): the whole
+  # device-path GPU test file at MHA page 16 on the code where a tier's first launch is
+  # no rate sample (call 22 failed the route-metrics test: the host-tier kernel's
+  # compile counted as a 1.6 GB/s copy), then the memory-saver test (the landing
+  # arena's moves with the in-poll waits), then the device-path tests at MLA page 64.
+  exec bash scripts/gpu_jobs.sh 570 \
+    "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py" \
+    "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py" \
+    "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|22" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|23" >&2
   exit 2
   ;;
 esac

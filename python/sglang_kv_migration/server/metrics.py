@@ -26,7 +26,9 @@ the same way SGLang's scheduler metrics do. Names follow SGLang's `sglang:` pref
   `sglang:kv_migration_route_seconds_total{path, route}` — source, per successful send:
   the bytes this rank moved on each route (`paths.base.ROUTE_NAMES`: `gpu_to_gpu`,
   `host_to_gpu`, `landing`, `host_to_host`) and the time moving them took (the device
-  path's per-tier copy events, the host path's wire time): each route's rate.
+  path's per-tier copy events, the host path's wire time): each route's rate. One-offs
+  are no sample, their time counts as fixed: a device-path copy that is the first into
+  a kept peer mapping, or the first of its tier in the process (its kernel compiles).
 - `sglang:kv_migration_fixed_seconds{path}` — source, per successful send: the transfer
   phase minus the routes' time (opening the peer, pinning, planning, queueing, polling):
   the source's part of a migration's fixed cost on that path. The cost model

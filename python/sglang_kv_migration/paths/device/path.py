@@ -112,6 +112,7 @@ class DevicePath(DataPath):
         self.page_bytes = [rb * self.page_size for rb in self.row_bytes]
         # Inside `launching_together`: the launches its sends queued (None outside).
         self._together: list[_QueuedLaunch] | None = None
+        self._warm_tiers: set[str] = set()  # tiers some launch of this path copied
         self.instance_id = uuid.uuid4().hex  # a restarted server is a new peer
         self._peers = cuda_ipc.PeerBuffers()
         # The target role (reserve / release / insert) needs no CUDA: CPU tests run it on
@@ -355,6 +356,7 @@ class DevicePath(DataPath):
                 self._together.append(_QueuedLaunch(tiered.plan, dst, job))
                 job.queue_launch()
                 return
+            job.cold_tiers = self._cold_tiers(tiered.plan)
             job.launched(*self._launch(tiered.plan, dst))
 
         job.launch_when(opening, launch)
@@ -472,6 +474,7 @@ class DevicePath(DataPath):
             plans = [q.plan for q in group]
             try:
                 plan = tiers.merge_plans(plans) if len(plans) > 1 else plans[0]
+                cold = self._cold_tiers(plan)
                 events = self._launch(plan, group[0].dst)
             except Exception as e:  # every send of the group fails; none may be copying
                 if self._stream is not None:
@@ -482,8 +485,18 @@ class DevicePath(DataPath):
             seconds = time.perf_counter() - started
             tier_bytes = {t: plan.tokens(t) * self.bytes_per_token for t in plan.tiers}
             for q in group:
+                q.job.cold_tiers = cold
                 q.job.launched(*events, group_tier_bytes=tier_bytes if len(group) > 1 else None)
                 q.job.stats.steps["launch"] = q.job.stats.steps.get("launch", 0.0) + seconds
+
+    def _cold_tiers(self, plan: tiers.TierPlan) -> frozenset[str]:
+        """The tiers `plan` copies that no earlier launch of this path copied (now warm).
+        A copy kernel's first launch in a process compiles it, or loads it from Triton's
+        cache, inside the copy's events: the first host-tier copy on a fresh H200 took 42
+        ms for 33 MB (2026-12-03), which as a rate sample taught the cost model 1.6 GB/s."""
+        cold = frozenset(tier for tier in plan.tiers if tier not in self._warm_tiers)
+        self._warm_tiers.update(cold)
+        return cold
 
     def _launch(
         self, plan: tiers.TierPlan, dst: cuda_ipc.OpenedPeer
@@ -688,6 +701,7 @@ class DeviceSendJob(SendJob):
         self.tier_bytes: dict[str, int] = {}  # bytes read from each source tier
         self.into_landing = False  # the target is a landing arena (memory saver)
         self.first_into_mapping = False  # the first copy into a kept peer mapping
+        self.cold_tiers: frozenset[str] = frozenset()  # tiers whose kernel ran first here
         # Launched with other sends (`DevicePath.launching_together`): the bytes of the
         # whole launch per tier, so this send's share of its events' time is known.
         self._group_tier_bytes: dict[str, int] | None = None
@@ -783,13 +797,16 @@ class DeviceSendJob(SendJob):
             if nbytes
         }
         if self.into_landing:  # one route, whichever tier: the target copies it again
-            self.stats.routes = {ROUTE_LANDING: (self.stats.bytes, self.stats.seconds)}
+            landing = {ROUTE_LANDING: (self.stats.bytes, self.stats.seconds)}
+            self.stats.routes = {} if self.cold_tiers else landing
         elif self.first_into_mapping:
             # The first copy into a peer's kept mapping has taken up to 80 ms on the
             # H200 whatever its size (the first migration of a server pair; the cause
             # is not established): a one-off, so it is this send's fixed cost
             # (`/metrics`), not a sample of the routes' rates.
             self.stats.routes = {}
+        for tier in self.cold_tiers:  # its kernel's first launch (`_cold_tiers`): no sample
+            self.stats.routes.pop(_TIER_ROUTES[tier], None)
         return KVPoll.SUCCESS
 
     def _share(self, tier: str | None = None) -> float:
