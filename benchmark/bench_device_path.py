@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -113,6 +114,11 @@ def main() -> None:
         "(row 6: a client that does not name it by digest)",
     )  # fmt: skip
     parser.add_argument(
+        "--compare-env", action="append", default=[], metavar="NAME=VALUE",
+        help="then the same rounds on a fresh server pair started with NAME=VALUE in its "
+        "environment (e.g. SGLANG_KV_MIGRATION_WAIT_IN_POLL=0): side by side in one run",
+    )  # fmt: skip
+    parser.add_argument(
         "--concurrency-rounds", type=int, default=0,
         help="after the rows, N rounds of bench_any_tier.py's concurrency on these servers "
         "(six 8K moves from six threads, then in one migrate_many, against one)",
@@ -154,6 +160,52 @@ def main() -> None:
         "full_destination_rows": args.full_destination,
         "two_trip_rows": args.two_trips,
     }
+    started = time.monotonic()
+    runs = {"": _run_pair(args, model_dir, specs, lengths, repeats, calibration, config)}
+    for assignment in args.compare_env:
+        # The same rounds on a fresh pair started with one more variable in its
+        # environment (the servers inherit this process's): side by side in one run.
+        name, _, value = assignment.partition("=")
+        before = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            runs[assignment] = _run_pair(args, model_dir, specs, lengths, repeats, None, {})
+        finally:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+    main_run = runs.pop("")
+    result = {
+        "config": config,
+        **main_run,
+        "calibration": calibration.report() if calibration is not None else None,
+        "compare_env": runs,
+        "wall_s": time.monotonic() - started,
+    }
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / "bench_device_path.json").write_text(json.dumps(result, indent=1))
+    _print_tables(main_run["medians"], config, across_gpus)
+    for assignment, run in runs.items():
+        print(f"\nThe same rounds on servers started with {assignment}:", flush=True)
+        _print_tables(run["medians"], config, across_gpus)
+    if calibration is not None:
+        calibration.print_table()
+    print(f"\nwall time {result['wall_s']:.0f} s", flush=True)
+
+
+def _run_pair(
+    args: argparse.Namespace,
+    model_dir: Path,
+    specs: list[ServerSpec],
+    lengths: list[int],
+    repeats: int,
+    calibration: _Calibration | None,
+    config: dict[str, Any],
+) -> dict[str, Any]:
+    """Start the two servers, run the warm-up, every row and the concurrency rounds;
+    returns them with the medians (`config` gets the start-up time)."""
+    across_gpus = args.target_gpu != 0
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
     warmup: dict[str, Any] = {}
@@ -197,21 +249,7 @@ def main() -> None:
             for _ in range(args.concurrency_rounds):
                 concurrency.append(_concurrency(client, source, target, 6, 8192, rng))
     summary = [_median_row(n, [r for r in rows if r["tokens"] == n]) for n in lengths]
-    result = {
-        "config": config,
-        "warmup": warmup,
-        "calibration": calibration.report() if calibration is not None else None,
-        "concurrency": concurrency,
-        "rows": rows,
-        "medians": summary,
-        "wall_s": time.monotonic() - started,
-    }
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    (OUT_DIR / "bench_device_path.json").write_text(json.dumps(result, indent=1))
-    _print_tables(summary, config, across_gpus)
-    if calibration is not None:
-        calibration.print_table()
-    print(f"\nwall time {result['wall_s']:.0f} s", flush=True)
+    return {"warmup": warmup, "concurrency": concurrency, "rows": rows, "medians": summary}
 
 
 class _Calibration:

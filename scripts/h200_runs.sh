@@ -3,7 +3,7 @@
 # time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
 # session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..23, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..24, one device call each, kind nvidia-h200
 #
 # Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
 #   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|23}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|24}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -220,8 +220,17 @@ case $call in
     "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py" \
     "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
   ;;
+24)
+  # Whether the in-poll waits (first session of 2026-12-03) pay, side by side in one run:
+  # page 16 rows (one page, 2K, 32K; five repeats) and two concurrency rounds, then the
+  # same on a fresh pair started with SGLANG_KV_MIGRATION_WAIT_IN_POLL=0 (waits only
+  # before the poll, as before). Calls 20 and 21 ran on different machines and could
+  # not tell.
+  exec bash scripts/gpu_jobs.sh 570 \
+    "0:ab16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 32768 --repeats 5 --no-host --concurrency-rounds 2 --compare-env SGLANG_KV_MIGRATION_WAIT_IN_POLL=0"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|23" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|24" >&2
   exit 2
   ;;
 esac

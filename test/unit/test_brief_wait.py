@@ -127,10 +127,15 @@ def test_a_poll_waits_for_the_answers_it_prepared_for_and_the_copies_it_started(
     assert _polled(2, wait=None, prepare=True) == ["prepare", "take", "finish"]
 
 
-def test_the_scheduler_side_gives_its_transfers_its_brief_wait(side_factory: Any) -> None:
+def test_the_scheduler_side_gives_its_transfers_its_brief_wait(
+    side_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     side = side_factory(page_size=16)
     assert side.transfers.wait_for_copies == side.wait_briefly
     assert not side.transfers.wait_for_copies()  # no SGLang state set yet: no wait
+    # Off for a side-by-side measurement: waits only before the poll.
+    monkeypatch.setenv(scheduler_side.WAIT_IN_POLL_ENV, "0")
+    assert side_factory(page_size=16).transfers.wait_for_copies is None
 
 
 def _side(ready: Any, idle: bool, input_waiting: Any, helpers: bool = False) -> Any:

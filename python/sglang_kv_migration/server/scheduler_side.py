@@ -85,6 +85,9 @@ WATCHDOG_EVERY_ITERATIONS = 64
 # remove; the bound keeps every other duty of the loop at most this late per wait (a
 # request for SGLang ends a wait at once).
 BRIEF_WAIT_S = 0.002
+# "0" in a server's environment: no brief waits inside the poll, only before it (for
+# `bench_device_path.py --compare-env`: both variants side by side in one run).
+WAIT_IN_POLL_ENV = "SGLANG_KV_MIGRATION_WAIT_IN_POLL"
 
 # How many distinct poll errors are remembered (each logged once with its traceback).
 MAX_DISTINCT_POLL_ERRORS = 64
@@ -151,7 +154,8 @@ class MigrationSchedulerSide:
         # One list of kept-back log lines for the source and the target parts.
         self.log_later = DeferredLog()
         self.transfers = self._open_source_side()
-        self.transfers.wait_for_copies = self.wait_briefly
+        if os.environ.get(WAIT_IN_POLL_ENV, "1") != "0":  # off: to measure what it gives
+            self.transfers.wait_for_copies = self.wait_briefly
         self._destinations: dict[str, str] = {}  # path name -> destination digest
         self._open_target_side(staging_bytes)
         self._iteration = 0
