@@ -111,7 +111,7 @@ def _polled(started: int, wait: Any, prepare: bool = False) -> list[str]:
     transfers._prepare_asked = lambda: steps.append("prepare")
     transfers._take_allocations = lambda: steps.append("take") or started
     transfers._finish_done = lambda: steps.append("finish")
-    transfers.wait_for_copies = wait if wait is None else lambda: steps.append("wait") or True
+    transfers.brief_wait = wait if wait is None else lambda: steps.append("wait") or True
     transfers.poll()
     return steps
 
@@ -131,11 +131,11 @@ def test_the_scheduler_side_gives_its_transfers_its_brief_wait(
     side_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     side = side_factory(page_size=16)
-    assert side.transfers.wait_for_copies == side.wait_briefly
-    assert not side.transfers.wait_for_copies()  # no SGLang state set yet: no wait
+    assert side.transfers.brief_wait == side.wait_briefly
+    assert not side.transfers.brief_wait()  # no SGLang state set yet: no wait
     # Off for a side-by-side measurement: waits only before the poll.
     monkeypatch.setenv(scheduler_side.WAIT_IN_POLL_ENV, "0")
-    assert side_factory(page_size=16).transfers.wait_for_copies is None
+    assert side_factory(page_size=16).transfers.brief_wait is None
 
 
 def _side(ready: Any, idle: bool, input_waiting: Any, helpers: bool = False) -> Any:

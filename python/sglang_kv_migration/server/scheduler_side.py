@@ -155,7 +155,7 @@ class MigrationSchedulerSide:
         self.log_later = DeferredLog()
         self.transfers = self._open_source_side()
         if os.environ.get(WAIT_IN_POLL_ENV, "1") != "0":  # off: to measure what it gives
-            self.transfers.wait_for_copies = self.wait_briefly
+            self.transfers.brief_wait = self.wait_briefly
         self._destinations: dict[str, str] = {}  # path name -> destination digest
         self._open_target_side(staging_bytes)
         self._iteration = 0

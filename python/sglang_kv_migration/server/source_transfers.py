@@ -201,7 +201,7 @@ class SourceTransfers:
         self._poll_started = 0.0  # when the current `poll()` began
         # The scheduler side's brief wait (`MigrationSchedulerSide.wait_briefly`), run
         # in a poll that prepared moves or started copies: None for none (multi-rank).
-        self.wait_for_copies: Callable[[], bool] | None = None
+        self.brief_wait: Callable[[], bool] | None = None
 
     def epoch_of(self, weight_version: str) -> str:
         """The epoch replies carry: instance, KV memory generation and weights."""
@@ -417,7 +417,7 @@ class SourceTransfers:
         if self.inflight:
             self.polls += 1
             self._poll_started = time.monotonic()
-            wait = self.wait_for_copies
+            wait = self.brief_wait
             prepared = bool(self._to_prepare)
             if prepared:
                 self._prepare_asked()
@@ -427,10 +427,9 @@ class SourceTransfers:
                     # taken in this poll, not after another pass of SGLang's loop.
                     wait()
                 if self._take_allocations() and wait is not None:
-                    # A copy started now is often done within microseconds (one page:
-                    # ~60 us on an H200): waiting for it here lets this poll reply,
-                    # where the next poll came after a pass of SGLang's loop (0.4-0.65
-                    # ms of a one-page move's `copy_wait`, H200 2026-12-03).
+                    # A small copy is done within tens of microseconds (one page: ~60
+                    # us on an H200): waiting for it here lets this poll reply, where
+                    # the next poll came after a pass of SGLang's loop (0.2-0.6 ms).
                     wait()
             if any(t.waiting for t in self.inflight):
                 # A collective: `waiting` is the same on every rank.
