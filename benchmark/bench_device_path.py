@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from sglang_kv_migration.client.migration import MigrationClient
 from sglang_kv_migration.server import profiling, thread_costs
@@ -166,15 +167,8 @@ def main() -> None:
         # The same rounds on a fresh pair started with one more variable in its
         # environment (the servers inherit this process's): side by side in one run.
         name, _, value = assignment.partition("=")
-        before = os.environ.get(name)
-        os.environ[name] = value
-        try:
+        with mock.patch.dict(os.environ, {name: value}):
             runs[assignment] = _run_pair(args, model_dir, specs, lengths, repeats, None, {})
-        finally:
-            if before is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = before
     main_run = runs.pop("")
     result = {
         "config": config,

@@ -429,7 +429,7 @@ class SourceTransfers:
                 if self._take_allocations() and wait is not None:
                     # A small copy is done within tens of microseconds (one page: ~60
                     # us on an H200): waiting for it here lets this poll reply, where
-                    # the next poll came after a pass of SGLang's loop (0.2-0.6 ms).
+                    # the next poll came after a pass of SGLang's loop (~0.2 ms).
                     wait()
             if any(t.waiting for t in self.inflight):
                 # A collective: `waiting` is the same on every rank.

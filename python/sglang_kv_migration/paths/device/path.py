@@ -791,10 +791,11 @@ class DeviceSendJob(SendJob):
         self.stats.seconds = self._start.elapsed_time(self._end) / 1e3 * self._share()
         for tier, (start, end) in self._tier_events.items():
             self.stats.steps[f"copy_{tier}"] = start.elapsed_time(end) / 1e3 * self._share(tier)
+        # A tier whose kernel ran first in this launch (`_cold_tiers`) is no sample.
         self.stats.routes = {
             _TIER_ROUTES[tier]: (nbytes, self.stats.steps.get(f"copy_{tier}", 0.0))
             for tier, nbytes in self.tier_bytes.items()
-            if nbytes
+            if nbytes and tier not in self.cold_tiers
         }
         if self.into_landing:  # one route, whichever tier: the target copies it again
             landing = {ROUTE_LANDING: (self.stats.bytes, self.stats.seconds)}
@@ -805,8 +806,6 @@ class DeviceSendJob(SendJob):
             # is not established): a one-off, so it is this send's fixed cost
             # (`/metrics`), not a sample of the routes' rates.
             self.stats.routes = {}
-        for tier in self.cold_tiers:  # its kernel's first launch (`_cold_tiers`): no sample
-            self.stats.routes.pop(_TIER_ROUTES[tier], None)
         return KVPoll.SUCCESS
 
     def _share(self, tier: str | None = None) -> float:
