@@ -3,7 +3,7 @@
 # time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
 # session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..24, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..25, one device call each, kind nvidia-h200
 #
 # Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
 #   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|24}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|25}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -229,8 +229,17 @@ case $call in
   exec bash scripts/gpu_jobs.sh 570 \
     "0:ab16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 32768 --repeats 5 --no-host --concurrency-rounds 2 --compare-env SGLANG_KV_MIGRATION_WAIT_IN_POLL=0"
   ;;
+25)
+  # Second session of 2026-12-03: moves sent together ask their targets before any is
+  # prepared (SourceTransfers._defer_prepare), side by side in one run with that off
+  # (SGLANG_KV_MIGRATION_ASK_FIRST=0) and with the in-poll waits off
+  # (SGLANG_KV_MIGRATION_WAIT_IN_POLL=0): page 16, one page and 8K rows, three
+  # concurrency rounds on each pair. `python3 benchmark/read_concurrency.py` reads it.
+  exec bash scripts/gpu_jobs.sh 570 \
+    "0:ask16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 8192 --repeats 5 --no-host --concurrency-rounds 3 --compare-env SGLANG_KV_MIGRATION_ASK_FIRST=0 --compare-env SGLANG_KV_MIGRATION_WAIT_IN_POLL=0"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|24" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|25" >&2
   exit 2
   ;;
 esac

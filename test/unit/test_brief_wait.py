@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from sglang_kv_migration.paths.device.path import DeviceSendJob
-from sglang_kv_migration.server import deferred_log, scheduler_side
+from sglang_kv_migration.server import deferred_log, scheduler_side, source_transfers
 from sglang_kv_migration.server.deferred_log import DeferredLog
 from sglang_kv_migration.server.scheduler_side import spin_until
 from sglang_kv_migration.server.source_transfers import InflightTransfer, SourceTransfers
@@ -49,6 +49,8 @@ def _transfers(caller: Any, inflight: list[InflightTransfer]) -> SourceTransfers
     transfers.caller = caller
     transfers.inflight = inflight
     transfers._to_prepare = []
+    transfers.requests_waiting = None
+    transfers._prepare_deferred = 0
     return transfers
 
 
@@ -127,6 +129,42 @@ def test_a_poll_waits_for_the_answers_it_prepared_for_and_the_copies_it_started(
     assert _polled(2, wait=None, prepare=True) == ["prepare", "take", "finish"]
 
 
+def test_a_poll_leaves_its_prepares_while_requests_wait_for_a_bounded_number_of_polls() -> None:
+    """Moves sent together ask their targets first (their handlers run once the poll
+    returns); the prepares follow in a later poll, at the latest after
+    `PREPARE_DEFER_POLLS` polls in a row that found requests waiting."""
+    steps: list[str] = []
+    asked = _inflight(allocating=b"call")
+    transfers = _transfers(_Caller(waiting=1), [asked])
+    transfers.polls = 0
+    transfers.brief_wait = None
+    transfers._prepare_asked = lambda: steps.append("prepare") or transfers._to_prepare.clear()
+    transfers._take_allocations = lambda: steps.append("take") and 0
+    transfers._finish_done = lambda: None
+    waiting = [True]
+    transfers.requests_waiting = lambda: waiting[0]
+    transfers._to_prepare = [asked]
+    for _ in range(source_transfers.PREPARE_DEFER_POLLS):
+        transfers.poll()
+    assert steps == ["take"] * source_transfers.PREPARE_DEFER_POLLS  # asked, not prepared
+    assert transfers._to_prepare == [asked]  # kept for a later poll
+    transfers.poll()  # bounded: prepares although requests still wait
+    assert steps[-2:] == ["prepare", "take"]
+    # Once the input is drained a poll prepares at once, and the count starts again.
+    steps.clear()
+    waiting[0] = False
+    transfers._to_prepare = [asked]
+    transfers.poll()
+    assert steps == ["prepare", "take"] and transfers._prepare_deferred == 0
+    # Without the test (multi-rank, or turned off) nothing is left for later.
+    steps.clear()
+    waiting[0] = True
+    transfers.requests_waiting = None
+    transfers._to_prepare = [asked]
+    transfers.poll()
+    assert steps == ["prepare", "take"]
+
+
 def test_the_scheduler_side_gives_its_transfers_its_brief_wait(
     side_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -136,6 +174,35 @@ def test_the_scheduler_side_gives_its_transfers_its_brief_wait(
     # Off for a side-by-side measurement: waits only before the poll.
     monkeypatch.setenv(scheduler_side.WAIT_IN_POLL_ENV, "0")
     assert side_factory(page_size=16).transfers.brief_wait is None
+
+
+def test_the_scheduler_side_gives_its_transfers_its_input_test(
+    side_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    side = side_factory(page_size=16)
+    assert side.transfers.caller is not None  # a single-rank source
+    assert side.transfers.requests_waiting == side.requests_waiting
+    assert not side.requests_waiting()  # no SGLang state set yet
+    monkeypatch.setenv(scheduler_side.ASK_FIRST_ENV, "0")
+    assert side_factory(page_size=16).transfers.requests_waiting is None
+
+
+def test_requests_waiting_only_on_an_idle_scheduler_and_off_after_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert _side(None, True, lambda: True).requests_waiting()
+    assert not _side(None, False, lambda: True).requests_waiting()  # a batch runs
+    assert not _side(None, True, lambda: False).requests_waiting()
+
+    def broken() -> bool:
+        raise RuntimeError("boom")
+
+    side = _side(None, True, broken)
+    with caplog.at_level(logging.ERROR):
+        assert not side.requests_waiting()
+    assert side._brief_wait_off
+    side.input_waiting = lambda: True
+    assert not side.requests_waiting()  # off
 
 
 def _side(ready: Any, idle: bool, input_waiting: Any, helpers: bool = False) -> Any:

@@ -88,6 +88,9 @@ BRIEF_WAIT_S = 0.002
 # "0" in a server's environment: no brief waits inside the poll, only before it (for
 # `bench_device_path.py --compare-env`: both variants side by side in one run).
 WAIT_IN_POLL_ENV = "SGLANG_KV_MIGRATION_WAIT_IN_POLL"
+# "0": a poll prepares the moves it asked for even while more requests wait (as before
+# `SourceTransfers._defer_prepare`), for the same side-by-side measurement.
+ASK_FIRST_ENV = "SGLANG_KV_MIGRATION_ASK_FIRST"
 
 # How many distinct poll errors are remembered (each logged once with its traceback).
 MAX_DISTINCT_POLL_ERRORS = 64
@@ -156,6 +159,8 @@ class MigrationSchedulerSide:
         self.transfers = self._open_source_side()
         if os.environ.get(WAIT_IN_POLL_ENV, "1") != "0":  # off: to measure what it gives
             self.transfers.brief_wait = self.wait_briefly
+        if os.environ.get(ASK_FIRST_ENV, "1") != "0" and self.transfers.caller is not None:
+            self.transfers.requests_waiting = self.requests_waiting
         self._destinations: dict[str, str] = {}  # path name -> destination digest
         self._open_target_side(staging_bytes)
         self._iteration = 0
@@ -303,6 +308,21 @@ class MigrationSchedulerSide:
                 interrupted = input_waiting
             return spin_until(ready, interrupted, BRIEF_WAIT_S)
         except Exception:  # a bug: stop waiting, never stop the scheduler
+            logger.exception("KV migration: brief waits off after an error")
+            self._brief_wait_off = True
+            return False
+
+    def requests_waiting(self) -> bool:
+        """Whether requests wait on this rank's input while SGLang is idle (then they are
+        likely more migrations sent together: `SourceTransfers._defer_prepare`). False
+        without SGLang's state (set by the scheduler hook) and after an error. Never
+        raises."""
+        scheduler_idle, input_waiting = self.scheduler_idle, self.input_waiting
+        if self._brief_wait_off or scheduler_idle is None or input_waiting is None:
+            return False
+        try:
+            return input_waiting() and scheduler_idle()
+        except Exception:  # a bug: stop looking, never stop the scheduler
             logger.exception("KV migration: brief waits off after an error")
             self._brief_wait_off = True
             return False

@@ -57,6 +57,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Polls in a row that may leave their prepares while requests wait (`_defer_prepare`):
+# enough for moves sent together, bounded for a scheduler whose input never runs dry.
+PREPARE_DEFER_POLLS = 3
+
 
 @dataclass
 class RankTransferStatus:
@@ -202,6 +206,11 @@ class SourceTransfers:
         # The scheduler side's brief wait (`MigrationSchedulerSide.wait_briefly`), run
         # in a poll that prepared moves or started copies: None for none (multi-rank).
         self.brief_wait: Callable[[], bool] | None = None
+        # A test that requests wait on the scheduler's input (`MigrationSchedulerSide.
+        # requests_waiting`): a poll then leaves its prepares to a later poll, so that
+        # moves sent together all ask their targets first. None: never (multi-rank).
+        self.requests_waiting: Callable[[], bool] | None = None
+        self._prepare_deferred = 0  # polls in a row that left their prepares
 
     def epoch_of(self, weight_version: str) -> str:
         """The epoch replies carry: instance, KV memory generation and weights."""
@@ -418,7 +427,7 @@ class SourceTransfers:
             self.polls += 1
             self._poll_started = time.monotonic()
             wait = self.brief_wait
-            prepared = bool(self._to_prepare)
+            prepared = bool(self._to_prepare) and not self._defer_prepare()
             if prepared:
                 self._prepare_asked()
             if self.caller is not None and self.caller.waiting:
@@ -435,6 +444,22 @@ class SourceTransfers:
                 # A collective: `waiting` is the same on every rank.
                 self.ctx.tree_cache.writing_check()
             self._finish_done()
+
+    def _defer_prepare(self) -> bool:
+        """Whether this poll leaves the moves it would prepare to a later one: while
+        requests wait for the scheduler (the rest of moves sent together: a client's
+        threads, or one call's moves, which reach the scheduler ~0.1 ms apart), up to
+        `PREPARE_DEFER_POLLS` polls in a row. Their handlers ask their targets at once;
+        six 8K moves on the H200 were otherwise asked in two waves ~4 ms apart, the
+        second after the first wave's prepares and starts (2026-12-03, call 21). A move
+        not yet prepared when its answer comes is matched by its start, as without a
+        prepare."""
+        waiting = self.requests_waiting
+        if waiting is None or self._prepare_deferred >= PREPARE_DEFER_POLLS or not waiting():
+            self._prepare_deferred = 0
+            return False
+        self._prepare_deferred += 1
+        return True
 
     def fail_all(self, reason: str) -> None:
         """Fail every transfer in flight (the reply follows from `poll`), e.g. when the
