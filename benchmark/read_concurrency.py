@@ -17,6 +17,10 @@ Per round and way of sending (`threads`, `one call`):
   the receipts and reply): one Python thread, so it adds up;
 - `target`: the target scheduler's allocate work summed (`target_scheduler`): its
   allocates are served one after another, and so are its answers;
+- `bound`: one move plus what the other moves add on the busiest of the three
+  resources that serve moves one at a time (the GPU's copies, the source's scheduler
+  thread, the target's): the least the round can take even if the three overlapped
+  perfectly;
 - `budget`: what 1.5x leaves for everything but the copies, per extra move.
 
 A file with `compare_env` runs (the same rounds on server pairs started with another
@@ -54,23 +58,40 @@ def source_work_ms(move: dict[str, Any]) -> float:
     return work
 
 
+def _target_work_ms(move: dict[str, Any]) -> float:
+    return float(_steps(move).get("target_scheduler", 0.0))
+
+
 def summarize(one: dict[str, Any], moves: list[dict[str, Any]], wall_ms: float) -> dict[str, float]:
     one_ms = float(one["wall_ms"])
     copies = [float(m.get("copy_ms") or 0.0) for m in moves]
-    extra = max(1, len(moves) - 1)
-    floor_ms = one_ms + sum(copies) - (max(copies) if copies else 0.0)
+    extra_moves = max(1, len(moves) - 1)
+    source_ms = sum(source_work_ms(m) for m in moves)
+    target_ms = sum(_target_work_ms(m) for m in moves)
+    # What the moves add to one move's time on each resource that serves them one at a
+    # time: the GPU's copies, the source's scheduler thread, the target's.
+    added = {
+        "copies": sum(copies) - (max(copies) if copies else 0.0),
+        "source": max(0.0, source_ms - source_work_ms(one)),
+        "target": max(0.0, target_ms - _target_work_ms(one)),
+    }
+    bound_by = max(added, key=lambda name: added[name])
     return {
         "moves": len(moves),
         "one_ms": one_ms,
         "wall_ms": wall_ms,
         "ratio": wall_ms / one_ms,
         "copies_ms": sum(copies),
-        "floor_ms": floor_ms,
-        "floor_ratio": floor_ms / one_ms,
-        "source_ms": sum(source_work_ms(m) for m in moves),
+        "floor_ms": one_ms + added["copies"],
+        "floor_ratio": (one_ms + added["copies"]) / one_ms,
+        "source_ms": source_ms,
         "source_one_ms": source_work_ms(one),
-        "target_ms": sum(float(_steps(m).get("target_scheduler", 0.0)) for m in moves),
-        "budget_per_extra_move_ms": (TARGET_RATIO * one_ms - floor_ms) / extra,
+        "target_ms": target_ms,
+        "bound_ms": one_ms + added[bound_by],
+        "bound_ratio": (one_ms + added[bound_by]) / one_ms,
+        "bound_by": bound_by,
+        "budget_per_extra_move_ms": (TARGET_RATIO * one_ms - one_ms - added["copies"])
+        / extra_moves,
     }
 
 
@@ -105,10 +126,10 @@ def main() -> None:
     args = parser.parse_args()
     header = (
         "| file | round | way | moves | one | wall | ratio | copies | floor (ratio) "
-        "| source work (one) | target work | 1.5x leaves per extra move |"
+        "| source work (one) | target work | bound (ratio, by) | 1.5x leaves per extra move |"
     )
     print(header)
-    print("|" + "---|" * 12)
+    print("|" + "---|" * 13)
     medians = []
     for path in args.files:
         for pair, data in runs(json.loads(path.read_text())).items():
@@ -129,6 +150,7 @@ def _line(name: str, number: int, way: str, s: dict[str, float]) -> str:
         f"| {s['wall_ms']:.1f} | {s['ratio']:.2f}x | {s['copies_ms']:.2f} "
         f"| {s['floor_ms']:.1f} ({s['floor_ratio']:.2f}x) "
         f"| {s['source_ms']:.1f} ({s['source_one_ms']:.1f}) | {s['target_ms']:.1f} "
+        f"| {s['bound_ms']:.1f} ({s['bound_ratio']:.2f}x, {s['bound_by']}) "
         f"| {s['budget_per_extra_move_ms']:.2f} |"
     )
 

@@ -42,6 +42,10 @@ def test_the_floor_is_one_move_and_the_other_moves_copies():
     assert call["source_ms"] == pytest.approx(6 * (0.1 + 0.5 + 0.1 + 0.4))
     assert call["source_one_ms"] == pytest.approx(0.8)
     assert call["target_ms"] == pytest.approx(6 * 0.8)
+    # The source thread adds 6 * 1.1 - 0.8 ms to one move's 8 ms: more than the GPU
+    # (2.5) or the target (4.8 - 0 for one move without target steps) adds.
+    assert call["bound_by"] == "source"
+    assert call["bound_ms"] == pytest.approx(8.0 + 6 * 1.1 - 0.8)
     assert ways["threads"]["moves"] == 3 and ways["threads"]["ratio"] == pytest.approx(2.0)
 
 
@@ -53,6 +57,7 @@ def test_one_round_written_as_an_object_is_read_too(tmp_path):
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "| round.json | 1 | one call | 6 | 8.0 | 12.0 | 1.50x |" in out
+    assert "| 13.8 (1.73x, source) |" in out
     assert "round.json: median ratio 1.75x over 2 rounds" in out
 
 
