@@ -168,12 +168,12 @@ def test_a_poll_leaves_its_prepares_while_requests_wait_for_a_bounded_number_of_
 def test_the_scheduler_side_gives_its_transfers_its_brief_wait(
     side_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Off by default (slower side by side on the H200): waits only before the poll.
+    assert side_factory(page_size=16).transfers.brief_wait is None
+    monkeypatch.setenv(scheduler_side.WAIT_IN_POLL_ENV, "1")
     side = side_factory(page_size=16)
     assert side.transfers.brief_wait == side.wait_briefly
     assert not side.transfers.brief_wait()  # no SGLang state set yet: no wait
-    # Off for a side-by-side measurement: waits only before the poll.
-    monkeypatch.setenv(scheduler_side.WAIT_IN_POLL_ENV, "0")
-    assert side_factory(page_size=16).transfers.brief_wait is None
 
 
 def test_the_scheduler_side_gives_its_transfers_its_input_test(

@@ -85,8 +85,10 @@ WATCHDOG_EVERY_ITERATIONS = 64
 # remove; the bound keeps every other duty of the loop at most this late per wait (a
 # request for SGLang ends a wait at once).
 BRIEF_WAIT_S = 0.002
-# "0" in a server's environment: no brief waits inside the poll, only before it (for
-# `bench_device_path.py --compare-env`: both variants side by side in one run).
+# "1" in a server's environment: brief waits inside the poll too, not only before it.
+# Off by default: side by side on one H200 (2026-12-03, `h200_runs.sh 25`) a one-page
+# move took 5.14 ms without them against 6.10-6.54 with them (8K: 6.92 against
+# 8.39-8.66), the target's allocate slower while the source spun on its reply.
 WAIT_IN_POLL_ENV = "SGLANG_KV_MIGRATION_WAIT_IN_POLL"
 # "0": a poll prepares the moves it asked for even while more requests wait (as before
 # `SourceTransfers._defer_prepare`), for the same side-by-side measurement.
@@ -157,7 +159,7 @@ class MigrationSchedulerSide:
         # One list of kept-back log lines for the source and the target parts.
         self.log_later = DeferredLog()
         self.transfers = self._open_source_side()
-        if os.environ.get(WAIT_IN_POLL_ENV, "1") != "0":  # off: to measure what it gives
+        if os.environ.get(WAIT_IN_POLL_ENV, "0") == "1":  # (see WAIT_IN_POLL_ENV)
             self.transfers.brief_wait = self.wait_briefly
         if os.environ.get(ASK_FIRST_ENV, "1") != "0" and self.transfers.caller is not None:
             self.transfers.requests_waiting = self.requests_waiting
