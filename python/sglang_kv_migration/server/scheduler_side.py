@@ -79,7 +79,8 @@ logger = logging.getLogger(__name__)
 # The watchdog's collective runs every this many loop iterations while anything is pending.
 WATCHDOG_EVERY_ITERATIONS = 64
 # Longest an idle scheduler waits at once for what its transfers wait for (`wait_briefly`:
-# before the iteration's poll, and in a poll that prepared moves or started copies). A
+# before the iteration's poll, and with `WAIT_IN_POLL_ENV` in a poll that prepared moves
+# or started copies). A
 # pass of SGLang's idle loop (pool checks, batch planning) takes ~0.2 ms on an H200
 # server: each allocate reply and copy event waited for the next poll, which the waits
 # remove; the bound keeps every other duty of the loop at most this late per wait (a

@@ -204,7 +204,8 @@ class SourceTransfers:
         self.polls = 0  # `poll()` calls with transfers in flight
         self._poll_started = 0.0  # when the current `poll()` began
         # The scheduler side's brief wait (`MigrationSchedulerSide.wait_briefly`), run
-        # in a poll that prepared moves or started copies: None for none (multi-rank).
+        # in a poll that prepared moves or started copies: None for none (the default,
+        # `WAIT_IN_POLL_ENV`; always on multi-rank sources).
         self.brief_wait: Callable[[], bool] | None = None
         # A test that requests wait on the scheduler's input (`MigrationSchedulerSide.
         # requests_waiting`): a poll then leaves its prepares to a later poll, so that
