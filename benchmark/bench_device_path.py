@@ -37,6 +37,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -162,25 +163,26 @@ def main() -> None:
         "two_trip_rows": args.two_trips,
     }
     started = time.monotonic()
-    runs = {"": _run_pair(args, model_dir, specs, lengths, repeats, calibration, config)}
+    runs: dict[str, dict[str, Any]] = {}
+
+    def save(label: str, run: dict[str, Any], complete: bool = False) -> None:
+        # Written after every row and round: a job cut by its time limit keeps what it
+        # measured (`complete` false).
+        runs[label] = run
+        _write_result(config, runs, calibration, started, complete)
+
+    _run_pair(args, model_dir, specs, lengths, repeats, calibration, config, save, "")
     for assignment in args.compare_env:
         # The same rounds on a fresh pair started with one more variable in its
         # environment (the servers inherit this process's): side by side in one run.
         name, _, value = assignment.partition("=")
         with mock.patch.dict(os.environ, {name: value}):
-            runs[assignment] = _run_pair(args, model_dir, specs, lengths, repeats, None, {})
-    main_run = runs.pop("")
-    result = {
-        "config": config,
-        **main_run,
-        "calibration": calibration.report() if calibration is not None else None,
-        "compare_env": runs,
-        "wall_s": time.monotonic() - started,
-    }
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    (OUT_DIR / "bench_device_path.json").write_text(json.dumps(result, indent=1))
-    _print_tables(main_run["medians"], config, across_gpus)
+            _run_pair(args, model_dir, specs, lengths, repeats, None, {}, save, assignment)
+    result = _write_result(config, runs, calibration, started, complete=True)
+    _print_tables(runs[""]["medians"], config, across_gpus)
     for assignment, run in runs.items():
+        if not assignment:
+            continue
         print(f"\nThe same rounds on servers started with {assignment}:", flush=True)
         _print_tables(run["medians"], config, across_gpus)
     if calibration is not None:
@@ -196,13 +198,25 @@ def _run_pair(
     repeats: int,
     calibration: _Calibration | None,
     config: dict[str, Any],
-) -> dict[str, Any]:
+    save: Callable[[str, dict[str, Any]], None],
+    label: str,
+) -> None:
     """Start the two servers, run the warm-up, every row and the concurrency rounds;
-    returns them with the medians (`config` gets the start-up time)."""
+    hands them to `save` under `label` after each (`config` gets the start-up time)."""
     across_gpus = args.target_gpu != 0
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
     warmup: dict[str, Any] = {}
+    concurrency: list[dict[str, Any]] = []
+
+    def medians() -> list[dict[str, Any]]:
+        done = [n for n in lengths if any(r["tokens"] == n for r in rows)]
+        return [_median_row(n, [r for r in rows if r["tokens"] == n]) for n in done]
+
+    def progress() -> None:
+        run = {"warmup": warmup, "concurrency": concurrency, "rows": rows}
+        save(label, {**run, "medians": medians()})
+
     # Same GPUs: start one after the other (KV pool sizing measures free GPU memory).
     with (
         running_servers(model_dir, specs, sequential=not across_gpus) as (source, target),
@@ -234,16 +248,38 @@ def _run_pair(
                 row = _round(client, source, target, n, rep, rng, not args.no_host, others)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                progress()
         if calibration is not None:
             calibration.take("idle after the rows")
-        concurrency = []
         if args.concurrency_rounds:
             from bench_any_tier import _concurrency  # it imports this module
 
             for _ in range(args.concurrency_rounds):
                 concurrency.append(_concurrency(client, source, target, 6, 8192, rng))
-    summary = [_median_row(n, [r for r in rows if r["tokens"] == n]) for n in lengths]
-    return {"warmup": warmup, "concurrency": concurrency, "rows": rows, "medians": summary}
+                progress()
+    progress()
+
+
+def _write_result(
+    config: dict[str, Any],
+    runs: dict[str, dict[str, Any]],
+    calibration: _Calibration | None,
+    started: float,
+    complete: bool,
+) -> dict[str, Any]:
+    """The result file: the first pair's run at the top, the `--compare-env` pairs'
+    under `compare_env`; rewritten whole each time (small)."""
+    result = {
+        "config": config,
+        **runs.get("", {"warmup": {}, "concurrency": [], "rows": [], "medians": []}),
+        "calibration": calibration.report() if complete and calibration is not None else None,
+        "compare_env": {k: v for k, v in runs.items() if k},
+        "wall_s": time.monotonic() - started,
+        "complete": complete,
+    }
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / "bench_device_path.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 class _Calibration:
