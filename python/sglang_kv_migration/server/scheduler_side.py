@@ -296,9 +296,10 @@ class MigrationSchedulerSide:
         only when SGLang is idle (`scheduler_idle`) and no helper thread of ours needs
         the GIL.
         True when what it waited for is ready. Never raises."""
-        scheduler_idle, input_waiting = self.scheduler_idle, self.input_waiting
-        if self._brief_wait_off or scheduler_idle is None or input_waiting is None:
+        state = self._sglang_state()
+        if state is None:
             return False
+        scheduler_idle, input_waiting = state
         try:
             ready = self.transfers.awaited()
             if ready is None or self._helpers_may_wait() or not scheduler_idle():
@@ -311,24 +312,34 @@ class MigrationSchedulerSide:
                 interrupted = input_waiting
             return spin_until(ready, interrupted, BRIEF_WAIT_S)
         except Exception:  # a bug: stop waiting, never stop the scheduler
-            logger.exception("KV migration: brief waits off after an error")
-            self._brief_wait_off = True
-            return False
+            return self._off_after_error()
 
     def requests_waiting(self) -> bool:
         """Whether requests wait on this rank's input while SGLang is idle (then they are
         likely more migrations sent together: `SourceTransfers._defer_prepare`). False
         without SGLang's state (set by the scheduler hook) and after an error. Never
         raises."""
-        scheduler_idle, input_waiting = self.scheduler_idle, self.input_waiting
-        if self._brief_wait_off or scheduler_idle is None or input_waiting is None:
+        state = self._sglang_state()
+        if state is None:
             return False
+        scheduler_idle, input_waiting = state
         try:
             return input_waiting() and scheduler_idle()
         except Exception:  # a bug: stop looking, never stop the scheduler
-            logger.exception("KV migration: brief waits off after an error")
-            self._brief_wait_off = True
-            return False
+            return self._off_after_error()
+
+    def _sglang_state(self) -> tuple[Callable[[], bool], Callable[[], bool]] | None:
+        """SGLang's (scheduler_idle, input_waiting) tests for the brief waits and the
+        deferred prepares: None before the scheduler hook set them, and after an error
+        turned both off."""
+        if self._brief_wait_off or self.scheduler_idle is None or self.input_waiting is None:
+            return None
+        return self.scheduler_idle, self.input_waiting
+
+    def _off_after_error(self) -> bool:
+        logger.exception("KV migration: brief waits off after an error")
+        self._brief_wait_off = True
+        return False
 
     def poll(self) -> list[Any]:
         """Once per scheduler loop iteration: finish transfers and staged commits, run the
