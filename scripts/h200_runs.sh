@@ -3,7 +3,7 @@
 # time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
 # session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..25, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..26, one device call each, kind nvidia-h200
 #
 # Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
 #   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|25}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|26}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -238,8 +238,19 @@ case $call in
   exec bash scripts/gpu_jobs.sh 570 \
     "0:ask16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 8192 --repeats 5 --no-host --concurrency-rounds 3 --compare-env SGLANG_KV_MIGRATION_ASK_FIRST=0 --compare-env SGLANG_KV_MIGRATION_WAIT_IN_POLL=0"
   ;;
+26)
+  # Third session of 2026-12-03, after calls 23 and 21 passed on this code: the
+  # device-path GPU tests at MHA page 1 (the any-tier tests last ran at page 1 on
+  # 2026-12-01), then one page and 2K beside re-prefill at pages 16 and 1 with nine
+  # repeats each (issue 21's one-page p50 on a second machine; the result file is now
+  # written after every row, so a cut job keeps its rows).
+  exec bash scripts/gpu_jobs.sh 570 \
+    "0:devtest1:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=1 $T test/gpu/test_gpu_device_path.py" \
+    "0:one16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 --repeats 9 --no-host" \
+    "0:one1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 2048 --repeats 9 --no-host"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|25" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|26" >&2
   exit 2
   ;;
 esac
