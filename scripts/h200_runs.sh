@@ -243,8 +243,9 @@ case $call in
   # device-path GPU tests at MHA page 1 (the any-tier tests last ran at page 1 on
   # 2026-12-01), then one page and 2K beside re-prefill at pages 16 and 1 with nine
   # repeats each (issue 21's one-page p50 on a second machine; the result file is now
-  # written after every row, so a cut job keeps its rows).
-  exec bash scripts/gpu_jobs.sh 570 \
+  # written after every row, so a cut job keeps its rows). KVMIG_BUDGET_S: less than the
+  # call's limit when the session has less device time left.
+  exec bash scripts/gpu_jobs.sh "${KVMIG_BUDGET_S:-570}" \
     "0:devtest1:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=1 $T test/gpu/test_gpu_device_path.py" \
     "0:one16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 --repeats 9 --no-host" \
     "0:one1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 2048 --repeats 9 --no-host"
