@@ -14,6 +14,7 @@
 set -u
 budget=$1
 shift
+start=$(date +%s)  # the budget covers the install below too
 # --upgrade: on a warm machine /tmp/site already holds these; without it pip keeps the
 # old copies (a package wheel rebuilt since the last call would not be installed).
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir \
@@ -21,9 +22,25 @@ python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache
 export PYTHONPATH=/tmp/site CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
 export LD_LIBRARY_PATH=$PWD/.whl-mc/lib:${LD_LIBRARY_PATH:-} PYTHONUNBUFFERED=1
 export MC_TCP_SLICE_SIZE=1048576
-start=$(date +%s)
 rm -rf /tmp/o  # a warm machine keeps /tmp between calls
 mkdir -p /tmp/o
+
+collect() {
+  # What the jobs wrote so far, into $OUT (at most 8 files come back: one log and one
+  # result file a job, and all.tgz at the end). Run every 15 s as well as at the end:
+  # a call cut at its limit returns what is under $OUT, and nothing else.
+  local log f dest
+  for log in /tmp/o/*.log; do
+    [ -e "$log" ] || continue
+    tail -c 20000 "$log" >"$OUT/.part" && mv "$OUT/.part" "$OUT/$(basename "$log")"
+  done
+  while IFS= read -r f; do
+    dest="$OUT/$(basename "$(dirname "$f")")-$(basename "$f")"
+    cp "$f" "$OUT/.part" && mv "$OUT/.part" "$dest"
+  done < <(find /tmp/o -maxdepth 2 \( -name '*.json' -o -name '*.png' -o -name '*.jsonl' \) -size -4M)
+}
+(while sleep 15; do collect; done) >/dev/null 2>&1 &
+collector=$!
 declare -A last_pid
 pids=()
 for job in "$@"; do
@@ -53,8 +70,9 @@ for job in "$@"; do
   pids+=($!)
 done
 wait "${pids[@]}"
-for log in /tmp/o/*.log; do tail -c 20000 "$log" >"$OUT/$(basename "$log")"; done
-find /tmp/o -maxdepth 2 \( -name '*.json' -o -name '*.png' -o -name '*.jsonl' \) \
-  -size -4M -exec sh -c 'cp "$1" "$OUT/$(basename "$(dirname "$1")")-$(basename "$1")"' _ {} \;
+kill "$collector" 2>/dev/null
+wait "$collector" 2>/dev/null
+collect
+rm -f "$OUT/.part"
 tar czf "$OUT/all.tgz" -C /tmp/o . 2>/dev/null
 ls -la "$OUT"
