@@ -165,11 +165,11 @@ def main() -> None:
     started = time.monotonic()
     runs: dict[str, dict[str, Any]] = {}
 
-    def save(label: str, run: dict[str, Any], complete: bool = False) -> None:
+    def save(label: str, run: dict[str, Any]) -> None:
         # Written after every row and round: a job cut by its time limit keeps what it
         # measured (`complete` false).
         runs[label] = run
-        _write_result(config, runs, calibration, started, complete)
+        _write_result(config, runs, calibration, started, complete=False)
 
     _run_pair(args, model_dir, specs, lengths, repeats, calibration, config, save, "")
     for assignment in args.compare_env:
