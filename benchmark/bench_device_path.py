@@ -22,10 +22,12 @@ so it may cache session info); no CLI start-up is timed. Medians over the repeat
     KVMIG_GPU_OUT=$OUT python3 benchmark/bench_device_path.py --target-gpu 1  # x2 machine
     KVMIG_GPU_OUT=$OUT python3 benchmark/bench_device_path.py --quick        # smoke run
 
-Writes `$KVMIG_GPU_OUT/bench_device_path.json` (config, warm-up, every row, medians) and
-prints markdown tables for docs/benchmarks.md. Needs nothing beyond the GPU wheel sets
-and this package. Budget on an H200: two start-ups (~150 s + ~60 s; on one GPU the
-target starts after the source is ready, see `running_servers`) plus ~2 min of rounds.
+Writes `$KVMIG_GPU_OUT/bench_device_path.json` (config, warm-up, every row, medians)
+after every row and round, with `complete` false until the run ends (a job cut by its
+time limit keeps its rows), and prints markdown tables for docs/benchmarks.md. Needs
+nothing beyond the GPU wheel sets and this package. Budget on an H200: two start-ups
+(~150 s + ~60 s; on one GPU the target starts after the source is ready, see
+`running_servers`) plus ~2 min of rounds.
 """
 
 from __future__ import annotations
