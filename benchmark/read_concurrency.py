@@ -67,31 +67,33 @@ def summarize(one: dict[str, Any], moves: list[dict[str, Any]], wall_ms: float) 
     copies = [float(m.get("copy_ms") or 0.0) for m in moves]
     extra_moves = max(1, len(moves) - 1)
     source_ms = sum(source_work_ms(m) for m in moves)
+    source_one_ms = source_work_ms(one)
     target_ms = sum(_target_work_ms(m) for m in moves)
     # What the moves add to one move's time on each resource that serves them one at a
     # time: the GPU's copies, the source's scheduler thread, the target's.
     added = {
         "copies": sum(copies) - (max(copies) if copies else 0.0),
-        "source": max(0.0, source_ms - source_work_ms(one)),
+        "source": max(0.0, source_ms - source_one_ms),
         "target": max(0.0, target_ms - _target_work_ms(one)),
     }
     bound_by = max(added, key=lambda name: added[name])
+    floor_ms = one_ms + added["copies"]
+    bound_ms = one_ms + added[bound_by]
     return {
         "moves": len(moves),
         "one_ms": one_ms,
         "wall_ms": wall_ms,
         "ratio": wall_ms / one_ms,
         "copies_ms": sum(copies),
-        "floor_ms": one_ms + added["copies"],
-        "floor_ratio": (one_ms + added["copies"]) / one_ms,
+        "floor_ms": floor_ms,
+        "floor_ratio": floor_ms / one_ms,
         "source_ms": source_ms,
-        "source_one_ms": source_work_ms(one),
+        "source_one_ms": source_one_ms,
         "target_ms": target_ms,
-        "bound_ms": one_ms + added[bound_by],
-        "bound_ratio": (one_ms + added[bound_by]) / one_ms,
+        "bound_ms": bound_ms,
+        "bound_ratio": bound_ms / one_ms,
         "bound_by": bound_by,
-        "budget_per_extra_move_ms": (TARGET_RATIO * one_ms - one_ms - added["copies"])
-        / extra_moves,
+        "budget_per_extra_move_ms": (TARGET_RATIO * one_ms - floor_ms) / extra_moves,
     }
 
 
