@@ -80,11 +80,10 @@ logger = logging.getLogger(__name__)
 WATCHDOG_EVERY_ITERATIONS = 64
 # Longest an idle scheduler waits at once for what its transfers wait for (`wait_briefly`:
 # before the iteration's poll, and with `WAIT_IN_POLL_ENV` in a poll that prepared moves
-# or started copies). A
-# pass of SGLang's idle loop (pool checks, batch planning) takes ~0.2 ms on an H200
-# server: each allocate reply and copy event waited for the next poll, which the waits
-# remove; the bound keeps every other duty of the loop at most this late per wait (a
-# request for SGLang ends a wait at once).
+# or started copies). A pass of SGLang's idle loop (pool checks, batch planning) takes
+# ~0.2 ms on an H200 server: each allocate reply and copy event waited for the next
+# poll, which the waits remove; the bound keeps every other duty of the loop at most
+# this late per wait (a request for SGLang ends a wait at once).
 BRIEF_WAIT_S = 0.002
 # "1" in a server's environment: brief waits inside the poll too, not only before it.
 # Off by default: side by side on one H200 (2026-12-03, `h200_runs.sh 25`) a one-page
