@@ -10,7 +10,7 @@ the fused Triton page copy's launch, the copy plan of `tiers.plan_tiers` over de
 slots, the host identity and GPU lookup of the target check, and the whole sequence as
 `DevicePath._launch` runs it. Medians (and p90) of `--repeats` calls, microseconds.
 
-    python3 benchmark/probe_launch_cost.py [--pages 1 1024] [--repeats 200]
+    python3 benchmark/probes/probe_launch_cost.py [--pages 1 1024] [--repeats 200]
 """
 
 from __future__ import annotations
