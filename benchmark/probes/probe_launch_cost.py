@@ -1,6 +1,6 @@
 """Host-side cost of the pieces of a device-path send (GPU machine only; seconds, no
 server): where the source scheduler's ~1 ms "launch" and ~0.8 ms "match" steps of a
-one-page transfer go (`docs/benchmarks.md`, "Two trips on the H200").
+one-page transfer go (`docs/benchmarks-history.md`, "Two trips on the H200").
 
 One process on GPU 0, 64 Llama-3-8B-shaped layer buffers (rows of 2 KiB) as source and
 as destination. Each piece is timed on the host (what the scheduler thread pays), the

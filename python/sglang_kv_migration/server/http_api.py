@@ -542,7 +542,7 @@ def add_routes(app: Any, get_backend: Callable[[], MigrationBackend | None]) -> 
 def warn_without_fast_http_parser() -> bool:
     """Warn (once, at launch) when uvicorn will parse HTTP in pure Python (h11): without
     `httptools` every migration trip costs about a millisecond more on the server
-    (`docs/benchmarks.md`, "The control plane on CPU"). Returns True when it warned."""
+    (`docs/benchmarks-history.md`, "The control plane on CPU"). Returns True when it warned."""
     import importlib.util
     import logging
 
