@@ -40,20 +40,22 @@ import argparse
 import json
 import random
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
-from sglang_kv_migration.client import MigrationResult, Move
 from sglang_kv_migration.client.migration import MigrationClient
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent / "test" / "gpu"))
 sys.path.insert(0, str(_HERE))
-from bench_device_path import SETTLE_S, _migrate_and_serve, _ms, _tokens  # noqa: E402
+from device_moves import (  # noqa: E402
+    SETTLE_S,
+    concurrency_round,
+    migrate_and_serve,
+    random_tokens,
+)
 from real_servers import (  # noqa: E402
     LLAMA3_8B,
     OUT_DIR,
@@ -146,7 +148,7 @@ def main() -> None:
                 row["where"] = _where(config)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        concurrency = _concurrency(
+        concurrency = concurrency_round(
             client, source, target, args.concurrent, args.concurrent_tokens, rng
         )
         print(json.dumps({"concurrency": concurrency}), flush=True)
@@ -155,14 +157,14 @@ def main() -> None:
         concurrency["two_trip_rounds"] = []
         for i in range(args.concurrency_rounds):
             if args.two_trips:  # side by side: each default round, then a two-trip one
-                two = _concurrency(
+                two = concurrency_round(
                     two_trips, source, target, args.concurrent, args.concurrent_tokens, rng
                 )
                 print(json.dumps({"concurrency_two_trips": two}), flush=True)
                 concurrency["two_trip_rounds"].append(two)
             if i == args.concurrency_rounds - 1:
                 break
-            again = _concurrency(
+            again = concurrency_round(
                 client, source, target, args.concurrent, args.concurrent_tokens, rng
             )
             print(json.dumps({"concurrency_again": again}), flush=True)
@@ -173,7 +175,7 @@ def main() -> None:
             # scheduler's or tokenizer manager's loop while six moves wait on it).
             for url in (source, target):
                 httpx.post(url + "/freeze_gc", timeout=60).raise_for_status()
-            frozen = _concurrency(
+            frozen = concurrency_round(
                 client, source, target, args.concurrent, args.concurrent_tokens, rng
             )
             print(json.dumps({"concurrency_after_freeze_gc": frozen}), flush=True)
@@ -205,11 +207,11 @@ def _suffix(args: argparse.Namespace) -> str:
 def _warm_up(client: MigrationClient, source: str, target: str, rng: random.Random) -> None:
     """Compile both servers' kernels, open the device and host paths once."""
     for url in (source, target):
-        p = _tokens(rng, 2048)
+        p = random_tokens(rng, 2048)
         generate(url, p, 1)
         generate(url, p, 1)
     for path in ("device", "host"):
-        p = _tokens(rng, 1024)
+        p = random_tokens(rng, 1024)
         generate(source, p, 1)
         client.migrate(source, target, p[:-1], path=path)
         generate(target, p, 1)  # the first extend over a cached prefix compiles kernels
@@ -235,13 +237,13 @@ def _push_to_host(
     the host tier's 2 pools, so the host copies (write-through) stay."""
     pushed = 0
     while pushed < 1.1 * pool_tokens:
-        generate(source, _tokens(rng, FLOOD_TOKENS), 1)
+        generate(source, random_tokens(rng, FLOOD_TOKENS), 1)
         pushed += FLOOD_TOKENS
     for _ in range(MAX_FLOOD_PROMPTS):
         if all(_held(client, source, p)["device_token_size"] == 0 for p in prompts):
             return pushed
         for _ in range(4):
-            generate(source, _tokens(rng, FLOOD_TOKENS), 1)
+            generate(source, random_tokens(rng, FLOOD_TOKENS), 1)
             pushed += FLOOD_TOKENS
     raise RuntimeError(f"prompts still on the source's GPU after {pushed} pushed tokens")
 
@@ -259,10 +261,10 @@ def _round(
     for url in (source, target):
         flush_cache(url)
     row: dict[str, Any] = {"tokens": n, "tier": tier}
-    baseline, prefill_s = timed_generate(target, _tokens(rng, n), 1)
+    baseline, prefill_s = timed_generate(target, random_tokens(rng, n), 1)
     assert cached_tokens(baseline) == 0, baseline["meta_info"]
     row["reprefill_ttft_ms"] = prefill_s * 1e3
-    a, b = _tokens(rng, n), _tokens(rng, n)
+    a, b = random_tokens(rng, n), random_tokens(rng, n)
     for p in (a, b):
         generate(source, p, 1)
     if tier in ("host", "mixed"):
@@ -270,21 +272,21 @@ def _round(
     if tier == "mixed":
         half = n // 2
         for p in (a, b):
-            generate(source, p[:half] + _tokens(rng, 16), 1)  # loads the half back
+            generate(source, p[:half] + random_tokens(rng, 16), 1)  # loads the half back
     # After a push (~130K tokens written through to host, halves loaded back) the source
     # copies on the GPU both servers share for a while: the 4K mixed round of the first
     # run saw the target's TTFT double for both prompts (220 ms against ~100).
     time.sleep(SETTLE_S if tier == "gpu" else PUSH_SETTLE_S)
     # How fast the target answers a tiny prompt right now (contention shows here first).
-    row["target_probe_ttft_ms"] = timed_generate(target, _tokens(rng, 16), 1)[1] * 1e3
+    row["target_probe_ttft_ms"] = timed_generate(target, random_tokens(rng, 16), 1)[1] * 1e3
     row["size_query_a"] = _held(client, source, a)
     row["size_query_b"] = _held(client, source, b)
     expected = (n - 1) // page_size * page_size
     for key in ("size_query_a", "size_query_b"):
         if row[key]["matched_token_size"] < expected:
             raise RuntimeError(f"{key}: the source lost part of the prefix: {row[key]}")
-    row["device"] = _migrate_and_serve(client, source, target, a, "device", auto=True)
-    row["host"] = _migrate_and_serve(client, source, target, b, "host")
+    row["device"] = migrate_and_serve(client, source, target, a, "device", auto=True)
+    row["host"] = migrate_and_serve(client, source, target, b, "host")
     for path in ("device", "host"):
         total = row[path]["timings_ms"].get("total")
         row[path]["total_over_reprefill"] = total / row["reprefill_ttft_ms"]
@@ -292,75 +294,6 @@ def _round(
             "reprefill_ttft_ms"
         ]
     return row
-
-
-def _concurrency(
-    client: MigrationClient, source: str, target: str, k: int, n: int, rng: random.Random
-) -> dict[str, Any]:
-    """One move alone, then `k` at once from `k` threads. `ratio`: the wall time of the
-    `k` from the moment all of them are ready to start (each thread has made one call to
-    both servers first, so it holds kept-alive connections as the one alone did) to the
-    last one's end, over the one's. `ratio_with_thread_start`: from before the threads
-    were made, their start, first connections and those calls inside (the measure of
-    the runs before 2026-12-02's second session had the first two, not the calls)."""
-    for url in (source, target):
-        flush_cache(url)
-    prompts = [_tokens(rng, n) for _ in range(k + 1)]
-    for p in prompts:
-        generate(source, p, 1)
-    time.sleep(SETTLE_S)
-    ready = threading.Barrier(k)
-
-    def move(p: list[int]) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        r = client.migrate(source, target, p[:-1])
-        end = time.perf_counter()
-        return {"path": r.path, "wall_ms": (end - t0) * 1e3, "started": t0, "ended": end,
-                "copy_ms": r.copy_seconds * 1e3, "timings_ms": _ms(r.timings),
-                "fallback_reason": r.fallback_reason, "steps_ms": r.steps_ms}  # fmt: skip
-
-    def warm_then_move(p: list[int]) -> dict[str, Any]:
-        for url in (source, target):  # this thread's own kept-alive connections
-            client.call(url, "/get_transfer_session_info", {})
-        ready.wait(timeout=60)
-        return move(p)
-
-    one = move(prompts[0])
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(k) as pool:
-        many = list(pool.map(warm_then_move, prompts[1:]))
-    all_ms = (time.perf_counter() - t0) * 1e3
-    wall_ms = (max(m["ended"] for m in many) - min(m["started"] for m in many)) * 1e3
-    batch = _batched(client, source, target, prompts[1:])
-    print(f"concurrency: one {one['wall_ms']:.1f} ms; {k} threads {wall_ms:.1f} ms "
-          f"({wall_ms / one['wall_ms']:.2f}x); {k} in one migrate_many {batch['wall_ms']:.1f} "
-          f"ms ({batch['wall_ms'] / one['wall_ms']:.2f}x)", flush=True)  # fmt: skip
-    return {"tokens": n, "one": one, "concurrent": many, "concurrent_wall_ms": wall_ms,
-            "ratio": wall_ms / one["wall_ms"], "with_thread_start_ms": all_ms,
-            "ratio_with_thread_start": all_ms / one["wall_ms"], "batch": batch,
-            "batch_ratio": batch["wall_ms"] / one["wall_ms"]}  # fmt: skip
-
-
-def _batched(
-    client: MigrationClient, source: str, target: str, prompts: list[list[int]]
-) -> dict[str, Any]:
-    """The same prompts again, once the target forgot them, in one `migrate_many` (feature
-    "transfer_batch": their transfers in one call), from this thread."""
-    flush_cache(target)
-    time.sleep(SETTLE_S)
-    t0 = time.perf_counter()
-    results = client.migrate_many([Move(source, target, p[:-1]) for p in prompts])
-    wall_ms = (time.perf_counter() - t0) * 1e3
-    moves = []
-    for p, r in zip(prompts, results, strict=True):
-        if not isinstance(r, MigrationResult):
-            moves.append({"failed": str(r)})
-            continue
-        moves.append({"path": r.path, "migrated": r.migrated_token_size, "of": len(p) - 1,
-                      "copy_ms": r.copy_seconds * 1e3, "timings_ms": _ms(r.timings),
-                      "fallback_reason": r.fallback_reason, "steps_ms": r.steps_ms,
-                      "transfer_steps_ms": r.transfer_steps_ms})  # fmt: skip
-    return {"wall_ms": wall_ms, "moves": moves}
 
 
 if __name__ == "__main__":

@@ -48,6 +48,14 @@ from sglang_kv_migration.client.migration import MigrationClient
 from sglang_kv_migration.server import profiling, thread_costs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_moves import (  # noqa: E402
+    SETTLE_S,
+    concurrency_round,
+    migrate_and_serve,
+    random_tokens,
+    timings_ms,
+)
 from real_servers import (  # noqa: E402
     LLAMA3_8B,
     OUT_DIR,
@@ -64,10 +72,9 @@ from real_servers import (  # noqa: E402
 DEFAULT_LENGTHS = [1024, 4096, 16384, 32768]
 QUICK_LENGTHS = [1024, 4096]
 PHASES = ("session_info", "extra_token_size", "allocate", "transfer", "commit", "total")
-# Issue 8 / 12 targets for the longest prefix.
+# The targets for the longest prefix (one GPU, across GPUs).
 TARGET_RATIO = {False: 0.01, True: 0.02}  # whole device migration / re-prefill
 TARGET_COPY_GBPS = {False: 400.0, True: 200.0}  # keyed by "across GPUs"
-SETTLE_S = 0.5  # idle time on the source between its prefills and the migrations
 COMMIT_TRIP = "device_commit_trip"  # row 5: the device path with the client's commit trip
 TWO_TRIPS = "device_two_trips"  # row 4: the device path with the client's allocate trip
 # Row 6: one call, the target's device_kv in full in every body (no "destination_digest").
@@ -254,10 +261,8 @@ def _run_pair(
         if calibration is not None:
             calibration.take("idle after the rows")
         if args.concurrency_rounds:
-            from bench_any_tier import _concurrency  # it imports this module
-
             for _ in range(args.concurrency_rounds):
-                concurrency.append(_concurrency(client, source, target, 6, 8192, rng))
+                concurrency.append(concurrency_round(client, source, target, 6, 8192, rng))
                 progress()
     progress()
 
@@ -350,21 +355,21 @@ def _warm_up(
     open each path once (CUDA IPC handles, Mooncake connections, cached session info).
     The first migrations' timings are kept: they show the one-off costs."""
     for url in (source, target):
-        p = _tokens(rng, 2048)
+        p = random_tokens(rng, 2048)
         generate(url, p, 1)
         generate(url, p, 1)
     out: dict[str, Any] = {}
     for name, path in (("device", "device"), ("auto", None), ("host", "host")):
         if name == "host" and not host:
             continue
-        p = _tokens(rng, 1024)
+        p = random_tokens(rng, 1024)
         generate(source, p, 1)
         r = client.migrate(source, target, p[:-1], path=path)
         served = generate(target, p, 1)
         out[name] = {
             "path": r.path,
             "fallback_reason": r.fallback_reason,
-            "timings_ms": _ms(r.timings),
+            "timings_ms": timings_ms(r.timings),
             "copy_ms": r.copy_seconds * 1e3,
             "cached_details": cached_details(served),
         }
@@ -388,13 +393,13 @@ def _round(
         flush_cache(url)
     row: dict[str, Any] = {"tokens": n, "repeat": rep}
 
-    baseline, prefill_s = timed_generate(target, _tokens(rng, n), 1)
+    baseline, prefill_s = timed_generate(target, random_tokens(rng, n), 1)
     assert cached_tokens(baseline) == 0, baseline["meta_info"]
     row["reprefill_ttft_ms"] = prefill_s * 1e3
 
-    a = _tokens(rng, n)
-    b = _tokens(rng, n) if host else []
-    more = {kind: _tokens(rng, n) for kind in others}
+    a = random_tokens(rng, n)
+    b = random_tokens(rng, n) if host else []
+    more = {kind: random_tokens(rng, n) for kind in others}
     for p in (a, b, *more.values()):
         if p:
             generate(source, p, 1)
@@ -404,48 +409,14 @@ def _round(
     # rollout moves a prefix computed earlier, not one whose request is still closing.
     time.sleep(SETTLE_S)
 
-    row["device"] = _migrate_and_serve(client, source, target, a, "device")
+    row["device"] = migrate_and_serve(client, source, target, a, "device")
     if host:
         time.sleep(SETTLE_S)  # the target, too, finishes the request it just served
-        row["host"] = _migrate_and_serve(client, source, target, b, "host")
+        row["host"] = migrate_and_serve(client, source, target, b, "host")
     for kind, other in others.items():
         time.sleep(SETTLE_S)
-        row[kind] = _migrate_and_serve(other, source, target, more[kind], "device")
+        row[kind] = migrate_and_serve(other, source, target, more[kind], "device")
     return row
-
-
-def _migrate_and_serve(
-    client: MigrationClient,
-    source: str,
-    target: str,
-    prompt: list[int],
-    path: str,
-    auto: bool = False,
-) -> dict[str, Any]:
-    """`auto`: let the client choose (it must choose `path`)."""
-    t0 = time.perf_counter()
-    r = client.migrate(source, target, prompt[:-1], path=None if auto else path)
-    wall_s = time.perf_counter() - t0
-    served, ttft_s = timed_generate(target, prompt, 1)
-    if r.path != path:
-        raise AssertionError(f"asked for the {path} path, got {r.path!r}: {r.fallback_reason}")
-    copy_s = r.copy_seconds
-    transfer_s = r.timings.get("transfer", 0.0)
-    return {
-        "path": r.path,
-        "migrated_tokens": r.migrated_token_size,
-        "bytes": r.migrated_bytes,
-        "timings_ms": _ms(r.timings),
-        "client_wall_ms": wall_s * 1e3,
-        "copy_ms": copy_s * 1e3,
-        "copy_gb_s": r.migrated_bytes / copy_s / 1e9 if copy_s > 0 else None,
-        "transfer_gb_s": r.migrated_bytes / transfer_s / 1e9 if transfer_s > 0 else None,
-        "ttft_ms": ttft_s * 1e3,
-        "cached_tokens": cached_tokens(served),
-        "cached_details": cached_details(served),
-        "transfer_steps_ms": r.transfer_steps_ms,
-        "steps_ms": r.steps_ms,  # per trip: where its time went (server/trace.py)
-    }
 
 
 def _median_row(n: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -536,14 +507,6 @@ def _print_tables(summary: list[dict[str, Any]], config: dict[str, Any], across:
             f"{_met(ratio is not None and ratio <= want_ratio)}); copy {_f(gbps, 0)} GB/s "
             f"(target >= {want_gbps:.0f}: {_met(gbps is not None and gbps >= want_gbps)})"
         )
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 128000) for _ in range(n)]
-
-
-def _ms(timings: dict[str, float]) -> dict[str, float]:
-    return {k: v * 1e3 for k, v in timings.items()}
 
 
 def _f(value: float | None, digits: int = 1) -> str:

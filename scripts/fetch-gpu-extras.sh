@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels the GPU machine's image lacks, next to ../shared/gpu/build-wheels.sh's .whl-mc/:
 # torch_memory_saver (for --enable-memory-saver servers: test/gpu/test_gpu_memory_saver.py,
-# benchmark/probe_memory_saver.py) and httptools (uvicorn's C HTTP parser; without it every
+# benchmark/probes/probe_memory_saver.py) and httptools (uvicorn's C HTTP parser; without it every
 # request is parsed in pure Python). Then rebuild this package's wheel into .whl-mc/:
 #   bash scripts/fetch-gpu-extras.sh && .venv/bin/python -m pip wheel -q --no-deps -w .whl-mc .
 set -euo pipefail

@@ -61,7 +61,7 @@ case $call in
   # plugin: does a HiCache server start with attention CP for a small NSA model).
   exec bash scripts/gpu_jobs.sh 545 \
     "+0,1:saver_tp2:KVMIG_TP=2 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py" \
-    "+0,1:cp:python3 benchmark/probe_attn_cp.py"
+    "+0,1:cp:python3 benchmark/probes/probe_attn_cp.py"
   ;;
 *)
   echo "unknown call $call: 1, 2, 3 or 4" >&2

@@ -4,10 +4,11 @@ A migration is one to four short POSTs whose bodies are already encoded JSON, so
 client needs no more of HTTP than a request written in one buffer and a reply read by
 its Content-Length (`http_reply.py`, shared with the asyncio client). `http.client`
 (header objects, a reply-header parse through the `email` package) costs ~0.25 ms more
-per call when a call runs cold between other work (`benchmark/probe_http_trip.py`);
-httpx more still (`docs/benchmarks.md`, "The control plane on CPU"). `MigrationClient` uses this
-unless it is handed an `httpx.Client` (for proxies, custom transports, or anything else
-httpx offers): this one connects directly, ignoring the `HTTP(S)_PROXY` variables.
+per call when a call runs cold between other work (`benchmark/probes/probe_http_trip.py`);
+httpx more still (`docs/benchmarks-history.md`, "The control plane on CPU").
+`MigrationClient` uses this unless it is handed an `httpx.Client` (for proxies, custom
+transports, or anything else httpx offers): this one connects directly, ignoring the
+`HTTP(S)_PROXY` variables.
 
 One connection per (thread, origin), so threads sharing a client never share a socket;
 a thread's connections are closed when the thread ends (a rollout manager that makes

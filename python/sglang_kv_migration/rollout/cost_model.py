@@ -72,7 +72,7 @@ DEFAULT_BANDWIDTH_BYTES_PER_S = 2.5e9  # the host path: Mooncake TCP (HOST_TO_HO
 DEFAULT_MIGRATION_OVERHEAD_S = 0.02
 DEFAULT_PREFILL_S_PER_TOKEN = 8.0e-5
 # A migration's trips outside the handlers (HTTP client and server, the hops to and from
-# the scheduler): two trips, 4.9 ms on the H200 (docs/benchmarks.md, "Two trips on the
+# the scheduler): two trips, 4.9 ms on the H200 (docs/benchmarks-history.md, "Two trips on the
 # H200"); a client that sends /commit itself pays a third.
 DEFAULT_HTTP_OVERHEAD_S = 0.005
 

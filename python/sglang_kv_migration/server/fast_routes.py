@@ -5,8 +5,8 @@ A migration is one to four HTTP trips, each a few hundred bytes to a few MB of J
 Starlette's router and FastAPI's request handling (dependency solving, its body parse
 and validation, response classes) cost a trip ~0.25 ms when it runs cold between other
 work (a server answers a migration now and then, not in a hot loop): on the order of a
-whole page's copy (`benchmark/probe_http_trip.py`). This ASGI middleware answers a POST to one
-of the six paths itself when its body is JSON the route accepts, with the route's own
+whole page's copy (`benchmark/probes/probe_http_trip.py`). This ASGI middleware answers a
+POST to one of the six paths itself when its body is JSON the route accepts, with the route's own
 request builder, dispatch and reply (`http_api.fast_handlers`). Anything else goes on
 to the router untouched, the body replayed: a body the route refuses (its 400 names
 the field), any other method, an app mounted under a root path, a body with no length

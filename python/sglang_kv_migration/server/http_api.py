@@ -525,7 +525,7 @@ def add_routes(app: Any, get_backend: Callable[[], MigrationBackend | None]) -> 
         )
     # First in the list: Starlette tries the routes in order, and walking SGLang's ~90
     # routes to reach ours cost 64 us a match on CPU against 4 us first
-    # (`benchmark/probe_route_walk.py`), twice a trip with an API key (its middleware
+    # (`benchmark/probes/probe_route_walk.py`), twice a trip with an API key (its middleware
     # matches again).
     # No SGLang route has one of our paths (`add_routes_to_sglang_app` checks).
     ours = routes[before:]
@@ -542,7 +542,7 @@ def add_routes(app: Any, get_backend: Callable[[], MigrationBackend | None]) -> 
 def warn_without_fast_http_parser() -> bool:
     """Warn (once, at launch) when uvicorn will parse HTTP in pure Python (h11): without
     `httptools` every migration trip costs about a millisecond more on the server
-    (`docs/benchmarks.md`, "The control plane on CPU"). Returns True when it warned."""
+    (`docs/benchmarks-history.md`, "The control plane on CPU"). Returns True when it warned."""
     import importlib.util
     import logging
 

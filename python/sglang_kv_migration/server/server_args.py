@@ -273,7 +273,7 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
             "use tensor and pipeline parallelism only."
         )
     if args.attn_cp_size > 1:
-        # Read from SGLang 0.5.12's code (benchmark/probe_attn_cp.py): CP splits the
+        # Read from SGLang 0.5.12's code (benchmark/probes/probe_attn_cp.py): CP splits the
         # prefill's compute and every CP rank keeps the whole sequence's KV, but moving
         # it between such servers has not been run yet (it needs two GPUs).
         raise KVMigrationArgsError(

@@ -12,8 +12,8 @@ run cold (the gap) — `--gap-ms 0` shows the hot loop. Reported per pair: the t
 route's own time (`steps_ms.route`, from the first byte of the body to the reply), and
 the rest (`outside`: client, kernel, uvicorn, middleware, routing), p50 and p90 µs.
 
-    PYTHONPATH=python .venv/bin/python benchmark/probe_http_trip.py
-    PYTHONPATH=python .venv/bin/python benchmark/probe_http_trip.py --gap-ms 0 --trips 2000
+    PYTHONPATH=python .venv/bin/python benchmark/probes/probe_http_trip.py
+    PYTHONPATH=python .venv/bin/python benchmark/probes/probe_http_trip.py --gap-ms 0 --trips 2000
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import orjson
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BODY = orjson.dumps({"migration_id": "probe", "receipts": []})
 HEADERS = {"Content-Type": "application/json"}
 

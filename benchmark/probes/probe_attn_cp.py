@@ -1,8 +1,8 @@
 """Does stock SGLang 0.5.12 run a HiCache server with attention context parallelism (CP) for
 a small DeepSeek-V3.2-shaped NSA model, and where does it keep the KV? (nvidia-h200-x2.)
 
-    KVMIG_GPU_OUT=$OUT python3 benchmark/probe_attn_cp.py            # both variants
-    KVMIG_GPU_OUT=$OUT python3 benchmark/probe_attn_cp.py --variants attn-cp
+    KVMIG_GPU_OUT=$OUT python3 benchmark/probes/probe_attn_cp.py            # both variants
+    KVMIG_GPU_OUT=$OUT python3 benchmark/probes/probe_attn_cp.py --variants attn-cp
 
 Stock SGLang only: no `--enable-kv-migration` (this plugin refuses `--attn-cp-size > 1`
 at start-up today). A config-only model (dummy weights, `DeepseekV32ForCausalLM`, 4 dense
@@ -68,7 +68,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "test" / "gpu"))
 from real_servers import OUT_DIR, cached_details, cached_tokens, generate, stop, write_model  # noqa: E402
 
 # DeepSeek-V3.2's attention and indexer dims, shrunk elsewhere: 4 layers, hidden 1024, all

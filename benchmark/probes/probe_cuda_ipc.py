@@ -8,7 +8,7 @@ every buffer, twice: with torch (index_select + index_copy_ per buffer) and with
 fused Triton kernel the device path uses (`page_copy.copy_pages`). The target checks
 the bytes. Reports GB/s, on one GPU or from GPU 0 into GPU 1.
 
-    python3 benchmark/probe_cuda_ipc.py --tokens 32768 [--target-gpu 1]
+    python3 benchmark/probes/probe_cuda_ipc.py --tokens 32768 [--target-gpu 1]
 """
 
 from __future__ import annotations

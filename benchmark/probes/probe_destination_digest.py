@@ -10,7 +10,7 @@ handled on its way:
 - hop: pickle and unpickle of the scheduler request (tokenizer manager -> scheduler);
 - scheduler: `KnownDestinations.resolve` and the grant's destination digest.
 
-    .venv/bin/python benchmark/probe_destination_digest.py [--repeats 500]
+    .venv/bin/python benchmark/probes/probe_destination_digest.py [--repeats 500]
 """
 
 from __future__ import annotations

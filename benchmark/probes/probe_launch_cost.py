@@ -1,6 +1,6 @@
 """Host-side cost of the pieces of a device-path send (GPU machine only; seconds, no
 server): where the source scheduler's ~1 ms "launch" and ~0.8 ms "match" steps of a
-one-page transfer go (`docs/benchmarks.md`, "Two trips on the H200").
+one-page transfer go (`docs/benchmarks-history.md`, "Two trips on the H200").
 
 One process on GPU 0, 64 Llama-3-8B-shaped layer buffers (rows of 2 KiB) as source and
 as destination. Each piece is timed on the host (what the scheduler thread pays), the
@@ -10,7 +10,7 @@ the fused Triton page copy's launch, the copy plan of `tiers.plan_tiers` over de
 slots, the host identity and GPU lookup of the target check, and the whole sequence as
 `DevicePath._launch` runs it. Medians (and p90) of `--repeats` calls, microseconds.
 
-    python3 benchmark/probe_launch_cost.py [--pages 1 1024] [--repeats 200]
+    python3 benchmark/probes/probe_launch_cost.py [--pages 1 1024] [--repeats 200]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ and times matching `/transfer_request_kvcache` against the list as it is, and ag
 the same list with our routes moved back to its end (where `add_api_route` appends
 them), interleaved, medians of `--repeats` rounds of `--walks` matches.
 
-    PYTHONPATH=python .venv/bin/python benchmark/probe_route_walk.py
+    PYTHONPATH=python .venv/bin/python benchmark/probes/probe_route_walk.py
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "support"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "test" / "support"))
 
 
 def _walk(routes: list[Any], scope: dict[str, Any]) -> Any:

@@ -1,6 +1,6 @@
 """Which CUDA sharing works with torch_memory_saver's allocations? (GPU machine only.)
 
-    KVMIG_GPU_OUT=$OUT python3 benchmark/probe_memory_saver.py
+    KVMIG_GPU_OUT=$OUT python3 benchmark/probes/probe_memory_saver.py
 
 In one process with torch_memory_saver (hook mode "torch", as a test can set it), one
 buffer allocated inside a saver region (how SGLang allocates its KV pool) and one outside

@@ -6,7 +6,7 @@ Both forms of the same allocate (32K ids by default) go through what the target 
 its scheduler thread: the JSON parse and `http_api.allocate_request` (the route's
 validation). Interleaved, side by side in one run; medians.
 
-    .venv/bin/python benchmark/probe_ids_frame.py [--tokens 32768] [--repeats 200]
+    .venv/bin/python benchmark/probes/probe_ids_frame.py [--tokens 32768] [--repeats 200]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
+_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(_ROOT / "test" / "support"))
 sys.path.insert(0, str(_ROOT / "python"))
 
