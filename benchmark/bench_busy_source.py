@@ -15,6 +15,10 @@ Two real SGLang servers on one GPU, Llama-3-8B shape (dummy weights), CUDA graph
    stream of 8K moves from it (the target's cache is flushed after each, so each moves
    the whole prefix), from SGLang's `sglang:realtime_tokens_total{mode="decode"}`.
 
+With `--only-concurrency`: six concurrent 8K moves to one target (six threads) beside
+one alone, `--concurrency-rounds` rounds each with the target idle and with the target
+decoding a full batch (`bench_busy_source_concurrency.json`; target <= 1.5x).
+
 Per move the file keeps what the replies already report: phases, per-trip `steps_ms`
 (the scheduler trips, the loop iterations a transfer waited, the copy), `copy_ms`, the
 wall time and the TTFT of the target serving the prompt afterwards. Medians with
@@ -37,6 +41,7 @@ Settings changed from SGLang's defaults, and why:
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import threading
@@ -84,6 +89,9 @@ def main() -> None:
     ]
     graphs = not args.no_cuda_graph
     specs = [ServerSpec(30910, flags, 0, graphs), ServerSpec(30920, flags, 0, graphs)]
+    if args.only_concurrency:
+        _run_concurrency(args, model_dir, specs)
+        return
     config = {**vars(args), "lengths": lengths, "repeats": repeats, "server_flags": flags}
     result: dict[str, Any] = {"config": config, "rows": [], "windows": [], "complete": False}
     started = time.monotonic()
@@ -124,6 +132,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--context-length", type=int, default=40960)
     p.add_argument("--no-cuda-graph", action="store_true", help="servers without CUDA graphs")
     p.add_argument("--quick", action="store_true", help="1K and 4K, one repeat")
+    p.add_argument("--only-concurrency", action="store_true", help="six 8K moves vs one")
+    p.add_argument("--concurrency-rounds", type=int, default=3)
     return p.parse_args()
 
 
@@ -166,6 +176,63 @@ def _repeat(
                 batch.stop()
     result["rows"].extend(rows.values())
     save()
+
+
+def _run_concurrency(args: argparse.Namespace, model_dir: Path, specs: list) -> None:
+    path = OUT_DIR / "bench_busy_source_concurrency.json"
+    result: dict[str, Any] = {"config": vars(args), "rounds": [], "complete": False}
+    with (
+        running_servers(model_dir, specs, sequential=True) as (source, target),
+        MigrationClient(timeout=600) as client,
+    ):
+        rng = random.Random(0)
+        _warm_up(client, source, target, rng)
+        for _ in range(args.concurrency_rounds):
+            for state in report.SOURCES:
+                batch = BusyBatch(target, args.busy, rng.randrange(1 << 30))
+                for url in (source, target):
+                    flush_cache(url)
+                try:
+                    if state == "busy":
+                        batch.start(min_running=min(32, args.busy))
+                    row = {"target": state, **_concurrent(client, source, target, rng)}
+                finally:
+                    if state == "busy":
+                        batch.stop()
+                result["rounds"].append(row)
+                result["summary"] = report.concurrency_summary(result["rounds"])
+                report.write_result(path, result)
+    result["complete"] = True
+    report.write_result(path, result)
+    print(json.dumps(result["summary"], indent=1), flush=True)
+
+
+def _concurrent(
+    client: MigrationClient, source: str, target: str, rng: random.Random, n: int = 6
+) -> dict[str, Any]:
+    """Seven 8K prefixes on the source's GPU: one moves alone, then six at once."""
+    prompts = [_tokens(rng, 8192) for _ in range(n + 1)]
+    for p in prompts:
+        generate(source, p, 1)
+    time.sleep(SETTLE_S)
+    t0 = time.perf_counter()
+    client.migrate(source, target, prompts[0][:-1], path="device")
+    one = time.perf_counter() - t0
+    walls: list[float] = [0.0] * n
+
+    def move(i: int) -> None:
+        t = time.perf_counter()
+        client.migrate(source, target, prompts[i + 1][:-1], path="device")
+        walls[i] = time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=move, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return {"one_ms": one * 1e3, "all_ms": (time.perf_counter() - t0) * 1e3,
+            "each_ms": [w * 1e3 for w in walls]}  # fmt: skip
 
 
 def _place_prefixes(

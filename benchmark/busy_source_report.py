@@ -113,6 +113,26 @@ def decode_kept(windows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+CONCURRENT_OVER_ONE_MAX = 1.5  # six concurrent 8K moves to one target vs one
+
+
+def concurrency_summary(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per target state (idle / busy): one move's time and six concurrent moves' wall
+    time as median with min-max over the rounds, their ratio and its verdict."""
+    out = {}
+    for state in SOURCES:
+        mine = [r for r in rounds if r.get("target") == state]
+        one, many = spread([r["one_ms"] for r in mine]), spread([r["all_ms"] for r in mine])
+        ratio = _ratio(many, one)
+        out[state] = {
+            "one_ms": one,
+            "concurrent_ms": many,
+            "concurrent_over_one": ratio,
+            "met": None if ratio is None else ratio <= CONCURRENT_OVER_ONE_MAX,
+        }
+    return out
+
+
 def write_result(path: Path, result: dict[str, Any]) -> None:
     """Rewritten whole after every row (small): a run cut at its limit keeps what it
     measured, with `complete` false."""

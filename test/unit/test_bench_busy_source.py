@@ -104,3 +104,18 @@ def test_the_result_file_is_rewritten_whole(tmp_path: Path) -> None:
     report.write_result(path, {"rows": [1, 2], "complete": True})
     assert json.loads(path.read_text()) == {"rows": [1, 2], "complete": True}
     assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_concurrency_summary_per_target_state() -> None:
+    rounds = [
+        {"target": "idle", "one_ms": 10.0, "all_ms": 14.0},
+        {"target": "idle", "one_ms": 12.0, "all_ms": 20.0},
+        {"target": "idle", "one_ms": 11.0, "all_ms": 15.0},
+        {"target": "busy", "one_ms": 20.0, "all_ms": 40.0},
+    ]
+    summary = report.concurrency_summary(rounds)
+    assert summary["idle"]["one_ms"]["median"] == 11.0
+    assert summary["idle"]["concurrent_over_one"] == 15.0 / 11.0
+    assert summary["idle"]["met"] is True
+    assert summary["busy"]["concurrent_over_one"] == 2.0 and summary["busy"]["met"] is False
+    assert report.concurrency_summary([])["busy"]["met"] is None

@@ -279,6 +279,12 @@ def _add_policy_options(p: argparse.ArgumentParser, policy: RebalancePolicy) -> 
         default=policy.max_moves_per_request,
         help="how often one request may move",
     )
+    _add_placement_options(p, policy)
+
+
+def _add_placement_options(p: argparse.ArgumentParser, policy: RebalancePolicy) -> None:
+    """Which of a target's pools a move is planned into (`RebalancePolicy.landing_path`)."""
+    add = p.add_argument
     add(
         "--no-kv-headroom",
         dest="kv_headroom",
