@@ -20,6 +20,12 @@ high-priority turns to B by abort + re-prefill, what RL frameworks do today); `m
 it will take). Both rebalancing modes use the scene policy: only queued requests at least
 `--high` urgent whose KV A holds (any tier), at most `--max-concurrent` at once.
 
+Servers run with CUDA graphs on (`--no-cuda-graph` turns them off). The modes run
+`--repeats` times (default 3; repeat r draws its workload from seed `--seed` + r), and
+the p99s are over all turns of all repeats together, with their spread (the lowest
+and highest per-repeat p99; `rl_scene_stats.py`). Result files of separate runs of one
+context (e.g. one repeat per device call, `--repeat-start`) merge with `--merge`.
+
 Reported per mode: high-priority completion from arrival p50/p99, low-priority
 completion p50/p99, makespan, prefill tokens computed (SGLang's
 `sglang:realtime_tokens_total{mode="prefill_compute"}`, both servers), every move's
@@ -28,6 +34,9 @@ each moved turn's output equals the same turn's output in `none` (greedy, same d
 weights on both servers). Then the issue's ratios.
 
     KVMIG_GPU_OUT=$OUT python3 benchmark/bench_rl_scene.py --context 8192
+    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_rl_scene.py --context 16384 --repeats 1 \
+        --repeat-start 2                               # one repeat of three
+    python3 benchmark/bench_rl_scene.py --merge a.json b.json   # pool the repeats
     python3 benchmark/bench_rl_scene.py --quick        # tiny model, small scene
     python3 benchmark/bench_rl_scene.py --scene early  # the earlier scene:
                                                        # bench_rollout_rebalance.py
@@ -47,11 +56,12 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
+import rl_scene_stats
 from sglang_kv_migration.rollout.rebalancer import RebalancePolicy, Rebalancer
 from sglang_kv_migration.rollout.request_migration import (
     AsyncRequestMigrator,
@@ -279,29 +289,13 @@ def summarize(result: ModeResult, baseline: ModeResult | None) -> dict[str, Any]
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    return statistics.quantiles(sorted_values, n=100, method="inclusive")[int(q) - 1]
-
-
-def ratios(rows: list[dict[str, Any]]) -> dict[str, float | None]:
-    by = {r["mode"]: r for r in rows}
-
-    def ratio(a: str, b: str, key: str) -> float | None:
-        if a not in by or b not in by or not by[b][key]:
-            return None
-        return round(by[a][key] / by[b][key], 3)
-
-    return {
-        "high_p99_migrate_over_recompute": ratio("migrate", "recompute", "high_p99_s"),  # <= 0.5
-        "high_p99_migrate_over_none": ratio("migrate", "none", "high_p99_s"),  # <= 0.2
-        "low_p99_migrate_over_none": ratio("migrate", "none", "low_p99_s"),  # <= 1.1
-    }
+    return rl_scene_stats.percentile(sorted_values, q)
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     cols = [
-        *("mode", "high_p50_s", "high_p99_s", "low_p50_s", "low_p99_s", "makespan_s"),
+        *("mode", "repeat", "repeats", "high_turns", "high_p50_s", "high_p99_s"),
+        *("high_p99_spread_s", "low_p50_s", "low_p99_s", "low_p99_spread_s", "makespan_s"),
         *("prefill_tokens", "moves", "paths", "held_on_host_tokens", "moved_outputs_identical"),
     ]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -327,7 +321,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
                    [k.removesuffix("_s").replace("_", " ") for k in keys])  # fmt: skip
     ax1.set_ylabel("completion from arrival (s)")
     ax1.legend()
-    ax2.bar([r["mode"] for r in rows], [r["makespan_s"] for r in rows], color="gray")
+    ax2.bar([r["mode"] for r in rows], [r["makespan_s"] or 0 for r in rows], color="gray")
     ax2.set_ylabel("makespan (s)")
     ax2b = ax2.twinx()
     ax2b.plot([r["mode"] for r in rows], [r["prefill_tokens"] or 0 for r in rows], "o-", color="C3")
@@ -356,7 +350,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--quick", action="store_true", help="tiny model and a small scene (smoke run)")
     add("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run, in order")
     add("--context", type=int, default=8192, help="first-turn prompt tokens (4096/8192/16384)")
-    add("--conversations", type=int, default=6, help="high-priority conversations")
+    add("--conversations", type=int, default=24, help="high-priority conversations")
+    add("--repeats", type=int, default=3, help="times every mode runs")
+    add("--repeat-start", type=int, default=0, help="index (and seed offset) of the first")
+    add("--no-cuda-graph", action="store_true", help="servers without CUDA graphs")
+    add("--merge", nargs="+", type=Path, default=None,
+        help="pool these result files' repeats (one context) and print the ratios")  # fmt: skip
     add("--observation", type=int, default=256, help="new tokens of the next turn")
     add("--history-gen", type=int, default=32, help="tokens the first turn generates")
     add("--high-gen", type=int, default=64, help="tokens the next turn generates")
@@ -379,13 +378,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-concurrent", type=int, default=6, help="rebalancer: moves in flight at once")
     add("--target-max-ratio", type=float, default=0.95, help="rebalancer: B's KV headroom")
     add("--mode-timeout", type=float, default=150.0, help="seconds per mode")
+    add("--b-hicache-ratio", type=float, default=None,
+        help="B's --hicache-ratio (default: half of A's, at least 2): B's host pool takes "
+        "moves, A's holds every conversation; two on one machine must fit its memory")  # fmt: skip
     add("--seed", type=int, default=0, help="workload seed")
     args, rest = p.parse_known_args(argv)
     if args.scene == "queued" and rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
     if args.quick:
-        args.context, args.conversations, args.observation = 1024, 4, 64
+        args.context, args.conversations, args.observation, args.repeats = 1024, 4, 64, 1
         args.high_gen, args.low_gen, args.max_total_tokens = 16, 64, 8192
         args.max_running_requests = 4
     return args
@@ -402,12 +404,15 @@ def scene_from(args: argparse.Namespace, vocab: int) -> Scene:
     )  # fmt: skip
 
 
-def server_flags(args: argparse.Namespace, scene: Scene) -> list[str]:
-    """Both servers' flags. The host pool holds every conversation plus the low decodes
-    (none of the scene's KV may fall out of A's host tier: that is what moves)."""
+def server_flags(args: argparse.Namespace, scene: Scene, b: bool = False) -> list[str]:
+    """A's flags (B's with `b`: its host pool per `--b-hicache-ratio`). A's host pool
+    holds every conversation plus the low decodes (none of the scene's KV may fall out
+    of A's host tier: that is what moves)."""
     per_conv = scene.context + scene.history_gen + scene.observation + scene.high_gen
     needed = scene.conversations * per_conv + scene.low_count * (scene.low_prompt + scene.low_gen)
     ratio = max(2.0, math.ceil(needed / args.max_total_tokens) + 0.5)
+    if b:
+        ratio = args.b_hicache_ratio or max(2.0, ratio / 2)
     context_len = max(per_conv, scene.low_prompt + scene.low_gen) + 64
     return [
         "--page-size", str(args.page_size), "--mem-fraction-static", str(args.mem_fraction_static),
@@ -434,6 +439,12 @@ def policy_for(mode: str, args: argparse.Namespace) -> RebalancePolicy | None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.merge:
+        seconds = rl_scene_stats.merge(args.merge)
+        rows = rl_scene_stats.pooled_rows(seconds)
+        print(markdown(rows))
+        print(json.dumps(rl_scene_stats.ratios(rows)))
+        return
     if args.scene == "early":
         import bench_rollout_rebalance
 
@@ -442,28 +453,33 @@ def main(argv: list[str] | None = None) -> None:
         return
     shape, name = (TINY_LLAMA, "tiny") if args.quick else (LLAMA3_8B, "llama3-8b")
     scene = scene_from(args, shape["vocab_size"])
-    work = make_workload(scene)
     os.environ.setdefault("SGLANG_ENABLE_METRICS_DEVICE_TIMER", "1")  # prefill seconds
     model_dir = write_model(shape, Path(f"/tmp/kvmig-{name}"))
-    flags = server_flags(args, scene)
-    results: list[ModeResult] = []
+    graphs = not args.no_cuda_graph
+    specs = [
+        ServerSpec(30700, server_flags(args, scene), cuda_graph=graphs),
+        ServerSpec(30800, server_flags(args, scene, b=True), cuda_graph=graphs),
+    ]
+    results: list[tuple[int, ModeResult]] = []
     errors: dict[str, str] = {}
-    specs = [ServerSpec(30700, flags), ServerSpec(30800, flags)]
     with running_servers(model_dir, specs, sequential=True) as urls:
         rng = random.Random(1)
         for url in urls:  # compile kernels before anything is timed
             generate(url, tokens(rng, 1024, shape["vocab_size"]), 4)
-        for mode in args.modes:
-            for url in urls:
-                flush_cache(url)
-            print(f"== {mode}", flush=True)
-            run = run_mode(mode, scene, work, urls, policy_for(mode, args))
-            try:
-                results.append(asyncio.run(asyncio.wait_for(run, args.mode_timeout)))
-            except TimeoutError:  # report it and go on: the other modes still count
-                errors[mode] = f"did not finish in {args.mode_timeout} s"
-                continue
-            report(args, name, scene, results, errors, final=False)
+        for rep in range(args.repeat_start, args.repeat_start + args.repeats):
+            scene_r = replace(scene, seed=args.seed + rep)
+            work = make_workload(scene_r)
+            for mode in args.modes:
+                for url in urls:
+                    flush_cache(url)
+                print(f"== repeat {rep}: {mode}", flush=True)
+                run = run_mode(mode, scene_r, work, urls, policy_for(mode, args))
+                try:
+                    results.append((rep, asyncio.run(asyncio.wait_for(run, args.mode_timeout))))
+                except TimeoutError:  # report it and go on: the other modes still count
+                    errors[f"{rep}:{mode}"] = f"did not finish in {args.mode_timeout} s"
+                    continue
+                report(args, name, scene, results, errors, final=False)
     report(args, name, scene, results, errors, final=True)
 
 
@@ -471,38 +487,63 @@ def report(
     args: argparse.Namespace,
     name: str,
     scene: Scene,
-    results: list[ModeResult],
+    results: list[tuple[int, ModeResult]],
     errors: dict[str, str],
     final: bool,
 ) -> None:
     """Write the JSON (after every mode: a cut-short run keeps what it measured); at the
-    end also the table, the ratios and the plot."""
-    baseline = next((r for r in results if r.mode == "none"), None)
-    rows = [summarize(r, baseline) for r in results]
-    stem = f"bench_rl_scene_{args.context}"
+    end also the table, the ratios and the plot. `rows`: pooled over the repeats;
+    `repeat_rows`: each repeat's own, its moved turns checked against its `none`."""
+    repeat_rows = []
+    for rep in sorted({r for r, _ in results}):
+        mine = [m for r, m in results if r == rep]
+        baseline = next((m for m in mine if m.mode == "none"), None)
+        repeat_rows += [{"repeat": rep, **summarize(m, baseline)} for m in mine]
+    seconds = turn_seconds(results)
+    rows = rl_scene_stats.pooled_rows(seconds)
+    for row in rows:  # the plot's and table's per-mode makespan and prefill: medians
+        mine = [r for r in repeat_rows if r["mode"] == row["mode"]]
+        for key in ("makespan_s", "prefill_tokens", "moves"):
+            present = [r[key] for r in mine if r.get(key) is not None]
+            row[key] = statistics.median(present) if present else None
+    suffix = f"_r{args.repeat_start}" if args.repeat_start else ""
+    stem = f"bench_rl_scene_{args.context}{suffix}"
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     out = {
-        "config": {**{k: v for k, v in vars(args).items() if k != "rest"}, "shape": name},
+        "config": {**{k: v for k, v in vars(args).items() if k not in ("rest", "merge")},
+                   "shape": name},
         "scene": asdict(scene),
         "rows": rows,
-        "ratios": ratios(rows),
+        "ratios": rl_scene_stats.ratios(rows),
+        "repeat_rows": repeat_rows,
+        "turn_seconds": seconds,
         "errors": errors,
         "turns": {
-            r.mode: [asdict(t) | {"output_ids": len(t.output_ids)} for t in r.turns]
-            for r in results
-        },  # fmt: skip
-        "rebalancer": {r.mode: r.rebalancer for r in results},
-    }
+            f"{rep}:{r.mode}": [asdict(t) | {"output_ids": len(t.output_ids)} for t in r.turns]
+            for rep, r in results
+        },
+        "rebalancer": {f"{rep}:{r.mode}": r.rebalancer for rep, r in results},
+    }  # fmt: skip
     (OUT_DIR / f"{stem}.json").write_text(json.dumps(out, indent=1))
     if not final:
-        print(json.dumps(rows[-1]) if rows else "{}", flush=True)
+        print(json.dumps(repeat_rows[-1]) if repeat_rows else "{}", flush=True)
         return
     png = OUT_DIR / f"{stem}.png"
     title = f"RL scene, {name}, {args.context}-token histories: none / re-prefill / migrate"
     plotted = plot(rows, png, title) if rows else False
     print(markdown(rows))
+    print(markdown(repeat_rows))
     print(json.dumps(out["ratios"]))
     print(f"plot: {png}" if plotted else "plot: matplotlib not installed (or no rows)")
+
+
+def turn_seconds(results: list[tuple[int, ModeResult]]) -> dict[str, dict[str, dict]]:
+    """mode -> repeat (as a string: JSON keys) -> kind -> every turn's completion seconds."""
+    out: dict[str, dict[str, dict]] = {}
+    for rep, result in results:
+        kinds = {k: [t.seconds for t in result.turns if t.kind == k] for k in ("high", "low")}
+        out.setdefault(result.mode, {})[str(rep)] = kinds
+    return out
 
 
 if __name__ == "__main__":

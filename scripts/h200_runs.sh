@@ -3,7 +3,7 @@
 # time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
 # session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..26, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..34, one device call each, kind nvidia-h200
 #
 # Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
 #   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -16,7 +16,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|26}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|34}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -250,8 +250,48 @@ case $call in
     "0:one16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 --repeats 9 --no-host" \
     "0:one1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 2048 --repeats 9 --no-host"
   ;;
+27)
+  # Busy source (CUDA graphs on): 1K / 8K / 32K prefixes from the source's GPU and from
+  # its host tier, moved between idle servers and from a source decoding 40 requests of
+  # mixed lengths, beside re-prefill on the target; three repeats; then the busy batch's
+  # decode throughput alone and during a stream of 8K moves. Targets: busy <= 2x idle,
+  # decode kept >= 95%. Settings it changes are named in its docstring.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:busy:python3 benchmark/bench_busy_source.py --repeats 3"
+  ;;
+28)
+  # Six concurrent 8K moves to one target vs one, on an idle target and on a target
+  # decoding 40 requests (CUDA graphs on), three rounds each. Target: <= 1.5x.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:conc:python3 benchmark/bench_busy_source.py --only-concurrency --concurrency-rounds 3"
+  ;;
+29)
+  # The RL scene on this code, CUDA graphs on, 4K histories: 24 high-priority turns,
+  # three repeats (none / recompute / migrate each), p99 over all 72 turns with the
+  # per-repeat spread; the rebalancer plans against B's GPU then host headroom.
+  # Targets: high p99 migrate/recompute <= 0.4, migrate/none <= 0.15; low p99 <= 1.05x.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:rl4k:python3 benchmark/bench_rl_scene.py --context 4096 --repeats 3"
+  ;;
+30)
+  # The same at 8K: two repeats here, the third in call 31 (a call cut at its limit
+  # keeps the modes it finished: the file is written after each).
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:rl8k:python3 benchmark/bench_rl_scene.py --context 8192 --repeats 2"
+  ;;
+31)
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:rl8k:python3 benchmark/bench_rl_scene.py --context 8192 --repeats 1 --repeat-start 2"
+  ;;
+32|33|34)
+  # The same at 16K, one repeat a call (call 32: repeat 0, 33: 1, 34: 2). Pool them
+  # here afterwards: python3 benchmark/bench_rl_scene.py --merge \
+  #   rl16k-bench_rl_scene_16384.json rl16k-bench_rl_scene_16384_r1.json ...
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:rl16k:python3 benchmark/bench_rl_scene.py --context 16384 --repeats 1 --repeat-start $((call - 32)) --mode-timeout 200"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|26" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|34" >&2
   exit 2
   ;;
 esac

@@ -134,6 +134,8 @@ class GetRequestExtraTokenSizeReqInput(BaseReq):
     # The ids as little-endian uint32 (feature "binary_ids"): the scheduler turns them
     # into `input_ids` when it takes the request up (`binary_ids.unpack_request`).
     input_ids_u32: bytes = b""
+    # Also report `host_headroom_tokens` (a walk of the tree: asked for only by planners).
+    headroom: bool = False
 
 
 @dataclass
@@ -143,6 +145,9 @@ class GetRequestExtraTokenSizeReqOutput(BaseReq):
     extra_token_size: int = 0  # page-aligned tokens of input_ids it does not hold
     total_token_size: int = 0  # page-aligned length of input_ids
     device_token_size: int = 0  # the part of matched_token_size held on device
+    # With `headroom`: host slots a host-path allocate could claim now (free plus
+    # evictable host-only pages); -1 when not asked.
+    host_headroom_tokens: int = -1
     server_epoch: str = ""
     message: str = ""
     error_kind: str = ""

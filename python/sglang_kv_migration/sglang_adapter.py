@@ -658,6 +658,11 @@ def host_evictable_size(cache: HiRadixCache) -> int:
     return walk(cache.root_node)[0]
 
 
+def host_headroom_tokens(cache: HiRadixCache) -> int:
+    """Host slots `alloc_host_slots` could claim now: free plus evictable."""
+    return int(host_pool(cache).available_size()) + host_evictable_size(cache)
+
+
 def alloc_device_slots(cache: HiRadixCache, num_tokens: int) -> torch.Tensor:
     """Device token slots for `num_tokens` (whole pages), evicting by the tree's rules.
 

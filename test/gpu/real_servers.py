@@ -144,9 +144,12 @@ def launch(
     *,
     migration: bool = True,
     tokenizer: bool = False,
+    cuda_graph: bool = False,
 ) -> subprocess.Popen:
     """Start one server; `gpu_id` adds `--base-gpu-id` (the server's first GPU).
 
+    `cuda_graph=True` leaves out `--disable-cuda-graph` (decode replays captured graphs, as
+    in production; start-up captures them first).
     `migration=False` leaves out the plugin's flags (HiCache stays on): the "off" server
     of an overhead comparison. `tokenizer=True` keeps SGLang's tokenizer (the model
     directory must hold one, see `write_tokenizer`), which `sglang.bench_serving` needs.
@@ -169,7 +172,7 @@ def launch(
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_dir), "--load-format", "dummy",
         "--attention-backend", "triton", "--sampling-backend", "pytorch",
-        "--disable-cuda-graph", "--enable-hierarchical-cache",
+        *([] if cuda_graph else ["--disable-cuda-graph"]), "--enable-hierarchical-cache",
         "--host", "127.0.0.1", "--port", str(port),
         *extra,
     ]  # fmt: skip
@@ -209,6 +212,7 @@ class ServerSpec:
     port: int
     extra: list[str] = field(default_factory=list)
     gpu_id: int | None = None
+    cuda_graph: bool = False  # see `launch`
 
     @property
     def url(self) -> str:
@@ -232,15 +236,19 @@ def running_servers(
     try:
         if sequential:
             for spec in specs:
-                procs.append(launch(spec.port, model_dir, spec.extra, spec.gpu_id))
+                procs.append(_launch(spec, model_dir))
                 wait_ready(spec.url, procs[-1])
         else:
-            procs = [launch(s.port, model_dir, s.extra, s.gpu_id) for s in specs]
+            procs = [_launch(s, model_dir) for s in specs]
             for spec, proc in zip(specs, procs, strict=True):
                 wait_ready(spec.url, proc)
         yield [spec.url for spec in specs]
     finally:
         stop(procs)
+
+
+def _launch(spec: ServerSpec, model_dir: Path) -> subprocess.Popen:
+    return launch(spec.port, model_dir, spec.extra, spec.gpu_id, cuda_graph=spec.cuda_graph)
 
 
 def generate(url: str, input_ids: list[int], max_new_tokens: int = 24) -> dict:

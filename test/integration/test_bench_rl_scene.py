@@ -88,7 +88,9 @@ def test_scene_modes_on_mini_servers(servers: list[ServerHandle]) -> None:
     assert rows[1]["moves"] == 2 and rows[1]["paths"] == ["host"]
     assert rows[1]["moved_outputs_identical"] == rows[1]["moved"] == 2
     assert rows[0]["moves"] == 0
-    assert set(bench.ratios(rows)) == {
+    pooled = bench.rl_scene_stats.pooled_rows(bench.turn_seconds([(0, none), (0, migrate)]))
+    assert [r["high_turns"] for r in pooled] == [SCENE.conversations] * 2
+    assert set(bench.rl_scene_stats.ratios(pooled)) == {
         "high_p99_migrate_over_recompute",
         "high_p99_migrate_over_none",
         "low_p99_migrate_over_none",
@@ -110,5 +112,9 @@ def test_arguments_and_server_flags() -> None:
     per_conv = scene.context + scene.history_gen + scene.observation + scene.high_gen
     assert ratio * args.max_total_tokens >= scene.conversations * per_conv + low_kv
     assert args.high - args.low < args.preemption_threshold  # the turns wait, never preempt
+    # CUDA graphs on, 24 turns, 3 repeats unless asked; B's host pool is half of A's.
+    assert (args.no_cuda_graph, args.conversations, args.repeats) == (False, 24, 3)
+    b_flags = bench.server_flags(args, scene, b=True)
+    assert float(b_flags[b_flags.index("--hicache-ratio") + 1]) == max(2.0, ratio / 2)
     with pytest.raises(SystemExit):
         bench.parse_args(["--bogus"])

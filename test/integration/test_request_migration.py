@@ -542,12 +542,17 @@ def test_rebalancer_sees_the_scene(servers: ServerPair) -> None:
             load = _load(servers.source)
             rebalancer = Rebalancer(migrator, [servers.source.url, servers.target.url], policy)
             first_round = await rebalancer.step()
+            headroom = rebalancer.summary.last_loads[servers.target.url].host_headroom_tokens
             summary = await rebalancer.run(max_rounds=300, interval_s=0.02)
             outs = [await h.result() for h in (decoding, *queued)]
-            return load, first_round, summary, queued, outs
+            return load, first_round, headroom, summary, queued, outs
 
-    load, first_round, summary, queued, outs = asyncio.run(scenario())
+    load, first_round, headroom, summary, queued, outs = asyncio.run(scenario())
     assert load["num_total_tokens"] < 0.99 * load["max_total_num_tokens"]  # KV has room
+    # The target said what its host pool can take (its size query with "headroom"), and
+    # each move was planned on a pool that holds it.
+    assert isinstance(headroom, int) and headroom >= 2 * PAGE
+    assert all(m.path in ("device", "host") for m in first_round)
     assert [m.handle for m in first_round] == [queued[1], queued[0]]  # newest first
     assert [(m.held.tokens, m.held.device_tokens) for m in first_round] == [(2 * PAGE, 0)] * 2
     assert summary.moves_started == 2 and summary.errors == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 
 from sglang_kv_migration.rollout.rebalancer import (
@@ -235,8 +236,9 @@ def test_moves_to_one_target_stay_within_its_free_gpu_pool() -> None:
     claims the tokens the source holds; B takes moves while its free slots (capacity less
     what running requests hold) less those claims still hold the next one."""
     a = ServerLoad(A, 8, 6, 60_000, 200_000, 65_536, True, max_running=8)
-    # B: 65,536 slots, 15,000 held by its own running requests; its demand leaves room.
-    b = ServerLoad(B, 2, 0, 15_000, 15_000, 65_536, True, max_running=48)
+    # B: 65,536 slots, 15,000 held by its own running requests; its demand leaves room;
+    # its host pool is full of pages nobody may evict.
+    b = ServerLoad(B, 2, 0, 15_000, 15_000, 65_536, True, max_running=48, host_headroom_tokens=0)
     handles = [FakeHandle(A, 10, float(i), prompt_len=16_401, max_new=64) for i in range(6)]
     held = {id(h): HeldKV(16_400, device_tokens=0) for h in handles}
     # Demand ratios out of the way (A stays pressured: its running slots are full), so
@@ -254,6 +256,7 @@ def test_moves_to_one_target_stay_within_its_free_gpu_pool() -> None:
     assert len(moves) == 3
     assert {m.target_url for m in moves} == {B}
     assert [m.kv_tokens for m in moves] == [16_400] * 3
+    assert [m.path for m in moves] == ["device"] * 3
     assert moves[0].to_dict()["kv_tokens"] == 16_400
     # Moves still in flight from an earlier round claim their part: one more fits.
     later = plan_moves({A: a, B: b}, handles, policy, held=held, claimed={B: 2 * 16_400})
@@ -294,11 +297,19 @@ class _Migrator:
     """What `Rebalancer` calls on a migrator: fixed loads, and moves that end only when
     the test lets them (`release`)."""
 
-    def __init__(self, loads: dict[str, dict], handles: list[FakeHandle]) -> None:
+    def __init__(
+        self,
+        loads: dict[str, dict],
+        handles: list[FakeHandle],
+        host_headroom: dict[str, int | Exception] | None = None,
+    ) -> None:
         self.loads = loads
         self.handles = handles
+        self.host_headroom_of = host_headroom or {}  # default: no host room
         self.release = asyncio.Event()
         self.moved: list[tuple[str, str]] = []
+        self.calls: list[tuple[str, str, str | None]] = []  # (target, mode, path)
+        self.headroom_asked: list[str] = []
 
     def live(self) -> list[FakeHandle]:
         return [h for h in self.handles if not h.moves]
@@ -306,7 +317,17 @@ class _Migrator:
     async def get_json(self, url: str, path: str) -> dict:
         return {"loads": [self.loads[url]]}
 
-    async def move_request(self, handle: FakeHandle, target: str, mode: str, live: bool = False):
+    async def host_headroom(self, url: str) -> int | None:
+        self.headroom_asked.append(url)
+        value = self.host_headroom_of.get(url, 0)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    async def move_request(
+        self, handle: FakeHandle, target: str, mode: str, path: str | None = None, live=False
+    ):
+        self.calls.append((target, mode, path))
         handle.moving = True
         await self.release.wait()
         handle.moving, handle.moves = False, ["moved"]
@@ -386,3 +407,153 @@ def test_a_started_move_is_not_planned_again_before_it_reaches_the_migrator() ->
     assert (first, second) == (1, 0)
     assert migrator.moved == [(handles[0].request.rid, B)] and started == 0
     assert rebalancer.summary.errors == []
+
+
+# -- headroom planning: device pool first, then host pool ---------------------------------
+
+
+def _sixteen_k_scene(host_headroom: int | None) -> tuple[dict, list[FakeHandle], dict]:
+    """A: running slots full, six 16K high-priority turns queued, their KV on A's host
+    tier. B: 50,536 free GPU slots (three 16,400-token moves) and `host_headroom`."""
+    a = ServerLoad(A, 8, 6, 60_000, 200_000, 65_536, True, max_running=8)
+    b = ServerLoad(
+        B, 2, 0, 15_000, 15_000, 65_536, True, max_running=48, host_headroom_tokens=host_headroom
+    )
+    handles = [FakeHandle(A, 10, float(i), prompt_len=16_401, max_new=64) for i in range(6)]
+    held = {id(h): HeldKV(16_400, device_tokens=0) for h in handles}
+    return {A: a, B: b}, handles, held
+
+
+_SCENE = RebalancePolicy(
+    kv_pressure=5.0,
+    target_max_ratio=10.0,
+    min_priority=10,
+    min_held_tokens=16,
+    max_concurrent=8,
+    max_moves_per_round=8,
+)
+
+
+def test_moves_beyond_the_gpu_pool_are_planned_into_the_host_pool() -> None:
+    """The 16K scene: three moves fit B's GPU pool, the next two its host pool (40,000:
+    two of 16,400), the sixth neither: it is not planned and waits."""
+    loads, handles, held = _sixteen_k_scene(host_headroom=40_000)
+    moves = plan_moves(loads, handles, _SCENE, held=held)
+    assert [m.path for m in moves] == ["device"] * 3 + ["host"] * 2
+    assert [m.to_dict()["path"] for m in moves] == ["device"] * 3 + ["host"] * 2
+    assert {m.target_url for m in moves} == {B}
+    # Host moves still in flight claim their part of the host pool.
+    later = plan_moves(loads, handles, _SCENE, held=held, claimed_host={B: 30_000})
+    assert [m.path for m in later] == ["device"] * 3  # 10,000 host slots left: no 16,400
+    # A host pool that says nothing is not checked: every move is planned.
+    unknown, _, _ = _sixteen_k_scene(host_headroom=None)
+    assert [m.path for m in plan_moves(unknown, handles, _SCENE, held=held)] == (
+        ["device"] * 3 + ["host"] * 3
+    )
+
+
+def test_a_move_that_fits_neither_pool_is_planned_as_recompute_when_asked() -> None:
+    loads, handles, held = _sixteen_k_scene(host_headroom=20_000)
+    policy = dataclasses.replace(_SCENE, no_room="recompute")
+    moves = plan_moves(loads, handles, policy, held=held)
+    assert [m.path for m in moves] == ["device"] * 3 + ["host"] + ["recompute"] * 2
+    # Re-prefill allocates nothing at once: a later round's claims do not count it.
+    waits = plan_moves(loads, handles, _SCENE, held=held)
+    assert [m.path for m in waits] == ["device"] * 3 + ["host"]
+
+
+def test_without_a_device_path_every_migration_is_planned_against_the_host_pool() -> None:
+    loads, handles, held = _sixteen_k_scene(host_headroom=40_000)
+    cross_host = dataclasses.replace(_SCENE, device_path=False)
+    assert [m.path for m in plan_moves(loads, handles, cross_host, held=held)] == ["host"] * 2
+
+
+def test_recompute_mode_and_unchecked_headroom_say_so() -> None:
+    loads, handles, held = _sixteen_k_scene(host_headroom=0)
+    recompute = dataclasses.replace(_SCENE, mode="recompute")
+    assert [m.path for m in plan_moves(loads, handles, recompute, held=held)] == ["recompute"] * 6
+    unchecked = dataclasses.replace(_SCENE, kv_headroom=False)
+    assert [m.path for m in plan_moves(loads, handles, unchecked, held=held)] == [""] * 6
+
+
+def test_a_target_whose_gpu_pool_fits_is_preferred_to_a_shorter_queue_on_host() -> None:
+    """B has the empty queue but only host room; C queues one and has GPU room."""
+    a = ServerLoad(A, 8, 4, 5000, 5000, 1000, True, max_running=8)
+    b = ServerLoad(B, 0, 0, 2_000, 2_000, 2_000, True, host_headroom_tokens=10_000)
+    c = ServerLoad(C, 0, 1, 1_000, 1_000, 10_000, True, host_headroom_tokens=0)
+    handles = [FakeHandle(A, 5, 0.0, prompt_len=600, max_new=0)]
+    policy = RebalancePolicy(kv_pressure=5.0, target_max_ratio=10.0)
+    moves = plan_moves({A: a, B: b, C: c}, handles, policy)
+    assert [(m.target_url, m.path) for m in moves] == [(C, "device")]
+    full_c = dataclasses.replace(c, used_tokens=9_900)
+    moves = plan_moves({A: a, B: b, C: full_c}, handles, policy)
+    assert [(m.target_url, m.path) for m in moves] == [(B, "host")]
+
+
+def test_the_rebalancer_asks_host_headroom_and_pins_host_moves_to_the_host_path() -> None:
+    """Round 1: B's GPU pool (1,500 free) takes two 600-token moves, its host pool (700)
+    one more, pinned to path "host"; the fourth waits. Round 2, all in flight, plans
+    nothing; the claims on both pools end with the moves. A server that cannot say its
+    host headroom is not checked; pressured servers are not asked."""
+    from sglang_kv_migration.rollout.rebalancer import Rebalancer
+
+    loads = {A: _v1(8, 4, 5000, 1000, 8), B: _v1(0, 0, 500, 2000, 48)}
+    handles = [FakeHandle(A, 5, float(i), prompt_len=600, max_new=0) for i in range(4)]
+    migrator = _Migrator(loads, handles, host_headroom={B: 700})
+    policy = RebalancePolicy(
+        kv_pressure=5.0, target_max_ratio=10.0, max_concurrent=8, mode="migrate"
+    )
+    rebalancer = Rebalancer(migrator, [A, B], policy)  # type: ignore[arg-type]
+
+    async def run() -> tuple[list[str], int, dict, dict]:
+        first = [m.path for m in await rebalancer.step()]
+        second = len(await rebalancer.step())
+        claims = (dict(rebalancer._claimed), dict(rebalancer._claimed_host))
+        migrator.release.set()
+        await asyncio.gather(*rebalancer._tasks)
+        return first, second, *claims
+
+    first, second, device_claims, host_claims = asyncio.run(run())
+    assert first == ["device", "device", "host"] and second == 0
+    assert (device_claims, host_claims) == ({B: 1200}, {B: 600})
+    assert Counter(migrator.calls) == {(B, "migrate", None): 2, (B, "migrate", "host"): 1}
+    assert migrator.headroom_asked == [B, B]
+    assert (dict(rebalancer._claimed), dict(rebalancer._claimed_host)) == ({}, {})
+    assert rebalancer.summary.last_loads[B].host_headroom_tokens == 700
+
+    # B cannot say (an older server): its host pool is not checked.
+    handles = [FakeHandle(A, 5, float(i), prompt_len=600, max_new=0) for i in range(4)]
+    silent = _Migrator(loads, handles, host_headroom={B: RuntimeError("422")})
+    rebalancer = Rebalancer(silent, [A, B], policy)  # type: ignore[arg-type]
+
+    async def once() -> list[str]:
+        paths = [m.path for m in await rebalancer.step()]
+        silent.release.set()
+        await asyncio.gather(*rebalancer._tasks)
+        return paths
+
+    assert asyncio.run(once()) == ["device", "device", "host", "host"]
+    assert rebalancer.summary.last_loads[B].host_headroom_tokens is None
+
+
+def test_a_move_planned_as_recompute_re_prefills_and_claims_nothing() -> None:
+    from sglang_kv_migration.rollout.rebalancer import Rebalancer
+
+    loads = {A: _v1(8, 4, 5000, 1000, 8), B: _v1(0, 0, 1900, 2000, 48)}
+    handles = [FakeHandle(A, 5, 0.0, prompt_len=600, max_new=0)]
+    migrator = _Migrator(loads, handles, host_headroom={B: 0})
+    policy = RebalancePolicy(
+        kv_pressure=5.0, target_max_ratio=10.0, no_room="recompute", mode="migrate"
+    )
+    rebalancer = Rebalancer(migrator, [A, B], policy)  # type: ignore[arg-type]
+
+    async def run() -> tuple[list[str], dict, dict]:
+        paths = [m.path for m in await rebalancer.step()]
+        claims = (dict(rebalancer._claimed), dict(rebalancer._claimed_host))
+        migrator.release.set()
+        await asyncio.gather(*rebalancer._tasks)
+        return paths, *claims
+
+    paths, device_claims, host_claims = asyncio.run(run())
+    assert paths == ["recompute"] and (device_claims, host_claims) == ({}, {})
+    assert migrator.calls == [(B, "recompute", None)]

@@ -972,3 +972,22 @@ def test_http_tokenizer_manager_is_the_launched_servers(monkeypatch):
     )
     monkeypatch.setattr(http_server, "_global_state", state)
     assert adapter.http_tokenizer_manager() is manager
+
+
+@pytest.mark.parametrize(("attention", "page_size"), CONFIGS, ids=CONFIG_IDS)
+def test_host_headroom_is_what_a_host_allocate_can_claim(harness_factory, attention, page_size):
+    """The headroom a planner reads (free plus evictable host slots) is exactly the most
+    `alloc_host_slots` grants: one page more is refused, that much succeeds."""
+    h = harness_factory(attention=attention, page_size=page_size, device_tokens=512)
+    _fill_host_with_host_only_nodes(h)
+    hog = h.host_pool.alloc(h.host_pool.available_size() - 32)
+    headroom = adapter.host_headroom_tokens(h.cache)
+    assert headroom == 32 + 3 * 128
+    with pytest.raises(MigrationError):
+        adapter.alloc_host_slots(h.cache, headroom + page_size)
+    assert adapter.host_headroom_tokens(h.cache) == headroom  # a refusal evicts nothing
+    slots = adapter.alloc_host_slots(h.cache, headroom)
+    assert len(slots) == headroom
+    assert adapter.host_headroom_tokens(h.cache) == 0
+    h.host_pool.free(slots)
+    h.host_pool.free(hog)

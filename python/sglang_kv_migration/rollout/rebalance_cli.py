@@ -57,6 +57,8 @@ def main(argv: list[str]) -> int:
         min_held_tokens=args.min_held_tokens,
         max_moves_per_request=args.max_moves_per_request,
         kv_headroom=args.kv_headroom,
+        device_path=args.device_path,
+        no_room=args.no_room,
         live=args.live,
     )
     if not work:
@@ -149,9 +151,11 @@ batch mode (--requests FILE): one JSON object per line,
 
 watch mode (no --requests): moves nothing; prints one JSON line per round to stdout,
   {"round": N, "loads": {URL: {"url", "num_running", "num_waiting", "used_tokens",
-   "demand_tokens", "capacity_tokens", "ok", "max_running"}}, "pressured": [URL, ...]}
+   "demand_tokens", "capacity_tokens", "ok", "max_running", "host_headroom_tokens"}},
+   "pressured": [URL, ...]}
   for --max-rounds rounds, --interval seconds apart ("pressured": the servers the
-  policy options below would move requests off).
+  policy options below would move requests off; "host_headroom_tokens" is null here:
+  a rebalancing round asks it of the servers that may take a move).
 
 exit status:
   0  batch: every request finished; watch: every server answered in the last round
@@ -275,13 +279,33 @@ def _add_policy_options(p: argparse.ArgumentParser, policy: RebalancePolicy) -> 
         default=policy.max_moves_per_request,
         help="how often one request may move",
     )
+    _add_placement_options(p, policy)
+
+
+def _add_placement_options(p: argparse.ArgumentParser, policy: RebalancePolicy) -> None:
+    """Which of a target's pools a move is planned into (`RebalancePolicy.landing_path`)."""
+    add = p.add_argument
     add(
         "--no-kv-headroom",
         dest="kv_headroom",
         action="store_false",
-        help="let a target take moves beyond what its GPU KV pool can hold at once (by "
-        "default a target takes a move only while its free slots, less what moves planned "
-        "and in flight to it claim, hold what the source holds of the request)",
+        help="let a target take moves beyond what its KV pools can hold at once (by "
+        "default a target takes a move only while its free GPU slots or, failing that, its "
+        "host headroom, less what moves planned and in flight to it claim there, hold what "
+        "the source holds of the request)",
+    )
+    add(
+        "--no-device-path",
+        dest="device_path",
+        action="store_false",
+        help="the servers do not share a host: plan every migration into the target's host pool",
+    )
+    add(
+        "--no-room",
+        choices=("wait", "recompute"),
+        default=policy.no_room,
+        help="a move neither of the target's pools can hold: wait for room, or re-prefill "
+        "it on the target",
     )
 
 

@@ -14,14 +14,22 @@ fallback) and plans moves with `plan_moves`, a pure function:
   full (`num_running_reqs` ≥ `max_running_requests`);
 - a server can *take* a request while its demand, plus that request's worst case
   (prompt + `max_new_tokens`), stays under `target_max_ratio` of its capacity, and (with
-  `kv_headroom`, the default) while its GPU pool can hold the request's KV at once: its
-  free slots (`max_total_num_tokens` − `num_used_tokens`, which counts neither free nor
-  evictable slots: what a migration's allocate can claim), less the slots the moves
-  already planned to it this round and those still in flight claim, must hold the
-  tokens the source holds (the whole prompt when not asked). Several moves to one target
-  thus do not together claim more than its GPU pool had free when they were planned
-  (the target's own work may still take slots meanwhile); a move that finds the pool
-  full migrates over the host path instead;
+  `kv_headroom`, the default) while one of its pools can hold the request's KV at once
+  (the tokens the source holds; the whole prompt when not asked). Device pool first:
+  its free slots (`max_total_num_tokens` − `num_used_tokens`, which counts neither free
+  nor evictable slots: what a device-path allocate can claim), less what the moves
+  already planned to it this round and those still in flight claim. Then its host
+  pool: the host slots a host-path allocate can claim (free plus evictable host-only
+  pages, `host_headroom_tokens` of its `/get_request_extra_token_size` reply with
+  ``headroom``, asked of every unpressured server in a round with a pressured one), less
+  the host claims likewise. Each move says the path it takes (`PlannedMove.path`):
+  "device" (the migration prefers the device path, falls back to the host path only if
+  that fails), "host" (pinned: it never asks the full GPU pool first), or, where
+  neither pool holds it and `no_room="recompute"`, "recompute" (re-prefill on the
+  target; with the default `no_room="wait"` it is not planned). Several moves to one
+  target thus do not together claim more than its pools had free when they were planned
+  (the target's own work may still take slots meanwhile). A pool whose size is unknown
+  (`/get_load`; a server that does not report its host headroom) is not checked;
 - from each pressured server (most pressured first) it moves the highest-priority live
   requests the migrator tracks there that have not produced a token yet (still queued, or
   being prefilled; `move_running` lifts this) — most recently submitted first within a
@@ -58,7 +66,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from sglang_kv_migration.client.migration import AuthFailed
 from sglang_kv_migration.rollout.request_migration import (
@@ -81,6 +89,8 @@ class ServerLoad:
     capacity_tokens: int = 0  # 0: unknown (`/get_load` does not say)
     ok: bool = True  # False: the server did not answer
     max_running: int = 0  # running-request slots; 0: unknown
+    # Host slots a host-path allocate could claim (free + evictable); None: unknown.
+    host_headroom_tokens: int | None = None
 
     @property
     def demand_ratio(self) -> float:
@@ -121,12 +131,18 @@ class RebalancePolicy:
     # A request moves at most this often: once moved, the target's own queue is where it
     # waits (without it, slot pressure on a small target would bounce requests back).
     max_moves_per_request: int = 1
-    # A target takes a move only while its free GPU KV slots (`ServerLoad.free_tokens`),
-    # less what the moves planned to it this round and still in flight will claim, hold
-    # the move's KV (`PlannedMove.kv_tokens`): several moves to one target must not
-    # together overflow its GPU pool (a move that finds it full migrates over the host
-    # path instead, or not at all).
+    # A target takes a move only while its free GPU KV slots (`ServerLoad.free_tokens`)
+    # or, failing that, its host headroom (`ServerLoad.host_headroom_tokens`), less what
+    # the moves planned to it this round and still in flight will claim there, hold the
+    # move's KV (`PlannedMove.kv_tokens`): several moves to one target must not together
+    # overflow a pool. False: no pool is checked and every move takes path "auto".
     kv_headroom: bool = True
+    # The servers share a host and both offer the device path (a move that fits the
+    # target's GPU pool takes it). False: every migration lands in the host pool.
+    device_path: bool = True
+    # A move neither pool holds: "wait" (not planned; the request waits for room) or
+    # "recompute" (re-prefilled on the target, whose own scheduler admits it).
+    no_room: Literal["wait", "recompute"] = "wait"
     # Move decoding requests live (`move_request(live=True)`: their KV is copied while
     # they keep decoding, then only the delta after the stop); with `move_running`.
     live: bool = False
@@ -159,6 +175,35 @@ class RebalancePolicy:
         if not self.kv_headroom or free is None:
             return True
         return free - claimed >= kv_tokens
+
+    def has_host_headroom(self, load: ServerLoad, claimed: int, kv_tokens: int) -> bool:
+        """Whether `load`'s host pool holds `kv_tokens` more after `claimed`; unknown
+        headroom (a server that does not report it) is not checked."""
+        room = load.host_headroom_tokens
+        if not self.kv_headroom or room is None:
+            return True
+        return room - claimed >= kv_tokens
+
+    def landing_path(
+        self, load: ServerLoad, device_claimed: int, host_claimed: int, kv_tokens: int
+    ) -> str | None:
+        """The path a move of `kv_tokens` to `load` is planned on: "device", "host",
+        "recompute", "" (`kv_headroom` off: the client chooses), or None (no room)."""
+        if self.mode == "recompute":
+            return RECOMPUTE  # nothing is allocated by the move itself
+        if not self.kv_headroom:
+            return ""
+        if self.device_path and self.has_headroom(load, device_claimed, kv_tokens):
+            return DEVICE
+        if self.has_host_headroom(load, host_claimed, kv_tokens):
+            return HOST
+        return RECOMPUTE if self.no_room == "recompute" else None
+
+
+DEVICE, HOST, RECOMPUTE = "device", "host", "recompute"
+# Targets are ranked by the path a move would take there first: device before host
+# before re-prefill ("" — unchecked — ranks with device).
+_PATH_RANK = {"": 0, DEVICE: 0, HOST: 1, RECOMPUTE: 2}
 
 
 class Movable(Protocol):
@@ -200,9 +245,11 @@ class PlannedMove:
     target_url: str
     tokens: int  # worst-case KV demand the request brings to the target
     held: HeldKV | None = None  # what the source held when planned (None: not asked)
-    # GPU KV slots the move claims on the target at once: what the source holds (the
-    # migration allocates it), or the whole prompt when not asked.
+    # KV slots the move claims on the target at once: what the source holds (the
+    # migration allocates it), or the whole prompt when not asked; in the target's GPU
+    # pool on path "device", its host pool on "host", none on "recompute".
     kv_tokens: int = 0
+    path: str = ""  # DEVICE, HOST, RECOMPUTE; "": not checked (the client chooses)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -214,6 +261,7 @@ class PlannedMove:
             "held_tokens": self.held.tokens if self.held else None,
             "device_tokens": self.held.device_tokens if self.held else None,
             "kv_tokens": self.kv_tokens,
+            "path": self.path,
         }
 
 
@@ -224,17 +272,18 @@ def plan_moves(
     in_flight: int = 0,
     held: Mapping[int, HeldKV] | None = None,
     claimed: Mapping[str, int] | None = None,
+    claimed_host: Mapping[str, int] | None = None,
 ) -> list[PlannedMove]:
     """The moves of one round (see the module docstring). Pure: reads, never mutates.
     `held`: what each source holds, by ``id(handle)``; needed when
     `policy.min_held_tokens` is set (a request missing from it does not move).
-    `claimed`: GPU KV slots the moves still in flight will claim, by target url (the
-    round adds its own moves' `kv_tokens` as it plans them)."""
+    `claimed` / `claimed_host`: GPU / host KV slots the moves still in flight will claim,
+    by target url (the round adds its own moves' `kv_tokens` as it plans them)."""
     budget = min(policy.max_moves_per_round, policy.max_concurrent - in_flight)
     if budget <= 0:
         return []
     state = dict(loads)
-    claims = Counter(claimed or {})
+    claims = {DEVICE: Counter(claimed or {}), HOST: Counter(claimed_host or {})}
     sources = sorted(
         (url for url, load in state.items() if policy.is_pressured(load)),
         key=lambda url: -state[url].demand_ratio,
@@ -249,18 +298,27 @@ def plan_moves(
                 continue
             tokens = len(handle.request.input_ids) + handle.request.max_new_tokens
             kv_tokens = kv.tokens if kv is not None else len(handle.request.input_ids)
-            takers = [
-                u
+            paths = {
+                u: policy.landing_path(load, claims[DEVICE][u], claims[HOST][u], kv_tokens)
                 for u, load in state.items()
-                if u != source
-                and policy.can_take(load, tokens)
-                and policy.has_headroom(load, claims[u], kv_tokens)
-            ]
+                if u != source and policy.can_take(load, tokens)
+            }
+            takers = [u for u, path in paths.items() if path is not None]
             if not takers:
                 break  # the more urgent request waits for room; none jumps it
-            target = min(takers, key=lambda u: (state[u].num_waiting, state[u].demand_ratio, u))
-            moves.append(PlannedMove(handle, source, target, tokens, kv, kv_tokens))
-            claims[target] += kv_tokens
+            target = min(
+                takers,
+                key=lambda u: (
+                    _PATH_RANK[paths[u] or ""],
+                    state[u].num_waiting,
+                    state[u].demand_ratio,
+                    u,
+                ),
+            )
+            path = paths[target] or ""
+            moves.append(PlannedMove(handle, source, target, tokens, kv, kv_tokens, path))
+            if path in claims:
+                claims[path][target] += kv_tokens
             state[source] = _shift(state[source], -1, -tokens)
             state[target] = _shift(state[target], +1, +tokens)
     return moves
@@ -318,6 +376,7 @@ class Rebalancer:
         # a later round's load may not show them yet. Once a move's allocate shows in
         # the target's load they count twice until it ends: a move may wait a round.
         self._claimed: Counter[str] = Counter()
+        self._claimed_host: Counter[str] = Counter()  # the same for host-path moves
         # Requests this rebalancer started moving, until their move ends: a move marks
         # its handle `moving` only once it reaches the migrator (after learning costs), so
         # the next round must not plan the same request again in between.
@@ -332,18 +391,28 @@ class Rebalancer:
         if self._refused is not None:
             raise self._refused
         loads = await self.poll()
+        if self.policy.kv_headroom and any(map(self.policy.is_pressured, loads.values())):
+            loads = await self._with_host_headroom(loads)
         self.summary.last_loads = loads
         self.summary.rounds += 1
         live = self._movable(self.migrator.live())
         held = await self._held(loads, live) if self.policy.min_held_tokens > 0 else None
         live = self._movable(live)  # a move may have begun while the sizes were asked
         moves = plan_moves(
-            loads, live, self.policy, in_flight=len(self._tasks), held=held, claimed=self._claimed
+            loads,
+            live,
+            self.policy,
+            in_flight=len(self._tasks),
+            held=held,
+            claimed=self._claimed,
+            claimed_host=self._claimed_host,
         )
         self.summary.planned.extend(moves)
         for move in moves:
             self._started.add(move.handle.request.rid)
-            self._claimed[move.target_url] += move.kv_tokens
+            claims = self._claims_of(move)
+            if claims is not None:
+                claims[move.target_url] += move.kv_tokens
             task = asyncio.ensure_future(self._move(move))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -377,8 +446,12 @@ class Rebalancer:
         try:
             if self.policy.mode == "auto":
                 await self._learn_costs(move.source_url, move.target_url)
+            mode: MoveMode = "recompute" if move.path == RECOMPUTE else self.policy.mode
+            # A move planned into the host pool goes there directly: asking the full GPU
+            # pool first would only be refused.
+            path = HOST if move.path == HOST else None
             report = await self.migrator.move_request(
-                handle, move.target_url, mode=self.policy.mode, live=self.policy.live
+                handle, move.target_url, mode=mode, path=path, live=self.policy.live
             )
             self.summary.reports.append(report)
         except AuthFailed as e:  # every later move would be refused as well: stop
@@ -389,9 +462,34 @@ class Rebalancer:
             self.summary.errors.append(f"{handle.request.rid}: {type(e).__name__}: {e}")
         finally:
             self._started.discard(handle.request.rid)
-            self._claimed[move.target_url] -= move.kv_tokens
-            if self._claimed[move.target_url] <= 0:
-                del self._claimed[move.target_url]
+            claims = self._claims_of(move)
+            if claims is not None:
+                claims[move.target_url] -= move.kv_tokens
+                if claims[move.target_url] <= 0:
+                    del claims[move.target_url]
+
+    def _claims_of(self, move: PlannedMove) -> Counter[str] | None:
+        """The claims a move counts in: device ("" too: unchecked moves usually land
+        there), host, or none (re-prefill)."""
+        if move.path == HOST:
+            return self._claimed_host
+        return None if move.path == RECOMPUTE else self._claimed
+
+    async def _with_host_headroom(self, loads: dict[str, ServerLoad]) -> dict[str, ServerLoad]:
+        """`loads` with the host headroom of every server that may take a move."""
+        asks = [u for u, load in loads.items() if load.ok and not self.policy.is_pressured(load)]
+        replies = await asyncio.gather(
+            *(self.migrator.host_headroom(url) for url in asks), return_exceptions=True
+        )
+        out = dict(loads)
+        for url, reply in zip(asks, replies, strict=True):
+            if isinstance(reply, AuthFailed):
+                raise reply
+            if isinstance(reply, BaseException):  # unknown: the host pool is not checked
+                logger.debug("%s: host headroom: %s", url, reply)
+                continue
+            out[url] = dataclasses.replace(loads[url], host_headroom_tokens=reply)
+        return out
 
     def _movable(self, handles: Sequence[RequestHandle]) -> list[RequestHandle]:
         return [h for h in handles if not h.moving and h.request.rid not in self._started]

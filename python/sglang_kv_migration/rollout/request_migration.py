@@ -847,6 +847,15 @@ class AsyncRequestMigrator:
         body = {**ids_field(info, input_ids), "extra_key": extra_key}
         return await self._call(url, "/get_request_extra_token_size", body)
 
+    async def host_headroom(self, url: str) -> int | None:
+        """Host slots a host-path allocate on `url` could claim now (free plus evictable
+        host-only pages), None when it does not say. One size query with ``headroom``:
+        what it holds of the one-token prompt asked is irrelevant."""
+        body = {"input_ids": [0], "headroom": True}
+        reply = await self._call(url, "/get_request_extra_token_size", body)
+        value = reply.get("host_headroom_tokens", -1)
+        return value if isinstance(value, int) and value >= 0 else None
+
     async def aclose(self) -> None:
         if self._owns_http:
             await self._http.aclose()

@@ -134,6 +134,7 @@ class _IdsBody(_Body):
 
 class ExtraTokenSizeBody(_IdsBody):
     extra_key: ExtraKey | None = None
+    headroom: bool = False  # also report the host pool's headroom (planners)
 
 
 class AllocateFields(_Body):

@@ -131,6 +131,7 @@ def _merge_extra_size(replies: list[Any]) -> Any:
         matched_token_size=matched,
         extra_token_size=total - matched,
         device_token_size=min(device, matched),
+        host_headroom_tokens=min(r.host_headroom_tokens for r in replies),
     )
 
 

@@ -573,6 +573,9 @@ class MigrationSchedulerSide:
                 extra_token_size=total - held.length,
                 total_token_size=total,
                 device_token_size=held.device_length,
+                host_headroom_tokens=(
+                    sglang_adapter.host_headroom_tokens(cache) if req.headroom else -1
+                ),
                 server_epoch=self.epoch_for(req),
             )
 

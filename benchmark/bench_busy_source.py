@@ -1,0 +1,370 @@
+"""A move from a busy source vs the same move between idle servers (GPU machine only).
+
+Two real SGLang servers on one GPU, Llama-3-8B shape (dummy weights), CUDA graphs ON
+(decode replays captured graphs, as in production). Per repeat, side by side in one run:
+
+1. idle: both servers idle; per prefix length N (default 1K / 8K / 32K) the source
+   holds one N-token prefix on its GPU and another only in its host tier (pushed there
+   by a flood of other prompts; the size query's tiers are recorded per move); each
+   moves to the target with `path="device"` (the device path reads both tiers); beside
+   them the target re-prefills a fresh N-token prompt (its TTFT, max_new_tokens=1);
+2. busy: the same with the source decoding a full batch: `--busy` requests (>= 32) of
+   mixed prompt and output lengths, each resubmitted as it ends (so the batch also takes
+   new prefills, as a rollout worker does), running before and during every move;
+3. decode throughput of the busy batch: `--window-s` seconds alone, then the same with a
+   stream of 8K moves from it (the target's cache is flushed after each, so each moves
+   the whole prefix), from SGLang's `sglang:realtime_tokens_total{mode="decode"}`.
+
+With `--only-concurrency`: six concurrent 8K moves to one target (six threads) beside
+one alone, `--concurrency-rounds` rounds each with the target idle and with the target
+decoding a full batch (`bench_busy_source_concurrency.json`; target <= 1.5x).
+
+Per move the file keeps what the replies already report: phases, per-trip `steps_ms`
+(the scheduler trips, the loop iterations a transfer waited, the copy), `copy_ms`, the
+wall time and the TTFT of the target serving the prompt afterwards. Medians with
+min-max over the repeats, busy/idle ratios (target <= 2x) and decode kept (>= 95%)
+come from `busy_source_report.py`. The result file is rewritten after every row (a run
+cut at its limit keeps what it measured; `complete` false).
+
+Settings changed from SGLang's defaults, and why:
+- `--cuda-graph-max-bs 64`: the busy batch is at most `--busy` (40) + the moved
+  prompts' requests; capturing larger batch sizes only costs start-up time and memory;
+- `--max-running-requests 64`: room for the batch plus the prompts being served;
+- `--decode-log-interval 10` and `--enable-metrics` on the source: the decode token
+  counter the throughput is read from is updated every 10 steps instead of 40;
+- `--hicache-ratio 1.5`: two servers' pinned host pools must fit the machine's memory.
+
+    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_busy_source.py
+    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_busy_source.py --quick   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import busy_source_report as report
+import httpx
+from sglang_kv_migration.client.migration import MigrationClient
+from sglang_kv_migration.rollout.cost_model import parse_prometheus
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
+from real_servers import (  # noqa: E402
+    LLAMA3_8B,
+    OUT_DIR,
+    ServerSpec,
+    flush_cache,
+    generate,
+    kv_pool_usage,
+    running_servers,
+    timed_generate,
+    write_model,
+)
+
+RESULT = OUT_DIR / "bench_busy_source.json"
+FLOOD_TOKENS = 4096
+BUSY_PROMPTS = (256, 512, 1024, 2048, 3072)  # mixed lengths, cycled
+BUSY_OUTPUTS = (256, 512, 768, 1024)
+SETTLE_S = 0.5
+SAMPLE_S = 0.25  # /metrics sampling period in a throughput window
+
+
+def main() -> None:
+    args = _parse()
+    lengths = [1024, 4096] if args.quick else args.lengths
+    repeats = 1 if args.quick else args.repeats
+    shape = dict(LLAMA3_8B, max_position_embeddings=max(args.context_length, 40960))
+    model_dir = write_model(shape, Path("/tmp/kvmig-llama3-8b-40k"))
+    flags = [
+        *("--page-size", str(args.page_size), "--mem-fraction-static", str(args.mem_fraction)),
+        *("--max-total-tokens", str(args.max_total_tokens), "--context-length", "40960"),
+        *("--hicache-ratio", str(args.hicache_ratio), "--max-running-requests", "64"),
+        *("--cuda-graph-max-bs", "64", "--enable-metrics", "--decode-log-interval", "10"),
+    ]
+    graphs = not args.no_cuda_graph
+    specs = [ServerSpec(30910, flags, 0, graphs), ServerSpec(30920, flags, 0, graphs)]
+    if args.only_concurrency:
+        _run_concurrency(args, model_dir, specs)
+        return
+    config = {**vars(args), "lengths": lengths, "repeats": repeats, "server_flags": flags}
+    result: dict[str, Any] = {"config": config, "rows": [], "windows": [], "complete": False}
+    started = time.monotonic()
+
+    def save(complete: bool = False) -> None:
+        result["summary"] = report.summarize(result["rows"])
+        result["decode"] = report.decode_kept(result["windows"])
+        result["wall_s"] = time.monotonic() - started
+        result["complete"] = complete
+        report.write_result(RESULT, result)
+
+    with (
+        running_servers(model_dir, specs, sequential=True) as (source, target),
+        MigrationClient(timeout=600) as client,
+    ):
+        config["startup_s"] = time.monotonic() - started
+        rng = random.Random(0)
+        _warm_up(client, source, target, rng)
+        for rep in range(repeats):
+            _repeat(args, client, source, target, lengths, rep, rng, result, save)
+    save(complete=True)
+    print(report.markdown(result["summary"], result["decode"]), flush=True)
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=list(report.LENGTHS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--busy", type=int, default=40, help="decodes the busy source runs (>= 32)")
+    p.add_argument("--window-s", type=float, default=10.0, help="each throughput window")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--mem-fraction", type=float, default=0.4, help="per server (one GPU)")
+    p.add_argument(
+        "--max-total-tokens", type=int, default=163840,
+        help="GPU KV pool per server: the busy batch (~40 x 2K) plus the moved prefixes",
+    )  # fmt: skip
+    p.add_argument("--hicache-ratio", type=float, default=1.5)
+    p.add_argument("--context-length", type=int, default=40960)
+    p.add_argument("--no-cuda-graph", action="store_true", help="servers without CUDA graphs")
+    p.add_argument("--quick", action="store_true", help="1K and 4K, one repeat")
+    p.add_argument("--only-concurrency", action="store_true", help="six 8K moves vs one")
+    p.add_argument("--concurrency-rounds", type=int, default=3)
+    return p.parse_args()
+
+
+def _repeat(
+    args: argparse.Namespace,
+    client: MigrationClient,
+    source: str,
+    target: str,
+    lengths: list[int],
+    rep: int,
+    rng: random.Random,
+    result: dict[str, Any],
+    save: Any,
+) -> None:
+    rows = {n: {"tokens": n, "repeat": rep} for n in lengths}
+    for state in report.SOURCES:
+        for url in (source, target):
+            flush_cache(url)
+        batch = BusyBatch(source, args.busy, rng.randrange(1 << 30)) if state == "busy" else None
+        try:
+            if batch is not None:
+                batch.start(min_running=min(32, args.busy))
+            prompts = _place_prefixes(client, source, lengths, rng, args.max_total_tokens)
+            for n in lengths:
+                flush_cache(target)
+                if state == "idle":
+                    _, ttft = timed_generate(target, _tokens(rng, n), 1)
+                    rows[n]["reprefill_ms"] = ttft * 1e3
+                rows[n][state] = {
+                    tier: _move(client, source, target, prompts[(n, tier)]) for tier in report.TIERS
+                }
+                if batch is not None:
+                    rows[n][state]["running_on_source"] = kv_pool_usage(source)["num_running_reqs"]
+            if batch is not None:
+                streamed = 8192 if 8192 in lengths else lengths[0]
+                moved = [p for (n, _), p in prompts.items() if n == streamed]
+                result["windows"].append(_windows(client, source, target, moved, args.window_s))
+        finally:
+            if batch is not None:
+                batch.stop()
+    result["rows"].extend(rows.values())
+    save()
+
+
+def _run_concurrency(args: argparse.Namespace, model_dir: Path, specs: list) -> None:
+    path = OUT_DIR / "bench_busy_source_concurrency.json"
+    result: dict[str, Any] = {"config": vars(args), "rounds": [], "complete": False}
+    with (
+        running_servers(model_dir, specs, sequential=True) as (source, target),
+        MigrationClient(timeout=600) as client,
+    ):
+        rng = random.Random(0)
+        _warm_up(client, source, target, rng)
+        for _ in range(args.concurrency_rounds):
+            for state in report.SOURCES:
+                batch = BusyBatch(target, args.busy, rng.randrange(1 << 30))
+                for url in (source, target):
+                    flush_cache(url)
+                try:
+                    if state == "busy":
+                        batch.start(min_running=min(32, args.busy))
+                    row = {"target": state, **_concurrent(client, source, target, rng)}
+                finally:
+                    if state == "busy":
+                        batch.stop()
+                result["rounds"].append(row)
+                result["summary"] = report.concurrency_summary(result["rounds"])
+                report.write_result(path, result)
+    result["complete"] = True
+    report.write_result(path, result)
+    print(json.dumps(result["summary"], indent=1), flush=True)
+
+
+def _concurrent(
+    client: MigrationClient, source: str, target: str, rng: random.Random, n: int = 6
+) -> dict[str, Any]:
+    """Seven 8K prefixes on the source's GPU: one moves alone, then six at once."""
+    prompts = [_tokens(rng, 8192) for _ in range(n + 1)]
+    for p in prompts:
+        generate(source, p, 1)
+    time.sleep(SETTLE_S)
+    t0 = time.perf_counter()
+    client.migrate(source, target, prompts[0][:-1], path="device")
+    one = time.perf_counter() - t0
+    walls: list[float] = [0.0] * n
+
+    def move(i: int) -> None:
+        t = time.perf_counter()
+        client.migrate(source, target, prompts[i + 1][:-1], path="device")
+        walls[i] = time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=move, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return {"one_ms": one * 1e3, "all_ms": (time.perf_counter() - t0) * 1e3,
+            "each_ms": [w * 1e3 for w in walls]}  # fmt: skip
+
+
+def _place_prefixes(
+    client: MigrationClient, source: str, lengths: list[int], rng: random.Random, pool: int
+) -> dict[tuple[int, str], list[int]]:
+    """Host-tier prefixes first, pushed out of the source's GPU by a flood of other
+    prompts, then the GPU-tier ones."""
+    prompts = {(n, "host"): _tokens(rng, n) for n in lengths}
+    for p in prompts.values():
+        generate(source, p, 1)
+    pushed = 0
+    while pushed < 1.1 * pool or any(
+        _held(client, source, p)["device_token_size"] for p in prompts.values()
+    ):
+        generate(source, _tokens(rng, FLOOD_TOKENS), 1)
+        pushed += FLOOD_TOKENS
+        if pushed > 4 * pool:
+            raise RuntimeError("host-tier prefixes still on the source's GPU")
+    for n in lengths:
+        prompts[(n, "gpu")] = _tokens(rng, n)
+        generate(source, prompts[(n, "gpu")], 1)
+    time.sleep(SETTLE_S)
+    return prompts
+
+
+def _move(client: MigrationClient, source: str, target: str, prompt: list[int]) -> dict:
+    held = _held(client, source, prompt)
+    t0 = time.perf_counter()
+    r = client.migrate(source, target, prompt[:-1], path="device")
+    wall = time.perf_counter() - t0
+    _, ttft = timed_generate(target, prompt, 1)
+    return report.move_row(r, wall, ttft, held)
+
+
+def _windows(
+    client: MigrationClient, source: str, target: str, prompts: list[list[int]], window_s: float
+) -> dict[str, Any]:
+    """The busy batch's decode rate alone, then during a stream of moves of `prompts`."""
+    without = report.counter_rate(_sample_decode(source, window_s))
+    stop = threading.Event()
+    moves = [0]
+
+    def stream() -> None:
+        while not stop.is_set():
+            for p in prompts:
+                client.migrate(source, target, p[:-1], path="device")
+                flush_cache(target)
+                moves[0] += 1
+
+    mover = threading.Thread(target=stream, daemon=True)
+    mover.start()
+    during = report.counter_rate(_sample_decode(source, window_s))
+    stop.set()
+    mover.join(timeout=120)
+    return {"without_tok_s": without, "with_moves_tok_s": during, "moves": moves[0]}
+
+
+def _sample_decode(url: str, seconds: float) -> list[tuple[float, float]]:
+    samples = []
+    deadline = time.monotonic() + seconds
+    with httpx.Client(timeout=10) as http:
+        while time.monotonic() < deadline:
+            text = http.get(url + "/metrics").text
+            value = sum(
+                s.value
+                for s in parse_prometheus(text)
+                if s.name == "sglang:realtime_tokens_total" and s.labels.get("mode") == "decode"
+            )
+            samples.append((time.monotonic(), value))
+            time.sleep(SAMPLE_S)
+    return samples
+
+
+class BusyBatch:
+    """`n` threads, each keeping one greedy decode running on `url` (mixed prompt and
+    output lengths, `ignore_eos`), resubmitted as it ends, until `stop`."""
+
+    def __init__(self, url: str, n: int, seed: int):
+        self.url, self.n, self.rng = url, n, random.Random(seed)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self, min_running: int, timeout_s: float = 120.0) -> None:
+        for i in range(self.n):
+            prompt_len = BUSY_PROMPTS[i % len(BUSY_PROMPTS)]
+            gen = BUSY_OUTPUTS[i % len(BUSY_OUTPUTS)]
+            args = (_tokens(self.rng, prompt_len), gen)
+            thread = threading.Thread(target=self._keep, args=args, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        deadline = time.monotonic() + timeout_s
+        while kv_pool_usage(self.url)["num_running_reqs"] < min_running:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.url}: {min_running} decodes not running")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self._stop.set()
+        httpx.post(self.url + "/abort_request", json={"abort_all": True}, timeout=30)
+        for thread in self._threads:
+            thread.join(timeout=60)
+
+    def _keep(self, prompt: list[int], gen: int) -> None:
+        params = {"max_new_tokens": gen, "temperature": 0.0, "ignore_eos": True}
+        with httpx.Client(timeout=600) as http:
+            while not self._stop.is_set():
+                body = {"input_ids": prompt, "sampling_params": params}
+                try:
+                    http.post(self.url + "/generate", json=body)
+                except httpx.HTTPError:
+                    return
+                prompt = prompt[1:] + prompt[:1]  # a new prompt: it is prefilled again
+
+
+def _warm_up(client: MigrationClient, source: str, target: str, rng: random.Random) -> None:
+    """Compile kernels on both servers and open the device path once."""
+    for url in (source, target):
+        generate(url, _tokens(rng, 2048), 4)
+    p = _tokens(rng, 1024)
+    generate(source, p, 1)
+    client.migrate(source, target, p[:-1], path="device")
+    for url in (source, target):
+        flush_cache(url)
+
+
+def _held(client: MigrationClient, url: str, prompt: list[int]) -> dict[str, Any]:
+    return client.call(url, "/get_request_extra_token_size", {"input_ids": prompt[:-1]})
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 128000) for _ in range(n)]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The pure parts of `bench_busy_source.py`: spreads, ratios, decode rates, the result file.
+
+Nothing here talks to a server, so all of it is tested on CPU
+(`test/unit/test_bench_busy_source.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+LENGTHS = (1024, 8192, 32768)
+TIERS = ("gpu", "host")  # where the source holds the prefix it moves
+SOURCES = ("idle", "busy")  # the source decodes nothing / a full batch meanwhile
+# The issue's targets: a move on a busy source <= 2x the same move between idle servers;
+# the source's decode throughput during a stream of moves >= 95% of without.
+BUSY_OVER_IDLE_MAX = 2.0
+DECODE_KEPT_MIN = 0.95
+
+
+def spread(values: Sequence[float | None]) -> dict[str, float | int | None]:
+    """Median with min and max of the values present (None: not measured)."""
+    present = [float(v) for v in values if v is not None]
+    if not present:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {
+        "median": statistics.median(present),
+        "min": min(present),
+        "max": max(present),
+        "n": len(present),
+    }
+
+
+def counter_rate(samples: Sequence[tuple[float, float]]) -> float | None:
+    """Rate of a counter SGLang adds to in steps (at each log interval), from `(time,
+    value)` samples: between the first and the last sample at which it changed, so the
+    partial intervals at both ends of the window do not count. None when it changed
+    fewer than twice."""
+    changes = [samples[i] for i in range(1, len(samples)) if samples[i][1] != samples[i - 1][1]]
+    if len(changes) < 2:
+        return None
+    (t0, v0), (t1, v1) = changes[0], changes[-1]
+    return (v1 - v0) / (t1 - t0) if t1 > t0 else None
+
+
+def move_row(result: Any, wall_s: float, ttft_s: float, held: dict[str, Any]) -> dict[str, Any]:
+    """One move as the result file keeps it: the client's `MigrationResult` fields the
+    replies already report (phases, per-trip `steps_ms`: scheduler trips and their waits,
+    the copy), its wall time, and what the source held where when it was asked."""
+    return {
+        "path": result.path,
+        "fallback_reason": result.fallback_reason,
+        "migrated_tokens": result.migrated_token_size,
+        "bytes": result.migrated_bytes,
+        "total_ms": result.timings.get("total", wall_s) * 1e3,
+        "client_wall_ms": wall_s * 1e3,
+        "timings_ms": {k: v * 1e3 for k, v in result.timings.items()},
+        "copy_ms": result.copy_seconds * 1e3,
+        "steps_ms": result.steps_ms,
+        "transfer_steps_ms": result.transfer_steps_ms,
+        "ttft_after_ms": ttft_s * 1e3,
+        "held_tokens": held.get("matched_token_size", 0),
+        "held_device_tokens": held.get("device_token_size", 0),
+    }
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per length: re-prefill on the target, and per (tier, source state) the move's
+    total, copy and wall time as median with min-max, the busy/idle ratio of the
+    medians and whether it meets `BUSY_OVER_IDLE_MAX`."""
+    out = []
+    for n in sorted({r["tokens"] for r in rows}):
+        mine = [r for r in rows if r["tokens"] == n]
+        entry: dict[str, Any] = {
+            "tokens": n,
+            "reprefill_ms": spread([r.get("reprefill_ms") for r in mine]),
+        }
+        for tier in TIERS:
+            per_state = {}
+            for state in SOURCES:
+                moves = [r[state][tier] for r in mine if tier in r.get(state, {})]
+                per_state[state] = {
+                    key: spread([m.get(key) for m in moves])
+                    for key in ("total_ms", "copy_ms", "client_wall_ms", "ttft_after_ms")
+                }
+            ratio = _ratio(per_state["busy"]["total_ms"], per_state["idle"]["total_ms"])
+            entry[tier] = {
+                **per_state,
+                "busy_over_idle": ratio,
+                "met": None if ratio is None else ratio <= BUSY_OVER_IDLE_MAX,
+                "busy_over_reprefill": _ratio(per_state["busy"]["total_ms"], entry["reprefill_ms"]),
+            }
+        out.append(entry)
+    return out
+
+
+def decode_kept(windows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The source's decode throughput with a stream of moves over without, per pair of
+    windows and over their medians; `met` against `DECODE_KEPT_MIN`."""
+    without = spread([w.get("without_tok_s") for w in windows])
+    during = spread([w.get("with_moves_tok_s") for w in windows])
+    ratio = _ratio(during, without)
+    return {
+        "without_tok_s": without,
+        "with_moves_tok_s": during,
+        "per_window": [_div(w.get("with_moves_tok_s"), w.get("without_tok_s")) for w in windows],
+        "kept": ratio,
+        "met": None if ratio is None else ratio >= DECODE_KEPT_MIN,
+        "moves_in_windows": sum(w.get("moves", 0) for w in windows),
+    }
+
+
+CONCURRENT_OVER_ONE_MAX = 1.5  # six concurrent 8K moves to one target vs one
+
+
+def concurrency_summary(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per target state (idle / busy): one move's time and six concurrent moves' wall
+    time as median with min-max over the rounds, their ratio and its verdict."""
+    out = {}
+    for state in SOURCES:
+        mine = [r for r in rounds if r.get("target") == state]
+        one, many = spread([r["one_ms"] for r in mine]), spread([r["all_ms"] for r in mine])
+        ratio = _ratio(many, one)
+        out[state] = {
+            "one_ms": one,
+            "concurrent_ms": many,
+            "concurrent_over_one": ratio,
+            "met": None if ratio is None else ratio <= CONCURRENT_OVER_ONE_MAX,
+        }
+    return out
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """Rewritten whole after every row (small): a run cut at its limit keeps what it
+    measured, with `complete` false."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+
+
+def markdown(summary: Sequence[dict[str, Any]], decode: dict[str, Any] | None) -> str:
+    lines = [
+        "| prefix | tier | re-prefill ms | idle move ms (min-max) | busy move ms (min-max) "
+        "| busy / idle | busy copy ms | met (<= 2x) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in summary:
+        for tier in TIERS:
+            t = entry[tier]
+            lines.append(
+                f"| {entry['tokens']} | {tier} | {_cell(entry['reprefill_ms'])} "
+                f"| {_cell(t['idle']['total_ms'])} | {_cell(t['busy']['total_ms'])} "
+                f"| {_num(t['busy_over_idle'], 2)} | {_cell(t['busy']['copy_ms'])} "
+                f"| {t['met']} |"
+            )
+    if decode is not None:
+        lines.append(
+            f"\nsource decode throughput: {_cell(decode['without_tok_s'])} tok/s alone, "
+            f"{_cell(decode['with_moves_tok_s'])} during moves: kept {_num(decode['kept'], 3)} "
+            f"(target >= {DECODE_KEPT_MIN}: {decode['met']})"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    return _div(a.get("median"), b.get("median"))
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _cell(s: dict[str, Any]) -> str:
+    if s.get("median") is None:
+        return "-"
+    return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
