@@ -45,7 +45,7 @@ from typing import Any
 from unittest import mock
 
 from sglang_kv_migration.client.migration import MigrationClient
-from sglang_kv_migration.server import profiling, thread_costs
+from sglang_kv_migration.server.diag import profiling, thread_costs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
 from real_servers import (  # noqa: E402
@@ -129,7 +129,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--calibrate", action="store_true",
-        help="time small operations (`server/thread_costs.py`) in this process and on "
+        help="time small operations (`server/diag/thread_costs.py`) in this process and on "
         "both servers' scheduler threads, idle before the rows and after them",
     )  # fmt: skip
     args = parser.parse_args()
@@ -444,7 +444,7 @@ def _migrate_and_serve(
         "cached_tokens": cached_tokens(served),
         "cached_details": cached_details(served),
         "transfer_steps_ms": r.transfer_steps_ms,
-        "steps_ms": r.steps_ms,  # per trip: where its time went (server/trace.py)
+        "steps_ms": r.steps_ms,  # per trip: where its time went (server/diag/trace.py)
     }
 
 
