@@ -28,7 +28,6 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from sglang_kv_migration import PROTOCOL_VERSION, binary_ids, grants, sglang_adapter
@@ -53,8 +52,9 @@ from sglang_kv_migration.io_types import (
 )
 from sglang_kv_migration.page_ranges import to_page_ranges
 from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
+from sglang_kv_migration.paths.factory import PATH_FACTORIES
 from sglang_kv_migration.paths.host.layout import HostPoolLayout
-from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig, open_transport
+from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig
 from sglang_kv_migration.paths.host.target_staging import TargetStaging
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
 from sglang_kv_migration.server.diag.metrics import LoopTimer, MigrationMetrics, NullMetrics
@@ -988,56 +988,6 @@ def _received_first(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return handler(req)
 
     return received
-
-
-@dataclass(frozen=True)
-class PathFactory:
-    """How the scheduler side opens one data path on its rank."""
-
-    # Why the path cannot run on this rank (side, enable_memory_saver), None when it can.
-    unavailable: Callable[[MigrationSchedulerSide, bool], str | None]
-    # Open it (side, transport config, transport given by a test or None).
-    open: Callable[[MigrationSchedulerSide, TransportConfig, KVTransport | None], DataPath]
-
-
-def _always_available(_side: MigrationSchedulerSide, _enable_memory_saver: bool) -> str | None:
-    return None
-
-
-def _open_host_path(
-    side: MigrationSchedulerSide, config: TransportConfig, transport: KVTransport | None
-) -> DataPath:
-    from sglang_kv_migration.paths.host.path import HostPath
-
-    return HostPath(
-        side.ctx.tree_cache,
-        side.layout,
-        transport or open_transport(config),
-        transfer_timeout_s=config.transfer_timeout_s,
-    )
-
-
-def _device_path_unavailable(side: MigrationSchedulerSide, enable_memory_saver: bool) -> str | None:
-    from sglang_kv_migration.paths.device.path import device_path_unavailable_reason
-
-    return device_path_unavailable_reason(
-        side.ctx.tree_cache, enable_memory_saver, side.landing_bytes
-    )
-
-
-def _open_device_path(
-    side: MigrationSchedulerSide, _config: TransportConfig, _transport: KVTransport | None
-) -> DataPath:
-    from sglang_kv_migration.paths.device.path import DevicePath
-
-    return DevicePath(side.ctx.tree_cache, landing_bytes=side.landing_bytes)
-
-
-# The data paths by name (`--kv-migration-paths`); a new path adds one row.
-PATH_FACTORIES: dict[str, PathFactory] = {
-    HOST: PathFactory(_always_available, _open_host_path),
-    DEVICE: PathFactory(_device_path_unavailable, _open_device_path),
-}
 
 
 def advertised_hostname(configured: str | None, server_host: str) -> str:
