@@ -7,7 +7,7 @@ length; each repeat flushes the target and migrates the prefix again through
 `MigrationClient.migrate` (host path: the only one on CPU). Reported per length: the
 median of every phase of `result.timings`, and the transfer phase less the source's copy
 time (`copy_seconds`), which is what the device path's transfer trip shares with it.
-Then where each trip's time went (`result.steps_ms`, `server/trace.py`): the client and
+Then where each trip's time went (`result.steps_ms`, `server/diag/trace.py`): the client and
 HTTP server outside the route, the body parse, the hop to the scheduler and the wait for
 its loop, the scheduler's part (for the transfer: its handler and the loop iterations
 until the reply), the hop back, and the rest of the route.
@@ -85,7 +85,7 @@ STEPS = (
     "parse",
     "to_scheduler",
     "scheduler",
-    "handler",  # the transfer's scheduler part, split (`server/trace.py`)
+    "handler",  # the transfer's scheduler part, split (`server/diag/trace.py`)
     "waited",
     "allocate",  # one trip: the part of `waited` until the target's channel answered
     "replying",

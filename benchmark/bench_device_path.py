@@ -45,7 +45,7 @@ from typing import Any
 from unittest import mock
 
 from sglang_kv_migration.client.migration import MigrationClient
-from sglang_kv_migration.server import profiling, thread_costs
+from sglang_kv_migration.server.diag import profiling, thread_costs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -136,7 +136,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--calibrate", action="store_true",
-        help="time small operations (`server/thread_costs.py`) in this process and on "
+        help="time small operations (`server/diag/thread_costs.py`) in this process and on "
         "both servers' scheduler threads, idle before the rows and after them",
     )  # fmt: skip
     args = parser.parse_args()

@@ -36,8 +36,8 @@ def _build_side():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cpu_harness.install_cpu_shims()
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
-    from sglang_kv_migration.server.metrics import MigrationMetrics
-    from sglang_kv_migration.server.scheduler_side import MigrationSchedulerSide
+    from sglang_kv_migration.server.diag.metrics import MigrationMetrics
+    from sglang_kv_migration.server.rank.scheduler_side import MigrationSchedulerSide
     from side_helpers import one_rank_context
 
     harness = cpu_harness.build_harness(cpu_harness.HarnessConfig(page_size=16))
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
-    from sglang_kv_migration.server.scheduler_hooks import (
+    from sglang_kv_migration.server.rank.hooks import (
         after_process_input_requests,
         before_process_input_requests,
     )

@@ -5,7 +5,7 @@ cache objects), interleaved.
     PYTHONPATH=python:test/support .venv/bin/python benchmark/bench_radix_match.py --tokens 32768
 
 At page size 1 SGLang's match is a Python loop over the tokens; the adapter walks the same
-tree comparing each node's key as whole lists (`sglang_adapter._walk_page_size1`). At
+tree comparing each node's key as whole lists (`sglang_adapter.radix_tree._walk`). At
 other page sizes both are SGLang's walk. Prints the median and minimum of `--repeats`
 walks of each, ms.
 """

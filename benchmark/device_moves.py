@@ -58,7 +58,7 @@ def migrate_and_serve(
         "cached_tokens": cached_tokens(served),
         "cached_details": cached_details(served),
         "transfer_steps_ms": r.transfer_steps_ms,
-        "steps_ms": r.steps_ms,  # per trip: where its time went (server/trace.py)
+        "steps_ms": r.steps_ms,  # per trip: where its time went (server/diag/trace.py)
     }
 
 

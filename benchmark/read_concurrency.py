@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 TARGET_RATIO = 1.5
-# The transfer trip's steps (`server/source_transfers.py`) that run on the source's
+# The transfer trip's steps (`server/source/transfers.py`) that run on the source's
 # scheduler thread; `answer` and `copy_wait` are waits (and, for moves taken together,
 # other moves' work), so they are left out.
 SOURCE_STEPS = ("handler", "start", "finish")

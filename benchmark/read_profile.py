@@ -1,4 +1,4 @@
-"""Print what the servers' opt-in profiles found (`server/profiling.py`): per scheduler
+"""Print what the servers' opt-in profiles found (`server/diag/profiling.py`): per scheduler
 rank, the functions under our handlers and polls by cumulative and own time, and the
 garbage collections (count and ms per generation, the long ones).
 

@@ -1,6 +1,6 @@
 """What a one-call transfer body's `device_kv` costs on CPU, in full vs named by digest.
 
-Feature "destination_digest" (`server/known_destinations.py`). The description is built
+Feature "destination_digest" (`server/source/known_destinations.py`). The description is built
 as `cuda_ipc.export_tensor` describes buffers (64 of them: Llama-3-8B's K and V per
 layer). Per transfer, both forms interleaved, medians in µs, of each place the body is
 handled on its way:
@@ -31,8 +31,8 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheReqInput,
     TransferRequestKVCacheTarget,
 )
-from sglang_kv_migration.server.http_api import TransferBody
-from sglang_kv_migration.server.known_destinations import KnownDestinations
+from sglang_kv_migration.server.http.routes import TransferBody
+from sglang_kv_migration.server.source.known_destinations import KnownDestinations
 
 BUFFERS = 64  # 32 layers x (K, V)
 

@@ -4,7 +4,7 @@ client, uvicorn, the app's middleware and routing, and the route's own parse.
 Two servers, each SGLang's real FastAPI app (CPU test shims for its GPU imports) with
 our six routes added as the plugin adds them, under uvicorn with httptools and uvloop as
 SGLang runs it, and a backend that answers at once (no scheduler): one with the fast
-path (`server/fast_routes.py`), one with it taken out (every request through Starlette's
+path (`server/http/fast_path.py`), one with it taken out (every request through Starlette's
 router and FastAPI). Two clients: ours (`client/http11.py`) and `http.client` (what
 `http11` used before). Each of the four pairs makes `--trips` trips of an abort body,
 interleaved, `--gap-ms` apart: a migration server answers now and then, so its calls
@@ -45,7 +45,8 @@ def serve(port: int, fast: bool) -> None:
     import uvicorn
     from sglang.srt.entrypoints.http_server import app
     from sglang_kv_migration.io_types import AbortTransferReqOutput
-    from sglang_kv_migration.server import fast_routes, http_api
+    from sglang_kv_migration.server.http import fast_path as fast_routes
+    from sglang_kv_migration.server.http import routes as http_api
 
     class Backend:
         async def call(self, request: Any) -> Any:

@@ -1,6 +1,6 @@
 """What the target's scheduler thread spends on one allocate from the allocate channel
 before its handler runs, with the ids as base64 inside the JSON against the ids in a
-frame of their own (feature "source_allocate", `server/allocate_channel.py`), CPU.
+frame of their own (feature "source_allocate", `server/same_host/allocate_channel.py`), CPU.
 
 Both forms of the same allocate (32K ids by default) go through what the target runs on
 its scheduler thread: the JSON parse and `http_api.allocate_request` (the route's
@@ -33,7 +33,7 @@ def main() -> None:
     cpu_harness.install_cpu_shims()  # http_api imports SGLang
     import orjson
     from sglang_kv_migration import binary_ids
-    from sglang_kv_migration.server import http_api
+    from sglang_kv_migration.server.http import routes as http_api
 
     ids = list(range(1000, 1000 + args.tokens))
     fields = {"source_fingerprints": [{"model": "m"}], "path": "device",

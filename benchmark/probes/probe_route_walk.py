@@ -43,7 +43,7 @@ def main() -> None:
 
     cpu_harness.install_cpu_shims()
     from sglang.srt.entrypoints.http_server import app
-    from sglang_kv_migration.server import http_api
+    from sglang_kv_migration.server.http import routes as http_api
 
     http_api.add_routes(app, lambda: None)
     first = list(app.router.routes)

@@ -24,5 +24,5 @@ PROTOCOL_VERSION = 2
 EPOCH_CHECK_FEATURE = "epoch_check"
 
 # Wire feature: `/transfer_request_kvcache` takes `{"moves": [transfer, ...]}`, several
-# transfers in one call (`server/http_api.py`, `TransferBatchBody`).
+# transfers in one call (`server/http/routes.py`, `TransferBatchBody`).
 TRANSFER_BATCH_FEATURE = "transfer_batch"

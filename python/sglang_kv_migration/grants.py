@@ -52,10 +52,10 @@ FEATURE = "bound_grants"
 # range, and its receipts say how many tokens (`Receipt.tokens`); commit inserts those.
 PARTIAL_FEATURE = "partial_transfer"
 # Wire feature: allocate takes `source_commit`; the source then hands its receipts to the
-# target's mailbox (`Grant.mailbox`, server/mailbox.py) and the target commits by itself.
+# target's mailbox (`Grant.mailbox`, server/same_host/mailbox.py) and the target commits by itself.
 SOURCE_COMMIT_FEATURE = "source_commit"
 # Wire feature: a transfer takes `allocate_on_target`; the source asks the target's
-# allocate channel for the slots itself (server/allocate_channel.py): one client call.
+# allocate channel for the slots itself (server/same_host/allocate_channel.py): one client call.
 SOURCE_ALLOCATE_FEATURE = "source_allocate"
 # Wire feature: a device-path target entry may name its `device_kv` by the digest grants
 # bind (`device_kv_digest`), once the source was sent it in full (known_destinations.py).

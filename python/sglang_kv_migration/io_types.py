@@ -11,7 +11,7 @@ Field names follow the public contract of the design note (`input_ids`, `extra_k
 gathered on the replying rank. These classes are pickled between processes: keep them in
 this module, importable everywhere, with plain-data fields only.
 
-Input validation happens once, at the HTTP boundary (`http_api.py`); the scheduler
+Input validation happens once, at the HTTP boundary (`http/routes.py`); the scheduler
 handlers trust these objects.
 """
 
@@ -36,13 +36,13 @@ from sglang_kv_migration.targets import HostTarget  # the host path's fields, on
 # "partial_transfer" (`grants.PARTIAL_FEATURE`): a transfer takes `partial_ok`, its
 # receipts say how many tokens were written, and commit inserts those.
 # "binary_ids" (`binary_ids.py`): bodies may carry the ids as bytes (`input_ids_u32`).
-# "source_commit" (`server/mailbox.py`) is listed only by servers with a mailbox, and
-# "source_allocate" (`server/allocate_channel.py`) only by single-rank servers with an
+# "source_commit" (`server/same_host/mailbox.py`) is listed only by servers with a mailbox, and
+# "source_allocate" (`server/same_host/allocate_channel.py`) only by single-rank servers with an
 # allocate channel: a transfer may take `allocate_on_target` then.
 # "epoch_check": allocate takes `expect_epoch` and refuses, reserving nothing, when this
 # server's epoch is no longer the one the caller's session info names.
 # "transfer_batch": a transfer body may be `{"moves": [...]}`, several transfers in one
-# call (`server/http_api.py`).
+# call (`server/http/routes.py`).
 WIRE_FEATURES = (
     page_ranges.FEATURE,
     grants.FEATURE,
@@ -108,7 +108,7 @@ class GetTransferSessionInfoReqOutput(BaseReq):
     server_epoch: str = ""
     message: str = ""
     error_kind: str = ""
-    # Where the trip spent its time, ms (`server/trace.py`); informational.
+    # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
     steps_ms: dict = field(default_factory=dict)
     trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
     # Optional wire features this server understands beyond its protocol version; a
@@ -119,7 +119,7 @@ class GetTransferSessionInfoReqOutput(BaseReq):
     # a restart, like server_epoch).
     instance_id: str = ""
     # Feature "source_allocate": a source on this host may allocate here directly
-    # (`server/allocate_channel.py`: address, secret, host); empty when it may not.
+    # (`server/same_host/allocate_channel.py`: address, secret, host); empty when it may not.
     allocate_channel: dict = field(default_factory=dict)
 
 
@@ -151,7 +151,7 @@ class GetRequestExtraTokenSizeReqOutput(BaseReq):
     server_epoch: str = ""
     message: str = ""
     error_kind: str = ""
-    # Where the trip spent its time, ms (`server/trace.py`); informational.
+    # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
     steps_ms: dict = field(default_factory=dict)
     trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
 
@@ -184,7 +184,7 @@ class AllocateTokenForTransferReqInput(BaseReq):
     stage_refusal: StageRefusal | None = None  # set by an earlier PP stage
     input_ids_u32: bytes = b""  # feature "binary_ids", as for the size query
     # Feature "source_commit": the source hands its receipts to this server's mailbox
-    # and this server commits by itself, with no /commit trip (`server/mailbox.py`).
+    # and this server commits by itself, with no /commit trip (`server/same_host/mailbox.py`).
     source_commit: bool = False
     # Feature "epoch_check": the `server_epoch` of the caller's session info. A caller
     # whose info is stale (restart, weight update, KV memory resume) gets a conflict
@@ -216,7 +216,7 @@ class AllocateTokenForTransferReqOutput(BaseReq):
     server_epoch: str = ""
     message: str = ""
     error_kind: str = ""
-    # Where the trip spent its time, ms (`server/trace.py`); informational.
+    # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
     steps_ms: dict = field(default_factory=dict)
     trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
     # The allocation asked for `source_commit` and got a mailbox slot: a transfer reply
@@ -244,7 +244,7 @@ class TransferRequestKVCacheTarget(HostTarget):
     # [first_page, count] runs instead of kv_pages (feature "page_ranges").
     kv_page_ranges: list[list[int]] = field(default_factory=list)
     # Feature "destination_digest": `device_kv` named by its digest, for a source that
-    # was sent it in full before (`server/known_destinations.py`); the source fills
+    # was sent it in full before (`server/source/known_destinations.py`); the source fills
     # `device_kv` in from what it hashed itself.
     device_kv_digest: str = ""
 
@@ -308,7 +308,7 @@ class TransferRequestKVCacheReqOutput(BaseReq):
     server_epoch: str = ""
     message: str = ""
     error_kind: str = ""
-    # Where the trip spent its time, ms (`server/trace.py`); informational.
+    # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
     steps_ms: dict = field(default_factory=dict)
     trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
     # Feature "source_commit": every rank's receipts are in the target's mailbox, put
@@ -337,7 +337,7 @@ class CommitTransferRequestKVCacheReqInput(BaseReq):
     verify: bool = False  # check the receipts' content digests against what landed
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
     stage_refusal: StageRefusal | None = None  # set by an earlier PP stage
-    # Made by this server from its mailbox (`server/source_commits.py`), not received:
+    # Made by this server from its mailbox (`server/target/mailbox_commits.py`), not received:
     # nobody waits for its reply. Never set from a body (`http_api.CommitBody`).
     from_mailbox: bool = False
 
@@ -348,7 +348,7 @@ class CommitTransferRequestKVCacheReqOutput(BaseReq):
     matched_after_commit: int = 0
     message: str = ""
     error_kind: str = ""
-    # Where the trip spent its time, ms (`server/trace.py`); informational.
+    # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
     steps_ms: dict = field(default_factory=dict)
     trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
 
@@ -366,7 +366,7 @@ class AbortTransferReqOutput(BaseReq):
     success: bool
     message: str = ""
     error_kind: str = ""
-    # Where the trip spent its time, ms (`server/trace.py`); informational.
+    # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
     steps_ms: dict = field(default_factory=dict)
     trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
 

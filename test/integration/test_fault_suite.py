@@ -22,7 +22,7 @@ from sglang_kv_migration.client.migration import (
     MigrationClient,
     MigrationFailed,
 )
-from sglang_kv_migration.server.allocate_channel import ALLOCATE_TIMEOUT_S
+from sglang_kv_migration.server.same_host.allocate_channel import ALLOCATE_TIMEOUT_S
 from timing import wait_until
 
 PAGE = 16

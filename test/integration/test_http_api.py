@@ -34,13 +34,13 @@ from sglang_kv_migration.client.migration import (
     MigrationClient,
     MigrationFailed,
 )
-from sglang_kv_migration.server.http_api import DISABLED_MESSAGE
+from sglang_kv_migration.server.http.routes import DISABLED_MESSAGE
 
 PAGE = 16
 WATCHDOG_S = 2.0
 HTTP_TIMEOUT_S = 30.0
 
-# `server/trace.py`: the steps of one trip (`outside` is added by the client).
+# `server/diag/trace.py`: the steps of one trip (`outside` is added by the client).
 TRIP_STEPS = ("outside", "parse", "to_scheduler", "scheduler", "to_tokenizer", "route")
 
 ROUTES = (
@@ -425,7 +425,7 @@ def test_client_migrates_partial_then_rest_then_nothing(servers: Servers, flow: 
         trips = {"transfer"} if flow == "one_trip" else {"allocate", "transfer"}
         assert set(second.timings) == {"session_info", "total", *trips}
         assert sum(dst.ask(0, "held", SEQ_E2E)) == 128
-        # Where each trip's time went (`server/trace.py`): every step of every trip, and
+        # Where each trip's time went (`server/diag/trace.py`): every step of every trip, and
         # the server's part of a trip is no more than the client's trip.
         assert set(second.steps_ms) == {"allocate", "transfer"}
         if flow == "one_trip":
@@ -866,7 +866,7 @@ def test_routes_carry_admin_optional_auth_level() -> None:
     `add_routes` built (FastAPI's lazy `include_router` would hide it: NORMAL)."""
     from fastapi import FastAPI
     from sglang.srt.utils.auth import AuthLevel, _get_auth_level_from_app_and_scope
-    from sglang_kv_migration.server.http_api import add_routes
+    from sglang_kv_migration.server.http.routes import add_routes
 
     app = FastAPI()
     add_routes(app, lambda: None)

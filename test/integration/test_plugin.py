@@ -13,7 +13,7 @@ from pathlib import Path
 
 import cpu_harness
 import pytest
-from sglang_kv_migration.server import upstream
+from sglang_kv_migration.sglang_adapter import hook_targets as upstream
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ cpu_harness.install_cpu_shims()
 import sglang.srt.server_args as upstream_server_args
 from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang_kv_migration.server import plugin
-from sglang_kv_migration.server import upstream
+from sglang_kv_migration.sglang_adapter import hook_targets as upstream
 from sglang_kv_migration.server.server_args import KVMigrationServerArgs
 
 assert plugin.missing_hooks(), "nothing is hooked before register()"
@@ -243,7 +243,8 @@ def test_flag_off_installs_nothing_on_the_scheduler() -> None:
 
     from sglang.utils import TypeBasedDispatcher
     from sglang_kv_migration.io_types import REQUEST_TYPES
-    from sglang_kv_migration.server import communicators, scheduler_hooks
+    from sglang_kv_migration.server.http import communicators
+    from sglang_kv_migration.server.rank import hooks as scheduler_hooks
     from sglang_kv_migration.server.server_args import KVMigrationServerArgs
 
     args = KVMigrationServerArgs(

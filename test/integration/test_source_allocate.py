@@ -24,8 +24,8 @@ from mini_server import ServerHandle, ServerPair, ServerSpec, serving
 from sglang_kv_migration import grants
 from sglang_kv_migration.client import migration
 from sglang_kv_migration.client.migration import MigrationClient
-from sglang_kv_migration.server.allocate_channel import ALLOCATE_TIMEOUT_S
-from sglang_kv_migration.server.mailbox import SHM_DIR, pid_namespace
+from sglang_kv_migration.server.same_host.allocate_channel import ALLOCATE_TIMEOUT_S
+from sglang_kv_migration.server.same_host.mailbox import SHM_DIR, pid_namespace
 
 PAGE = 16
 HTTP_TIMEOUT_S = 30.0

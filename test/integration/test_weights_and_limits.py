@@ -23,7 +23,7 @@ from sglang_kv_migration.io_types import (
     GetRequestExtraTokenSizeReqInput,
     GetTransferSessionInfoReqInput,
 )
-from sglang_kv_migration.server.http_api import MAX_BODY_BYTES, MAX_ID_CHARS
+from sglang_kv_migration.server.http.routes import MAX_BODY_BYTES, MAX_ID_CHARS
 from side_helpers import transfer_to_self
 
 

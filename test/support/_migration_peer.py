@@ -63,7 +63,7 @@ class _Server:
     ) -> dict:
         import cpu_harness
         from sglang_kv_migration.paths.host.mooncake import TransportConfig
-        from sglang_kv_migration.server.scheduler_side import MigrationSchedulerSide
+        from sglang_kv_migration.server.rank.scheduler_side import MigrationSchedulerSide
         from side_helpers import one_rank_context
 
         side_kwargs = dict(side_kwargs or {})
@@ -242,7 +242,7 @@ def peer_main(conn: Connection) -> None:
     import cpu_harness
 
     cpu_harness.install_cpu_shims()
-    import sglang_kv_migration.server.scheduler_side  # noqa: F401  (the slow sglang import, up front)
+    import sglang_kv_migration.server.rank.scheduler_side  # noqa: F401  (the slow sglang import, up front)
 
     server = _Server()
     conn.send(("ready", None))

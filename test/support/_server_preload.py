@@ -15,9 +15,9 @@ import sglang.srt.managers.scheduler  # noqa: E402, F401
 import sglang.srt.mem_cache.hiradix_cache  # noqa: E402, F401
 import sglang.srt.server_args  # noqa: E402, F401
 import sglang.srt.utils.auth  # noqa: E402, F401
-import sglang_kv_migration.server.communicators  # noqa: E402, F401
-import sglang_kv_migration.server.http_api  # noqa: E402, F401
-import sglang_kv_migration.server.scheduler_hooks  # noqa: E402, F401
+import sglang_kv_migration.server.http.communicators  # noqa: E402, F401
+import sglang_kv_migration.server.http.routes  # noqa: E402, F401
+import sglang_kv_migration.server.rank.hooks  # noqa: E402, F401
 import sglang_kv_migration.server.server_args  # noqa: E402, F401
 import uvicorn  # noqa: E402, F401
 import zmq.asyncio  # noqa: E402, F401

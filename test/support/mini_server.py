@@ -234,7 +234,7 @@ class _MiniScheduler:
     def run(self, receiver: Any, control: Any, harness: Any, extension: Any = None) -> None:
         import zmq
         from sglang.srt.utils.common import broadcast_pyobj, point_to_point_pyobj
-        from sglang_kv_migration.server import scheduler_hooks
+        from sglang_kv_migration.server.rank import hooks as scheduler_hooks
 
         stage_first = self.pp_rank * self.tp_size  # global rank of this stage's tp 0
         last_stage = self.pp_rank == self.pp_size - 1
@@ -333,7 +333,7 @@ def _rank_main(
         from types import SimpleNamespace
 
         import zmq
-        from sglang_kv_migration.server import scheduler_hooks
+        from sglang_kv_migration.server.rank import hooks as scheduler_hooks
 
         world = spec.tp_size * spec.pp_size
         tp_rank, pp_rank = rank % spec.tp_size, rank // spec.tp_size
@@ -482,7 +482,7 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             value = len(set(args[0]) & set(harness.host_pool.free_slots.tolist()))
         elif name == "flush":
             # What SGLang's /flush_cache does to the cache, behind our AROUND hook.
-            from sglang_kv_migration.server.scheduler_hooks import around_flush_cache
+            from sglang_kv_migration.server.rank.hooks import around_flush_cache
 
             def reset(s: Any) -> bool:
                 s.tree_cache.reset()
@@ -494,7 +494,7 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             # What our BEFORE hook sees when SGLang receives a weight update (the request
             # itself is not run here: this harness has no model).
             from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
-            from sglang_kv_migration.server.scheduler_hooks import before_process_input_requests
+            from sglang_kv_migration.server.rank.hooks import before_process_input_requests
 
             migration = scheduler.kv_migration
             before = len(migration.pending)
@@ -535,8 +535,8 @@ def _serve_http(
     import zmq.asyncio
     from fastapi import FastAPI
     from sglang.srt.utils.auth import add_api_key_middleware
-    from sglang_kv_migration.server.communicators import KVMigrationCommunicators
-    from sglang_kv_migration.server.http_api import add_routes
+    from sglang_kv_migration.server.http.communicators import KVMigrationCommunicators
+    from sglang_kv_migration.server.http.routes import add_routes
 
     context = zmq.asyncio.Context()
     to_scheduler = context.socket(zmq.PUSH)

@@ -15,7 +15,7 @@ def one_rank_context(
 ) -> Any:
     """The `RankContext` of a server with one TP rank (no process group), over `cache`;
     replies go to `send_output` (dropped when None)."""
-    from sglang_kv_migration.server.rank_context import RankContext
+    from sglang_kv_migration.server.rank.context import RankContext
 
     return RankContext(
         tree_cache=cache,

@@ -1,5 +1,5 @@
-"""The allocate channel (`server/allocate_channel.py`) and the target's weight-version
-rule for channel allocations (`server/channel_allocations.py`), with real zmq sockets
+"""The allocate channel (`server/same_host/allocate_channel.py`) and the target's weight-version
+rule for channel allocations (`server/target/channel_allocations.py`), with real zmq sockets
 in a private directory."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from sglang_kv_migration.io_types import (
     CommitTransferRequestKVCacheReqInput,
     GetTransferSessionInfoReqInput,
 )
-from sglang_kv_migration.server import allocate_channel
-from sglang_kv_migration.server.allocate_channel import ChannelCaller, ChannelServer
-from sglang_kv_migration.server.channel_allocations import ChannelAllocations
+from sglang_kv_migration.server.same_host import allocate_channel
+from sglang_kv_migration.server.same_host.allocate_channel import ChannelCaller, ChannelServer
+from sglang_kv_migration.server.target.channel_allocations import ChannelAllocations
 from side_helpers import SilentTarget
 
 DEADLINE_S = 5.0
@@ -290,7 +290,7 @@ class _CountingServer(_FakeServer):
 
 
 def test_an_idle_loop_reads_the_channel_at_most_every_check_interval(monkeypatch) -> None:
-    from sglang_kv_migration.server import channel_allocations
+    from sglang_kv_migration.server.target import channel_allocations
 
     clock = [100.0]
     monkeypatch.setattr(channel_allocations.time, "monotonic", lambda: clock[0])
@@ -401,8 +401,8 @@ def test_the_route_validation_is_imported_when_the_channel_opens_not_in_its_firs
 
     code = (
         "import sys\n"
-        "from sglang_kv_migration.server.channel_allocations import ChannelAllocations\n"
-        "name = 'sglang_kv_migration.server.http_api'\n"
+        "from sglang_kv_migration.server.target.channel_allocations import ChannelAllocations\n"
+        "name = 'sglang_kv_migration.server.http.routes'\n"
         "assert name not in sys.modules\n"
         "ChannelAllocations(None, (), lambda r: r)\n"
         "assert name in sys.modules\n"

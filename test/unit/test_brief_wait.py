@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 from sglang_kv_migration.paths.device.path import DeviceSendJob
-from sglang_kv_migration.server import deferred_log, scheduler_side, source_transfers
-from sglang_kv_migration.server.deferred_log import DeferredLog
-from sglang_kv_migration.server.scheduler_side import spin_until
-from sglang_kv_migration.server.source_transfers import InflightTransfer, SourceTransfers
+from sglang_kv_migration.server.diag import deferred_log
+from sglang_kv_migration.server.diag.deferred_log import DeferredLog
+from sglang_kv_migration.server.rank import scheduler_side
+from sglang_kv_migration.server.rank.scheduler_side import spin_until
+from sglang_kv_migration.server.source import transfers as source_transfers
+from sglang_kv_migration.server.source.transfers import InflightTransfer, SourceTransfers
 
 
 class _Event:

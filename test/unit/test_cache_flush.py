@@ -11,7 +11,7 @@ from sglang_kv_migration.io_types import (
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
 )
-from sglang_kv_migration.server.scheduler_hooks import around_flush_cache, around_sleep_on_idle
+from sglang_kv_migration.server.rank.hooks import around_flush_cache, around_sleep_on_idle
 from side_helpers import transfer_to_self
 
 

@@ -287,11 +287,11 @@ def test_route_names_are_the_servers() -> None:
 
 def test_each_route_is_learned_from_the_servers_series() -> None:
     """Two source ranks report per-route bytes and seconds and per-path fixed seconds
-    (`MigrationMetrics.routes`, as `source_transfers.py` records a finished send); the
+    (`MigrationMetrics.routes`, as `source/transfers.py` records a finished send); the
     target its allocate and commit phases. Rates and fixed costs come from them, the
     landing route (no series) keeps its prior, and moves are priced by their routes."""
     from sglang_kv_migration.rollout.cost_model import HOST_TO_HOST, LANDING
-    from sglang_kv_migration.server.metrics import MigrationMetrics
+    from sglang_kv_migration.server.diag.metrics import MigrationMetrics
 
     for tp in (0, 1):  # one device send (half its bytes on each tier) and one host send
         ranks = MigrationMetrics("routes-src", tp, 0)
@@ -342,7 +342,7 @@ def test_each_route_is_learned_from_the_servers_series() -> None:
 
 
 def test_routes_without_the_target_keep_their_prior_fixed_cost() -> None:
-    from sglang_kv_migration.server.metrics import MigrationMetrics
+    from sglang_kv_migration.server.diag.metrics import MigrationMetrics
 
     MigrationMetrics("routes-alone", 0, 0).routes("device", {HOST_TO_GPU: (5 * 10**8, 0.01)}, 0.2)
     model = CostModel.from_metrics(_registry_text("routes-alone"), None)

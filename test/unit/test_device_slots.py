@@ -19,7 +19,7 @@ from cpu_harness import Harness
 from sglang_kv_migration import sglang_adapter as adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths.device.path import DevicePath
-from sglang_kv_migration.server.pending import MigrationState, PendingMigrations
+from sglang_kv_migration.server.target.pending import MigrationState, PendingMigrations
 from side_helpers import one_rank_context
 from timing import FakeClock
 
@@ -393,8 +393,8 @@ def test_scheduler_side_leaves_the_device_path_out_without_cuda(harness_factory,
         GetTransferSessionInfoReqInput,
     )
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
-    from sglang_kv_migration.server.metrics import MigrationMetrics
-    from sglang_kv_migration.server.scheduler_side import MigrationSchedulerSide
+    from sglang_kv_migration.server.diag.metrics import MigrationMetrics
+    from sglang_kv_migration.server.rank.scheduler_side import MigrationSchedulerSide
 
     assert not torch.cuda.is_available()
     h = harness_factory(page_size=16)
@@ -447,7 +447,7 @@ def test_scheduler_side_leaves_the_device_path_out_without_cuda(harness_factory,
 def test_the_loop_offers_the_gil_cheaply_when_no_helper_thread_waits(side, monkeypatch):
     """A pending host-path allocation (its staging watcher may need the GIL) gets the
     zero sleep of the poll; device-path work only a yield of the CPU."""
-    from sglang_kv_migration.server import scheduler_side
+    from sglang_kv_migration.server.rank import scheduler_side
 
     calls: list[str] = []
     monkeypatch.setattr(scheduler_side.time, "sleep", lambda s: calls.append(f"sleep {s}"))

@@ -1,4 +1,4 @@
-"""`server/fast_routes.py`: well-formed POSTs to the six routes are answered without the
+"""`server/http/fast_path.py`: well-formed POSTs to the six routes are answered without the
 router, exactly as the routes answer them; everything else reaches the routes, which
 answer as before; SGLang's API-key middleware, added after, still guards them.
 
@@ -16,7 +16,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from sglang_kv_migration.io_types import AbortTransferReqInput, TransferRequestKVCacheReqOutput
-from sglang_kv_migration.server import fast_routes, http_api
+from sglang_kv_migration.server.http import fast_path as fast_routes
+from sglang_kv_migration.server.http import routes as http_api
 
 
 class Backend:

@@ -23,7 +23,10 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheReqInput,
     TransferRequestKVCacheTarget,
 )
-from sglang_kv_migration.server.known_destinations import KnownDestinations, UnknownDestination
+from sglang_kv_migration.server.source.known_destinations import (
+    KnownDestinations,
+    UnknownDestination,
+)
 from side_helpers import SilentTarget
 
 

@@ -26,11 +26,11 @@ from sglang_kv_migration.io_types import (
     GetTransferSessionInfoReqInput,
 )
 from sglang_kv_migration.paths.device.path import DevicePath
-from sglang_kv_migration.server.pending import MigrationState, PendingMigrations
-from sglang_kv_migration.server.scheduler_hooks import (
+from sglang_kv_migration.server.rank.hooks import (
     after_resume_memory_occupation,
     around_release_memory_occupation,
 )
+from sglang_kv_migration.server.target.pending import MigrationState, PendingMigrations
 from side_helpers import allocate_on
 from timing import FakeClock
 

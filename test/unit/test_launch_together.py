@@ -185,7 +185,7 @@ def test_a_send_waiting_for_its_peers_mapping_waits_on_a_helper_thread(harness_f
     GIL (`on_helper_threads`): a spinning loop would give it one turn per 5 ms."""
     from types import SimpleNamespace
 
-    from sglang_kv_migration.server.source_transfers import InflightTransfer, SourceTransfers
+    from sglang_kv_migration.server.source.transfers import InflightTransfer, SourceTransfers
 
     h = harness_factory(page_size=PAGE)
     path = _OpeningSource(h.cache)

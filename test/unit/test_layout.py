@@ -629,7 +629,7 @@ def test_from_host_pool_on_real_pools(harness_factory, attention, host_layout, p
 
 def test_the_fast_fingerprint_check_is_as_strict_as_the_full_one():
     from sglang_kv_migration.errors import MigrationError
-    from sglang_kv_migration.server.rank_context import check_peer_fingerprint
+    from sglang_kv_migration.server.rank.context import check_peer_fingerprint
 
     mine = fingerprint().with_weight_version("v1")
     assert mine is fingerprint().with_weight_version("v1")  # built once per version

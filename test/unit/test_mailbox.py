@@ -1,4 +1,4 @@
-"""The receipt mailbox (`server/mailbox.py`): a real file in a temporary directory, the
+"""The receipt mailbox (`server/same_host/mailbox.py`): a real file in a temporary directory, the
 target's reads and the source's deliveries, and what either refuses."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sglang_kv_migration.server import mailbox as mb
+from sglang_kv_migration.server.same_host import mailbox as mb
 from timing import FakeClock
 
 RECEIPTS = ["a" * 400 + ".sig0", "b" * 400 + ".sig1"]

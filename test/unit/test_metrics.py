@@ -45,7 +45,7 @@ def test_target_outcomes_tokens_bytes_and_phases(side, caplog) -> None:
     out = _allocate(side, list(range(1000, 1064)), "m-commit")
     assert out.success, out.message
     receipts = receipts_for(side, out)
-    with caplog.at_level(logging.INFO, logger="sglang_kv_migration.server.commits"):
+    with caplog.at_level(logging.INFO, logger="sglang_kv_migration.server.target.commits"):
         assert side.commit_transfer_request_kvcache(
             CommitTransferRequestKVCacheReqInput(migration_id="m-commit", receipts=receipts)
         ).success
@@ -130,7 +130,7 @@ def test_scheduler_time_is_recorded_per_busy_iteration(side) -> None:
 
 
 def test_every_iteration_is_accounted_idle_ones_too(side, monkeypatch) -> None:
-    from sglang_kv_migration.server import metrics
+    from sglang_kv_migration.server.diag import metrics
 
     seconds, iterations = (
         "sglang:kv_migration_poll_seconds_total",
@@ -180,7 +180,7 @@ class _TickingTime:
 def test_worst_iteration_is_broken_down_by_part(side, monkeypatch) -> None:
     """The worst iteration's parts name the handler that ran and the poll's steps, and
     add up to `max_s`; a lighter iteration later does not replace them."""
-    from sglang_kv_migration.server import metrics
+    from sglang_kv_migration.server.diag import metrics
 
     clock = _TickingTime()
     monkeypatch.setattr(metrics, "time", clock)
@@ -225,7 +225,7 @@ def test_diagnose_charges_collections_and_cpu_time_per_part() -> None:
     outside our parts a collection is not charged."""
     import gc
 
-    from sglang_kv_migration.server.metrics import LoopTimer, NullMetrics
+    from sglang_kv_migration.server.diag.metrics import LoopTimer, NullMetrics
 
     class FakeReq:
         pass

@@ -12,7 +12,7 @@ from cpu_harness import Harness
 from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths.host.path import HostPath
-from sglang_kv_migration.server.pending import PendingMigrations
+from sglang_kv_migration.server.target.pending import PendingMigrations
 from timing import FakeClock
 
 TIMEOUT_S = 5.0
@@ -594,7 +594,7 @@ def test_pending_imports_no_host_path_module() -> None:
     import ast
     import pathlib
 
-    from sglang_kv_migration.server import pending as module
+    from sglang_kv_migration.server.target import pending as module
 
     tree = ast.parse(pathlib.Path(module.__file__).read_text())
     imported = [

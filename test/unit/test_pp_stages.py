@@ -24,8 +24,8 @@ from sglang_kv_migration.io_types import (
     RankTransferResult,
     TransferRequestKVCacheReqOutput,
 )
-from sglang_kv_migration.server.communicators import KVMigrationCommunicators, RidCommunicator
-from sglang_kv_migration.server.pp_stages import merge_stage_replies, needs_rollback
+from sglang_kv_migration.server.http.communicators import KVMigrationCommunicators, RidCommunicator
+from sglang_kv_migration.server.rank.pp_stages import merge_stage_replies, needs_rollback
 
 
 def session_rank(tp: int, pp: int) -> RankSessionInfo:

@@ -1,4 +1,4 @@
-"""The opt-in scheduler-rank profile (`server/profiling.py`): off without its variable;
+"""The opt-in scheduler-rank profile (`server/diag/profiling.py`): off without its variable;
 with it, the wrapped calls and the garbage collections land in its two files."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import gc
 import json
 import pstats
 
-from sglang_kv_migration.server import profiling
+from sglang_kv_migration.server.diag import profiling
 
 
 def test_no_profile_without_the_variable(monkeypatch):
@@ -80,7 +80,7 @@ def test_the_report_names_this_process_threads(monkeypatch, tmp_path):
 
 
 def test_an_idle_rank_calibrates_once_for_each_new_label(monkeypatch, tmp_path):
-    from sglang_kv_migration.server import thread_costs
+    from sglang_kv_migration.server.diag import thread_costs
 
     monkeypatch.setenv(profiling.ENV, str(tmp_path))
     monkeypatch.setenv(profiling.GC_ONLY_ENV, "1")

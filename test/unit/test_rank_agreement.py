@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_kv_migration.server.rank_context import RankContext
+from sglang_kv_migration.server.rank.context import RankContext
 
 
 @dataclass

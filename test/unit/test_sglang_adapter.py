@@ -16,7 +16,8 @@ from cpu_harness import Harness
 from sglang_kv_migration import sglang_adapter as adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths.host.path import HostPath
-from sglang_kv_migration.server.pending import PendingMigrations
+from sglang_kv_migration.server.target.pending import PendingMigrations
+from sglang_kv_migration.sglang_adapter import radix_tree
 
 CONFIGS = [("mha", 1), ("mha", 16), ("mla", 1), ("mla", 16)]
 CONFIG_IDS = [f"{a}-page{p}" for a, p in CONFIGS]
@@ -148,7 +149,7 @@ def test_the_adapters_walk_finds_and_splits_what_sglangs_match_prefix_does(
         h.write_back_all()
         assert _evict_device(h, 150) > 0  # some branches are host-only now
     assert _shape(ours) == _shape(theirs)
-    assert adapter._fast_walk_applies(ours.cache, adapter.make_key(ours.cache, trunk, None))
+    assert radix_tree._fast_walk_applies(ours.cache, adapter.make_key(ours.cache, trunk, None))
     lookups = [seq[: rng.randrange(1, len(seq) + 1)] for seq in sequences]
     lookups += [seq + [rng.randrange(1, 99)] for seq in sequences[:4]]
     # Diverging inside a node, past its first page, and at once.
@@ -156,9 +157,9 @@ def test_the_adapters_walk_finds_and_splits_what_sglangs_match_prefix_does(
     lookups += [[123_456_789] * 20]
     for i, ids in enumerate(lookups):
         extra = "ns" if i % 5 == 4 else None
-        mine = adapter._match_prefix(ours.cache, adapter.make_key(ours.cache, ids, extra))
+        mine = radix_tree._match_prefix(ours.cache, adapter.make_key(ours.cache, ids, extra))
         result = theirs.match(ids, extra)
-        assert adapter._joined(ours.cache, mine.device_values).tolist() == (
+        assert radix_tree._joined(ours.cache, mine.device_values).tolist() == (
             result.device_indices.tolist()
         )
         assert mine.host_hit_length == result.host_hit_length
@@ -174,17 +175,17 @@ def test_eagle_keys_and_other_caches_use_sglangs_own_match(harness_factory, monk
     h = harness_factory(attention="mha", page_size=16)
     tokens, _ = _two_tier_tree(h)
     key = adapter.make_key(h.cache, tokens, None)
-    assert adapter._fast_walk_applies(h.cache, key)
+    assert radix_tree._fast_walk_applies(h.cache, key)
     key.is_bigram = True  # EAGLE's bigram keys: SGLang's walk
-    assert not adapter._fast_walk_applies(h.cache, key)
+    assert not radix_tree._fast_walk_applies(h.cache, key)
 
     class OtherMatch(type(h.cache)):  # a subclass that matches its own way
         def _match_prefix_helper(self, node, key):
             return super()._match_prefix_helper(node, key)
 
     monkeypatch.setattr(h.cache, "__class__", OtherMatch)
-    assert not adapter._fast_walk_applies(h.cache, adapter.make_key(h.cache, tokens, None))
-    monkeypatch.setattr(adapter, "_walk", None)  # never reached
+    assert not radix_tree._fast_walk_applies(h.cache, adapter.make_key(h.cache, tokens, None))
+    monkeypatch.setattr(radix_tree, "_walk", None)  # never reached
     held = adapter.match_held_prefix(h.cache, tokens, None)
     assert (held.length, held.device_length) == (96, 32)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-from sglang_kv_migration.server.mailbox import Deliverer
+from sglang_kv_migration.server.same_host.mailbox import Deliverer
 from side_helpers import allocate_on, transfer_to_self
 
 PAGE = 16
@@ -159,7 +159,7 @@ def _serve_channel_once(side, recorded: list) -> None:
 
 @pytest.fixture
 def caller():
-    from sglang_kv_migration.server.allocate_channel import ChannelCaller
+    from sglang_kv_migration.server.same_host.allocate_channel import ChannelCaller
 
     c = ChannelCaller()
     yield c
@@ -195,7 +195,7 @@ def test_a_channel_allocate_that_may_build_on_a_delivered_commit_goes_after_it(l
 def test_builds_on_compares_the_ids_where_a_match_could_reach_the_committed_pages(side):
     from sglang_kv_migration import binary_ids
     from sglang_kv_migration.io_types import AllocateTokenForTransferReqInput
-    from sglang_kv_migration.server.source_commits import builds_on
+    from sglang_kv_migration.server.target.mailbox_commits import builds_on
 
     held = list(range(100, 100 + 2 * PAGE))
     side.harness.insert_random(held, seed=1)

@@ -1,10 +1,10 @@
-"""`server/trace.py`: a trip's steps from the stamps of both sides."""
+"""`server/diag/trace.py`: a trip's steps from the stamps of both sides."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sglang_kv_migration.server import trace
+from sglang_kv_migration.server.diag import trace
 
 
 def _reply(received: float, replied: float, arrived: float, stage: int, **extra: float) -> object:

@@ -85,7 +85,7 @@ class MigrationResult:
     # landing arena smaller than the prefix (--enable-memory-saver).
     rounds: int = 1
     # Per phase ("extra_token_size", "allocate", "transfer", "commit"): where its round
-    # trip spent its time, ms: the server's `steps_ms` (`server/trace.py`; empty from
+    # trip spent its time, ms: the server's `steps_ms` (`server/diag/trace.py`; empty from
     # servers without it) and `outside`, this client's trip less the server's route.
     steps_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     # The source handed its receipts to the target's mailbox and the target committed by

@@ -10,7 +10,7 @@ Two implementations, chosen by name (`--kv-migration-paths`, preference order):
 A path plays both roles on every rank. As a **target** it reserves slots for a pending
 migration, releases them, and inserts them into the radix tree on commit; the pending
 registry (`pending.py`) drives those calls and owns the state machine. As a **source**
-it starts a `SendJob` per migration, which the scheduler loop polls (`source_transfers.py`)
+it starts a `SendJob` per migration, which the scheduler loop polls (`source/transfers.py`)
 in the style of SGLang's disaggregation `KVPoll`.
 
 Call contracts (all methods run on the scheduler thread, in the same order on every TP
@@ -87,7 +87,7 @@ class SendStats:
     # Where the time went, seconds (host path: "host_copies" plus the transport's steps).
     steps: dict[str, float] = field(default_factory=dict)
     # Per route (ROUTE_NAMES), (bytes, seconds moving them) on this rank; the rest of the
-    # send's time is its fixed cost (`source_transfers.py` reports both on /metrics).
+    # send's time is its fixed cost (`source/transfers.py` reports both on /metrics).
     routes: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 

@@ -11,7 +11,7 @@ decision is `migrate` when ``migrate_s * margin < recompute_s``, else `recompute
 Where the numbers come from (`CostModel.from_metrics`), all from the servers' own
 Prometheus text (`--enable-metrics`):
 
-- migration, source side (`sglang_kv_migration.server.metrics`): bandwidth = bytes sent by all
+- migration, source side (`sglang_kv_migration.server.diag.metrics`): bandwidth = bytes sent by all
   ranks ÷ the mean per-rank transfer time (`sglang:kv_migration_bytes_total{role="source"}`,
   `sglang:kv_migration_phase_seconds{phase="transfer"}`); bytes per token = bytes ÷ tokens
   (`sglang:kv_migration_tokens_total{role="source"}`, counted once per rank);

@@ -4,7 +4,7 @@
 ranks, Engine) and then applies the hooks. Each hook returns at once when
 `--enable-kv-migration` is off, so a server without the flag runs upstream code only.
 
-Hooks (targets are named in `upstream.py`):
+Hooks (targets are named in `sglang_adapter/hook_targets.py`):
 - REPLACE `ServerArgs` with `KVMigrationServerArgs`: our CLI flags and their checks;
 - AFTER `Scheduler.init_ipc_channels`: later PP stages get a socket to the tokenizer;
 - AFTER `Scheduler.init_request_dispatcher`: add the six handlers on every rank;
@@ -30,7 +30,7 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_kv_migration import sglang_adapter
-from sglang_kv_migration.server import upstream
+from sglang_kv_migration.sglang_adapter import hook_targets as upstream
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def missing_hooks() -> list[str]:
 
 def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """Hook: refuse to serve with a hook missing, then add the routes to SGLang's app."""
-    from sglang_kv_migration.server import http_api
+    from sglang_kv_migration.server.http import routes as http_api
     from sglang_kv_migration.server.server_args import kv_migration_enabled
 
     if kv_migration_enabled(server_args):
@@ -82,7 +82,8 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
     """(target, hook, type) for every hook, in registration order: the one list both
     `register` and `missing_hooks` read. Imported here, not at module level: SGLang loads
     this module in every process before it parses arguments."""
-    from sglang_kv_migration.server import communicators, scheduler_hooks
+    from sglang_kv_migration.server.http import communicators
+    from sglang_kv_migration.server.rank import hooks as scheduler_hooks
     from sglang_kv_migration.server.server_args import KVMigrationServerArgs
 
     return [

@@ -164,7 +164,7 @@ class TargetStaging:
 
 def receipt_plan(signer: grants.Signer, receipts: list[str], tp: int, pp: int) -> str:
     """The plan this rank's receipt reports ("" when none, or for a bad receipt, which
-    `server.commits.Commits.receipt_refusal` has already refused)."""
+    `server.target.commits.Commits.receipt_refusal` has already refused)."""
     for raw in receipts:
         try:
             receipt = signer.decode_receipt(raw)

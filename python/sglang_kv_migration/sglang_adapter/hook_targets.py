@@ -2,7 +2,7 @@
 
 `HOOK_TARGETS` are patched through SGLang's `HookRegistry` (see `plugin.py`);
 `REQUIRED_SYMBOLS` are upstream attributes we call that are not hooked, including the one
-private helper we cannot avoid. The calls themselves live in `sglang_adapter.py`.
+private helper we cannot avoid. The calls themselves live in `sglang_adapter/`.
 `test/integration/test_plugin.py` resolves each of them against the installed SGLang, so a version
 bump that renames one fails loudly.
 """
@@ -86,7 +86,7 @@ REQUIRED_SYMBOLS: tuple[str, ...] = (
     "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool",
     # Private: the only way to add host-only nodes, used by SGLang for storage prefetch.
     "sglang.srt.mem_cache.hiradix_cache.HiRadixCache._insert_helper_host",
-    # Private: the walk `sglang_adapter._walk` mirrors (compared against it on twin trees
+    # Private: the walk `radix_tree._walk` mirrors (compared against it on twin trees
     # by test_sglang_adapter.py), and the node split it calls.
     "sglang.srt.mem_cache.hiradix_cache.HiRadixCache._match_prefix_helper",
     "sglang.srt.mem_cache.hiradix_cache.HiRadixCache._split_node",

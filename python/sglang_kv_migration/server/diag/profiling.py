@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sglang_kv_migration.server import thread_costs
+from sglang_kv_migration.server.diag import thread_costs
 
 ENV = "SGLANG_KV_MIGRATION_PROFILE_DIR"
 GC_ONLY_ENV = "SGLANG_KV_MIGRATION_PROFILE_GC_ONLY"

@@ -47,7 +47,7 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheReqInput,
     TransferRequestKVCacheTarget,
 )
-from sglang_kv_migration.server import fast_routes
+from sglang_kv_migration.server.http import fast_path as fast_routes
 from sglang_kv_migration.targets import HostTarget
 
 DISABLED_MESSAGE = (
@@ -182,7 +182,7 @@ class TargetRankBody(_Body):
     # Device path: the target rank's `paths["device"]` from its session info.
     device_kv: dict[str, Any] | None = None
     # Feature "destination_digest": `device_kv` named by its digest (a source that was
-    # sent it in full before; `server/known_destinations.py`).
+    # sent it in full before; `server/source/known_destinations.py`).
     device_kv_digest: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
     # The allocated slots: token slots, or whole pages (protocol 2), or runs of whole
     # pages (feature "page_ranges").

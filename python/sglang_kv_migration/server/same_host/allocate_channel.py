@@ -43,7 +43,12 @@ import zmq
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.grants import SOURCE_ALLOCATE_FEATURE
-from sglang_kv_migration.server.mailbox import SHM_DIR, pid_namespace, process_alive, sweep_stale
+from sglang_kv_migration.server.same_host.mailbox import (
+    SHM_DIR,
+    pid_namespace,
+    process_alive,
+    sweep_stale,
+)
 
 logger = logging.getLogger(__name__)
 

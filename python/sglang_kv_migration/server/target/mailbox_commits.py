@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration import binary_ids, sglang_adapter
 from sglang_kv_migration.io_types import CommitTransferRequestKVCacheReqInput
-from sglang_kv_migration.server.mailbox import Mailbox, MailboxSlots, open_mailbox
+from sglang_kv_migration.server.same_host.mailbox import Mailbox, MailboxSlots, open_mailbox
 
 if TYPE_CHECKING:
-    from sglang_kv_migration.server.commits import Commits
-    from sglang_kv_migration.server.metrics import MigrationMetrics, NullMetrics
-    from sglang_kv_migration.server.pending import PendingMigration, PendingMigrations
-    from sglang_kv_migration.server.rank_context import RankContext
+    from sglang_kv_migration.server.diag.metrics import MigrationMetrics, NullMetrics
+    from sglang_kv_migration.server.rank.context import RankContext
+    from sglang_kv_migration.server.target.commits import Commits
+    from sglang_kv_migration.server.target.pending import PendingMigration, PendingMigrations
 
 logger = logging.getLogger(__name__)
 

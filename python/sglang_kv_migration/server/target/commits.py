@@ -35,13 +35,13 @@ from sglang_kv_migration.paths.host.target_staging import (
     receipt_plan,
     staged_refusal,
 )
-from sglang_kv_migration.server.deferred_log import DeferredLog
-from sglang_kv_migration.server.pp_stages import refusal_of, refused_output
-from sglang_kv_migration.server.rank_context import RankContext, guarded
+from sglang_kv_migration.server.diag.deferred_log import DeferredLog
+from sglang_kv_migration.server.rank.context import RankContext, guarded
+from sglang_kv_migration.server.rank.pp_stages import refusal_of, refused_output
 
 if TYPE_CHECKING:
-    from sglang_kv_migration.server.metrics import MigrationMetrics, NullMetrics
-    from sglang_kv_migration.server.pending import PendingMigration, PendingMigrations
+    from sglang_kv_migration.server.diag.metrics import MigrationMetrics, NullMetrics
+    from sglang_kv_migration.server.target.pending import PendingMigration, PendingMigrations
 
 logger = logging.getLogger(__name__)
 

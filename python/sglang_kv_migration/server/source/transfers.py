@@ -44,13 +44,16 @@ from sglang_kv_migration.paths.base import (
     SendJob,
     SendRange,
 )
-from sglang_kv_migration.server.allocate_channel import ALLOCATE_TIMEOUT_S, ChannelCaller
-from sglang_kv_migration.server.deferred_log import DeferredLog
-from sglang_kv_migration.server.known_destinations import KnownDestinations, UnknownDestination
-from sglang_kv_migration.server.mailbox import Deliverer
-from sglang_kv_migration.server.metrics import MigrationMetrics
-from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, error_of
-from sglang_kv_migration.server.trace import ms, stamp
+from sglang_kv_migration.server.diag.deferred_log import DeferredLog
+from sglang_kv_migration.server.diag.metrics import MigrationMetrics
+from sglang_kv_migration.server.diag.trace import ms, stamp
+from sglang_kv_migration.server.rank.context import RankContext, check_peer_fingerprint, error_of
+from sglang_kv_migration.server.same_host.allocate_channel import ALLOCATE_TIMEOUT_S, ChannelCaller
+from sglang_kv_migration.server.same_host.mailbox import Deliverer
+from sglang_kv_migration.server.source.known_destinations import (
+    KnownDestinations,
+    UnknownDestination,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -42,9 +42,9 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
     from sglang_kv_migration.grants import derive_key
     from sglang_kv_migration.paths.base import parse_path_names
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
-    from sglang_kv_migration.server.profiling import rank_profile
-    from sglang_kv_migration.server.rank_context import RankContext
-    from sglang_kv_migration.server.scheduler_side import (
+    from sglang_kv_migration.server.diag.profiling import rank_profile
+    from sglang_kv_migration.server.rank.context import RankContext
+    from sglang_kv_migration.server.rank.scheduler_side import (
         MigrationSchedulerSide,
         advertised_hostname,
     )
@@ -78,7 +78,7 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
     )
     metrics = None
     if args.enable_metrics:
-        from sglang_kv_migration.server.metrics import MigrationMetrics
+        from sglang_kv_migration.server.diag.metrics import MigrationMetrics
 
         metrics = MigrationMetrics(args.served_model_name, ctx.tp_rank, ctx.pp_rank)
     side = MigrationSchedulerSide(
@@ -106,7 +106,7 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
 
 def before_process_input_requests(scheduler: Any, recv_reqs: Any, *_: Any, **__: Any) -> None:
     """Once per loop iteration, before its requests are dispatched: commits the sources
-    delivered to the mailbox, so the iteration's requests see them (`source_commits.py`)."""
+    delivered to the mailbox, so the iteration's requests see them (`target/mailbox_commits.py`)."""
     side = scheduler.kv_migration
     if side is not None:
         side.before_requests(recv_reqs)

@@ -3,10 +3,10 @@
 SGLang broadcasts every control request to all TP ranks of a stage, and only the first
 rank's reply reaches the tokenizer manager. So each handler does its rank's part, then the
 stage's ranks exchange their parts with a collective on the TP CPU (gloo) group
-(`rank_context.py`), and every rank builds the same reply (the non-first ranks' sends
+(`rank/context.py`), and every rank builds the same reply (the non-first ranks' sends
 are no-ops). With PP every stage answers for its own ranks and stages agree forward
 through the request stream (`pp_stages.py`). The source's transfers live in
-`source_transfers.py`, the target's commit in `commits.py`; each cross-rank step is a
+`source/transfers.py`, the target's commit in `commits.py`; each cross-rank step is a
 named agreement on `RankContext` ("all ranks agree that ...").
 
 IMPORTANT: collectives must be entered by every rank the same number of times in the
@@ -28,7 +28,6 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from sglang_kv_migration import PROTOCOL_VERSION, binary_ids, grants, sglang_adapter
@@ -53,26 +52,27 @@ from sglang_kv_migration.io_types import (
 )
 from sglang_kv_migration.page_ranges import to_page_ranges
 from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
+from sglang_kv_migration.paths.factory import PATH_FACTORIES
 from sglang_kv_migration.paths.host.layout import HostPoolLayout
-from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig, open_transport
+from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig
 from sglang_kv_migration.paths.host.target_staging import TargetStaging
-from sglang_kv_migration.server.allocate_channel import FEATURE as SOURCE_ALLOCATE
-from sglang_kv_migration.server.allocate_channel import ChannelCaller, open_channel
-from sglang_kv_migration.server.channel_allocations import ChannelAllocations
-from sglang_kv_migration.server.commits import Commits, in_progress_output
-from sglang_kv_migration.server.deferred_log import DeferredLog
-from sglang_kv_migration.server.known_destinations import FEATURE as DESTINATION_DIGEST
-from sglang_kv_migration.server.known_destinations import KnownDestinations
-from sglang_kv_migration.server.mailbox import FEATURE as SOURCE_COMMIT
-from sglang_kv_migration.server.mailbox import Deliverer
-from sglang_kv_migration.server.metrics import LoopTimer, MigrationMetrics, NullMetrics
-from sglang_kv_migration.server.pending import PendingMigrations
-from sglang_kv_migration.server.pp_stages import refusal_of, refused_output
-from sglang_kv_migration.server.profiling import RankProfile
-from sglang_kv_migration.server.rank_context import RankContext, check_peer_fingerprint, guarded
-from sglang_kv_migration.server.source_commits import SourceCommits, builds_on
-from sglang_kv_migration.server.source_transfers import SourceTransfers
-from sglang_kv_migration.server.trace import mark_received, ms, stamp
+from sglang_kv_migration.server.diag.deferred_log import DeferredLog
+from sglang_kv_migration.server.diag.metrics import LoopTimer, MigrationMetrics, NullMetrics
+from sglang_kv_migration.server.diag.profiling import RankProfile
+from sglang_kv_migration.server.diag.trace import mark_received, ms, stamp
+from sglang_kv_migration.server.rank.context import RankContext, check_peer_fingerprint, guarded
+from sglang_kv_migration.server.rank.pp_stages import refusal_of, refused_output
+from sglang_kv_migration.server.same_host.allocate_channel import FEATURE as SOURCE_ALLOCATE
+from sglang_kv_migration.server.same_host.allocate_channel import ChannelCaller, open_channel
+from sglang_kv_migration.server.same_host.mailbox import FEATURE as SOURCE_COMMIT
+from sglang_kv_migration.server.same_host.mailbox import Deliverer
+from sglang_kv_migration.server.source.known_destinations import FEATURE as DESTINATION_DIGEST
+from sglang_kv_migration.server.source.known_destinations import KnownDestinations
+from sglang_kv_migration.server.source.transfers import SourceTransfers
+from sglang_kv_migration.server.target.channel_allocations import ChannelAllocations
+from sglang_kv_migration.server.target.commits import Commits, in_progress_output
+from sglang_kv_migration.server.target.mailbox_commits import SourceCommits, builds_on
+from sglang_kv_migration.server.target.pending import PendingMigrations
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class MigrationSchedulerSide:
     def before_requests(self, recv_reqs: list[Any]) -> None:
         """Once per loop iteration, before its requests are dispatched: allocate what
         sources asked for on the allocate channel (`channel_allocations.py`) and commit
-        what sources delivered to the mailbox (`source_commits.py`). Never raises."""
+        what sources delivered to the mailbox (`target/mailbox_commits.py`). Never raises."""
         channel = self.channel_allocations
         if not self.pending.by_id and channel is None:
             return  # idle, and no channel to read (multi-rank servers): two reads
@@ -806,14 +806,14 @@ class MigrationSchedulerSide:
 
     def _reply_later(self, req: Any, output: Any) -> None:
         if getattr(req, "from_mailbox", False):
-            return  # a commit of the mailbox's (`source_commits.py`): nobody waits for it
+            return  # a commit of the mailbox's (`target/mailbox_commits.py`): nobody waits for it
         output.rid = req.rid
         stamp(output, req, self.ctx.pp_rank)
         self.ctx.send_output(output, req)
 
     def _open_target_side(self, staging_bytes: int) -> None:
         """The target role's staging arena, commits and mailbox (feature "source_commit":
-        sources hand their receipts to it, `source_commits.py`)."""
+        sources hand their receipts to it, `target/mailbox_commits.py`)."""
         self.staging = self._open_staging(staging_bytes)
         self.commits = Commits(
             self.ctx,
@@ -991,56 +991,6 @@ def _received_first(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return handler(req)
 
     return received
-
-
-@dataclass(frozen=True)
-class PathFactory:
-    """How the scheduler side opens one data path on its rank."""
-
-    # Why the path cannot run on this rank (side, enable_memory_saver), None when it can.
-    unavailable: Callable[[MigrationSchedulerSide, bool], str | None]
-    # Open it (side, transport config, transport given by a test or None).
-    open: Callable[[MigrationSchedulerSide, TransportConfig, KVTransport | None], DataPath]
-
-
-def _always_available(_side: MigrationSchedulerSide, _enable_memory_saver: bool) -> str | None:
-    return None
-
-
-def _open_host_path(
-    side: MigrationSchedulerSide, config: TransportConfig, transport: KVTransport | None
-) -> DataPath:
-    from sglang_kv_migration.paths.host.path import HostPath
-
-    return HostPath(
-        side.ctx.tree_cache,
-        side.layout,
-        transport or open_transport(config),
-        transfer_timeout_s=config.transfer_timeout_s,
-    )
-
-
-def _device_path_unavailable(side: MigrationSchedulerSide, enable_memory_saver: bool) -> str | None:
-    from sglang_kv_migration.paths.device.path import device_path_unavailable_reason
-
-    return device_path_unavailable_reason(
-        side.ctx.tree_cache, enable_memory_saver, side.landing_bytes
-    )
-
-
-def _open_device_path(
-    side: MigrationSchedulerSide, _config: TransportConfig, _transport: KVTransport | None
-) -> DataPath:
-    from sglang_kv_migration.paths.device.path import DevicePath
-
-    return DevicePath(side.ctx.tree_cache, landing_bytes=side.landing_bytes)
-
-
-# The data paths by name (`--kv-migration-paths`); a new path adds one row.
-PATH_FACTORIES: dict[str, PathFactory] = {
-    HOST: PathFactory(_always_available, _open_host_path),
-    DEVICE: PathFactory(_device_path_unavailable, _open_device_path),
-}
 
 
 def advertised_hostname(configured: str | None, server_host: str) -> str:

@@ -33,8 +33,8 @@ from sglang_kv_migration.io_types import (
     AllocateTokenForTransferReqInput,
     AllocateTokenForTransferReqOutput,
 )
-from sglang_kv_migration.server.allocate_channel import MAX_PER_ITERATION, ChannelServer
-from sglang_kv_migration.server.trace import ms
+from sglang_kv_migration.server.diag.trace import ms
+from sglang_kv_migration.server.same_host.allocate_channel import MAX_PER_ITERATION, ChannelServer
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class ChannelAllocations:
         # Imported at start-up, not in the first allocate: it brings FastAPI into the
         # scheduler's process, which held the first channel allocate of every target
         # 27-40 ms on the H200.
-        from sglang_kv_migration.server import http_api  # noqa: F401
+        from sglang_kv_migration.server.http import routes as http_api  # noqa: F401
 
         self.channel = channel
         self.weight_update_types = weight_update_types
@@ -152,7 +152,7 @@ class ChannelAllocations:
     def _request(
         self, body: dict[str, Any] | MigrationError, ids: bytes
     ) -> AllocateTokenForTransferReqInput:
-        from sglang_kv_migration.server import http_api
+        from sglang_kv_migration.server.http import routes as http_api
 
         if isinstance(body, MigrationError):
             raise body
@@ -172,6 +172,6 @@ class ChannelAllocations:
 
 
 def _content(output: AllocateTokenForTransferReqOutput) -> dict[str, Any]:
-    from sglang_kv_migration.server import http_api
+    from sglang_kv_migration.server.http import routes as http_api
 
     return http_api.reply_content(output)

@@ -1,0 +1,175 @@
+"""SGLang's processes as the plugin meets them: the scheduler's attributes, request
+dispatcher and idle and input checks, later PP stages' replies, the tokenizer manager's
+reply dispatcher, the HTTP server's app, the hook registry, and the requests that load
+new weights or free the KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SchedulerView:
+    """What the migration side reads from SGLang's `Scheduler`, read in one place."""
+
+    tree_cache: Any
+    server_args: Any
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    tp_cpu_group: Any
+    send_output: Any  # (output, request) -> None, a SenderWrapper.send_output
+    world_cpu_group: Any = None  # every (tp, pp) rank; None without PP (= tp_cpu_group)
+
+    @classmethod
+    def of(cls, scheduler: Any) -> SchedulerView:
+        pipelined = scheduler.pp_size > 1
+        return cls(
+            tree_cache=scheduler.tree_cache,
+            server_args=scheduler.server_args,
+            tp_rank=scheduler.tp_rank,
+            tp_size=scheduler.tp_size,
+            pp_rank=scheduler.pp_rank,
+            pp_size=scheduler.pp_size,
+            tp_cpu_group=scheduler.tp_cpu_group,
+            # SGLang connects only stage 0 to the tokenizer manager; later stages reply
+            # through the sender `stage_reply_sender` made for them.
+            send_output=(
+                scheduler.kv_migration_stage_reply.send_output
+                if scheduler.pp_rank > 0
+                else scheduler.send_to_tokenizer.send_output
+            ),
+            world_cpu_group=scheduler.world_group.cpu_group if pipelined else None,
+        )
+
+
+def stage_reply_sender(scheduler: Any, tokenizer_ipc_name: str) -> Any:
+    """A `SenderWrapper` from a later PP stage to the tokenizer manager.
+
+    SGLang opens the scheduler -> tokenizer socket on the first TP rank of stage 0 only
+    (`Scheduler.init_ipc_channels`); the tokenizer manager binds a PULL socket on
+    `port_args.tokenizer_ipc_name` that any number of PUSH sockets may connect to. The
+    first TP rank of each later stage gets its own; the other ranks a no-op sender, as
+    SGLang gives them.
+    """
+    from sglang.srt.managers.scheduler import SenderWrapper
+
+    if scheduler.pp_rank == 0 or scheduler.tp_rank != 0:
+        return SenderWrapper(None)
+    import zmq
+    from sglang.srt.utils.network import get_zmq_socket
+
+    socket = get_zmq_socket(zmq.Context(1), zmq.PUSH, tokenizer_ipc_name, False)
+    return SenderWrapper(socket)
+
+
+def forward_to_later_stages(recv_reqs: list[Any], messages: list[Any]) -> None:
+    """Append `messages` to the iteration's requests on a PP stage.
+
+    `event_loop_pp` hands the list it gave `process_input_requests` to the next stage
+    after that call returns (`_pp_send_pyobj_to_next_stage(recv_reqs)`), so what the
+    AFTER hook appends reaches every later stage, after this iteration's requests, in
+    order. Without PP the list is dropped after the iteration: appending is harmless.
+    """
+    recv_reqs.extend(messages)
+
+
+def add_request_handlers(scheduler: Any, handlers: list[tuple[type, Any]]) -> None:
+    """Append handlers to the scheduler's `TypeBasedDispatcher`."""
+    from sglang.utils import TypeBasedDispatcher
+
+    scheduler._request_dispatcher += TypeBasedDispatcher(handlers)
+
+
+def add_result_handlers(tokenizer_manager: Any, handlers: list[tuple[type, Any]]) -> None:
+    """Append handlers to the tokenizer manager's reply `TypeBasedDispatcher`."""
+    from sglang.utils import TypeBasedDispatcher
+
+    tokenizer_manager._result_dispatcher += TypeBasedDispatcher(handlers)
+
+
+def http_server_app() -> Any:
+    """SGLang's FastAPI app (`http_server.app`), which our routes join."""
+    from sglang.srt.entrypoints import http_server
+
+    return http_server.app
+
+
+def http_tokenizer_manager() -> Any:
+    """The HTTP server's `TokenizerManager` (set when the server launches)."""
+    from sglang.srt.entrypoints.http_server import get_global_state
+
+    return get_global_state().tokenizer_manager
+
+
+def registered_hooks(target: str) -> list[object]:
+    """The hook callables SGLang's `HookRegistry` holds for `target` (registered, maybe not
+    applied yet). The registry has no public reader; this is its one private read."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return [hook for _type, hook, _source in HookRegistry._hooks.get(target, [])]
+
+
+def frees_kv_cache(memory_req: Any) -> bool:
+    """True if a Release/ResumeMemoryOccupationReqInput covers the KV cache (its tags
+    name it, or name nothing: SGLang then takes every kind of GPU memory)."""
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+
+    tags = getattr(memory_req, "tags", None)
+    return not tags or GPU_MEMORY_TYPE_KV_CACHE in tags
+
+
+def scheduler_idle_check(scheduler: Any) -> Callable[[], bool]:
+    """A test that SGLang has nothing to run or finish on this rank: no batch running or
+    waiting, no HiCache copy in flight (`Scheduler.is_fully_idle`, read-only)."""
+    return scheduler.is_fully_idle
+
+
+def input_waiting_check(scheduler: Any) -> Callable[[], bool]:
+    """A non-blocking test that a request for SGLang waits on this rank's input sockets
+    (the tokenizer manager's and the RPC socket; only the first rank of the first stage
+    has them: elsewhere it is always False)."""
+    import zmq
+
+    sockets = [
+        s
+        for s in (
+            getattr(scheduler, "recv_from_tokenizer", None),
+            getattr(scheduler, "recv_from_rpc", None),
+        )
+        if s is not None
+    ]
+
+    def waiting() -> bool:
+        return any(s.getsockopt(zmq.EVENTS) & zmq.POLLIN for s in sockets)
+
+    return waiting
+
+
+def wake_from_idle_sleep_on(scheduler: Any, socket: Any) -> None:
+    """With `--sleep-on-idle` SGLang's loop parks in a poll on its own sockets (up to
+    1 s, `IdleSleeper.maybe_sleep`): a request on `socket` (ours) wakes it too."""
+    sleeper = getattr(scheduler, "idle_sleeper", None)
+    if sleeper is not None:
+        import zmq
+
+        sleeper.poller.register(socket, zmq.POLLIN)
+
+
+def weight_update_types() -> tuple[type, ...]:
+    """The scheduler requests that load new weights (SGLang 0.5.12's io_struct): a
+    pending migration the source commits through the mailbox is dropped when one
+    arrives, since no commit request carries the tokenizer's weight version then."""
+    from sglang.srt.managers import io_struct
+
+    names = (
+        "UpdateWeightFromDiskReqInput",
+        "UpdateWeightsFromDistributedReqInput",
+        "UpdateWeightsFromTensorReqInput",
+        "UpdateWeightsFromIPCReqInput",
+    )
+    return tuple(getattr(io_struct, name) for name in names)
