@@ -5,8 +5,9 @@ stopped by the MAC): a source holding a prefix and a target. Hypothesis sends ra
 bodies, valid bodies with one field replaced, dropped, added or nested deeper than a
 parser recurses (top level or inside the transfer's target entry), and random grant /
 receipt tokens. Every reply must be a 2xx with success or a 4xx/5xx naming its
-`error_kind` (never "internal": that is a handler bug), both servers must keep answering, and no byte of either server's pools may change:
-no fuzzed grant can be one the target issued, so nothing may be written anywhere.
+`error_kind` (never "internal": that is a handler bug), both servers must keep
+answering, and no byte of either server's pools may change: no fuzzed grant can be one
+the target issued, so nothing may be written anywhere.
 
 Bounded for CI: a fixed number of derandomized examples, no example database.
 """
