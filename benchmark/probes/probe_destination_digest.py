@@ -8,7 +8,7 @@ handled on its way:
 - client: `orjson.dumps` of the body (as `client/http11.py` sends it);
 - HTTP layer: `orjson.loads` and `TransferBody` validation (the route's parse);
 - hop: pickle and unpickle of the scheduler request (tokenizer manager -> scheduler);
-- scheduler: `KnownDestinations.resolve` and the grant's destination digest.
+- scheduler: `KnownDestinations.resolve`, the grant's destination digest and `remember`.
 
     .venv/bin/python benchmark/probes/probe_destination_digest.py [--repeats 500]
 """
@@ -107,7 +107,8 @@ def one(form: dict[str, Any], known: KnownDestinations, times: dict[str, list[fl
     t4 = clock()
     resolved = req.target_per_rank[0]
     known.resolve(resolved)
-    known.digest_of(resolved.device_kv)
+    digest = known.digest_of(resolved.device_kv)
+    known.remember(resolved, digest)  # (what the source does once the grant verified)
     t5 = clock()
     for name, seconds in (
         ("client", t1 - t0),
@@ -127,7 +128,7 @@ def main() -> None:
     digest = grants.destination_digest(wire)
     forms = {"full": body({"device_kv": wire}), "digest": body({"device_kv_digest": digest})}
     known = KnownDestinations()
-    known.resolve(TransferRequestKVCacheTarget(tp=0, pp=0, path="device", device_kv=wire))
+    known.remember(TransferRequestKVCacheTarget(tp=0, pp=0, path="device", device_kv=wire), digest)
     times: dict[str, dict[str, list[float]]] = {
         name: {k: [] for k in ("client", "http", "hop", "scheduler", "bytes")} for name in forms
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from http import HTTPStatus
+from typing import TypeVar
 
 
 class ErrorKind(StrEnum):
@@ -50,3 +51,19 @@ class MigrationError(Exception):
 
     def __reduce__(self):
         return (MigrationError, (self.kind, self.message))
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def detached(error: _E) -> _E:
+    """`error` without its traceback and the exceptions it was raised from, to be kept.
+
+    A caught exception's traceback holds the frames it passed through, and their locals
+    hold whatever kept the error (a transfer's record, its request): a cycle that
+    only CPython's full garbage collection frees, so every refused request's body would
+    stay in memory until then."""
+    error.__traceback__ = None
+    error.__context__ = None
+    error.__cause__ = None
+    return error

@@ -2,11 +2,12 @@
 
 Two `mini_server`s on 127.0.0.1 with no signing key (so token payloads are decoded, not
 stopped by the MAC): a source holding a prefix and a target. Hypothesis sends random JSON
-bodies, valid bodies with one field replaced, dropped or added (top level or inside the
-transfer's target entry), and random grant / receipt tokens. Every reply must be a 2xx
-with success or a 4xx/5xx naming its `error_kind` (never "internal": that is a handler
-bug), both servers must keep answering, and no byte of either server's pools may change:
-no fuzzed grant can be one the target issued, so nothing may be written anywhere.
+bodies, valid bodies with one field replaced, dropped, added or nested deeper than a
+parser recurses (top level or inside the transfer's target entry), and random grant /
+receipt tokens. Every reply must be a 2xx with success or a 4xx/5xx naming its
+`error_kind` (never "internal": that is a handler bug), both servers must keep
+answering, and no byte of either server's pools may change: no fuzzed grant can be one
+the target issued, so nothing may be written anywhere.
 
 Bounded for CI: a fixed number of derandomized examples, no example database.
 """
@@ -99,6 +100,15 @@ TOKEN_FIELDS += ["expires_at", "tokens_digest", "success", "bytes", "settled", "
 TOKEN_FIELDS += ["destination", "staging_addr", "staging_length", "verify", "plan"]
 
 
+# Stands for a value nested `depth` levels deep, which `json.dumps` could not write.
+DEEP = "__deep__"
+
+
+def _sent(body: Any, depth: int) -> str:
+    """`body` as JSON, each `DEEP` written as lists nested `depth` levels."""
+    return json.dumps(body).replace(f'"{DEEP}"', "[" * depth + "]" * depth)
+
+
 def _encoded(payload: Any) -> str:
     return base64.urlsafe_b64encode(json.dumps(payload).encode()).decode()
 
@@ -124,9 +134,11 @@ def mutated(draw: st.DrawFn, body: dict[str, Any]) -> Any:
         where = body["target_per_rank"][0]
     known = st.sampled_from(sorted(where)) if where else st.nothing()
     key = draw(known | st.text(min_size=1, max_size=8))
-    action = draw(st.sampled_from(["json", "token", "drop"]))
+    action = draw(st.sampled_from(["json", "token", "drop", "deep"]))
     if action == "drop":
         where.pop(key, None)
+    elif action == "deep":
+        where[key] = DEEP  # lists nested past orjson's and the stdlib's limits (`_sent`)
     else:
         where[key] = draw(json_values if action == "json" else tokens)
     entry = (
@@ -166,9 +178,10 @@ def test_random_bodies_and_tokens_never_crash_or_write(pair, http, templates) ->
     @given(st.data())
     def check(data: st.DataObject) -> None:
         route, server, body = data.draw(requests(templates))
+        depth = data.draw(st.sampled_from([254, 1000, 1100, 20_000]))
         r = http.post(
             server.url + route,
-            content=json.dumps(body),
+            content=_sent(body, depth),
             headers={"content-type": "application/json"},
         )
         reply = r.json()

@@ -354,9 +354,10 @@ def test_a_destination_named_by_digest_resolves_only_once_sent_in_full(
     servers: ServerPair, http: httpx.Client
 ) -> None:
     """Feature "destination_digest" on a real source: an unknown digest is refused before
-    anything is asked or pinned (409, `destination_unknown`); after the description was
-    sent in full, the same digest resolves (these CPU servers then refuse the device path
-    itself, which proves the resolution ran)."""
+    anything is asked or pinned (409, `destination_unknown`); a description sent in full
+    in a transfer the source refused (these CPU servers have no device path) is not kept,
+    so the digest still names nothing (a verified grant makes the source keep one:
+    `test/unit/test_refused_transfers_keep_nothing.py`)."""
     target = _info(http, servers.target)
     device_kv = {"host_identity": "h", "gpu_uuid": "GPU-x", "instance_id": secrets.token_hex(8),
                  "row_bytes": [64], "num_rows": [8], "buffers": [{"handle": "x"}]}  # fmt: skip
@@ -384,9 +385,9 @@ def test_a_destination_named_by_digest_resolves_only_once_sent_in_full(
     r = post(_device_entry(target, device_kv=device_kv), one_trip=False)
     assert r.status_code == 409 and "data path 'device' is not available" in r.text, r.text
     assert not r.json()["destination_unknown"]
+    # Sent in full but refused (no grant verified it): not kept, the digest names nothing.
     r = post(_device_entry(target, device_kv_digest=digest), one_trip=False)
-    assert r.status_code == 409 and "data path 'device' is not available" in r.text, r.text
-    assert not r.json()["destination_unknown"]
+    assert r.status_code == 409 and r.json()["destination_unknown"], r.text
     assert servers.source.ask(0, "snapshot") == before[0]
 
 

@@ -514,11 +514,73 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             harness.insert_random(args[0], seed=args[1])
             harness.write_back_all()
             value = True
+        elif name in _MEMORY_COMMANDS:
+            value = _MEMORY_COMMANDS[name](scheduler)
         else:
             raise ValueError(f"unknown command {name}")
         control.send((True, value))
     except Exception as e:
         control.send((False, f"{type(e).__name__}: {e}"))
+
+
+def _rss_bytes(_scheduler: Any = None) -> int:
+    """This process's resident memory now (VmRSS): the HTTP thread and the scheduler."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def _gc_off(_scheduler: Any) -> int:
+    """Stop the cyclic garbage collector (after one full collection): what a request
+    leaves in a reference cycle stays until `gc_garbage_types`. Returns VmRSS."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    return _rss_bytes()
+
+
+def _gc_garbage_types(_scheduler: Any) -> list[str]:
+    """The type names of what only the cyclic collector could free (collected now, the
+    collector on again), most frequent first."""
+    import collections
+    import gc
+
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        counts = collections.Counter(type(o).__name__ for o in gc.garbage)
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
+    return [name for name, _ in counts.most_common()]
+
+
+def _gc_rss(_scheduler: Any) -> int:
+    """VmRSS after a full collection."""
+    import gc
+
+    gc.collect()
+    return _rss_bytes()
+
+
+def _known_destinations(scheduler: Any) -> int:
+    """Device destinations the source remembers (feature "destination_digest")."""
+    known = scheduler.kv_migration.transfers.destinations
+    return len(known) if known is not None else 0
+
+
+# Test-only commands about what requests leave behind in the rank's process.
+_MEMORY_COMMANDS = {
+    "rss": _rss_bytes,
+    "gc_off": _gc_off,
+    "gc_garbage_types": _gc_garbage_types,
+    "gc_rss": _gc_rss,
+    "known_destinations": _known_destinations,
+}
 
 
 def _serve_http(

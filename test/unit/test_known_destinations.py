@@ -39,21 +39,30 @@ def _entry(**fields) -> TransferRequestKVCacheTarget:
     return TransferRequestKVCacheTarget(tp=0, pp=0, path="device", **fields)
 
 
+def _remembered(known: KnownDestinations, wire: dict) -> TransferRequestKVCacheTarget:
+    """`wire` kept as a source keeps it once a verified grant named its digest."""
+    entry = _entry(device_kv=wire)
+    known.remember(entry, grants.destination_digest(wire))
+    return entry
+
+
 def test_a_digest_resolves_only_to_a_description_the_source_was_sent():
     known = KnownDestinations()
     wire = _device_kv()
     digest = grants.destination_digest(wire)
     with pytest.raises(UnknownDestination):
         known.resolve(_entry(device_kv_digest=digest))  # never sent in full
-    known.resolve(_entry(device_kv=wire))
+    full = _entry(device_kv=wire)
+    known.resolve(full)  # sent in full: left as it came, not kept (no grant named it yet)
+    assert full.device_kv is wire and len(known) == 0
+    _remembered(known, wire)
     named = _entry(device_kv_digest=digest)
     known.resolve(named)
     assert named.device_kv is wire
     # Its digest is found without hashing again, and is the grant's digest of it.
     assert known.digest_of(named.device_kv) == digest
-    # The same description sent again is deduplicated to the one remembered.
-    again = _entry(device_kv=copy.deepcopy(wire))
-    known.resolve(again)
+    # The same description granted again is deduplicated to the one remembered.
+    again = _remembered(known, copy.deepcopy(wire))
     assert again.device_kv is wire and len(known) == 1
     # A digest a client made up for another description names nothing.
     with pytest.raises(UnknownDestination):
@@ -68,14 +77,32 @@ def test_the_least_recently_used_description_is_forgotten_first():
     known = KnownDestinations(limit=2)
     first, second, third = _device_kv(1), _device_kv(2), _device_kv(3)
     for wire in (first, second):
-        known.resolve(_entry(device_kv=wire))
+        _remembered(known, wire)
     assert known.digest_of(copy.deepcopy(first)) == grants.destination_digest(first)  # hashed
     known.resolve(_entry(device_kv_digest=grants.destination_digest(second)))  # used: newest
-    known.resolve(_entry(device_kv=third))
+    _remembered(known, third)
     assert len(known) == 2
     with pytest.raises(UnknownDestination):  # the least recently used one
         known.resolve(_entry(device_kv_digest=grants.destination_digest(_device_kv(1))))
     known.resolve(_entry(device_kv_digest=grants.destination_digest(second)))
+
+
+def test_what_is_remembered_is_bounded_in_bytes_too():
+    one = len(orjson.dumps(_device_kv(0)))
+    known = KnownDestinations(limit=64, max_bytes=3 * one)
+    for n in range(10):
+        _remembered(known, _device_kv(n))
+        assert known.bytes <= 3 * one
+    assert len(known) == 3  # the three most recent
+    known.resolve(_entry(device_kv_digest=grants.destination_digest(_device_kv(9))))
+    with pytest.raises(UnknownDestination):
+        known.resolve(_entry(device_kv_digest=grants.destination_digest(_device_kv(6))))
+    # One description over the whole bound by itself is not kept at all.
+    huge = {**_device_kv(99), "buffers": [{"handle": "h" * 100}] * 64}
+    _remembered(known, huge)
+    assert len(known) == 3 and known.bytes <= 3 * one
+    known.clear()
+    assert len(known) == 0 and known.bytes == 0
 
 
 def _plan(sessions: SessionCache, features: list[str]) -> tuple[_Plan, _Call]:

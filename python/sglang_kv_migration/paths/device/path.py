@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from sglang_kv_migration import sglang_adapter
-from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.errors import ErrorKind, MigrationError, detached
 from sglang_kv_migration.paths import verify
 from sglang_kv_migration.paths.base import (
     DEVICE,
@@ -770,7 +770,7 @@ class DeviceSendJob(SendJob):
             if not self.poll_launch():
                 return KVPoll.TRANSFERRING
         except MigrationError as e:
-            self.error = e
+            self.error = detached(e)
             return KVPoll.FAILED
         if not self._end.query():
             return KVPoll.TRANSFERRING

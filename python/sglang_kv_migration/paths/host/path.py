@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from sglang_kv_migration import sglang_adapter
-from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.errors import ErrorKind, MigrationError, detached
 from sglang_kv_migration.paths import verify
 from sglang_kv_migration.paths.base import (
     HOST,
@@ -217,7 +217,7 @@ class HostSendJob(SendJob):
             try:
                 self._submit()
             except MigrationError as e:
-                self.error = e
+                self.error = detached(e)
                 return KVPoll.FAILED
             except ValueError as e:  # planning rejects inconsistent peer data
                 self.error = MigrationError(ErrorKind.BAD_REQUEST, str(e))
@@ -227,7 +227,7 @@ class HostSendJob(SendJob):
         try:
             stats = self._handle.result(timeout=0)
         except MigrationError as e:
-            self.error = e
+            self.error = detached(e)
             return KVPoll.FAILED
         digest = ""
         if self._digest is not None:

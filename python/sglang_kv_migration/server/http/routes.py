@@ -12,6 +12,7 @@ import asyncio
 import contextvars
 import dataclasses
 import functools
+import json
 import time
 import uuid
 from collections.abc import Callable, Coroutine
@@ -25,6 +26,7 @@ from fastapi.routing import APIRoute
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -73,6 +75,11 @@ MAX_EPOCH_CHARS = 1024  # server_epoch: instance, KV memory generation, weight_v
 MAX_KEY_CHARS = 4096  # extra_key
 MAX_TOKEN_CHARS = 4096  # a grant or receipt
 MAX_BATCH_MOVES = 64  # transfers in one call (feature "transfer_batch")
+# Free-form JSON fields, in bytes of their JSON: a target's `device_kv` (~26 KB for an 8B
+# model's 64 buffers, ~400 bytes a buffer) and a layout fingerprint (~0.5 KB).
+MAX_DEVICE_KV_BYTES = 1 << 20
+MAX_FINGERPRINT_BYTES = 64 << 10
+MAX_RANKS = 1024  # target ranks, source fingerprints and receipts in one body
 
 MAX_ID = (1 << 63) - 1  # token ids and slots are int64 on the scheduler side
 
@@ -91,16 +98,61 @@ def _ids_in_range(values: list[int], info: ValidationInfo) -> list[int]:
     return values
 
 
+def _json_within(limit: int) -> BeforeValidator:
+    """A field of free-form JSON of at most `limit` bytes and 254 levels (orjson's own
+    limit; pickling deeper values to the scheduler would recurse too deep), checked
+    before pydantic copies it: such a value goes on to the scheduler as it came."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        try:
+            size = len(orjson.dumps(value))
+        except orjson.JSONEncodeError as e:
+            raise PydanticCustomError(
+                "json_bounds",
+                "{field} is not JSON of at most 254 levels: {problem}",
+                {"field": info.field_name, "problem": str(e)},
+            ) from None
+        if size > limit:
+            raise PydanticCustomError(
+                "json_size",
+                "{field} holds {size} bytes of JSON, over the {limit}-byte limit",
+                {"field": info.field_name, "size": size, "limit": limit},
+            )
+        return value
+
+    return BeforeValidator(check)
+
+
+def _at_most(count: int) -> BeforeValidator:
+    """A list of at most `count` items, counted before any item is validated (pydantic's
+    `max_length` validates every item first)."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, list) and len(value) > count:
+            raise PydanticCustomError(
+                "too_long",
+                "{field} has {size} items, over the {limit}-item limit",
+                {"field": info.field_name, "size": len(value), "limit": count},
+            )
+        return value
+
+    return BeforeValidator(check)
+
+
 # Lists of ids: strict ints (the models are strict: no bools, no strings), range checked
 # as a whole by `_ids_in_range`.
-IdList = Annotated[list[int], Field(max_length=MAX_TOKENS), AfterValidator(_ids_in_range)]
+IdList = Annotated[
+    list[int], _at_most(MAX_TOKENS), Field(max_length=MAX_TOKENS), AfterValidator(_ids_in_range)
+]
 # [first_page, count] runs of page ids (`page_ranges.py`); each pair checked in the model.
 PageRanges = Annotated[
     list[Annotated[list[int], Field(min_length=2, max_length=2)]],
+    _at_most(MAX_TOKENS),
     Field(max_length=MAX_TOKENS),
 ]
 ExtraKey = Annotated[str, Field(max_length=MAX_KEY_CHARS)]
 NonNegative = Annotated[int, Field(ge=0)]
+Fingerprint = Annotated[dict[str, Any], _json_within(MAX_FINGERPRINT_BYTES)]
 Address = Annotated[int, Field(ge=0)]
 
 
@@ -143,7 +195,7 @@ class AllocateFields(_Body):
 
     extra_key: ExtraKey | None = None
     extra_token_size: NonNegative = 0
-    source_fingerprints: list[dict[str, Any]] = Field(min_length=1)
+    source_fingerprints: Annotated[list[Fingerprint], _at_most(MAX_RANKS)] = Field(min_length=1)
     path: Literal["host", "device"] = "host"
     index_format: Literal["tokens", "pages", "ranges"] = "tokens"
     nothing_ok: bool = False
@@ -180,7 +232,7 @@ class TargetRankBody(_Body):
     host_kv_data_lens: list[Address] = Field(default_factory=list)
     host_kv_item_lens: list[Annotated[int, Field(gt=0)]] = Field(default_factory=list)
     # Device path: the target rank's `paths["device"]` from its session info.
-    device_kv: dict[str, Any] | None = None
+    device_kv: Annotated[dict[str, Any] | None, _json_within(MAX_DEVICE_KV_BYTES)] = None
     # Feature "destination_digest": `device_kv` named by its digest (a source that was
     # sent it in full before; `server/source/known_destinations.py`).
     device_kv_digest: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
@@ -189,7 +241,7 @@ class TargetRankBody(_Body):
     kv_indices: IdList = Field(default_factory=list)
     kv_pages: IdList = Field(default_factory=list)
     kv_page_ranges: PageRanges = Field(default_factory=list)
-    fingerprint: dict[str, Any]
+    fingerprint: Fingerprint
     grant: str = Field(default="", max_length=MAX_TOKEN_CHARS)
     # Host path: the staging extent [addr, length] the allocate reply granted this rank.
     staging: list[Address] = Field(default_factory=list, max_length=2)
@@ -235,7 +287,7 @@ class TransferBody(_IdsBody):
     # allocate reply's; extra_token_size > 0.
     matched_token_size: NonNegative = 0
     extra_token_size: NonNegative = 0
-    target_per_rank: list[TargetRankBody] = Field(min_length=1, max_length=1024)
+    target_per_rank: Annotated[list[TargetRankBody], _at_most(MAX_RANKS)] = Field(min_length=1)
     migration_id: str = Field(default="", max_length=MAX_ID_CHARS)
     # Feature "partial_transfer": send what this source holds of the range.
     partial_ok: bool = False
@@ -317,7 +369,7 @@ class TransferBatchBody(_Body):
     body. They reach the scheduler together and run as if sent at once; the reply lists
     each one's reply, in order, with the status it would have had alone."""
 
-    moves: list[TransferBody] = Field(min_length=1, max_length=MAX_BATCH_MOVES)
+    moves: Annotated[list[TransferBody], _at_most(MAX_BATCH_MOVES)] = Field(min_length=1)
 
 
 def _check_page_ranges(ranges: list[list[int]]) -> None:
@@ -336,9 +388,9 @@ def _check_page_ranges(ranges: list[list[int]]) -> None:
 
 class MigrationIdBody(_Body):
     migration_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
-    receipts: list[Annotated[str, Field(max_length=MAX_TOKEN_CHARS)]] = Field(
-        default_factory=list, max_length=1024
-    )
+    receipts: Annotated[
+        list[Annotated[str, Field(max_length=MAX_TOKEN_CHARS)]], _at_most(MAX_RANKS)
+    ] = Field(default_factory=list)
 
 
 class CommitBody(MigrationIdBody):
@@ -574,11 +626,11 @@ def _transfer_request(body: TransferBody) -> TransferRequestKVCacheReqInput:
 
 
 async def _json_body(request: Request) -> Any:
-    """The body as JSON (parsed once by `_parse_json_fast`, or here for what orjson
-    refused); malformed JSON is a 400 like FastAPI's own."""
+    """The body as JSON (parsed once by `_parse_json`, which refused what is not JSON);
+    an empty body is a 400 like FastAPI's own."""
     try:
         return await request.json()
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise RequestValidationError(
             [{"loc": ("body",), "msg": f"JSON decode error: {e}", "type": "json_invalid"}]
         ) from None
@@ -720,11 +772,17 @@ class _BadRequestOnInvalidBody(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Any]]:
         handler = super().get_route_handler()
 
+        # The session info route reads no body: it answers whatever it is sent.
+        reads_body = self.body_field is not None or self.path == TRANSFER_PATH
+
         async def handle(request: Request) -> Any:
             _ROUTE_STARTED.set(time.monotonic())
             too_large = await _read_capped_body(request)
             if too_large is not None:
                 return _error(ErrorKind.TOO_LARGE, too_large)
+            not_json = _parse_json(request)
+            if not_json is not None and reads_body:
+                return _error(ErrorKind.BAD_REQUEST, f"invalid request: body: {not_json}")
             try:
                 return await handler(request)
             except RequestValidationError as e:
@@ -747,20 +805,30 @@ async def _read_capped_body(request: Request) -> str | None:
             return f"request body is over the {limit}-byte limit"
         chunks.append(chunk)
     request._body = b"".join(chunks)  # Starlette's cache: the handler reads it from here
-    _parse_json_fast(request)
     return None
 
 
-def _parse_json_fast(request: Request) -> None:
-    """Parse the body with orjson (3x faster than the stdlib's `json.loads` that
-    FastAPI uses on a list of 32K ids) into Starlette's cache, which FastAPI reads.
-    Input orjson refuses (malformed JSON, NaN, integers beyond 64 bits) is left for
-    FastAPI to parse, so its answer to such input is what it was."""
-    if request._body:
-        try:
-            request._json = orjson.loads(request._body)
-        except orjson.JSONDecodeError:
-            pass
+def _parse_json(request: Request) -> str | None:
+    """Parse the body into Starlette's cache, which FastAPI and `_json_body` read: with
+    orjson (3x faster than the stdlib's `json.loads` that FastAPI uses on a list of 32K
+    ids), else as FastAPI would (NaN, integers beyond 64 bits). Returns why a body is not
+    JSON: malformed, or nested deeper than the parser recurses (a RecursionError
+    FastAPI would answer with a reply of its own shape, and `request.json()` raise)."""
+    body = request._body
+    if not body:
+        return None
+    try:
+        request._json = orjson.loads(body)
+        return None
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        request._json = json.loads(body)
+    except RecursionError:
+        return "JSON nested too deeply"
+    except ValueError as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        return f"JSON decode error: {e}"
+    return None
 
 
 def _describe(error: RequestValidationError) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.errors import ErrorKind, MigrationError, detached
 from sglang_kv_migration.fingerprint import LayoutFingerprint
 
 if TYPE_CHECKING:
@@ -126,12 +126,15 @@ def guarded(run: Callable[[], Any], output_type: type) -> Any:
 
 
 def error_of(run: Callable[[], None]) -> MigrationError | None:
-    """Run a step; return its error as a `MigrationError` instead of raising it."""
+    """Run a step; return its error as a `MigrationError` instead of raising it.
+
+    IMPORTANT: returned without its traceback (`errors.detached`): callers keep it in a
+    transfer's record, which the traceback's frames hold."""
     try:
         run()
         return None
     except MigrationError as e:
-        return e
+        return detached(e)
     except ValueError as e:  # layout planning rejects inconsistent peer data
         return MigrationError(ErrorKind.BAD_REQUEST, str(e))
     except Exception as e:

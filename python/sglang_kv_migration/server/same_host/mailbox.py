@@ -107,7 +107,7 @@ class Mailbox:
             return None  # torn (the writer is mid-way) or forged
         try:
             receipts = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):  # (a slot holds enough `[` to recurse)
             return None
         if not isinstance(receipts, list) or not all(isinstance(r, str) for r in receipts):
             return None

@@ -315,7 +315,8 @@ class SourceTransfers:
 
     def _resolve_destinations(self, req: TransferRequestKVCacheReqInput) -> None:
         """Feature "destination_digest": a device entry named by digest gets the
-        description this source remembers; a full one is remembered."""
+        description this source remembers (a full one is remembered by `_validate`,
+        once its grant verified)."""
         if self.destinations is None:
             if any(t.device_kv_digest for t in req.target_per_rank):
                 raise MigrationError(
@@ -565,6 +566,9 @@ class SourceTransfers:
             req, target, me, self.fingerprint, tokens, inflight.own_slots
         )
         self._used_grants.claim(grant)
+        if self.destinations is not None and DEVICE in self.paths:
+            # Kept only now that a verified grant names it: a refused body keeps nothing.
+            self.destinations.remember(target, grant.destination)
         if grant.mailbox and self.deliverer is not None and self.ctx.pp_size == 1:
             inflight.mailbox = grant.mailbox
             inflight.mailbox_until = grant.write_until or grant.expires_at
