@@ -42,6 +42,15 @@ class Gateway:
     url: str
     process: subprocess.Popen
     log_path: Path
+    metrics_url: str
+
+    def branch_count(self, policy: str, branch: str) -> float:
+        """The gateway's `smg_<policy>_policy_branch_total{branch=...}` counter (0 if unset)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
+            text = r.read().decode()
+        prefix = f'smg_{policy}_policy_branch_total{{branch="{branch}"}} '
+        lines = [line for line in text.splitlines() if line.startswith(prefix)]
+        return float(lines[0][len(prefix) :]) if lines else 0.0
 
     def workers(self) -> list[dict]:
         with urllib.request.urlopen(self.url + "/workers", timeout=5) as r:
@@ -69,7 +78,8 @@ def running_gateway(
     ]  # fmt: skip
     with open(log, "wb") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-    gateway = Gateway(f"http://127.0.0.1:{port}", process, log)
+    metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+    gateway = Gateway(f"http://127.0.0.1:{port}", process, log, metrics)
     try:
         _wait_registered(gateway, len(worker_urls), timeout_s)
         yield gateway
