@@ -85,6 +85,11 @@ async def _move_running(
     return await migrator.migrate_request(handle, target, mode="migrate", live=live)
 
 
+def gateway_url_of(workers, url: str) -> str:
+    """The gateway's spelling of worker `url` (what `SessionPins` hands out)."""
+    return next(w.url for w in workers if w.url.rstrip("/") == url)
+
+
 def _routed(response: httpx.Response) -> str:
     return response.headers[ROUTED_WORKER_HEADER].rstrip("/")
 
@@ -148,6 +153,14 @@ def test_the_target_index_is_the_gateways_own_worker_order(servers: ServerPair) 
                 found = [await gateway.route(url) for url in (source, target)]
                 with pytest.raises(GatewayError, match="not a worker"):
                     await gateway.route("http://127.0.0.1:9")
+                assert [u.rstrip("/") for u in await gateway.worker_urls()] == listed
+                # A new session takes the least-pinned worker; the map keeps at most 2.
+                pins = SessionPins(gateway, max_sessions=2)
+                pins.pin("a", source)
+                assert await pins.choose("b") == gateway_url_of(await gateway.workers(), target)
+                assert await pins.choose("a") == source and len(pins) == 2
+                await pins.choose("c")
+                assert pins.worker("b") is None and len(pins) == 2
                 return found
 
         for url, route in zip((source, target), asyncio.run(routes()), strict=True):
