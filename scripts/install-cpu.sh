@@ -59,6 +59,11 @@ LIGHT_DEPS=(
 # This package, the non-CUDA Mooncake engine (extra cpu) and pytest + ruff (extra test).
 "${PIP[@]}" -e '.[cpu,test]'
 
+# The SGLang model gateway (`smg`, its binary in $VENV/bin) for the tests that put it in
+# front of the servers (test/integration/test_gateway_migration.py). Its own needs
+# (grpcio, grpcio-health-checking, protobuf, setproctitle, pyyaml) leave torch alone.
+"${PIP[@]}" smg==1.13.0
+
 # Test environment only, never part of the package: define the two torchvision operator
 # schemas on the first `import torchvision` (see scripts/cpu_torchvision_fix.py).
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import sys
@@ -27,6 +28,7 @@ from typing import Any
 
 from sglang_kv_migration.client.cli import HelpFormatter
 from sglang_kv_migration.client.migration import DEFAULT_TIMEOUT_S, AsyncMigrationClient
+from sglang_kv_migration.integrations.gateway import ModelGateway, default_pin
 from sglang_kv_migration.rollout.rebalancer import RebalancePolicy, Rebalancer
 from sglang_kv_migration.rollout.request_migration import (
     AsyncRequestMigrator,
@@ -38,6 +40,11 @@ from sglang_kv_migration.rollout.request_migration import (
 def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.gateway and args.gateway_pin is None:
+        try:
+            default_pin(args.gateway_policy)
+        except ValueError as e:
+            parser.error(f"--gateway-policy: {e}")
     work: list[tuple[str, GenerateRequest]] = []
     if args.requests is not None:
         try:
@@ -90,7 +97,13 @@ async def _run(
 ) -> int:
     keys = {"api_key": args.api_key, "admin_api_key": args.admin_api_key}
     client = AsyncMigrationClient(timeout=args.timeout, **keys)
-    async with client, AsyncRequestMigrator(client, **keys) as migrator:
+    gateway = None
+    if args.gateway:
+        gateway = ModelGateway(args.gateway, policy=args.gateway_policy, pin=args.gateway_pin)
+    migrator = AsyncRequestMigrator(client, **keys, gateway=gateway)
+    async with client, migrator, contextlib.AsyncExitStack() as stack:
+        if gateway is not None:
+            stack.push_async_callback(gateway.aclose)
         handles = [await migrator.submit(url, request) for url, request in work]
         rebalancer = Rebalancer(migrator, args.server, policy)
         summary = await rebalancer.run(max_rounds=args.max_rounds, interval_s=args.interval)
@@ -204,6 +217,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("--admin-api-key", default=None, help="the servers' --admin-api-key")
     add("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per migration call")
+    add(
+        "--gateway",
+        default=None,
+        help="batch mode: send every /generate through this model gateway (smg), pinned to "
+        "the request's --server worker, so a moved request resumes on its target",
+    )
+    add(
+        "--gateway-policy",
+        default="consistent_hashing",
+        help="the gateway's --policy (consistent_hashing honours X-SMG-Target-Worker)",
+    )
+    add(
+        "--gateway-pin",
+        choices=("target_worker", "rl_passthrough"),
+        default=None,
+        help="how to pin (default: what --gateway-policy honours); rl_passthrough: the "
+        "gateway's --enable-rl per-worker passthrough, for policies without a pin header",
+    )
     return p
 
 

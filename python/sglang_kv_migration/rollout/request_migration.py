@@ -84,7 +84,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import httpx
 import orjson
@@ -278,6 +278,15 @@ class RequestOutput:
 
 class GenerateFailed(Exception):
     """A `/generate` call answered with an error status or could not be sent."""
+
+
+class GatewayRouting(Protocol):
+    """A gateway in front of the workers (`integrations.gateway.ModelGateway`): `route`
+    says where to POST `path` so that it reaches `worker_url`, with which headers; the
+    route's `check(headers)` raises when another worker answered, and `lines(response)`
+    yields the worker's reply."""
+
+    async def route(self, worker_url: str, path: str = "/generate") -> Any: ...
 
 
 @dataclass
@@ -545,6 +554,9 @@ class AsyncRequestMigrator:
     one alone is sent everywhere, as today. A key a server refuses raises `AuthFailed`
     naming the route, before the request is touched. `live_max_stages` and
     `live_stage_tokens` bound a live move's copies while decoding (module docstring).
+    `gateway`: every `/generate` (first piece and resumed ones) goes through the model
+    gateway, pinned to the worker a handle names; aborts, loads and migrations still go
+    to the workers themselves.
     """
 
     def __init__(
@@ -561,8 +573,10 @@ class AsyncRequestMigrator:
         eos_token_ids: Iterable[int] = (),
         live_max_stages: int = 3,
         live_stage_tokens: int = 1024,
+        gateway: GatewayRouting | None = None,
     ):
         self.keys = ApiKeys(api_key, admin_api_key)
+        self.gateway = gateway
         self._migration = migration_client or AsyncMigrationClient(
             api_key=api_key, admin_api_key=admin_api_key
         )
@@ -1015,16 +1029,22 @@ class AsyncRequestMigrator:
         where = f"{url}/generate"
         try:
             headers = self.keys.headers("/generate")
-            async with self._http.stream(
-                "POST", url.rstrip("/") + "/generate", json=body, headers=headers
-            ) as r:
+            post_to, route = url.rstrip("/") + "/generate", None
+            if self.gateway is not None:  # through the gateway, pinned to `url`
+                route = await self.gateway.route(url)
+                post_to, headers = route.url, {**headers, **route.headers}
+                where = f"{url}/generate via {route.url}"
+            async with self._http.stream("POST", post_to, json=body, headers=headers) as r:
                 if r.status_code >= 300:
                     text = (await r.aread()).decode(errors="replace")
                     hint = ""
                     if r.status_code in (401, 403):
                         hint = f" (sent {self.keys.sent('/generate')}; {auth_hint('/generate')})"
                     raise GenerateFailed(f"{where}: HTTP {r.status_code}: {text[:500]}{hint}")
-                return await read_generate_stream(r.aiter_lines(), progress, where)
+                if route is None:
+                    return await read_generate_stream(r.aiter_lines(), progress, where)
+                route.check(r.headers)
+                return await read_generate_stream(route.lines(r), progress, where)
         except httpx.HTTPError as e:
             raise GenerateFailed(f"{where}: {type(e).__name__}: {e}") from e
 
