@@ -12,10 +12,12 @@ model (none: no forward pass runs, so no request but ours is served) and the det
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
-# Token sequences every stand-in scheduler inserts (random KV) before it reports ready.
+# Tokens every stand-in scheduler inserts (random KV) before it reports ready, unless
+# started with KVM_STANDIN_PRELOAD=0 (a migration target).
 PRELOAD_IDS = list(range(1, 1 + 64))
 
 
@@ -42,7 +44,8 @@ def run_scheduler_process(
     load_plugins()  # as SGLang's scheduler process does first
     cfg = cpu_harness.HarnessConfig(page_size=server_args.page_size)
     harness = cpu_harness.build_harness(cfg)
-    harness.insert_random(PRELOAD_IDS, seed=11)
+    if os.environ.get("KVM_STANDIN_PRELOAD", "1") != "0":
+        harness.insert_random(PRELOAD_IDS, seed=11)
     harness.write_back_all()
     context = zmq.Context()
     receiver = context.socket(zmq.PULL)

@@ -1,6 +1,6 @@
 """Start SGLang the way verl 0.9.1's SGLang server actor does, on CPU (test env only).
 
-    python verl_order_server.py '<engine_kwargs as JSON>'
+    python verl_order_server.py '<engine_kwargs as JSON>' [model_dir]
 
 In a fresh interpreter, the calls of `SGLangHttpServer.launch_server`
 (verl/workers/rollout/sglang_rollout/async_sglang_server.py), in its order: import verl's
@@ -59,7 +59,7 @@ def verl_args(model_path: str, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def launch(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+async def launch(engine_kwargs: dict[str, Any], model_dir: str | None) -> dict[str, Any]:
     import cpu_harness
     import engine_standins
     import sglang.srt.entrypoints.engine
@@ -68,7 +68,7 @@ async def launch(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     from verl.workers.rollout.sglang_rollout.sglang_rollout import _set_envs_and_config
     from verl.workers.rollout.utils import run_uvicorn
 
-    args = verl_args(cpu_harness.write_tiny_model_dir(), engine_kwargs)
+    args = verl_args(model_dir or cpu_harness.write_tiny_model_dir(), engine_kwargs)
     sglang.srt.entrypoints.engine._set_envs_and_config = _set_envs_and_config
     os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
     server_args = verl_server.ServerArgs(**args)
@@ -101,7 +101,10 @@ async def launch(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 async def main() -> None:
     try:
-        print(json.dumps(await launch(json.loads(sys.argv[1]))), flush=True)
+        print(
+            json.dumps(await launch(json.loads(sys.argv[1]), (sys.argv[2:] or [None])[0])),
+            flush=True,
+        )
     except BaseException as e:
         print(json.dumps({"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}))
         return
