@@ -64,6 +64,13 @@ LIGHT_DEPS=(
 # (grpcio, grpcio-health-checking, protobuf, setproctitle, pyyaml) leave torch alone.
 "${PIP[@]}" smg==1.13.0
 
+# verl 0.9.1 for the verl integration's tests (test/integration/test_verl_*.py), without
+# its GPU dependencies (--no-deps), plus what its router, LLM server client and SGLang
+# server module import; tensordict within verl's range and --no-deps, so torch stays the
+# CPU build above.
+"${PIP[@]}" --no-deps verl==0.9.1 "tensordict>=0.8.0,<=0.10.0,!=0.9.0"
+"${PIP[@]}" ray omegaconf cachetools codetiming cloudpickle pyvers
+
 # Test environment only, never part of the package: define the two torchvision operator
 # schemas on the first `import torchvision` (see scripts/cpu_torchvision_fix.py).
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

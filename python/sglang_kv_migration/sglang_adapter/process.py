@@ -99,6 +99,14 @@ def http_server_app() -> Any:
     return http_server.app
 
 
+def http_server_imported() -> bool:
+    """Whether this process imported SGLang's HTTP server module (and so may serve its
+    `app`); asking does not import it."""
+    import sys
+
+    return "sglang.srt.entrypoints.http_server" in sys.modules
+
+
 def http_tokenizer_manager() -> Any:
     """The HTTP server's `TokenizerManager` (set when the server launches)."""
     from sglang.srt.entrypoints.http_server import get_global_state
