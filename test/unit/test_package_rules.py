@@ -202,6 +202,7 @@ def test_feature_names_are_literals_only_where_they_are_defined() -> None:
     also a wire field's name (the allocate body's `source_commit`) is the wire rule's."""
     definitions = _feature_definitions()
     names = set(definitions) - _wire_field_names()
+    assert {"binary_ids", "source_allocate", "destination_digest"} <= names
     bad = [
         f"{relative_path(module)}:{node.lineno} {node.value!r}"
         for module, tree in MODULES.items()
