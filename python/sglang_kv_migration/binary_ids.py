@@ -1,4 +1,4 @@
-"""Token ids as bytes on the wire (feature "binary_ids", issue 21).
+"""Token ids as bytes on the wire (feature "binary_ids").
 
 A JSON list of 32K token ids costs each trip that carries it a parse, a per-element type
 and range check, and a pickle of 32K Python ints to the scheduler and back

@@ -1103,8 +1103,8 @@ def _device_refusal(
     if len(hosts) != 1:
         return "servers are on different hosts"
     host_only = held["matched_token_size"] - held.get("device_token_size", 0)
-    # Issue 19: a source that reads its host pool in place (`tiers` lists "host") sends
-    # host-only pages on the device path too; older sources read device pages only.
+    # A source that reads its host pool in place (`tiers` lists "host") sends host-only
+    # pages on the device path too; sources without that tier read device pages only.
     if host_only > 0 and not all(
         "host" in r["paths"]["device"].get("tiers", ()) for r in source_info["ranks"]
     ):

@@ -91,8 +91,8 @@ _SLEEP_SHARE = 0.8
 # largest entry a chunk leaves as.
 DEFAULT_STAGING_CHUNK_BYTES = 16 << 20
 DEFAULT_STAGING_ENTRY_BYTES = 0  # measured no gain on the 2-core box; see docs
-# Jobs to one peer in flight at once (issue 19: moves to one target queued behind each
-# other on one worker).
+# Jobs to one peer in flight at once (with one worker, concurrent moves to one target
+# queue behind each other).
 DEFAULT_WORKERS_PER_PEER = 2
 
 

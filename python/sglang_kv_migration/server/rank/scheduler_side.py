@@ -86,11 +86,11 @@ WATCHDOG_EVERY_ITERATIONS = 64
 # this late per wait (a request for SGLang ends a wait at once).
 BRIEF_WAIT_S = 0.002
 # "1" in a server's environment: brief waits inside the poll too, not only before it.
-# Off by default: side by side on one H200 (2026-12-03, `h200_runs.sh 25`) a one-page
+# Off by default: side by side on one H200 (`h200_runs.sh 25`) a one-page
 # move took 5.14 ms without them against 6.10-6.54 with them (8K: 6.92 against
 # 8.39-8.66), the target's allocate slower while the source spun on its reply.
 WAIT_IN_POLL_ENV = "SGLANG_KV_MIGRATION_WAIT_IN_POLL"
-# "0": a poll prepares the moves it asked for even while more requests wait (as before
+# "0": a poll prepares the moves it asked for even while more requests wait (no
 # `SourceTransfers._defer_prepare`), for the same side-by-side measurement.
 ASK_FIRST_ENV = "SGLANG_KV_MIGRATION_ASK_FIRST"
 

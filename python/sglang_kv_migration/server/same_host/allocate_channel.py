@@ -1,6 +1,6 @@
 """Allocate channel: a source on the same host asks the target's scheduler for slots
 directly, so a migration is one HTTP call from the client (wire feature
-"source_allocate", issue 21).
+"source_allocate").
 
     client ──HTTP──▶ source /transfer_request_kvcache {allocate_on_target: ...}
                      source scheduler ──channel──▶ target scheduler: allocate

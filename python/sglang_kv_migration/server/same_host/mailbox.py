@@ -1,5 +1,5 @@
 """Receipt mailbox: a source on the same host hands its receipts straight to the target,
-so a migration needs no `/commit` trip (wire feature "source_commit", issue 21).
+so a migration needs no `/commit` trip (wire feature "source_commit").
 
 A target (TP rank 0 of a single-stage server) keeps one file in shared memory
 (`/dev/shm/kvmig-mbox-<pid namespace>-<pid>-<token>`): a file header, then `num_slots`

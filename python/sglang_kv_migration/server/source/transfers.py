@@ -456,7 +456,7 @@ class SourceTransfers:
         threads, or one call's moves, which reach the scheduler ~0.1 ms apart), up to
         `PREPARE_DEFER_POLLS` polls in a row. Their handlers ask their targets at once;
         six 8K moves on the H200 were otherwise asked in two waves ~4 ms apart, the
-        second after the first wave's prepares and starts (2026-12-03, call 21). A move
+        second after the first wave's prepares and starts. A move
         not yet prepared when its answer comes is matched by its start, as without a
         prepare."""
         waiting = self.requests_waiting
