@@ -118,6 +118,7 @@ WIRE_LITERALS_ALLOWED: dict[str, object] = {
     "client/migration.py": (166, "builds every request body and reads every reply as dicts"),
     "fingerprint.py": (1, "names `weight_version` in the layout fingerprint"),
     "grants.py": (5, "the signed grant's payload keys repeat the wire names"),
+    "integrations/verl_balancer.py": (4, "builds extra-size bodies and reads replies as dicts"),
     "paths/host/mooncake.py": (1, "a dict key `plan` that shares a wire field's name"),
     "rollout/cost_model.py": (10, "reads session-info and extra-size replies as dicts"),
     "rollout/rebalance_cli.py": (6, "builds extra-size bodies and reads replies as dicts"),
