@@ -75,6 +75,10 @@ class PendingMigration:
     state: MigrationState = MigrationState.ALLOCATED
     staging: tuple[int, int] | None = None  # granted staging extent (target_staging.py)
     source: str = ""  # the source instance the grant names: receipts must come from it
+    # `grants.grant_digest` of this rank's grant: a receipt settles or commits these slots
+    # only if it names it (it comes from the request that claimed the grant). Kept in
+    # quarantine with the slots and the source, so a repeated abort checks them too.
+    grant: str = ""
     # The source hands its receipts to this server's mailbox (feature "source_commit"):
     # the target commits by itself once they are there; the same on every rank.
     source_commit: bool = False
@@ -187,6 +191,11 @@ class PendingMigrations:
 
     def get(self, migration_id: str) -> PendingMigration | None:
         return self.by_id.get(migration_id)
+
+    def held(self, migration_id: str) -> PendingMigration | None:
+        """The migration's allocation while its slots are out of the free list: pending,
+        or ended and quarantined (what an abort's receipts are checked against)."""
+        return self.by_id.get(migration_id) or self.quarantine.get(migration_id)
 
     def allocate(
         self,
