@@ -122,6 +122,11 @@ def destination_digest(descriptor: Any) -> str:
     return hashlib.sha256(canonical).hexdigest()
 
 
+def grant_digest(raw: str) -> str:
+    """What a receipt names of the grant its transfer claimed: sha256 of the token."""
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
 def slots_digest(slots: torch.Tensor) -> str:
     """xxh64 of the int64 token slots, in order."""
     import torch
@@ -181,7 +186,10 @@ class Receipt:
     slots_digest: str
     success: bool
     bytes: int
-    settled: bool  # no write of this transfer can land any more (done, or never started)
+    # No write under the grant can land any more: this transfer claimed it and its
+    # writes are over (done, or never started). Never set by a request that did not
+    # claim the grant (a replay, no grant, another source's): it cannot know.
+    settled: bool
     # Optional: how the source shaped the write ("staged": into the granted staging extent,
     # which the target must scatter before commit); set only when staging was granted.
     plan: str = ""
@@ -190,6 +198,10 @@ class Receipt:
     # Tokens written, from the grant's first slot, when fewer than the grant names (a
     # partial transfer: the source held less); -1, left out of the token: all of them.
     tokens: int = -1
+    # `grant_digest` of the grant this transfer claimed (its first and only use on this
+    # source); empty when the request claimed none (refused before its grant verified).
+    # Only a receipt naming the target's own grant can settle its slots.
+    grant: str = ""
 
 
 class Signer:

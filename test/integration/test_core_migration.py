@@ -247,6 +247,10 @@ def test_page_size_mismatch_is_refused_before_any_byte_moves(servers):
     assert sent.transferred_bytes == 0
     assert dst.do("host_digest") == dst_bytes
     assert src.snapshot() == src_before
-    # The source's receipt says nothing was sent: the slots are free at once.
+    # The request was refused before it claimed the grant: its receipt cannot say that
+    # no write under the grant can land (another request could hold it), so the slots
+    # wait out the write window.
     assert abort(dst, "fp-2", sent).success
+    assert dst.snapshot().host_available < dst_before.host_available
+    assert dst.do("end_quarantine") == ["fp-2"]
     assert dst.snapshot() == dst_before

@@ -206,7 +206,15 @@ class _Server:
         return -1
 
     def end_quarantine(self) -> list[str]:
-        return self.side.pending.release_quarantine(now=float("inf"))
+        # Slots leave quarantine once the engine closed the inbound streams shut down
+        # for them (`tcp_streams.py`): a moment later, so ask again for a bounded while.
+        freed: list[str] = []
+        deadline = time.monotonic() + 5.0
+        while True:
+            freed += self.side.pending.release_quarantine(now=float("inf"))
+            if not self.side.pending.quarantine or time.monotonic() > deadline:
+                return freed
+            time.sleep(0.01)
 
     def snapshot(self) -> Any:
         return self.harness.snapshot()

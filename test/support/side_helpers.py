@@ -60,7 +60,7 @@ def transfer_to_self(
 
         from sglang_kv_migration import grants
 
-        issued = side.signer.decode_grant(grant)
+        original, issued = grant, side.signer.decode_grant(grant)
         grant = side.signer.encode(
             dataclasses.replace(
                 issued,
@@ -71,6 +71,10 @@ def transfer_to_self(
                 destination=grants.destination_digest(side.paths["host"].advertise()),
             )
         )
+        # The target binds receipts to the grant it issued: this re-issued one.
+        pending = side.pending.get(issued.migration_id)
+        if pending is not None and pending.grant == grants.grant_digest(original):
+            pending.grant = grants.grant_digest(grant)
     target = host_target(
         0,
         0,
@@ -110,6 +114,7 @@ def receipts_for(side: object, allocation: object, success: bool = True) -> list
             bytes=0,
             settled=True,
             source=source,
+            grant=grants.grant_digest(rank.grant) if rank.grant else "",
         )
         receipts.append(side.signer.encode(receipt))
     return receipts

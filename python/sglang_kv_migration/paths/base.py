@@ -265,6 +265,15 @@ class DataPath(abc.ABC):
         quarantine); False when sources write elsewhere first (a landing arena)."""
         return True
 
+    def open_write_streams(self) -> frozenset[int]:
+        """Inbound streams open now that may carry a write granted earlier (the host
+        path over TCP: `tcp_streams.py`); none for paths whose writes end on time."""
+        return frozenset()
+
+    def close_write_streams(self, streams: frozenset[int]) -> frozenset[int]:
+        """Close those of `streams` still open; returns them (empty: none is left)."""
+        return frozenset()
+
     # ------------------------------------------------------------------ memory saver
 
     def quiesce(self) -> None:  # noqa: B027 - optional: paths without GPU work keep it

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.paths.host import staging
+from sglang_kv_migration.paths.host import staging, tcp_streams
 
 # One copy: `length` bytes from local `src_addr` to peer `dst_addr`. Planned by the
 # layout module (pure math), sent here: one type for both.
@@ -367,8 +367,15 @@ class MooncakeTransport(KVTransport):
 
     def __init__(self, config: TransportConfig):
         self._config = config
+        listening = tcp_streams.listening_ports()
         self._engine: TransferEngine | None = _start_engine(config)
-        self._session_id = f"{config.hostname}:{self._engine.get_rpc_port()}"
+        rpc_port = self._engine.get_rpc_port()
+        self._session_id = f"{config.hostname}:{rpc_port}"
+        # The engine's TCP data listener: the ports it opened besides its RPC port.
+        data_ports = tcp_streams.listening_ports() - listening - {rpc_port}
+        self.inbound = tcp_streams.InboundStreams(
+            data_ports if config.protocol == "tcp" else frozenset()
+        )
         self._workers_per_peer = min(config.workers_per_peer, config.max_entries_per_batch)
         self._lock = threading.Lock()  # guards the fields below
         self._local = _RegionIndex(())

@@ -98,6 +98,14 @@ class HostPath(DataPath):
         # run up to the engine's own timeout: twice the transfer timeout bounds both.
         return 2 * self.transfer_timeout_s
 
+    def open_write_streams(self) -> frozenset[int]:
+        inbound = getattr(self._transport, "inbound", None)
+        return inbound.open_now() if inbound is not None else frozenset()
+
+    def close_write_streams(self, streams: frozenset[int]) -> frozenset[int]:
+        inbound = getattr(self._transport, "inbound", None)
+        return inbound.close(streams) if inbound is not None else frozenset()
+
     # ------------------------------------------------------------------ target role
 
     def held_prefix(self, input_ids: list[int], extra_key: str | None) -> sglang_adapter.HeldPrefix:

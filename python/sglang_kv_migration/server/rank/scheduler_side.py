@@ -714,7 +714,7 @@ class MigrationSchedulerSide:
         pending = self.pending.get(alloc.migration_id)
         pending.verify, pending.source = verify, req.source_instance
         expires_at = time.time() + self.grant_ttl_s
-        return self.signer.encode(
+        token = self.signer.encode(
             grants.Grant(
                 migration_id=alloc.migration_id,
                 tp=self.ctx.tp_rank,
@@ -737,6 +737,8 @@ class MigrationSchedulerSide:
                 mailbox=mailbox,
             )
         )
+        pending.grant = grants.grant_digest(token)
+        return token
 
     def transfer_request_kvcache(self, req: TransferRequestKVCacheReqInput) -> None:
         """Source: start this rank's part; the reply is sent later, from `poll()`."""
@@ -757,14 +759,16 @@ class MigrationSchedulerSide:
 
         if self.commits.in_progress(req.migration_id):
             return in_progress_output(req.migration_id, "abort")
-        pending = self.pending.get(req.migration_id)
-        was_pending = pending is not None
+        was_pending = self.pending.get(req.migration_id) is not None
         # Without the source's word that no write can still land, the slots stay
-        # quarantined until the grant's write window closes. Agreed across ranks.
+        # quarantined until the grant's write window closes. Agreed across ranks. A
+        # repeated abort of a quarantined id checks its receipts against the same grant,
+        # slots and source as the first.
+        held = self.pending.held(req.migration_id)
         settled = self.ctx.all_ranks_agree(
             bool(req.receipts)
             and self.commits.receipt_refusal(
-                req.receipts, pending, need_success=False, migration_id=req.migration_id
+                req.receipts, held, need_success=False, migration_id=req.migration_id
             )
             is None
         )

@@ -120,6 +120,9 @@ class InflightTransfer:
     prepared: PreparedSend | None = None
     tokens: tuple[int, str] = (-1, "")  # (how many ids, their digest)
     destination_unknown: bool = False  # feature "destination_digest": nothing was done
+    # `grants.grant_digest` of the grant this request claimed (empty: it claimed none,
+    # so its receipt cannot say the grant's writes are over: another request may hold it).
+    claimed_grant: str = ""
 
     def release(self) -> None:
         """Unpin what the transfer holds; idempotent."""
@@ -403,8 +406,8 @@ class SourceTransfers:
             raise error
 
     def _start(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
-        # First: even a refused transfer's receipt names this rank's slots (a settled
-        # receipt lets the target free them at once); a bad entry is reported below.
+        # First: even a refused transfer's receipt names this rank's slots (it settles
+        # nothing unless this request claimed the grant); a bad entry is reported below.
         error_of(lambda: self._parse_own_slots(req, inflight))
         if req.stage_refusal is not None:
             # An earlier PP stage refused before pinning anything: so do we (its reply
@@ -566,6 +569,7 @@ class SourceTransfers:
             req, target, me, self.fingerprint, tokens, inflight.own_slots
         )
         self._used_grants.claim(grant)
+        inflight.claimed_grant = grants.grant_digest(target.grant)
         if self.destinations is not None and DEVICE in self.paths:
             # Kept only now that a verified grant names it: a refused body keeps nothing.
             self.destinations.remember(target, grant.destination)
@@ -701,8 +705,11 @@ class SourceTransfers:
                     slots_digest=inflight.slots_digest,
                     success=status.success,
                     bytes=status.bytes,
-                    # Nothing more can land once done, or if no write was ever submitted.
-                    settled=status.success or job is None or not job.started_writing,
+                    # Nothing more can land once done, or if no write was ever submitted
+                    # under the grant: only its claimant knows (a refused replay does not).
+                    settled=bool(inflight.claimed_grant)
+                    and (status.success or job is None or not job.started_writing),
+                    grant=inflight.claimed_grant,
                     # Told only to a target that granted an extent: it must scatter then.
                     plan=status.plan if send is not None and send.target.staging else "",
                     digest=status.digest,

@@ -182,6 +182,10 @@ class Commits:
                 return f"receipt for {where} names other slots"
             if pending is not None and receipt.source != pending.source:
                 return f"receipt for {where} is from another source than the grant's"
+            if pending is not None and pending.grant and receipt.grant != pending.grant:
+                # (A request the source refused, e.g. a retry seen as a replay, claimed
+                # no grant: it cannot speak for the writes of the one that did.)
+                return f"receipt for {where} is not from the transfer that used its grant"
             if need_success and not receipt.success:
                 return f"the source reported the transfer to {where} as failed"
             if not need_success and not receipt.settled:
