@@ -620,7 +620,8 @@ def _server_args(spec: ServerSpec) -> Any:
         kv_migration_hostname=spec.host,
         kv_migration_staging_mb=spec.staging_mb,
         host=spec.host,
-        # The grant signing key derives from these (as on a real server).
+        # The grant signing key derives from the admin key, never the API key (as on a
+        # real server).
         api_key=spec.api_key,
         admin_api_key=spec.admin_api_key,
     )
