@@ -75,8 +75,9 @@ def hosts() -> Iterator[tuple[str, str, str, str]]:
 @pytest.fixture(scope="module")
 def servers(hosts) -> Iterator[tuple[ServerHandle, ServerHandle]]:
     ns, _link, here_ip, there_ip = hosts
-    # Mooncake's own per-batch timeout, so a write into a cut link fails in seconds.
-    os.environ["MC_TRANSFER_TIMEOUT"] = "3"
+    # Mooncake's own per-batch timeout, so a write into a cut link fails in seconds; no
+    # longer than the servers' 2 s transfer timeout (start-up refuses a longer one).
+    os.environ["MC_TRANSFER_TIMEOUT"] = "2"
     try:
         big = cpu_harness.HarnessConfig(device_tokens=8192)
         preload = [(FIRST, 1), (SECOND, 2), (THIRD, 3), (AFTER_CUT, 4)]
@@ -263,7 +264,7 @@ def test_a_link_cut_while_bytes_are_on_the_wire_fails_only_that_migration(hosts,
         assert thread.is_alive(), "the throttled transfer finished too early"
         _ip("link", "set", link, "down")
         try:
-            thread.join(30.0)  # fails by Mooncake's 3 s batch timeout / the grant deadline
+            thread.join(30.0)  # fails by Mooncake's 2 s batch timeout / the grant deadline
             assert not thread.is_alive(), "the transfer did not fail with the link down"
         finally:
             _ip("link", "set", link, "up")
