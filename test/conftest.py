@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -17,6 +18,34 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import cpu_harness  # noqa: E402
 
 cpu_harness.install_cpu_shims()
+# Before any child process starts: they inherit the tag their temp-dir entries carry.
+cpu_harness.session_tag()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if it left model folders or IPC sockets in the temp dir (each test
+    helper removes what it made); they are removed here, so runs do not pile them up."""
+    leftovers = cpu_harness.leftover_temp_entries()
+    if not leftovers:
+        return
+    import shutil
+    import tempfile
+
+    for name in leftovers:
+        path = os.path.join(tempfile.gettempdir(), name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"the tests left {len(leftovers)} entries in the temp dir: {', '.join(leftovers)}"
+    if reporter is not None:
+        reporter.write_line(f"ERROR: {message}", red=True)
+    else:
+        print(f"ERROR: {message}", file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -17,10 +17,11 @@ slot lists between servers is not trusted either. So:
   grant's deadline plus the transfer timeout has passed.
 
 Grants and receipts are signed with HMAC-SHA256 under a key all servers share
-(`--kv-migration-grant-key`, else derived from `--admin-api-key`, else from `--api-key`).
-Without any key they are **unsigned**: still bound to the migration, the exact slots and
-the deadline — which stops a buggy or confused client — but anyone can forge one, so a
-hostile peer on the transfer network is not stopped. Servers log a warning then.
+(`--kv-migration-grant-key`, else derived from `--admin-api-key`). Never from `--api-key`:
+every client of `/generate` holds that one, and a key a client holds cannot stop a client
+forging a grant. Without either key they are **unsigned**: still bound to the migration,
+the exact slots and the deadline — which stops a buggy or confused client — but anyone can
+forge one, so a hostile client or peer is not stopped. Servers log a warning then.
 
 Tokens are `base64url(JSON payload) "." hex(HMAC)`, plain data: nothing is unpickled.
 """
@@ -65,11 +66,10 @@ _KEY_CONTEXT = b"sglang-kv-migration grant key\x00"
 MAX_REMEMBERED_GRANTS = 1 << 16
 
 
-def derive_key(
-    grant_key: str | None, admin_api_key: str | None, api_key: str | None
-) -> bytes | None:
-    """The shared signing key, or None when no secret is configured (unsigned tokens)."""
-    secret = grant_key or admin_api_key or api_key
+def derive_key(grant_key: str | None, admin_api_key: str | None) -> bytes | None:
+    """The shared signing key, or None when no secret is configured (unsigned tokens).
+    Only secrets no inference client holds: never the `--api-key` of `/generate`."""
+    secret = grant_key or admin_api_key
     if not secret:
         return None
     return hashlib.sha256(_KEY_CONTEXT + secret.encode()).digest()

@@ -76,8 +76,9 @@ def hosts() -> Iterator[tuple[str, str, str, str]]:
 @pytest.fixture(scope="module")
 def servers(hosts) -> Iterator[tuple[ServerHandle, ServerHandle]]:
     ns, _link, here_ip, there_ip = hosts
-    # Mooncake's own per-batch timeout, so a write into a cut link fails in seconds.
-    os.environ["MC_TRANSFER_TIMEOUT"] = "3"
+    # Mooncake's own per-batch timeout, so a write into a cut link fails in seconds; no
+    # longer than the servers' 2 s transfer timeout (start-up refuses a longer one).
+    os.environ["MC_TRANSFER_TIMEOUT"] = "2"
     # A lane (stream) per entry in flight: Mooncake queues entries beyond its lanes and
     # sends them later on new streams, which the target's fence does not cover
     # (docs/reliability.md, late writes).
@@ -269,7 +270,7 @@ def test_a_link_cut_while_bytes_are_on_the_wire_fails_only_that_migration(hosts,
         assert thread.is_alive(), "the throttled transfer finished too early"
         _ip("link", "set", link, "down")
         try:
-            thread.join(30.0)  # fails by Mooncake's 3 s batch timeout / the grant deadline
+            thread.join(30.0)  # fails by Mooncake's 2 s batch timeout / the grant deadline
             assert not thread.is_alive(), "the transfer did not fail with the link down"
         finally:
             _ip("link", "set", link, "up")

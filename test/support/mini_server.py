@@ -88,6 +88,8 @@ class ServerHandle:
     url: str
     processes: list[Any]
     control: list[Any]  # one command pipe per rank
+    # The tokenizer IPC socket's file: its ranks leave by os._exit, without closing it.
+    ipc_file: str = ""
 
     def ask(self, rank: int, command: str, *args: Any, timeout: float = 60.0) -> Any:
         """Run a test-only command on one rank (snapshot, read_kv, ...); `rank` is global."""
@@ -124,6 +126,9 @@ class ServerHandle:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        if self.ipc_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.ipc_file)
 
 
 def start_server(spec: ServerSpec, timeout_s: float = 240.0) -> ServerHandle:
@@ -157,9 +162,15 @@ def serving(specs: list[ServerSpec]) -> Iterator[list[ServerHandle]]:
 
 def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
     ctx = fork_context.context()
+    # The ranks leave by os._exit, which skips the removal of a model folder of their own:
+    # they get this process's (removed when it exits).
+    model_dir = spec.harness.model_dir or cpu_harness.write_tiny_model_dir()
+    spec = dataclasses.replace(spec, harness=dataclasses.replace(spec.harness, model_dir=model_dir))
     gloo_port = cpu_harness.free_port()
     http_port = cpu_harness.free_port()
-    endpoint = os.path.join(tempfile.gettempdir(), f"kvm-tokenizer-{uuid.uuid4().hex}")
+    endpoint = os.path.join(
+        tempfile.gettempdir(), f"{cpu_harness.temp_entry_prefixes()[1]}{uuid.uuid4().hex}"
+    )
     ports = _Ports(gloo_port, http_port, f"ipc://{endpoint}")
     ready = ctx.Queue()
     processes, control = [], []
@@ -175,7 +186,7 @@ def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
         p.start()
         processes.append(p)
         control.append(parent)
-    handle = ServerHandle(f"http://{spec.host}:{http_port}", processes, control)
+    handle = ServerHandle(f"http://{spec.host}:{http_port}", processes, control, endpoint)
     return handle, ready, world
 
 
@@ -665,7 +676,7 @@ def _server_args(spec: ServerSpec) -> Any:
 
     cfg = spec.harness
     return KVMigrationServerArgs(
-        model_path=cpu_harness.write_tiny_model_dir(),
+        model_path=cfg.model_dir or cpu_harness.write_tiny_model_dir(),
         served_model_name="tiny-llama",
         skip_tokenizer_init=True,
         device="cpu",
@@ -682,7 +693,8 @@ def _server_args(spec: ServerSpec) -> Any:
         kv_migration_hostname=spec.host,
         kv_migration_staging_mb=spec.staging_mb,
         host=spec.host,
-        # The grant signing key derives from these (as on a real server).
+        # The grant signing key derives from the admin key, never the API key (as on a
+        # real server).
         api_key=spec.api_key,
         admin_api_key=spec.admin_api_key,
     )

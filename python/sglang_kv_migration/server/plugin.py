@@ -39,10 +39,24 @@ logger = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Register every hook. Idempotent: a second call registers nothing more."""
+    """Register every hook. Idempotent: a second call registers nothing more.
+
+    Where SGLang's server runtime cannot be imported (a CPU-only install without
+    `sgl_kernel`), its targets are left out: the registry would log one traceback per
+    target before `launch_server --help`, and no server can start there anyway (a
+    launch fails on SGLang's own import error)."""
+    runtime_missing = sglang_adapter.server_runtime_missing()
     for target, hook, hook_type in _hook_table():
+        if runtime_missing is not None and target in upstream.SERVER_RUNTIME_TARGETS:
+            continue
         if not any(h is hook for h in sglang_adapter.registered_hooks(target)):
             HookRegistry.register(target, hook, hook_type)
+    if runtime_missing is not None:
+        logger.debug(
+            "SGLang's server runtime cannot import here (no %s): KV-migration hooks on the "
+            "scheduler and HTTP server not registered",
+            runtime_missing,
+        )
 
 
 def missing_hooks() -> list[str]:

@@ -54,6 +54,12 @@ HOOK_TARGETS: tuple[str, ...] = (
     SCHEDULER_RESUME_MEMORY,
 )
 
+# Targets in SGLang's scheduler and HTTP server modules: they import only where
+# `sglang_adapter.server_runtime_missing()` finds nothing missing.
+SERVER_RUNTIME_TARGETS: frozenset[str] = frozenset(
+    t for t in HOOK_TARGETS if t.startswith(("sglang.srt.managers.scheduler.", HTTP_LAUNCH_SERVER))
+)
+
 REQUIRED_SYMBOLS: tuple[str, ...] = (
     "sglang.srt.plugins.hook_registry.HookRegistry",
     "sglang.srt.managers.io_struct.BaseReq",

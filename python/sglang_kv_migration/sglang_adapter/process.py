@@ -107,6 +107,25 @@ def http_server_imported() -> bool:
     return "sglang.srt.entrypoints.http_server" in sys.modules
 
 
+# SGLang's scheduler and HTTP server modules import this at module level, unguarded
+# (mem_cache/memory_pool_host.py): where the kernel package is absent (a CPU-only install)
+# they cannot be imported at all, and only SGLang's argument parser runs.
+_SERVER_RUNTIME_NATIVE_MODULE = "sgl_kernel.kvcacheio"
+
+
+def server_runtime_missing() -> str | None:
+    """The native module SGLang's server runtime needs and this environment lacks, or None.
+    Looked up without importing anything: it runs in every SGLang process, at start-up."""
+    import importlib.util
+    import sys
+
+    name = _SERVER_RUNTIME_NATIVE_MODULE
+    package = name.partition(".")[0]
+    if name in sys.modules or package in sys.modules:
+        return None
+    return name if importlib.util.find_spec(package) is None else None
+
+
 def http_tokenizer_manager() -> Any:
     """The HTTP server's `TokenizerManager` (set when the server launches)."""
     from sglang.srt.entrypoints.http_server import get_global_state

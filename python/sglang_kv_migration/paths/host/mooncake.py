@@ -67,6 +67,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 _E = TypeVar("_E", bound=MigrationError)
 
+# The engine's own batch timeout: read from this variable, in seconds, else the default.
+# A batch submitted just before a grant's `write_until` may run this long (see
+# `server_args.check_mooncake_timeout`).
+MC_TRANSFER_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
+MC_DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+
 # The TCP transport queues at most this many entries per peer by default
 # (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER); an oversized batch fails and keeps the queue busy.
 TCP_MAX_QUEUED_ENTRIES = 1024

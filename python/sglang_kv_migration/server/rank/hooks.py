@@ -88,7 +88,7 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         metrics=metrics,
         path_names=parse_path_names(args.kv_migration_paths),
         enable_memory_saver=args.enable_memory_saver,
-        grant_key=derive_key(args.kv_migration_grant_key, args.admin_api_key, args.api_key),
+        grant_key=derive_key(args.kv_migration_grant_key, args.admin_api_key),
         grant_ttl_s=args.kv_migration_grant_ttl,
         staging_bytes=args.kv_migration_staging_mb << 20,
         verify=args.kv_migration_verify,

@@ -101,10 +101,14 @@ MAX_DISTINCT_POLL_ERRORS = 64
 # iteration allocates are served in it, within a bound on the iteration's length.
 CHANNEL_ROUNDS = 4
 
+# What an unsigned fleet exposes. --api-key is named: operators expect it to protect the
+# fleet, and it cannot (every client of /generate holds it, so it never signs).
 _UNSIGNED_WARNING = (
-    "KV migration grants are unsigned: set --kv-migration-grant-key (the same on every "
-    "server) or an admin/API key, or any peer that reaches the transfer network can forge "
-    "a grant"
+    "KV migration grants are UNSIGNED (neither --kv-migration-grant-key nor --admin-api-key "
+    "is set; --api-key never signs grants, every inference client holds it): any client that "
+    "reaches the migration routes, or any peer on the transfer network, can forge a grant and "
+    "overwrite KV in this server's host pool, including committed prefixes other requests "
+    "reuse. Set --kv-migration-grant-key (the same on every server) or --admin-api-key."
 )
 
 
