@@ -199,7 +199,7 @@ class Row:
 def run_cell(
     src: Remote, dst: Remote, layout: str, page_size: int, tokens: int, variant: str, repeats: int
 ) -> Row:
-    from sglang_kv_migration.io_types import (
+    from sglang_kv_migration.wire.messages import (
         AllocateTokenForTransferReqInput,
         CommitTransferRequestKVCacheReqInput,
         GetTransferSessionInfoReqInput,

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 # of a version bump (clients use one only when both servers list it): "page_ranges",
 # "bound_grants" (allocate's `source_instance`; grants bind destination and source),
 # "partial_transfer", "binary_ids", "source_commit", "epoch_check", "source_allocate",
-# "destination_digest", "transfer_batch" (`io_types.py`).
+# "destination_digest", "transfer_batch" (`wire/messages.py`).
 PROTOCOL_VERSION = 2
 
 # Wire feature: allocate takes `expect_epoch` (the target's session info `server_epoch`)

@@ -17,14 +17,14 @@ import pytest
 import zmq
 from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.same_host import allocate_channel
+from sglang_kv_migration.server.same_host.allocate_channel import ChannelCaller, ChannelServer
+from sglang_kv_migration.server.target.channel_allocations import ChannelAllocations
+from sglang_kv_migration.wire.messages import (
     AllocateTokenForTransferReqOutput,
     CommitTransferRequestKVCacheReqInput,
     GetTransferSessionInfoReqInput,
 )
-from sglang_kv_migration.server.same_host import allocate_channel
-from sglang_kv_migration.server.same_host.allocate_channel import ChannelCaller, ChannelServer
-from sglang_kv_migration.server.target.channel_allocations import ChannelAllocations
 from side_helpers import SilentTarget
 
 DEADLINE_S = 5.0
@@ -339,7 +339,7 @@ def test_ids_in_their_own_frame_are_checked_and_go_to_the_handler_as_bytes() -> 
 
 
 def _one_trip_request() -> object:
-    from sglang_kv_migration.io_types import (
+    from sglang_kv_migration.wire.messages import (
         AllocateOnTarget,
         TransferRequestKVCacheReqInput,
         TransferRequestKVCacheTarget,

@@ -37,7 +37,9 @@ from sglang.srt.utils.auth import AuthLevel, auth_level
 
 from sglang_kv_migration import binary_ids, page_ranges, sglang_adapter
 from sglang_kv_migration.errors import ErrorKind
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.http import fast_path as fast_routes
+from sglang_kv_migration.targets import HostTarget
+from sglang_kv_migration.wire.messages import (
     AbortTransferReqInput,
     AllocateOnTarget,
     AllocateTokenForTransferReqInput,
@@ -47,8 +49,6 @@ from sglang_kv_migration.io_types import (
     TransferRequestKVCacheReqInput,
     TransferRequestKVCacheTarget,
 )
-from sglang_kv_migration.server.http import fast_path as fast_routes
-from sglang_kv_migration.targets import HostTarget
 
 DISABLED_MESSAGE = (
     "KV migration is disabled on this server; start it with "

@@ -33,23 +33,6 @@ from typing import Any
 from sglang_kv_migration import PROTOCOL_VERSION, binary_ids, grants, sglang_adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.fingerprint import LayoutFingerprint
-from sglang_kv_migration.io_types import (
-    REQUEST_TYPES,
-    AbortTransferReqInput,
-    AbortTransferReqOutput,
-    AllocatedRank,
-    AllocateTokenForTransferReqInput,
-    AllocateTokenForTransferReqOutput,
-    CommitTransferRequestKVCacheReqInput,
-    CommitTransferRequestKVCacheReqOutput,
-    GetRequestExtraTokenSizeReqInput,
-    GetRequestExtraTokenSizeReqOutput,
-    GetTransferSessionInfoReqInput,
-    GetTransferSessionInfoReqOutput,
-    RankSessionInfo,
-    StageSyncReqInput,
-    TransferRequestKVCacheReqInput,
-)
 from sglang_kv_migration.page_ranges import to_page_ranges
 from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
 from sglang_kv_migration.paths.factory import PATH_FACTORIES
@@ -73,6 +56,23 @@ from sglang_kv_migration.server.target.channel_allocations import ChannelAllocat
 from sglang_kv_migration.server.target.commits import Commits, in_progress_output
 from sglang_kv_migration.server.target.mailbox_commits import SourceCommits, builds_on
 from sglang_kv_migration.server.target.pending import PendingMigrations
+from sglang_kv_migration.wire.messages import (
+    REQUEST_TYPES,
+    AbortTransferReqInput,
+    AbortTransferReqOutput,
+    AllocatedRank,
+    AllocateTokenForTransferReqInput,
+    AllocateTokenForTransferReqOutput,
+    CommitTransferRequestKVCacheReqInput,
+    CommitTransferRequestKVCacheReqOutput,
+    GetRequestExtraTokenSizeReqInput,
+    GetRequestExtraTokenSizeReqOutput,
+    GetTransferSessionInfoReqInput,
+    GetTransferSessionInfoReqOutput,
+    RankSessionInfo,
+    StageSyncReqInput,
+    TransferRequestKVCacheReqInput,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
+from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 FEATURE = grants.DESTINATION_DIGEST_FEATURE
 # Distinct destinations remembered (one per target rank and KV memory generation; ~26 KB

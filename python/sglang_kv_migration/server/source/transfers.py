@@ -29,13 +29,6 @@ from typing import TYPE_CHECKING, Any
 from sglang_kv_migration import grants, page_ranges
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.fingerprint import LayoutFingerprint
-from sglang_kv_migration.io_types import (
-    RankTransferResult,
-    StageRefusal,
-    TransferRequestKVCacheReqInput,
-    TransferRequestKVCacheReqOutput,
-    TransferRequestKVCacheTarget,
-)
 from sglang_kv_migration.paths.base import (
     DEVICE,
     DataPath,
@@ -53,6 +46,13 @@ from sglang_kv_migration.server.same_host.mailbox import Deliverer
 from sglang_kv_migration.server.source.known_destinations import (
     KnownDestinations,
     UnknownDestination,
+)
+from sglang_kv_migration.wire.messages import (
+    RankTransferResult,
+    StageRefusal,
+    TransferRequestKVCacheReqInput,
+    TransferRequestKVCacheReqOutput,
+    TransferRequestKVCacheTarget,
 )
 
 if TYPE_CHECKING:

@@ -28,13 +28,13 @@ from typing import Any
 import orjson
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.diag.trace import ms
+from sglang_kv_migration.server.same_host.allocate_channel import MAX_PER_ITERATION, ChannelServer
+from sglang_kv_migration.wire.messages import (
     REQUEST_TYPES,
     AllocateTokenForTransferReqInput,
     AllocateTokenForTransferReqOutput,
 )
-from sglang_kv_migration.server.diag.trace import ms
-from sglang_kv_migration.server.same_host.allocate_channel import MAX_PER_ITERATION, ChannelServer
 
 logger = logging.getLogger(__name__)
 

@@ -21,11 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.io_types import (
-    AbortTransferReqOutput,
-    CommitTransferRequestKVCacheReqInput,
-    CommitTransferRequestKVCacheReqOutput,
-)
 from sglang_kv_migration.paths.host.target_staging import (
     STAGED,
     DeferredCommit,
@@ -38,6 +33,11 @@ from sglang_kv_migration.paths.host.target_staging import (
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
 from sglang_kv_migration.server.rank.context import RankContext, guarded
 from sglang_kv_migration.server.rank.pp_stages import refusal_of, refused_output
+from sglang_kv_migration.wire.messages import (
+    AbortTransferReqOutput,
+    CommitTransferRequestKVCacheReqInput,
+    CommitTransferRequestKVCacheReqOutput,
+)
 
 if TYPE_CHECKING:
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics, NullMetrics
