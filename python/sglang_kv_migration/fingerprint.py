@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_kv_migration import PROTOCOL_VERSION
+from sglang_kv_migration.wire.version import PROTOCOL_VERSION
 
 
 @dataclass(frozen=True)

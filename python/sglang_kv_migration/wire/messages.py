@@ -21,36 +21,11 @@ from dataclasses import dataclass, field
 
 from sglang.srt.managers.io_struct import BaseReq
 
-from sglang_kv_migration import (
-    EPOCH_CHECK_FEATURE,
-    TRANSFER_BATCH_FEATURE,
-    binary_ids,
-    grants,
-    page_ranges,
-)
 from sglang_kv_migration.targets import HostTarget  # the host path's fields, once
+from sglang_kv_migration.wire import features
 
-# Optional wire features this version understands (session info `features`).
-# "bound_grants": allocate takes `source_instance` (the source's session info
-# `instance_id`); grants name their destination and source (`grants.py`).
-# "partial_transfer" (`grants.PARTIAL_FEATURE`): a transfer takes `partial_ok`, its
-# receipts say how many tokens were written, and commit inserts those.
-# "binary_ids" (`binary_ids.py`): bodies may carry the ids as bytes (`input_ids_u32`).
-# "source_commit" (`server/same_host/mailbox.py`) is listed only by servers with a mailbox, and
-# "source_allocate" (`server/same_host/allocate_channel.py`) only by single-rank servers with an
-# allocate channel: a transfer may take `allocate_on_target` then.
-# "epoch_check": allocate takes `expect_epoch` and refuses, reserving nothing, when this
-# server's epoch is no longer the one the caller's session info names.
-# "transfer_batch": a transfer body may be `{"moves": [...]}`, several transfers in one
-# call (`server/http/routes.py`).
-WIRE_FEATURES = (
-    page_ranges.FEATURE,
-    grants.FEATURE,
-    grants.PARTIAL_FEATURE,
-    binary_ids.FEATURE,
-    EPOCH_CHECK_FEATURE,
-    TRANSFER_BATCH_FEATURE,
-)
+# Optional wire features every server of this version lists (`features.py`).
+WIRE_FEATURES = features.ALWAYS
 
 # --------------------------------------------------------------------------- PP stages
 

@@ -19,9 +19,10 @@ from typing import Any
 
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.wire import features
 from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
-FEATURE = grants.DESTINATION_DIGEST_FEATURE
+FEATURE = features.DESTINATION_DIGEST
 # Distinct destinations remembered (one per target rank and KV memory generation; ~26 KB
 # each for an 8B model), least recently used dropped first.
 MAX_KNOWN = 64
