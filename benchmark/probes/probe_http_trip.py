@@ -46,7 +46,7 @@ def serve(port: int, fast: bool) -> None:
     from sglang.srt.entrypoints.http_server import app
     from sglang_kv_migration.server.http import fast_path as fast_routes
     from sglang_kv_migration.server.http import routes as http_api
-    from sglang_kv_migration.wire.messages import AbortTransferReqOutput
+    from sglang_kv_migration.server.messages import AbortTransferReqOutput
 
     class Backend:
         async def call(self, request: Any) -> Any:

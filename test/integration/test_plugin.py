@@ -243,9 +243,9 @@ def test_flag_off_installs_nothing_on_the_scheduler() -> None:
 
     from sglang.utils import TypeBasedDispatcher
     from sglang_kv_migration.server.http import communicators
+    from sglang_kv_migration.server.messages import REQUEST_TYPES
     from sglang_kv_migration.server.rank import hooks as scheduler_hooks
     from sglang_kv_migration.server.server_args import KVMigrationServerArgs
-    from sglang_kv_migration.wire.messages import REQUEST_TYPES
 
     args = KVMigrationServerArgs(
         model_path=cpu_harness.write_tiny_model_dir(), skip_tokenizer_init=True, device="cpu"

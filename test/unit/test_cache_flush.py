@@ -6,12 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.server.rank.hooks import around_flush_cache, around_sleep_on_idle
-from sglang_kv_migration.wire.messages import (
+from sglang_kv_migration.server.messages import (
     AbortTransferReqInput,
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
 )
+from sglang_kv_migration.server.rank.hooks import around_flush_cache, around_sleep_on_idle
 from side_helpers import transfer_to_self
 
 

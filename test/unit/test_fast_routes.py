@@ -17,7 +17,10 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from sglang_kv_migration.server.http import fast_path as fast_routes
 from sglang_kv_migration.server.http import routes as http_api
-from sglang_kv_migration.wire.messages import AbortTransferReqInput, TransferRequestKVCacheReqOutput
+from sglang_kv_migration.server.messages import (
+    AbortTransferReqInput,
+    TransferRequestKVCacheReqOutput,
+)
 
 
 class Backend:

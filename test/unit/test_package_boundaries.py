@@ -27,7 +27,7 @@ NAME = "sglang_kv_migration"
 SGLANG_EXTENSION_POINTS = {
     f"{NAME}.server.plugin": {"sglang.srt.plugins.hook_registry"},
     f"{NAME}.server.server_args": {"sglang.srt"},
-    f"{NAME}.wire.messages": {"sglang.srt.managers.io_struct"},
+    f"{NAME}.server.messages": {"sglang.srt.managers.io_struct"},
     f"{NAME}.server.http.routes": {"sglang.srt.utils.auth"},
 }
 # torch's own CUDA IPC calls (storage export/import), not SGLang's: the device path's

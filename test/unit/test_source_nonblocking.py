@@ -12,9 +12,7 @@ import time
 
 import torch
 from sglang_kv_migration.paths.base import KVPoll
-from sglang_kv_migration.wire.messages import (
-    AllocateTokenForTransferReqInput,
-)
+from sglang_kv_migration.server.messages import AllocateTokenForTransferReqInput
 from side_helpers import transfer_to_self
 
 

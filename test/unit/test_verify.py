@@ -18,7 +18,7 @@ import torch
 from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.paths import verify
 from sglang_kv_migration.paths.device.path import DevicePath
-from sglang_kv_migration.wire.messages import (
+from sglang_kv_migration.server.messages import (
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
 )

@@ -39,15 +39,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from sglang_kv_migration.errors import ErrorKind
-from sglang_kv_migration.wire.messages import (
+from sglang_kv_migration.server.messages import (
     AbortTransferReqOutput,
     AllocateTokenForTransferReqOutput,
     CommitTransferRequestKVCacheReqOutput,
     GetRequestExtraTokenSizeReqOutput,
     GetTransferSessionInfoReqOutput,
-    StageRefusal,
     TransferRequestKVCacheReqOutput,
 )
+from sglang_kv_migration.wire.messages import StageRefusal
 
 # --------------------------------------------------------------------------- public API
 

@@ -40,6 +40,10 @@ from sglang_kv_migration.paths.base import (
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
 from sglang_kv_migration.server.diag.metrics import MigrationMetrics
 from sglang_kv_migration.server.diag.trace import ms, stamp
+from sglang_kv_migration.server.messages import (
+    TransferRequestKVCacheReqInput,
+    TransferRequestKVCacheReqOutput,
+)
 from sglang_kv_migration.server.rank.context import RankContext, check_peer_fingerprint, error_of
 from sglang_kv_migration.server.same_host.allocate_channel import ALLOCATE_TIMEOUT_S, ChannelCaller
 from sglang_kv_migration.server.same_host.mailbox import Deliverer
@@ -50,8 +54,6 @@ from sglang_kv_migration.server.source.known_destinations import (
 from sglang_kv_migration.wire.messages import (
     RankTransferResult,
     StageRefusal,
-    TransferRequestKVCacheReqInput,
-    TransferRequestKVCacheReqOutput,
     TransferRequestKVCacheTarget,
 )
 

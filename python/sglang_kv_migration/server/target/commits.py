@@ -31,13 +31,13 @@ from sglang_kv_migration.paths.host.target_staging import (
     staged_refusal,
 )
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
-from sglang_kv_migration.server.rank.context import RankContext, guarded
-from sglang_kv_migration.server.rank.pp_stages import refusal_of, refused_output
-from sglang_kv_migration.wire.messages import (
+from sglang_kv_migration.server.messages import (
     AbortTransferReqOutput,
     CommitTransferRequestKVCacheReqInput,
     CommitTransferRequestKVCacheReqOutput,
 )
+from sglang_kv_migration.server.rank.context import RankContext, guarded
+from sglang_kv_migration.server.rank.pp_stages import refusal_of, refused_output
 
 if TYPE_CHECKING:
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics, NullMetrics
