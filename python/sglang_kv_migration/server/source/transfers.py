@@ -593,7 +593,7 @@ class SourceTransfers:
         for target in req.target_per_rank:
             if (target.tp, target.pp) == (self.ctx.tp_rank, self.ctx.pp_rank):
                 self._check_size(req)
-                slots = target_slots(target, self.fingerprint.page_size, req.extra_token_size)
+                slots = target_slots(target, self.fingerprint.shape.page_size, req.extra_token_size)
                 inflight.own_slots = (slots, grants.slots_digest(slots))
                 inflight.slots_digest = inflight.own_slots[1]
                 return
@@ -616,7 +616,7 @@ class SourceTransfers:
                 ErrorKind.BAD_REQUEST, f"target_per_rank has no entry for tp={tp} pp={pp}"
             )
         if slots_and_digest is None:
-            slots = target_slots(target, fingerprint.page_size, req.extra_token_size)
+            slots = target_slots(target, fingerprint.shape.page_size, req.extra_token_size)
             slots_and_digest = (slots, grants.slots_digest(slots))
         slots, digest = slots_and_digest
         if target.path not in self.paths:
