@@ -199,13 +199,13 @@ class Row:
 def run_cell(
     src: Remote, dst: Remote, layout: str, page_size: int, tokens: int, variant: str, repeats: int
 ) -> Row:
-    from sglang_kv_migration.io_types import (
+    from sglang_kv_migration.server.messages import (
         AllocateTokenForTransferReqInput,
         CommitTransferRequestKVCacheReqInput,
         GetTransferSessionInfoReqInput,
         TransferRequestKVCacheReqInput,
-        TransferRequestKVCacheTarget,
     )
+    from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
     nbytes = tokens * BYTES_PER_TOKEN
     # Room for the migration plus the raw writes' bytes, on both sides.

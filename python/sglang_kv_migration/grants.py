@@ -42,25 +42,17 @@ import orjson
 import xxhash
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.wire import features
 
 if TYPE_CHECKING:
     import torch
 
-# Wire feature (session info `features`): allocate takes `source_instance`, and grants
-# bind their destination and source.
-FEATURE = "bound_grants"
-# Wire feature: a transfer with `partial_ok` sends what the source holds of the granted
-# range, and its receipts say how many tokens (`Receipt.tokens`); commit inserts those.
-PARTIAL_FEATURE = "partial_transfer"
-# Wire feature: allocate takes `source_commit`; the source then hands its receipts to the
-# target's mailbox (`Grant.mailbox`, server/same_host/mailbox.py) and the target commits by itself.
-SOURCE_COMMIT_FEATURE = "source_commit"
-# Wire feature: a transfer takes `allocate_on_target`; the source asks the target's
-# allocate channel for the slots itself (server/same_host/allocate_channel.py): one client call.
-SOURCE_ALLOCATE_FEATURE = "source_allocate"
-# Wire feature: a device-path target entry may name its `device_kv` by the digest grants
-# bind (`device_kv_digest`), once the source was sent it in full (known_destinations.py).
-DESTINATION_DIGEST_FEATURE = "destination_digest"
+# The wire features grants take part in (`wire/features.py` says what each adds).
+FEATURE = features.BOUND_GRANTS
+PARTIAL_FEATURE = features.PARTIAL_TRANSFER  # receipts say how many tokens (`Receipt.tokens`)
+SOURCE_COMMIT_FEATURE = features.SOURCE_COMMIT  # receipts go to `Grant.mailbox`
+SOURCE_ALLOCATE_FEATURE = features.SOURCE_ALLOCATE
+DESTINATION_DIGEST_FEATURE = features.DESTINATION_DIGEST  # grants bind the digest
 _KEY_CONTEXT = b"sglang-kv-migration grant key\x00"
 # Grants used by this source (for replay refusal), remembered until they expire.
 MAX_REMEMBERED_GRANTS = 1 << 16

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from sglang_kv_migration.wire import features
+
 if TYPE_CHECKING:
     import torch
 
-# Wire feature name (session info `features`): allocate takes `index_format: "ranges"`
-# and transfer targets take `kv_page_ranges`.
-FEATURE = "page_ranges"
+FEATURE = features.PAGE_RANGES  # `wire/features.py` says what it adds
 
 
 def to_page_ranges(slots: torch.Tensor, page_size: int) -> list[list[int]]:

@@ -2,7 +2,7 @@
 
 Each process (``_migration_peer.py``) holds a real HiRadixCache from the CPU harness and a
 `MigrationSchedulerSide`; this test plays the HTTP layer and calls the handlers through
-the pipe with the io_types requests. The KV bytes cross only through the transfer engine.
+the pipe with the server.messages requests. The KV bytes cross only through the transfer engine.
 
 One pair of processes serves the whole module (spawning one costs a full SGLang import);
 every test rebuilds both servers' caches with the `setup` command.

@@ -32,7 +32,7 @@ def one_rank_context(
 def allocate_on(side: Any, input_ids: list[int], migration_id: str, **fields: Any) -> Any:
     """`side`'s allocate reply for `input_ids` under `migration_id`, as a peer with this
     side's own layout asks it (`fields`: any other allocate field)."""
-    from sglang_kv_migration.io_types import AllocateTokenForTransferReqInput
+    from sglang_kv_migration.server.messages import AllocateTokenForTransferReqInput
 
     return side.allocate_token_for_transfer(
         AllocateTokenForTransferReqInput(
@@ -49,7 +49,7 @@ def transfer_to_self(
 ):
     """A transfer request from `side` into its own host slots `kv_indices` (loopback),
     writing under `grant` (the allocate reply's `ranks[0].grant`)."""
-    from sglang_kv_migration.io_types import TransferRequestKVCacheReqInput
+    from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
     from targets import host_target
 
     if grant:

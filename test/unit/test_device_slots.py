@@ -388,12 +388,12 @@ def test_commit_adopts_host_only_nodes(harness_factory, attention, page_size):
 
 
 def test_scheduler_side_leaves_the_device_path_out_without_cuda(harness_factory, caplog):
-    from sglang_kv_migration.io_types import (
+    from sglang_kv_migration.paths.host.mooncake import TransportConfig
+    from sglang_kv_migration.server.diag.metrics import MigrationMetrics
+    from sglang_kv_migration.server.messages import (
         AllocateTokenForTransferReqInput,
         GetTransferSessionInfoReqInput,
     )
-    from sglang_kv_migration.paths.host.mooncake import TransportConfig
-    from sglang_kv_migration.server.diag.metrics import MigrationMetrics
     from sglang_kv_migration.server.rank.scheduler_side import MigrationSchedulerSide
 
     assert not torch.cuda.is_available()

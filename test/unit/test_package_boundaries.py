@@ -3,7 +3,7 @@
 - no import cycle between modules, function-level imports included;
 - `paths/` imports nothing from `server/`, `client/` or `rollout/`;
 - `client/`, `rollout/` and `integrations/` import nothing from `server/` or `paths/`;
-- the shared modules (errors, io_types, grants, page_ranges, fingerprint, targets) and
+- the shared modules (errors, wire, grants, page_ranges, fingerprint, targets) and
   `sglang_adapter/` import none of the four parts;
 - `mooncake` is imported only under `paths/host/`;
 - SGLang is reached only through `sglang_adapter/`: no run-time SGLang import elsewhere
@@ -27,7 +27,7 @@ from package_source import in_part as _in
 SGLANG_EXTENSION_POINTS = {
     f"{NAME}.server.plugin": {"sglang.srt.plugins.hook_registry"},
     f"{NAME}.server.server_args": {"sglang.srt"},
-    f"{NAME}.io_types": {"sglang.srt.managers.io_struct"},
+    f"{NAME}.server.messages": {"sglang.srt.managers.io_struct"},
     f"{NAME}.server.http.routes": {"sglang.srt.utils.auth"},
     # verl's plugin entry point calls SGLang's own plugin loader (and nothing else).
     f"{NAME}.integrations.verl_plugin": {"sglang.srt.plugins"},
@@ -85,7 +85,7 @@ def test_no_import_cycle() -> None:
         ("integrations", ("server", "paths")),
         # The shared modules (and the adapter) stand under every part.
         ("errors", ("server", "paths", "client", "rollout")),
-        ("io_types", ("server", "paths", "client", "rollout")),
+        ("wire", ("server", "paths", "client", "rollout")),
         ("grants", ("server", "paths", "client", "rollout")),
         ("page_ranges", ("server", "paths", "client", "rollout")),
         ("fingerprint", ("server", "paths", "client", "rollout")),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.messages import (
     AbortTransferReqInput,
     AllocateTokenForTransferReqInput,
 )

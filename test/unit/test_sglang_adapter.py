@@ -871,7 +871,7 @@ def test_stage_reply_sender_reaches_the_tokenizer_socket():
     """The first TP rank of a later stage pushes to the socket the tokenizer manager
     binds; other ranks (and stage 0, which has SGLang's own) get a no-op sender."""
     import zmq
-    from sglang_kv_migration.io_types import AbortTransferReqInput, AbortTransferReqOutput
+    from sglang_kv_migration.server.messages import AbortTransferReqInput, AbortTransferReqOutput
 
     context = zmq.Context()
     pull = context.socket(zmq.PULL)

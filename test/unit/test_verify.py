@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 from sglang_kv_migration import sglang_adapter
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.paths import verify
+from sglang_kv_migration.paths.device.path import DevicePath
+from sglang_kv_migration.server.messages import (
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
 )
-from sglang_kv_migration.paths import verify
-from sglang_kv_migration.paths.device.path import DevicePath
 from side_helpers import transfer_to_self
 
 KEY = hashlib.sha256(b"test verify key").digest()

@@ -39,18 +39,22 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
-from sglang_kv_migration import EPOCH_CHECK_FEATURE as EPOCH_CHECK
-from sglang_kv_migration import PROTOCOL_VERSION, binary_ids
+from sglang_kv_migration import binary_ids
 from sglang_kv_migration.client import aio_http11, http11
 from sglang_kv_migration.client.batch import Move, lockstep
 from sglang_kv_migration.fingerprint import LayoutFingerprint
-from sglang_kv_migration.grants import DESTINATION_DIGEST_FEATURE as DESTINATION_DIGEST
-from sglang_kv_migration.grants import FEATURE as BOUND_GRANTS
-from sglang_kv_migration.grants import PARTIAL_FEATURE as PARTIAL_TRANSFER
-from sglang_kv_migration.grants import SOURCE_ALLOCATE_FEATURE as SOURCE_ALLOCATE
-from sglang_kv_migration.grants import SOURCE_COMMIT_FEATURE as SOURCE_COMMIT
 from sglang_kv_migration.grants import destination_digest
-from sglang_kv_migration.page_ranges import FEATURE as PAGE_RANGES
+from sglang_kv_migration.wire.features import (
+    BINARY_IDS,
+    BOUND_GRANTS,
+    DESTINATION_DIGEST,
+    EPOCH_CHECK,
+    PAGE_RANGES,
+    PARTIAL_TRANSFER,
+    SOURCE_ALLOCATE,
+    SOURCE_COMMIT,
+)
+from sglang_kv_migration.wire.version import PROTOCOL_VERSION
 
 DEFAULT_TIMEOUT_S = 120.0
 T = TypeVar("T")
@@ -509,7 +513,7 @@ def ids_field(
     `input_ids_u32` when it lists "binary_ids" (cheaper to parse, check and hand to its
     scheduler than a JSON list), else as `input_ids`. `encoded`: prefixes of one id list
     encoded so far, by length (`_Plan.encoded`), filled in here."""
-    if binary_ids.FEATURE not in info.get("features", []):
+    if BINARY_IDS not in info.get("features", []):
         return {"input_ids": ids}
     if encoded is None:
         text = binary_ids.encode(ids)

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     import torch
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-    from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
     from sglang_kv_migration.sglang_adapter import HeldPrefix
+    from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 logger = logging.getLogger(__name__)
 

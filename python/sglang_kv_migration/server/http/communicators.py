@@ -18,8 +18,8 @@ from typing import Any
 
 from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.errors import ErrorKind
-from sglang_kv_migration.io_types import REQUEST_TYPES, AbortTransferReqInput
 from sglang_kv_migration.server.diag.trace import mark_arrived, mark_sent, trip_steps
+from sglang_kv_migration.server.messages import REQUEST_TYPES, AbortTransferReqInput
 from sglang_kv_migration.server.rank.pp_stages import merge_stage_replies, needs_rollback
 from sglang_kv_migration.server.server_args import kv_migration_enabled
 

@@ -33,23 +33,6 @@ from typing import Any
 from sglang_kv_migration import PROTOCOL_VERSION, binary_ids, grants, sglang_adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.fingerprint import LayoutFingerprint
-from sglang_kv_migration.io_types import (
-    REQUEST_TYPES,
-    AbortTransferReqInput,
-    AbortTransferReqOutput,
-    AllocatedRank,
-    AllocateTokenForTransferReqInput,
-    AllocateTokenForTransferReqOutput,
-    CommitTransferRequestKVCacheReqInput,
-    CommitTransferRequestKVCacheReqOutput,
-    GetRequestExtraTokenSizeReqInput,
-    GetRequestExtraTokenSizeReqOutput,
-    GetTransferSessionInfoReqInput,
-    GetTransferSessionInfoReqOutput,
-    RankSessionInfo,
-    StageSyncReqInput,
-    TransferRequestKVCacheReqInput,
-)
 from sglang_kv_migration.page_ranges import to_page_ranges
 from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
 from sglang_kv_migration.paths.factory import PATH_FACTORIES
@@ -60,6 +43,21 @@ from sglang_kv_migration.server.diag.deferred_log import DeferredLog
 from sglang_kv_migration.server.diag.metrics import LoopTimer, MigrationMetrics, NullMetrics
 from sglang_kv_migration.server.diag.profiling import RankProfile
 from sglang_kv_migration.server.diag.trace import mark_received, ms, stamp
+from sglang_kv_migration.server.messages import (
+    REQUEST_TYPES,
+    AbortTransferReqInput,
+    AbortTransferReqOutput,
+    AllocateTokenForTransferReqInput,
+    AllocateTokenForTransferReqOutput,
+    CommitTransferRequestKVCacheReqInput,
+    CommitTransferRequestKVCacheReqOutput,
+    GetRequestExtraTokenSizeReqInput,
+    GetRequestExtraTokenSizeReqOutput,
+    GetTransferSessionInfoReqInput,
+    GetTransferSessionInfoReqOutput,
+    StageSyncReqInput,
+    TransferRequestKVCacheReqInput,
+)
 from sglang_kv_migration.server.rank.context import RankContext, check_peer_fingerprint, guarded
 from sglang_kv_migration.server.rank.pp_stages import refusal_of, refused_output
 from sglang_kv_migration.server.same_host.allocate_channel import FEATURE as SOURCE_ALLOCATE
@@ -73,6 +71,7 @@ from sglang_kv_migration.server.target.channel_allocations import ChannelAllocat
 from sglang_kv_migration.server.target.commits import Commits, in_progress_output
 from sglang_kv_migration.server.target.mailbox_commits import SourceCommits, builds_on
 from sglang_kv_migration.server.target.pending import PendingMigrations
+from sglang_kv_migration.wire.messages import AllocatedRank, RankSessionInfo
 
 logger = logging.getLogger(__name__)
 

@@ -42,17 +42,17 @@ import orjson
 import zmq
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.grants import SOURCE_ALLOCATE_FEATURE
 from sglang_kv_migration.server.same_host.mailbox import (
     SHM_DIR,
     pid_namespace,
     process_alive,
     sweep_stale,
 )
+from sglang_kv_migration.wire import features
 
 logger = logging.getLogger(__name__)
 
-FEATURE = SOURCE_ALLOCATE_FEATURE
+FEATURE = features.SOURCE_ALLOCATE
 # A target that has not answered by then fails the transfer (its slots, if it did
 # allocate, are freed by its watchdog).
 ALLOCATE_TIMEOUT_S = 10.0

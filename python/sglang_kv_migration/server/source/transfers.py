@@ -29,13 +29,6 @@ from typing import TYPE_CHECKING, Any
 from sglang_kv_migration import grants, page_ranges
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.fingerprint import LayoutFingerprint
-from sglang_kv_migration.io_types import (
-    RankTransferResult,
-    StageRefusal,
-    TransferRequestKVCacheReqInput,
-    TransferRequestKVCacheReqOutput,
-    TransferRequestKVCacheTarget,
-)
 from sglang_kv_migration.paths.base import (
     DEVICE,
     DataPath,
@@ -47,12 +40,21 @@ from sglang_kv_migration.paths.base import (
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
 from sglang_kv_migration.server.diag.metrics import MigrationMetrics
 from sglang_kv_migration.server.diag.trace import ms, stamp
+from sglang_kv_migration.server.messages import (
+    TransferRequestKVCacheReqInput,
+    TransferRequestKVCacheReqOutput,
+)
 from sglang_kv_migration.server.rank.context import RankContext, check_peer_fingerprint, error_of
 from sglang_kv_migration.server.same_host.allocate_channel import ALLOCATE_TIMEOUT_S, ChannelCaller
 from sglang_kv_migration.server.same_host.mailbox import Deliverer
 from sglang_kv_migration.server.source.known_destinations import (
     KnownDestinations,
     UnknownDestination,
+)
+from sglang_kv_migration.wire.messages import (
+    RankTransferResult,
+    StageRefusal,
+    TransferRequestKVCacheTarget,
 )
 
 if TYPE_CHECKING:
@@ -599,7 +601,7 @@ class SourceTransfers:
         for target in req.target_per_rank:
             if (target.tp, target.pp) == (self.ctx.tp_rank, self.ctx.pp_rank):
                 self._check_size(req)
-                slots = target_slots(target, self.fingerprint.page_size, req.extra_token_size)
+                slots = target_slots(target, self.fingerprint.shape.page_size, req.extra_token_size)
                 inflight.own_slots = (slots, grants.slots_digest(slots))
                 inflight.slots_digest = inflight.own_slots[1]
                 return
@@ -622,7 +624,7 @@ class SourceTransfers:
                 ErrorKind.BAD_REQUEST, f"target_per_rank has no entry for tp={tp} pp={pp}"
             )
         if slots_and_digest is None:
-            slots = target_slots(target, fingerprint.page_size, req.extra_token_size)
+            slots = target_slots(target, fingerprint.shape.page_size, req.extra_token_size)
             slots_and_digest = (slots, grants.slots_digest(slots))
         slots, digest = slots_and_digest
         if target.path not in self.paths:

@@ -21,11 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.io_types import (
-    AbortTransferReqOutput,
-    CommitTransferRequestKVCacheReqInput,
-    CommitTransferRequestKVCacheReqOutput,
-)
 from sglang_kv_migration.paths.host.target_staging import (
     STAGED,
     DeferredCommit,
@@ -36,6 +31,11 @@ from sglang_kv_migration.paths.host.target_staging import (
     staged_refusal,
 )
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
+from sglang_kv_migration.server.messages import (
+    AbortTransferReqOutput,
+    CommitTransferRequestKVCacheReqInput,
+    CommitTransferRequestKVCacheReqOutput,
+)
 from sglang_kv_migration.server.rank.context import RankContext, guarded
 from sglang_kv_migration.server.rank.pp_stages import refusal_of, refused_output
 
