@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 # of a version bump (clients use one only when both servers list it): "page_ranges",
 # "bound_grants" (allocate's `source_instance`; grants bind destination and source),
 # "partial_transfer", "binary_ids", "source_commit", "epoch_check", "source_allocate",
-# "destination_digest", "transfer_batch" (`io_types.py`).
+# "destination_digest", "transfer_batch", "dp_ranks" (`io_types.py`).
 PROTOCOL_VERSION = 2
 
 # Wire feature: allocate takes `expect_epoch` (the target's session info `server_epoch`)
@@ -26,3 +26,8 @@ EPOCH_CHECK_FEATURE = "epoch_check"
 # Wire feature: `/transfer_request_kvcache` takes `{"moves": [transfer, ...]}`, several
 # transfers in one call (`server/http/routes.py`, `TransferBatchBody`).
 TRANSFER_BATCH_FEATURE = "transfer_batch"
+
+# Wire feature: session info lists every data-parallel rank's scheduler ranks (`dp_rank`
+# per rank, `dp_size`); size query, allocate and transfer take an optional `dp_rank` and
+# their replies name the DP rank they used (`server/http/dp_ranks.py`).
+DP_RANKS_FEATURE = "dp_ranks"

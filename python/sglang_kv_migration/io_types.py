@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from sglang.srt.managers.io_struct import BaseReq
 
 from sglang_kv_migration import (
+    DP_RANKS_FEATURE,
     EPOCH_CHECK_FEATURE,
     TRANSFER_BATCH_FEATURE,
     binary_ids,
@@ -43,6 +44,7 @@ from sglang_kv_migration.targets import HostTarget  # the host path's fields, on
 # server's epoch is no longer the one the caller's session info names.
 # "transfer_batch": a transfer body may be `{"moves": [...]}`, several transfers in one
 # call (`server/http/routes.py`).
+# "dp_ranks": bodies may name a `dp_rank`, replies name the one used (`server/http/dp_ranks.py`).
 WIRE_FEATURES = (
     page_ranges.FEATURE,
     grants.FEATURE,
@@ -50,6 +52,7 @@ WIRE_FEATURES = (
     binary_ids.FEATURE,
     EPOCH_CHECK_FEATURE,
     TRANSFER_BATCH_FEATURE,
+    DP_RANKS_FEATURE,
 )
 
 # --------------------------------------------------------------------------- PP stages
@@ -93,11 +96,15 @@ class RankSessionInfo(HostTarget):
     # source, and the [addr, length] of its own staging arena as a target (empty: none).
     stage_writer: bool = False
     staging_region: list[int] = field(default_factory=list)
+    # Feature "dp_ranks": the data-parallel rank this scheduler rank belongs to (each DP
+    # rank has its own tree and pools; `server/http/dp_ranks.py`).
+    dp_rank: int = 0
 
 
 @dataclass
 class GetTransferSessionInfoReqInput(BaseReq):
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
+    dp_rank: int | None = None  # set by the HTTP layer: the DP rank asked (None: every one)
 
 
 @dataclass
@@ -121,6 +128,8 @@ class GetTransferSessionInfoReqOutput(BaseReq):
     # Feature "source_allocate": a source on this host may allocate here directly
     # (`server/same_host/allocate_channel.py`: address, secret, host); empty when it may not.
     allocate_channel: dict = field(default_factory=dict)
+    # Feature "dp_ranks": how many DP ranks `ranks[]` spans (`--dp-size`).
+    dp_size: int = 1
 
 
 # --------------------------------------------------------------------------- extra size
@@ -136,6 +145,9 @@ class GetRequestExtraTokenSizeReqInput(BaseReq):
     input_ids_u32: bytes = b""
     # Also report `host_headroom_tokens` (a walk of the tree: asked for only by planners).
     headroom: bool = False
+    # Feature "dp_ranks": the DP rank to ask (None: every one; the reply names the one
+    # holding the longest prefix).
+    dp_rank: int | None = None
 
 
 @dataclass
@@ -149,6 +161,10 @@ class GetRequestExtraTokenSizeReqOutput(BaseReq):
     # evictable host-only pages); -1 when not asked.
     host_headroom_tokens: int = -1
     server_epoch: str = ""
+    # Feature "dp_ranks": the DP rank that holds `matched_token_size` (None on a server
+    # with one DP rank), and how many requests run or wait there (its load).
+    dp_rank: int | None = None
+    dp_load: int = 0
     message: str = ""
     error_kind: str = ""
     # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
@@ -190,6 +206,9 @@ class AllocateTokenForTransferReqInput(BaseReq):
     # whose info is stale (restart, weight update, KV memory resume) gets a conflict
     # before anything is reserved: slots granted to it would sit out a write window.
     expect_epoch: str = ""
+    # Feature "dp_ranks": the DP rank to allocate on (None: the HTTP layer picks the least
+    # loaded one that fits).
+    dp_rank: int | None = None
 
 
 @dataclass
@@ -222,6 +241,9 @@ class AllocateTokenForTransferReqOutput(BaseReq):
     # The allocation asked for `source_commit` and got a mailbox slot: a transfer reply
     # that says `delivered` means this server commits by itself.
     source_commit: bool = False
+    # Feature "dp_ranks": the DP rank holding the slots (None on a server with one): the
+    # continuation goes there (`routed_dp_rank`).
+    dp_rank: int | None = None
 
 
 # --------------------------------------------------------------------------- transfer
@@ -280,6 +302,9 @@ class TransferRequestKVCacheReqInput(BaseReq):
     # Feature "source_allocate": allocate on the target first (the sizes, migration id
     # and the target rank's slots and grant come from its reply).
     allocate_on_target: AllocateOnTarget | None = None
+    # Feature "dp_ranks": the DP rank holding the prefix (None: the HTTP layer finds the
+    # one with the longest match).
+    dp_rank: int | None = None
 
 
 @dataclass
@@ -325,6 +350,8 @@ class TransferRequestKVCacheReqOutput(BaseReq):
     # this source does not know (forgotten, or never sent in full): nothing was done;
     # send `device_kv` in full.
     destination_unknown: bool = False
+    # Feature "dp_ranks": the DP rank that sent (None on a server with one).
+    dp_rank: int | None = None
 
 
 # --------------------------------------------------------------------------- commit/abort
@@ -340,6 +367,7 @@ class CommitTransferRequestKVCacheReqInput(BaseReq):
     # Made by this server from its mailbox (`server/target/mailbox_commits.py`), not received:
     # nobody waits for its reply. Never set from a body (`http_api.CommitBody`).
     from_mailbox: bool = False
+    dp_rank: int | None = None  # set by the HTTP layer from the migration id (`dp_ranks.py`)
 
 
 @dataclass
@@ -359,6 +387,7 @@ class AbortTransferReqInput(BaseReq):
     # Optional: settled receipts let the slots go back at once instead of quarantine.
     receipts: list[str] = field(default_factory=list)
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
+    dp_rank: int | None = None  # set by the HTTP layer from the migration id (`dp_ranks.py`)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import uuid
 from typing import Any, Literal
 
 from sglang.srt import server_args as _upstream
@@ -64,6 +65,10 @@ class KVMigrationServerArgs(_upstream.ServerArgs):
         super().__post_init__()
         # SGLang may switch hierarchical cache off (e.g. for diffusion LLMs).
         check_kv_migration_args(self)
+        # Not a field (no flag): one value per launch, pickled with these args into every
+        # scheduler process, so the DP ranks of a `--dp-size N` server, which share no
+        # process group, agree on the server's identity (`RankContext.launch_id`).
+        self.kv_migration_launch_id = uuid.uuid4().hex
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser):
@@ -267,10 +272,13 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
         raise KVMigrationArgsError(
             f"--kv-migration-peer-workers must be at least 1, got {args.kv_migration_peer_workers}."
         )
-    if args.dp_size > 1:
+    if args.dp_size > 1 and args.pp_size > 1:
+        # Each DP rank answers for itself through the tokenizer manager's routing
+        # (`server/http/dp_ranks.py`); PP stages agree through the request stream
+        # (`pp_stages.py`). The two together have not been built.
         raise KVMigrationArgsError(
-            f"--enable-kv-migration does not support --dp-size > 1 yet (got {args.dp_size}); "
-            "use tensor and pipeline parallelism only."
+            f"--enable-kv-migration with --dp-size > 1 (got {args.dp_size}) does not support "
+            f"--pp-size > 1 yet (got {args.pp_size}); use data and tensor parallelism only."
         )
     if args.attn_cp_size > 1:
         # Read from SGLang 0.5.12's code (benchmark/probes/probe_attn_cp.py): CP splits the
