@@ -71,6 +71,7 @@ class MigrationBackend(Protocol):
 MAX_BODY_BYTES = 32 << 20
 MAX_TOKENS = 1 << 21  # input_ids / kv_indices / kv_pages per request
 MAX_ID_CHARS = 128  # migration_id
+MAX_DP_RANK = 4095  # dp_rank (SGLang's --dp-size is far smaller)
 MAX_EPOCH_CHARS = 1024  # server_epoch: instance, KV memory generation, weight_version
 MAX_KEY_CHARS = 4096  # extra_key
 MAX_TOKEN_CHARS = 4096  # a grant or receipt
@@ -154,6 +155,9 @@ ExtraKey = Annotated[str, Field(max_length=MAX_KEY_CHARS)]
 NonNegative = Annotated[int, Field(ge=0)]
 Fingerprint = Annotated[dict[str, Any], _json_within(MAX_FINGERPRINT_BYTES)]
 Address = Annotated[int, Field(ge=0)]
+# Feature "dp_ranks": a data-parallel rank of the server (checked against its --dp-size
+# by `dp_ranks.py`); None lets the server choose.
+DpRank = Annotated[int | None, Field(default=None, ge=0, le=MAX_DP_RANK)]
 
 
 class _Body(BaseModel):
@@ -187,6 +191,7 @@ class _IdsBody(_Body):
 class ExtraTokenSizeBody(_IdsBody):
     extra_key: ExtraKey | None = None
     headroom: bool = False  # also report the host pool's headroom (planners)
+    dp_rank: DpRank = None  # feature "dp_ranks": ask this DP rank only
 
 
 class AllocateFields(_Body):
@@ -210,7 +215,7 @@ class AllocateFields(_Body):
 
 
 class AllocateBody(_IdsBody, AllocateFields):
-    pass
+    dp_rank: DpRank = None  # feature "dp_ranks": allocate on this DP rank
 
 
 class AllocateOnTargetBody(_Body):
@@ -294,6 +299,7 @@ class TransferBody(_IdsBody):
     # Feature "source_allocate": no slots, grant or migration id in the body; the source
     # allocates on the target itself (single-rank servers on one host).
     allocate_on_target: AllocateOnTargetBody | None = None
+    dp_rank: DpRank = None  # feature "dp_ranks": the DP rank holding the prefix
 
     @model_validator(mode="after")
     def _consistent_sizes(self) -> TransferBody:
