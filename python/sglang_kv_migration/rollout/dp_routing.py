@@ -11,19 +11,16 @@ rank past the server's --dp-size).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from sglang_kv_migration.rollout.request_migration import GenerateRequest
+from typing import Any
 
 # SGLang 0.5.12's GenerateReqInput: `routed_dp_rank`, and its deprecated name.
 ROUTING_FIELDS = ("routed_dp_rank", "data_parallel_rank")
 
 
-def routed_to(request: GenerateRequest, dp_rank: int | None) -> GenerateRequest:
-    """`request` routed to DP rank `dp_rank` (None: the server chooses)."""
-    extra = {k: v for k, v in request.extra_body.items() if k not in ROUTING_FIELDS}
+def routed_body(extra_body: dict[str, Any], dp_rank: int | None) -> dict[str, Any]:
+    """A `/generate` body's extra fields `extra_body`, routed to DP rank `dp_rank` (None:
+    the server chooses)."""
+    routed = {k: v for k, v in extra_body.items() if k not in ROUTING_FIELDS}
     if dp_rank is not None:
-        extra["routed_dp_rank"] = dp_rank
-    return dataclasses.replace(request, extra_body=extra)
+        routed["routed_dp_rank"] = dp_rank
+    return routed

@@ -272,12 +272,9 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
         raise KVMigrationArgsError(
             f"--kv-migration-peer-workers must be at least 1, got {args.kv_migration_peer_workers}."
         )
-    if args.dp_size > 1 and args.pp_size > 1:
-        # Each DP rank answers for itself through the tokenizer manager's routing
-        # (`server/http/dp_ranks.py`); PP stages agree through the request stream
-        # (`pp_stages.py`). The two together have not been built.
+    if args.dp_size > 1 and args.pp_size > 1:  # (DP ranks: server/http/dp_ranks.py)
         raise KVMigrationArgsError(
-            f"--enable-kv-migration with --dp-size > 1 (got {args.dp_size}) does not support "
+            f"--enable-kv-migration with --dp-size {args.dp_size} does not support "
             f"--pp-size > 1 yet (got {args.pp_size}); use data and tensor parallelism only."
         )
     if args.attn_cp_size > 1:
