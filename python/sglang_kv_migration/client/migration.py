@@ -96,6 +96,9 @@ class MigrationResult:
     # itself (feature "source_commit"): no commit trip. The target commits before it
     # handles any request sent after this result.
     source_committed: bool = False
+    # Feature "dp_ranks": the target's data-parallel rank that holds the migrated KV
+    # (None: a server with one). Send the continuation there: `routed_dp_rank`.
+    target_dp_rank: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -504,6 +507,9 @@ class _Plan:
     # same ids: encoded once); None where they cannot be sent so.
     encoded: dict[int, str | None] = field(default_factory=dict)
     sessions: SessionCache | None = None  # what sources know (feature "destination_digest")
+    # Feature "dp_ranks": the source's DP rank holding the prefix, from its size query
+    # (None: not asked; the source finds it itself).
+    source_dp_rank: int | None = None
 
 
 def ids_field(
@@ -633,6 +639,7 @@ def _attempt(
         steps,
         partial=partial,
         sessions=sessions,
+        source_dp_rank=None if partial else held.get("dp_rank"),
     )
     if not prefix:
         return _result(plan, "", {"matched_token_size": 0}, None, None, "", "")
@@ -973,6 +980,7 @@ def _transfer_call(plan: _Plan, allocation: dict[str, Any], path: str) -> _Call:
             "migration_id": allocation["migration_id"],
             "target_per_rank": _targets(plan.target_info, allocation, path),
             **({"partial_ok": True} if plan.partial else {}),
+            **({"dp_rank": plan.source_dp_rank} if plan.source_dp_rank is not None else {}),
         },
     )
 
@@ -1019,6 +1027,7 @@ def _result(
         transfer_steps_ms=[r.get("steps_ms", {}) for r in ranks],
         steps_ms=plan.steps,
         source_committed=source_committed,
+        target_dp_rank=allocation.get("dp_rank"),
     )
 
 
@@ -1121,7 +1130,7 @@ def _targets(
 ) -> list[dict[str, Any]]:
     slots = {(r["tp_rank"], r["pp_rank"]): r for r in allocation["ranks"]}
     entries = []
-    for rank in target_info["ranks"]:
+    for rank in _dp_rank_ranks(target_info, allocation.get("dp_rank")):
         granted = slots[(rank["tp_rank"], rank["pp_rank"])]
         entry = _target_entry(rank, path)
         entry["grant"] = granted.get("grant", "")
@@ -1134,6 +1143,14 @@ def _targets(
             entry["staging"] = granted["staging"]
         entries.append(entry)
     return entries
+
+
+def _dp_rank_ranks(info: dict[str, Any], dp_rank: int | None) -> list[dict[str, Any]]:
+    """The ranks of session info `info` that belong to DP rank `dp_rank` (feature
+    "dp_ranks"; all of them for None, a server with one DP rank)."""
+    if dp_rank is None:
+        return info["ranks"]
+    return [r for r in info["ranks"] if r.get("dp_rank", 0) == dp_rank]
 
 
 def _target_entry(rank: dict[str, Any], path: str) -> dict[str, Any]:

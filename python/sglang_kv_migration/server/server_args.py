@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import sys
+import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -77,6 +78,10 @@ class KVMigrationServerArgs(_upstream.ServerArgs):
         super().__post_init__()
         # SGLang may switch hierarchical cache off (e.g. for diffusion LLMs).
         check_kv_migration_args(self)
+        # Not a field (no flag): one value per launch, pickled with these args into every
+        # scheduler process, so the DP ranks of a `--dp-size N` server, which share no
+        # process group, agree on the server's identity (`RankContext.launch_id`).
+        self.kv_migration_launch_id = uuid.uuid4().hex
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser):
@@ -283,10 +288,10 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
         raise KVMigrationArgsError(
             f"--kv-migration-peer-workers must be at least 1, got {args.kv_migration_peer_workers}."
         )
-    if args.dp_size > 1:
+    if args.dp_size > 1 and args.pp_size > 1:  # (DP ranks: server/http/dp_ranks.py)
         raise KVMigrationArgsError(
-            f"--enable-kv-migration does not support --dp-size > 1 yet (got {args.dp_size}); "
-            "use tensor and pipeline parallelism only."
+            f"--enable-kv-migration with --dp-size {args.dp_size} does not support "
+            f"--pp-size > 1 yet (got {args.pp_size}); use data and tensor parallelism only."
         )
     if args.attn_cp_size > 1:
         # Read from SGLang 0.5.12's code (benchmark/probes/probe_attn_cp.py): CP splits the

@@ -30,6 +30,7 @@ from sglang_kv_migration.targets import HostTarget
 
 MAX_TOKENS = 1 << 21  # input_ids / kv_indices / kv_pages per request
 MAX_ID_CHARS = 128  # migration_id
+MAX_DP_RANK = 4095  # dp_rank (SGLang's --dp-size is far smaller)
 MAX_EPOCH_CHARS = 1024  # server_epoch: instance, KV memory generation, weight_version
 MAX_KEY_CHARS = 4096  # extra_key
 MAX_TOKEN_CHARS = 4096  # a grant or receipt
@@ -113,6 +114,9 @@ ExtraKey = Annotated[str, Field(max_length=MAX_KEY_CHARS)]
 NonNegative = Annotated[int, Field(ge=0)]
 Fingerprint = Annotated[dict[str, Any], _json_within(MAX_FINGERPRINT_BYTES)]
 Address = Annotated[int, Field(ge=0)]
+# Feature "dp_ranks": a data-parallel rank of the server (checked against its --dp-size
+# by `server/http/dp_ranks.py`); None lets the server choose.
+DpRank = Annotated[int | None, Field(default=None, ge=0, le=MAX_DP_RANK)]
 
 
 class Body(BaseModel):
@@ -146,6 +150,7 @@ class IdsBody(Body):
 class ExtraTokenSizeBody(IdsBody):
     extra_key: ExtraKey | None = None
     headroom: bool = False  # also report the host pool's headroom (planners)
+    dp_rank: DpRank = None  # feature "dp_ranks": ask this DP rank only
 
 
 class AllocateFields(Body):
@@ -169,7 +174,7 @@ class AllocateFields(Body):
 
 
 class AllocateBody(IdsBody, AllocateFields):
-    pass
+    dp_rank: DpRank = None  # feature "dp_ranks": allocate on this DP rank
 
 
 class AllocateOnTargetBody(Body):
@@ -253,6 +258,7 @@ class TransferBody(IdsBody):
     # Feature "source_allocate": no slots, grant or migration id in the body; the source
     # allocates on the target itself (single-rank servers on one host).
     allocate_on_target: AllocateOnTargetBody | None = None
+    dp_rank: DpRank = None  # feature "dp_ranks": the DP rank holding the prefix
 
     @model_validator(mode="after")
     def _consistent_sizes(self) -> TransferBody:

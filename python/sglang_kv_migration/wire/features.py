@@ -19,6 +19,7 @@ TRANSFER_BATCH = "transfer_batch"
 SOURCE_COMMIT = "source_commit"
 SOURCE_ALLOCATE = "source_allocate"
 DESTINATION_DIGEST = "destination_digest"
+DP_RANKS = "dp_ranks"
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,13 @@ REGISTRY: tuple[Feature, ...] = (
         "(`device_kv_digest`), once the source was sent it in full "
         "(`server/source/known_destinations.py`)",
         "servers with the device path",
+    ),
+    Feature(
+        DP_RANKS,
+        "session info lists every data-parallel rank's scheduler ranks (`dp_rank` per rank, "
+        "`dp_size`); size query, allocate and transfer take an optional `dp_rank` and their "
+        "replies name the DP rank they used (`server/http/dp_ranks.py`)",
+        EVERY_SERVER,
     ),
 )
 

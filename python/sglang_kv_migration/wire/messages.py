@@ -78,11 +78,15 @@ class RankSessionInfo(HostTarget):
     # source, and the [addr, length] of its own staging arena as a target (empty: none).
     stage_writer: bool = False
     staging_region: list[int] = field(default_factory=list)
+    # Feature "dp_ranks": the data-parallel rank this scheduler rank belongs to (each DP
+    # rank has its own tree and pools; `server/http/dp_ranks.py`).
+    dp_rank: int = 0
 
 
 @dataclass
 class SessionInfoRequest:
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
+    dp_rank: int | None = None  # set by the HTTP layer: the DP rank asked (None: every one)
 
 
 @dataclass
@@ -101,6 +105,8 @@ class SessionInfoReply(Reply):
     # Feature "source_allocate": a source on this host may allocate here directly
     # (`server/same_host/allocate_channel.py`: address, secret, host); empty when it may not.
     allocate_channel: dict = field(default_factory=dict)
+    # Feature "dp_ranks": how many DP ranks `ranks[]` spans (`--dp-size`).
+    dp_size: int = 1
 
 
 # --------------------------------------------------------------------------- extra size
@@ -116,6 +122,9 @@ class ExtraTokenSizeRequest:
     input_ids_u32: bytes = b""
     # Also report `host_headroom_tokens` (a walk of the tree: asked for only by planners).
     headroom: bool = False
+    # Feature "dp_ranks": the DP rank to ask (None: every one; the reply names the one
+    # holding the longest prefix).
+    dp_rank: int | None = None
 
 
 @dataclass
@@ -128,6 +137,10 @@ class ExtraTokenSizeReply(Reply):
     # evictable host-only pages); -1 when not asked.
     host_headroom_tokens: int = -1
     server_epoch: str = ""
+    # Feature "dp_ranks": the DP rank that holds `matched_token_size` (None on a server
+    # with one DP rank), and how many requests run or wait there (its load).
+    dp_rank: int | None = None
+    dp_load: int = 0
 
 
 # --------------------------------------------------------------------------- allocate
@@ -164,6 +177,9 @@ class AllocateRequest:
     # whose info is stale (restart, weight update, KV memory resume) gets a conflict
     # before anything is reserved: slots granted to it would sit out a write window.
     expect_epoch: str = ""
+    # Feature "dp_ranks": the DP rank to allocate on (None: the HTTP layer picks the least
+    # loaded one that fits).
+    dp_rank: int | None = None
 
 
 @dataclass
@@ -191,6 +207,9 @@ class AllocateReply(Reply):
     # The allocation asked for `source_commit` and got a mailbox slot: a transfer reply
     # that says `delivered` means this server commits by itself.
     source_commit: bool = False
+    # Feature "dp_ranks": the DP rank holding the slots (None on a server with one): the
+    # continuation goes there (`routed_dp_rank`).
+    dp_rank: int | None = None
 
 
 # --------------------------------------------------------------------------- transfer
@@ -249,6 +268,9 @@ class TransferRequest:
     # Feature "source_allocate": allocate on the target first (the sizes, migration id
     # and the target rank's slots and grant come from its reply).
     allocate_on_target: AllocateOnTarget | None = None
+    # Feature "dp_ranks": the DP rank holding the prefix (None: the HTTP layer finds the
+    # one with the longest match).
+    dp_rank: int | None = None
 
 
 @dataclass
@@ -289,6 +311,8 @@ class TransferReply(Reply):
     # this source does not know (forgotten, or never sent in full): nothing was done;
     # send `device_kv` in full.
     destination_unknown: bool = False
+    # Feature "dp_ranks": the DP rank that sent (None on a server with one).
+    dp_rank: int | None = None
 
 
 # --------------------------------------------------------------------------- commit/abort
@@ -304,6 +328,7 @@ class CommitRequest:
     # Made by this server from its mailbox (`server/target/mailbox_commits.py`), not received:
     # nobody waits for its reply. Never set from a body (`bodies.CommitBody`).
     from_mailbox: bool = False
+    dp_rank: int | None = None  # set by the HTTP layer from the migration id (`dp_ranks.py`)
 
 
 @dataclass
@@ -317,6 +342,7 @@ class AbortRequest:
     # Optional: settled receipts let the slots go back at once instead of quarantine.
     receipts: list[str] = field(default_factory=list)
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
+    dp_rank: int | None = None  # set by the HTTP layer from the migration id (`dp_ranks.py`)
 
 
 @dataclass

@@ -67,6 +67,8 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
         model=args.served_model_name,
         send_output=view.send_output,
         world_group=view.world_cpu_group,
+        # Every DP rank of one launch shares the server's identity (`server_epoch`).
+        launch_id=args.kv_migration_launch_id if view.dp_size > 1 else "",
     )
     transport_config = TransportConfig(
         hostname=advertised_hostname(args.kv_migration_hostname, args.host),
@@ -99,7 +101,12 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
     side.scheduler_idle = sglang_adapter.scheduler_idle_check(scheduler)
     side.input_waiting = sglang_adapter.input_waiting_check(scheduler)
     scheduler.kv_migration = side
-    sglang_adapter.add_request_handlers(scheduler, side.handlers())
+    handlers = side.handlers()
+    if view.dp_size > 1:
+        from sglang_kv_migration.server.rank.dp_filter import for_dp_rank
+
+        handlers = for_dp_rank(handlers, view.dp_rank, sglang_adapter.scheduler_load(scheduler))
+    sglang_adapter.add_request_handlers(scheduler, handlers)
     if side.channel_allocations is not None:
         sglang_adapter.wake_from_idle_sleep_on(scheduler, side.channel_allocations.channel.socket)
 

@@ -151,7 +151,7 @@ class MigrationSchedulerSide:
         self.bytes_per_token = sum(self.layout.item_lens)  # on this rank
         # A restarted server gets a new epoch: clients drop their cached session info.
         # One for the whole server: every PP stage's reply carries it.
-        self.server_epoch = ctx.first_rank_value_on_world(uuid.uuid4().hex)
+        self.server_epoch = ctx.first_rank_value_on_world(ctx.launch_id or uuid.uuid4().hex)
         # Bumped by every KV memory resume (memory saver): part of the epoch clients see,
         # so they read session info again (the device path's landing arena is new).
         self.memory_generation = 0
