@@ -223,20 +223,20 @@ case $call in
 24)
   # Whether the in-poll waits (first session of 2026-12-03) pay, side by side in one run:
   # page 16 rows (one page, 2K, 32K; five repeats) and two concurrency rounds, then the
-  # same on a fresh pair started with SGLANG_KV_MIGRATION_WAIT_IN_POLL=0 (waits only
-  # before the poll, as before). Calls 20 and 21 ran on different machines and could
-  # not tell.
+  # same on a fresh pair started with the in-poll waits off (their switch is gone: the
+  # waits are off now, so this runs the rows only). Calls 20 and 21 ran on different
+  # machines and could not tell.
   exec bash scripts/gpu_jobs.sh 570 \
-    "0:ab16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 32768 --repeats 5 --no-host --concurrency-rounds 2 --compare-env SGLANG_KV_MIGRATION_WAIT_IN_POLL=0"
+    "0:ab16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 32768 --repeats 5 --no-host --concurrency-rounds 2"
   ;;
 25)
   # Second session of 2026-12-03: moves sent together ask their targets before any is
   # prepared (SourceTransfers._defer_prepare), side by side in one run with that off
-  # (SGLANG_KV_MIGRATION_ASK_FIRST=0) and with the in-poll waits off
-  # (SGLANG_KV_MIGRATION_WAIT_IN_POLL=0): page 16, one page and 8K rows, three
+  # and with the in-poll waits off (both switches are gone: this runs the default
+  # only): page 16, one page and 8K rows, three
   # concurrency rounds on each pair. `python3 benchmark/read_concurrency.py` reads it.
   exec bash scripts/gpu_jobs.sh 570 \
-    "0:ask16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 8192 --repeats 5 --no-host --concurrency-rounds 3 --compare-env SGLANG_KV_MIGRATION_ASK_FIRST=0 --compare-env SGLANG_KV_MIGRATION_WAIT_IN_POLL=0"
+    "0:ask16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 8192 --repeats 5 --no-host --concurrency-rounds 3"
   ;;
 26)
   # Third session of 2026-12-03, after calls 23 and 21 passed on this code: the
