@@ -15,9 +15,7 @@ import logging
 from typing import Any
 
 from sglang_kv_migration import sglang_adapter
-from sglang_kv_migration.paths.base import HOST
 from sglang_kv_migration.paths.factory import open_paths
-from sglang_kv_migration.server.diag.metrics import NullMetrics
 from sglang_kv_migration.server.diag.rank_diagnostics import RankDiagnostics
 from sglang_kv_migration.server.rank.context import RankContext
 from sglang_kv_migration.server.rank.dispatch import Dispatch
@@ -76,10 +74,10 @@ class _PathSite:
 def compose_rank(ctx: RankContext, settings: RankSettings) -> MigrationSchedulerSide:
     """Every part of one rank's migration side, from `settings` (tests and benchmarks
     that drive a rank directly call this with their own)."""
-    diagnostics = RankDiagnostics.of(settings.metrics or NullMetrics(), settings.profile)
-    # The host path is always available where it is asked for (`paths/factory.py`).
-    host_path = HOST in settings.path_names
-    identity = open_identity(ctx, settings.grant_key, settings.attn_cp_size, host_path)
+    diagnostics = RankDiagnostics.of(settings.metrics, settings.profile)
+    identity = open_identity(
+        ctx, settings.grant_key, settings.attn_cp_size, host_path=settings.host_path
+    )
     # Memory saver: the device path's target writes land in an arena of this size.
     landing_bytes = settings.landing_bytes if settings.enable_memory_saver else 0
     paths = open_paths(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
-from sglang_kv_migration.server.diag.metrics import LoopTimer, MigrationMetrics
+from sglang_kv_migration.server.diag.metrics import LoopTimer, MigrationMetrics, NullMetrics
 from sglang_kv_migration.server.diag.profiling import RankProfile
 
 
@@ -20,5 +20,7 @@ class RankDiagnostics:
     log_later: DeferredLog = field(default_factory=DeferredLog)
 
     @classmethod
-    def of(cls, metrics: MigrationMetrics, profile: RankProfile | None) -> RankDiagnostics:
+    def of(cls, metrics: MigrationMetrics | None, profile: RankProfile | None) -> RankDiagnostics:
+        """None: no metrics (without --enable-metrics)."""
+        metrics = metrics or NullMetrics()
         return cls(metrics, LoopTimer(metrics), profile)

@@ -38,6 +38,11 @@ class RankSettings:
     # Offer the GIL to our helper threads once per busy iteration (`loop.py`).
     yield_gil: bool = True
 
+    @property
+    def host_path(self) -> bool:
+        """The host path is asked for (it runs wherever it is: `paths/factory.py`)."""
+        return HOST in self.path_names
+
 
 def settings_from_server_args(
     args: Any,

@@ -16,9 +16,8 @@ from sglang_kv_migration.server.rank.context import RankContext
 from sglang_kv_migration.server.rank.dispatch import Dispatch
 from sglang_kv_migration.server.rank.identity import RankIdentity
 from sglang_kv_migration.server.rank.settings import RankSettings
-from sglang_kv_migration.server.same_host.allocate_channel import open_channel
 from sglang_kv_migration.server.target.allocations import TargetAllocations
-from sglang_kv_migration.server.target.channel_allocations import ChannelAllocations
+from sglang_kv_migration.server.target.channel_allocations import open_channel_allocations
 from sglang_kv_migration.server.target.commits import Commits
 from sglang_kv_migration.server.target.mailbox_commits import SourceCommits
 from sglang_kv_migration.server.target.pending import PendingMigrations
@@ -68,24 +67,12 @@ def build_target(
         verify_all=settings.verify,
         staging=staging,
     )
-    channel = _open_channel(ctx, dispatch, allocations)
-    return TargetRole(ctx, metrics, pending, commits, source_commits, allocations, channel, staging)
-
-
-def _open_channel(
-    ctx: RankContext, dispatch: Dispatch, allocations: TargetAllocations
-) -> ChannelAllocations | None:
-    """Feature "source_allocate" on a single-rank server (one rank takes each channel
-    request, so every rank of a stage could not allocate it together)."""
-    if ctx.tp_size != 1 or ctx.pp_size != 1:
-        return None
-    from sglang_kv_migration.paths.device.cuda_ipc import host_identity
-
-    channel = open_channel(host_identity())
-    if channel is None:
-        return None
-    allocate = dispatch.dispatched(
-        dispatch.answering(allocations.allocate_token_for_transfer),
-        AllocateTokenForTransferReqOutput,
+    channel = open_channel_allocations(
+        ctx.tp_size == 1 and ctx.pp_size == 1,
+        sglang_adapter.weight_update_types(),
+        dispatch.dispatched(
+            dispatch.answering(allocations.allocate_token_for_transfer),
+            AllocateTokenForTransferReqOutput,
+        ),
     )
-    return ChannelAllocations(channel, sglang_adapter.weight_update_types(), allocate)
+    return TargetRole(ctx, metrics, pending, commits, source_commits, allocations, channel, staging)

@@ -34,7 +34,11 @@ from sglang_kv_migration.io_types import (
     AllocateTokenForTransferReqOutput,
 )
 from sglang_kv_migration.server.diag.trace import ms
-from sglang_kv_migration.server.same_host.allocate_channel import MAX_PER_ITERATION, ChannelServer
+from sglang_kv_migration.server.same_host.allocate_channel import (
+    MAX_PER_ITERATION,
+    ChannelServer,
+    open_channel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -175,3 +179,20 @@ def _content(output: AllocateTokenForTransferReqOutput) -> dict[str, Any]:
     from sglang_kv_migration.server.http import routes as http_api
 
     return http_api.reply_content(output)
+
+
+def open_channel_allocations(
+    single_rank: bool, weight_update_types: tuple[type, ...], allocate: Handler
+) -> ChannelAllocations | None:
+    """Feature "source_allocate" on a single-rank server (one rank takes each channel
+    request, so every rank of a stage could not allocate it together); `allocate` is the
+    allocate handler, wrapped like the dispatcher's. None where the channel cannot be
+    bound (logged)."""
+    if not single_rank:
+        return None
+    from sglang_kv_migration.paths.device.cuda_ipc import host_identity
+
+    channel = open_channel(host_identity())
+    if channel is None:
+        return None
+    return ChannelAllocations(channel, weight_update_types, allocate)
