@@ -91,7 +91,9 @@ def _server_class() -> type:
                 for o in range(0, nbytes, step)
             ]
             start = time.perf_counter()
-            handle = self.side.transport.write(session_id, ops, [MemoryRegion(*peer_arena)])
+            handle = self.side.paths["host"].transport.write(
+                session_id, ops, [MemoryRegion(*peer_arena)]
+            )
             while not handle.done():  # as the scheduler loop would poll it
                 time.sleep(0.0005)
             handle.result()

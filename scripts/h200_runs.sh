@@ -218,21 +218,20 @@ case $call in
     "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
   ;;
 24)
-  # Whether the in-poll waits pay, side by side in one run (runs on different machines
-  # cannot tell): page 16 rows (one page, 2K, 32K; five repeats) and two concurrency
-  # rounds, then the same on a fresh pair started with SGLANG_KV_MIGRATION_WAIT_IN_POLL=0
-  # (waits only before the poll).
+  # Whether the in-poll waits paid, side by side in one run: page 16 rows (one page, 2K,
+  # 32K; five repeats) and two concurrency rounds, then the same on a fresh pair (the
+  # waits' switch is gone and they are off, so both pairs now run the same code).
   exec bash scripts/gpu_jobs.sh 570 \
-    "0:ab16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 32768 --repeats 5 --no-host --concurrency-rounds 2 --compare-env SGLANG_KV_MIGRATION_WAIT_IN_POLL=0"
+    "0:ab16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 32768 --repeats 5 --no-host --concurrency-rounds 2"
   ;;
 25)
   # Whether moves sent together should ask their targets before any is
   # prepared (SourceTransfers._defer_prepare), side by side in one run with that off
-  # (SGLANG_KV_MIGRATION_ASK_FIRST=0) and with the in-poll waits off
-  # (SGLANG_KV_MIGRATION_WAIT_IN_POLL=0): page 16, one page and 8K rows, three
+  # and with the in-poll waits off (both switches are gone: this runs the default
+  # only): page 16, one page and 8K rows, three
   # concurrency rounds on each pair. `python3 benchmark/read_concurrency.py` reads it.
   exec bash scripts/gpu_jobs.sh 570 \
-    "0:ask16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 8192 --repeats 5 --no-host --concurrency-rounds 3 --compare-env SGLANG_KV_MIGRATION_ASK_FIRST=0 --compare-env SGLANG_KV_MIGRATION_WAIT_IN_POLL=0"
+    "0:ask16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 8192 --repeats 5 --no-host --concurrency-rounds 3"
   ;;
 26)
   # The device-path GPU tests at MHA page 1 (the any-tier tests among them), then one

@@ -105,8 +105,10 @@ def side_factory(
     (metrics on; with ``pp_size > 1`` one stage's only rank), replying into
     `side.replies`; `side.harness` is the harness it runs on."""
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
+    from sglang_kv_migration.server.compose import compose_rank
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics
     from sglang_kv_migration.server.rank.scheduler_side import MigrationSchedulerSide
+    from sglang_kv_migration.server.rank.settings import RankSettings
     from side_helpers import one_rank_context
 
     built: list[MigrationSchedulerSide] = []
@@ -123,12 +125,14 @@ def side_factory(
         ctx = one_rank_context(
             harness.cache, "tiny", lambda out, req: replies.append(out), pp_rank, pp_size
         )
-        side = MigrationSchedulerSide(
+        side = compose_rank(
             ctx,
-            watchdog_timeout_s=watchdog_timeout_s,
-            transport_config=TransportConfig(hostname="127.0.0.1", transfer_timeout_s=5.0),
-            metrics=MigrationMetrics("tiny", 0, 0),
-            grant_key=grant_key,
+            RankSettings(
+                watchdog_timeout_s=watchdog_timeout_s,
+                transport_config=TransportConfig(hostname="127.0.0.1", transfer_timeout_s=5.0),
+                metrics=MigrationMetrics("tiny", 0, 0),
+                grant_key=grant_key,
+            ),
         )
         side.replies = replies  # test-only handles
         side.harness = harness

@@ -447,7 +447,7 @@ def _rank_main(
         scheduler_hooks.after_init_ipc_channels(None, scheduler, port_args)
         scheduler_hooks.after_init_request_dispatcher(None, scheduler)
         if spec.broken_transport_rank == rank and scheduler.kv_migration is not None:
-            _break_transport(scheduler.kv_migration.transport)
+            _break_transport(scheduler.kv_migration.paths["host"].transport)
         if rank == 0:
             threading.Thread(
                 target=_serve_http,

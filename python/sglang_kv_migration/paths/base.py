@@ -171,7 +171,7 @@ class SendJob(abc.ABC):
     @property
     def waits_on_helper(self) -> bool:
         """True while the job waits for work on a helper thread of this process, which
-        needs the scheduler thread to hand it the GIL (`scheduler_side.poll`)."""
+        needs the scheduler thread to hand it the GIL (`server/rank/loop.py`)."""
         return False
 
     @property

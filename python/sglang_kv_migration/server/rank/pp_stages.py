@@ -24,7 +24,7 @@ Our operations must answer for every (tp, pp) rank and fail as a whole, so:
    or commit marks the request (`wire.messages.StageRefusal`) before it is handed on, and later
    stages refuse it too without touching their trees. Stage 0 also checks what later
    stages would refuse: every rank's transfer entry and grant (`source/transfers.py`),
-   every rank's commit receipt (`scheduler_side.py`). The watchdog runs on stage 0 only;
+   every rank's commit receipt (`target/commits.py`). The watchdog runs on stage 0 only;
    what it freed travels to later stages as a `StageSyncReqInput` appended to the
    iteration's requests.
 4. A later stage can still fail after stage 0 succeeded (an allocation its pool cannot

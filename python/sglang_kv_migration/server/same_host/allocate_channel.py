@@ -15,7 +15,7 @@ per-start secret (`advertise()`); a request must carry that secret, so it takes 
 HTTP allocate takes: the API key that read the session info. The target's scheduler
 reads the socket without blocking at the start of each loop iteration and answers with
 the same handler, checks and reply as `/allocate_token_for_transfer`
-(`scheduler_side.py`); the body is JSON, validated like the HTTP body (never unpickled).
+(`target/channel_allocations.py`); the body is JSON, validated like the HTTP body (never unpickled).
 
 The source's scheduler holds one DEALER socket per target it asked recently and reads
 the replies in its per-iteration poll: a target that never answers fails only its own

@@ -189,6 +189,7 @@ class SourceTransfers:
         caller: ChannelCaller | None = None,
         destinations: KnownDestinations | None = None,
         log_later: DeferredLog | None = None,
+        requests_waiting: Callable[[], bool] | None = None,
     ):
         self.ctx = ctx
         self.fingerprint = fingerprint
@@ -199,7 +200,7 @@ class SourceTransfers:
         # Per-move lines, written once idle (the scheduler side passes the one it flushes).
         self.log_later = log_later if log_later is not None else DeferredLog()
         self.server_epoch = server_epoch  # this server's instance id (receipts name it)
-        self.epoch_suffix = ""  # set on every KV memory resume (scheduler_side.py)
+        self.epoch_suffix = ""  # set on every KV memory resume (`rank/loop.py`)
         self.signer = signer or grants.Signer(None)
         self.max_tokens = max_tokens  # the most slots one transfer can name (host pool)
         self._used_grants = grants.UsedGrants()
@@ -211,14 +212,10 @@ class SourceTransfers:
         self._to_prepare: list[InflightTransfer] = []  # asked their target this iteration
         self.polls = 0  # `poll()` calls with transfers in flight
         self._poll_started = 0.0  # when the current `poll()` began
-        # The scheduler side's brief wait (`MigrationSchedulerSide.wait_briefly`), run
-        # in a poll that prepared moves or started copies: None for none (the default,
-        # `WAIT_IN_POLL_ENV`; always on multi-rank sources).
-        self.brief_wait: Callable[[], bool] | None = None
-        # A test that requests wait on the scheduler's input (`MigrationSchedulerSide.
+        # A test that requests wait on the scheduler's input (`IdleProbe.
         # requests_waiting`): a poll then leaves its prepares to a later poll, so that
         # moves sent together all ask their targets first. None: never (multi-rank).
-        self.requests_waiting: Callable[[], bool] | None = None
+        self.requests_waiting = requests_waiting
         self._prepare_deferred = 0  # polls in a row that left their prepares
 
     def epoch_of(self, weight_version: str) -> str:
@@ -242,7 +239,7 @@ class SourceTransfers:
     def awaited(self) -> Callable[[], bool] | None:
         """When every transfer in flight waits only for its target's allocate reply or
         for its copy on the GPU: a non-blocking test that one of them is ready, so the
-        scheduler can wait for it (`MigrationSchedulerSide.wait_briefly`). None when the
+        scheduler can wait for it (`RankLoop.wait_briefly`). None when the
         next poll has something else to do or wait for, and on multi-rank sources (a
         rank that waited would reach the ranks' gather late)."""
         caller = self.caller
@@ -436,20 +433,10 @@ class SourceTransfers:
         if self.inflight:
             self.polls += 1
             self._poll_started = time.monotonic()
-            wait = self.brief_wait
-            prepared = bool(self._to_prepare) and not self._defer_prepare()
-            if prepared:
+            if self._to_prepare and not self._defer_prepare():
                 self._prepare_asked()
             if self.caller is not None and self.caller.waiting:
-                if prepared and wait is not None:
-                    # The target allocates meanwhile (~1 ms on one host): its answer is
-                    # taken in this poll, not after another pass of SGLang's loop.
-                    wait()
-                if self._take_allocations() and wait is not None:
-                    # A small copy is done within tens of microseconds (one page: ~60
-                    # us on an H200): waiting for it here lets this poll reply, where
-                    # the next poll came after a pass of SGLang's loop (~0.2 ms).
-                    wait()
+                self._take_allocations()
             if any(t.waiting for t in self.inflight):
                 # A collective: `waiting` is the same on every rank.
                 self.ctx.tree_cache.writing_check()

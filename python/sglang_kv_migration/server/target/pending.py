@@ -138,6 +138,7 @@ class PendingMigrations:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         lock: threading.RLock | None = None,
+        release_staging: Callable[[tuple[int, int], float | None], None] | None = None,
     ):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -150,7 +151,7 @@ class PendingMigrations:
         self.quarantine: dict[str, PendingMigration] = {}  # released, slots not yet freed
         self._finished: OrderedDict[str, _Finished] = OrderedDict()
         # Gives a finished migration's staging extent back: (extent, not_before or None).
-        self.release_staging: Callable[[tuple[int, int], float | None], None] | None = None
+        self.release_staging = release_staging
         # Gives a finished migration's mailbox slot back: (slot, not_before or None).
         self.release_mailbox: Callable[[int, float | None], None] | None = None
 
