@@ -78,10 +78,6 @@ def servers(hosts) -> Iterator[tuple[ServerHandle, ServerHandle]]:
     ns, _link, here_ip, there_ip = hosts
     # Mooncake's own per-batch timeout, so a write into a cut link fails in seconds.
     os.environ["MC_TRANSFER_TIMEOUT"] = "3"
-    # A lane (stream) per entry in flight: Mooncake queues entries beyond its lanes and
-    # sends them later on new streams, which the target's fence does not cover
-    # (docs/reliability.md, late writes).
-    os.environ["MC_TCP_LANES_PER_PEER"] = "16"
     try:
         big = cpu_harness.HarnessConfig(device_tokens=8192)
         preload = [(FIRST, 1), (SECOND, 2), (THIRD, 3), (AFTER_CUT, 4)]
@@ -96,7 +92,6 @@ def servers(hosts) -> Iterator[tuple[ServerHandle, ServerHandle]]:
         )
     finally:
         os.environ.pop("MC_TRANSFER_TIMEOUT", None)
-        os.environ.pop("MC_TCP_LANES_PER_PEER", None)
     try:
         yield source, target
     finally:
