@@ -27,6 +27,12 @@ processes over TCP on 127.0.0.1):
   submitted as one-entry batches and polled with `transfer_check_status` between short
   sleeps; a larger batch sleeps for most of the time its previous batch took, and only then
   calls the spinning `get_batch_transfer_status`.
+- Over TCP one entry is in flight per lane (`MC_TCP_LANES_PER_PEER`, default 4, per peer)
+  and the rest queue in the engine; -2 from `transfer_check_status` means the engine timed
+  the entry out while still holding it (it may yet be sent, even from the queue on a new
+  stream). So over TCP every entry goes out as a one-entry batch, at most the peer's lanes
+  of them in the engine at once, each keeping its lane until the engine reports it final
+  (`lanes.py`); `get_batch_transfer_status`, which frees a batch it timed out, is not used.
 - The cost per entry is fixed (~20 us over TCP on a 2-core box), so `write_pages` plans at
   page granularity in the worker and gathers scattered pages into reused staging chunks
   (`staging.py`), keeping the entry count independent of how fragmented the pools are.
@@ -358,8 +364,9 @@ class MooncakeTransport(KVTransport):
     writes to one peer progress together and a stalled peer holds up only its own jobs,
     never writes to other peers. Jobs to one peer may finish out of call order. A job's
     entries go out in batches of at most `max_entries_per_batch / workers_per_peer`, one
-    batch in flight per worker, so the TCP per-peer queue never overflows; a failed
-    batch is retried once.
+    batch in flight per worker; over TCP the entries of every worker to one peer share its
+    lanes (`lanes.py`), so the engine never queues one. A failed batch or entry is
+    retried once (a timed-out TCP entry is not: the engine may still send it).
     `write_pages` jobs are planned in the worker (`staging.plan_pages`); gathered and staged
     plans alternate between two registered staging chunks, gathering the next chunk while
     the previous one is on the wire. No wait spins a core for long (module docstring).
