@@ -286,6 +286,9 @@ ENVIRONMENT_READERS = ("server.server_args", "server.diag")
 ENVIRONMENT_ALLOWED: dict[str, object] = {
     "paths/host/mooncake.py": "sets MC_FORCE_TCP while the engine starts and puts back "
     "what was there: Mooncake reads the protocol only from the environment",
+    "paths/host/lanes.py": "reads MC_TCP_LANES_PER_PEER as Mooncake's TCP transport does "
+    "(the engine takes its lanes per peer only from the environment): the transport never "
+    "hands it more entries for a peer than that",
     "server/rank/scheduler_side.py": "the A/B switches SGLANG_KV_MIGRATION_WAIT_IN_POLL "
     "and SGLANG_KV_MIGRATION_ASK_FIRST the benchmarks compare; belong in server_args",
 }
