@@ -122,8 +122,8 @@ class _Bodies:
         http = httpx.Client(timeout=HTTP_TIMEOUT_S, event_hooks={"request": [self.hook]})
         client = MigrationClient(http_client=http)
         for server in servers:
-            info = client.session_info(server.url)  # the cached dict it plans from
-            info["features"] = [f for f in info["features"] if f != "source_allocate"]
+            info = client.session_info(server.url)  # the cached info it plans from
+            info.features = [f for f in info.features if f != "source_allocate"]
         return client
 
 

@@ -332,7 +332,7 @@ def test_the_client_falls_back_to_two_trips_when_the_channel_is_unreachable(
     the source cannot open: the client allocates itself."""
     with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
         info = client.session_info(servers.target.url)
-        info["allocate_channel"] = {**info["allocate_channel"], "address": _missing_channel()}
+        info.allocate_channel = {**info.allocate_channel, "address": _missing_channel()}
         result = client.migrate(servers.source.url, servers.target.url, SEQ_FALLBACK)
     assert result.migrated_token_size == len(SEQ_FALLBACK)
     assert "allocate" in result.timings  # the client's own allocate trip

@@ -142,7 +142,7 @@ def test_a_source_without_the_feature_gets_one_call_per_move(servers: ServerPair
     counted = _Counted()
     with MigrationClient(http_client=counted.client) as client:
         info = client.session_info(servers.source.url)  # as an older server lists them
-        info["features"] = [f for f in info["features"] if f != TRANSFER_BATCH_FEATURE]
+        info.features = [f for f in info.features if f != TRANSFER_BATCH_FEATURE]
         results = client.migrate_many(
             [Move(servers.source.url, servers.target.url, ids) for ids in ONE_BY_ONE]
         )
