@@ -8,9 +8,9 @@ import base64
 import pytest
 from sglang_kv_migration import binary_ids
 from sglang_kv_migration.client.migration import _allocate_call, _Plan, _transfer_call
+from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
 from sglang_kv_migration.wire.convert import from_dict, to_wire
 from sglang_kv_migration.wire.messages import AllocateReply, SessionInfoReply
-from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
 
 
 def test_round_trip_and_the_exact_bytes():

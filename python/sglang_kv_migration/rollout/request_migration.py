@@ -4,9 +4,10 @@
     handle = await migrator.submit(src, GenerateRequest(prompt_ids, {"max_new_tokens": 512},
                                                         priority=5))
     ...                                                   # later, e.g. from a rebalancer:
-    out = await migrator.migrate_request(handle, dst)     # abort, migrate, resume, wait
+    await migrator.move_request(handle, dst)              # abort, migrate, resume
+    out = await handle.result()                           # the whole output, however moved
     out.output_ids, out.finish_reason, out.segments       # as if it had run in one piece
-    out = await migrator.migrate_request(handle, dst, live=True)  # copy while it decodes
+    await migrator.move_request(handle, dst, live=True)   # copy while it decodes
 
 Why the migrator issues the `/generate` call. SGLang hands the tokens a request generated
 so far to one place only: the caller's own `/generate` call, which returns with
@@ -622,13 +623,6 @@ class AsyncRequestMigrator:
         self._live = [h for h in self._live if not h.done()]
         return list(self._live)
 
-    async def migrate_request(
-        self, handle: RequestHandle, target_url: str, **options: Any
-    ) -> RequestOutput:
-        """`move_request`, then wait for the whole output (see the module docstring)."""
-        await self.move_request(handle, target_url, **options)
-        return await handle.result()
-
     async def move_request(
         self,
         handle: RequestHandle,
@@ -1233,11 +1227,6 @@ class RequestMigrator:
     ) -> MoveReport:
         return self._run(self.inner.move_request(handle.handle, target_url, **options))
 
-    def migrate_request(
-        self, handle: SyncRequestHandle, target_url: str, **options: Any
-    ) -> RequestOutput:
-        return self._run(self.inner.migrate_request(handle.handle, target_url, **options))
-
     def wait(self, handle: SyncRequestHandle, timeout: float | None = None) -> RequestOutput:
         """`handle`'s whole output (blocking; `TimeoutError` after `timeout` seconds)."""
         return self._run(handle.handle.result(), timeout)
@@ -1267,21 +1256,6 @@ class RequestMigrator:
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-
-# --------------------------------------------------------------------------- one-call API
-
-
-def migrate_request(handle: SyncRequestHandle, target_url: str, **options: Any) -> RequestOutput:
-    """Move `handle`'s request to `target_url` and wait for its whole output (blocking)."""
-    return handle.migrator.migrate_request(handle, target_url, **options)
-
-
-async def async_migrate_request(
-    migrator: AsyncRequestMigrator, handle: RequestHandle, target_url: str, **options: Any
-) -> RequestOutput:
-    """Move `handle`'s request to `target_url` and wait for its whole output (asyncio)."""
-    return await migrator.migrate_request(handle, target_url, **options)
 
 
 def _close(client: AsyncMigrationClient | MigrationClient) -> Any:
