@@ -21,6 +21,13 @@ from mini_server import ServerHandle, ServerSpec, start_servers
 from multi_rank import HTTP_TIMEOUT_S, kv_equal, post, session_info
 from sglang_kv_migration.client.migration import MigrationClient, _index_format, _Plan, _targets
 from sglang_kv_migration.page_ranges import FEATURE, pages_from_ranges, to_page_ranges
+from sglang_kv_migration.wire.convert import from_dict, to_wire
+from sglang_kv_migration.wire.messages import (
+    AllocatedRank,
+    AllocateReply,
+    RankSessionInfo,
+    SessionInfoReply,
+)
 
 BIG = list(range(500_000, 500_000 + 32768))
 FRAGMENTED = list(range(600_000, 600_000 + 2048))
@@ -67,8 +74,9 @@ def test_empty_and_bad_runs() -> None:
 
 
 def _plan(source_features: list[str] | None, target_features: list[str] | None) -> _Plan:
-    def info(features: list[str] | None) -> dict[str, Any]:
-        return {"ranks": []} if features is None else {"ranks": [], "features": features}
+    def info(features: list[str] | None) -> SessionInfoReply:
+        wire = {"success": True} if features is None else {"success": True, "features": features}
+        return from_dict(SessionInfoReply, wire)
 
     return _Plan("s", "t", None, info(source_features), info(target_features), [], {})
 
@@ -83,12 +91,13 @@ def test_client_uses_runs_only_when_both_servers_list_them() -> None:
 def test_client_passes_on_what_the_target_sent() -> None:
     host = {"session_id": "h:1", "host_kv_data_ptrs": [1], "host_kv_data_lens": [1]}
     host["host_kv_item_lens"] = [1]
-    info = {"ranks": [{"tp_rank": 0, "pp_rank": 0, "fingerprint": {}, "paths": {"host": host}}]}
-    runs = {"ranks": [{"tp_rank": 0, "pp_rank": 0, "kv_page_ranges": [[3, 4]], "kv_pages": []}]}
-    pages = {"ranks": [{"tp_rank": 0, "pp_rank": 0, "kv_pages": [3, 4]}]}
-    (entry,) = _targets(info, runs, "host")
+    rank = RankSessionInfo(0, 0, 1, {}, paths={"host": host})
+    info = SessionInfoReply(success=True, ranks=[rank])
+    runs = AllocateReply(success=True, ranks=[AllocatedRank(0, 0, [], kv_page_ranges=[[3, 4]])])
+    pages = AllocateReply(success=True, ranks=[AllocatedRank(0, 0, [], kv_pages=[3, 4])])
+    (entry,) = (to_wire(e) for e in _targets(info, runs, "host"))
     assert entry["kv_page_ranges"] == [[3, 4]] and "kv_pages" not in entry
-    (entry,) = _targets(info, pages, "host")
+    (entry,) = (to_wire(e) for e in _targets(info, pages, "host"))
     assert entry["kv_pages"] == [3, 4] and "kv_page_ranges" not in entry
 
 

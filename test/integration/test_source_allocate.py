@@ -26,6 +26,8 @@ from sglang_kv_migration.client import migration
 from sglang_kv_migration.client.migration import MigrationClient
 from sglang_kv_migration.server.same_host.allocate_channel import ALLOCATE_TIMEOUT_S
 from sglang_kv_migration.server.same_host.mailbox import SHM_DIR, pid_namespace
+from sglang_kv_migration.wire.convert import from_dict, to_wire
+from sglang_kv_migration.wire.messages import RankSessionInfo
 
 PAGE = 16
 HTTP_TIMEOUT_S = 30.0
@@ -76,9 +78,10 @@ def _body(http: httpx.Client, servers: ServerPair, ids: list[int], **changes: An
         "expect_epoch": target["server_epoch"],
     }
     channel = target["allocate_channel"]
+    rank = from_dict(RankSessionInfo, target["ranks"][0])
     body = {
         "input_ids": ids,
-        "target_per_rank": [migration._target_entry(target["ranks"][0], "host")],
+        "target_per_rank": [to_wire(migration._target_entry(rank, "host"))],
         "partial_ok": True,
         "allocate_on_target": {
             "address": channel["address"],

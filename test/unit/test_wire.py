@@ -201,6 +201,8 @@ def test_every_reply_reads_back_from_its_json_into_its_model():
     # An older server leaves fields out (defaults); a newer one adds some (ignored).
     older = from_dict(messages.ExtraTokenSizeReply, {"success": True, "novel": 1})
     assert older == messages.ExtraTokenSizeReply(success=True)
+    # ... its session info lists no features (not this version's defaults).
+    assert from_dict(messages.SessionInfoReply, {"success": True}).features == []
     for bad in ({"matched_token_size": 3}, "not an object", None):
         with pytest.raises(ValueError):
             from_dict(messages.ExtraTokenSizeReply, bad)

@@ -20,7 +20,13 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from sglang_kv_migration.wire.messages import SessionInfoReply
+
 T = TypeVar("T")
+
+# Fields whose default is what this version's servers say rather than what an older
+# server that leaves them out means: its session info lists no `features`.
+_ABSENT: dict[tuple[type, str], Callable[[], Any]] = {(SessionInfoReply, "features"): list}
 
 # (field name, how to read its JSON value or None for as-is, whether the JSON must name it)
 _Reader = tuple[str, Callable[[Any], Any] | None, bool]
@@ -30,7 +36,8 @@ def from_dict(model: type[T], payload: Any) -> T:
     """`payload`, a reply's JSON object, as `model` (a `messages` dataclass): nested models
     (lists of them, optional ones) read too, fields the JSON leaves out at their defaults
     (an older server), keys the model does not know ignored (a newer one). Lists and dicts
-    are the payload's own, not copies. ValueError when `payload` is not an object or
+    are the payload's own, not copies (`_ABSENT`: the few fields whose default is not
+    what their absence means). ValueError when `payload` is not an object or
     leaves out a field without a default. A `model` instance is returned as it is."""
     if isinstance(payload, model):
         return payload
@@ -43,6 +50,8 @@ def from_dict(model: type[T], payload: Any) -> T:
             values[name] = value if read is None or value is None else read(value)
         elif required:
             raise ValueError(f"{model.__name__}: the reply has no {name!r}")
+        elif (model, name) in _ABSENT:
+            values[name] = _ABSENT[model, name]()
     return model(**values)
 
 
