@@ -27,6 +27,7 @@ from sglang_kv_migration.server.source.known_destinations import (
     UnknownDestination,
 )
 from sglang_kv_migration.wire.bodies import TransferBody
+from sglang_kv_migration.wire.convert import build
 from sglang_kv_migration.wire.messages import (
     AllocateOnTarget,
     RankSessionInfo,
@@ -121,7 +122,7 @@ def _plan(sessions: SessionCache, features: list[str]) -> tuple[_Plan, Callable[
     plan = _Plan("http://s", "http://t", None, source, target, [1, 2], {}, sessions=sessions)
 
     def transfer(digest: str) -> _Call:
-        body = TransferBody.model_construct(target_per_rank=[_target_entry(rank, "device", digest)])
+        body = build(TransferBody, target_per_rank=[_target_entry(rank, "device", digest)])
         return _Call("transfer", "http://s", "/transfer_request_kvcache", body)
 
     return plan, transfer

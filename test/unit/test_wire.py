@@ -19,7 +19,7 @@ from sglang_kv_migration.fingerprint import KVCacheShape, LayoutFingerprint
 from sglang_kv_migration.server.same_host import allocate_channel, mailbox
 from sglang_kv_migration.server.source import known_destinations
 from sglang_kv_migration.wire import bodies, features, messages
-from sglang_kv_migration.wire.convert import from_dict, to_wire
+from sglang_kv_migration.wire.convert import build, from_dict, to_wire
 
 PAGE = 4
 
@@ -158,8 +158,8 @@ def test_client_bodies_and_server_replies_round_trip_through_the_wire_models():
     assert one_trip.allocate_on_target.allocate.index_format == "ranges"
     assert one_trip.allocate_on_target.address == "ipc:///tmp/x"
 
-    batch = bodies.TransferBatchBody.model_construct(
-        moves=[_transfer_call(plan, allocation, "host").body] * 2
+    batch = build(
+        bodies.TransferBatchBody, moves=[_transfer_call(plan, allocation, "host").body] * 2
     )
     assert len(bodies.validated(bodies.TransferBatchBody, _sent(batch)).moves) == 2
 
@@ -170,12 +170,15 @@ def test_a_body_sends_the_fields_its_builder_set_and_no_others():
     assert _sent(size_query(None, [1, 2])) == {"input_ids": [1, 2], "extra_key": None}
     asked = to_wire(size_query(None, [0], headroom=True))
     assert asked == {"input_ids": [0], "extra_key": None, "headroom": True}
-    body = bodies.CommitBody.model_construct(migration_id="m", receipts=[])
+    body = build(bodies.CommitBody, migration_id="m", receipts=[])
     assert to_wire(body) == {"migration_id": "m", "receipts": []}
     body.verify = True
     assert bodies.validated(bodies.CommitBody, to_wire(body)).verify is True
     ids = list(range(5))
     assert to_wire(size_query(None, ids))["input_ids"] is ids  # no copy of a token list
+    first, second = (build(bodies.CommitBody, migration_id="m") for _ in range(2))
+    assert to_wire(first) == {"migration_id": "m"} and first.receipts == []
+    assert first.receipts is not second.receipts  # defaults are fresh for each body
 
 
 def test_every_reply_reads_back_from_its_json_into_its_model():

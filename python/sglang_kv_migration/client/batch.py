@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sglang_kv_migration.wire.bodies import TransferBatchBody
+from sglang_kv_migration.wire.convert import build
 from sglang_kv_migration.wire.features import TRANSFER_BATCH
 from sglang_kv_migration.wire.messages import ExtraTokenSizeReply, SessionInfoReply
 
@@ -101,7 +102,7 @@ def _round(waiting: dict[int, Call], sessions: Sessions) -> tuple[list[Call], li
             singles.extend(owned)
             continue
         moves = [waiting[i].body for i in owned]
-        batch = TransferBatchBody.model_construct(moves=moves)
+        batch = build(TransferBatchBody, moves=moves)
         calls.append(dataclasses.replace(waiting[owned[0]], body=batch))
         owners.append(owned)
     for i in sorted(singles):

@@ -46,7 +46,7 @@ from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.grants import destination_digest
 from sglang_kv_migration.targets import HostTarget
 from sglang_kv_migration.wire import bodies
-from sglang_kv_migration.wire.convert import from_dict, to_wire
+from sglang_kv_migration.wire.convert import build, from_dict, to_wire
 from sglang_kv_migration.wire.features import (
     BINARY_IDS,
     BOUND_GRANTS,
@@ -580,7 +580,7 @@ def size_query(
 ) -> bodies.ExtraTokenSizeBody:
     """The body of `/get_request_extra_token_size` for `ids` to the server of `info`;
     `headroom`: also ask for its host headroom (planners)."""
-    body = bodies.ExtraTokenSizeBody.model_construct(extra_key=extra_key)
+    body = build(bodies.ExtraTokenSizeBody, extra_key=extra_key)
     if headroom:
         body.headroom = True
     return with_ids(body, info, ids)
@@ -832,9 +832,7 @@ def _finish(
             # handles anything sent from now on (feature "source_commit").
             return _result(plan, path, allocation, transfer, None, migration_id, fallback_reason)
         t0 = time.perf_counter()
-        body = bodies.CommitBody.model_construct(
-            migration_id=migration_id, receipts=_receipts(transfer)
-        )
+        body = build(bodies.CommitBody, migration_id=migration_id, receipts=_receipts(transfer))
         if plan.verify:
             body.verify = True
         commit = yield from _step(_Call("commit", plan.target_url, "/commit", body), CommitReply)
@@ -857,9 +855,7 @@ def _abort(
     after quarantine."""
     if transfer is None and isinstance(failure, MigrationFailed):
         transfer = _parsed(TransferReply, failure.reply)
-    body = bodies.MigrationIdBody.model_construct(
-        migration_id=migration_id, receipts=_receipts(transfer)
-    )
+    body = build(bodies.MigrationIdBody, migration_id=migration_id, receipts=_receipts(transfer))
     status, _ = yield _Call("abort", plan.target_url, "/abort_transfer", body)
     if isinstance(failure, MigrationFailed):
         failure.migration_id = migration_id
@@ -913,7 +909,8 @@ def _allocate_fields(plan: _Plan, path: str, model: type[A]) -> A:
     """The allocate's fields but its ids: reserve slots on the target for what it lacks
     of the prefix, on `path`."""
     infos = (plan.source_info, plan.target_info)
-    body = model.model_construct(
+    body = build(
+        model,
         extra_key=plan.extra_key,
         source_fingerprints=[r.fingerprint for r in plan.source_info.ranks],
         path=path,
@@ -962,10 +959,12 @@ def _one_trip_call(plan: _Plan, path: str, digest: str = "") -> _Call:
     allocate's fields ride along, the source adds the transfer's ids."""
     # The channel is a free-form object of the target's session info.
     channel = plan.target_info.allocate_channel
-    body = bodies.TransferBody.model_construct(
+    body = build(
+        bodies.TransferBody,
         extra_key=plan.extra_key,
         target_per_rank=[_target_entry(plan.target_info.ranks[0], path, digest)],
-        allocate_on_target=bodies.AllocateOnTargetBody.model_construct(
+        allocate_on_target=build(
+            bodies.AllocateOnTargetBody,
             address=channel["address"],
             secret=channel["secret"],
             allocate=_allocate_fields(plan, path, bodies.AllocateFields),
@@ -1015,7 +1014,8 @@ def _destination_digest(plan: _Plan, entries: list[bodies.TargetRankBody]) -> st
 def _transfer_call(plan: _Plan, allocation: AllocateReply, path: str, digest: str = "") -> _Call:
     """Ask the source to write the pages the target allocated (`allocation`); `digest`
     names the one device destination by its digest instead (`_transfer_step`)."""
-    body = bodies.TransferBody.model_construct(
+    body = build(
+        bodies.TransferBody,
         extra_key=plan.extra_key,
         matched_token_size=allocation.matched_token_size,
         extra_token_size=allocation.extra_token_size,
@@ -1202,8 +1202,12 @@ def _dp_rank_ranks(info: SessionInfoReply, dp_rank: int | None) -> list[RankSess
 def _target_entry(rank: RankSessionInfo, path: str, digest: str = "") -> bodies.TargetRankBody:
     """A transfer's target rank entry without its slots and grant: where to write (a
     device destination by its digest when `digest` is given)."""
-    entry = bodies.TargetRankBody.model_construct(
-        tp=rank.tp_rank, pp=rank.pp_rank, path=path, fingerprint=rank.fingerprint
+    entry = build(
+        bodies.TargetRankBody,
+        tp=rank.tp_rank,
+        pp=rank.pp_rank,
+        path=path,
+        fingerprint=rank.fingerprint,
     )
     if path == "device" and digest:
         entry.device_kv_digest = digest
