@@ -189,7 +189,8 @@ def test_runs_other_than_granted_are_refused(pair: tuple[ServerHandle, ServerHan
     runs = allocation["ranks"][0]["kv_page_ranges"]
     assert sum(count for _, count in runs) == len(FORGED)
     assert allocation["ranks"][0]["kv_pages"] == []
-    entry = _targets(info, allocation, "host")[0]
+    target_info = from_dict(SessionInfoReply, info)
+    entry = to_wire(_targets(target_info, from_dict(AllocateReply, allocation), "host")[0])
     try:
         # The same number of pages, the first run one page further on: not what the
         # grant names.

@@ -26,6 +26,7 @@ from sglang_kv_migration.client import (
     Move,
 )
 from sglang_kv_migration.wire.bodies import MAX_BATCH_MOVES
+from sglang_kv_migration.wire.convert import to_wire
 
 PAGE = 16
 HTTP_TIMEOUT_S = 30.0
@@ -159,7 +160,7 @@ def _one_body(servers: ServerPair) -> dict[str, Any]:
 
         def capture(call: Any) -> Any:
             if call.path == TRANSFER:
-                captured.append(call.body)
+                captured.append(to_wire(call.body))
                 return 599, {"success": False, "message": "not sent"}
             return real_post(call)
 
