@@ -130,7 +130,8 @@ WIRE_LITERALS_ALLOWED: dict[str, object] = {
     "server/http/routes.py": (21, "turns replies into JSON bodies by hand (`steps_ms`, ...)"),
     "server/rank/scheduler_side.py": (3, "reads mailbox and channel payloads as dicts"),
     "server/same_host/allocate_channel.py": (5, "the channel's own message dicts"),
-    "server/source/transfers.py": (36, "builds the target's allocate / commit bodies as dicts"),
+    "server/source/replies.py": (2, "trace step names `allocate` and the target's `grant`"),
+    "server/source/validation.py": (5, "names the slot fields (`kv_pages`, ...) it refuses"),
     "server/target/channel_allocations.py": (1, "the `trace` key of a channel reply"),
     "sglang_adapter/__init__.py": (1, "names `host_headroom_tokens` in a reply dict"),
     "targets.py": (2, "reads `instance_id` from the session-info dict"),
@@ -236,10 +237,8 @@ SIZE_ALLOWED: dict[str, object] = {
     "are moving to source/, target/ and same_host/",
     "server/rank/scheduler_side.py::MigrationSchedulerSide": "the handlers of all six "
     "operations in one class",
-    "server/source/transfers.py": "start, poll and reply of a transfer with the "
-    "same-host features in one module",
-    "server/source/transfers.py::SourceTransfers": "start, poll and reply of a transfer "
-    "in one class",
+    "server/source/transfers.py::SourceTransfers": "start, the target's allocate (feature "
+    "source_allocate), poll and reply of a transfer in one class",
 }
 
 
@@ -265,8 +264,8 @@ MAX_PACKAGE_IMPORTS = 12
 FAN_OUT_ALLOWED: dict[str, object] = {
     "server/rank/scheduler_side.py": "wires every role, path and diagnostic of a rank "
     "together; the factory and the role packages are to take that over",
-    "server/source/transfers.py": "the source role reaches the paths, grants, the "
-    "same-host channels and the diagnostics",
+    "server/source/transfers.py": "the source role's flow reaches its records, checks and "
+    "replies, the same-host channels and the diagnostics",
 }
 
 
