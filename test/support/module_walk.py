@@ -1,8 +1,7 @@
 """How often a call chain enters each module of the package: the "walk" of a request.
 
 `ModuleWalk` is a `sys.setprofile` hook. On every call into a package module it takes the
-chain of package frames above it (outermost first; frames of other code, e.g. Starlette
-or asyncio between two of ours, are left out) and counts, per module, how many times the
+chain of frames above it (outermost first) and counts, per module, how many times the
 chain enters it: once per run of consecutive frames in that module. A chain that goes
 routes -> communicators -> routes enters `routes` twice. The walk keeps, per module,
 the most entries any chain made and that chain, to show where the hops are.
@@ -27,15 +26,16 @@ def _module_of(frame: FrameType) -> str | None:
 
 
 def chain_of(frame: FrameType | None) -> list[str]:
-    """The package modules of `frame`'s stack, outermost first, one per run of frames."""
-    modules: list[str] = []
+    """The package modules of `frame`'s stack, outermost first, one per run of frames in
+    one module (a frame of other code between two of the same module ends the run: the
+    module was entered again, from elsewhere)."""
+    modules: list[str | None] = []
     while frame is not None:
-        module = _module_of(frame)
-        if module is not None:
-            modules.append(module)
+        modules.append(_module_of(frame))
         frame = frame.f_back
     modules.reverse()
-    return [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]
+    runs = [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]
+    return [m for m in runs if m is not None]
 
 
 class ModuleWalk:

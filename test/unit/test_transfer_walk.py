@@ -132,15 +132,22 @@ def test_a_transfer_enters_no_module_more_than_three_times(harness_factory) -> N
         "paths.host.mooncake",
     ):
         assert f"sglang_kv_migration.{part}" in walk.reached, sorted(walk.reached)
-    for m, n in sorted(walk.entries.items(), key=lambda x: -x[1]):
-        print(n, m, " > ".join(c.rsplit(".", 1)[-1] for c in walk.chains[m]))
     over = walk.over(MAX_ENTRIES)
     assert not over, "\n".join(f"{m}: {' > '.join(chain)}" for m, chain in over.items())
 
 
 def test_the_walk_counts_reentries() -> None:
-    import sys
+    """A chain that goes back into a module counts one entry more each time."""
+    from sglang_kv_migration.server.rank import context
 
     walk = ModuleWalk()
-    assert chain_of(sys._getframe()) == []
-    assert walk.over(0) == {}
+
+    def again(depth: int) -> None:  # this test's module is no package module
+        if depth:
+            context.error_of(lambda: again(depth - 1))
+
+    with walk.recording():
+        again(4)
+    assert walk.entries["sglang_kv_migration.server.rank.context"] == 4
+    assert set(walk.over(3)) == {"sglang_kv_migration.server.rank.context"}
+    assert chain_of(None) == []

@@ -342,10 +342,9 @@ class SourceTransfers:
             return
         # Same outcome on every rank: their trees and pools are identical. (The device
         # path may still refuse on one rank only, e.g. an unopenable peer buffer; the
-        # gather in `_finish_done` then fails the transfer on every rank.)
-        error = error_of(functools.partial(self._start_job, inflight))
-        if error is not None:
-            inflight.fail(error)
+        # gather in `_finish_done` then fails the transfer on every rank.) Its error is
+        # the caller's to record (`start`, `_start_answered`).
+        self._start_job(inflight)
 
     def poll(self) -> None:
         """Once per scheduler loop iteration while transfers are in flight."""
