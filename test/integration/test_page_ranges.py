@@ -215,7 +215,7 @@ def test_huge_runs_are_refused_before_expansion(monkeypatch: pytest.MonkeyPatch)
     count alone; nothing is expanded (the spy would fail)."""
     from sglang_kv_migration import page_ranges
     from sglang_kv_migration.errors import MigrationError
-    from sglang_kv_migration.server.source import transfers as source_transfers
+    from sglang_kv_migration.server.source import validation as source_validation
     from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
     def spy(_ranges: Any) -> Any:
@@ -224,11 +224,11 @@ def test_huge_runs_are_refused_before_expansion(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(page_ranges, "pages_from_ranges", spy)
     target = TransferRequestKVCacheTarget(tp=0, pp=0, kv_page_ranges=[[0, 1 << 21]])
     with pytest.raises(MigrationError, match="kv_page_ranges name 33554432 slots") as info:
-        source_transfers.target_slots(target, 16, 1 << 21)
+        source_validation.target_slots(target, 16, 1 << 21)
     assert info.value.kind.value == "bad_request"
     pages = TransferRequestKVCacheTarget(tp=0, pp=0, kv_pages=[0] * 3)
     with pytest.raises(MigrationError, match="kv_pages name 48 slots"):
-        source_transfers.target_slots(pages, 16, 32)
+        source_validation.target_slots(pages, 16, 32)
     monkeypatch.undo()
     good = TransferRequestKVCacheTarget(tp=0, pp=0, kv_page_ranges=[[2, 2]])
-    assert source_transfers.target_slots(good, 4, 8).tolist() == list(range(8, 16))
+    assert source_validation.target_slots(good, 4, 8).tolist() == list(range(8, 16))

@@ -217,7 +217,7 @@ def test_what_a_source_pinned_while_its_target_allocated_is_released_on_every_en
     inflight = side.transfers.inflight[0]
     assert inflight.prepared is None  # prepared in the iteration's poll, once all asked
     side.poll()
-    assert inflight.prepared is not None and inflight.tokens[0] == len(ids)
+    assert inflight.prepared is not None and inflight.tokens.count == len(ids)
     assert h.snapshot().total_lock_ref > baseline.total_lock_ref  # pinned while it waits
     refusal = {"success": False, "message": "no room", "error_kind": "unavailable"}
     fake.answers = [(b"c" * 16, orjson.dumps(refusal))]

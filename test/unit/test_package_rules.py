@@ -146,7 +146,8 @@ WIRE_LITERALS_ALLOWED: dict[str, object] = {
     "server/rank/dispatch.py": (1, "the `trace` key of a reply dict"),
     "server/target/allocations.py": (2, "reads mailbox and channel payloads as dicts"),
     "server/same_host/allocate_channel.py": (5, "the channel's own message dicts"),
-    "server/source/transfers.py": (36, "builds the target's allocate / commit bodies as dicts"),
+    "server/source/replies.py": (2, "trace step names `allocate` and the target's `grant`"),
+    "server/source/validation.py": (5, "names the slot fields (`kv_pages`, ...) it refuses"),
     "server/target/channel_allocations.py": (1, "the `trace` key of a channel reply"),
     "sglang_adapter/__init__.py": (1, "names `host_headroom_tokens` in a reply dict"),
     "targets.py": (2, "reads `instance_id` from the session-info dict"),
@@ -244,10 +245,8 @@ SIZE_ALLOWED: dict[str, object] = {
     "live request in one class",
     "server/target/pending.py::PendingMigrations": "pending allocations, their quarantine "
     "and the late-stream fence in one class; the quarantine is to become its own",
-    "server/source/transfers.py": "start, poll and reply of a transfer with the "
-    "same-host features in one module",
-    "server/source/transfers.py::SourceTransfers": "start, poll and reply of a transfer "
-    "in one class",
+    "server/source/transfers.py::SourceTransfers": "start, the target's allocate (feature "
+    "source_allocate), poll and reply of a transfer in one class",
 }
 
 
@@ -277,8 +276,8 @@ FAN_OUT_ALLOWED: dict[str, object] = {
     "paths' slots, staging and the diagnostics",
     "server/target/build.py": "builds the target role from its parts (pending, commits, "
     "allocations, channel, mailbox)",
-    "server/source/transfers.py": "the source role reaches the paths, grants, the "
-    "same-host channels and the diagnostics",
+    "server/source/transfers.py": "the source role's flow reaches its records, checks and "
+    "replies, the same-host channels and the diagnostics",
 }
 
 

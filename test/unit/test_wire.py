@@ -221,3 +221,35 @@ def test_a_body_the_models_refuse_is_a_value_error_naming_the_field():
         assert "migration_id" in str(e) and "verify" in str(e)
     else:
         raise AssertionError("an empty migration id and a string for a bool were accepted")
+
+
+def test_an_allocate_reply_is_read_back_checked_by_field() -> None:
+    reply = messages.AllocateReply(
+        success=True,
+        migration_id="m",
+        extra_token_size=32,
+        ranks=[messages.AllocatedRank(0, 0, [], kv_page_ranges=[[7, 2]], grant="g")],
+        steps_ms={"slots": 0.5},
+    )
+    content = messages.reply_content(reply)
+    read = messages.AllocateReply.from_dict({**content, "added_by_a_newer_server": 1})
+    assert read.ranks == reply.ranks and read.extra_token_size == 32
+    assert read.steps_ms == {"slots": 0.5} and read.migration_id == "m"
+    refused = messages.AllocateReply.from_dict({"success": False, "message": "no room"})
+    assert not refused.success and refused.message == "no room"
+    rank = content["ranks"][0]
+    for bad, field_named in [
+        ({**content, "extra_token_size": -1}, "extra_token_size"),
+        ({**content, "success": 1}, "success"),
+        ({k: v for k, v in content.items() if k != "migration_id"}, "migration_id"),
+        ({**content, "ranks": [{**rank, "kv_pages": "x"}]}, "ranks.0.kv_pages is not a list"),
+        ({**content, "ranks": [{**rank, "kv_indices": [True]}]}, "ranks.0.kv_indices"),
+        ({**content, "ranks": [{**rank, "kv_page_ranges": [[1]]}]}, "kv_page_ranges"),
+        ({**content, "ranks": [{**rank, "kv_pages": [1]}]}, "more than one"),
+        ({**content, "ranks": [{**rank, "staging": [5]}]}, "ranks.0.staging"),
+        ({**content, "ranks": [{**rank, "tp_rank": "0"}]}, "ranks.0.tp_rank"),
+        ({**content, "ranks": ["x"]}, "ranks.0 is not an object"),
+        ([], "not an object"),
+    ]:
+        with pytest.raises(ValueError, match=field_named):
+            messages.AllocateReply.from_dict(bad)

@@ -23,7 +23,7 @@ Our operations must answer for every (tp, pp) rank and fail as a whole, so:
 3. Stages agree forward, in the request stream: a stage that refuses an allocate, transfer
    or commit marks the request (`wire.messages.StageRefusal`) before it is handed on, and later
    stages refuse it too without touching their trees. Stage 0 also checks what later
-   stages would refuse: every rank's transfer entry and grant (`source/transfers.py`),
+   stages would refuse: every rank's transfer entry and grant (`source/validation.py`),
    every rank's commit receipt (`target/commits.py`). The watchdog runs on stage 0 only;
    what it freed travels to later stages as a `StageSyncReqInput` appended to the
    iteration's requests.
