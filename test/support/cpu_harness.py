@@ -254,7 +254,7 @@ class Harness:
                 torch.stack([k[idx], v[idx]])
                 for k, v in zip(self.device_pool.k_buffer, self.device_pool.v_buffer, strict=True)
             ]
-        return [kv[idx].clone() for kv in [*self.device_pool.kv_buffer, *self._indexer_rows()]]
+        return [kv[idx].clone() for kv in [*self.device_pool.kv_buffer, *self.indexer_rows()]]
 
     # -- tier movement ------------------------------------------------------
 
@@ -379,7 +379,7 @@ class Harness:
         entry = getattr(self.host_pool, "anchor_entry", None)
         return self.host_pool if entry is None else entry.host_pool
 
-    def _indexer_rows(self) -> list[torch.Tensor]:
+    def indexer_rows(self) -> list[torch.Tensor]:
         """NSA: the indexer's per-layer page blocks viewed as one row per token slot."""
         if self.cfg.attention != "nsa":
             return []
@@ -397,7 +397,7 @@ class Harness:
         buffers = (
             list(pool.k_buffer) + list(pool.v_buffer)
             if self.cfg.attention == "mha"
-            else [*pool.kv_buffer, *self._indexer_rows()]
+            else [*pool.kv_buffer, *self.indexer_rows()]
         )
         for buf in buffers:
             shape = (len(slots), *buf.shape[1:])
