@@ -412,11 +412,17 @@ class Harness:
             buf[slots] = raw.view(buf.dtype)
 
 
-def build_harness(cfg: HarnessConfig, tp_group: Any = None) -> Harness:
+def build_harness(
+    cfg: HarnessConfig,
+    tp_group: Any = None,
+    attn_cp_group: Any = None,
+    attn_tp_group: Any = None,
+) -> Harness:
     """Build the real SGLang objects the way ``Scheduler.init_cache_with_memory_pool`` does.
 
     ``tp_group``: the cache's TP group (default: the whole gloo world); a PP stage passes
-    its own stage's group.
+    its own stage's group. ``attn_cp_group`` / ``attn_tp_group``: attention context
+    parallelism's groups, as the scheduler passes them (HiCache agrees over them).
     """
     install_cpu_shims()
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -441,6 +447,8 @@ def build_harness(cfg: HarnessConfig, tp_group: Any = None) -> Harness:
         token_to_kv_pool_allocator=allocator,
         page_size=cfg.page_size,
         tp_cache_group=tp_group,
+        attn_cp_cache_group=attn_cp_group,
+        attn_tp_cache_group=attn_tp_group,
         eviction_policy=server_args.radix_eviction_policy,
         pp_rank=cfg.pp_rank,
         pp_size=cfg.pp_size,
