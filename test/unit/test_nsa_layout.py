@@ -11,6 +11,7 @@ field.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 import torch
@@ -161,3 +162,20 @@ def test_device_buffers_include_the_indexer(harness_factory, page_size):
         assert int(src_blocks[src_pages].count_nonzero()) > 0
         got, want = dev_pool.kv_buffer[layer][slots], src.device_pool.kv_buffer[layer][held]
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bytes: NaNs too
+
+
+def test_a_group_with_pools_of_their_own_slots_is_refused(harness_factory):
+    """Only the NSA indexer shares the KV pool's slots; a group holding another pool (SWA
+    here, built from SGLang's own entry type) is refused naming its pools."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.memory_pool_host import HostPoolGroup
+
+    h = harness_factory(attention="nsa", host_layout="layer_first", page_size=64)
+    kv_entry, indexer_entry = h.host_pool.entries
+    other = HostPoolGroup([kv_entry, dataclasses.replace(indexer_entry, name=PoolName.SWA)])
+    with pytest.raises(ValueError, match=r"pools \['kv', 'swa'\]"):
+        HostPoolLayout.from_host_pool(other)
+    with pytest.raises(ValueError, match=r"pools \['kv', 'swa'\]"):
+        sglang_adapter.kv_cache_shape(other)
+    # The group SGLang builds for NSA is described whole.
+    assert len(HostPoolLayout.from_host_pool(h.host_pool).buffers) == 2 * h.cfg.layer_num

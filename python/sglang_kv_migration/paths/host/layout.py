@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration import sglang_adapter
+from sglang_kv_migration.paths.host.layout_nsa import indexer_host_buffers
 
 if TYPE_CHECKING:
     import torch
@@ -234,11 +235,9 @@ class HostPoolLayout:
         indexer = sglang_adapter.indexer_host_pool(pool)
         if indexer is None:
             return layout
-        from sglang_kv_migration.paths.host.layout_nsa import indexer_host_buffers
-
         extra = indexer_host_buffers(sglang_adapter.indexer_pool_buffer(indexer))
         return cls(
-            buffers=layout.buffers + extra,
+            buffers=layout.buffers + tuple(HostBuffer(p, n, i) for p, n, i in extra),
             page_size=layout.page_size,
             num_slots=layout.num_slots,
         )

@@ -15,10 +15,12 @@ pool allocates a page or two more at the end, which no slot reaches.
 from __future__ import annotations
 
 from sglang_kv_migration import sglang_adapter
-from sglang_kv_migration.paths.host.layout import HostBuffer
+
+# (ptr, length, item_len) of one buffer: what `layout.HostBuffer` takes.
+BufferSpan = tuple[int, int, int]
 
 
-def indexer_host_buffers(pool: sglang_adapter.IndexerPoolBuffer) -> tuple[HostBuffer, ...]:
+def indexer_host_buffers(pool: sglang_adapter.IndexerPoolBuffer) -> list[BufferSpan]:
     """The indexer's buffers, appended after the KV pool's in a group's layout: one per
     layer (layer_first) or one for all layers (page_first, page_first_direct)."""
     if pool.page_bytes % pool.page_size:
@@ -34,15 +36,11 @@ def indexer_host_buffers(pool: sglang_adapter.IndexerPoolBuffer) -> tuple[HostBu
     slot_share = pool.page_bytes // pool.page_size
     if pool.layout == "layer_first":
         layer_stride = pool.pages_allocated * pool.page_bytes
-        return tuple(
-            HostBuffer(
-                ptr=pool.base_ptr + layer * layer_stride,
-                length=pool.num_slots * slot_share,
-                item_len=slot_share,
-            )
+        return [
+            (pool.base_ptr + layer * layer_stride, pool.num_slots * slot_share, slot_share)
             for layer in range(pool.layer_num)
-        )
+        ]
     if pool.layout in ("page_first", "page_first_direct"):
         item_len = pool.layer_num * slot_share
-        return (HostBuffer(ptr=pool.base_ptr, length=pool.num_slots * item_len, item_len=item_len),)
+        return [(pool.base_ptr, pool.num_slots * item_len, item_len)]
     raise ValueError(f"NSA indexer host layout {pool.layout!r} is not supported")
