@@ -179,3 +179,17 @@ def test_a_group_with_pools_of_their_own_slots_is_refused(harness_factory):
         sglang_adapter.kv_cache_shape(other)
     # The group SGLang builds for NSA is described whole.
     assert len(HostPoolLayout.from_host_pool(h.host_pool).buffers) == 2 * h.cfg.layer_num
+
+
+def test_device_path_reads_an_nsa_host_pool_not_in_place(harness_factory):
+    """The device path's host tier reads the KV pool's layout only: an NSA server offers
+    device pages only, and host-only pages go by the host path (which moves the group)."""
+    from sglang_kv_migration.paths.device.path import DevicePath
+
+    h = harness_factory(attention="nsa", host_layout="page_first_direct", page_size=64)
+    path = DevicePath(h.cache)
+    try:
+        assert path.advertise()["tiers"] == ["device"]
+        assert "kv+indexer" in path.host_tier_refusal
+    finally:
+        path.close()
