@@ -127,7 +127,8 @@ def main() -> None:
     parser.add_argument(
         "--compare-env", action="append", default=[], metavar="NAME=VALUE",
         help="then the same rounds on a fresh server pair started with NAME=VALUE in its "
-        "environment (e.g. SGLANG_KV_MIGRATION_WAIT_IN_POLL=0): side by side in one run",
+        "environment (any setting a server reads there, e.g. "
+        "SGLANG_KV_MIGRATION_PROFILE_DIR=DIR): side by side in one run",
     )  # fmt: skip
     parser.add_argument(
         "--concurrency-rounds", type=int, default=0,

@@ -5,7 +5,7 @@ and `after_process_input_requests`) once per scheduler loop iteration on every s
 that has this package installed: with the flag off they find no migration side and
 return; with the flag on and nothing in flight the side's `before_requests()` reads
 whether a source asked its allocate channel for slots (one zmq socket option, on
-single-rank servers) and its `poll()` returns at once (`scheduler_side.py`). This times
+single-rank servers) and its `poll()` returns at once (`rank/loop.py`). This times
 both on a real `MigrationSchedulerSide` (CPU harness: SGLang's own HiRadixCache and host
 pool, a real Mooncake engine, a real allocate channel), side by side in one run, medians
 over repeats, and prints the difference per iteration. Multiplied by a server's loop
@@ -36,16 +36,19 @@ def _build_side():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cpu_harness.install_cpu_shims()
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
+    from sglang_kv_migration.server.compose import compose_rank
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics
-    from sglang_kv_migration.server.rank.scheduler_side import MigrationSchedulerSide
+    from sglang_kv_migration.server.rank.settings import RankSettings
     from side_helpers import one_rank_context
 
     harness = cpu_harness.build_harness(cpu_harness.HarnessConfig(page_size=16))
-    side = MigrationSchedulerSide(
+    side = compose_rank(
         one_rank_context(harness.cache, model="idle"),
-        watchdog_timeout_s=60.0,
-        transport_config=TransportConfig(hostname="127.0.0.1"),
-        metrics=MigrationMetrics("idle", 0, 0),  # as with --enable-metrics
+        RankSettings(
+            watchdog_timeout_s=60.0,
+            transport_config=TransportConfig(hostname="127.0.0.1"),
+            metrics=MigrationMetrics("idle", 0, 0),  # as with --enable-metrics
+        ),
     )
     return harness, side
 

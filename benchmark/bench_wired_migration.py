@@ -91,7 +91,9 @@ def _server_class() -> type:
                 for o in range(0, nbytes, step)
             ]
             start = time.perf_counter()
-            handle = self.side.transport.write(session_id, ops, [MemoryRegion(*peer_arena)])
+            handle = self.side.paths["host"].transport.write(
+                session_id, ops, [MemoryRegion(*peer_arena)]
+            )
             while not handle.done():  # as the scheduler loop would poll it
                 time.sleep(0.0005)
             handle.result()
@@ -199,13 +201,13 @@ class Row:
 def run_cell(
     src: Remote, dst: Remote, layout: str, page_size: int, tokens: int, variant: str, repeats: int
 ) -> Row:
-    from sglang_kv_migration.io_types import (
+    from sglang_kv_migration.server.messages import (
         AllocateTokenForTransferReqInput,
         CommitTransferRequestKVCacheReqInput,
         GetTransferSessionInfoReqInput,
         TransferRequestKVCacheReqInput,
-        TransferRequestKVCacheTarget,
     )
+    from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
     nbytes = tokens * BYTES_PER_TOKEN
     # Room for the migration plus the raw writes' bytes, on both sides.

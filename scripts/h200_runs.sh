@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Issues 19, 21 (and 22's re-run on this code): the one-GPU runs that wait for device
-# time, in priority order, in device calls of at most ~560 s (600 s a call, 30 min a
-# session: calls 1-3 fit one session; call 4 is the re-run of a resolved issue).
+# The one-GPU runs: the device path's latency against re-prefill, concurrent moves to
+# one target, the any-tier table, the live move, the busy source and the RL scene, with
+# the GPU tests beside them. Each job fits one device command of at most ~560 s (the
+# device tool allows 600 s a command).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..34, one device call each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..34, one device command each, kind nvidia-h200
 #
-# Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
-#   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
+# Before the first job, on the same warm machine (../shared/gpu/README.md, section 2):
+#   install, carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --no-compile \
 #                               --no-cache-dir --target /tmp/site .whl/*.whl
-#   calls 1-4, carry [".whl-mc"], holding this package's wheel (rebuilt: `rm
+#   every job, carry [".whl-mc"], holding this package's wheel (rebuilt: `rm
 #   .whl-mc/sglang_kv_migration-*.whl; .venv/bin/python -m pip wheel -q --no-deps -w
 #   .whl-mc .`), httptools and torch_memory_saver 0.0.10 (`scripts/fetch-gpu-extras.sh`).
-#   If the machine went cold between calls, /tmp/site is gone: run call 0 again.
+#   If the machine went cold between jobs, /tmp/site is gone: run the install again.
 #
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
@@ -20,7 +21,7 @@ call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|34}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
-  # Issue 21's targets with the one-trip client (the default: the source allocates on the
+  # One-call latency with the one-trip client (the default: the source allocates on the
   # target through its channel, partial transfers, binary ids, the source commits through
   # the target's mailbox) beside the two-trip client (--two-trips: the client's own
   # allocate trip) in every round: one-page migrations (2 tokens at page 1, 17 at page 16:
@@ -32,7 +33,7 @@ case $call in
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 4096 32768 --repeats 3 --no-host --two-trips"
   ;;
 2)
-  # Issue 19 item 3 (six concurrent 8K migrations to one target within 1.5x of one) at
+  # Concurrency (six concurrent 8K migrations to one target within 1.5x of one) at
   # page 16, three rounds (the first after start-up stalls ~17-20 ms once), with the
   # one-trip client; the device-path GPU tests at MHA page 16 beside it (a tiny model:
   # distinct ports, little memory), then the memory-saver GPU test (release/resume and
@@ -43,33 +44,32 @@ case $call in
     "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py"
   ;;
 5)
-  # One call for both comparisons on fresh servers: issue 21's one-call vs two-trip rows
-  # at page 1 (one page, 1K, 32K; each row after the target settled), then issue 19's
-  # six concurrent 8K moves, each round with the one-call client and then the two-trip
-  # client.
+  # Both comparisons on fresh servers: one-call vs two-trip rows at page 1 (one page,
+  # 1K, 32K; each row after the target settled), then six concurrent 8K moves, each
+  # round with the one-call client and then the two-trip client.
   exec bash scripts/gpu_jobs.sh 540 \
     "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 32768 --repeats 3 --no-host --two-trips" \
     "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency --concurrency-rounds 3 --two-trips"
   ;;
 6)
-  # Issue 21 after "prepare while the target allocates" and "destination_digest": page 1,
-  # each round one call (device_kv named by digest), two trips, and one call with the
-  # device_kv in full (--full-destination), each row after the target settled; then
-  # issue 19's six concurrent 8K moves, one-call and two-trip rounds.
+  # One-call latency with "prepare while the target allocates" and "destination_digest":
+  # page 1, each round one call (device_kv named by digest), two trips, and one call with
+  # the device_kv in full (--full-destination), each row after the target settled; then
+  # six concurrent 8K moves, one-call and two-trip rounds.
   exec bash scripts/gpu_jobs.sh 560 \
     "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 32768 --repeats 3 --no-host --two-trips --full-destination" \
     "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency --concurrency-rounds 3 --two-trips"
   ;;
 7)
-  # The same rows at page 16, then the memory-saver GPU test (MHA page 16) and the
-  # device-path GPU tests at MLA page 64 on this code.
+  # The rows of job 6 at page 16, then the memory-saver GPU test (MHA page 16) and the
+  # device-path GPU tests at MLA page 64.
   exec bash scripts/gpu_jobs.sh 560 \
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --two-trips --full-destination" \
     "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py" \
     "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
   ;;
 8)
-  # Issue 19 item 3 after "transfer_batch" and the launches together: page 16, three
+  # Concurrency with "transfer_batch" and the launches together: page 16, three
   # rounds of one move, six from six threads, and the same six in one migrate_many; the
   # device-path GPU tests (MHA page 16, the batched-moves test among them) beside it.
   exec bash scripts/gpu_jobs.sh 560 \
@@ -77,7 +77,7 @@ case $call in
     "+0:devtest16:sleep 240; KVMIG_PORT_BASE=31500 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
   ;;
 9)
-  # Issue 21 on this code (page 1: one page, 1K, 2K, 32K beside re-prefill, each row after
+  # One-call latency (page 1: one page, 1K, 2K, 32K beside re-prefill, each row after
   # the target settled; the scheduler-thread calibration before and after the rows), then
   # two concurrency rounds on the same servers (threads, and one migrate_many); then the
   # memory-saver GPU test (the landing arena's one-call moves, release/resume).
@@ -86,21 +86,21 @@ case $call in
     "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py"
   ;;
 3)
-  # Issue 19's any-tier table at page 1 (tiers gpu / host / mixed at 4K/16K/32K beside
+  # The any-tier table at page 1 (tiers gpu / host / mixed at 4K/16K/32K beside
   # re-prefill and the host path), then the memory-saver test at MLA page 64.
   exec bash scripts/gpu_jobs.sh 560 \
     "0:anytier1:python3 benchmark/bench_any_tier.py --page-size 1" \
     "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py"
   ;;
 4)
-  # Issue 22 (resolved) on this code: the live-move benchmark and its GPU tests.
+  # The live move: its benchmark and its GPU tests.
   exec bash scripts/gpu_jobs.sh 560 \
     "0:live:python3 benchmark/bench_live_move.py" \
     "0:livetests:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py -k 'live or running_request_moves_with'"
   ;;
 10)
-  # Issues 19 and 21 after the target serves its allocate channel before unrelated
-  # mailbox commits and the source hands the GIL to its IPC opener thread: the
+  # Latency and concurrency with the target serving its allocate channel before unrelated
+  # mailbox commits and the source handing the GIL to its IPC opener thread: the
   # memory-saver test (the first move after a resume maps a fresh landing arena), the
   # device-path tests at MLA page 64, then page 16 rows beside re-prefill and two
   # concurrency rounds (six 8K moves from threads, and in one migrate_many).
@@ -110,8 +110,7 @@ case $call in
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2"
   ;;
 11)
-  # Waiting from the fourth session of 2026-12-02 (its budget ran out): the device-path
-  # tests at MLA page 64 on the final code (the route-metrics test, with the first copy
+  # The device-path tests at MLA page 64 (the route-metrics test, with the first copy
   # into a kept mapping no longer a rate sample; the first channel allocate without the
   # import), the memory-saver test at MLA page 64, then the page-16 concurrency rounds.
   exec bash scripts/gpu_jobs.sh 560 \
@@ -120,23 +119,23 @@ case $call in
     "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency --concurrency-rounds 3"
   ;;
 12)
-  # Issue 21 after the HTTP trip's cuts (fifth session of 2026-12-02: the routes'
-  # fast path without Starlette's router and FastAPI, the client's socket HTTP/1.1): page
-  # 1 rows beside re-prefill and two concurrency rounds, then the device-path tests at
-  # MLA page 64 waiting from call 11 (the route-metrics test).
+  # One-call latency with the HTTP trip's fast paths (the routes' fast path without
+  # Starlette's router and FastAPI, the client's socket HTTP/1.1): page 1 rows beside
+  # re-prefill and two concurrency rounds, then the device-path tests at MLA page 64
+  # (the route-metrics test).
   exec bash scripts/gpu_jobs.sh 560 \
     "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2" \
     "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
   ;;
 13)
-  # The rest of call 11 on this code: the memory-saver test at MLA page 64, then page 16
+  # The rest of job 11: the memory-saver test at MLA page 64, then page 16
   # rows beside re-prefill with two concurrency rounds (threads, one migrate_many).
   exec bash scripts/gpu_jobs.sh 560 \
     "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py" \
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2"
   ;;
 14)
-  # Issue 19's any-tier table at page 16 on the code of calls 12-13 (tiers gpu / host /
+  # The any-tier table at page 16 (tiers gpu / host /
   # mixed at 4K/16K/32K beside re-prefill and the host path, then its concurrency
   # round), then the device-path GPU tests at MHA page 16.
   exec bash scripts/gpu_jobs.sh 560 \
@@ -144,21 +143,21 @@ case $call in
     "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
   ;;
 15)
-  # Issues 21 and 19 after the adapter's radix walk compares node keys as whole lists
-  # (SGLang's own walk loops over tokens at page 1, pages above): page 1 rows beside
-  # re-prefill with two concurrency rounds.
+  # Latency and concurrency with the adapter's radix walk comparing node keys as whole
+  # lists (SGLang's own walk loops over tokens at page 1, pages above): page 1 rows
+  # beside re-prefill with two concurrency rounds.
   exec bash scripts/gpu_jobs.sh 280 \
     "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2"
   ;;
 16)
-  # Waiting from the fifth session of 2026-12-02 (its budget ran out): page 16 rows and
-  # concurrency with the adapter's walk, and the device-path GPU tests at MHA page 16.
+  # Job 15 at page 16: rows and concurrency with the adapter's walk, and the device-path
+  # GPU tests at MHA page 16.
   exec bash scripts/gpu_jobs.sh 560 \
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2" \
     "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
   ;;
 17)
-  # Issue 21 after the sixth session's cuts (2026-12-02: the page lists uploaded through
+  # One-call latency with the scheduler-thread cuts (the page lists uploaded through
   # kept buffers, the device slots copied to the host while the target allocates, the
   # idle scheduler's brief wait for allocate replies and copy events, log lines kept
   # back): the page-copy self-check with the kept buffers' tests, then page 1 rows (five
@@ -168,31 +167,30 @@ case $call in
     "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 32768 --repeats 5 --no-host --concurrency-rounds 2"
   ;;
 18)
-  # The same at page 16 (rows and concurrency), then the device-path GPU tests at MHA
-  # page 16 (waiting since call 16).
+  # Job 17 at page 16 (rows and concurrency), then the device-path GPU tests at MHA
+  # page 16.
   exec bash scripts/gpu_jobs.sh 560 \
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 5 --no-host --concurrency-rounds 2" \
     "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
   ;;
 19)
-  # The memory-saver and device-path GPU tests at MLA page 64 on this code.
+  # The memory-saver and device-path GPU tests at MLA page 64.
   exec bash scripts/gpu_jobs.sh 560 \
     "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py" \
     "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
   ;;
 20)
   # Where a one-page move's time goes after the target's answer at page 16 (the transfer
-  # reply's `answer`, `start`, `copy_wait`, `finish`, new in the sixth session of
-  # 2026-12-02): page 16 one page and 2K, then page 1 the same, eight repeats each. A
-  # fresh machine's first server start takes ~2.5 min: the sixth session's 230 s call
-  # ended before the rows.
+  # reply's `answer`, `start`, `copy_wait`, `finish`): page 16 one page and 2K, then
+  # page 1 the same, eight repeats each. A fresh machine's first server start takes
+  # ~2.5 min, so a job much shorter than this one ends before the rows.
   exec bash scripts/gpu_jobs.sh 560 \
     "0:steps16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 --repeats 8 --no-host" \
     "0:steps1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 2048 --repeats 8 --no-host"
   ;;
 21)
-  # Issue 21 after the source waits in the poll for the answer it prepared for and for
-  # the copy it started (first session of 2026-12-03: a one-page move replied a pass of
+  # One-call latency with the source waiting in the poll for the answer it prepared for
+  # and for the copy it started (without the wait, a one-page move replied a pass of
   # SGLang's loop after its 60 us copy): page 16 then page 1 rows beside re-prefill
   # (one page, 1K, 2K, 32K; five repeats) with two concurrency rounds each, then the
   # device-path GPU tests at MHA page 16.
@@ -202,18 +200,17 @@ case $call in
     "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
   ;;
 22)
-  # The device-path GPU tests at MHA page 16 that call 21's budget cut (flush, tiers
-  # host-only and half/half, batched moves, route metrics), on the code with the copy's
-  # launch stamped after the launch. (Run on 2026-12-03 as `gpu_jobs.sh 165` with the
-  # same job: 165 s of device time were left.)
+  # The device-path GPU tests at MHA page 16 that job 21's limit can cut (flush, tiers
+  # host-only and half/half, batched moves, route metrics), with the copy's launch
+  # stamped after the launch. With less device time left, pass a smaller limit to
+  # `gpu_jobs.sh` for the same job.
   exec bash scripts/gpu_jobs.sh 400 \
     "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py -k 'flush or only_on_host or half or batched or route_metrics'"
   ;;
 23)
-  # Waiting from the first session of 2026-12-03 (its budget ran out): the whole
-  # device-path GPU test file at MHA page 16 on the code where a tier's first launch is
-  # no rate sample (call 22 failed the route-metrics test: the host-tier kernel's
-  # compile counted as a 1.6 GB/s copy), then the memory-saver test (the landing
+  # The whole device-path GPU test file at MHA page 16, where a tier's first launch is
+  # no rate sample (the route-metrics test fails if the host-tier kernel's compile
+  # counts as a 1.6 GB/s copy), then the memory-saver test (the landing
   # arena's moves with the in-poll waits), then the device-path tests at MLA page 64.
   exec bash scripts/gpu_jobs.sh 570 \
     "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py" \
@@ -221,30 +218,27 @@ case $call in
     "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
   ;;
 24)
-  # Whether the in-poll waits (first session of 2026-12-03) pay, side by side in one run:
-  # page 16 rows (one page, 2K, 32K; five repeats) and two concurrency rounds, then the
-  # same on a fresh pair started with SGLANG_KV_MIGRATION_WAIT_IN_POLL=0 (waits only
-  # before the poll, as before). Calls 20 and 21 ran on different machines and could
-  # not tell.
+  # Whether the in-poll waits paid, side by side in one run: page 16 rows (one page, 2K,
+  # 32K; five repeats) and two concurrency rounds, then the same on a fresh pair (the
+  # waits' switch is gone and they are off, so both pairs now run the same code).
   exec bash scripts/gpu_jobs.sh 570 \
-    "0:ab16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 32768 --repeats 5 --no-host --concurrency-rounds 2 --compare-env SGLANG_KV_MIGRATION_WAIT_IN_POLL=0"
+    "0:ab16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 32768 --repeats 5 --no-host --concurrency-rounds 2"
   ;;
 25)
-  # Second session of 2026-12-03: moves sent together ask their targets before any is
+  # Whether moves sent together should ask their targets before any is
   # prepared (SourceTransfers._defer_prepare), side by side in one run with that off
-  # (SGLANG_KV_MIGRATION_ASK_FIRST=0) and with the in-poll waits off
-  # (SGLANG_KV_MIGRATION_WAIT_IN_POLL=0): page 16, one page and 8K rows, three
+  # and with the in-poll waits off (both switches are gone: this runs the default
+  # only): page 16, one page and 8K rows, three
   # concurrency rounds on each pair. `python3 benchmark/read_concurrency.py` reads it.
   exec bash scripts/gpu_jobs.sh 570 \
-    "0:ask16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 8192 --repeats 5 --no-host --concurrency-rounds 3 --compare-env SGLANG_KV_MIGRATION_ASK_FIRST=0 --compare-env SGLANG_KV_MIGRATION_WAIT_IN_POLL=0"
+    "0:ask16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 8192 --repeats 5 --no-host --concurrency-rounds 3"
   ;;
 26)
-  # Third session of 2026-12-03, after calls 23 and 21 passed on this code: the
-  # device-path GPU tests at MHA page 1 (the any-tier tests last ran at page 1 on
-  # 2026-12-01), then one page and 2K beside re-prefill at pages 16 and 1 with nine
-  # repeats each (issue 21's one-page p50 on a second machine; the result file is now
-  # written after every row, so a cut job keeps its rows). KVMIG_BUDGET_S: less than the
-  # call's limit when the session has less device time left.
+  # The device-path GPU tests at MHA page 1 (the any-tier tests among them), then one
+  # page and 2K beside re-prefill at pages 16 and 1 with nine repeats each (the one-page
+  # p50 on another machine; the result file is written after every row, so a cut job
+  # keeps its rows). KVMIG_BUDGET_S: less than the command's limit when less device time
+  # is left.
   exec bash scripts/gpu_jobs.sh "${KVMIG_BUDGET_S:-570}" \
     "0:devtest1:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=1 $T test/gpu/test_gpu_device_path.py" \
     "0:one16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 2048 --repeats 9 --no-host" \
@@ -266,7 +260,7 @@ case $call in
     "0:conc:python3 benchmark/bench_busy_source.py --only-concurrency --concurrency-rounds 3"
   ;;
 29)
-  # The RL scene on this code, CUDA graphs on, 4K histories: 24 high-priority turns,
+  # The RL scene, CUDA graphs on, 4K histories: 24 high-priority turns,
   # three repeats (none / recompute / migrate each), p99 over all 72 turns with the
   # per-repeat spread; the rebalancer plans against B's GPU then host headroom.
   # Targets: high p99 migrate/recompute <= 0.4, migrate/none <= 0.15; low p99 <= 1.05x.
@@ -274,7 +268,7 @@ case $call in
     "0:rl4k:python3 benchmark/bench_rl_scene.py --context 4096 --repeats 3"
   ;;
 30)
-  # The same at 8K: two repeats here, the third in call 31 (a call cut at its limit
+  # The same at 8K: two repeats here, the third in job 31 (a job cut at its limit
   # keeps the modes it finished: the file is written after each).
   exec bash scripts/gpu_jobs.sh 560 \
     "0:rl8k:python3 benchmark/bench_rl_scene.py --context 8192 --repeats 2"
@@ -284,7 +278,7 @@ case $call in
     "0:rl8k:python3 benchmark/bench_rl_scene.py --context 8192 --repeats 1 --repeat-start 2"
   ;;
 32|33|34)
-  # The same at 16K, one repeat a call (call 32: repeat 0, 33: 1, 34: 2). Pool them
+  # The same at 16K, one repeat a job (job 32: repeat 0, 33: 1, 34: 2). Pool them
   # here afterwards: python3 benchmark/bench_rl_scene.py --merge \
   #   rl16k-bench_rl_scene_16384.json rl16k-bench_rl_scene_16384_r1.json ...
   exec bash scripts/gpu_jobs.sh 560 \

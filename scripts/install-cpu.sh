@@ -33,7 +33,23 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --progress-bar off)
+# pip's output goes to a log, shown only when a step fails. On success it is noise: after
+# the deliberate --no-deps install of sglang below, every later step ends with pip's
+# "ERROR: pip's dependency resolver ... requires X, which is not installed" lines for the
+# GPU packages and pins this CPU environment leaves out on purpose (exit status 0), and a
+# machine's pip configuration may add "WARNING: Location ... is ignored" lines.
+PIP_LOG="$(mktemp -t kvm-install-pip.XXXXXX)"
+trap 'rm -f "$PIP_LOG"' EXIT
+pip_quietly() {
+    echo "install-cpu.sh: pip install $*" | cut -c1-100
+    if ! "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off \
+        "$@" >"$PIP_LOG" 2>&1; then
+        cat "$PIP_LOG" >&2
+        echo "install-cpu.sh: 'pip install $*' failed; its output is above" >&2
+        exit 1
+    fi
+}
+PIP=(pip_quietly)
 
 # A CPU build of torch 2.13.0 lies on these machines' local package index and pip
 # prefers it; first, so nothing below can pull a CUDA build in as a dependency.
@@ -41,7 +57,8 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --pro
 
 # --no-deps: sglang pins torch 2.11.0 and GPU-only packages (sglang-kernel, flashinfer,
 # nvidia-*). torchvision 0.28.0 exists only as a CUDA build for torch 2.13; it imports on
-# CPU with the fix installed at the end. pip warns about sglang's unmet pins: harmless.
+# CPU with the fix installed at the end. pip then reports sglang's unmet pins after each
+# later step: harmless, and kept in the log (see pip_quietly).
 "${PIP[@]}" --no-deps sglang==0.5.12 torchvision==0.28.0
 
 # What SGLang's import chain needs on CPU (the HiCache classes, ServerArgs and
@@ -63,6 +80,13 @@ LIGHT_DEPS=(
 # front of the servers (test/integration/test_gateway_migration.py). Its own needs
 # (grpcio, grpcio-health-checking, protobuf, setproctitle, pyyaml) leave torch alone.
 "${PIP[@]}" smg==1.13.0
+
+# verl 0.9.1 for the verl integration's tests (test/integration/test_verl_*.py), without
+# its GPU dependencies (--no-deps), plus what its router, LLM server client and SGLang
+# server module import; tensordict within verl's range and --no-deps, so torch stays the
+# CPU build above.
+"${PIP[@]}" --no-deps verl==0.9.1 "tensordict>=0.8.0,<=0.10.0,!=0.9.0"
+"${PIP[@]}" ray omegaconf cachetools codetiming cloudpickle pyvers
 
 # Test environment only, never part of the package: define the two torchvision operator
 # schemas on the first `import torchvision` (see scripts/cpu_torchvision_fix.py).

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# Issue 23: every run that waits for an nvidia-h200-x2 machine, in the issue's order, in
-# device calls of at most ~560 s (the device tool allows 600 s a call, 30 min a session).
+# The two-GPU runs (nvidia-h200-x2): the device path across GPUs over NVLink, TP=2 and
+# PP=2 servers, memory-saver servers under TP=2, and the attention-CP probe. Each job
+# fits one device command of at most ~560 s (the device tool allows 600 s a command).
 #
-#   bash scripts/x2_runs.sh N        # N = 1..4, one device call each, kind nvidia-h200-x2
+#   bash scripts/x2_runs.sh N        # N = 1..4, one device command each, kind nvidia-h200-x2
 #
-# Before call 1, on the same warm machine (../shared/gpu/README.md, section 2):
-#   call 0, carry [".whl"]:   python3 -m pip install -q --no-index --no-deps --no-compile \
+# Before the first job, on the same warm machine (../shared/gpu/README.md, section 2):
+#   install, carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --no-compile \
 #                               --no-cache-dir --target /tmp/site .whl/*.whl
-#   calls 1-4, carry [".whl-mc"], with this package's wheel (`python3 -m pip wheel --no-deps
-#   -w .whl-mc .`) and, for call 4, the torch_memory_saver 0.0.10 wheel in .whl-mc/:
+#   every job, carry [".whl-mc"], with this package's wheel (`python3 -m pip wheel --no-deps
+#   -w .whl-mc .`) and, for job 4, the torch_memory_saver 0.0.10 wheel in .whl-mc/:
 #   scripts/gpu_jobs.sh installs .whl-mc/*.whl into /tmp/site itself. If the machine went
-#   cold between calls, /tmp/site is gone: run call 0 again.
+#   cold between jobs, /tmp/site is gone: run the install again.
 #
-# Times below are estimates from the H200 runs in docs/benchmarks.md (wall times of the
-# same benchmarks and tests on 2026-11-30 / 12-01). Benchmarks run alone (nothing beside
+# Times below are estimates from the wall times of the same benchmarks and tests on one
+# H200 (docs/benchmarks.md). Benchmarks run alone (nothing beside
 # them on either GPU); correctness tests may share the GPUs (distinct ports). Results:
 # $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs included).
 set -u
@@ -22,8 +23,8 @@ call=${1:?usage: bash scripts/x2_runs.sh 1|2|3|4}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
-  # Item 1, across GPUs (~520 s): device path GPU 0 -> GPU 1, 1K/4K/16K/32K x 3 rounds
-  # (2026-11-30: 235 s wall, start-ups side by side), then the any-tier benchmark with the
+  # Across GPUs (~520 s): device path GPU 0 -> GPU 1, 1K/4K/16K/32K x 3 rounds
+  # (~235 s wall, start-ups side by side), then the any-tier benchmark with the
   # target on GPU 1, page 1: tiers gpu / host / mixed at 4K/16K/32K beside re-prefill, and
   # six concurrent 8K migrations (~150 s start-ups side by side + ~120 s rounds).
   # Targets: 32K device migration <= 2% of re-prefill, copy >= 300 GB/s over NVLink,
@@ -33,11 +34,11 @@ case $call in
     "0,1:anytier1x:python3 benchmark/bench_any_tier.py --target-gpu 1 --page-size 1"
   ;;
 2)
-  # Item 2 tests, then the rest of item 1 (~420 s): the device-path and any-tier GPU tests
-  # (9 tests: identical output, migrated tokens served from the target's GPU, prefix on
-  # the source's host tier / half and half) under TP=2 and under PP=2, side by side
-  # (distinct ports; 2026-11-30: TP=2 7 tests in 101 s, so ~150 s both), then the
-  # any-tier benchmark with the target on GPU 1 at page 16, alone (~260 s). The PP job
+  # TP=2 and PP=2 tests, then across GPUs at page 16 (~420 s): the device-path and
+  # any-tier GPU tests (9 tests: identical output, migrated tokens served from the
+  # target's GPU, prefix on the source's host tier / half and half) under TP=2 and under
+  # PP=2, side by side (distinct ports; TP=2 ran 7 tests in 101 s, so ~150 s both), then
+  # the any-tier benchmark with the target on GPU 1 at page 16, alone (~260 s). The PP job
   # starts 20 s later: both tests write the same small model's config.json at start.
   exec bash scripts/gpu_jobs.sh 545 \
     "+0,1:tp2dev:KVMIG_TP=2 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=1 KVMIG_PORT_BASE=30500 $T test/gpu/test_gpu_device_path.py" \
@@ -45,9 +46,9 @@ case $call in
     "0,1:anytier16x:python3 benchmark/bench_any_tier.py --target-gpu 1 --page-size 16"
   ;;
 3)
-  # Item 2 benchmark rows at 4K/16K/32K with the settled source (SETTLE_S) (~450 s):
-  # TP=2 device path vs host path vs re-prefill, 3 rounds (the same benchmark as the 9.0%
-  # row of 2026-11-30: 161 s for 4 lengths x 2 rounds), then PP=2 through the any-tier
+  # TP=2 and PP=2 benchmark rows at 4K/16K/32K with the settled source (SETTLE_S)
+  # (~450 s): TP=2 device path vs host path vs re-prefill, 3 rounds (the same benchmark
+  # took 161 s for 4 lengths x 2 rounds), then PP=2 through the any-tier
   # benchmark (its `gpu` tier is the device-path row; also host-only and mixed), page 1
   # (~155 s start-ups one after the other + ~120 s rounds).
   exec bash scripts/gpu_jobs.sh 545 \
@@ -55,10 +56,11 @@ case $call in
     "0,1:pp2anytier:python3 benchmark/bench_any_tier.py --pp-size 2 --page-size 1"
   ;;
 4)
-  # Items 3 and 4, side by side (~250 s; at most ~540 s if both CP variants hang until
-  # their 240 s start-up bound): release/resume then migrate under TP=2 with memory-saver
-  # servers (needs torch_memory_saver in .whl-mc/), and the CP probe (stock SGLang, no
-  # plugin: does a HiCache server start with attention CP for a small NSA model).
+  # Memory saver under TP=2 and the attention-CP probe, side by side (~250 s; at most
+  # ~540 s if both CP variants hang until their 240 s start-up bound): release/resume
+  # then migrate under TP=2 with memory-saver servers (needs torch_memory_saver in
+  # .whl-mc/), and the CP probe (stock SGLang, no plugin: does a HiCache server start
+  # with attention CP for a small NSA model).
   exec bash scripts/gpu_jobs.sh 545 \
     "+0,1:saver_tp2:KVMIG_TP=2 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py" \
     "+0,1:cp:python3 benchmark/probes/probe_attn_cp.py"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -17,6 +18,34 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import cpu_harness  # noqa: E402
 
 cpu_harness.install_cpu_shims()
+# Before any child process starts: they inherit the tag their temp-dir entries carry.
+cpu_harness.session_tag()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if it left model folders or IPC sockets in the temp dir (each test
+    helper removes what it made); they are removed here, so runs do not pile them up."""
+    leftovers = cpu_harness.leftover_temp_entries()
+    if not leftovers:
+        return
+    import shutil
+    import tempfile
+
+    for name in leftovers:
+        path = os.path.join(tempfile.gettempdir(), name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"the tests left {len(leftovers)} entries in the temp dir: {', '.join(leftovers)}"
+    if reporter is not None:
+        reporter.write_line(f"ERROR: {message}", red=True)
+    else:
+        print(f"ERROR: {message}", file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
@@ -76,8 +105,10 @@ def side_factory(
     (metrics on; with ``pp_size > 1`` one stage's only rank), replying into
     `side.replies`; `side.harness` is the harness it runs on."""
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
+    from sglang_kv_migration.server.compose import compose_rank
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics
     from sglang_kv_migration.server.rank.scheduler_side import MigrationSchedulerSide
+    from sglang_kv_migration.server.rank.settings import RankSettings
     from side_helpers import one_rank_context
 
     built: list[MigrationSchedulerSide] = []
@@ -94,12 +125,14 @@ def side_factory(
         ctx = one_rank_context(
             harness.cache, "tiny", lambda out, req: replies.append(out), pp_rank, pp_size
         )
-        side = MigrationSchedulerSide(
+        side = compose_rank(
             ctx,
-            watchdog_timeout_s=watchdog_timeout_s,
-            transport_config=TransportConfig(hostname="127.0.0.1", transfer_timeout_s=5.0),
-            metrics=MigrationMetrics("tiny", 0, 0),
-            grant_key=grant_key,
+            RankSettings(
+                watchdog_timeout_s=watchdog_timeout_s,
+                transport_config=TransportConfig(hostname="127.0.0.1", transfer_timeout_s=5.0),
+                metrics=MigrationMetrics("tiny", 0, 0),
+                grant_key=grant_key,
+            ),
         )
         side.replies = replies  # test-only handles
         side.harness = harness

@@ -26,13 +26,10 @@ from typing import Any
 
 import orjson
 from sglang_kv_migration import grants
-from sglang_kv_migration.io_types import (
-    AllocateOnTarget,
-    TransferRequestKVCacheReqInput,
-    TransferRequestKVCacheTarget,
-)
-from sglang_kv_migration.server.http.routes import TransferBody
+from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
 from sglang_kv_migration.server.source.known_destinations import KnownDestinations
+from sglang_kv_migration.wire.bodies import TransferBody
+from sglang_kv_migration.wire.messages import AllocateOnTarget, TransferRequestKVCacheTarget
 
 BUFFERS = 64  # 32 layers x (K, V)
 

@@ -44,9 +44,9 @@ def serve(port: int, fast: bool) -> None:
     cpu_harness.install_cpu_shims()
     import uvicorn
     from sglang.srt.entrypoints.http_server import app
-    from sglang_kv_migration.io_types import AbortTransferReqOutput
     from sglang_kv_migration.server.http import fast_path as fast_routes
     from sglang_kv_migration.server.http import routes as http_api
+    from sglang_kv_migration.server.messages import AbortTransferReqOutput
 
     class Backend:
         async def call(self, request: Any) -> Any:

@@ -3,7 +3,7 @@ before its handler runs, with the ids as base64 inside the JSON against the ids 
 frame of their own (feature "source_allocate", `server/same_host/allocate_channel.py`), CPU.
 
 Both forms of the same allocate (32K ids by default) go through what the target runs on
-its scheduler thread: the JSON parse and `http_api.allocate_request` (the route's
+its scheduler thread: the JSON parse and `channel_allocations.allocate_request` (the route's
 validation). Interleaved, side by side in one run; medians.
 
     .venv/bin/python benchmark/probes/probe_ids_frame.py [--tokens 32768] [--repeats 200]
@@ -30,10 +30,10 @@ def main() -> None:
 
     import cpu_harness
 
-    cpu_harness.install_cpu_shims()  # http_api imports SGLang
+    cpu_harness.install_cpu_shims()  # channel_allocations imports SGLang
     import orjson
     from sglang_kv_migration import binary_ids
-    from sglang_kv_migration.server.http import routes as http_api
+    from sglang_kv_migration.server.target import channel_allocations
 
     ids = list(range(1000, 1000 + args.tokens))
     fields = {"source_fingerprints": [{"model": "m"}], "path": "device",
@@ -46,11 +46,13 @@ def main() -> None:
 
     def base64_form() -> None:
         message = orjson.loads(in_json)
-        http_api.allocate_request(message["allocate"], migration_id="m", weight_version="")
+        channel_allocations.allocate_request(
+            message["allocate"], migration_id="m", weight_version=""
+        )
 
     def frame_form() -> None:
         message = orjson.loads(bare)
-        http_api.allocate_request(
+        channel_allocations.allocate_request(
             message["allocate"], migration_id="m", weight_version="", ids=frame
         )
 

@@ -3,26 +3,11 @@
 Reading order: see README.md in this folder.
 """
 
+# The wire contract lives in `wire/`; these names stay importable from the package root.
+from sglang_kv_migration.wire.features import EPOCH_CHECK as EPOCH_CHECK_FEATURE
+from sglang_kv_migration.wire.features import TRANSFER_BATCH as TRANSFER_BATCH_FEATURE
+from sglang_kv_migration.wire.version import PROTOCOL_VERSION
+
 __version__ = "0.1.0"
 
-# Wire-protocol version carried by every cross-server message.
-# History:
-#   1 - host pool -> host pool over Mooncake TE.
-#   2 - data paths: session info lists each rank's `paths` (device: CUDA IPC on one host;
-#       host: Mooncake) and a `server_epoch`; allocate takes `path`, `index_format`
-#       ("pages" puts page ids on the wire) and `nothing_ok`; transfer targets carry
-#       `path`, `kv_pages`, `device_kv`. Protocol-1 fields keep their meaning.
-# Additions no older peer can receive are advertised in session info `features` instead
-# of a version bump (clients use one only when both servers list it): "page_ranges",
-# "bound_grants" (allocate's `source_instance`; grants bind destination and source),
-# "partial_transfer", "binary_ids", "source_commit", "epoch_check", "source_allocate",
-# "destination_digest", "transfer_batch" (`io_types.py`).
-PROTOCOL_VERSION = 2
-
-# Wire feature: allocate takes `expect_epoch` (the target's session info `server_epoch`)
-# and refuses a stale one before it reserves anything.
-EPOCH_CHECK_FEATURE = "epoch_check"
-
-# Wire feature: `/transfer_request_kvcache` takes `{"moves": [transfer, ...]}`, several
-# transfers in one call (`server/http/routes.py`, `TransferBatchBody`).
-TRANSFER_BATCH_FEATURE = "transfer_batch"
+__all__ = ["EPOCH_CHECK_FEATURE", "PROTOCOL_VERSION", "TRANSFER_BATCH_FEATURE", "__version__"]

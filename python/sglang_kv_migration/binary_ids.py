@@ -1,4 +1,4 @@
-"""Token ids as bytes on the wire (feature "binary_ids", issue 21).
+"""Token ids as bytes on the wire (feature "binary_ids").
 
 A JSON list of 32K token ids costs each trip that carries it a parse, a per-element type
 and range check, and a pickle of 32K Python ints to the scheduler and back
@@ -17,7 +17,9 @@ import binascii
 import struct
 from typing import Any
 
-FEATURE = "binary_ids"
+from sglang_kv_migration.wire import features
+
+FEATURE = features.BINARY_IDS
 FIELD = "input_ids_u32"
 ITEM_BYTES = 4
 _LIMIT = 1 << 32

@@ -14,15 +14,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_kv_migration import PROTOCOL_VERSION
+from sglang_kv_migration.wire.version import PROTOCOL_VERSION
 
 
 @dataclass(frozen=True)
 class KVCacheShape:
-    """What the fingerprint takes from one rank's KV pools (host pool and its device pool)."""
+    """What the fingerprint takes from one rank's KV pools (host pool and its device pool).
+    The fields are in the order the fingerprint's wire dict lists them."""
 
-    attention: str  # "mha" or "mla"
     kv_dtype: str  # the logical dtype, e.g. "bfloat16"
+    attention: str  # "mha" or "mla"
     start_layer: int
     end_layer: int
     kv_heads: int  # KV heads on this rank; 1 for MLA
@@ -45,7 +46,7 @@ CP_REPLICATED = "replicated"
 
 # Fields a peer that predates them lacks (and refuses as unknown keys): left out of
 # `to_dict` at these values, and read as them when missing.
-_LEFT_OUT_AT = {
+_LEFT_OUT_AT: dict[str, int | str] = {
     "attn_cp_size": 1,
     "attn_cp_mode": "",
     "host_pools": "kv",
@@ -60,16 +61,7 @@ class LayoutFingerprint:
 
     protocol_version: int
     model: str
-    kv_dtype: str
-    attention: str  # "mha" or "mla"
-    start_layer: int
-    end_layer: int
-    kv_heads: int  # KV heads on this rank; 1 for MLA
-    head_dim: int  # MHA; 0 for MLA
-    kv_lora_rank: int  # MLA; 0 for MHA
-    qk_rope_head_dim: int  # MLA; 0 for MHA
-    page_size: int
-    host_layout: str
+    shape: KVCacheShape  # on the wire, its fields at top level after `model`
     tp_size: int
     tp_rank: int
     pp_size: int
@@ -82,17 +74,16 @@ class LayoutFingerprint:
     # SGLang's weight version, as the server's HTTP layer knows it when the request
     # arrives (RL weight updates change it): KV never crosses a weight update.
     weight_version: str = ""
-    # KVCacheShape's pool-group fields (see there); NSA models only.
-    host_pools: str = "kv"
-    index_head_dim: int = 0
-    index_dtype: str = ""
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            ok = _is_int(value) if f.type == "int" else isinstance(value, str)
+        if not isinstance(self.shape, KVCacheShape):
+            raise ValueError(f"fingerprint shape must be a KVCacheShape, got {self.shape!r}")
+        flat = self._flat()
+        for name, kind in _FIELD_TYPES.items():
+            value = flat[name]
+            ok = _is_int(value) if kind == "int" else isinstance(value, str)
             if not ok:
-                raise ValueError(f"fingerprint field {f.name} must be {f.type}, got {value!r}")
+                raise ValueError(f"fingerprint field {name} must be {kind}, got {value!r}")
 
     @classmethod
     def from_shape(
@@ -116,7 +107,7 @@ class LayoutFingerprint:
             pp_rank=pp_rank,
             attn_cp_size=attn_cp_size,
             attn_cp_mode=CP_REPLICATED if attn_cp_size > 1 else "",
-            **dataclasses.asdict(shape),
+            shape=shape,
         )
 
     @functools.cached_property
@@ -130,15 +121,24 @@ class LayoutFingerprint:
         return _with_weight_version(self, weight_version)
 
     def to_dict(self) -> dict[str, int | str]:
-        d = dataclasses.asdict(self)
+        d = self._flat()
         for name, value in _LEFT_OUT_AT.items():
             if d[name] == value:
                 del d[name]
         return d
 
+    def _flat(self) -> dict[str, Any]:
+        """Every field, the shape's at top level, in wire order."""
+        return {
+            "protocol_version": self.protocol_version,
+            "model": self.model,
+            **{name: getattr(self.shape, name) for name in _SHAPE_FIELDS},
+            **{name: getattr(self, name) for name in _AFTER_SHAPE},
+        }
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LayoutFingerprint:
-        expected = [f.name for f in dataclasses.fields(cls)]
+        expected = list(_FIELD_TYPES)
         unknown = sorted(set(d) - set(expected))
         optional = ("weight_version", *_LEFT_OUT_AT)
         missing = [k for k in expected if k not in d and k not in optional]
@@ -146,7 +146,9 @@ class LayoutFingerprint:
             raise ValueError(
                 f"bad layout fingerprint: unknown keys {unknown}, missing keys {missing}"
             )
-        return cls(**d)
+        shape = {name: d[name] for name in _SHAPE_FIELDS if name in d}
+        rest = {name: value for name, value in d.items() if name not in shape}
+        return cls(shape=KVCacheShape(**shape), **rest)
 
     def first_mismatch(
         self,
@@ -159,11 +161,26 @@ class LayoutFingerprint:
 
         Fields are compared in declaration order, so a protocol change is reported first.
         """
-        for f in dataclasses.fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if mine != theirs:
-                return f"{f.name}: {self_name}={mine} {other_name}={theirs}"
+        theirs = other._flat()
+        for name, mine in self._flat().items():
+            if mine != theirs[name]:
+                return f"{name}: {self_name}={mine} {other_name}={theirs[name]}"
         return None
+
+
+_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(KVCacheShape))
+_AFTER_SHAPE = tuple(
+    f.name
+    for f in dataclasses.fields(LayoutFingerprint)
+    if f.name not in {"protocol_version", "model", "shape"}
+)
+# Every wire field of a fingerprint, in wire order, with its type.
+_FIELD_TYPES: dict[str, str] = {
+    "protocol_version": "int",
+    "model": "str",
+    **{f.name: f.type for f in dataclasses.fields(KVCacheShape)},
+    **{f.name: f.type for f in dataclasses.fields(LayoutFingerprint) if f.name in _AFTER_SHAPE},
+}
 
 
 def _is_int(value: object) -> bool:

@@ -17,10 +17,11 @@ slot lists between servers is not trusted either. So:
   grant's deadline plus the transfer timeout has passed.
 
 Grants and receipts are signed with HMAC-SHA256 under a key all servers share
-(`--kv-migration-grant-key`, else derived from `--admin-api-key`, else from `--api-key`).
-Without any key they are **unsigned**: still bound to the migration, the exact slots and
-the deadline — which stops a buggy or confused client — but anyone can forge one, so a
-hostile peer on the transfer network is not stopped. Servers log a warning then.
+(`--kv-migration-grant-key`, else derived from `--admin-api-key`). Never from `--api-key`:
+every client of `/generate` holds that one, and a key a client holds cannot stop a client
+forging a grant. Without either key they are **unsigned**: still bound to the migration,
+the exact slots and the deadline — which stops a buggy or confused client — but anyone can
+forge one, so a hostile client or peer is not stopped. Servers log a warning then.
 
 Tokens are `base64url(JSON payload) "." hex(HMAC)`, plain data: nothing is unpickled.
 """
@@ -41,35 +42,26 @@ import orjson
 import xxhash
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.wire import features
 
 if TYPE_CHECKING:
     import torch
 
-# Wire feature (session info `features`): allocate takes `source_instance`, and grants
-# bind their destination and source.
-FEATURE = "bound_grants"
-# Wire feature: a transfer with `partial_ok` sends what the source holds of the granted
-# range, and its receipts say how many tokens (`Receipt.tokens`); commit inserts those.
-PARTIAL_FEATURE = "partial_transfer"
-# Wire feature: allocate takes `source_commit`; the source then hands its receipts to the
-# target's mailbox (`Grant.mailbox`, server/same_host/mailbox.py) and the target commits by itself.
-SOURCE_COMMIT_FEATURE = "source_commit"
-# Wire feature: a transfer takes `allocate_on_target`; the source asks the target's
-# allocate channel for the slots itself (server/same_host/allocate_channel.py): one client call.
-SOURCE_ALLOCATE_FEATURE = "source_allocate"
-# Wire feature: a device-path target entry may name its `device_kv` by the digest grants
-# bind (`device_kv_digest`), once the source was sent it in full (known_destinations.py).
-DESTINATION_DIGEST_FEATURE = "destination_digest"
+# The wire features grants take part in (`wire/features.py` says what each adds).
+FEATURE = features.BOUND_GRANTS
+PARTIAL_FEATURE = features.PARTIAL_TRANSFER  # receipts say how many tokens (`Receipt.tokens`)
+SOURCE_COMMIT_FEATURE = features.SOURCE_COMMIT  # receipts go to `Grant.mailbox`
+SOURCE_ALLOCATE_FEATURE = features.SOURCE_ALLOCATE
+DESTINATION_DIGEST_FEATURE = features.DESTINATION_DIGEST  # grants bind the digest
 _KEY_CONTEXT = b"sglang-kv-migration grant key\x00"
 # Grants used by this source (for replay refusal), remembered until they expire.
 MAX_REMEMBERED_GRANTS = 1 << 16
 
 
-def derive_key(
-    grant_key: str | None, admin_api_key: str | None, api_key: str | None
-) -> bytes | None:
-    """The shared signing key, or None when no secret is configured (unsigned tokens)."""
-    secret = grant_key or admin_api_key or api_key
+def derive_key(grant_key: str | None, admin_api_key: str | None) -> bytes | None:
+    """The shared signing key, or None when no secret is configured (unsigned tokens).
+    Only secrets no inference client holds: never the `--api-key` of `/generate`."""
+    secret = grant_key or admin_api_key
     if not secret:
         return None
     return hashlib.sha256(_KEY_CONTEXT + secret.encode()).digest()
@@ -120,6 +112,11 @@ def destination_digest(descriptor: Any) -> str:
     except (TypeError, orjson.JSONEncodeError) as e:
         raise MigrationError(ErrorKind.BAD_REQUEST, f"bad destination description: {e}") from None
     return hashlib.sha256(canonical).hexdigest()
+
+
+def grant_digest(raw: str) -> str:
+    """What a receipt names of the grant its transfer claimed: sha256 of the token."""
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
 def slots_digest(slots: torch.Tensor) -> str:
@@ -181,7 +178,10 @@ class Receipt:
     slots_digest: str
     success: bool
     bytes: int
-    settled: bool  # no write of this transfer can land any more (done, or never started)
+    # No write under the grant can land any more: this transfer claimed it and its
+    # writes are over (done, or never started). Never set by a request that did not
+    # claim the grant (a replay, no grant, another source's): it cannot know.
+    settled: bool
     # Optional: how the source shaped the write ("staged": into the granted staging extent,
     # which the target must scatter before commit); set only when staging was granted.
     plan: str = ""
@@ -190,6 +190,10 @@ class Receipt:
     # Tokens written, from the grant's first slot, when fewer than the grant names (a
     # partial transfer: the source held less); -1, left out of the token: all of them.
     tokens: int = -1
+    # `grant_digest` of the grant this transfer claimed (its first and only use on this
+    # source); empty when the request claimed none (refused before its grant verified).
+    # Only a receipt naming the target's own grant can settle its slots.
+    grant: str = ""
 
 
 class Signer:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from sglang_kv_migration.wire import features
+
 if TYPE_CHECKING:
     import torch
 
-# Wire feature name (session info `features`): allocate takes `index_format: "ranges"`
-# and transfer targets take `kv_page_ranges`.
-FEATURE = "page_ranges"
+FEATURE = features.PAGE_RANGES  # `wire/features.py` says what it adds
 
 
 def to_page_ranges(slots: torch.Tensor, page_size: int) -> list[list[int]]:
@@ -54,7 +54,7 @@ def pages_from_ranges(ranges: list[list[int]]) -> torch.Tensor:
     if any(len(pair) != 2 for pair in ranges):
         raise ValueError("each page range must be [first_page, count]")
     # numpy, not torch: this runs on the scheduler thread for every transfer, and each
-    # torch op on a few ints costs tens of microseconds there (H200 profile, 2026-12-01).
+    # torch op on a few ints costs tens of microseconds there (profiled on an H200).
     table = np.array(ranges, dtype=np.int64).reshape(-1, 2)
     firsts, counts = table[:, 0], table[:, 1]
     if firsts.min() < 0 or counts.min() < 1:

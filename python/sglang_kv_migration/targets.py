@@ -2,7 +2,7 @@
 
 `HostTarget` is the host path's (transfer session and host-pool buffers; protocol 1 puts
 its fields at top level of session-info ranks and transfer targets, which is why those
-`io_types` classes derive from it), `DeviceTarget` the device path's (`device_kv` in a
+`wire.messages` classes derive from it), `DeviceTarget` the device path's (`device_kv` in a
 transfer target, `paths["device"]` in session info). The JSON field names are the wire
 format and do not change. Plain data, importable without SGLang or torch (clients too).
 """

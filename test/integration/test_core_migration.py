@@ -2,7 +2,7 @@
 
 Each process (``_migration_peer.py``) holds a real HiRadixCache from the CPU harness and a
 `MigrationSchedulerSide`; this test plays the HTTP layer and calls the handlers through
-the pipe with the io_types requests. The KV bytes cross only through the transfer engine.
+the pipe with the server.messages requests. The KV bytes cross only through the transfer engine.
 
 One pair of processes serves the whole module (spawning one costs a full SGLang import);
 every test rebuilds both servers' caches with the `setup` command.
@@ -247,6 +247,10 @@ def test_page_size_mismatch_is_refused_before_any_byte_moves(servers):
     assert sent.transferred_bytes == 0
     assert dst.do("host_digest") == dst_bytes
     assert src.snapshot() == src_before
-    # The source's receipt says nothing was sent: the slots are free at once.
+    # The request was refused before it claimed the grant: its receipt cannot say that
+    # no write under the grant can land (another request could hold it), so the slots
+    # wait out the write window.
     assert abort(dst, "fp-2", sent).success
+    assert dst.snapshot().host_available < dst_before.host_available
+    assert dst.do("end_quarantine") == ["fp-2"]
     assert dst.snapshot() == dst_before

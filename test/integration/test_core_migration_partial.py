@@ -17,7 +17,7 @@ import pytest
 from core_peers import LAYERS, Server, abort, allocate, commit, receipts, token_ids, transfer
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind
-from sglang_kv_migration.io_types import CommitTransferRequestKVCacheReqInput
+from sglang_kv_migration.server.messages import CommitTransferRequestKVCacheReqInput
 
 PAGE = 16
 CFG = {"attention": "mha", "host_layout": "page_first", "page_size": PAGE}

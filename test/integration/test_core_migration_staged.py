@@ -18,7 +18,7 @@ import pytest
 from core_peers import Server, abort, commit, token_ids, transfer
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.messages import (
     AllocateTokenForTransferReqInput,
     AllocateTokenForTransferReqOutput,
     TransferRequestKVCacheReqInput,

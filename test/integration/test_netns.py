@@ -11,7 +11,8 @@ With bytes really on the wire (the source's side of the link throttled with a `t
 token bucket, so 1 MiB takes about a second): an abort and a target cache flush
 mid-transfer keep the slots out of the free list until the source has answered, and no
 byte lands in them after the write window; a cut mid-transfer fails only that migration.
-A stream that resumes after Mooncake timed it out does write late (strict xfail).
+A stream that resumes after Mooncake timed it out writes nothing into freed slots: the
+target shuts its inbound streams down before the slots leave quarantine.
 """
 
 from __future__ import annotations
@@ -75,8 +76,13 @@ def hosts() -> Iterator[tuple[str, str, str, str]]:
 @pytest.fixture(scope="module")
 def servers(hosts) -> Iterator[tuple[ServerHandle, ServerHandle]]:
     ns, _link, here_ip, there_ip = hosts
-    # Mooncake's own per-batch timeout, so a write into a cut link fails in seconds.
-    os.environ["MC_TRANSFER_TIMEOUT"] = "3"
+    # Mooncake's own per-batch timeout, so a write into a cut link fails in seconds; no
+    # longer than the servers' 2 s transfer timeout (start-up refuses a longer one).
+    os.environ["MC_TRANSFER_TIMEOUT"] = "2"
+    # A lane (stream) per entry in flight: Mooncake queues entries beyond its lanes and
+    # sends them later on new streams, which the target's fence does not cover
+    # (docs/reliability.md, late writes).
+    os.environ["MC_TCP_LANES_PER_PEER"] = "16"
     try:
         big = cpu_harness.HarnessConfig(device_tokens=8192)
         preload = [(FIRST, 1), (SECOND, 2), (THIRD, 3), (AFTER_CUT, 4)]
@@ -91,6 +97,7 @@ def servers(hosts) -> Iterator[tuple[ServerHandle, ServerHandle]]:
         )
     finally:
         os.environ.pop("MC_TRANSFER_TIMEOUT", None)
+        os.environ.pop("MC_TCP_LANES_PER_PEER", None)
     try:
         yield source, target
     finally:
@@ -263,14 +270,14 @@ def test_a_link_cut_while_bytes_are_on_the_wire_fails_only_that_migration(hosts,
         assert thread.is_alive(), "the throttled transfer finished too early"
         _ip("link", "set", link, "down")
         try:
-            thread.join(30.0)  # fails by Mooncake's 3 s batch timeout / the grant deadline
+            thread.join(30.0)  # fails by Mooncake's 2 s batch timeout / the grant deadline
             assert not thread.is_alive(), "the transfer did not fail with the link down"
         finally:
             _ip("link", "set", link, "up")
     assert not result["reply"]["success"], result["reply"]
     # The abort could not reach the target: its watchdog frees the allocation and its
     # slots come back after the write window. (Whether bytes of the cut stream land
-    # after that is `test_a_stream_resumed_after_its_timeout_writes_late`.)
+    # after that is `test_a_stream_resumed_after_its_timeout_writes_nothing_into_freed_slots`.)
     assert wait_until(lambda: source.ask(0, "snapshot") == source_base, 30.0)
     assert wait_until(lambda: target.ask(0, "snapshot") == target_base, 30.0)
     assert sum(target.ask(0, "held", BIG[1])) == 0
@@ -311,13 +318,11 @@ def test_flush_while_bytes_are_on_the_wire_leaves_freed_slots_alone(hosts, serve
     assert wait_until(lambda: source.ask(0, "snapshot") == source_base, 30.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Mooncake TCP (0.3.13) reports a timed-out write as failed (-2) but does not "
-    "close its stream: when the link comes back, TCP retransmits the rest into the "
-    "target's pool after the write window closed (docs/reliability.md, late writes)",
-)
-def test_a_stream_resumed_after_its_timeout_writes_late(hosts, servers) -> None:
+def test_a_stream_resumed_after_its_timeout_writes_nothing_into_freed_slots(hosts, servers) -> None:
+    """Mooncake TCP (0.3.13) reports a timed-out write as failed (-2) but does not close
+    its stream: when the link comes back, TCP retransmits the rest. The target shuts the
+    inbound streams down before the slots leave quarantine (`tcp_streams.py`), so
+    nothing of it lands in slots that may be reused."""
     _ns, link, _here_ip, _there_ip = hosts
     source, target = servers
     with _throttled(link):
@@ -334,3 +339,132 @@ def test_a_stream_resumed_after_its_timeout_writes_late(hosts, servers) -> None:
             _ip("link", "set", link, "up")
     time.sleep(12.0)  # TCP's retransmission back-off after ~10 s down
     assert target.ask(0, "slot_digest", slots) == before, "a late write landed in freed slots"
+
+
+# --------------------------------------------------------------------------- receipts as an attack
+
+# Signed servers (admin key: grants and receipts carry an HMAC), so a receipt cannot be
+# forged: the attacks below use only receipts the servers themselves signed.
+ADMIN_KEY = "netns-admin-key"
+AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
+RETRIED = list(range(140_000, 140_000 + 128 * PAGE))
+ABORTED_TWICE = list(range(150_000, 150_000 + 128 * PAGE))
+
+
+@pytest.fixture(scope="module")
+def signed_servers(hosts) -> Iterator[tuple[ServerHandle, ServerHandle, ServerHandle]]:
+    """A source here, a target across the link and a second source (on loopback: it
+    never reaches the target, it only answers transfer requests)."""
+    ns, _link, here_ip, there_ip = hosts
+    big = cpu_harness.HarnessConfig(device_tokens=8192)
+    handles = start_servers(
+        [
+            ServerSpec(
+                harness=big,
+                host=here_ip,
+                admin_api_key=ADMIN_KEY,
+                preload=[(RETRIED, 21), (ABORTED_TWICE, 22)],
+            ),
+            ServerSpec(harness=big, host=there_ip, netns=ns, admin_api_key=ADMIN_KEY),
+            ServerSpec(harness=big, admin_api_key=ADMIN_KEY, preload=[(ABORTED_TWICE, 22)]),
+        ]
+    )
+    try:
+        yield tuple(handles)
+    finally:
+        for handle in handles:
+            handle.stop()
+
+
+def _signed_post(server: ServerHandle, route: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + route, json=body, headers=AUTH, timeout=60.0)
+
+
+def _start_signed_transfer(source: ServerHandle, target: ServerHandle, ids: list[int]):
+    """As `_start_transfer`, on signed servers; also returns the transfer body."""
+    source_info = _signed_post(source, "/get_transfer_session_info", {}).json()
+    target_info = _signed_post(target, "/get_transfer_session_info", {}).json()
+    allocated = _signed_post(
+        target,
+        "/allocate_token_for_transfer",
+        {
+            "input_ids": ids,
+            "source_fingerprints": [r["fingerprint"] for r in source_info["ranks"]],
+            "source_instance": source_info["instance_id"],
+        },
+    )
+    assert allocated.status_code == 200, allocated.text
+    alloc = allocated.json()
+    body = host_transfer_body(ids, alloc, target_info)
+    result: dict = {}
+
+    def send() -> None:
+        result["reply"] = _signed_post(source, "/transfer_request_kvcache", body).json()
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return alloc["ranks"][0]["kv_indices"], alloc["migration_id"], thread, result, body
+
+
+def _receipts(reply: dict) -> list[str]:
+    return [rank["receipt"] for rank in reply["ranks"]]
+
+
+def _settle_and_check_books(source, target, mid, result, source_base, target_base) -> None:
+    """The first transfer's own receipts (its claimant's, the write over) settle the
+    quarantine at once, on a repeat abort; then both servers are at their baselines."""
+    aborted = _signed_post(
+        target, "/abort_transfer", {"migration_id": mid, "receipts": _receipts(result["reply"])}
+    )
+    assert aborted.status_code == 200, aborted.text
+    assert wait_until(lambda: target.ask(0, "snapshot") == target_base, 30.0)
+    assert wait_until(lambda: source.ask(0, "snapshot") == source_base, 30.0)
+
+
+def test_a_retried_transfer_s_receipt_does_not_free_slots_still_being_written(
+    hosts, signed_servers
+) -> None:
+    """A client retries a transfer while the first is on the wire: the retry is refused
+    as a replay, and its receipt (signed, naming the migration, its slots and the grant's
+    source) must not let an abort free the slots the first transfer is still writing."""
+    _ns, link, _here_ip, _there_ip = hosts
+    source, target, _other = signed_servers
+    source_base, target_base = source.ask(0, "snapshot"), target.ask(0, "snapshot")
+    with _throttled(link):
+        slots, mid, thread, result, body = _start_signed_transfer(source, target, RETRIED)
+        time.sleep(0.4)
+        assert thread.is_alive(), "the throttled transfer finished too early"
+        retry = _signed_post(source, "/transfer_request_kvcache", body)
+        assert retry.status_code == 403 and "replay" in retry.text, retry.text
+        aborted = _signed_post(
+            target, "/abort_transfer", {"migration_id": mid, "receipts": _receipts(retry.json())}
+        )
+        assert aborted.status_code == 200, aborted.text
+        assert _guard_quarantine(target, slots, thread) >= 1
+    assert result["reply"]["success"], result["reply"]
+    _settle_and_check_books(source, target, mid, result, source_base, target_base)
+
+
+def test_a_foreign_receipt_does_not_free_an_aborted_migration_s_slots(
+    hosts, signed_servers
+) -> None:
+    """Abort after abort: the first (no receipts) quarantines the slots while the source
+    writes; a second abort with the receipt of a transfer that named the same migration
+    at another source (refused there: the grant is not its own) must not free them."""
+    _ns, link, _here_ip, _there_ip = hosts
+    source, target, other = signed_servers
+    source_base, target_base = source.ask(0, "snapshot"), target.ask(0, "snapshot")
+    with _throttled(link):
+        slots, mid, thread, result, body = _start_signed_transfer(source, target, ABORTED_TWICE)
+        time.sleep(0.4)
+        assert thread.is_alive(), "the throttled transfer finished too early"
+        first = _signed_post(target, "/abort_transfer", {"migration_id": mid})
+        assert first.status_code == 200, first.text
+        foreign = _signed_post(other, "/transfer_request_kvcache", body)
+        assert foreign.status_code == 403 and "another source" in foreign.text, foreign.text
+        again = _signed_post(
+            target, "/abort_transfer", {"migration_id": mid, "receipts": _receipts(foreign.json())}
+        )
+        assert again.status_code == 200, again.text
+        assert _guard_quarantine(target, slots, thread) >= 1
+    _settle_and_check_books(source, target, mid, result, source_base, target_base)

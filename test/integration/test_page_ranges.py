@@ -205,8 +205,8 @@ def test_huge_runs_are_refused_before_expansion(monkeypatch: pytest.MonkeyPatch)
     count alone; nothing is expanded (the spy would fail)."""
     from sglang_kv_migration import page_ranges
     from sglang_kv_migration.errors import MigrationError
-    from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
     from sglang_kv_migration.server.source import transfers as source_transfers
+    from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
     def spy(_ranges: Any) -> Any:
         raise AssertionError("pages_from_ranges was called")

@@ -103,7 +103,7 @@ def test_server_args_pickle_keeps_migration_fields() -> None:
         ({"kv_migration_watchdog_timeout": -5.0}, "--kv-migration-watchdog-timeout must be"),
         ({"kv_migration_max_batch_entries": 0}, "--kv-migration-max-batch-entries"),
         ({"pp_size": 2, "nnodes": 2}, "needs every stage on one node"),
-        ({"dp_size": 2}, "does not support --dp-size > 1"),
+        ({"dp_size": 2, "pp_size": 2, "tp_size": 2}, "does not support --pp-size > 1 yet"),
         ({"tokenizer_worker_num": 2}, "drop --tokenizer-worker-num > 1 and --enable-http2"),
         ({"enable_http2": True}, "drop --tokenizer-worker-num > 1 and --enable-http2"),
     ],
@@ -140,6 +140,35 @@ def test_pipeline_parallel_flags_are_accepted() -> None:
     assert (args.pp_size, args.enable_kv_migration) == (2, True)
     # SGLang's own rule for PP, which our servers inherit.
     assert args.disable_overlap_schedule is True
+
+
+@pytest.mark.parametrize("dp_attention", [False, True])
+def test_data_parallel_flags_are_accepted(dp_attention: bool) -> None:
+    """--dp-size > 1, with and without DP attention, starts with migration; every
+    scheduler process gets the same launch id (the DP ranks' shared epoch)."""
+    from sglang_kv_migration.server.server_args import KVMigrationServerArgs
+
+    args = KVMigrationServerArgs(
+        model_path=cpu_harness.write_tiny_model_dir(),
+        skip_tokenizer_init=True,
+        device="cpu",
+        enable_hierarchical_cache=True,
+        enable_kv_migration=True,
+        dp_size=2,
+        tp_size=2,
+        enable_dp_attention=dp_attention,
+    )
+    assert (args.dp_size, args.enable_dp_attention) == (2, dp_attention)
+    copy = pickle.loads(pickle.dumps(args))
+    assert copy.kv_migration_launch_id == args.kv_migration_launch_id != ""
+    again = KVMigrationServerArgs(
+        model_path=args.model_path,
+        skip_tokenizer_init=True,
+        device="cpu",
+        enable_hierarchical_cache=True,
+        enable_kv_migration=True,
+    )
+    assert again.kv_migration_launch_id != args.kv_migration_launch_id  # a new launch
 
 
 @pytest.mark.parametrize(("tp_size", "attn_cp_size"), [(2, 2), (4, 2)])
@@ -240,6 +269,10 @@ def test_launch_server_help_lists_the_flags(launch_help: subprocess.CompletedPro
         "--kv-migration-max-batch-entries",
     ):
         assert flag in launch_help.stdout
+    # The CPU environment has no sgl_kernel: SGLang's scheduler and HTTP server cannot
+    # import there, and hooks on them must not be attempted (one traceback each).
+    assert "Traceback" not in launch_help.stderr, launch_help.stderr[-3000:]
+    assert "Failed to apply hooks" not in launch_help.stderr
 
 
 def test_launch_server_refuses_migration_without_hierarchical_cache(fresh_interpreters) -> None:
@@ -263,8 +296,8 @@ def test_flag_off_installs_nothing_on_the_scheduler() -> None:
     from types import SimpleNamespace
 
     from sglang.utils import TypeBasedDispatcher
-    from sglang_kv_migration.io_types import REQUEST_TYPES
     from sglang_kv_migration.server.http import communicators
+    from sglang_kv_migration.server.messages import REQUEST_TYPES
     from sglang_kv_migration.server.rank import hooks as scheduler_hooks
     from sglang_kv_migration.server.server_args import KVMigrationServerArgs
 

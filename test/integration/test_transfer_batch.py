@@ -25,7 +25,7 @@ from sglang_kv_migration.client import (
     MigrationResult,
     Move,
 )
-from sglang_kv_migration.server.http.routes import MAX_BATCH_MOVES
+from sglang_kv_migration.wire.bodies import MAX_BATCH_MOVES
 
 PAGE = 16
 HTTP_TIMEOUT_S = 30.0

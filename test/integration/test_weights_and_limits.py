@@ -17,13 +17,14 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from mini_server import ServerHandle, ServerSpec, start_server
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.http.routes import MAX_BODY_BYTES
+from sglang_kv_migration.server.messages import (
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
     GetRequestExtraTokenSizeReqInput,
     GetTransferSessionInfoReqInput,
 )
-from sglang_kv_migration.server.http.routes import MAX_BODY_BYTES, MAX_ID_CHARS
+from sglang_kv_migration.wire.bodies import MAX_ID_CHARS
 from side_helpers import transfer_to_self
 
 

@@ -45,7 +45,7 @@ class _Server:
         self.outputs: list[Any] = []
         self.profile = False
         self.spin = False  # see `idle_iteration`
-        self.yield_gil = True  # MigrationSchedulerSide.yield_gil of every side built
+        self.yield_gil = True  # RankSettings.yield_gil of every side built
         self.call_counts: list[tuple[int, list]] = []
 
     def close(self) -> None:
@@ -63,7 +63,8 @@ class _Server:
     ) -> dict:
         import cpu_harness
         from sglang_kv_migration.paths.host.mooncake import TransportConfig
-        from sglang_kv_migration.server.rank.scheduler_side import MigrationSchedulerSide
+        from sglang_kv_migration.server.compose import compose_rank
+        from sglang_kv_migration.server.rank.settings import RankSettings
         from side_helpers import one_rank_context
 
         side_kwargs = dict(side_kwargs or {})
@@ -74,13 +75,15 @@ class _Server:
         ctx = one_rank_context(
             self.harness.cache, "tiny-llama", lambda output, req: self.outputs.append(output)
         )
-        self.side = MigrationSchedulerSide(
+        self.side = compose_rank(
             ctx,
-            watchdog_timeout_s=watchdog_timeout_s,
-            transport_config=TransportConfig(hostname="127.0.0.1", **transport),
-            **side_kwargs,
+            RankSettings(
+                watchdog_timeout_s=watchdog_timeout_s,
+                transport_config=TransportConfig(hostname="127.0.0.1", **transport),
+                yield_gil=self.yield_gil,
+                **side_kwargs,
+            ),
         )
-        self.side.yield_gil = self.yield_gil
         return {"host_size": int(self.harness.host_pool.size)}
 
     def insert(self, tokens: list[int], seed: int, write_back: bool) -> int:
@@ -130,7 +133,7 @@ class _Server:
         self.spin = on
         self.yield_gil = yield_gil
         if self.side is not None:
-            self.side.yield_gil = yield_gil
+            self.side.loop.yield_gil = yield_gil
 
     def _on_loop_thread(self, run: Any, arg: Any) -> Any:
         """Run one piece of scheduler-thread work, counting its calls when profiling."""
@@ -206,7 +209,15 @@ class _Server:
         return -1
 
     def end_quarantine(self) -> list[str]:
-        return self.side.pending.release_quarantine(now=float("inf"))
+        # Slots leave quarantine once the engine closed the inbound streams shut down
+        # for them (`tcp_streams.py`): a moment later, so ask again for a bounded while.
+        freed: list[str] = []
+        deadline = time.monotonic() + 5.0
+        while True:
+            freed += self.side.pending.release_quarantine(now=float("inf"))
+            if not self.side.pending.quarantine or time.monotonic() > deadline:
+                return freed
+            time.sleep(0.01)
 
     def snapshot(self) -> Any:
         return self.harness.snapshot()
@@ -249,7 +260,7 @@ def peer_main(conn: Connection) -> None:
     import cpu_harness
 
     cpu_harness.install_cpu_shims()
-    import sglang_kv_migration.server.rank.scheduler_side  # noqa: F401  (the slow sglang import, up front)
+    import sglang_kv_migration.server.compose  # noqa: F401  (the slow sglang import, up front)
 
     server = _Server()
     conn.send(("ready", None))

@@ -13,7 +13,7 @@ from typing import Any
 
 import fork_context
 from _migration_peer import peer_main
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.messages import (
     AbortTransferReqInput,
     AllocateTokenForTransferReqInput,
     AllocateTokenForTransferReqOutput,

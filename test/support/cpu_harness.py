@@ -469,9 +469,55 @@ def build_harness(
     )
 
 
+# Temp-dir entries the suite creates carry this run's tag (the pytest process's pid, which
+# its children inherit), so the session's finish check (test/conftest.py) finds exactly
+# this run's leftovers while other runs share the temp dir.
+SESSION_TAG_ENV = "KVM_TEST_SESSION"
+
+
+def session_tag() -> str:
+    return os.environ.setdefault(SESSION_TAG_ENV, str(os.getpid()))
+
+
+def temp_entry_prefixes() -> tuple[str, ...]:
+    """Name prefixes of this run's temp-dir entries (model folders, IPC sockets)."""
+    tag = session_tag()
+    return (f"kvm-tiny-llama-{tag}-", f"kvm-tokenizer-{tag}-")
+
+
+def leftover_temp_entries() -> list[str]:
+    """This run's entries still in the temp dir, after removing this process's own model
+    folder (its removal at exit comes after pytest's session finish)."""
+    global _TINY_MODEL_DIR
+    if _TINY_MODEL_DIR is not None:
+        import shutil
+
+        shutil.rmtree(_TINY_MODEL_DIR, ignore_errors=True)
+        _TINY_MODEL_DIR = None
+    prefixes = temp_entry_prefixes()
+    return sorted(e for e in os.listdir(tempfile.gettempdir()) if e.startswith(prefixes))
+
+
 def write_tiny_model_dir(path: str | None = None) -> str:
-    """A folder with the smallest Llama ``config.json`` that ServerArgs accepts."""
-    path = path or tempfile.mkdtemp(prefix="kvm-tiny-llama-")
+    """A folder with the smallest Llama ``config.json`` that ServerArgs accepts.
+
+    Without `path`: one folder per process, made on first use and removed when the
+    process exits (also a multiprocessing child that returns from its target; a child
+    that leaves by ``os._exit`` must be handed its parent's folder instead)."""
+    global _TINY_MODEL_DIR
+    if path is None:
+        if _TINY_MODEL_DIR is not None and os.path.isdir(_TINY_MODEL_DIR):
+            return _TINY_MODEL_DIR
+        path = tempfile.mkdtemp(prefix=temp_entry_prefixes()[0])
+        _TINY_MODEL_DIR = path
+        import multiprocessing.util
+        import shutil
+
+        # Runs at interpreter exit and at a multiprocessing child's exit, in the process
+        # that made the folder only (a forked child inherits the entry but not the folder).
+        multiprocessing.util.Finalize(
+            None, shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}, exitpriority=0
+        )
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -503,12 +549,7 @@ _TINY_MODEL_DIR: str | None = None
 def _make_server_args(cfg: HarnessConfig) -> Any:
     from sglang.srt.server_args import ServerArgs
 
-    global _TINY_MODEL_DIR
-    model_dir = cfg.model_dir
-    if model_dir is None:
-        if _TINY_MODEL_DIR is None:
-            _TINY_MODEL_DIR = write_tiny_model_dir()
-        model_dir = _TINY_MODEL_DIR
+    model_dir = cfg.model_dir or write_tiny_model_dir()
     return ServerArgs(
         model_path=model_dir,
         skip_tokenizer_init=True,

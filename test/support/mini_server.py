@@ -16,6 +16,15 @@ whose first rank receives it (blocking) and broadcasts it over its stage's TP gr
 stage 0's first rank holds SGLang's socket to the tokenizer side; later stages get theirs
 from our `after_init_ipc_channels` hook. Each stage's caches hold only its own layers.
 
+With ``dp_size > 1`` (no PP) there are ``dp_size`` groups of ``tp_size`` ranks (global
+rank ``dp_rank * tp_size + tp_rank``), each with its own tree, pools and TP group; a
+stand-in for SGLang's `DataParallelController` in rank 0's process hands every request
+on as `send_control_message` does: without DP attention to every DP rank's first rank,
+each of which broadcasts it over its DP rank's group; with ``dp_attention`` to DP rank
+0's first rank, which broadcasts it over the whole world (SGLang's TP group then spans
+every DP rank, and each DP rank's attention TP group is the cache's). The first rank of
+every DP rank replies to the tokenizer side.
+
 `start_server(ServerSpec(...))` spawns one process per (tp, pp) rank (global rank
 ``pp_rank * tp_size + tp_rank``, as SGLang numbers them) and returns a handle with the URL
 once every rank is serving.
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import queue
 import tempfile
@@ -77,6 +87,19 @@ class ServerSpec:
     extension: Any = None
     # Staging arena per rank (--kv-migration-staging-mb); small: tests move little.
     staging_mb: int = 4
+    # Data-parallel ranks (--dp-size; not with pp_size > 1), each of `tp_size` ranks, and
+    # --enable-dp-attention. `preload` goes to every DP rank, or to `preload_dp_rank`'s only.
+    dp_size: int = 1
+    dp_attention: bool = False
+    preload_dp_rank: int | None = None
+
+    @property
+    def world(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+    def dp_leaders(self) -> list[int]:
+        """The global rank of each DP rank's first rank (they read requests and reply)."""
+        return [d * self.tp_size for d in range(self.dp_size)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +115,9 @@ class ServerHandle:
     url: str
     processes: list[Any]
     control: list[Any]  # one command pipe per rank
+    # The tokenizer IPC socket's file: its ranks leave by os._exit, without closing it.
+    ipc_file: str = ""
+    readers: tuple[int, ...] = (0,)  # ranks that read requests (each hands on the stop)
 
     def ask(self, rank: int, command: str, *args: Any, timeout: float = 60.0) -> Any:
         """Run a test-only command on one rank (snapshot, read_kv, ...); `rank` is global."""
@@ -118,16 +144,23 @@ class ServerHandle:
         return results
 
     def stop(self) -> None:
-        # Rank 0 broadcasts (and hands on) the stop: every rank leaves in the same iteration.
-        try:
-            self.control[0].send((STOP, ()))
-        except (BrokenPipeError, OSError):
-            pass
+        # The reading ranks broadcast (and hand on) the stop: every rank leaves in the
+        # same iteration.
+        for rank in self.readers:
+            try:
+                self.control[rank].send((STOP, ()))
+            except (BrokenPipeError, OSError):
+                pass
         for p in self.processes:
             p.join(timeout=20)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        if self.ipc_file:
+            # The DP leaders' sockets sit beside the tokenizer's, named after it.
+            for path in [self.ipc_file, *glob.glob(f"{glob.escape(self.ipc_file)}-dp*")]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
 
 
 def start_server(spec: ServerSpec, timeout_s: float = 240.0) -> ServerHandle:
@@ -161,13 +194,20 @@ def serving(specs: list[ServerSpec]) -> Iterator[list[ServerHandle]]:
 
 def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
     ctx = fork_context.context()
+    # The ranks leave by os._exit, which skips the removal of a model folder of their own:
+    # they get this process's (removed when it exits).
+    model_dir = spec.harness.model_dir or cpu_harness.write_tiny_model_dir()
+    spec = dataclasses.replace(spec, harness=dataclasses.replace(spec.harness, model_dir=model_dir))
     gloo_port = cpu_harness.free_port()
     http_port = cpu_harness.free_port()
-    endpoint = os.path.join(tempfile.gettempdir(), f"kvm-tokenizer-{uuid.uuid4().hex}")
-    ports = _Ports(gloo_port, http_port, f"ipc://{endpoint}")
+    endpoint = os.path.join(
+        tempfile.gettempdir(), f"{cpu_harness.temp_entry_prefixes()[1]}{uuid.uuid4().hex}"
+    )
+    leaders = tuple(f"ipc://{endpoint}-dp{d}" for d in range(spec.dp_size))
+    ports = _Ports(gloo_port, http_port, f"ipc://{endpoint}", leaders, uuid.uuid4().hex)
     ready = ctx.Queue()
     processes, control = [], []
-    world = spec.tp_size * spec.pp_size
+    world = spec.world
     for rank in range(world):
         parent, child = ctx.Pipe()
         p = ctx.Process(
@@ -179,7 +219,10 @@ def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
         p.start()
         processes.append(p)
         control.append(parent)
-    handle = ServerHandle(f"http://{spec.host}:{http_port}", processes, control)
+    readers = (0,) if spec.dp_attention else tuple(spec.dp_leaders())
+    handle = ServerHandle(
+        f"http://{spec.host}:{http_port}", processes, control, readers=readers, ipc_file=endpoint
+    )
     return handle, ready, world
 
 
@@ -190,6 +233,10 @@ class _Ports:
     # The "tokenizer manager" binds a PULL here and scheduler ranks push to it. An ipc://
     # path like SGLang's own: unique, so no other process can take it before the bind.
     tokenizer: str
+    # With DP ranks: where each DP rank's first rank reads requests (the controller
+    # stand-in pushes there), and the launch id every rank's server args carry.
+    dp_inputs: tuple[str, ...] = ()
+    launch_id: str = ""
 
 
 def _wait_ready(handle: ServerHandle, ready: Any, num_ranks: int, timeout_s: float) -> None:
@@ -213,45 +260,78 @@ def _wait_ready(handle: ServerHandle, ready: Any, num_ranks: int, timeout_s: flo
 class _MiniScheduler:
     """The attributes of `Scheduler` that our hooks read, plus a minimal loop."""
 
-    def __init__(self, spec: ServerSpec, rank: int, harness: Any, sender: Any):
+    def __init__(self, spec: ServerSpec, rank: int, harness: Any, sender: Any, launch_id: str = ""):
         from types import SimpleNamespace
 
         import torch.distributed as dist
         from sglang.srt.managers.scheduler import SenderWrapper
         from sglang.utils import TypeBasedDispatcher
 
-        self.server_args = _server_args(spec)
+        self.spec = spec
+        self.server_args = _server_args(spec, launch_id)
         self.tree_cache = harness.cache
         self.rank = rank
-        self.tp_rank = rank % spec.tp_size
-        self.tp_size = spec.tp_size
-        self.pp_rank = rank // spec.tp_size
+        local_rank, group = rank % spec.tp_size, harness.tp_group if spec.tp_size > 1 else None
+        self.pp_rank = 0 if spec.dp_size > 1 else rank // spec.tp_size
         self.pp_size = spec.pp_size
-        self.tp_cpu_group = harness.tp_group if spec.tp_size > 1 else None
+        # SGLang passes no DP rank without a DP controller.
+        self.dp_rank = rank // spec.tp_size if spec.dp_size > 1 else None
+        self.dp_size = spec.dp_size
+        # The cache's group: the stage's (PP) or the DP rank's TP ranks.
+        self.attn_tp_rank, self.attn_tp_size, self.attn_tp_cpu_group = (
+            local_rank,
+            spec.tp_size,
+            group,
+        )
+        if spec.dp_attention:  # SGLang's TP group spans every DP rank then
+            self.tp_rank, self.tp_size, self.tp_cpu_group = rank, spec.world, dist.group.WORLD
+        else:
+            self.tp_rank, self.tp_size, self.tp_cpu_group = local_rank, spec.tp_size, group
         self.world_group = SimpleNamespace(cpu_group=dist.group.WORLD if spec.pp_size > 1 else None)
         self.send_to_tokenizer = SenderWrapper(sender)
         self._request_dispatcher = TypeBasedDispatcher([])
+        # What `sglang_adapter.scheduler_load` counts: no requests run here.
+        self.running_batch = SimpleNamespace(reqs=[])
+        self.waiting_queue: list[Any] = []
+
+    @property
+    def reads_requests(self) -> bool:
+        """Reads the tokenizer side's (or the controller stand-in's) requests."""
+        if self.spec.dp_attention:
+            return self.rank == 0
+        return self.attn_tp_rank == 0 and self.pp_rank == 0
+
+    def _broadcast(self, reqs: list[Any]) -> list[Any]:
+        """Like Scheduler.recv_requests: the reading rank's requests reach every rank of
+        its stage or DP rank, or with DP attention every rank."""
+        from sglang.srt.utils.common import broadcast_pyobj
+
+        if self.spec.dp_attention:
+            return broadcast_pyobj(reqs, self.rank, self.tp_cpu_group, src=0)
+        if self.tp_size == 1:
+            return reqs
+        first = self.rank - self.tp_rank  # global rank of this stage's (DP rank's) tp 0
+        return broadcast_pyobj(reqs, self.rank, self.tp_cpu_group, src=first)
 
     def is_fully_idle(self) -> bool:
         return True  # no requests run here: SGLang flushes only an idle scheduler
 
     def run(self, receiver: Any, control: Any, harness: Any, extension: Any = None) -> None:
         import zmq
-        from sglang.srt.utils.common import broadcast_pyobj, point_to_point_pyobj
+        from sglang.srt.utils.common import point_to_point_pyobj
         from sglang_kv_migration.server.rank import hooks as scheduler_hooks
 
-        stage_first = self.pp_rank * self.tp_size  # global rank of this stage's tp 0
         last_stage = self.pp_rank == self.pp_size - 1
         idle_wait = _IdleWait(receiver, getattr(self, "kv_migration", None))
         while True:
             reqs: list[Any] = []
-            if self.tp_rank == 0 and self.pp_rank == 0:
+            if self.reads_requests:
                 while True:
                     try:
                         reqs.append(receiver.recv_pyobj(zmq.NOBLOCK))
                     except zmq.ZMQError:
                         break
-            elif self.tp_rank == 0:
+            elif self.tp_rank == 0 and self.pp_rank > 0:
                 # Like Scheduler.recv_requests on a later stage: block for the previous
                 # stage's list.
                 reqs = point_to_point_pyobj(
@@ -266,12 +346,9 @@ class _MiniScheduler:
                 command = control.recv()
                 if command[0] == STOP:
                     stop, command = True, None
-            if self.rank == 0 and stop:
+            if self.reads_requests and stop:
                 reqs.append(STOP)
-            if self.tp_size > 1:
-                # Like Scheduler.recv_requests: the stage's first rank's requests reach
-                # every rank of the stage.
-                reqs = broadcast_pyobj(reqs, self.rank, self.tp_cpu_group, src=stage_first)
+            reqs = self._broadcast(reqs)
             if STOP not in reqs:
                 scheduler_hooks.before_process_input_requests(self, reqs)
                 if command is not None:
@@ -339,38 +416,50 @@ def _rank_main(
         import zmq
         from sglang_kv_migration.server.rank import hooks as scheduler_hooks
 
-        world = spec.tp_size * spec.pp_size
-        tp_rank, pp_rank = rank % spec.tp_size, rank // spec.tp_size
+        world = spec.world
+        tp_rank = rank % spec.tp_size
+        pp_rank = 0 if spec.dp_size > 1 else rank // spec.tp_size
+        dp_rank = rank // spec.tp_size if spec.dp_size > 1 else 0
         if world > 1:
             cpu_harness.init_gloo(rank, world, ports.gloo)
         cfg = _stage_harness_config(spec, tp_rank, pp_rank, rank)
-        tp_group = _stage_tp_group(spec, pp_rank)
         attn_cp_group, attn_tp_group = _attn_cp_groups(spec, tp_rank)
         harness = cpu_harness.build_harness(
-            cfg, tp_group=tp_group, attn_cp_group=attn_cp_group, attn_tp_group=attn_tp_group
+            cfg,
+            tp_group=_tp_group(spec, rank),
+            attn_cp_group=attn_cp_group,
+            attn_tp_group=attn_tp_group,
         )
         # CP ranks of one attention TP rank hold the same KV (SGLang all-gathers it).
-        replica = pp_rank * spec.tp_size + tp_rank % (spec.tp_size // spec.attn_cp_size)
-        for token_ids, seed in spec.preload:
-            harness.insert_random(token_ids, seed=seed * 1000 + replica)
+        replica = rank - tp_rank + tp_rank % (spec.tp_size // spec.attn_cp_size)
+        if spec.preload_dp_rank in (None, dp_rank):
+            for token_ids, seed in spec.preload:
+                harness.insert_random(token_ids, seed=seed * 1000 + replica)
         harness.write_back_all()
         extension = spec.extension(harness) if spec.extension is not None and rank == 0 else None
 
         context = zmq.Context()
         sched_in = None
         sender = None
-        if rank == 0:
-            sched_in = context.socket(zmq.PULL)
-            sched_in_port = sched_in.bind_to_random_port("tcp://127.0.0.1")
+        leader = tp_rank == 0 and pp_rank == 0  # replies to the tokenizer side
+        if leader:
             sender = context.socket(zmq.PUSH)
             sender.connect(ports.tokenizer)
-        scheduler = _MiniScheduler(spec, rank, harness, sender)
+        scheduler = _MiniScheduler(spec, rank, harness, sender, ports.launch_id)
+        if scheduler.reads_requests:
+            sched_in = context.socket(zmq.PULL)
+            if spec.dp_size > 1:
+                sched_in.bind(ports.dp_inputs[dp_rank])
+            else:
+                sched_in_port = sched_in.bind_to_random_port("tcp://127.0.0.1")
+        if rank == 0 and spec.dp_size > 1:
+            sched_in_port = _start_dp_controller(spec, ports.dp_inputs)
         scheduler.recv_from_tokenizer = sched_in  # (what `input_waiting_check` reads)
         port_args = SimpleNamespace(tokenizer_ipc_name=ports.tokenizer)
         scheduler_hooks.after_init_ipc_channels(None, scheduler, port_args)
         scheduler_hooks.after_init_request_dispatcher(None, scheduler)
         if spec.broken_transport_rank == rank and scheduler.kv_migration is not None:
-            _break_transport(scheduler.kv_migration.transport)
+            _break_transport(scheduler.kv_migration.paths["host"].transport)
         if rank == 0:
             threading.Thread(
                 target=_serve_http,
@@ -412,17 +501,44 @@ def _stage_harness_config(
     return cfg
 
 
-def _stage_tp_group(spec: ServerSpec, pp_rank: int) -> Any:
-    """This stage's TP group (every rank creates every stage's group, in order)."""
-    if spec.pp_size == 1:
+def _tp_group(spec: ServerSpec, rank: int) -> Any:
+    """This rank's stage's (PP) or DP rank's TP group: the cache's (every rank creates
+    every group, in order)."""
+    if spec.pp_size == 1 and spec.dp_size == 1:
         return None  # the harness default: the whole world
     import torch.distributed as dist
 
     groups = [
-        dist.new_group(list(range(p * spec.tp_size, (p + 1) * spec.tp_size)))
-        for p in range(spec.pp_size)
+        dist.new_group(list(range(g * spec.tp_size, (g + 1) * spec.tp_size)))
+        for g in range(spec.world // spec.tp_size)
     ]
-    return groups[pp_rank]
+    return groups[rank // spec.tp_size]
+
+
+def _start_dp_controller(spec: ServerSpec, dp_inputs: tuple[str, ...]) -> int:
+    """A stand-in for SGLang's `DataParallelController` (in rank 0's process): what the
+    tokenizer side sends goes on as `send_control_message` sends our requests, to every
+    DP rank's first rank, or with DP attention to DP rank 0's only. Returns the port the
+    tokenizer side pushes to."""
+    import zmq
+
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    port = inbox.bind_to_random_port("tcp://127.0.0.1")
+    outboxes = []
+    for address in dp_inputs[:1] if spec.dp_attention else dp_inputs:
+        out = context.socket(zmq.PUSH)
+        out.connect(address)
+        outboxes.append(out)
+
+    def forward() -> None:
+        while True:
+            frame = inbox.recv()
+            for out in outboxes:
+                out.send(frame)
+
+    threading.Thread(target=forward, daemon=True).start()
+    return port
 
 
 def _attn_cp_groups(spec: ServerSpec, tp_rank: int) -> tuple[Any, Any]:
@@ -430,8 +546,8 @@ def _attn_cp_groups(spec: ServerSpec, tp_rank: int) -> tuple[Any, Any]:
     them (every rank creates every group, in order); (None, None) without CP."""
     if spec.attn_cp_size == 1:
         return None, None
-    if spec.pp_size != 1:
-        raise ValueError("the mini server runs attention CP with pp_size 1 only")
+    if spec.pp_size != 1 or spec.dp_size != 1:
+        raise ValueError("the mini server runs attention CP with pp_size and dp_size 1 only")
     import torch.distributed as dist
 
     attn_tp = spec.tp_size // spec.attn_cp_size
@@ -639,7 +755,7 @@ def _serve_http(
     from_scheduler.bind(tokenizer_endpoint)
 
     comms = (
-        KVMigrationCommunicators(to_scheduler, pp_size=spec.pp_size)
+        KVMigrationCommunicators(to_scheduler, pp_size=spec.pp_size, dp_size=spec.dp_size)
         if spec.enable_kv_migration
         else None
     )
@@ -691,19 +807,22 @@ def _wait_http(port: int, host: str = "127.0.0.1", timeout_s: float = 30.0) -> N
     raise TimeoutError(f"HTTP server on port {port} did not start")
 
 
-def _server_args(spec: ServerSpec) -> Any:
+def _server_args(spec: ServerSpec, launch_id: str = "") -> Any:
     from sglang_kv_migration.server.server_args import KVMigrationServerArgs
 
     cfg = spec.harness
-    return KVMigrationServerArgs(
-        model_path=cpu_harness.write_tiny_model_dir(),
+    args = KVMigrationServerArgs(
+        model_path=cfg.model_dir or cpu_harness.write_tiny_model_dir(),
         served_model_name="tiny-llama",
         skip_tokenizer_init=True,
         device="cpu",
         page_size=cfg.page_size,
-        tp_size=spec.tp_size,
+        # With DP attention SGLang's TP group spans every DP rank.
+        tp_size=spec.tp_size * spec.dp_size if spec.dp_attention else spec.tp_size,
         pp_size=spec.pp_size,
         attn_cp_size=spec.attn_cp_size,
+        dp_size=spec.dp_size,
+        enable_dp_attention=spec.dp_attention,
         enable_hierarchical_cache=True,
         hicache_mem_layout=cfg.host_layout,
         hicache_io_backend=cfg.effective_io_backend(),
@@ -714,10 +833,14 @@ def _server_args(spec: ServerSpec) -> Any:
         kv_migration_hostname=spec.host,
         kv_migration_staging_mb=spec.staging_mb,
         host=spec.host,
-        # The grant signing key derives from these (as on a real server).
+        # The grant signing key derives from the admin key, never the API key (as on a
+        # real server).
         api_key=spec.api_key,
         admin_api_key=spec.admin_api_key,
     )
+    if launch_id:  # one per server, as SGLang pickles one ServerArgs into every rank
+        args.kv_migration_launch_id = launch_id
+    return args
 
 
 def _break_transport(transport: Any) -> None:

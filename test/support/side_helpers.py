@@ -32,7 +32,7 @@ def one_rank_context(
 def allocate_on(side: Any, input_ids: list[int], migration_id: str, **fields: Any) -> Any:
     """`side`'s allocate reply for `input_ids` under `migration_id`, as a peer with this
     side's own layout asks it (`fields`: any other allocate field)."""
-    from sglang_kv_migration.io_types import AllocateTokenForTransferReqInput
+    from sglang_kv_migration.server.messages import AllocateTokenForTransferReqInput
 
     return side.allocate_token_for_transfer(
         AllocateTokenForTransferReqInput(
@@ -49,7 +49,7 @@ def transfer_to_self(
 ):
     """A transfer request from `side` into its own host slots `kv_indices` (loopback),
     writing under `grant` (the allocate reply's `ranks[0].grant`)."""
-    from sglang_kv_migration.io_types import TransferRequestKVCacheReqInput
+    from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
     from targets import host_target
 
     if grant:
@@ -60,7 +60,7 @@ def transfer_to_self(
 
         from sglang_kv_migration import grants
 
-        issued = side.signer.decode_grant(grant)
+        original, issued = grant, side.signer.decode_grant(grant)
         grant = side.signer.encode(
             dataclasses.replace(
                 issued,
@@ -71,6 +71,10 @@ def transfer_to_self(
                 destination=grants.destination_digest(side.paths["host"].advertise()),
             )
         )
+        # The target binds receipts to the grant it issued: this re-issued one.
+        pending = side.pending.get(issued.migration_id)
+        if pending is not None and pending.grant == grants.grant_digest(original):
+            pending.grant = grants.grant_digest(grant)
     target = host_target(
         0,
         0,
@@ -110,6 +114,7 @@ def receipts_for(side: object, allocation: object, success: bool = True) -> list
             bytes=0,
             settled=True,
             source=source,
+            grant=grants.grant_digest(rank.grant) if rank.grant else "",
         )
         receipts.append(side.signer.encode(receipt))
     return receipts

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from sglang_kv_migration.io_types import RankSessionInfo, TransferRequestKVCacheTarget
+from sglang_kv_migration.wire.messages import RankSessionInfo, TransferRequestKVCacheTarget
 
 # What a target rank publishes about its host pool (`HostPath.advertise()`).
 HOST_FIELDS = ("session_id", "host_kv_data_ptrs", "host_kv_data_lens", "host_kv_item_lens")

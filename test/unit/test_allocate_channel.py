@@ -17,7 +17,7 @@ import pytest
 import zmq
 from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.messages import (
     AllocateTokenForTransferReqOutput,
     CommitTransferRequestKVCacheReqInput,
     GetTransferSessionInfoReqInput,
@@ -339,11 +339,8 @@ def test_ids_in_their_own_frame_are_checked_and_go_to_the_handler_as_bytes() -> 
 
 
 def _one_trip_request() -> object:
-    from sglang_kv_migration.io_types import (
-        AllocateOnTarget,
-        TransferRequestKVCacheReqInput,
-        TransferRequestKVCacheTarget,
-    )
+    from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
+    from sglang_kv_migration.wire.messages import AllocateOnTarget, TransferRequestKVCacheTarget
 
     target = TransferRequestKVCacheTarget(tp=0, pp=0, path="host", session_id="127.0.0.1:1")
     return TransferRequestKVCacheReqInput(
@@ -393,19 +390,19 @@ def test_a_target_that_does_not_answer_in_time_fails_only_with_a_channel_error(
     assert fake.waiting == 0 and len(side.transfers) == 0
 
 
-def test_the_route_validation_is_imported_when_the_channel_opens_not_in_its_first_allocate():
-    """It brings FastAPI into the scheduler's process (27-40 ms of the first channel
-    allocate of every target on the H200): at start-up instead."""
+def test_the_channel_validates_with_the_wire_bodies_loaded_at_start_up_not_the_routes():
+    """The channel's validation (`wire/bodies.py`) is loaded with the channel, not in its
+    first allocate (pydantic's import held that allocate 27-40 ms on the H200), and the
+    HTTP route module never comes into the scheduler's process for it."""
     import subprocess
     import sys
 
     code = (
         "import sys\n"
         "from sglang_kv_migration.server.target.channel_allocations import ChannelAllocations\n"
-        "name = 'sglang_kv_migration.server.http.routes'\n"
-        "assert name not in sys.modules\n"
         "ChannelAllocations(None, (), lambda r: r)\n"
-        "assert name in sys.modules\n"
+        "assert 'sglang_kv_migration.wire.bodies' in sys.modules\n"
+        "assert 'sglang_kv_migration.server.http.routes' not in sys.modules\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

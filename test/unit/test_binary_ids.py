@@ -8,7 +8,7 @@ import base64
 import pytest
 from sglang_kv_migration import binary_ids
 from sglang_kv_migration.client.migration import _allocate_call, _Plan, _transfer_call
-from sglang_kv_migration.io_types import TransferRequestKVCacheReqInput
+from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
 
 
 def test_round_trip_and_the_exact_bytes():

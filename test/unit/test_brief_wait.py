@@ -1,6 +1,6 @@
-"""The scheduler's brief wait for what its transfers wait for (`scheduler_side.
-wait_briefly`, `SourceTransfers.awaited`, `spin_until`) and the log lines kept back
-until a rank is idle (`deferred_log.py`)."""
+"""The scheduler's brief wait for what its transfers wait for (`RankLoop.wait_briefly`,
+`SourceTransfers.awaited`, `spin_until`), SGLang's state as the loop reads it
+(`IdleProbe`) and the log lines kept back until a rank is idle (`deferred_log.py`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 from sglang_kv_migration.paths.device.path import DeviceSendJob
 from sglang_kv_migration.server.diag import deferred_log
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
-from sglang_kv_migration.server.rank import scheduler_side
-from sglang_kv_migration.server.rank.scheduler_side import spin_until
+from sglang_kv_migration.server.rank import loop
+from sglang_kv_migration.server.rank.idle_probe import IdleProbe
+from sglang_kv_migration.server.rank.loop import RankLoop, spin_until
 from sglang_kv_migration.server.source import transfers as source_transfers
 from sglang_kv_migration.server.source.transfers import InflightTransfer, SourceTransfers
 
@@ -105,7 +106,7 @@ def test_a_device_job_waits_only_on_its_copy_once_launched() -> None:
     assert job.completion_event is None
 
 
-def _polled(started: int, wait: Any, prepare: bool = False) -> list[str]:
+def _polled(started: int, prepare: bool = False) -> list[str]:
     """The order of a poll's steps when its answers started `started` copies."""
     steps: list[str] = []
     asked = _inflight(allocating=b"call")
@@ -115,20 +116,16 @@ def _polled(started: int, wait: Any, prepare: bool = False) -> list[str]:
     transfers._prepare_asked = lambda: steps.append("prepare")
     transfers._take_allocations = lambda: steps.append("take") or started
     transfers._finish_done = lambda: steps.append("finish")
-    transfers.brief_wait = wait if wait is None else lambda: steps.append("wait") or True
     transfers.poll()
     return steps
 
 
-def test_a_poll_waits_for_the_answers_it_prepared_for_and_the_copies_it_started() -> None:
-    # The copy of a one-page move is done within microseconds: this poll replies.
-    assert _polled(1, wait=True) == ["take", "wait", "finish"]
-    # The target allocates while the source prepares: its answer is taken in this poll.
-    assert _polled(1, wait=True, prepare=True) == ["prepare", "wait", "take", "wait", "finish"]
-    # Nothing prepared nor started (no answer yet, or it failed): the wait before the
-    # next poll; and no brief waits at all on a multi-rank source.
-    assert _polled(0, wait=True) == ["take", "finish"]
-    assert _polled(2, wait=None, prepare=True) == ["prepare", "take", "finish"]
+def test_a_poll_prepares_takes_and_finishes_without_waiting_inside() -> None:
+    # The brief wait runs before the poll only (`RankLoop.wait_briefly`): a poll never
+    # waits between its steps, whatever it prepared or started.
+    assert _polled(1) == ["take", "finish"]
+    assert _polled(1, prepare=True) == ["prepare", "take", "finish"]
+    assert _polled(0, prepare=True) == ["prepare", "take", "finish"]
 
 
 def test_a_poll_leaves_its_prepares_while_requests_wait_for_a_bounded_number_of_polls() -> None:
@@ -139,7 +136,6 @@ def test_a_poll_leaves_its_prepares_while_requests_wait_for_a_bounded_number_of_
     asked = _inflight(allocating=b"call")
     transfers = _transfers(_Caller(waiting=1), [asked])
     transfers.polls = 0
-    transfers.brief_wait = None
     transfers._prepare_asked = lambda: steps.append("prepare") or transfers._to_prepare.clear()
     transfers._take_allocations = lambda: steps.append("take") and 0
     transfers._finish_done = lambda: None
@@ -167,61 +163,45 @@ def test_a_poll_leaves_its_prepares_while_requests_wait_for_a_bounded_number_of_
     assert steps == ["prepare", "take"]
 
 
-def test_the_scheduler_side_gives_its_transfers_its_brief_wait(
-    side_factory: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Off by default (slower side by side on the H200): waits only before the poll.
-    assert side_factory(page_size=16).transfers.brief_wait is None
-    monkeypatch.setenv(scheduler_side.WAIT_IN_POLL_ENV, "1")
-    side = side_factory(page_size=16)
-    assert side.transfers.brief_wait == side.wait_briefly
-    assert not side.transfers.brief_wait()  # no SGLang state set yet: no wait
-
-
-def test_the_scheduler_side_gives_its_transfers_its_input_test(
-    side_factory: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_scheduler_side_gives_its_transfers_its_input_test(side_factory: Any) -> None:
     side = side_factory(page_size=16)
     assert side.transfers.caller is not None  # a single-rank source
-    assert side.transfers.requests_waiting == side.requests_waiting
+    assert side.transfers.requests_waiting == side.loop.probe.requests_waiting
     assert not side.requests_waiting()  # no SGLang state set yet
-    monkeypatch.setenv(scheduler_side.ASK_FIRST_ENV, "0")
-    assert side_factory(page_size=16).transfers.requests_waiting is None
 
 
 def test_requests_waiting_only_on_an_idle_scheduler_and_off_after_an_error(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    assert _side(None, True, lambda: True).requests_waiting()
-    assert not _side(None, False, lambda: True).requests_waiting()  # a batch runs
-    assert not _side(None, True, lambda: False).requests_waiting()
+    assert IdleProbe(lambda: True, lambda: True).requests_waiting()
+    assert not IdleProbe(lambda: False, lambda: True).requests_waiting()  # a batch runs
+    assert not IdleProbe(lambda: True, lambda: False).requests_waiting()
+    assert not IdleProbe().requests_waiting()  # no SGLang state
 
     def broken() -> bool:
         raise RuntimeError("boom")
 
-    side = _side(None, True, broken)
+    probe = IdleProbe(lambda: True, broken)
     with caplog.at_level(logging.ERROR):
-        assert not side.requests_waiting()
-    assert side._brief_wait_off
-    side.input_waiting = lambda: True
-    assert not side.requests_waiting()  # off
+        assert not probe.requests_waiting()
+    assert probe.off
+    probe.input_waiting = lambda: True
+    assert not probe.requests_waiting()  # off
 
 
 def _side(ready: Any, idle: bool, input_waiting: Any, helpers: bool = False) -> Any:
-    side = scheduler_side.MigrationSchedulerSide.__new__(scheduler_side.MigrationSchedulerSide)
+    side = RankLoop.__new__(RankLoop)
     side.transfers = SimpleNamespace(awaited=lambda: ready)
-    side.channel_allocations = None
-    side.scheduler_idle = lambda: idle
-    side.input_waiting = input_waiting
-    side._brief_wait_off = False
-    side._helpers_may_wait = lambda: helpers
+    side.target = SimpleNamespace(channel=None)
+    side.probe = IdleProbe(lambda: idle, input_waiting)
+    side.helpers_may_wait = lambda: helpers
     return side
 
 
 def test_wait_briefly_waits_only_on_an_idle_scheduler_and_stops_for_sglang(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(scheduler_side, "BRIEF_WAIT_S", 0.05)
+    monkeypatch.setattr(loop, "BRIEF_WAIT_S", 0.05)
     answers = iter([False, False, True])
     assert _side(lambda: next(answers), True, lambda: False).wait_briefly()
     # Busy (a batch runs), a helper thread needs the GIL, nothing awaited: no wait.
@@ -237,7 +217,7 @@ def test_wait_briefly_waits_only_on_an_idle_scheduler_and_stops_for_sglang(
     assert time.perf_counter() - started < 0.05
     # Without SGLang's state (set by the scheduler hook) it never waits.
     side = _side(lambda: True, True, lambda: False)
-    side.input_waiting = None
+    side.probe.input_waiting = None
     assert not side.wait_briefly()
 
 
@@ -248,7 +228,7 @@ def test_wait_briefly_turns_itself_off_after_an_error(caplog: pytest.LogCaptureF
     side = _side(broken, True, lambda: False)
     with caplog.at_level(logging.ERROR):
         assert not side.wait_briefly()
-    assert side._brief_wait_off and "brief waits off" in caplog.text
+    assert side.probe.off and "brief waits off" in caplog.text
     side.transfers = SimpleNamespace(awaited=lambda: lambda: True)
     assert not side.wait_briefly()  # off: never waits again
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.messages import (
     AbortTransferReqInput,
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,

@@ -60,3 +60,64 @@ def test_rebalance_help_describes_its_json_lines(capsys) -> None:
     ]
     missing = [name for name in produced if f'"{name}"' not in rebalance_cli.EPILOG]
     assert missing == []
+
+
+def test_flags_show_no_default_and_the_epilog_points_up() -> None:
+    """A flag is off unless given: `--no-kv-headroom` must not read "(default: True)",
+    `--move-running` must not carry two defaults, and the epilog (printed after the
+    options) must not send the reader to options "below"."""
+    parser = rebalance_cli._parser()
+    for action in options(parser):
+        if action.nargs == 0:  # store_true / store_false
+            assert "default" not in parser._get_formatter()._expand_help(action), (
+                action.option_strings
+            )
+    text = parser.format_help()
+    headroom = text[text.index("--no-kv-headroom  ") : text.index("--interval INTERVAL  ")]
+    assert "(default: True)" not in headroom
+    running = text[text.index("--move-running  ") : text.index("--live  ")]
+    assert running.count("default") == 0
+    assert "options below" not in text
+    assert "policy options above" in text
+
+
+def _parse_error(parse, argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as done:
+        parse(argv)
+    assert done.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--live"], "--live moves decoding requests: it needs --move-running"),
+        (["--timeout", "-1"], "argument --timeout: must be a positive number, got -1"),
+        (["--timeout", "0"], "argument --timeout: must be a positive number"),
+        (["--max-concurrent", "0"], "argument --max-concurrent: must be an integer >= 1"),
+        (["--max-moves-per-round", "0"], "argument --max-moves-per-round: must be an integer"),
+        (["--max-moves-per-request", "0"], "argument --max-moves-per-request: must be"),
+        (["--max-rounds", "0"], "argument --max-rounds: must be an integer >= 1"),
+        (["--max-failed-rounds", "0"], "argument --max-failed-rounds: must be an integer"),
+        (["--interval", "-0.5"], "argument --interval: must be a number >= 0"),
+        (["--drain-timeout", "-1"], "argument --drain-timeout: must be a number >= 0"),
+        (["--kv-pressure", "0"], "argument --kv-pressure: must be a positive number"),
+        (["--target-max-ratio", "nan"], "argument --target-max-ratio: must be a positive"),
+        (["--min-waiting", "-1"], "argument --min-waiting: must be an integer >= 0"),
+        (["--min-held-tokens", "-5"], "argument --min-held-tokens: must be an integer >= 0"),
+        (["--max-concurrent", "two"], "argument --max-concurrent: 'two' is not an integer"),
+    ],
+)
+def test_rebalance_refuses_bad_values_with_exit_2(argv: list[str], expected: str, capsys) -> None:
+    # One quick round if a value were accepted (watch mode against a closed port), so an
+    # accepted value fails this test at once instead of watching for minutes.
+    quick = ["--server", "http://127.0.0.1:1", "--max-rounds", "1", "--interval", "0"]
+    line = _parse_error(cli.main, ["rebalance", *quick, *argv], capsys)
+    assert line.endswith(expected) or expected in line, line
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "soon"])
+def test_migrate_refuses_a_bad_timeout_with_exit_2(value: str, capsys) -> None:
+    argv = ["--source", "http://a", "--target", "http://b", "--input-ids", "1", "--timeout", value]
+    line = _parse_error(cli.main, argv, capsys)
+    assert "argument --timeout:" in line

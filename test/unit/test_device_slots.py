@@ -392,24 +392,27 @@ def test_commit_adopts_host_only_nodes(harness_factory, attention, page_size):
 
 
 def test_scheduler_side_leaves_the_device_path_out_without_cuda(harness_factory, caplog):
-    from sglang_kv_migration.io_types import (
+    from sglang_kv_migration.paths.host.mooncake import TransportConfig
+    from sglang_kv_migration.server.compose import compose_rank
+    from sglang_kv_migration.server.diag.metrics import MigrationMetrics
+    from sglang_kv_migration.server.messages import (
         AllocateTokenForTransferReqInput,
         GetTransferSessionInfoReqInput,
     )
-    from sglang_kv_migration.paths.host.mooncake import TransportConfig
-    from sglang_kv_migration.server.diag.metrics import MigrationMetrics
-    from sglang_kv_migration.server.rank.scheduler_side import MigrationSchedulerSide
+    from sglang_kv_migration.server.rank.settings import RankSettings
 
     assert not torch.cuda.is_available()
     h = harness_factory(page_size=16)
     ctx = one_rank_context(h.cache)
     with caplog.at_level(logging.WARNING, logger="sglang_kv_migration"):
-        side = MigrationSchedulerSide(
+        side = compose_rank(
             ctx,
-            watchdog_timeout_s=5.0,
-            transport_config=TransportConfig(hostname="127.0.0.1"),
-            metrics=MigrationMetrics("tiny", 0, 0),
-            path_names=("device", "host"),
+            RankSettings(
+                watchdog_timeout_s=5.0,
+                transport_config=TransportConfig(hostname="127.0.0.1"),
+                metrics=MigrationMetrics("tiny", 0, 0),
+                path_names=("device", "host"),
+            ),
         )
     try:
         off = [r for r in caplog.records if "device path off" in r.getMessage()]
@@ -451,11 +454,11 @@ def test_scheduler_side_leaves_the_device_path_out_without_cuda(harness_factory,
 def test_the_loop_offers_the_gil_cheaply_when_no_helper_thread_waits(side, monkeypatch):
     """A pending host-path allocation (its staging watcher may need the GIL) gets the
     zero sleep of the poll; device-path work only a yield of the CPU."""
-    from sglang_kv_migration.server.rank import scheduler_side
+    from sglang_kv_migration.server.rank import loop
 
     calls: list[str] = []
-    monkeypatch.setattr(scheduler_side.time, "sleep", lambda s: calls.append(f"sleep {s}"))
-    monkeypatch.setattr(scheduler_side.os, "sched_yield", lambda: calls.append("yield"))
+    monkeypatch.setattr(loop.time, "sleep", lambda s: calls.append(f"sleep {s}"))
+    monkeypatch.setattr(loop.os, "sched_yield", lambda: calls.append("yield"))
     host_allocation = side.pending.allocate("m-host", _tokens(32), None, path=side.paths["host"])
     side.poll()
     assert "sleep 0" in calls and "yield" not in calls

@@ -15,9 +15,12 @@ import orjson
 import pytest
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from sglang_kv_migration.io_types import AbortTransferReqInput, TransferRequestKVCacheReqOutput
 from sglang_kv_migration.server.http import fast_path as fast_routes
 from sglang_kv_migration.server.http import routes as http_api
+from sglang_kv_migration.server.messages import (
+    AbortTransferReqInput,
+    TransferRequestKVCacheReqOutput,
+)
 
 
 class Backend:

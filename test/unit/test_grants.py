@@ -15,7 +15,7 @@ import time
 
 import pytest
 from sglang_kv_migration import grants
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.messages import (
     AbortTransferReqInput,
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
@@ -224,7 +224,7 @@ def test_tokens_digest_bytes_are_those_of_older_servers() -> None:
 
 def test_the_digest_of_ids_sent_as_bytes_is_that_of_their_list() -> None:
     from sglang_kv_migration import binary_ids
-    from sglang_kv_migration.io_types import GetRequestExtraTokenSizeReqInput
+    from sglang_kv_migration.server.messages import GetRequestExtraTokenSizeReqInput
 
     ids = [0, 1, 70000, (1 << 32) - 1, *range(300000, 300000 + 8192)]
     raw = binary_ids.to_bytes(ids)

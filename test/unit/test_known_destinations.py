@@ -18,15 +18,12 @@ from sglang_kv_migration.client.migration import (
     _Plan,
     _transfer_step,
 )
-from sglang_kv_migration.io_types import (
-    AllocateOnTarget,
-    TransferRequestKVCacheReqInput,
-    TransferRequestKVCacheTarget,
-)
+from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
 from sglang_kv_migration.server.source.known_destinations import (
     KnownDestinations,
     UnknownDestination,
 )
+from sglang_kv_migration.wire.messages import AllocateOnTarget, TransferRequestKVCacheTarget
 from side_helpers import SilentTarget
 
 

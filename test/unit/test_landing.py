@@ -21,11 +21,11 @@ import torch
 from cpu_harness import Harness
 from sglang_kv_migration import sglang_adapter as adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.paths.device.path import DevicePath
+from sglang_kv_migration.server.messages import (
     CommitTransferRequestKVCacheReqInput,
     GetTransferSessionInfoReqInput,
 )
-from sglang_kv_migration.paths.device.path import DevicePath
 from sglang_kv_migration.server.rank.hooks import (
     after_resume_memory_occupation,
     around_release_memory_occupation,

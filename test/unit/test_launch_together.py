@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
 from sglang_kv_migration.paths.base import KVPoll, SendRange
 from sglang_kv_migration.paths.device import cuda_ipc, tiers
 from sglang_kv_migration.paths.device.path import DevicePath
+from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 PAGE = 16
 

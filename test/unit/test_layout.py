@@ -485,7 +485,7 @@ def fingerprint(**overrides) -> LayoutFingerprint:
         pp_rank=0,
     )
     fields.update(overrides)
-    return LayoutFingerprint(**fields)
+    return LayoutFingerprint.from_dict(fields)
 
 
 def test_fingerprint_mismatch_names_the_field():
@@ -629,14 +629,24 @@ def test_from_host_pool_on_real_pools(harness_factory, attention, host_layout, p
         pp_size=1,
         pp_rank=0,
     )
-    assert (fp.attention, fp.host_layout, fp.page_size) == (attention, host_layout, page_size)
+    shape = fp.shape
+    assert (shape.attention, shape.host_layout, shape.page_size) == (
+        attention,
+        host_layout,
+        page_size,
+    )
     assert fp.protocol_version == PROTOCOL_VERSION
-    assert fp.kv_dtype == "bfloat16"
-    assert (fp.start_layer, fp.end_layer) == (0, src_pool.layer_num - 1)
+    assert shape.kv_dtype == "bfloat16"
+    assert (shape.start_layer, shape.end_layer) == (0, src_pool.layer_num - 1)
     if attention == "mha":
-        assert (fp.kv_heads, fp.head_dim, fp.kv_lora_rank) == (2, 16, 0)
+        assert (shape.kv_heads, shape.head_dim, shape.kv_lora_rank) == (2, 16, 0)
     else:
-        assert (fp.kv_heads, fp.head_dim, fp.kv_lora_rank, fp.qk_rope_head_dim) == (1, 0, 32, 16)
+        assert (
+            shape.kv_heads,
+            shape.head_dim,
+            shape.kv_lora_rank,
+            shape.qk_rope_head_dim,
+        ) == (1, 0, 32, 16)
     assert LayoutFingerprint.from_dict(fp.to_dict()) == fp
     assert (
         fp.first_mismatch(

@@ -6,7 +6,7 @@ import logging
 import time
 
 import pytest
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.messages import (
     AbortTransferReqInput,
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,

@@ -49,12 +49,10 @@ def test_other_host_takes_the_host_path_whatever_the_tier():
 
 def _compat_info(page_size: int) -> dict:
     from sglang_kv_migration import PROTOCOL_VERSION
-    from sglang_kv_migration.fingerprint import LayoutFingerprint
+    from sglang_kv_migration.fingerprint import KVCacheShape, LayoutFingerprint
 
-    fingerprint = LayoutFingerprint(
-        PROTOCOL_VERSION, "m", "bfloat16", "mha", 0, 2, 2, 16, 0, 0, page_size, "layer_first",
-        1, 0, 1, 0,
-    ).to_dict()  # fmt: skip
+    shape = KVCacheShape("bfloat16", "mha", 0, 2, 2, 16, 0, 0, page_size, "layer_first")
+    fingerprint = LayoutFingerprint(PROTOCOL_VERSION, "m", shape, 1, 0, 1, 0).to_dict()
     return {
         "protocol_version": PROTOCOL_VERSION,
         "ranks": [{"tp_rank": 0, "pp_rank": 0, "fingerprint": fingerprint}],

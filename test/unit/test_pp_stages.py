@@ -10,22 +10,20 @@ import asyncio
 from typing import Any
 
 import pytest
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.http.communicators import KVMigrationCommunicators, RidCommunicator
+from sglang_kv_migration.server.messages import (
     AbortTransferReqInput,
     AbortTransferReqOutput,
-    AllocatedRank,
     AllocateTokenForTransferReqInput,
     AllocateTokenForTransferReqOutput,
     CommitTransferRequestKVCacheReqOutput,
     GetRequestExtraTokenSizeReqOutput,
     GetTransferSessionInfoReqInput,
     GetTransferSessionInfoReqOutput,
-    RankSessionInfo,
-    RankTransferResult,
     TransferRequestKVCacheReqOutput,
 )
-from sglang_kv_migration.server.http.communicators import KVMigrationCommunicators, RidCommunicator
 from sglang_kv_migration.server.rank.pp_stages import merge_stage_replies, needs_rollback
+from sglang_kv_migration.wire.messages import AllocatedRank, RankSessionInfo, RankTransferResult
 
 
 def session_rank(tp: int, pp: int) -> RankSessionInfo:
@@ -228,7 +226,7 @@ def _stage_allocate(side: Any, mid: str, start: int, **fields: Any) -> Any:
 def test_later_stage_follows_an_earlier_stages_refusal(side_factory) -> None:
     """Stage 1 refuses what stage 0 refused without touching its pool, and replies
     through its own sender (SGLang sends nothing for later stages)."""
-    from sglang_kv_migration.io_types import StageRefusal
+    from sglang_kv_migration.wire.messages import StageRefusal
 
     side = side_factory(pp_rank=1, pp_size=2, watchdog_timeout_s=60.0, page_size=16)
     handlers = dict(side.handlers())
@@ -249,10 +247,8 @@ def test_later_stage_follows_an_earlier_stages_refusal(side_factory) -> None:
 def test_earlier_stage_refusal_of_a_commit(side_factory) -> None:
     """A forbidden commit leaves this stage's allocation pending (the client may retry);
     a commit stage 0 answered "gone" for (weights changed) drops it here too."""
-    from sglang_kv_migration.io_types import (
-        CommitTransferRequestKVCacheReqInput,
-        StageRefusal,
-    )
+    from sglang_kv_migration.server.messages import CommitTransferRequestKVCacheReqInput
+    from sglang_kv_migration.wire.messages import StageRefusal
 
     side = side_factory(pp_rank=1, pp_size=2, watchdog_timeout_s=60.0, page_size=16)
     assert side.allocate_token_for_transfer(_stage_allocate(side, "m", 3000)).success
@@ -281,7 +277,7 @@ def test_stage_0_refusal_marks_the_request_for_later_stages(side_factory) -> Non
 def test_only_stage_0_runs_the_watchdog_and_later_stages_follow_it(side_factory) -> None:
     import time
 
-    from sglang_kv_migration.io_types import StageSyncReqInput
+    from sglang_kv_migration.server.messages import StageSyncReqInput
 
     first = side_factory(pp_rank=0, pp_size=2, watchdog_timeout_s=0.05, page_size=16)
     later = side_factory(pp_rank=1, pp_size=2, watchdog_timeout_s=0.05, page_size=16)

@@ -16,10 +16,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 from sglang_kv_migration import grants
-from sglang_kv_migration.io_types import (
-    TransferRequestKVCacheReqInput,
-    TransferRequestKVCacheTarget,
-)
+from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
+from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 PAGE = 16
 

@@ -812,6 +812,8 @@ def test_scheduler_view_of_a_stand_in():
         pp_rank=0,
         pp_size=1,
         tp_cpu_group="group",
+        dp_rank=None,
+        dp_size=1,
         send_to_tokenizer=SimpleNamespace(send_output=lambda out, req: sent.append((out, req))),
     )
     view = adapter.SchedulerView.of(scheduler)
@@ -821,6 +823,57 @@ def test_scheduler_view_of_a_stand_in():
     assert sent == [("out", "req")]
     with pytest.raises(AttributeError):
         adapter.SchedulerView.of(SimpleNamespace(tree_cache="tree"))
+
+
+@pytest.mark.parametrize("dp_attention", [False, True])
+def test_scheduler_view_of_a_dp_rank(dp_attention: bool):
+    """With DP attention the view's TP rank, size and group are the attention TP ones
+    (SGLang's TP group spans every DP rank); without, each DP rank is its own TP group."""
+    scheduler = SimpleNamespace(
+        tree_cache="tree",
+        server_args=SimpleNamespace(enable_dp_attention=dp_attention),
+        tp_rank=3,
+        tp_size=4,
+        pp_rank=0,
+        pp_size=1,
+        tp_cpu_group="tp-group",
+        attn_tp_rank=1,
+        attn_tp_size=2,
+        attn_tp_cpu_group="attn-group",
+        dp_rank=1,
+        dp_size=2,
+        send_to_tokenizer=SimpleNamespace(send_output=None),
+        running_batch=SimpleNamespace(reqs=["a", "b"]),
+        waiting_queue=["c"],
+    )
+    view = adapter.SchedulerView.of(scheduler)
+    expected = (1, 2, "attn-group") if dp_attention else (3, 4, "tp-group")
+    assert (view.tp_rank, view.tp_size, view.tp_cpu_group) == expected
+    assert (view.dp_rank, view.dp_size) == (1, 2)
+    assert adapter.scheduler_load(scheduler)() == 3
+
+
+def test_scheduler_has_what_the_dp_view_reads():
+    """The real Scheduler sets every attribute `SchedulerView.of` and `scheduler_load`
+    read for DP ranks (read from its source: building one needs a GPU model)."""
+    import inspect
+
+    from sglang.srt.managers import scheduler as scheduler_module
+
+    source = inspect.getsource(scheduler_module)
+    for name in (
+        "attn_tp_rank",
+        "attn_tp_size",
+        "attn_tp_cpu_group",
+        "dp_rank",
+        "dp_size",
+        "running_batch",
+        "waiting_queue",
+    ):
+        assert f"self.{name}" in source, name
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    assert "reqs" in ScheduleBatch.__dataclass_fields__
 
 
 def test_add_request_handlers_extends_the_dispatcher():
@@ -855,6 +908,8 @@ def test_scheduler_view_of_a_later_pp_stage():
         pp_rank=1,
         pp_size=2,
         tp_cpu_group="stage-group",
+        dp_rank=None,
+        dp_size=1,
         world_group=SimpleNamespace(cpu_group="world-group"),
         send_to_tokenizer=SimpleNamespace(send_output=refuse),
         kv_migration_stage_reply=SimpleNamespace(
@@ -871,7 +926,7 @@ def test_stage_reply_sender_reaches_the_tokenizer_socket():
     """The first TP rank of a later stage pushes to the socket the tokenizer manager
     binds; other ranks (and stage 0, which has SGLang's own) get a no-op sender."""
     import zmq
-    from sglang_kv_migration.io_types import AbortTransferReqInput, AbortTransferReqOutput
+    from sglang_kv_migration.server.messages import AbortTransferReqInput, AbortTransferReqOutput
 
     context = zmq.Context()
     pull = context.socket(zmq.PULL)

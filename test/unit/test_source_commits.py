@@ -132,7 +132,7 @@ def _serve_channel_once(side, recorded: list) -> None:
     wait), with the order of commits and channel allocations in `recorded`."""
     import time
 
-    from sglang_kv_migration.io_types import GetTransferSessionInfoReqInput
+    from sglang_kv_migration.server.messages import GetTransferSessionInfoReqInput
 
     channel = side.channel_allocations
     commit, allocate = side.commits.commit, channel._allocate
@@ -194,7 +194,7 @@ def test_a_channel_allocate_that_may_build_on_a_delivered_commit_goes_after_it(l
 
 def test_builds_on_compares_the_ids_where_a_match_could_reach_the_committed_pages(side):
     from sglang_kv_migration import binary_ids
-    from sglang_kv_migration.io_types import AllocateTokenForTransferReqInput
+    from sglang_kv_migration.server.messages import AllocateTokenForTransferReqInput
     from sglang_kv_migration.server.target.mailbox_commits import builds_on
 
     held = list(range(100, 100 + 2 * PAGE))

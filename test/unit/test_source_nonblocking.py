@@ -11,10 +11,8 @@ from __future__ import annotations
 import time
 
 import torch
-from sglang_kv_migration.io_types import (
-    AllocateTokenForTransferReqInput,
-)
 from sglang_kv_migration.paths.base import KVPoll
+from sglang_kv_migration.server.messages import AllocateTokenForTransferReqInput
 from side_helpers import transfer_to_self
 
 

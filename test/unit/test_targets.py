@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from sglang_kv_migration.io_types import RankSessionInfo, TransferRequestKVCacheTarget
 from sglang_kv_migration.targets import DeviceTarget, HostTarget
+from sglang_kv_migration.wire.messages import RankSessionInfo, TransferRequestKVCacheTarget
 
 HOST_WIRE = {
     "session_id": "127.0.0.1:1234",

@@ -19,12 +19,12 @@ import pytest
 import torch
 from sglang_kv_migration import sglang_adapter as adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
 from sglang_kv_migration.paths import verify
 from sglang_kv_migration.paths.base import KVPoll, NothingToSend, SendRange
 from sglang_kv_migration.paths.device import tiers
 from sglang_kv_migration.paths.device.page_copy import PageGeometry
 from sglang_kv_migration.paths.device.path import DevicePath, TierPin, prepare_tiered_send
+from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 PAGES = [1, 16, 64]

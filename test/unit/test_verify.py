@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 from sglang_kv_migration import sglang_adapter
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.paths import verify
+from sglang_kv_migration.paths.device.path import DevicePath
+from sglang_kv_migration.server.messages import (
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
 )
-from sglang_kv_migration.paths import verify
-from sglang_kv_migration.paths.device.path import DevicePath
 from side_helpers import transfer_to_self
 
 KEY = hashlib.sha256(b"test verify key").digest()
@@ -121,7 +121,7 @@ def test_without_verify_no_digest_is_computed_and_commit_can_still_ask(side) -> 
 
 
 def test_server_flag_verifies_every_migration(side) -> None:
-    side.verify_all = True  # --kv-migration-verify
+    side.target.allocations.verify_all = True  # --kv-migration-verify
     _ids, alloc, reply, _ = _migrate_to_self(side, "flag", 4000, verify_grant=True)
     assert side.signer.decode_receipt(reply.ranks[0].receipt).digest
     assert _commit(side, "flag", reply).success

@@ -20,7 +20,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sglang_kv_migration import TRANSFER_BATCH_FEATURE
+from sglang_kv_migration.wire.features import TRANSFER_BATCH
 
 TRANSFER_ROUTE = "/transfer_request_kvcache"
 
@@ -108,7 +108,7 @@ def _round(waiting: dict[int, Call], sessions: Sessions) -> tuple[list[Call], li
 
 
 def _takes_batches(info: dict[str, Any] | None) -> bool:
-    return info is not None and TRANSFER_BATCH_FEATURE in info.get("features", [])
+    return info is not None and TRANSFER_BATCH in info.get("features", [])
 
 
 def _split(reply: Reply, count: int) -> list[Reply]:

@@ -18,6 +18,7 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable
 
 from sglang_kv_migration.client.migration import (
     DEFAULT_TIMEOUT_S,
@@ -28,7 +29,36 @@ from sglang_kv_migration.client.migration import (
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Every option's default in its help line; the epilog printed as written."""
+    """Every valued option's default in its help line; the epilog printed as written.
+
+    Flags (store_true / store_false) show none: a flag is off unless given, and the
+    default of a `--no-X` flag's destination would read as the flag being on."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _number_type(convert: type, name: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}") from None
+        if value != value or not ok(value):  # NaN is never in range
+            raise argparse.ArgumentTypeError(f"must be {name}, got {text}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in its messages
+    return parse
+
+
+# argparse `type=`s: a bad value exits 2 with argparse's one-line error.
+positive_float = _number_type(float, "a positive number", lambda v: v > 0)
+non_negative_float = _number_type(float, "a number >= 0", lambda v: v >= 0)
+positive_int = _number_type(int, "an integer >= 1", lambda v: v >= 1)
+non_negative_int = _number_type(int, "an integer >= 0", lambda v: v >= 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,7 +171,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the servers' --admin-api-key: sent on the migration routes instead of --api-key",
     )
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per call")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, help="seconds per call"
+    )
     parser.add_argument(
         "--json",
         action="store_true",

@@ -39,18 +39,22 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
-from sglang_kv_migration import EPOCH_CHECK_FEATURE as EPOCH_CHECK
-from sglang_kv_migration import PROTOCOL_VERSION, binary_ids
+from sglang_kv_migration import binary_ids
 from sglang_kv_migration.client import aio_http11, http11
 from sglang_kv_migration.client.batch import Move, lockstep
 from sglang_kv_migration.fingerprint import LayoutFingerprint
-from sglang_kv_migration.grants import DESTINATION_DIGEST_FEATURE as DESTINATION_DIGEST
-from sglang_kv_migration.grants import FEATURE as BOUND_GRANTS
-from sglang_kv_migration.grants import PARTIAL_FEATURE as PARTIAL_TRANSFER
-from sglang_kv_migration.grants import SOURCE_ALLOCATE_FEATURE as SOURCE_ALLOCATE
-from sglang_kv_migration.grants import SOURCE_COMMIT_FEATURE as SOURCE_COMMIT
 from sglang_kv_migration.grants import destination_digest
-from sglang_kv_migration.page_ranges import FEATURE as PAGE_RANGES
+from sglang_kv_migration.wire.features import (
+    BINARY_IDS,
+    BOUND_GRANTS,
+    DESTINATION_DIGEST,
+    EPOCH_CHECK,
+    PAGE_RANGES,
+    PARTIAL_TRANSFER,
+    SOURCE_ALLOCATE,
+    SOURCE_COMMIT,
+)
+from sglang_kv_migration.wire.version import PROTOCOL_VERSION
 
 DEFAULT_TIMEOUT_S = 120.0
 T = TypeVar("T")
@@ -92,6 +96,9 @@ class MigrationResult:
     # itself (feature "source_commit"): no commit trip. The target commits before it
     # handles any request sent after this result.
     source_committed: bool = False
+    # Feature "dp_ranks": the target's data-parallel rank that holds the migrated KV
+    # (None: a server with one). Send the continuation there: `routed_dp_rank`.
+    target_dp_rank: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -500,6 +507,9 @@ class _Plan:
     # same ids: encoded once); None where they cannot be sent so.
     encoded: dict[int, str | None] = field(default_factory=dict)
     sessions: SessionCache | None = None  # what sources know (feature "destination_digest")
+    # Feature "dp_ranks": the source's DP rank holding the prefix, from its size query
+    # (None: not asked; the source finds it itself).
+    source_dp_rank: int | None = None
 
 
 def ids_field(
@@ -509,7 +519,7 @@ def ids_field(
     `input_ids_u32` when it lists "binary_ids" (cheaper to parse, check and hand to its
     scheduler than a JSON list), else as `input_ids`. `encoded`: prefixes of one id list
     encoded so far, by length (`_Plan.encoded`), filled in here."""
-    if binary_ids.FEATURE not in info.get("features", []):
+    if BINARY_IDS not in info.get("features", []):
         return {"input_ids": ids}
     if encoded is None:
         text = binary_ids.encode(ids)
@@ -629,6 +639,7 @@ def _attempt(
         steps,
         partial=partial,
         sessions=sessions,
+        source_dp_rank=None if partial else held.get("dp_rank"),
     )
     if not prefix:
         return _result(plan, "", {"matched_token_size": 0}, None, None, "", "")
@@ -969,6 +980,7 @@ def _transfer_call(plan: _Plan, allocation: dict[str, Any], path: str) -> _Call:
             "migration_id": allocation["migration_id"],
             "target_per_rank": _targets(plan.target_info, allocation, path),
             **({"partial_ok": True} if plan.partial else {}),
+            **({"dp_rank": plan.source_dp_rank} if plan.source_dp_rank is not None else {}),
         },
     )
 
@@ -1015,6 +1027,7 @@ def _result(
         transfer_steps_ms=[r.get("steps_ms", {}) for r in ranks],
         steps_ms=plan.steps,
         source_committed=source_committed,
+        target_dp_rank=allocation.get("dp_rank"),
     )
 
 
@@ -1103,8 +1116,8 @@ def _device_refusal(
     if len(hosts) != 1:
         return "servers are on different hosts"
     host_only = held["matched_token_size"] - held.get("device_token_size", 0)
-    # Issue 19: a source that reads its host pool in place (`tiers` lists "host") sends
-    # host-only pages on the device path too; older sources read device pages only.
+    # A source that reads its host pool in place (`tiers` lists "host") sends host-only
+    # pages on the device path too; sources without that tier read device pages only.
     if host_only > 0 and not all(
         "host" in r["paths"]["device"].get("tiers", ()) for r in source_info["ranks"]
     ):
@@ -1117,7 +1130,7 @@ def _targets(
 ) -> list[dict[str, Any]]:
     slots = {(r["tp_rank"], r["pp_rank"]): r for r in allocation["ranks"]}
     entries = []
-    for rank in target_info["ranks"]:
+    for rank in _dp_rank_ranks(target_info, allocation.get("dp_rank")):
         granted = slots[(rank["tp_rank"], rank["pp_rank"])]
         entry = _target_entry(rank, path)
         entry["grant"] = granted.get("grant", "")
@@ -1130,6 +1143,14 @@ def _targets(
             entry["staging"] = granted["staging"]
         entries.append(entry)
     return entries
+
+
+def _dp_rank_ranks(info: dict[str, Any], dp_rank: int | None) -> list[dict[str, Any]]:
+    """The ranks of session info `info` that belong to DP rank `dp_rank` (feature
+    "dp_ranks"; all of them for None, a server with one DP rank)."""
+    if dp_rank is None:
+        return info["ranks"]
+    return [r for r in info["ranks"] if r.get("dp_rank", 0) == dp_rank]
 
 
 def _target_entry(rank: dict[str, Any], path: str) -> dict[str, Any]:

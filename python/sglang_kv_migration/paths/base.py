@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     import torch
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-    from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
     from sglang_kv_migration.sglang_adapter import HeldPrefix
+    from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class SendJob(abc.ABC):
     @property
     def waits_on_helper(self) -> bool:
         """True while the job waits for work on a helper thread of this process, which
-        needs the scheduler thread to hand it the GIL (`scheduler_side.poll`)."""
+        needs the scheduler thread to hand it the GIL (`server/rank/loop.py`)."""
         return False
 
     @property
@@ -264,6 +264,15 @@ class DataPath(abc.ABC):
         """A late write would land in the reserved slots themselves (so they wait in
         quarantine); False when sources write elsewhere first (a landing arena)."""
         return True
+
+    def open_write_streams(self) -> frozenset[int]:
+        """Inbound streams open now that may carry a write granted earlier (the host
+        path over TCP: `tcp_streams.py`); none for paths whose writes end on time."""
+        return frozenset()
+
+    def close_write_streams(self, streams: frozenset[int]) -> frozenset[int]:
+        """Close those of `streams` still open; returns them (empty: none is left)."""
+        return frozenset()
 
     # ------------------------------------------------------------------ memory saver
 

@@ -4,6 +4,7 @@ how the server's scheduler side opens it (the one place that picks `HostPath` or
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -12,12 +13,16 @@ from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
 from sglang_kv_migration.paths.host.layout import HostPoolLayout
 from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig, open_transport
 
+logger = logging.getLogger(__name__)
+
 
 class RankSide(Protocol):
-    """What a factory reads of the rank's scheduler side that opens the path."""
+    """What a factory reads of the rank that opens the path."""
 
-    ctx: Any  # the rank's context: its `tree_cache`
-    layout: HostPoolLayout
+    # The rank's context: its `tree_cache`, `tp_rank` and `merged_on_world` (a start-up
+    # collective over every rank).
+    ctx: Any
+    layout: HostPoolLayout | None  # built where the host path is asked for
     landing_bytes: int
 
 
@@ -40,6 +45,7 @@ def _open_host_path(
 ) -> DataPath:
     from sglang_kv_migration.paths.host.path import HostPath
 
+    assert side.layout is not None, "the host path needs the host pool's layout"
     return HostPath(
         side.ctx.tree_cache,
         side.layout,
@@ -68,3 +74,30 @@ PATH_FACTORIES: dict[str, PathFactory] = {
     HOST: PathFactory(_always_available, _open_host_path),
     DEVICE: PathFactory(_device_path_unavailable, _open_device_path),
 }
+
+
+def open_paths(
+    side: RankSide,
+    names: tuple[str, ...],
+    transport_config: TransportConfig,
+    transport: KVTransport | None,
+    enable_memory_saver: bool,
+) -> dict[str, DataPath]:
+    """The data paths a rank serves, in preference order. A path that cannot run here is
+    left out (logged once, on the first rank); every rank leaves out the same ones,
+    since they agree through a gather."""
+    reasons: dict[str, str] = {}
+    for name in names:
+        reason = PATH_FACTORIES[name].unavailable(side, enable_memory_saver)
+        if reason is not None:
+            reasons[name] = reason
+    # Offered only if every (tp, pp) rank can: the client treats a server as one peer.
+    skipped = side.ctx.merged_on_world(reasons)
+    paths: dict[str, DataPath] = {}
+    for name in names:
+        if name in skipped:
+            if side.ctx.tp_rank == 0:
+                logger.warning("KV migration %s path off: %s", name, skipped[name])
+            continue
+        paths[name] = PATH_FACTORIES[name].open(side, transport_config, transport)
+    return paths

@@ -27,15 +27,15 @@ Prometheus text (`--enable-metrics`):
 Anything the metrics cannot tell (no migration yet, timer off) keeps the prior it was
 built with: by default the H200 numbers of `docs/benchmarks.md` / DESIGN.md (Mooncake TCP
 ≈ 2.5 GB/s, Llama-3-8B-shaped re-prefill of 32K tokens ≈ 2.65 s). Series that carry a
-`path` label (added with the device data path) are filtered by `path=` when one is given;
+`path` label are filtered by `path=` when one is given;
 series without it count for every path.
 
 Per path. A move is priced by the path it will take (`estimate(..., path=)`):
 `by_path[path]` where the model has one, else `migration`. By default only the device path
 has its own terms (same host: pinned host pool or GPU pages copied into the target's GPU
 slots; no load-back on the target), so a model built with one `MigrationCosts` prices the
-host path with it, as before. `from_metrics` learns `migration` from every series and
-`by_path[p]` from series labelled ``path="p"`` of the names above (none carry one today).
+host path with it too. `from_metrics` learns `migration` from every series and
+`by_path[p]` from series labelled ``path="p"`` of the names above (none carries one yet).
 
 Per route. `routes` holds what each route a migration's bytes can take costs — GPU -> GPU,
 host -> GPU, landing buffer (`LANDING`: GPU -> a buffer on the target's GPU -> its own
@@ -99,7 +99,7 @@ class RouteCost:
     origin: str = "prior"  # or "metrics" (`learn_route_costs`)
 
 
-# Priors measured on the H200 (issue 19, Llama-3-8B shape): the page kernel GPU -> GPU
+# Priors measured on an H200 (Llama-3-8B shape): the page kernel GPU -> GPU
 # ~1.7 TB/s, pinned host -> GPU 51.3 GB/s (93% of PCIe Gen5); one 8K device-path
 # migration 43 ms end to end, so ~40 ms is fixed; host -> host is the host path's
 # Mooncake TCP prior (docs/benchmarks.md). The landing route is not measured yet: two

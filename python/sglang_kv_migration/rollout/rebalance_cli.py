@@ -22,11 +22,18 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-from sglang_kv_migration.client.cli import HelpFormatter
+from sglang_kv_migration.client.cli import (
+    HelpFormatter,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from sglang_kv_migration.client.migration import DEFAULT_TIMEOUT_S, AsyncMigrationClient
 from sglang_kv_migration.integrations.gateway import ModelGateway, default_pin
 from sglang_kv_migration.rollout.rebalancer import RebalancePolicy, Rebalancer
@@ -45,6 +52,9 @@ def main(argv: list[str]) -> int:
             default_pin(args.gateway_policy)
         except ValueError as e:
             parser.error(f"--gateway-policy: {e}")
+    if args.live and not args.move_running:
+        parser.error("--live moves decoding requests: it needs --move-running")
+    _log_one_line_each()
     work: list[tuple[str, GenerateRequest]] = []
     if args.requests is not None:
         try:
@@ -79,6 +89,7 @@ async def _watch(args: argparse.Namespace, policy: RebalancePolicy) -> int:
     ) as migrator:
         rebalancer = Rebalancer(migrator, args.server, policy)
         loads = {}
+        unanswered = 0  # rounds in a row in which no server answered
         for round_no in range(args.max_rounds):
             loads = await rebalancer.poll()
             line = {
@@ -87,6 +98,14 @@ async def _watch(args: argparse.Namespace, policy: RebalancePolicy) -> int:
                 "pressured": [u for u, load in loads.items() if policy.is_pressured(load)],
             }
             print(json.dumps(line), flush=True)
+            unanswered = 0 if any(load.ok for load in loads.values()) else unanswered + 1
+            if unanswered >= args.max_failed_rounds:
+                print(
+                    f"error: no server answered in {unanswered} rounds in a row "
+                    f"({', '.join(args.server)}); stopping",
+                    file=sys.stderr,
+                )
+                return 1
             if round_no + 1 < args.max_rounds:
                 await asyncio.sleep(args.interval)
         return 0 if all(load.ok for load in loads.values()) else 1
@@ -107,11 +126,17 @@ async def _run(
         handles = [await migrator.submit(url, request) for url, request in work]
         rebalancer = Rebalancer(migrator, args.server, policy)
         summary = await rebalancer.run(max_rounds=args.max_rounds, interval_s=args.interval)
-        pending = [asyncio.ensure_future(h.result()) for h in handles]
-        await asyncio.wait(pending, timeout=args.drain_timeout)
+        await _drain(handles, args.drain_timeout)
         results = [_result_line(handle) for handle in handles]
     _write_results(args.output, results)
     ok = sum(r["success"] for r in results)
+    # Every failure is in the summary: the moves' own, the servers that did not answer
+    # in the last round, and each request that failed or did not finish.
+    errors = [
+        *summary.errors,
+        *(f"{url}: load unavailable" for url, load in summary.last_loads.items() if not load.ok),
+        *(f"{r['rid']}: {r['error']}" for r in results if not r["success"]),
+    ]
     print(
         json.dumps(
             {
@@ -120,11 +145,48 @@ async def _run(
                 "rounds": summary.rounds,
                 "moves_started": summary.moves_started,
                 "outcomes": summary.outcomes,
-                "errors": summary.errors,
+                "errors": errors,
             }
         )
     )
     return 0 if ok == len(results) else 1
+
+
+async def _drain(handles: list[RequestHandle], timeout_s: float) -> None:
+    """Wait up to `timeout_s` for every request to end. A failed request's exception is
+    read from its handle into its result line; the waiters here are retrieved or
+    cancelled, so asyncio reports none of them as never retrieved."""
+    waiters = [asyncio.ensure_future(h.result()) for h in handles]
+    if not waiters:
+        return
+    done, running = await asyncio.wait(waiters, timeout=timeout_s)
+    for waiter in done:
+        waiter.exception()
+    for waiter in running:
+        waiter.cancel()
+    if running:
+        await asyncio.wait(running)
+
+
+class _OneLineFormatter(logging.Formatter):
+    """A log record as one line: a logged exception adds its type and message, never a
+    traceback (the CLI reports failures in its summary; tracebacks are for the library's
+    users who configure logging themselves)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"{record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            text += f" ({type(error).__name__}: {error})"
+        return text
+
+
+def _log_one_line_each() -> None:
+    if logging.getLogger().handlers:
+        return  # the embedding program configured logging
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLineFormatter())
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
 
 
 def _result_line(handle: RequestHandle) -> dict[str, Any]:
@@ -167,12 +229,15 @@ watch mode (no --requests): moves nothing; prints one JSON line per round to std
    "demand_tokens", "capacity_tokens", "ok", "max_running", "host_headroom_tokens"}},
    "pressured": [URL, ...]}
   for --max-rounds rounds, --interval seconds apart ("pressured": the servers the
-  policy options below would move requests off; "host_headroom_tokens" is null here:
-  a rebalancing round asks it of the servers that may take a move).
+  policy options above would move requests off; "host_headroom_tokens" is null here:
+  a rebalancing round asks it of the servers that may take a move); stops early, exit 1,
+  once no server has answered for --max-failed-rounds rounds in a row.
 
 exit status:
   0  batch: every request finished; watch: every server answered in the last round
-  1  batch: some request failed or did not finish; watch: a server did not answer;
+  1  batch: some request failed or did not finish (each is named in "errors");
+     watch: a server did not answer in the last round, or none for
+     --max-failed-rounds rounds;
      either: a server refused a key (401/403, the route is named on stderr)
   2  bad arguments
 
@@ -202,11 +267,18 @@ def _parser() -> argparse.ArgumentParser:
         "move the KV; recompute: abort and re-prefill on the target",
     )
     _add_policy_options(p, policy)
-    add("--interval", type=float, default=0.5, help="seconds between rounds")
-    add("--max-rounds", type=int, default=1200, help="rounds before stopping")
+    add("--interval", type=non_negative_float, default=0.5, help="seconds between rounds")
+    add("--max-rounds", type=positive_int, default=1200, help="rounds before stopping")
+    add(
+        "--max-failed-rounds",
+        type=positive_int,
+        default=10,
+        help="watch mode: stop (exit 1) after this many rounds in a row in which no server "
+        "answered",
+    )
     add(
         "--drain-timeout",
-        type=float,
+        type=non_negative_float,
         default=600.0,
         help="seconds to wait for unfinished requests after the last round",
     )
@@ -216,7 +288,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the servers' --api-key (also the admin key when --admin-api-key is not given)",
     )
     add("--admin-api-key", default=None, help="the servers' --admin-api-key")
-    add("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per migration call")
+    add(
+        "--timeout",
+        type=positive_float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds per migration call",
+    )
     add(
         "--gateway",
         default=None,
@@ -244,53 +321,37 @@ def _add_policy_options(p: argparse.ArgumentParser, policy: RebalancePolicy) -> 
     add = p.add_argument
     add(
         "--kv-pressure",
-        type=float,
+        type=positive_float,
         default=policy.kv_pressure,
         help="a server is pressured when its KV demand (used + queued prompts) reaches "
         "this share of its capacity",
     )
     add(
         "--min-waiting",
-        type=int,
+        type=non_negative_int,
         default=policy.min_waiting,
         help="... and it has at least this many queued requests",
     )
     add(
         "--target-max-ratio",
-        type=float,
+        type=positive_float,
         default=policy.target_max_ratio,
         help="a target takes a request while its demand plus the request's worst case "
         "(prompt + max_new_tokens) stays under this share of its capacity",
     )
     add(
         "--max-concurrent",
-        type=int,
+        type=positive_int,
         default=policy.max_concurrent,
         help="moves in flight at once, over all servers",
     )
     add(
         "--max-moves-per-round",
-        type=int,
+        type=positive_int,
         default=policy.max_moves_per_round,
         help="moves started per round",
     )
-    add(
-        "--low-priority-values-first",
-        action="store_true",
-        help="the servers run --schedule-low-priority-values-first (smaller = more urgent)",
-    )
-    add(
-        "--move-running",
-        action="store_true",
-        help="also move requests already decoding (default: only those without a token yet)",
-    )
-    add(
-        "--live",
-        action="store_true",
-        help="move a decoding request live: copy its KV while it keeps decoding, then stop "
-        "it and move only the delta (with --move-running; each move's report lists its "
-        'stages and its "stall" in seconds)',
-    )
+    _add_policy_flags(p)
     add(
         "--min-priority",
         type=int,
@@ -299,14 +360,14 @@ def _add_policy_options(p: argparse.ArgumentParser, policy: RebalancePolicy) -> 
     )
     add(
         "--min-held-tokens",
-        type=int,
+        type=non_negative_int,
         default=policy.min_held_tokens,
         help="only requests whose KV the source holds at least this many tokens of (GPU or "
         "host pool) move; 0: any",
     )
     add(
         "--max-moves-per-request",
-        type=int,
+        type=positive_int,
         default=policy.max_moves_per_request,
         help="how often one request may move",
     )
@@ -337,6 +398,29 @@ def _add_placement_options(p: argparse.ArgumentParser, policy: RebalancePolicy) 
         default=policy.no_room,
         help="a move neither of the target's pools can hold: wait for room, or re-prefill "
         "it on the target",
+    )
+
+
+def _add_policy_flags(p: argparse.ArgumentParser) -> None:
+    """The `RebalancePolicy` switches that are off unless given."""
+    add = p.add_argument
+    add(
+        "--low-priority-values-first",
+        action="store_true",
+        help="the servers run --schedule-low-priority-values-first (smaller = more urgent)",
+    )
+    add(
+        "--move-running",
+        action="store_true",
+        help="also move requests already decoding; without it only requests that have no "
+        "output token yet move",
+    )
+    add(
+        "--live",
+        action="store_true",
+        help="move a decoding request live: copy its KV while it keeps decoding, then stop "
+        "it and move only the delta (needs --move-running; each move's report lists its "
+        'stages and its "stall" in seconds)',
     )
 
 

@@ -105,6 +105,7 @@ from sglang_kv_migration.rollout.cost_model import (
     CostModel,
     bytes_per_token_from_session_info,
 )
+from sglang_kv_migration.rollout.dp_routing import routed_body
 
 logger = logging.getLogger(__name__)
 
@@ -1009,7 +1010,12 @@ class AsyncRequestMigrator:
         report: MoveReport,
     ) -> MoveReport:
         """Send `rest` to `url` as the handle's next piece; its first token sets the
-        report's stall (from the source's last streamed token, else the stop's start)."""
+        report's stall (from the source's last streamed token, else the stop's start).
+        A migrated piece goes to the target's DP rank that holds its KV (`dp_routing.py`)."""
+        if kind == "migrated" or url != move.source_url:
+            migration = move.migration if kind == "migrated" else None
+            dp_rank = migration.target_dp_rank if migration is not None else None
+            rest = dataclasses.replace(rest, extra_body=routed_body(rest.extra_body, dp_rank))
         since = move.last_source_token or move.stop_started or time.monotonic()
 
         def first_token(at: float) -> None:

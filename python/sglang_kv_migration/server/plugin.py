@@ -19,7 +19,10 @@ Hooks (targets are named in `sglang_adapter/hook_targets.py`):
   while a migration is in flight or pending (its replies come from the poll);
 - AFTER `TokenizerControlMixin.init_communicators`: one communicator per operation;
 - BEFORE `http_server.launch_server`: check that every hook above is installed, then add
-  the HTTP routes to SGLang's FastAPI app.
+  the HTTP routes to SGLang's FastAPI app;
+- BEFORE `Engine._launch_subprocesses`: the same, in a process that imported SGLang's HTTP
+  server but starts the engine without `launch_server` (verl serves SGLang's `app` with
+  its own uvicorn; `integrations/verl_plugin.py` loads the plugins there in time).
 """
 
 from __future__ import annotations
@@ -36,10 +39,24 @@ logger = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Register every hook. Idempotent: a second call registers nothing more."""
+    """Register every hook. Idempotent: a second call registers nothing more.
+
+    Where SGLang's server runtime cannot be imported (a CPU-only install without
+    `sgl_kernel`), its targets are left out: the registry would log one traceback per
+    target before `launch_server --help`, and no server can start there anyway (a
+    launch fails on SGLang's own import error)."""
+    runtime_missing = sglang_adapter.server_runtime_missing()
     for target, hook, hook_type in _hook_table():
+        if runtime_missing is not None and target in upstream.SERVER_RUNTIME_TARGETS:
+            continue
         if not any(h is hook for h in sglang_adapter.registered_hooks(target)):
             HookRegistry.register(target, hook, hook_type)
+    if runtime_missing is not None:
+        logger.debug(
+            "SGLang's server runtime cannot import here (no %s): KV-migration hooks on the "
+            "scheduler and HTTP server not registered",
+            runtime_missing,
+        )
 
 
 def missing_hooks() -> list[str]:
@@ -73,6 +90,18 @@ def before_launch_server(server_args: Any, *args: Any, **kwargs: Any) -> None:
                 f"sglang=={upstream.SGLANG_VERSION}); not installed on: {', '.join(missing)}"
             )
     http_api.add_routes_to_sglang_app()
+
+
+def before_launch_subprocesses(engine_cls: Any, *args: Any, **kwargs: Any) -> None:
+    """Hook: as `before_launch_server`, where the engine starts without `launch_server`.
+
+    An offline `Engine` (no HTTP server imported in this process) has no app to add the
+    routes to. Under `launch_server` this runs after `before_launch_server`: the check
+    repeats and the routes are already there."""
+    if not sglang_adapter.http_server_imported():
+        return
+    server_args = kwargs["server_args"] if "server_args" in kwargs else args[0]
+    before_launch_server(server_args)
 
 
 # ------------------------------------------------------------------ helpers
@@ -127,6 +156,7 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
             HookType.AFTER,
         ),
         (upstream.HTTP_LAUNCH_SERVER, before_launch_server, HookType.BEFORE),
+        (upstream.ENGINE_LAUNCH_SUBPROCESSES, before_launch_subprocesses, HookType.BEFORE),
     ]
 
 

@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import sys
+import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from sglang.srt import server_args as _upstream
 
 from sglang_kv_migration.paths.base import parse_path_names
 from sglang_kv_migration.paths.host.mooncake import DEFAULT_WORKERS_PER_PEER as DEFAULT_PEER_WORKERS
+from sglang_kv_migration.paths.host.mooncake import (
+    MC_DEFAULT_TRANSFER_TIMEOUT_S,
+    MC_TRANSFER_TIMEOUT_ENV,
+)
+
+logger = logging.getLogger(__name__)
 
 # IMPORTANT: never keep a module-level alias of the upstream class here. The hook registry
 # rebinds every module attribute that holds the replaced class to the replacement, so an
@@ -61,9 +71,17 @@ class KVMigrationServerArgs(_upstream.ServerArgs):
         # IMPORTANT: check our flags before SGLang's own post-init, which reads the model
         # config and probes devices: a wrong flag should fail fast with our message.
         check_kv_migration_args(self)
+        if self.enable_kv_migration:
+            warning = check_mooncake_timeout(self)
+            if warning is not None:
+                logger.warning(warning)
         super().__post_init__()
         # SGLang may switch hierarchical cache off (e.g. for diffusion LLMs).
         check_kv_migration_args(self)
+        # Not a field (no flag): one value per launch, pickled with these args into every
+        # scheduler process, so the DP ranks of a `--dp-size N` server, which share no
+        # process group, agree on the server's identity (`RankContext.launch_id`).
+        self.kv_migration_launch_id = uuid.uuid4().hex
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser):
@@ -162,8 +180,9 @@ CLI_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             default=None,
             help="Secret shared by every server that migrates with this one: signs the write "
             "grants and receipts that bind a source's writes to the slots the target reserved. "
-            "Defaults to one derived from --admin-api-key, else --api-key; without any, grants "
-            "are unsigned (they stop confused clients, not hostile peers on the transfer network).",
+            "Defaults to one derived from --admin-api-key, never from --api-key (every client "
+            "holds that); without either, grants are unsigned: they stop confused clients, not "
+            "a hostile client or peer, which can forge one.",
         ),
     ),
     (
@@ -181,7 +200,9 @@ CLI_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             type=float,
             default=DEFAULT_TRANSFER_TIMEOUT_S,
             help="Longest a host-path transfer may run. Freed slots whose writes could still land "
-            "stay quarantined until the grant's deadline plus twice this.",
+            "stay quarantined until the grant's deadline plus twice this. Mooncake's own batch "
+            "timeout (MC_TRANSFER_TIMEOUT, default 30 s) must not be longer: start-up refuses "
+            "a longer MC_TRANSFER_TIMEOUT and warns when the unset default is.",
         ),
     ),
     (
@@ -267,10 +288,10 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
         raise KVMigrationArgsError(
             f"--kv-migration-peer-workers must be at least 1, got {args.kv_migration_peer_workers}."
         )
-    if args.dp_size > 1:
+    if args.dp_size > 1 and args.pp_size > 1:  # (DP ranks: server/http/dp_ranks.py)
         raise KVMigrationArgsError(
-            f"--enable-kv-migration does not support --dp-size > 1 yet (got {args.dp_size}); "
-            "use tensor and pipeline parallelism only."
+            f"--enable-kv-migration with --dp-size {args.dp_size} does not support "
+            f"--pp-size > 1 yet (got {args.pp_size}); use data and tensor parallelism only."
         )
     if args.tokenizer_worker_num > 1 or args.enable_http2:
         # SGLang then serves HTTP from worker processes that import its app afresh; the
@@ -294,6 +315,51 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
         raise KVMigrationArgsError(
             f"--kv-migration-protocol must be tcp or rdma, got {args.kv_migration_protocol!r}."
         )
+
+
+def check_mooncake_timeout(
+    args: KVMigrationServerArgs, environ: Mapping[str, str] = os.environ
+) -> str | None:
+    """Refuse a Mooncake batch timeout longer than the write window leaves room for.
+
+    A source submits no batch after its grant's `write_until` (the grant's deadline plus
+    one transfer timeout), but a batch submitted just before it runs until it completes or
+    Mooncake's own timeout (`MC_TRANSFER_TIMEOUT`) passes. The target keeps the slots
+    quarantined for one more transfer timeout after `write_until`; a longer Mooncake timeout
+    lets a stalled batch land after the slots were freed and reused. Raises
+    `KVMigrationArgsError` when the variable is set too long; returns a warning when it is
+    unset and Mooncake's default is too long; None when the window covers it."""
+    allowed = args.kv_migration_transfer_timeout
+    grant_ttl = min(args.kv_migration_grant_ttl, args.kv_migration_watchdog_timeout / 2)
+    window = (
+        f"the slots' write window is {grant_ttl + 2 * allowed:g} s after allocate (grant TTL "
+        f"{grant_ttl:g} s + 2 x --kv-migration-transfer-timeout {allowed:g} s), and a batch "
+        f"submitted at its last moment must end within {allowed:g} s"
+    )
+    raw = environ.get(MC_TRANSFER_TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        if MC_DEFAULT_TRANSFER_TIMEOUT_S <= allowed:
+            return None
+        return (
+            f"{MC_TRANSFER_TIMEOUT_ENV} is unset, so Mooncake lets a stalled batch run for its "
+            f"default {MC_DEFAULT_TRANSFER_TIMEOUT_S:g} s, longer than "
+            f"--kv-migration-transfer-timeout {allowed:g} s: {window}; a late batch can "
+            f"overwrite reused slots. Set {MC_TRANSFER_TIMEOUT_ENV}={allowed:g} (or less)."
+        )
+    try:
+        mooncake_s = float(raw)
+    except ValueError:
+        raise KVMigrationArgsError(
+            f"{MC_TRANSFER_TIMEOUT_ENV} must be a number of seconds, got {raw!r}."
+        ) from None
+    if mooncake_s > allowed:
+        raise KVMigrationArgsError(
+            f"{MC_TRANSFER_TIMEOUT_ENV}={raw.strip()} s is longer than "
+            f"--kv-migration-transfer-timeout {allowed:g} s: {window}. Set "
+            f"{MC_TRANSFER_TIMEOUT_ENV} to at most {allowed:g} or raise "
+            "--kv-migration-transfer-timeout."
+        )
+    return None
 
 
 def kv_migration_enabled(server_args: object) -> bool:

@@ -24,6 +24,10 @@ TOKENIZER_INIT_COMMUNICATORS = (
     "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.init_communicators"
 )
 HTTP_LAUNCH_SERVER = "sglang.srt.entrypoints.http_server.launch_server"
+# What `launch_server` and `Engine` call to start the tokenizer manager and schedulers; RL
+# frameworks that serve SGLang's `app` with their own uvicorn (verl) call it directly and
+# never reach `launch_server`.
+ENGINE_LAUNCH_SUBPROCESSES = "sglang.srt.entrypoints.engine.Engine._launch_subprocesses"
 # The idle/busy memory-leak checks count these tokens as held outside the tree: pending
 # device-slot allocations are added here, so SGLang's pool invariant keeps holding.
 SCHEDULER_SESSION_HELD_TOKENS = "sglang.srt.managers.scheduler.Scheduler._session_held_tokens"
@@ -43,10 +47,17 @@ HOOK_TARGETS: tuple[str, ...] = (
     SCHEDULER_FLUSH_CACHE,
     TOKENIZER_INIT_COMMUNICATORS,
     HTTP_LAUNCH_SERVER,
+    ENGINE_LAUNCH_SUBPROCESSES,
     SCHEDULER_SESSION_HELD_TOKENS,
     SCHEDULER_SLEEP_ON_IDLE,
     SCHEDULER_RELEASE_MEMORY,
     SCHEDULER_RESUME_MEMORY,
+)
+
+# Targets in SGLang's scheduler and HTTP server modules: they import only where
+# `sglang_adapter.server_runtime_missing()` finds nothing missing.
+SERVER_RUNTIME_TARGETS: frozenset[str] = frozenset(
+    t for t in HOOK_TARGETS if t.startswith(("sglang.srt.managers.scheduler.", HTTP_LAUNCH_SERVER))
 )
 
 REQUIRED_SYMBOLS: tuple[str, ...] = (

@@ -13,7 +13,12 @@ from typing import Any
 
 @dataclass(frozen=True)
 class SchedulerView:
-    """What the migration side reads from SGLang's `Scheduler`, read in one place."""
+    """What the migration side reads from SGLang's `Scheduler`, read in one place.
+
+    With DP attention (`--enable-dp-attention`) SGLang's TP group spans every DP rank,
+    and each DP rank's attention TP group holds its own tree and pools (SGLang hands the
+    cache that group): `tp_rank`, `tp_size` and `tp_cpu_group` are then the attention
+    TP rank, size and group. Without it each DP rank is its own TP group."""
 
     tree_cache: Any
     server_args: Any
@@ -24,18 +29,21 @@ class SchedulerView:
     tp_cpu_group: Any
     send_output: Any  # (output, request) -> None, a SenderWrapper.send_output
     world_cpu_group: Any = None  # every (tp, pp) rank; None without PP (= tp_cpu_group)
+    dp_rank: int = 0  # this scheduler's data-parallel rank
+    dp_size: int = 1
 
     @classmethod
     def of(cls, scheduler: Any) -> SchedulerView:
         pipelined = scheduler.pp_size > 1
+        dp_attention = scheduler.dp_size > 1 and scheduler.server_args.enable_dp_attention
         return cls(
             tree_cache=scheduler.tree_cache,
             server_args=scheduler.server_args,
-            tp_rank=scheduler.tp_rank,
-            tp_size=scheduler.tp_size,
+            tp_rank=scheduler.attn_tp_rank if dp_attention else scheduler.tp_rank,
+            tp_size=scheduler.attn_tp_size if dp_attention else scheduler.tp_size,
             pp_rank=scheduler.pp_rank,
             pp_size=scheduler.pp_size,
-            tp_cpu_group=scheduler.tp_cpu_group,
+            tp_cpu_group=scheduler.attn_tp_cpu_group if dp_attention else scheduler.tp_cpu_group,
             # SGLang connects only stage 0 to the tokenizer manager; later stages reply
             # through the sender `stage_reply_sender` made for them.
             send_output=(
@@ -44,6 +52,9 @@ class SchedulerView:
                 else scheduler.send_to_tokenizer.send_output
             ),
             world_cpu_group=scheduler.world_group.cpu_group if pipelined else None,
+            # SGLang passes None without a DP controller (--dp-size 1).
+            dp_rank=scheduler.dp_rank or 0,
+            dp_size=scheduler.dp_size,
         )
 
 
@@ -99,6 +110,33 @@ def http_server_app() -> Any:
     return http_server.app
 
 
+def http_server_imported() -> bool:
+    """Whether this process imported SGLang's HTTP server module (and so may serve its
+    `app`); asking does not import it."""
+    import sys
+
+    return "sglang.srt.entrypoints.http_server" in sys.modules
+
+
+# SGLang's scheduler and HTTP server modules import this at module level, unguarded
+# (mem_cache/memory_pool_host.py): where the kernel package is absent (a CPU-only install)
+# they cannot be imported at all, and only SGLang's argument parser runs.
+_SERVER_RUNTIME_NATIVE_MODULE = "sgl_kernel.kvcacheio"
+
+
+def server_runtime_missing() -> str | None:
+    """The native module SGLang's server runtime needs and this environment lacks, or None.
+    Looked up without importing anything: it runs in every SGLang process, at start-up."""
+    import importlib.util
+    import sys
+
+    name = _SERVER_RUNTIME_NATIVE_MODULE
+    package = name.partition(".")[0]
+    if name in sys.modules or package in sys.modules:
+        return None
+    return name if importlib.util.find_spec(package) is None else None
+
+
 def http_tokenizer_manager() -> Any:
     """The HTTP server's `TokenizerManager` (set when the server launches)."""
     from sglang.srt.entrypoints.http_server import get_global_state
@@ -121,6 +159,16 @@ def frees_kv_cache(memory_req: Any) -> bool:
 
     tags = getattr(memory_req, "tags", None)
     return not tags or GPU_MEMORY_TYPE_KV_CACHE in tags
+
+
+def scheduler_load(scheduler: Any) -> Callable[[], int]:
+    """How many requests this rank runs or has waiting (its DP rank's load, as SGLang's
+    `DataParallelController` counts requests): the running batch and the waiting queue."""
+
+    def load() -> int:
+        return len(scheduler.running_batch.reqs) + len(scheduler.waiting_queue)
+
+    return load
 
 
 def scheduler_idle_check(scheduler: Any) -> Callable[[], bool]:

@@ -5,8 +5,8 @@ A launch needs its source and destination page ids on the device. Made afresh fo
 launch (a pinned host tensor, then `.to(device)`), they went through torch's host and
 device caching allocators each time, and after SGLang's cache flush (which empties
 torch's device cache) the device tensor was a fresh `cudaMalloc`, which synchronizes the
-device: the upload was ~0.3 ms of a one-page move's launch on the H200 (cProfile of a
-scheduler rank, 2026-12-02). `PageListUpload` keeps one pinned host buffer and one device
+device: the upload was ~0.3 ms of a one-page move's launch on an H200 (cProfile of a
+scheduler rank). `PageListUpload` keeps one pinned host buffer and one device
 buffer and reuses them once the last launch that read them is done.
 """
 
@@ -42,7 +42,7 @@ class PageListUpload:
         n = int(values.size)
         busy = self._busy_until is not None and not self._busy_until.query()
         if busy:
-            # The last launch may still read the kept buffers: a fresh pair, as before.
+            # The last launch may still read the kept buffers: a fresh pair for this one.
             staged = torch.empty(n, dtype=torch.int64, pin_memory=True)
             staged.numpy()[:] = values
             return staged.to(self.device, non_blocking=True)

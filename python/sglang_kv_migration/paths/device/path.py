@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-    from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
+    from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 logger = logging.getLogger(__name__)
 
@@ -493,7 +493,7 @@ class DevicePath(DataPath):
         """The tiers `plan` copies that no earlier launch of this path copied (now warm).
         A copy kernel's first launch in a process compiles it, or loads it from Triton's
         cache, inside the copy's events: the first host-tier copy on a fresh H200 took 42
-        ms for 33 MB (2026-12-03), which as a rate sample taught the cost model 1.6 GB/s."""
+        ms for 33 MB, which as a rate sample would teach the cost model 1.6 GB/s."""
         cold = frozenset(tier for tier in plan.tiers if tier not in self._warm_tiers)
         self._warm_tiers.update(cold)
         return cold

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.paths.host import staging
+from sglang_kv_migration.paths.host import staging, tcp_streams
 
 # One copy: `length` bytes from local `src_addr` to peer `dst_addr`. Planned by the
 # layout module (pure math), sent here: one type for both.
@@ -66,6 +66,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _E = TypeVar("_E", bound=MigrationError)
+
+# The engine's own batch timeout: read from this variable, in seconds, else the default.
+# A batch submitted just before a grant's `write_until` may run this long (see
+# `server_args.check_mooncake_timeout`).
+MC_TRANSFER_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
+MC_DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 
 # The TCP transport queues at most this many entries per peer by default
 # (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER); an oversized batch fails and keeps the queue busy.
@@ -91,8 +97,8 @@ _SLEEP_SHARE = 0.8
 # largest entry a chunk leaves as.
 DEFAULT_STAGING_CHUNK_BYTES = 16 << 20
 DEFAULT_STAGING_ENTRY_BYTES = 0  # measured no gain on the 2-core box; see docs
-# Jobs to one peer in flight at once (issue 19: moves to one target queued behind each
-# other on one worker).
+# Jobs to one peer in flight at once (with one worker, concurrent moves to one target
+# queue behind each other).
 DEFAULT_WORKERS_PER_PEER = 2
 
 
@@ -367,8 +373,15 @@ class MooncakeTransport(KVTransport):
 
     def __init__(self, config: TransportConfig):
         self._config = config
+        listening = tcp_streams.listening_ports()
         self._engine: TransferEngine | None = _start_engine(config)
-        self._session_id = f"{config.hostname}:{self._engine.get_rpc_port()}"
+        rpc_port = self._engine.get_rpc_port()
+        self._session_id = f"{config.hostname}:{rpc_port}"
+        # The engine's TCP data listener: the ports it opened besides its RPC port.
+        data_ports = tcp_streams.listening_ports() - listening - {rpc_port}
+        self.inbound = tcp_streams.InboundStreams(
+            data_ports if config.protocol == "tcp" else frozenset()
+        )
         self._workers_per_peer = min(config.workers_per_peer, config.max_entries_per_batch)
         self._lock = threading.Lock()  # guards the fields below
         self._local = _RegionIndex(())

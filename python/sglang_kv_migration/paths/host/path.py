@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-    from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
+    from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,14 @@ class HostPath(DataPath):
         # A job stops submitting batches at its deadline, but a batch already in flight may
         # run up to the engine's own timeout: twice the transfer timeout bounds both.
         return 2 * self.transfer_timeout_s
+
+    def open_write_streams(self) -> frozenset[int]:
+        inbound = getattr(self._transport, "inbound", None)
+        return inbound.open_now() if inbound is not None else frozenset()
+
+    def close_write_streams(self, streams: frozenset[int]) -> frozenset[int]:
+        inbound = getattr(self._transport, "inbound", None)
+        return inbound.close(streams) if inbound is not None else frozenset()
 
     # ------------------------------------------------------------------ target role
 

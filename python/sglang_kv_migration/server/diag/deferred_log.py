@@ -1,7 +1,7 @@
 """Log lines of a scheduler rank written once its migrations are out of the way.
 
-A log line costs ~0.1-0.2 ms of a server's scheduler thread (cProfile of an H200 server,
-2026-12-02: `Logger.info` under our reply). Written where a move finishes, it delays
+A log line costs ~0.1-0.2 ms of a server's scheduler thread (cProfile of an H200 server:
+`Logger.info` under our reply). Written where a move finishes, it delays
 the reply of the next move finished in the same poll and every move behind it; kept
 here, the lines go out when the rank has nothing of ours in flight (`flush`, called by
 the scheduler side's poll), or once `MAX_KEPT` wait.

@@ -15,7 +15,7 @@ the same way SGLang's scheduler metrics do. Names follow SGLang's `sglang:` pref
   (target, allocate to commit).
 - `sglang:kv_migration_scheduler_seconds` — per scheduler loop iteration in which our code
   had work (a handler ran, or anything was in flight or pending): the time our handlers
-  and our per-iteration poll spent on the scheduler thread (`LoopTimer`). The issue's
+  and our per-iteration poll spent on the scheduler thread (`LoopTimer`). The target
   "source loop never blocked more than 1 ms by a migration" reads off its buckets.
 - `sglang:kv_migration_poll_seconds_total` / `sglang:kv_migration_poll_iterations_total`
   — the same time summed over every iteration in which anything of ours was in flight,

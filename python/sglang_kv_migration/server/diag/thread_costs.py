@@ -10,10 +10,10 @@ or profile function. `bench_device_path.py --calibrate` runs it in the benchmark
 process and, through the opt-in profile (`profiling.py`,
 `SGLANG_KV_MIGRATION_CALIBRATE=1`), on both servers' scheduler threads.
 
-Found with it on the H200 (`docs/benchmarks-history.md`, 2026-12-02, commit 55bd19f): the
-scheduler threads are not slower than a plain process, hot or cold; a handler's calls
-are slow because they run cold (a small torch op 2-3 us hot, 25-30 us cold; a tiny CUDA
-launch 7-11 us hot, 40-60 us cold).
+What it shows on an H200 (`docs/benchmarks-history.md`, "Why the scheduler's calls are
+slow"): the scheduler threads are not slower than a plain process, hot or cold; a
+handler's calls are slow because they run cold (a small torch op 2-3 us hot, 25-30 us
+cold; a tiny CUDA launch 7-11 us hot, 40-60 us cold).
 
 Opt-in only; each `measure()` takes ~0.1-0.3 s of the calling thread.
 """

@@ -18,8 +18,9 @@ from typing import Any
 
 from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.errors import ErrorKind
-from sglang_kv_migration.io_types import REQUEST_TYPES, AbortTransferReqInput
 from sglang_kv_migration.server.diag.trace import mark_arrived, mark_sent, trip_steps
+from sglang_kv_migration.server.http.dp_ranks import DataParallelRanks
+from sglang_kv_migration.server.messages import REQUEST_TYPES, AbortTransferReqInput
 from sglang_kv_migration.server.rank.pp_stages import merge_stage_replies, needs_rollback
 from sglang_kv_migration.server.server_args import kv_migration_enabled
 
@@ -29,19 +30,22 @@ class RidCommunicator:
 
     The scheduler side copies the request's `rid` onto its reply
     (`MigrationSchedulerSide.handlers`, `source_transfers`). A server with PP stages sends
-    one reply per stage (`pp_stages.py`): a call returns once `replies` have arrived."""
+    one reply per stage (`pp_stages.py`), one with DP ranks one per DP rank asked
+    (`dp_ranks.py`): a call returns once `replies` have arrived."""
 
     def __init__(self, send_to_scheduler: Any, replies: int = 1):
         if replies < 1:
             raise ValueError(f"replies must be at least 1, got {replies}")
         self._sender = send_to_scheduler
         self._replies = replies
-        self._waiting: dict[str, tuple[asyncio.Future, list[Any]]] = {}
+        self._waiting: dict[str, tuple[asyncio.Future, list[Any], int]] = {}
 
-    async def __call__(self, request: Any) -> list[Any]:
+    async def __call__(self, request: Any, replies: int | None = None) -> list[Any]:
+        """Send `request`; return its replies once `replies` (default: the count given at
+        construction) have arrived."""
         request.rid = uuid.uuid4().hex
         done = asyncio.get_running_loop().create_future()
-        self._waiting[request.rid] = (done, [])
+        self._waiting[request.rid] = (done, [], replies or self._replies)
         try:
             mark_sent(request)
             self._sender.send_pyobj(request)
@@ -53,10 +57,10 @@ class RidCommunicator:
         entry = self._waiting.get(output.rid)
         if entry is None:
             return
-        done, received = entry
+        done, received, expected = entry
         mark_arrived(output)
         received.append(output)
-        if len(received) == self._replies and not done.done():
+        if len(received) == expected and not done.done():
             done.set_result(list(received))
 
 
@@ -69,10 +73,11 @@ class KVMigrationCommunicators:
         before_call: Callable[[], None] | None = None,
         weight_version: Callable[[], str] | None = None,
         pp_size: int = 1,
+        dp_size: int = 1,
     ):
         self._before_call = before_call
         self._weight_version = weight_version
-        # One reply per PP stage (--dp-size > 1 is refused with migration).
+        # One reply per PP stage (--dp-size > 1 with --pp-size > 1 is refused).
         self._by_input_type = {
             input_type: RidCommunicator(send_to_scheduler, replies=pp_size)
             for _name, input_type, _output_type in REQUEST_TYPES
@@ -82,15 +87,29 @@ class KVMigrationCommunicators:
             (output_type, self._by_input_type[input_type].handle_recv)
             for _name, input_type, output_type in REQUEST_TYPES
         ]
+        self._dp_ranks = (
+            DataParallelRanks(dp_size, self._send, self._call_ranks) if dp_size > 1 else None
+        )
 
     async def call(self, request: Any) -> Any:
         """Send `request` to the scheduler; return the server's reply (every stage's
-        reply merged; an allocation that failed on some stage is aborted on all first)."""
+        reply merged; an allocation that failed on some stage is aborted on all first;
+        with DP ranks, routed to and merged over them by `dp_ranks.py`)."""
         if self._before_call is not None:
             self._before_call()
         if self._weight_version is not None:
             # The scheduler does not see weight updates; the tokenizer manager does.
             request.weight_version = self._weight_version()
+        if self._dp_ranks is not None:
+            return await self._dp_ranks.call(request)
+        return await self._call_ranks(request)
+
+    async def _send(self, request: Any, replies: int) -> list[Any]:
+        return await self._by_input_type[type(request)](request, replies)
+
+    async def _call_ranks(self, request: Any) -> Any:
+        """`request` to the ranks of one DP rank (every one without DP): the reply of
+        every PP stage, merged."""
         replies = await self._by_input_type[type(request)](request)
         merged = merge_stage_replies(replies)
         merged.steps_ms = {**trip_steps(request, replies), **merged.steps_ms}
@@ -98,7 +117,9 @@ class KVMigrationCommunicators:
             # IMPORTANT: abort before answering, so the client never sees a failed
             # allocation that still holds slots on some stage.
             abort = AbortTransferReqInput(
-                migration_id=request.migration_id, weight_version=request.weight_version
+                migration_id=request.migration_id,
+                weight_version=request.weight_version,
+                dp_rank=request.dp_rank,
             )
             undone = await self._by_input_type[AbortTransferReqInput](abort)
             # Stages that allocated nothing answer "unknown id": nothing to undo there.
@@ -122,6 +143,7 @@ def after_init_communicators(_result: None, tokenizer_manager: Any, server_args:
         before_call=tokenizer_manager.auto_create_handle_loop,
         weight_version=lambda: tokenizer_manager.server_args.weight_version,
         pp_size=server_args.pp_size,
+        dp_size=server_args.dp_size,
     )
     tokenizer_manager.kv_migration_communicators = comms
     sglang_adapter.add_result_handlers(tokenizer_manager, comms.result_handlers)

@@ -43,6 +43,10 @@ class RankContext:
     # no-op on every TP rank but the first.
     send_output: Callable[[BaseReq, BaseReq], None]
     world_group: Any = None  # CPU group over every (tp, pp) rank; None: `cpu_group`
+    # Shared by every scheduler of one server launch (`KVMigrationServerArgs`): the DP
+    # ranks of a `--dp-size N` server, which share no process group, take it as the
+    # server's epoch. "" : the first rank mints one at start-up.
+    launch_id: str = ""
 
     @property
     def first_stage(self) -> bool:

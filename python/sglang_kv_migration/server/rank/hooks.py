@@ -33,73 +33,24 @@ def after_init_ipc_channels(_result: None, scheduler: Any, port_args: Any) -> No
 
 
 def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
-    """Build this rank's migration side and add its handlers to the dispatcher."""
+    """Build this rank's migration side (`server/compose.py`) and add its handlers to
+    the dispatcher."""
     # Set on every scheduler so the per-iteration hook needs no attribute probing.
     scheduler.kv_migration = None
     if not kv_migration_enabled(scheduler.server_args):
         return
     from sglang_kv_migration import sglang_adapter
-    from sglang_kv_migration.grants import derive_key
-    from sglang_kv_migration.paths.base import parse_path_names
-    from sglang_kv_migration.paths.host.mooncake import TransportConfig
-    from sglang_kv_migration.server.diag.profiling import rank_profile
-    from sglang_kv_migration.server.rank.context import RankContext
-    from sglang_kv_migration.server.rank.scheduler_side import (
-        MigrationSchedulerSide,
-        advertised_hostname,
-    )
+    from sglang_kv_migration.server.compose import compose_for_scheduler
 
-    view = sglang_adapter.SchedulerView.of(scheduler)
-    args = view.server_args
-    if not sglang_adapter.is_hiradix_cache(view.tree_cache):
-        raise RuntimeError(
-            "--enable-kv-migration needs SGLang's HiRadixCache as the tree cache, got "
-            f"{type(view.tree_cache).__name__}; other hierarchical caches are not supported yet"
-        )
-    ctx = RankContext(
-        tree_cache=view.tree_cache,
-        tp_rank=view.tp_rank,
-        tp_size=view.tp_size,
-        pp_rank=view.pp_rank,
-        pp_size=view.pp_size,
-        # Handlers gather over the stage's TP ranks; each stage replies for itself.
-        cpu_group=view.tp_cpu_group,
-        model=args.served_model_name,
-        send_output=view.send_output,
-        world_group=view.world_cpu_group,
-    )
-    transport_config = TransportConfig(
-        hostname=advertised_hostname(args.kv_migration_hostname, args.host),
-        protocol=args.kv_migration_protocol,
-        rdma_devices=args.kv_migration_rdma_devices,
-        max_entries_per_batch=args.kv_migration_max_batch_entries,
-        workers_per_peer=args.kv_migration_peer_workers,
-        transfer_timeout_s=args.kv_migration_transfer_timeout,
-    )
-    metrics = None
-    if args.enable_metrics:
-        from sglang_kv_migration.server.diag.metrics import MigrationMetrics
-
-        metrics = MigrationMetrics(args.served_model_name, ctx.tp_rank, ctx.pp_rank)
-    side = MigrationSchedulerSide(
-        ctx,
-        watchdog_timeout_s=args.kv_migration_watchdog_timeout,
-        transport_config=transport_config,
-        metrics=metrics,
-        path_names=parse_path_names(args.kv_migration_paths),
-        enable_memory_saver=args.enable_memory_saver,
-        grant_key=derive_key(args.kv_migration_grant_key, args.admin_api_key, args.api_key),
-        grant_ttl_s=args.kv_migration_grant_ttl,
-        staging_bytes=args.kv_migration_staging_mb << 20,
-        verify=args.kv_migration_verify,
-        attn_cp_size=args.attn_cp_size,
-        landing_bytes=args.kv_migration_landing_mb << 20,
-        profile=rank_profile(args.port, ctx.tp_rank, ctx.pp_rank),
-    )
-    side.scheduler_idle = sglang_adapter.scheduler_idle_check(scheduler)
-    side.input_waiting = sglang_adapter.input_waiting_check(scheduler)
+    side = compose_for_scheduler(scheduler)
     scheduler.kv_migration = side
-    sglang_adapter.add_request_handlers(scheduler, side.handlers())
+    handlers = side.handlers()
+    view = sglang_adapter.SchedulerView.of(scheduler)
+    if view.dp_size > 1:
+        from sglang_kv_migration.server.rank.dp_filter import for_dp_rank
+
+        handlers = for_dp_rank(handlers, view.dp_rank, sglang_adapter.scheduler_load(scheduler))
+    sglang_adapter.add_request_handlers(scheduler, handlers)
     if side.channel_allocations is not None:
         sglang_adapter.wake_from_idle_sleep_on(scheduler, side.channel_allocations.channel.socket)
 
@@ -163,7 +114,7 @@ def around_release_memory_occupation(
     original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """Before SGLang unmaps the KV pool: let our copies finish and drop what refers to
-    the pool (`MigrationSchedulerSide.prepare_for_memory_release`); after it, drop the
+    the pool (`RankLoop.prepare_for_memory_release`); after it, drop the
     device path's landing arena too."""
     side = scheduler.kv_migration
     from sglang_kv_migration import sglang_adapter

@@ -21,10 +21,10 @@ Our operations must answer for every (tp, pp) rank and fail as a whole, so:
    merges them here (`merge_stage_replies`): success only if every stage succeeded,
    per-rank lists concatenated in (pp, tp) order.
 3. Stages agree forward, in the request stream: a stage that refuses an allocate, transfer
-   or commit marks the request (`io_types.StageRefusal`) before it is handed on, and later
+   or commit marks the request (`wire.messages.StageRefusal`) before it is handed on, and later
    stages refuse it too without touching their trees. Stage 0 also checks what later
    stages would refuse: every rank's transfer entry and grant (`source/transfers.py`),
-   every rank's commit receipt (`scheduler_side.py`). The watchdog runs on stage 0 only;
+   every rank's commit receipt (`target/commits.py`). The watchdog runs on stage 0 only;
    what it freed travels to later stages as a `StageSyncReqInput` appended to the
    iteration's requests.
 4. A later stage can still fail after stage 0 succeeded (an allocation its pool cannot
@@ -39,15 +39,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from sglang_kv_migration.errors import ErrorKind
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.messages import (
     AbortTransferReqOutput,
     AllocateTokenForTransferReqOutput,
     CommitTransferRequestKVCacheReqOutput,
     GetRequestExtraTokenSizeReqOutput,
     GetTransferSessionInfoReqOutput,
-    StageRefusal,
     TransferRequestKVCacheReqOutput,
 )
+from sglang_kv_migration.wire.messages import StageRefusal
 
 # --------------------------------------------------------------------------- public API
 

@@ -1,6 +1,6 @@
 """Allocate channel: a source on the same host asks the target's scheduler for slots
 directly, so a migration is one HTTP call from the client (wire feature
-"source_allocate", issue 21).
+"source_allocate").
 
     client ──HTTP──▶ source /transfer_request_kvcache {allocate_on_target: ...}
                      source scheduler ──channel──▶ target scheduler: allocate
@@ -15,7 +15,7 @@ per-start secret (`advertise()`); a request must carry that secret, so it takes 
 HTTP allocate takes: the API key that read the session info. The target's scheduler
 reads the socket without blocking at the start of each loop iteration and answers with
 the same handler, checks and reply as `/allocate_token_for_transfer`
-(`scheduler_side.py`); the body is JSON, validated like the HTTP body (never unpickled).
+(`target/channel_allocations.py`); the body is JSON, validated like the HTTP body (never unpickled).
 
 The source's scheduler holds one DEALER socket per target it asked recently and reads
 the replies in its per-iteration poll: a target that never answers fails only its own
@@ -42,17 +42,17 @@ import orjson
 import zmq
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.grants import SOURCE_ALLOCATE_FEATURE
 from sglang_kv_migration.server.same_host.mailbox import (
     SHM_DIR,
     pid_namespace,
     process_alive,
     sweep_stale,
 )
+from sglang_kv_migration.wire import features
 
 logger = logging.getLogger(__name__)
 
-FEATURE = SOURCE_ALLOCATE_FEATURE
+FEATURE = features.SOURCE_ALLOCATE
 # A target that has not answered by then fails the transfer (its slots, if it did
 # allocate, are freed by its watchdog).
 ALLOCATE_TIMEOUT_S = 10.0

@@ -1,5 +1,5 @@
 """Receipt mailbox: a source on the same host hands its receipts straight to the target,
-so a migration needs no `/commit` trip (wire feature "source_commit", issue 21).
+so a migration needs no `/commit` trip (wire feature "source_commit").
 
 A target (TP rank 0 of a single-stage server) keeps one file in shared memory
 (`/dev/shm/kvmig-mbox-<pid namespace>-<pid>-<token>`): a file header, then `num_slots`
@@ -38,11 +38,11 @@ import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from sglang_kv_migration.grants import SOURCE_COMMIT_FEATURE
+from sglang_kv_migration.wire import features
 
 logger = logging.getLogger(__name__)
 
-FEATURE = SOURCE_COMMIT_FEATURE
+FEATURE = features.SOURCE_COMMIT
 SHM_DIR = "/dev/shm"
 NUM_SLOTS = 128
 SLOT_BYTES = 8192  # every receipt of a TP=8 server fits several times over

@@ -24,14 +24,15 @@ import orjson
 
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.io_types import TransferRequestKVCacheTarget
+from sglang_kv_migration.wire import features
+from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
-FEATURE = grants.DESTINATION_DIGEST_FEATURE
+FEATURE = features.DESTINATION_DIGEST
 # Distinct destinations remembered (one per target rank and KV memory generation; ~26 KB
 # of JSON each for an 8B model's 64 buffers), least recently used dropped first ...
 MAX_KNOWN = 64
 # ... and their JSON bytes together (Python holds a parsed description in a few times
-# that; a body's description is at most `http_api.MAX_DEVICE_KV_BYTES`).
+# that; a body's description is at most `wire.bodies.MAX_DEVICE_KV_BYTES`).
 MAX_KNOWN_BYTES = 8 << 20
 
 

@@ -29,13 +29,6 @@ from typing import TYPE_CHECKING, Any
 from sglang_kv_migration import grants, page_ranges
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.fingerprint import LayoutFingerprint
-from sglang_kv_migration.io_types import (
-    RankTransferResult,
-    StageRefusal,
-    TransferRequestKVCacheReqInput,
-    TransferRequestKVCacheReqOutput,
-    TransferRequestKVCacheTarget,
-)
 from sglang_kv_migration.paths.base import (
     DEVICE,
     DataPath,
@@ -47,12 +40,21 @@ from sglang_kv_migration.paths.base import (
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
 from sglang_kv_migration.server.diag.metrics import MigrationMetrics
 from sglang_kv_migration.server.diag.trace import ms, stamp
+from sglang_kv_migration.server.messages import (
+    TransferRequestKVCacheReqInput,
+    TransferRequestKVCacheReqOutput,
+)
 from sglang_kv_migration.server.rank.context import RankContext, check_peer_fingerprint, error_of
 from sglang_kv_migration.server.same_host.allocate_channel import ALLOCATE_TIMEOUT_S, ChannelCaller
 from sglang_kv_migration.server.same_host.mailbox import Deliverer
 from sglang_kv_migration.server.source.known_destinations import (
     KnownDestinations,
     UnknownDestination,
+)
+from sglang_kv_migration.wire.messages import (
+    RankTransferResult,
+    StageRefusal,
+    TransferRequestKVCacheTarget,
 )
 
 if TYPE_CHECKING:
@@ -120,6 +122,9 @@ class InflightTransfer:
     prepared: PreparedSend | None = None
     tokens: tuple[int, str] = (-1, "")  # (how many ids, their digest)
     destination_unknown: bool = False  # feature "destination_digest": nothing was done
+    # `grants.grant_digest` of the grant this request claimed (empty: it claimed none,
+    # so its receipt cannot say the grant's writes are over: another request may hold it).
+    claimed_grant: str = ""
 
     def release(self) -> None:
         """Unpin what the transfer holds; idempotent."""
@@ -184,6 +189,7 @@ class SourceTransfers:
         caller: ChannelCaller | None = None,
         destinations: KnownDestinations | None = None,
         log_later: DeferredLog | None = None,
+        requests_waiting: Callable[[], bool] | None = None,
     ):
         self.ctx = ctx
         self.fingerprint = fingerprint
@@ -194,7 +200,7 @@ class SourceTransfers:
         # Per-move lines, written once idle (the scheduler side passes the one it flushes).
         self.log_later = log_later if log_later is not None else DeferredLog()
         self.server_epoch = server_epoch  # this server's instance id (receipts name it)
-        self.epoch_suffix = ""  # set on every KV memory resume (scheduler_side.py)
+        self.epoch_suffix = ""  # set on every KV memory resume (`rank/loop.py`)
         self.signer = signer or grants.Signer(None)
         self.max_tokens = max_tokens  # the most slots one transfer can name (host pool)
         self._used_grants = grants.UsedGrants()
@@ -206,14 +212,10 @@ class SourceTransfers:
         self._to_prepare: list[InflightTransfer] = []  # asked their target this iteration
         self.polls = 0  # `poll()` calls with transfers in flight
         self._poll_started = 0.0  # when the current `poll()` began
-        # The scheduler side's brief wait (`MigrationSchedulerSide.wait_briefly`), run
-        # in a poll that prepared moves or started copies: None for none (the default,
-        # `WAIT_IN_POLL_ENV`; always on multi-rank sources).
-        self.brief_wait: Callable[[], bool] | None = None
-        # A test that requests wait on the scheduler's input (`MigrationSchedulerSide.
+        # A test that requests wait on the scheduler's input (`IdleProbe.
         # requests_waiting`): a poll then leaves its prepares to a later poll, so that
         # moves sent together all ask their targets first. None: never (multi-rank).
-        self.requests_waiting: Callable[[], bool] | None = None
+        self.requests_waiting = requests_waiting
         self._prepare_deferred = 0  # polls in a row that left their prepares
 
     def epoch_of(self, weight_version: str) -> str:
@@ -237,7 +239,7 @@ class SourceTransfers:
     def awaited(self) -> Callable[[], bool] | None:
         """When every transfer in flight waits only for its target's allocate reply or
         for its copy on the GPU: a non-blocking test that one of them is ready, so the
-        scheduler can wait for it (`MigrationSchedulerSide.wait_briefly`). None when the
+        scheduler can wait for it (`RankLoop.wait_briefly`). None when the
         next poll has something else to do or wait for, and on multi-rank sources (a
         rank that waited would reach the ranks' gather late)."""
         caller = self.caller
@@ -403,8 +405,8 @@ class SourceTransfers:
             raise error
 
     def _start(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
-        # First: even a refused transfer's receipt names this rank's slots (a settled
-        # receipt lets the target free them at once); a bad entry is reported below.
+        # First: even a refused transfer's receipt names this rank's slots (it settles
+        # nothing unless this request claimed the grant); a bad entry is reported below.
         error_of(lambda: self._parse_own_slots(req, inflight))
         if req.stage_refusal is not None:
             # An earlier PP stage refused before pinning anything: so do we (its reply
@@ -431,20 +433,10 @@ class SourceTransfers:
         if self.inflight:
             self.polls += 1
             self._poll_started = time.monotonic()
-            wait = self.brief_wait
-            prepared = bool(self._to_prepare) and not self._defer_prepare()
-            if prepared:
+            if self._to_prepare and not self._defer_prepare():
                 self._prepare_asked()
             if self.caller is not None and self.caller.waiting:
-                if prepared and wait is not None:
-                    # The target allocates meanwhile (~1 ms on one host): its answer is
-                    # taken in this poll, not after another pass of SGLang's loop.
-                    wait()
-                if self._take_allocations() and wait is not None:
-                    # A small copy is done within tens of microseconds (one page: ~60
-                    # us on an H200): waiting for it here lets this poll reply, where
-                    # the next poll came after a pass of SGLang's loop (~0.2 ms).
-                    wait()
+                self._take_allocations()
             if any(t.waiting for t in self.inflight):
                 # A collective: `waiting` is the same on every rank.
                 self.ctx.tree_cache.writing_check()
@@ -456,7 +448,7 @@ class SourceTransfers:
         threads, or one call's moves, which reach the scheduler ~0.1 ms apart), up to
         `PREPARE_DEFER_POLLS` polls in a row. Their handlers ask their targets at once;
         six 8K moves on the H200 were otherwise asked in two waves ~4 ms apart, the
-        second after the first wave's prepares and starts (2026-12-03, call 21). A move
+        second after the first wave's prepares and starts. A move
         not yet prepared when its answer comes is matched by its start, as without a
         prepare."""
         waiting = self.requests_waiting
@@ -566,6 +558,7 @@ class SourceTransfers:
             req, target, me, self.fingerprint, tokens, inflight.own_slots
         )
         self._used_grants.claim(grant)
+        inflight.claimed_grant = grants.grant_digest(target.grant)
         if self.destinations is not None and DEVICE in self.paths:
             # Kept only now that a verified grant names it: a refused body keeps nothing.
             self.destinations.remember(target, grant.destination)
@@ -595,7 +588,7 @@ class SourceTransfers:
         for target in req.target_per_rank:
             if (target.tp, target.pp) == (self.ctx.tp_rank, self.ctx.pp_rank):
                 self._check_size(req)
-                slots = target_slots(target, self.fingerprint.page_size, req.extra_token_size)
+                slots = target_slots(target, self.fingerprint.shape.page_size, req.extra_token_size)
                 inflight.own_slots = (slots, grants.slots_digest(slots))
                 inflight.slots_digest = inflight.own_slots[1]
                 return
@@ -618,7 +611,7 @@ class SourceTransfers:
                 ErrorKind.BAD_REQUEST, f"target_per_rank has no entry for tp={tp} pp={pp}"
             )
         if slots_and_digest is None:
-            slots = target_slots(target, fingerprint.page_size, req.extra_token_size)
+            slots = target_slots(target, fingerprint.shape.page_size, req.extra_token_size)
             slots_and_digest = (slots, grants.slots_digest(slots))
         slots, digest = slots_and_digest
         if target.path not in self.paths:
@@ -701,8 +694,11 @@ class SourceTransfers:
                     slots_digest=inflight.slots_digest,
                     success=status.success,
                     bytes=status.bytes,
-                    # Nothing more can land once done, or if no write was ever submitted.
-                    settled=status.success or job is None or not job.started_writing,
+                    # Nothing more can land once done, or if no write was ever submitted
+                    # under the grant: only its claimant knows (a refused replay does not).
+                    settled=bool(inflight.claimed_grant)
+                    and (status.success or job is None or not job.started_writing),
+                    grant=inflight.claimed_grant,
                     # Told only to a target that granted an extent: it must scatter then.
                     plan=status.plan if send is not None and send.target.staging else "",
                     digest=status.digest,

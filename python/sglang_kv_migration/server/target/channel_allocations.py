@@ -27,14 +27,21 @@ from typing import Any
 
 import orjson
 
+from sglang_kv_migration import binary_ids
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.io_types import (
+from sglang_kv_migration.server.diag.trace import ms
+from sglang_kv_migration.server.messages import (
     REQUEST_TYPES,
     AllocateTokenForTransferReqInput,
     AllocateTokenForTransferReqOutput,
 )
-from sglang_kv_migration.server.diag.trace import ms
-from sglang_kv_migration.server.same_host.allocate_channel import MAX_PER_ITERATION, ChannelServer
+from sglang_kv_migration.server.same_host.allocate_channel import (
+    MAX_PER_ITERATION,
+    ChannelServer,
+    open_channel,
+)
+from sglang_kv_migration.wire import bodies
+from sglang_kv_migration.wire.messages import reply_content
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +72,6 @@ class ChannelAllocations:
         weight_update_types: tuple[type, ...],
         allocate: Handler,
     ):
-        # Imported at start-up, not in the first allocate: it brings FastAPI into the
-        # scheduler's process, which held the first channel allocate of every target
-        # 27-40 ms on the H200.
-        from sglang_kv_migration.server.http import routes as http_api  # noqa: F401
-
         self.channel = channel
         self.weight_update_types = weight_update_types
         self._allocate = allocate  # the route's handler, wrapped like the dispatcher's
@@ -152,8 +154,6 @@ class ChannelAllocations:
     def _request(
         self, body: dict[str, Any] | MigrationError, ids: bytes
     ) -> AllocateTokenForTransferReqInput:
-        from sglang_kv_migration.server.http import routes as http_api
-
         if isinstance(body, MigrationError):
             raise body
         weight_version = self.weight_version()
@@ -164,14 +164,49 @@ class ChannelAllocations:
                 "/get_transfer_session_info again",
             )
         try:
-            return http_api.allocate_request(
+            return allocate_request(
                 body, migration_id=uuid.uuid4().hex, weight_version=weight_version, ids=ids
             )
         except ValueError as e:
             raise MigrationError(ErrorKind.BAD_REQUEST, str(e)) from None
 
 
-def _content(output: AllocateTokenForTransferReqOutput) -> dict[str, Any]:
-    from sglang_kv_migration.server.http import routes as http_api
+def allocate_request(
+    body: Any, *, migration_id: str, weight_version: str, ids: bytes = b""
+) -> AllocateTokenForTransferReqInput:
+    """An allocate from a JSON object that did not come through a route (the allocate
+    channel), validated like the route's body (`wire/bodies.py`); `ids`: its ids as
+    little-endian uint32 bytes, when the object has none. ValueError naming what is
+    wrong."""
+    parsed = bodies.validated(bodies.AllocateFields if ids else bodies.AllocateBody, body)
+    fields = bodies.body_fields(parsed)
+    if ids:
+        try:
+            binary_ids.check_bytes(ids, bodies.MAX_TOKENS)
+        except ValueError as e:
+            raise ValueError(f"the ids frame: {e}") from None
+        fields.update(input_ids=[], input_ids_u32=ids)
+    return AllocateTokenForTransferReqInput(
+        **fields, migration_id=migration_id, weight_version=weight_version
+    )
 
-    return http_api.reply_content(output)
+
+def _content(output: AllocateTokenForTransferReqOutput) -> dict[str, Any]:
+    return reply_content(output)
+
+
+def open_channel_allocations(
+    single_rank: bool, weight_update_types: tuple[type, ...], allocate: Handler
+) -> ChannelAllocations | None:
+    """Feature "source_allocate" on a single-rank server (one rank takes each channel
+    request, so every rank of a stage could not allocate it together); `allocate` is the
+    allocate handler, wrapped like the dispatcher's. None where the channel cannot be
+    bound (logged)."""
+    if not single_rank:
+        return None
+    from sglang_kv_migration.paths.device.cuda_ipc import host_identity
+
+    channel = open_channel(host_identity())
+    if channel is None:
+        return None
+    return ChannelAllocations(channel, weight_update_types, allocate)

@@ -21,11 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.io_types import (
-    AbortTransferReqOutput,
-    CommitTransferRequestKVCacheReqInput,
-    CommitTransferRequestKVCacheReqOutput,
-)
 from sglang_kv_migration.paths.host.target_staging import (
     STAGED,
     DeferredCommit,
@@ -36,6 +31,11 @@ from sglang_kv_migration.paths.host.target_staging import (
     staged_refusal,
 )
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
+from sglang_kv_migration.server.messages import (
+    AbortTransferReqOutput,
+    CommitTransferRequestKVCacheReqInput,
+    CommitTransferRequestKVCacheReqOutput,
+)
 from sglang_kv_migration.server.rank.context import RankContext, guarded
 from sglang_kv_migration.server.rank.pp_stages import refusal_of, refused_output
 
@@ -182,6 +182,10 @@ class Commits:
                 return f"receipt for {where} names other slots"
             if pending is not None and receipt.source != pending.source:
                 return f"receipt for {where} is from another source than the grant's"
+            if pending is not None and pending.grant and receipt.grant != pending.grant:
+                # (A request the source refused, e.g. a retry seen as a replay, claimed
+                # no grant: it cannot speak for the writes of the one that did.)
+                return f"receipt for {where} is not from the transfer that used its grant"
             if need_success and not receipt.success:
                 return f"the source reported the transfer to {where} as failed"
             if not need_success and not receipt.settled:

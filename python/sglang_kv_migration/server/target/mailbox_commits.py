@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration import binary_ids, sglang_adapter
-from sglang_kv_migration.io_types import CommitTransferRequestKVCacheReqInput
+from sglang_kv_migration.server.messages import CommitTransferRequestKVCacheReqInput
 from sglang_kv_migration.server.same_host.mailbox import Mailbox, MailboxSlots, open_mailbox
 
 if TYPE_CHECKING:

@@ -75,6 +75,13 @@ class PendingMigration:
     state: MigrationState = MigrationState.ALLOCATED
     staging: tuple[int, int] | None = None  # granted staging extent (target_staging.py)
     source: str = ""  # the source instance the grant names: receipts must come from it
+    # `grants.grant_digest` of this rank's grant: a receipt settles or commits these slots
+    # only if it names it (it comes from the request that claimed the grant). Kept in
+    # quarantine with the slots and the source, so a repeated abort checks them too.
+    grant: str = ""
+    # Once its write window closed in quarantine: the inbound streams still to be closed
+    # before the slots go back (`DataPath.close_write_streams`; None: not yet listed).
+    streams: frozenset[int] | None = None
     # The source hands its receipts to this server's mailbox (feature "source_commit"):
     # the target commits by itself once they are there; the same on every rank.
     source_commit: bool = False
@@ -131,6 +138,7 @@ class PendingMigrations:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         lock: threading.RLock | None = None,
+        release_staging: Callable[[tuple[int, int], float | None], None] | None = None,
     ):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -143,7 +151,7 @@ class PendingMigrations:
         self.quarantine: dict[str, PendingMigration] = {}  # released, slots not yet freed
         self._finished: OrderedDict[str, _Finished] = OrderedDict()
         # Gives a finished migration's staging extent back: (extent, not_before or None).
-        self.release_staging: Callable[[tuple[int, int], float | None], None] | None = None
+        self.release_staging = release_staging
         # Gives a finished migration's mailbox slot back: (slot, not_before or None).
         self.release_mailbox: Callable[[int, float | None], None] | None = None
 
@@ -163,9 +171,7 @@ class PendingMigrations:
         with self.lock:
             now = self.clock() if now is None else now
             ids = [m for m, p in self.quarantine.items() if p.write_window_end <= now]
-            for mid in ids:
-                self._free_quarantined(mid)
-            return ids
+            return [mid for mid in ids if self._free_after_window(mid)]
 
     def committable(self, migration_id: str, weight_version: str) -> bool:
         """True if a commit of this id would insert (not answer gone or repeat)."""
@@ -187,6 +193,11 @@ class PendingMigrations:
 
     def get(self, migration_id: str) -> PendingMigration | None:
         return self.by_id.get(migration_id)
+
+    def held(self, migration_id: str) -> PendingMigration | None:
+        """The migration's allocation while its slots are out of the free list: pending,
+        or ended and quarantined (what an abort's receipts are checked against)."""
+        return self.by_id.get(migration_id) or self.quarantine.get(migration_id)
 
     def allocate(
         self,
@@ -343,8 +354,8 @@ class PendingMigrations:
         with self.lock:
             ids = self.due() if migration_ids is None else migration_ids
             for mid in ids:
-                if mid in self.quarantine:
-                    self._free_quarantined(mid)
+                if mid in self.quarantine:  # (its window closed: `due`, or stage 0's)
+                    self._free_after_window(mid)
             expired = [self.by_id[i] for i in ids if i in self.by_id]
             now = self.clock()
             for pending in expired:
@@ -433,12 +444,27 @@ class PendingMigrations:
     ) -> None:
         self.cache.dec_lock_ref(pending.anchor)
         self._finish(pending, state, settled=settled)
-        if settled or pending.write_window_end <= self.clock():
+        if settled:
             pending.path.release(pending.slots)
-        else:
-            # IMPORTANT: a write granted for these slots may still land; handing them to
-            # another prefix now could let it be overwritten.
-            self.quarantine[pending.migration_id] = pending
+            return
+        # IMPORTANT: a write granted for these slots may still land; handing them to
+        # another prefix now could let it be overwritten.
+        self.quarantine[pending.migration_id] = pending
+        if pending.write_window_end <= self.clock():
+            self._free_after_window(pending.migration_id)
+
+    def _free_after_window(self, migration_id: str) -> bool:
+        """Free a quarantined allocation whose write window closed once no stream that
+        was open then is left (a TCP stream can outlive its batch's timeout: it is shut
+        down here, and the engine closes it); False while one is."""
+        pending = self.quarantine[migration_id]
+        if pending.streams is None:
+            pending.streams = pending.path.open_write_streams()
+        pending.streams = pending.path.close_write_streams(pending.streams)
+        if pending.streams:
+            return False
+        self._free_quarantined(migration_id)
+        return True
 
     def _free_quarantined(self, migration_id: str) -> None:
         pending = self.quarantine.pop(migration_id)

@@ -1,56 +1,49 @@
-"""Request/response types exchanged between the HTTP layer and the scheduler ranks.
+"""The request and reply models of the six routes, written once.
 
-Shaped like SGLang's `io_struct.py`: one `...ReqInput` / `...ReqOutput` dataclass pair per
-operation, inputs and outputs derive from `BaseReq` so SGLang's communicators route
-them, and every output has `success` and `message`. Outputs also carry `error_kind`
-(an `errors.ErrorKind` value) so the HTTP layer can pick the status code.
+One `...Request` / `...Reply` dataclass pair per operation. Every reply derives from
+`Reply`: `success`, `message`, `error_kind` (an `errors.ErrorKind` value, so the HTTP
+layer can pick the status code), `steps_ms` and `trace`. `server/messages.py` makes each
+of them an SGLang request (`BaseReq`) for the trip HTTP layer -> scheduler ranks; the
+JSON a route answers is `reply_content` of the reply, and `bodies.py` validates what a
+body may say.
 
 Field names follow the public contract of the design note (`input_ids`, `extra_key`,
 `matched_token_size`, `extra_token_size`, `kv_indices`, `target_per_rank`,
 `matched_after_commit`, ...). Per-rank data is a list with one entry per (tp, pp) rank,
-gathered on the replying rank. These classes are pickled between processes: keep them in
-this module, importable everywhere, with plain-data fields only.
+gathered on the replying rank. Plain-data fields only: the server pickles them between
+processes, and the client reads them without SGLang.
 
-Input validation happens once, at the HTTP boundary (`http/routes.py`); the scheduler
-handlers trust these objects.
+Input validation happens once, in `bodies.py`, wherever a body arrives (the routes, the
+allocate channel); the scheduler handlers trust these objects.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar
 
-from sglang.srt.managers.io_struct import BaseReq
-
-from sglang_kv_migration import (
-    EPOCH_CHECK_FEATURE,
-    TRANSFER_BATCH_FEATURE,
-    binary_ids,
-    grants,
-    page_ranges,
-)
 from sglang_kv_migration.targets import HostTarget  # the host path's fields, once
+from sglang_kv_migration.wire import features
 
-# Optional wire features this version understands (session info `features`).
-# "bound_grants": allocate takes `source_instance` (the source's session info
-# `instance_id`); grants name their destination and source (`grants.py`).
-# "partial_transfer" (`grants.PARTIAL_FEATURE`): a transfer takes `partial_ok`, its
-# receipts say how many tokens were written, and commit inserts those.
-# "binary_ids" (`binary_ids.py`): bodies may carry the ids as bytes (`input_ids_u32`).
-# "source_commit" (`server/same_host/mailbox.py`) is listed only by servers with a mailbox, and
-# "source_allocate" (`server/same_host/allocate_channel.py`) only by single-rank servers with an
-# allocate channel: a transfer may take `allocate_on_target` then.
-# "epoch_check": allocate takes `expect_epoch` and refuses, reserving nothing, when this
-# server's epoch is no longer the one the caller's session info names.
-# "transfer_batch": a transfer body may be `{"moves": [...]}`, several transfers in one
-# call (`server/http/routes.py`).
-WIRE_FEATURES = (
-    page_ranges.FEATURE,
-    grants.FEATURE,
-    grants.PARTIAL_FEATURE,
-    binary_ids.FEATURE,
-    EPOCH_CHECK_FEATURE,
-    TRANSFER_BATCH_FEATURE,
-)
+# Optional wire features every server of this version lists (`features.py`).
+WIRE_FEATURES = features.ALWAYS
+
+
+@dataclass
+class Reply:
+    """What every reply says. On the wire (`reply_content`): `success`, the reply's own
+    fields, these four, then the fields later features added (`ADDED_LATER`)."""
+
+    success: bool
+    message: str = ""
+    error_kind: str = ""
+    # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
+    steps_ms: dict = field(default_factory=dict)
+    trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
+
+    ADDED_LATER: ClassVar[tuple[str, ...]] = ()
+
 
 # --------------------------------------------------------------------------- PP stages
 
@@ -63,14 +56,6 @@ class StageRefusal:
 
     message: str
     error_kind: str
-
-
-@dataclass
-class StageSyncReqInput(BaseReq):
-    """PP stage 0 -> later stages, in the request stream: the allocations and quarantines
-    its watchdog freed, so every stage frees the same ids at the same point."""
-
-    expired_ids: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- session info
@@ -93,24 +78,23 @@ class RankSessionInfo(HostTarget):
     # source, and the [addr, length] of its own staging arena as a target (empty: none).
     stage_writer: bool = False
     staging_region: list[int] = field(default_factory=list)
+    # Feature "dp_ranks": the data-parallel rank this scheduler rank belongs to (each DP
+    # rank has its own tree and pools; `server/http/dp_ranks.py`).
+    dp_rank: int = 0
 
 
 @dataclass
-class GetTransferSessionInfoReqInput(BaseReq):
+class SessionInfoRequest:
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
+    dp_rank: int | None = None  # set by the HTTP layer: the DP rank asked (None: every one)
 
 
 @dataclass
-class GetTransferSessionInfoReqOutput(BaseReq):
-    success: bool
+class SessionInfoReply(Reply):
     ranks: list[RankSessionInfo] = field(default_factory=list)
     protocol_version: int = 0
     server_epoch: str = ""
-    message: str = ""
-    error_kind: str = ""
-    # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
-    steps_ms: dict = field(default_factory=dict)
-    trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
+    ADDED_LATER = ("features", "instance_id", "allocate_channel")
     # Optional wire features this server understands beyond its protocol version; a
     # client uses one only when both servers list it (older servers list none).
     features: list[str] = field(default_factory=lambda: list(WIRE_FEATURES))
@@ -121,13 +105,15 @@ class GetTransferSessionInfoReqOutput(BaseReq):
     # Feature "source_allocate": a source on this host may allocate here directly
     # (`server/same_host/allocate_channel.py`: address, secret, host); empty when it may not.
     allocate_channel: dict = field(default_factory=dict)
+    # Feature "dp_ranks": how many DP ranks `ranks[]` spans (`--dp-size`).
+    dp_size: int = 1
 
 
 # --------------------------------------------------------------------------- extra size
 
 
 @dataclass
-class GetRequestExtraTokenSizeReqInput(BaseReq):
+class ExtraTokenSizeRequest:
     input_ids: list[int]
     extra_key: str | None = None
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
@@ -136,11 +122,13 @@ class GetRequestExtraTokenSizeReqInput(BaseReq):
     input_ids_u32: bytes = b""
     # Also report `host_headroom_tokens` (a walk of the tree: asked for only by planners).
     headroom: bool = False
+    # Feature "dp_ranks": the DP rank to ask (None: every one; the reply names the one
+    # holding the longest prefix).
+    dp_rank: int | None = None
 
 
 @dataclass
-class GetRequestExtraTokenSizeReqOutput(BaseReq):
-    success: bool
+class ExtraTokenSizeReply(Reply):
     matched_token_size: int = 0  # page-aligned prefix this server holds (device or host)
     extra_token_size: int = 0  # page-aligned tokens of input_ids it does not hold
     total_token_size: int = 0  # page-aligned length of input_ids
@@ -149,18 +137,17 @@ class GetRequestExtraTokenSizeReqOutput(BaseReq):
     # evictable host-only pages); -1 when not asked.
     host_headroom_tokens: int = -1
     server_epoch: str = ""
-    message: str = ""
-    error_kind: str = ""
-    # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
-    steps_ms: dict = field(default_factory=dict)
-    trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
+    # Feature "dp_ranks": the DP rank that holds `matched_token_size` (None on a server
+    # with one DP rank), and how many requests run or wait there (its load).
+    dp_rank: int | None = None
+    dp_load: int = 0
 
 
 # --------------------------------------------------------------------------- allocate
 
 
 @dataclass
-class AllocateTokenForTransferReqInput(BaseReq):
+class AllocateRequest:
     input_ids: list[int]
     extra_key: str | None = None
     # What the caller expects to move; the target refuses (conflict) if its own match
@@ -190,6 +177,9 @@ class AllocateTokenForTransferReqInput(BaseReq):
     # whose info is stale (restart, weight update, KV memory resume) gets a conflict
     # before anything is reserved: slots granted to it would sit out a write window.
     expect_epoch: str = ""
+    # Feature "dp_ranks": the DP rank to allocate on (None: the HTTP layer picks the least
+    # loaded one that fits).
+    dp_rank: int | None = None
 
 
 @dataclass
@@ -205,8 +195,7 @@ class AllocatedRank:
 
 
 @dataclass
-class AllocateTokenForTransferReqOutput(BaseReq):
-    success: bool
+class AllocateReply(Reply):
     migration_id: str = ""
     matched_token_size: int = 0  # the target prefix that was locked and kept
     extra_token_size: int = 0  # tokens allocated after it
@@ -214,14 +203,13 @@ class AllocateTokenForTransferReqOutput(BaseReq):
     path: str = ""
     page_size: int = 0
     server_epoch: str = ""
-    message: str = ""
-    error_kind: str = ""
-    # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
-    steps_ms: dict = field(default_factory=dict)
-    trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
+    ADDED_LATER = ("source_commit",)
     # The allocation asked for `source_commit` and got a mailbox slot: a transfer reply
     # that says `delivered` means this server commits by itself.
     source_commit: bool = False
+    # Feature "dp_ranks": the DP rank holding the slots (None on a server with one): the
+    # continuation goes there (`routed_dp_rank`).
+    dp_rank: int | None = None
 
 
 # --------------------------------------------------------------------------- transfer
@@ -263,7 +251,7 @@ class AllocateOnTarget:
 
 
 @dataclass
-class TransferRequestKVCacheReqInput(BaseReq):
+class TransferRequest:
     input_ids: list[int]
     extra_key: str | None = None
     matched_token_size: int = 0
@@ -280,6 +268,9 @@ class TransferRequestKVCacheReqInput(BaseReq):
     # Feature "source_allocate": allocate on the target first (the sizes, migration id
     # and the target rank's slots and grant come from its reply).
     allocate_on_target: AllocateOnTarget | None = None
+    # Feature "dp_ranks": the DP rank holding the prefix (None: the HTTP layer finds the
+    # one with the longest match).
+    dp_rank: int | None = None
 
 
 @dataclass
@@ -299,18 +290,13 @@ class RankTransferResult:
 
 
 @dataclass
-class TransferRequestKVCacheReqOutput(BaseReq):
-    success: bool
+class TransferReply(Reply):
     transferred_token_size: int = 0
     transferred_bytes: int = 0  # summed over ranks
     ranks: list[RankTransferResult] = field(default_factory=list)
     path: str = ""
     server_epoch: str = ""
-    message: str = ""
-    error_kind: str = ""
-    # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
-    steps_ms: dict = field(default_factory=dict)
-    trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
+    ADDED_LATER = ("delivered", "allocation", "channel_error", "destination_unknown")
     # Feature "source_commit": every rank's receipts are in the target's mailbox, put
     # there before this reply; the target commits before it handles anything sent after.
     delivered: bool = False
@@ -325,79 +311,70 @@ class TransferRequestKVCacheReqOutput(BaseReq):
     # this source does not know (forgotten, or never sent in full): nothing was done;
     # send `device_kv` in full.
     destination_unknown: bool = False
+    # Feature "dp_ranks": the DP rank that sent (None on a server with one).
+    dp_rank: int | None = None
 
 
 # --------------------------------------------------------------------------- commit/abort
 
 
 @dataclass
-class CommitTransferRequestKVCacheReqInput(BaseReq):
+class CommitRequest:
     migration_id: str = ""
     receipts: list[str] = field(default_factory=list)  # the source's, one per rank
     verify: bool = False  # check the receipts' content digests against what landed
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
     stage_refusal: StageRefusal | None = None  # set by an earlier PP stage
     # Made by this server from its mailbox (`server/target/mailbox_commits.py`), not received:
-    # nobody waits for its reply. Never set from a body (`http_api.CommitBody`).
+    # nobody waits for its reply. Never set from a body (`bodies.CommitBody`).
     from_mailbox: bool = False
+    dp_rank: int | None = None  # set by the HTTP layer from the migration id (`dp_ranks.py`)
 
 
 @dataclass
-class CommitTransferRequestKVCacheReqOutput(BaseReq):
-    success: bool
+class CommitReply(Reply):
     matched_after_commit: int = 0
-    message: str = ""
-    error_kind: str = ""
-    # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
-    steps_ms: dict = field(default_factory=dict)
-    trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
 
 
 @dataclass
-class AbortTransferReqInput(BaseReq):
+class AbortRequest:
     migration_id: str = ""
     # Optional: settled receipts let the slots go back at once instead of quarantine.
     receipts: list[str] = field(default_factory=list)
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
+    dp_rank: int | None = None  # set by the HTTP layer from the migration id (`dp_ranks.py`)
 
 
 @dataclass
-class AbortTransferReqOutput(BaseReq):
-    success: bool
-    message: str = ""
-    error_kind: str = ""
-    # Where the trip spent its time, ms (`server/diag/trace.py`); informational.
-    steps_ms: dict = field(default_factory=dict)
-    trace: dict = field(default_factory=dict)  # raw stamps; never leaves the server
+class AbortReply(Reply):
+    pass
 
 
-# Every (input, output) pair, in protocol order. The scheduler side and the tokenizer
-# communicators are built from this one table.
-REQUEST_TYPES: list[tuple[str, type[BaseReq], type[BaseReq]]] = [
-    (
-        "get_transfer_session_info",
-        GetTransferSessionInfoReqInput,
-        GetTransferSessionInfoReqOutput,
-    ),
-    (
-        "get_request_extra_token_size",
-        GetRequestExtraTokenSizeReqInput,
-        GetRequestExtraTokenSizeReqOutput,
-    ),
-    (
-        "allocate_token_for_transfer",
-        AllocateTokenForTransferReqInput,
-        AllocateTokenForTransferReqOutput,
-    ),
-    (
-        "transfer_request_kvcache",
-        TransferRequestKVCacheReqInput,
-        TransferRequestKVCacheReqOutput,
-    ),
-    (
-        "commit_transfer_request_kvcache",
-        CommitTransferRequestKVCacheReqInput,
-        CommitTransferRequestKVCacheReqOutput,
-    ),
-    ("abort_transfer", AbortTransferReqInput, AbortTransferReqOutput),
-]
+# BaseReq bookkeeping and the scheduler's raw stamps (`trace.py`): never leave the server.
+INTERNAL_FIELDS = frozenset({"rid", "http_worker_ipc", "trace"})
+
+
+def reply_content(reply: Reply) -> dict[str, Any]:
+    """A reply as the JSON object a route answers with (without the internal fields)."""
+    return {name: _plain(getattr(reply, name)) for name in wire_order(type(reply))}
+
+
+@functools.cache
+def wire_order(reply_type: type[Reply]) -> tuple[str, ...]:
+    """The reply's fields in the order its JSON lists them (`Reply`), internal ones out."""
+    own = [f.name for f in fields(reply_type) if f.name not in _COMMON]
+    later = reply_type.ADDED_LATER
+    order = ["success", *(n for n in own if n not in later), *_COMMON[1:], *later]
+    return tuple(n for n in order if n not in INTERNAL_FIELDS)
+
+
+_COMMON = tuple(f.name for f in fields(Reply))
+
+
+def _plain(value: Any) -> Any:
+    """Dataclasses (and lists of them) as dicts; everything else as it is."""
+    if is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, list) and value and is_dataclass(value[0]):
+        return [_plain(v) for v in value]
+    return value

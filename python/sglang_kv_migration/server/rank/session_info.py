@@ -1,0 +1,106 @@
+"""What a rank publishes to its peers and clients: its session info (the data paths'
+addresses, its layout fingerprint, the server's epoch and features) and how much of a
+prefix it already holds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sglang_kv_migration import PROTOCOL_VERSION, sglang_adapter
+from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
+from sglang_kv_migration.server.messages import (
+    GetRequestExtraTokenSizeReqInput,
+    GetRequestExtraTokenSizeReqOutput,
+    GetTransferSessionInfoReqInput,
+    GetTransferSessionInfoReqOutput,
+)
+from sglang_kv_migration.server.rank.context import RankContext, guarded
+from sglang_kv_migration.server.rank.identity import RankIdentity
+from sglang_kv_migration.server.same_host.allocate_channel import FEATURE as SOURCE_ALLOCATE
+from sglang_kv_migration.server.same_host.mailbox import FEATURE as SOURCE_COMMIT
+from sglang_kv_migration.server.source.known_destinations import FEATURE as DESTINATION_DIGEST
+from sglang_kv_migration.server.source.transfers import SourceTransfers
+from sglang_kv_migration.server.target.role import TargetRole
+from sglang_kv_migration.wire.messages import (
+    RankSessionInfo,
+)
+
+
+class SessionInfo:
+    """The two read-only operations of one rank."""
+
+    def __init__(
+        self,
+        ctx: RankContext,
+        identity: RankIdentity,
+        paths: dict[str, DataPath],
+        transfers: SourceTransfers,
+        target: TargetRole,
+        epoch_for: Callable[[Any], str],
+    ):
+        self.ctx = ctx
+        self.identity = identity
+        self.paths = paths
+        self.transfers = transfers
+        self.target = target
+        self.epoch_for = epoch_for
+
+    def get_transfer_session_info(
+        self, req: GetTransferSessionInfoReqInput
+    ) -> GetTransferSessionInfoReqOutput:
+        host = self.paths[HOST].advertise() if HOST in self.paths else {}
+        staging = self.target.staging
+        local = RankSessionInfo(
+            tp_rank=self.ctx.tp_rank,
+            pp_rank=self.ctx.pp_rank,
+            session_id=host.get("session_id", ""),
+            host_kv_data_ptrs=host.get("host_kv_data_ptrs", []),
+            host_kv_data_lens=host.get("host_kv_data_lens", []),
+            host_kv_item_lens=host.get("host_kv_item_lens", []),
+            page_size=self.identity.page_size,
+            fingerprint=self.identity.fingerprint_for(req).to_dict(),
+            paths={name: path.advertise() for name, path in self.paths.items()},
+            server_epoch=self.epoch_for(req),
+            stage_writer=HOST in self.paths,
+            staging_region=staging.region if staging is not None else [],
+        )
+        ranks = self.ctx.all_gather(local)
+        output = GetTransferSessionInfoReqOutput(
+            success=True,
+            ranks=ranks,
+            protocol_version=PROTOCOL_VERSION,
+            server_epoch=self.epoch_for(req),
+            instance_id=self.identity.server_epoch,
+        )
+        if self.target.source_commits.enabled:
+            output.features.append(SOURCE_COMMIT)
+        channel = self.target.channel
+        if channel is not None:
+            output.features.append(SOURCE_ALLOCATE)
+            output.allocate_channel = channel.channel.advertise()
+        if self.transfers.destinations is not None and DEVICE in self.paths:
+            output.features.append(DESTINATION_DIGEST)
+        return output
+
+    def get_request_extra_token_size(
+        self, req: GetRequestExtraTokenSizeReqInput
+    ) -> GetRequestExtraTokenSizeReqOutput:
+        def run() -> GetRequestExtraTokenSizeReqOutput:
+            cache = self.ctx.tree_cache
+            total = len(sglang_adapter.make_key(cache, req.input_ids, req.extra_key))
+            held = sglang_adapter.match_held_prefix(cache, req.input_ids, req.extra_key)
+            return GetRequestExtraTokenSizeReqOutput(
+                success=True,
+                matched_token_size=held.length,
+                extra_token_size=total - held.length,
+                total_token_size=total,
+                device_token_size=held.device_length,
+                host_headroom_tokens=(
+                    sglang_adapter.host_headroom_tokens(cache) if req.headroom else -1
+                ),
+                server_epoch=self.epoch_for(req),
+            )
+
+        # The tree is identical on every TP rank: no exchange needed.
+        return guarded(run, GetRequestExtraTokenSizeReqOutput)

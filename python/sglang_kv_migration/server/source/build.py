@@ -1,0 +1,48 @@
+"""The source role of one rank, as `server/compose.py` builds it: its transfers, with
+what a single-rank source has besides (the allocate channel's caller, feature
+"source_allocate"; device destinations named by digest, feature "destination_digest")
+and the mailbox it delivers commits to (feature "source_commit")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sglang_kv_migration.paths.base import DataPath
+from sglang_kv_migration.server.diag.rank_diagnostics import RankDiagnostics
+from sglang_kv_migration.server.rank.context import RankContext
+from sglang_kv_migration.server.rank.identity import RankIdentity
+from sglang_kv_migration.server.same_host.allocate_channel import ChannelCaller
+from sglang_kv_migration.server.same_host.mailbox import Deliverer
+from sglang_kv_migration.server.source.known_destinations import KnownDestinations
+from sglang_kv_migration.server.source.transfers import SourceTransfers
+
+
+def build_source(
+    ctx: RankContext,
+    identity: RankIdentity,
+    paths: dict[str, DataPath],
+    diagnostics: RankDiagnostics,
+    requests_waiting: Callable[[], bool],
+) -> SourceTransfers:
+    """One start-up collective over every rank (their fingerprints, for stage 0's checks
+    of later stages' entries)."""
+    single_rank = ctx.tp_size == 1 and ctx.pp_size == 1
+    return SourceTransfers(
+        ctx,
+        identity.fingerprint,
+        paths,
+        diagnostics.metrics,
+        identity.server_epoch,
+        identity.signer,
+        server_fingerprints={
+            (fp.tp_rank, fp.pp_rank): fp for fp in ctx.all_gather_world(identity.fingerprint)
+        },
+        max_tokens=identity.num_slots,
+        deliverer=Deliverer(),
+        caller=ChannelCaller() if single_rank else None,
+        destinations=KnownDestinations() if single_rank else None,
+        log_later=diagnostics.log_later,
+        # Moves sent together ask their targets before any is prepared: only a source
+        # that asks through the channel has prepares to leave for later.
+        requests_waiting=requests_waiting if single_rank else None,
+    )

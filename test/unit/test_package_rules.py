@@ -1,0 +1,381 @@
+"""The package's shape, read from its source with `ast` (see the package README):
+
+- `server/` reaches the data paths only through `paths.base`, `paths.factory` and what
+  `paths/__init__` exports;
+- wire field names are string literals only in the wire models;
+- every wire feature name is defined in one module, the feature registry;
+- modules are at most 600 lines, classes at most 400;
+- no module imports more than 12 of the package's modules;
+- the environment is read only where the server args and diagnostics live;
+- comments and docstrings say why the code is as it is, with no history: no dates, no
+  "call N" / "issue N" / "session N" / "round N", no commit hashes.
+
+Today's offenders are listed per rule with the reason each is still there; an entry that
+is no longer needed fails too (`check_allow_list`), so the lists only shrink.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+from package_source import (
+    MODULES,
+    NAME,
+    PACKAGE,
+    SOURCES,
+    check_allow_list,
+    edges,
+    in_part,
+    prose,
+    relative_path,
+    string_literals,
+)
+
+# --------------------------------------------------------------------------- server -> paths
+
+SERVER_MAY_IMPORT_FROM_PATHS = {f"{NAME}.paths", f"{NAME}.paths.base", f"{NAME}.paths.factory"}
+# path -> (the data-path modules it still imports, why).
+SERVER_PATHS_ALLOWED: dict[str, object] = {
+    "server/rank/hooks.py": (
+        frozenset({"paths.host.mooncake"}),
+        "builds the Mooncake TransportConfig from the server args; the factory should",
+    ),
+    "server/rank/scheduler_side.py": (
+        frozenset(
+            {
+                "paths.device.cuda_ipc",
+                "paths.host.layout",
+                "paths.host.mooncake",
+                "paths.host.target_staging",
+            }
+        ),
+        "opens the transport, host layout and staging arena itself and asks cuda_ipc for "
+        "the host identity; all of it belongs behind paths.factory",
+    ),
+    "server/server_args.py": (
+        frozenset({"paths.host.mooncake"}),
+        "takes the default of --kv-migration-workers-per-peer from the Mooncake module; "
+        "the default should be exported by paths/",
+    ),
+    "server/target/commits.py": (
+        frozenset({"paths.host.target_staging"}),
+        "commits staged writes through TargetStaging directly; should go through the "
+        "DataPath interface (paths.base)",
+    ),
+}
+
+
+def test_server_reaches_the_paths_through_their_interface() -> None:
+    found: dict[str, object] = {}
+    for module, targets in edges().items():
+        if not in_part(module, "server"):
+            continue
+        inner = {
+            t.removeprefix(NAME + ".")
+            for t in targets
+            if in_part(t, "paths") and t not in SERVER_MAY_IMPORT_FROM_PATHS
+        }
+        if inner:
+            found[relative_path(module)] = frozenset(inner)
+    check_allow_list(found, SERVER_PATHS_ALLOWED)
+
+
+# --------------------------------------------------------------------------- wire fields
+
+
+def _is_dataclass(node: ast.ClassDef) -> bool:
+    for decorator in node.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if getattr(target, "id", getattr(target, "attr", None)) == "dataclass":
+            return True
+    return False
+
+
+def _wire_modules() -> list[str]:
+    """The wire package's modules; `io_types` while the package does not exist."""
+    return [m for m in MODULES if in_part(m, "wire")] or [f"{NAME}.io_types"]
+
+
+def _wire_field_names() -> set[str]:
+    return {
+        statement.target.id
+        for module in _wire_modules()
+        for node in ast.walk(MODULES[module])
+        if isinstance(node, ast.ClassDef) and _is_dataclass(node)
+        for statement in node.body
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+    }
+
+
+# path -> (string literals equal to a wire field name, why). Counts may only go down: a
+# module that spells a field as a literal should take it from the wire models.
+WIRE_LITERALS_ALLOWED: dict[str, object] = {
+    "binary_ids.py": (1, "reads `input_ids_u32` from a body dict"),
+    "client/batch.py": (1, "reads `features` from the session-info dict"),
+    "client/cli.py": (4, "prints fields of the reply dict"),
+    "client/migration.py": (166, "builds every request body and reads every reply as dicts"),
+    "fingerprint.py": (1, "names `weight_version` in the layout fingerprint"),
+    "grants.py": (5, "the signed grant's payload keys repeat the wire names"),
+    "integrations/verl_balancer.py": (4, "builds extra-size bodies and reads replies as dicts"),
+    "paths/host/mooncake.py": (1, "a dict key `plan` that shares a wire field's name"),
+    "rollout/cost_model.py": (10, "reads session-info and extra-size replies as dicts"),
+    "rollout/rebalance_cli.py": (6, "builds extra-size bodies and reads replies as dicts"),
+    "rollout/rebalancer.py": (3, "reads extra-size replies as dicts"),
+    "rollout/request_migration.py": (13, "builds extra-size bodies and reads replies"),
+    "server/diag/metrics.py": (9, "metric labels `path`, `tp_rank`, `pp_rank`, `bytes`"),
+    "server/diag/trace.py": (1, "the `trace` key of a reply dict"),
+    "server/http/fast_path.py": (1, "the ASGI scope's `path` (shares a wire field's name)"),
+    "server/http/routes.py": (21, "turns replies into JSON bodies by hand (`steps_ms`, ...)"),
+    "server/rank/scheduler_side.py": (3, "reads mailbox and channel payloads as dicts"),
+    "server/same_host/allocate_channel.py": (5, "the channel's own message dicts"),
+    "server/source/transfers.py": (36, "builds the target's allocate / commit bodies as dicts"),
+    "server/target/channel_allocations.py": (1, "the `trace` key of a channel reply"),
+    "sglang_adapter/__init__.py": (1, "names `host_headroom_tokens` in a reply dict"),
+    "targets.py": (2, "reads `instance_id` from the session-info dict"),
+}
+
+
+def test_wire_field_names_are_literals_only_in_the_wire_models() -> None:
+    fields = _wire_field_names()
+    exempt = {*_wire_modules(), f"{NAME}.io_types"}
+    found: dict[str, object] = {}
+    for module, tree in MODULES.items():
+        if module in exempt:
+            continue
+        count = sum(1 for node in string_literals(tree) if node.value in fields)
+        if count:
+            found[relative_path(module)] = count
+    check_allow_list(found, WIRE_LITERALS_ALLOWED)
+
+
+def test_the_wire_field_names_were_read() -> None:
+    assert {"input_ids", "matched_token_size", "kv_indices", "success"} <= _wire_field_names()
+
+
+# --------------------------------------------------------------------------- features
+
+
+def _feature_definitions() -> dict[str, str]:
+    """Feature name -> the module that spells it: `FEATURE = "..."`, `X_FEATURE = "..."`."""
+    found: dict[str, str] = {}
+    for module, tree in MODULES.items():
+        for node in tree.body:
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id.endswith("FEATURE")
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
+                found[node.value.value] = module
+    return found
+
+
+# path -> why it still defines feature names; the registry is one module of the wire
+# package, and these move there.
+FEATURES_ALLOWED: dict[str, object] = {
+    "__init__.py": "defines EPOCH_CHECK_FEATURE and TRANSFER_BATCH_FEATURE",
+    "binary_ids.py": "defines its own FEATURE beside the packing it names",
+    "grants.py": "defines the grant features and source_commit / source_allocate / "
+    "destination_digest",
+    "page_ranges.py": "defines its own FEATURE beside the encoding it names",
+}
+
+
+def test_feature_names_are_defined_in_one_registry() -> None:
+    definitions = _feature_definitions()
+    assert {"binary_ids", "source_commit", "source_allocate", "destination_digest"} <= set(
+        definitions
+    )
+    in_wire = {m for m in definitions.values() if in_part(m, "wire")}
+    assert len(in_wire) <= 1, f"feature names defined in several wire modules: {in_wire}"
+    found: dict[str, object] = {
+        relative_path(m): True for m in definitions.values() if not in_part(m, "wire")
+    }
+    check_allow_list(found, FEATURES_ALLOWED)
+
+
+def test_feature_names_are_literals_only_where_they_are_defined() -> None:
+    """A feature name is spelled once; everyone else uses the constant. A literal that is
+    also a wire field's name (the allocate body's `source_commit`) is the wire rule's."""
+    definitions = _feature_definitions()
+    names = set(definitions) - _wire_field_names()
+    assert {"binary_ids", "source_allocate", "destination_digest"} <= names
+    bad = [
+        f"{relative_path(module)}:{node.lineno} {node.value!r}"
+        for module, tree in MODULES.items()
+        for node in string_literals(tree)
+        if node.value in names and definitions[node.value] != module
+    ]
+    assert not bad, bad
+
+
+# --------------------------------------------------------------------------- sizes
+
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 400
+# path (or path::Class) -> why it is still longer.
+SIZE_ALLOWED: dict[str, object] = {
+    "client/migration.py": "the sync and async clients and the protocol steps they share; "
+    "to split into steps, plan and the two drivers",
+    "paths/device/path.py": "the device path's source and target halves in one module",
+    "paths/device/path.py::DevicePath": "source and target roles in one class",
+    "paths/host/mooncake.py": "transport config, the Mooncake transport and its "
+    "per-peer workers in one module",
+    "paths/host/mooncake.py::MooncakeTransport": "engine start, registration and the "
+    "per-peer job queues in one class",
+    "rollout/request_migration.py": "the sync and async request migrators and the "
+    "generate-call plumbing in one module",
+    "rollout/request_migration.py::AsyncRequestMigrator": "submit, move and resume of a "
+    "live request in one class",
+    "server/http/routes.py": "route models, handlers and the body-size middleware in one module",
+    "server/rank/scheduler_side.py": "every operation's handler on one rank; the roles "
+    "are moving to source/, target/ and same_host/",
+    "server/rank/scheduler_side.py::MigrationSchedulerSide": "the handlers of all six "
+    "operations in one class",
+    "server/source/transfers.py": "start, poll and reply of a transfer with the "
+    "same-host features in one module",
+    "server/source/transfers.py::SourceTransfers": "start, poll and reply of a transfer "
+    "in one class",
+}
+
+
+def test_modules_and_classes_fit() -> None:
+    found: dict[str, object] = {}
+    for module, tree in MODULES.items():
+        path = relative_path(module)
+        if len(SOURCES[module].splitlines()) > MAX_MODULE_LINES:
+            found[path] = True
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.ClassDef)
+                and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
+            ):
+                found[f"{path}::{node.name}"] = True
+    check_allow_list(found, SIZE_ALLOWED)
+
+
+# --------------------------------------------------------------------------- fan-out
+
+MAX_PACKAGE_IMPORTS = 12
+# path -> why it still imports more of the package.
+FAN_OUT_ALLOWED: dict[str, object] = {
+    "server/rank/scheduler_side.py": "wires every role, path and diagnostic of a rank "
+    "together; the factory and the role packages are to take that over",
+    "server/source/transfers.py": "the source role reaches the paths, grants, the "
+    "same-host channels and the diagnostics",
+}
+
+
+def test_no_module_imports_much_of_the_package() -> None:
+    found: dict[str, object] = {
+        relative_path(module): True
+        for module, targets in edges().items()
+        if len(targets) > MAX_PACKAGE_IMPORTS
+    }
+    check_allow_list(found, FAN_OUT_ALLOWED)
+
+
+# --------------------------------------------------------------------------- environment
+
+ENVIRONMENT_READERS = ("server.server_args", "server.diag")
+# path -> why it reads the environment elsewhere.
+ENVIRONMENT_ALLOWED: dict[str, object] = {
+    "paths/host/mooncake.py": "sets MC_FORCE_TCP while the engine starts and puts back "
+    "what was there: Mooncake reads the protocol only from the environment",
+    "server/rank/scheduler_side.py": "the A/B switches SGLANG_KV_MIGRATION_WAIT_IN_POLL "
+    "and SGLANG_KV_MIGRATION_ASK_FIRST the benchmarks compare; belong in server_args",
+}
+
+
+def _reads_environment(tree: ast.Module) -> bool:
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in {"environ", "environb", "getenv", "getenvb"}
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "os"
+        ):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "os":
+            if {a.name for a in node.names} & {"environ", "environb", "getenv", "getenvb"}:
+                return True
+    return False
+
+
+def test_the_environment_is_read_where_the_server_args_are() -> None:
+    found: dict[str, object] = {
+        relative_path(module): True
+        for module, tree in MODULES.items()
+        if not in_part(module, *ENVIRONMENT_READERS) and _reads_environment(tree)
+    }
+    check_allow_list(found, ENVIRONMENT_ALLOWED)
+
+
+def test_the_environment_readers_were_found() -> None:
+    readers = {relative_path(m) for m, tree in MODULES.items() if _reads_environment(tree)}
+    assert "server/diag/profiling.py" in readers
+
+
+# --------------------------------------------------------------------------- history
+
+_MONTH = (
+    "January|February|March|April|May|June|July|August|September|October|November|"
+    "December|Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec"
+)
+HISTORY = [
+    re.compile(r"\b(?:19|20)\d\d-[01]\d(?:-[0-3]\d)?\b"),  # 2026-12-03, 2026-12
+    re.compile(rf"\b(?:{_MONTH})\.? (?:[0-3]?\d(?:st|nd|rd|th)?,? )?(?:19|20)\d\d\b"),
+    re.compile(r"\b(?:calls?|issues?|sessions?|rounds?)\s+#?\d+", re.IGNORECASE),
+    re.compile(
+        r"\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth)"
+        r" session\b",
+        re.IGNORECASE,
+    ),
+    re.compile(r"\bcommit [0-9a-f]{7,40}\b"),
+]
+
+
+def _history(source: str) -> list[tuple[int, str]]:
+    return [
+        (line, text.strip())
+        for line, text in prose(source)
+        if any(pattern.search(text) for pattern in HISTORY)
+    ]
+
+
+def test_comments_and_docstrings_carry_no_history() -> None:
+    bad = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} {text}"
+        for path in sorted(PACKAGE.parent.rglob("*.py"))
+        for line, text in _history(path.read_text(encoding="utf-8"))
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_history_check_can_fail() -> None:
+    source = (
+        '"""Measured on 2026-12-03."""\n'
+        "x = 1  # faster since call 21\n"
+        "# issue 19: queued\n"
+        "# the fifth session of the day\n"
+        "y = 'issue 19 is data, not prose'\n"
+    )
+    assert sorted(line for line, _ in _history(source)) == [1, 2, 3, 4]
+    assert not _history("# a session info `features` list; round trips of 2 calls\n")
+
+
+def test_an_allow_list_fails_on_new_grown_and_stale_entries() -> None:
+    listed: dict[str, object] = {"a.py": (3, "why"), "b.py": "why"}
+    check_allow_list({"a.py": 3, "b.py": True}, listed)
+    for found in (
+        {"a.py": 4, "b.py": True},
+        {"a.py": 2, "b.py": True},
+        {"a.py": 3},
+        {"a.py": 3, "b.py": True, "c.py": True},
+    ):
+        with pytest.raises(AssertionError):
+            check_allow_list(found, listed)
