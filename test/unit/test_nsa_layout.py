@@ -100,13 +100,14 @@ def test_host_layout_moves_kv_and_indexer_pages(harness_factory, host_layout, pa
 def test_fingerprint_names_the_nsa_layout(harness_factory, page_size):
     nsa = harness_factory(attention="nsa", host_layout="page_first", page_size=page_size)
     fp = rank_fingerprint(nsa)
-    assert (fp.attention, fp.host_pools, fp.index_head_dim, fp.index_dtype) == (
+    shape = fp.shape
+    assert (shape.attention, shape.host_pools, shape.index_head_dim, shape.index_dtype) == (
         "mla",
         "kv+indexer",
         128,
         "uint8",
     )
-    assert (fp.kv_lora_rank, fp.qk_rope_head_dim, fp.page_size) == (32, 16, page_size)
+    assert (shape.kv_lora_rank, shape.qk_rope_head_dim, shape.page_size) == (32, 16, page_size)
     assert LayoutFingerprint.from_dict(fp.to_dict()) == fp
     assert {"host_pools", "index_head_dim", "index_dtype"} <= set(fp.to_dict())
 
