@@ -372,7 +372,8 @@ class MooncakeTransport(KVTransport):
     entries go out in batches of at most `max_entries_per_batch / workers_per_peer`, one
     batch in flight per worker; over TCP the entries of every worker to one peer share its
     lanes (`lanes.py`), so the engine never queues one. A failed batch or entry is
-    retried once (a timed-out TCP entry is not: the engine may still send it).
+    retried once, over TCP once more per lane (`_Singles`); a timed-out TCP entry is not
+    retried: the engine may still send it.
     `write_pages` jobs are planned in the worker (`staging.plan_pages`); gathered and staged
     plans alternate between two registered staging chunks, gathering the next chunk while
     the previous one is on the wire. No wait spins a core for long (module docstring).
@@ -1073,6 +1074,12 @@ class _Singles:
     lane permits and returns it once the engine reports it final (`lanes.py`); one the
     write gives up on (timed out) is left to the reaper with its permit, and is not
     retried: the engine may still send it.
+
+    Failed entries are retried once, and over TCP once more per lane: a target shuts every
+    inbound stream when slots leave quarantine without a settled receipt (`tcp_streams.py`),
+    and Mooncake keeps such a stream's lane idle until a write on it fails, then takes the
+    next idle lane, which may be shut too. Each failure retires one lane, so at most the
+    peer's lanes of retries reach a fresh stream.
     """
 
     def __init__(
@@ -1096,6 +1103,7 @@ class _Singles:
         self._failed: list[int] = []
         self._reason = ""
         self._attempt = 1
+        self._attempts = 2 + (self._budget.lanes if self._budget is not None else 0)
         self._gave_up = False  # entries left in the engine: no retry
 
     def submit(self) -> _Singles:
@@ -1104,7 +1112,8 @@ class _Singles:
         return self
 
     def wait(self) -> None:
-        """Wait for every entry; retry the failed ones once; raise `TransferError`."""
+        """Wait for every entry; retry the failed ones (once, over TCP once more per lane);
+        raise `TransferError`."""
         while True:
             self._poll()
             if not self._failed:
@@ -1112,22 +1121,24 @@ class _Singles:
             failed_lengths = [self._lengths[i] for i in self._failed]
             transport = self._transport
             if (
-                self._attempt == 2
+                self._attempt >= self._attempts
                 or self._gave_up
                 or time.monotonic() > self._deadline
                 or transport._closed
             ):
                 raise transport._failure(self._ctx, self._label, self._reason, failed_lengths)
             logger.warning(
-                "write to %s, %s (%d bytes in %d entries): %s; retrying once",
+                "write to %s, %s (%d bytes in %d entries): %s; retrying (attempt %d of %d)",
                 self._ctx.peer,
                 self._label,
                 sum(failed_lengths),
                 len(failed_lengths),
                 self._reason,
+                self._attempt + 1,
+                self._attempts,
             )
             time.sleep(_RETRY_DELAY_S)
-            self._attempt = 2
+            self._attempt += 1
             self._todo, self._failed = sorted(self._failed), []
             self._fill()
 
