@@ -485,15 +485,21 @@ def temp_entry_prefixes() -> tuple[str, ...]:
     return (f"kvm-tiny-llama-{tag}-", f"kvm-tokenizer-{tag}-")
 
 
-def leftover_temp_entries() -> list[str]:
-    """This run's entries still in the temp dir, after removing this process's own model
-    folder (its removal at exit comes after pytest's session finish)."""
+def remove_own_model_dir() -> None:
+    """Remove this process's model folder now (before an `os._exit`, or before the
+    session's finish check, which runs before the exit-time removal)."""
     global _TINY_MODEL_DIR
     if _TINY_MODEL_DIR is not None:
         import shutil
 
         shutil.rmtree(_TINY_MODEL_DIR, ignore_errors=True)
         _TINY_MODEL_DIR = None
+
+
+def leftover_temp_entries() -> list[str]:
+    """This run's entries still in the temp dir, after removing this process's own model
+    folder (its removal at exit comes after pytest's session finish)."""
+    remove_own_model_dir()
     prefixes = temp_entry_prefixes()
     return sorted(e for e in os.listdir(tempfile.gettempdir()) if e.startswith(prefixes))
 
