@@ -103,7 +103,9 @@ def _ranks(replies: Iterable[Any]) -> list[Any]:
     return sorted(ranks, key=lambda r: (r.pp_rank, r.tp_rank))
 
 
-def _merge_session_info(replies: list[Any]) -> Any:
+def one_server_session_info(replies: list[Any], parts: str) -> Any:
+    """The first failed reply; else a failure if the `parts` (PP stages, DP ranks) of one
+    server report different epochs; else None: the replies are one server's."""
     failed = _first_failure(replies)
     if failed is not None:
         return failed
@@ -111,9 +113,16 @@ def _merge_session_info(replies: list[Any]) -> Any:
     if len(epochs) != 1:
         return GetTransferSessionInfoReqOutput(
             success=False,
-            message=f"PP stages report different server epochs {sorted(epochs)}",
+            message=f"{parts} report different server epochs {sorted(epochs)}",
             error_kind=ErrorKind.INTERNAL.value,
         )
+    return None
+
+
+def _merge_session_info(replies: list[Any]) -> Any:
+    refused = one_server_session_info(replies, "PP stages")
+    if refused is not None:
+        return refused
     return dataclasses.replace(replies[0], ranks=_ranks(replies))
 
 
