@@ -289,6 +289,8 @@ class _MiniScheduler:
         # What `sglang_adapter.scheduler_load` counts: no requests run here.
         self.running_batch = SimpleNamespace(reqs=[])
         self.waiting_queue: list[Any] = []
+        # SGLang's pool of request rows (what a running request's slots are read from).
+        self.req_to_token_pool = harness.cache.req_to_token_pool
 
     @property
     def reads_requests(self) -> bool:
@@ -434,6 +436,8 @@ def _rank_main(
             sender = context.socket(zmq.PUSH)
             sender.connect(ports.tokenizer)
         scheduler = _MiniScheduler(spec, rank, harness, sender, ports.launch_id)
+        if extension is not None and hasattr(extension, "attach"):
+            extension.attach(scheduler)  # a stand-in whose requests run in its batch
         if scheduler.reads_requests:
             sched_in = context.socket(zmq.PULL)
             if spec.dp_size > 1:

@@ -233,6 +233,7 @@ class MigrationClient:
         path: str | None = None,
         verify: bool = False,
         held: dict[str, Any] | None = None,
+        running_rid: str = "",
     ) -> MigrationResult:
         """Move the KV of the longest prefix of `input_ids` the source holds.
 
@@ -245,6 +246,9 @@ class MigrationClient:
         `held`: the source's `/get_request_extra_token_size` reply for these `input_ids`
         and `extra_key` when the caller already asked (e.g. to price the move), so the
         move asks once; its epoch is checked like the client's own query.
+        `running_rid` (feature "running_slots", listed by both servers): the source reads
+        the pages from that running request's own slots; `held` must then be its size
+        query with `running_rid` (``matched_token_size``: its ``running_token_size``).
         """
         return self._drive(
             _migration_steps(
@@ -256,6 +260,7 @@ class MigrationClient:
                 self._sessions,
                 verify,
                 held,
+                running_rid,
             )
         )
 
@@ -346,6 +351,7 @@ class AsyncMigrationClient:
         path: str | None = None,
         verify: bool = False,
         held: dict[str, Any] | None = None,
+        running_rid: str = "",
     ) -> MigrationResult:
         """See `MigrationClient.migrate`."""
         return await self._drive(
@@ -358,6 +364,7 @@ class AsyncMigrationClient:
                 self._sessions,
                 verify,
                 held,
+                running_rid,
             )
         )
 
@@ -510,6 +517,8 @@ class _Plan:
     # Feature "dp_ranks": the source's DP rank holding the prefix, from its size query
     # (None: not asked; the source finds it itself).
     source_dp_rank: int | None = None
+    # Feature "running_slots": the running request whose own slots the source reads.
+    running_rid: str = ""
 
 
 def ids_field(
@@ -539,6 +548,7 @@ def _migration_steps(
     sessions: SessionCache | None = None,
     verify: bool = False,
     held: dict[str, Any] | None = None,
+    running_rid: str = "",
 ) -> Generator[_Call, _Reply, MigrationResult]:
     """The migration protocol as a generator of HTTP calls (see the module docstring).
     `held`, the caller's size query, serves the first attempt only: a retry after a
@@ -549,7 +559,15 @@ def _migration_steps(
         try:
             return (
                 yield from _attempt(
-                    source_url, target_url, input_ids, extra_key, path, sessions, verify, held
+                    source_url,
+                    target_url,
+                    input_ids,
+                    extra_key,
+                    path,
+                    sessions,
+                    verify,
+                    held,
+                    running_rid,
                 )
             )
         except _StaleSession as stale:
@@ -594,6 +612,7 @@ def _attempt(
     sessions: SessionCache,
     verify: bool = False,
     held: dict[str, Any] | None = None,
+    running_rid: str = "",
 ) -> Generator[_Call, _Reply, MigrationResult]:
     timings: dict[str, float] = {}
     clock = time.perf_counter
@@ -640,6 +659,7 @@ def _attempt(
         partial=partial,
         sessions=sessions,
         source_dp_rank=None if partial else held.get("dp_rank"),
+        running_rid=running_rid,
     )
     if not prefix:
         return _result(plan, "", {"matched_token_size": 0}, None, None, "", "")
@@ -919,6 +939,7 @@ def _one_trip_call(plan: _Plan, path: str) -> _Call:
             "extra_key": plan.extra_key,
             "target_per_rank": [_target_entry(plan.target_info["ranks"][0], path)],
             **({"partial_ok": True} if plan.partial else {}),
+            **({"running_rid": plan.running_rid} if plan.running_rid else {}),
             "allocate_on_target": {
                 "address": channel["address"],
                 "secret": channel["secret"],
@@ -981,6 +1002,7 @@ def _transfer_call(plan: _Plan, allocation: dict[str, Any], path: str) -> _Call:
             "target_per_rank": _targets(plan.target_info, allocation, path),
             **({"partial_ok": True} if plan.partial else {}),
             **({"dp_rank": plan.source_dp_rank} if plan.source_dp_rank is not None else {}),
+            **({"running_rid": plan.running_rid} if plan.running_rid else {}),
         },
     )
 

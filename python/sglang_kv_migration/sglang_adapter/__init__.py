@@ -1,6 +1,7 @@
 """The one package that reads or calls SGLang internals: the radix tree
 (`radix_tree.py`), the KV pools and allocator (`pools.py`), and the scheduler's,
-tokenizer manager's and HTTP server's attributes (`process.py`); `hook_targets.py` names
+tokenizer manager's and HTTP server's attributes (`process.py`), the running requests'
+slots (`running_requests.py`); `hook_targets.py` names
 every upstream symbol the plugin hooks or relies on.
 
 Everything else in the package goes through these functions, imported from here
@@ -78,6 +79,12 @@ from sglang_kv_migration.sglang_adapter.radix_tree import (
     unpin_host_pages,
     write_back_path,
 )
+from sglang_kv_migration.sglang_adapter.running_requests import (
+    RunningRequest,
+    RunningRequests,
+    copy_device_to_host,
+    running_prefix,
+)
 
 __all__ = [
     "DEVICE_TIER",
@@ -87,6 +94,8 @@ __all__ = [
     "HostPoolBuffer",
     "HostPoolShape",
     "PinnedHostPages",
+    "RunningRequest",
+    "RunningRequests",
     "SchedulerView",
     "Segment",
     "TieredPrefix",
@@ -96,6 +105,7 @@ __all__ = [
     "alloc_device_slots",
     "alloc_host_slots",
     "cache_generation",
+    "copy_device_to_host",
     "device_available_size",
     "device_kv_buffers",
     "device_pool",
@@ -132,6 +142,7 @@ __all__ = [
     "protect_host_nodes",
     "registered_hooks",
     "release_host_nodes",
+    "running_prefix",
     "scheduler_idle_check",
     "scheduler_load",
     "stage_reply_sender",

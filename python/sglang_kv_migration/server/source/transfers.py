@@ -51,6 +51,7 @@ from sglang_kv_migration.server.source.known_destinations import (
     KnownDestinations,
     UnknownDestination,
 )
+from sglang_kv_migration.server.source.running_slots import RunningSlots
 from sglang_kv_migration.wire.messages import (
     RankTransferResult,
     StageRefusal,
@@ -217,6 +218,9 @@ class SourceTransfers:
         # moves sent together all ask their targets first. None: never (multi-rank).
         self.requests_waiting = requests_waiting
         self._prepare_deferred = 0  # polls in a row that left their prepares
+        # Feature "running_slots": transfers naming `running_rid` read that request's
+        # slots (None: the feature is off, and such transfers are refused).
+        self.running_slots: RunningSlots | None = None
 
     def epoch_of(self, weight_version: str) -> str:
         """The epoch replies carry: instance, KV memory generation and weights."""
@@ -308,7 +312,7 @@ class SourceTransfers:
         count = len(req.input_ids)
         inflight.tokens = (count, grants.request_tokens_digest(req, count))
         path = self.paths.get(req.target_per_rank[0].path) if req.target_per_rank else None
-        if path is None:
+        if path is None or req.running_rid:  # (running slots: no radix match to prepare)
             return
         try:
             inflight.prepared = path.prepare_send(req.input_ids, req.extra_key)
@@ -538,6 +542,7 @@ class SourceTransfers:
 
     def _validate(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
         self._check_size(req)
+        source_slots = self._running_source_slots(req)  # before the grant is claimed
         by_rank = {(t.tp, t.pp): t for t in req.target_per_rank}
         me = (self.ctx.tp_rank, self.ctx.pp_rank)
         target = by_rank.get(me)
@@ -580,7 +585,23 @@ class SourceTransfers:
             verify=grant.verify,
             partial_ok=req.partial_ok,
             prepared=inflight.prepared,
+            source_slots=source_slots,
         )
+
+    def _running_source_slots(self, req: TransferRequestKVCacheReqInput) -> torch.Tensor | None:
+        """Feature "running_slots": the device slots of the range, read from the running
+        request the body names (checked against its ids); None without `running_rid`."""
+        if not req.running_rid:
+            return None
+        if self.running_slots is None:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                "running_rid needs a source with one PP stage and one DP rank (feature "
+                '"running_slots"): migrate from the radix tree instead',
+            )
+        end = req.matched_token_size + req.extra_token_size
+        running = self.running_slots.check(req.running_rid, req.input_ids, end)
+        return self.running_slots.slots(running, 0, end)
 
     def _parse_own_slots(
         self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer
