@@ -1,0 +1,211 @@
+"""A live move's rounds from the running request's own slots (feature "running_slots").
+
+CPU mini servers whose `/generate` stand-in (`slot_standin.py`) decodes into real token
+slots of real SGLang `Req`s in the scheduler's running batch: nothing generated reaches
+the radix tree until the request stops, as in SGLang 0.5.12. The stand-in's tokens are
+a pure function of the sequence, so a moved request must give exactly the tokens of an
+uninterrupted run; its KV is seeded random bytes, and a finished request inserts its own
+slots into the tree, so the target's pages can be compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+from generate_standin import StandinConfig, next_token
+from mini_server import ServerHandle, ServerPair, ServerSpec, start_servers
+from sglang_kv_migration.client.migration import MigrationClient
+from sglang_kv_migration.rollout.cost_model import CostModel, MigrationCosts, PrefillCosts
+from sglang_kv_migration.rollout.request_migration import GenerateRequest, RequestMigrator
+from sglang_kv_migration.wire.features import RUNNING_SLOTS
+from slot_standin import slot_standin_factory
+from timing import wait_until
+
+PAGE = 16
+ALWAYS_MIGRATE = CostModel(
+    MigrationCosts(bandwidth_bytes_per_s=1e12, overhead_s=0.0), PrefillCosts(seconds_per_token=1.0)
+)
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[ServerPair]:
+    config = StandinConfig(max_running=2, step_s=0.01, capacity_tokens=100_000)
+    handles = start_servers([ServerSpec(extension=slot_standin_factory(config)) for _ in range(2)])
+    try:
+        yield ServerPair(*handles)
+    finally:
+        for handle in handles:
+            handle.stop()
+
+
+def expected_output(prompt: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(next_token(prompt + out))
+    return out
+
+
+class Slowed(httpx.BaseTransport):
+    """Real calls; every call to `slow` waits `delay` first (so rounds span decode steps)."""
+
+    def __init__(self, slow: str = "/transfer_request_kvcache", delay: float = 0.15):
+        self.slow, self.delay = slow, delay
+        self.calls: dict[str, int] = {}
+        self._real = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.calls[request.url.path] = self.calls.get(request.url.path, 0) + 1
+        if request.url.path == self.slow:
+            time.sleep(self.delay)
+        return self._real.handle_request(request)
+
+
+class WithoutFeature(MigrationClient):
+    """A client that sees servers without "running_slots" (older servers)."""
+
+    def session_info(self, url: str, *args, **kwargs):
+        info = dict(super().session_info(url, *args, **kwargs))
+        info["features"] = [f for f in info.get("features", []) if f != RUNNING_SLOTS]
+        return info
+
+
+def _load(server: ServerHandle) -> dict:
+    return httpx.get(server.url + "/v1/loads", timeout=10).json()["loads"][0]
+
+
+def _decoding(m: RequestMigrator, server: ServerHandle, prompt: list[int], n: int, wait: float):
+    handle = m.submit(server.url, GenerateRequest(prompt, {"max_new_tokens": n}))
+    assert wait_until(lambda: _load(server)["num_running_reqs"] >= 1, 10.0, interval_s=0.01)
+    time.sleep(wait)
+    return handle
+
+
+def _post(server: ServerHandle, route: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + route, json=body, timeout=30)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_rounds_copy_generated_pages_while_decoding(servers: ServerPair) -> None:
+    prompt = list(range(1000, 1000 + 2 * PAGE + 7))
+    transport = Slowed()
+    client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
+    with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 200, wait=0.4)  # ~40 tokens generated
+        out = m.migrate_request(handle, servers.target.url, live=True)
+    assert out.output_ids == expected_output(prompt, 200)
+    (move,) = out.moves
+    assert move.outcome == "migrated"
+    rounds = [s for s in move.stages if s.while_decoding]
+    assert rounds and all(s.decision == "migrate" for s in rounds)
+    # The first round already moved generated pages, not only the prompt's.
+    aligned_prompt = len(prompt) // PAGE * PAGE
+    assert rounds[0].migrated_tokens > aligned_prompt
+    assert rounds[0].held_tokens > rounds[0].generated // 2
+    # Each later round moved only what the request generated meanwhile.
+    for before, after in zip(rounds, rounds[1:], strict=False):
+        assert after.migrated_tokens == after.held_tokens - before.held_tokens
+    # What the tail had to move (or recompute) after the stop is small: at most what the
+    # last round left plus the tokens generated during the stop.
+    tail = move.stages[-1]
+    assert not tail.while_decoding
+    first, resumed = out.segments
+    total = len(prompt) + len(first.output_ids) - 1
+    assert total // PAGE * PAGE - rounds[-1].held_tokens <= 3 * PAGE
+    assert resumed.cached_tokens == total // PAGE * PAGE
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the target's pages differ from the source tree's after the move; not "
+    "yet found whether the stand-in, the host copy or the check is at fault",
+)
+def test_pages_copied_from_running_slots_are_byte_exact(servers: ServerPair) -> None:
+    """The target's pages equal the source's: after the stop the source's tree holds the
+    request's own slots (the ones the rounds read while it decoded)."""
+    prompt = list(range(2000, 2000 + 3 * PAGE + 1))
+    client = MigrationClient(http_client=httpx.Client(transport=Slowed(), timeout=30))
+    with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 100, wait=0.4)
+        report = m.move_request(handle, servers.target.url, live=True)
+        out = handle.result(timeout=60)
+    moved = report.stages[0].held_tokens
+    assert moved > len(prompt) // PAGE * PAGE
+    ids = (prompt + out.output_ids)[:moved]
+    source_kv = servers.source.ask(0, "kv", ids)
+    target_kv = servers.target.ask(0, "kv", ids)
+    assert len(source_kv) == len(target_kv) > 0
+    for s, t in zip(source_kv, target_kv, strict=True):
+        assert s.shape[1] == moved  # (K and V, tokens, heads, head_dim) per layer
+        a, b = s.view(torch.uint8), t.view(torch.uint8)
+        bad = [i for i in range(moved) if not torch.equal(a[:, i], b[:, i])]
+        assert not bad, (bad, len(prompt), moved)
+
+
+def test_size_query_reports_running_slots_and_refuses_other_ids(servers: ServerPair) -> None:
+    prompt = list(range(3000, 3000 + 2 * PAGE + 3))
+    with RequestMigrator(cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 300, wait=0.3)
+        ids = (prompt + handle.handle.generated_so_far())[:-1]
+        rid = handle.rid
+        held = _post(servers.source, "/get_request_extra_token_size",
+                     {"input_ids": ids, "running_rid": rid}).json()  # fmt: skip
+        assert held["running_token_size"] >= len(ids) // PAGE * PAGE - PAGE
+        assert held["running_token_size"] > held["matched_token_size"]
+        wrong = [*ids[:PAGE], ids[PAGE] + 1, *ids[PAGE + 1 :]]
+        other = _post(servers.source, "/get_request_extra_token_size",
+                      {"input_ids": wrong, "running_rid": rid}).json()  # fmt: skip
+        assert other["running_token_size"] == -1
+        # A transfer naming the running request with ids it does not hold: refused,
+        # naming the field, before any grant is looked at.
+        body = {
+            "input_ids": wrong[: 2 * PAGE],
+            "matched_token_size": 0,
+            "extra_token_size": 2 * PAGE,
+            "migration_id": "m",
+            "running_rid": rid,
+            "target_per_rank": [{"tp": 0, "pp": 0, "kv_indices": list(range(2 * PAGE)),
+                                 "session_id": "127.0.0.1:1", "grant": "x"}],
+        }  # fmt: skip
+        refused = _post(servers.source, "/transfer_request_kvcache", body)
+        assert refused.status_code == 400, refused.text
+        assert "input_ids differ" in refused.json()["message"]
+        unknown = _post(servers.source, "/transfer_request_kvcache",
+                        {**body, "input_ids": ids[: 2 * PAGE], "running_rid": "nope"})  # fmt: skip
+        assert unknown.status_code == 409, unknown.text
+        assert "running_rid 'nope'" in unknown.json()["message"]
+        out = m.wait(handle, timeout=60)
+    assert out.output_ids == expected_output(prompt, 300)
+
+
+def test_without_the_feature_the_live_move_copies_from_the_tree(servers: ServerPair) -> None:
+    prompt = list(range(4000, 4000 + 2 * PAGE + 7))
+    transport = Slowed()
+    client = WithoutFeature(http_client=httpx.Client(transport=transport, timeout=30))
+    with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 120, wait=0.3)
+        out = m.migrate_request(handle, servers.target.url, live=True)
+    assert out.output_ids == expected_output(prompt, 120)
+    stage1 = out.moves[0].stages[0]
+    # Today's behaviour: only the prompt's pages, which the tree holds, move while decoding.
+    assert stage1.while_decoding and stage1.migrated_tokens == len(prompt) // PAGE * PAGE
+
+
+def test_a_request_that_finished_before_the_round_falls_back(servers: ServerPair) -> None:
+    """The round's size query arrives after the request finished: no running slots to
+    read; the move falls back (today's stages, then the stop finds it finished)."""
+    prompt = list(range(5000, 5000 + 2 * PAGE + 3))
+    transport = Slowed(slow="/get_request_extra_token_size", delay=0.6)
+    client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
+    with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 20, wait=0.0)
+        report = m.move_request(handle, servers.target.url, live=True)
+        out = handle.result(timeout=30)
+    assert report.outcome == "finished_before_move"
+    assert out.output_ids == expected_output(prompt, 20)
+    assert all(s.decision != "failed" for s in report.stages)
