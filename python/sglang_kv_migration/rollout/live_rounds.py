@@ -17,15 +17,17 @@ finished or was aborted meanwhile ends the rounds, and the stop follows.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from sglang_kv_migration.client.migration import AuthFailed, MigrationFailed
 from sglang_kv_migration.wire.features import RUNNING_SLOTS
 
-if TYPE_CHECKING:
-    from sglang_kv_migration.rollout.request_migration import AsyncRequestMigrator, _Move
+# `migrator` below is the `AsyncRequestMigrator` and `move` its `_Move` (typed loosely:
+# `request_migration.py` imports this module).
+AsyncRequestMigrator = Any
+_Move = Any
 
 
 async def both_list_running_slots(migrator: AsyncRequestMigrator, move: _Move) -> bool:
