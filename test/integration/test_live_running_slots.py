@@ -170,7 +170,9 @@ def test_size_query_reports_running_slots_and_refuses_other_ids(servers: ServerP
             "migration_id": "m",
             "running_rid": rid,
             "target_per_rank": [{"tp": 0, "pp": 0, "kv_indices": list(range(2 * PAGE)),
-                                 "session_id": "127.0.0.1:1", "grant": "x"}],
+                                 "session_id": "127.0.0.1:1", "grant": "x",
+                                 "fingerprint": {"x": 1}, "host_kv_data_ptrs": [1],
+                                 "host_kv_data_lens": [1], "host_kv_item_lens": [1]}],
         }  # fmt: skip
         refused = _post(servers.source, "/transfer_request_kvcache", body)
         assert refused.status_code == 400, refused.text
