@@ -27,6 +27,12 @@ processes over TCP on 127.0.0.1):
   submitted as one-entry batches and polled with `transfer_check_status` between short
   sleeps; a larger batch sleeps for most of the time its previous batch took, and only then
   calls the spinning `get_batch_transfer_status`.
+- Over TCP one entry is in flight per lane (`MC_TCP_LANES_PER_PEER`, default 4, per peer)
+  and the rest queue in the engine; -2 from `transfer_check_status` means the engine timed
+  the entry out while still holding it (it may yet be sent, even from the queue on a new
+  stream). So over TCP every entry goes out as a one-entry batch, at most the peer's lanes
+  of them in the engine at once, each keeping its lane until the engine reports it final
+  (`lanes.py`); `get_batch_transfer_status`, which frees a batch it timed out, is not used.
 - The cost per entry is fixed (~20 us over TCP on a 2-core box), so `write_pages` plans at
   page granularity in the worker and gathers scattered pages into reused staging chunks
   (`staging.py`), keeping the entry count independent of how fragmented the pools are.
@@ -47,13 +53,13 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.paths.host import staging, tcp_streams
+from sglang_kv_migration.paths.host import lanes, staging, tcp_streams
 
 # One copy: `length` bytes from local `src_addr` to peer `dst_addr`. Planned by the
 # layout module (pure math), sent here: one type for both.
@@ -364,8 +370,9 @@ class MooncakeTransport(KVTransport):
     writes to one peer progress together and a stalled peer holds up only its own jobs,
     never writes to other peers. Jobs to one peer may finish out of call order. A job's
     entries go out in batches of at most `max_entries_per_batch / workers_per_peer`, one
-    batch in flight per worker, so the TCP per-peer queue never overflows; a failed
-    batch is retried once.
+    batch in flight per worker; over TCP the entries of every worker to one peer share its
+    lanes (`lanes.py`), so the engine never queues one. A failed batch or entry is
+    retried once (a timed-out TCP entry is not: the engine may still send it).
     `write_pages` jobs are planned in the worker (`staging.plan_pages`); gathered and staged
     plans alternate between two registered staging chunks, gathering the next chunk while
     the previous one is on the wire. No wait spins a core for long (module docstring).
@@ -383,6 +390,11 @@ class MooncakeTransport(KVTransport):
             data_ports if config.protocol == "tcp" else frozenset()
         )
         self._workers_per_peer = min(config.workers_per_peer, config.max_entries_per_batch)
+        # Over TCP: no more entries in the engine per peer than it has lanes (`lanes.py`).
+        self._budget = (
+            lanes.LaneBudget(lanes.tcp_lanes_per_peer()) if config.protocol == "tcp" else None
+        )
+        self._reaper = lanes.Reaper(self._budget or lanes.LaneBudget(1), self._status_check)
         self._lock = threading.Lock()  # guards the fields below
         self._local = _RegionIndex(())
         # peer session id -> (its worker threads, their job queue)
@@ -490,6 +502,10 @@ class MooncakeTransport(KVTransport):
                 return
         self._engine = None  # the binding's destructor closes segments and stops the engine
         self._all_staging.clear()  # after the engine: they were registered there
+
+    def _status_check(self) -> Callable[[int], int] | None:
+        engine = self._engine
+        return None if engine is None else engine.transfer_check_status
 
     # -- private: jobs ------------------------------------------------------
 
@@ -717,7 +733,7 @@ class MooncakeTransport(KVTransport):
                 timeout = self._config.transfer_timeout_s
                 raise self._failure(ctx, label, f"the {timeout} s deadline passed", lengths)
             began = time.monotonic()
-            if len(lengths) <= _SINGLES_MAX:
+            if len(lengths) <= _SINGLES_MAX or self._budget is not None:
                 _Singles(self, ctx, label, srcs, dsts, lengths, deadline).submit().wait()
             else:
                 self._write_batch(ctx, label, srcs, dsts, lengths, deadline, previous)
@@ -1050,8 +1066,14 @@ class _Entries:
 
 
 class _Singles:
-    """A few entries sent as one-entry batches and polled with `transfer_check_status`
-    between short sleeps (exact for one-entry batches, and it never blocks)."""
+    """Entries sent as one-entry batches and polled with `transfer_check_status` between
+    short sleeps (exact for one-entry batches, and it never blocks).
+
+    Over TCP (`transport._budget`) an entry enters the engine only with one of the peer's
+    lane permits and returns it once the engine reports it final (`lanes.py`); one the
+    write gives up on (timed out) is left to the reaper with its permit, and is not
+    retried: the engine may still send it.
+    """
 
     def __init__(
         self,
@@ -1064,17 +1086,21 @@ class _Singles:
         deadline: float,
     ):
         self._transport = transport
+        self._budget = transport._budget
         self._ctx = ctx
         self._label = label
         self._srcs, self._dsts, self._lengths = srcs, dsts, lengths
         self._deadline = deadline
+        self._todo: list[int] = []  # entry indices not yet submitted
         self._submitted: list[tuple[int, int]] = []  # (entry index, batch id)
         self._failed: list[int] = []
         self._reason = ""
         self._attempt = 1
+        self._gave_up = False  # entries left in the engine: no retry
 
     def submit(self) -> _Singles:
-        self._submit(list(range(len(self._lengths))))
+        self._todo = list(range(len(self._lengths)))
+        self._fill()
         return self
 
     def wait(self) -> None:
@@ -1085,7 +1111,12 @@ class _Singles:
                 return
             failed_lengths = [self._lengths[i] for i in self._failed]
             transport = self._transport
-            if self._attempt == 2 or time.monotonic() > self._deadline or transport._closed:
+            if (
+                self._attempt == 2
+                or self._gave_up
+                or time.monotonic() > self._deadline
+                or transport._closed
+            ):
                 raise transport._failure(self._ctx, self._label, self._reason, failed_lengths)
             logger.warning(
                 "write to %s, %s (%d bytes in %d entries): %s; retrying once",
@@ -1097,14 +1128,26 @@ class _Singles:
             )
             time.sleep(_RETRY_DELAY_S)
             self._attempt = 2
-            todo, self._failed = sorted(self._failed), []
-            self._submit(todo)
+            self._todo, self._failed = sorted(self._failed), []
+            self._fill()
 
     def drain(self) -> None:
-        """Wait for what is in flight, ignoring the outcome (on a failure path)."""
+        """Wait for what is in flight, ignoring the outcome (on a failure path); send
+        nothing more."""
+        self._fail_todo("the write failed before they were sent")
         self._poll()
 
-    def _submit(self, todo: list[int]) -> None:
+    def _fill(self) -> None:
+        """Submit waiting entries, as many as the peer's lanes have room for."""
+        if not self._todo:
+            return
+        if time.monotonic() > self._deadline or self._transport._closed:
+            self._fail_todo(f"the deadline passed before {len(self._todo)} entries were sent")
+            return
+        count = len(self._todo)
+        if self._budget is not None:
+            count = self._budget.take(self._ctx.peer, count)
+        todo, self._todo = self._todo[:count], self._todo[count:]
         engine = self._transport._engine
         assert engine is not None  # close() keeps it until the worker has stopped
         for n, i in enumerate(todo):
@@ -1112,33 +1155,84 @@ class _Singles:
                 self._ctx.peer, self._srcs[i], self._dsts[i], self._lengths[i]
             )
             if batch_id in _FAILED_BATCH_IDS:
+                if self._budget is not None:
+                    self._budget.give_back(self._ctx.peer, len(todo) - n)
                 self._failed.extend(todo[n:])
                 self._reason = f"transfer_submit_write returned {_signed(batch_id)}"
                 return
             self._submitted.append((i, batch_id))
 
+    def _fail_todo(self, reason: str) -> None:
+        if self._todo:
+            self._failed.extend(self._todo)
+            self._todo = []
+            self._reason = reason
+            self._gave_up = True
+
     def _poll(self) -> None:
-        """Wait, oldest first, until every submitted entry finished; record failures."""
+        """Until every entry finished or was given up: poll those in flight, submit the
+        waiting ones as lanes free up; record failures."""
+        transport = self._transport
+        give_up = max(self._deadline, time.monotonic()) + transport._config.transfer_timeout_s
+        pause = _POLL_MIN_S
+        while self._submitted or self._todo:
+            before = len(self._submitted) + len(self._todo)
+            self._settle_finished()
+            if self._submitted and time.monotonic() >= give_up:
+                self._give_up(self._submitted, "the write's time ran out")
+            self._fill()
+            if len(self._submitted) + len(self._todo) < before:
+                pause = _POLL_MIN_S
+            elif self._submitted:
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
+            elif self._todo and self._budget is not None:  # every lane busy with others'
+                self._budget.wait_for_change(_POLL_MAX_S)
+
+    def _settle_finished(self) -> None:
+        """Record the entries the engine reports final; give up on all once one timed out."""
         engine = self._transport._engine
         assert engine is not None
-        give_up = max(self._deadline, time.monotonic()) + self._transport._config.transfer_timeout_s
-        pause = _POLL_MIN_S
+        pending: list[tuple[int, int]] = []
+        timed_out = False
         for index, batch_id in self._submitted:
-            while True:
-                code = engine.transfer_check_status(batch_id)
-                if code == 0 and time.monotonic() < give_up:
-                    time.sleep(pause)
-                    pause = min(2 * pause, _POLL_MAX_S)
-                    continue
-                break
-            if code in (0, -2):
-                # Timed out (by us or the engine) and not freed: the batch wait frees it,
-                # bounded by the engine's own timeout; 0 there means it did complete.
+            code = engine.transfer_check_status(batch_id)
+            if code == 0 or (code == -2 and self._budget is not None):
+                # Over TCP a timed-out entry is still in the engine: it keeps its lane.
+                timed_out = timed_out or code == -2
+                pending.append((index, batch_id))
+                continue
+            if code == -2:
+                # Timed out and not freed: the batch wait frees it, bounded by the
+                # engine's own timeout; 0 there means it did complete.
                 code = 1 if engine.get_batch_transfer_status([batch_id]) == 0 else -2
+            if self._budget is not None:
+                self._budget.give_back(self._ctx.peer)
             if code != 1:
                 self._failed.append(index)
                 self._reason = f"transfer_check_status returned {code}"
-            pause = _POLL_MIN_S
+        self._submitted = pending
+        if timed_out:
+            self._give_up(pending, "transfer_check_status returned -2")
+
+    def _give_up(self, entries: list[tuple[int, int]], reason: str) -> None:
+        """Stop waiting for `entries` (all those in flight); the write fails. Over TCP the
+        reaper keeps their permits until the engine is done with them, and nothing more
+        of the write is sent; otherwise the batch wait frees them, bounded by the engine's
+        own timeout (0 there: it did complete)."""
+        engine = self._transport._engine
+        assert engine is not None
+        if self._budget is not None:
+            self._transport._reaper.adopt(self._ctx.peer, [b for _i, b in entries])
+            self._failed.extend(i for i, _b in entries)
+            self._reason = reason
+            self._fail_todo(reason)
+            self._gave_up = True
+        else:
+            for index, batch_id in entries:
+                if engine.get_batch_transfer_status([batch_id]) != 0:
+                    self._failed.append(index)
+                    self._reason = reason
         self._submitted = []
 
 
