@@ -4,20 +4,23 @@ own slots (feature "running_slots").
 
 Each admitted request is a real SGLang `Req` in the mini scheduler's
 ``running_batch.reqs``, with a row of the real `ReqToTokenPool`: admission takes the
-device prefix the tree holds, allocates slots for the rest of the prompt (page by page,
-seeded random KV) and inserts the prompt's whole pages into the tree with those slots
-(``cache_unfinished_req``); each step writes the KV of the last token into a fresh slot
-and appends the next token (``kv_committed_len`` counts the written positions plus the
-one in flight, as SGLang's ``prepare_for_decode``); a finished or aborted request
-inserts prompt + output[:-1] with its own slots (``cache_finished_req``: what the tree
-already held is kept, the duplicates and the unaligned tail are freed). So the tree and
-the running rows hold the very same bytes, and pages migrated from either can be
-compared byte for byte.
+prefix the tree holds (host hits loaded back onto the device), allocates slots for the
+rest of the prompt (page by page, seeded random KV) and inserts the prompt's whole pages
+into the tree with those slots (``cache_unfinished_req``); each step writes the KV of
+the last token into a fresh slot and appends the next token (``kv_committed_len``
+counts the written positions plus the one in flight, as SGLang's
+``prepare_for_decode``); a finished or aborted request inserts prompt + output[:-1]
+with its own slots (``cache_finished_req``: what the tree already held is kept, the
+duplicates and the unaligned tail are freed). So the tree and the running rows hold the
+very same bytes, and pages migrated from either can be compared byte for byte. Each
+server seeds its KV differently, so bytes equal on two servers were migrated, not
+written alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -43,6 +46,9 @@ class SlotStandin(GenerateStandin):
         self.scheduler: Any = None
         self.sglang_reqs: dict[str, Any] = {}  # rid -> Req
         self.locked: dict[str, Any] = {}  # rid -> the tree node its prompt is locked by
+        # Each server writes KV of its own: equal bytes on two servers were migrated,
+        # never computed alike.
+        self._seed = config.seed * 7919 + (os.getpid() << 24)
 
     def attach(self, scheduler: Any) -> None:
         """The mini scheduler whose running batch lists the running `Req`s."""
@@ -77,7 +83,10 @@ class SlotStandin(GenerateStandin):
             return False
         match = self.harness.match(req.input_ids)
         req.cached_tokens = len(match.device_indices) + match.host_hit_length
-        cached = match.device_indices.to(torch.int64)
+        # Host hits (a migration commits into the host pool) are loaded back onto the
+        # device, as SGLang's scheduler does, never recomputed: a recomputed page would
+        # hide a migrated one in the device tier.
+        cached = self.harness.load_back(req.input_ids).to(torch.int64)
         self._write_row(sreq, 0, cached)
         self._extend(sreq, len(cached), len(req.input_ids))
         sreq.kv_committed_len = len(req.input_ids)
@@ -138,7 +147,7 @@ class SlotStandin(GenerateStandin):
                 self._write_row(sreq, position, torch.tensor([prior + 1]))
         slots = self._row(sreq, end)[start:end]
         if len(slots):
-            self.harness._fill_random(slots, seed=self.config.seed * 7919 + start)
+            self.harness._fill_random(slots, seed=self._seed + start)
 
     def _insert_own(self, sreq: Any, tokens: list[int], finished: bool) -> None:
         """Insert the whole pages of `tokens` with the request's own slots; what the tree
