@@ -18,7 +18,7 @@ import pytest
 import torch
 from generate_standin import StandinConfig, next_token
 from mini_server import ServerHandle, ServerPair, ServerSpec, start_servers
-from sglang_kv_migration.client.migration import MigrationClient
+from sglang_kv_migration.client.migration import MigrationClient, MigrationFailed
 from sglang_kv_migration.rollout.cost_model import CostModel, MigrationCosts, PrefillCosts
 from sglang_kv_migration.rollout.request_migration import GenerateRequest, RequestMigrator
 from sglang_kv_migration.wire.features import RUNNING_SLOTS
@@ -220,3 +220,35 @@ def test_a_request_that_finished_before_the_round_falls_back(servers: ServerPair
     assert report.outcome == "finished_before_move"
     assert out.output_ids == expected_output(prompt, 20)
     assert all(s.decision != "failed" for s in report.stages)
+
+
+def test_a_request_that_finishes_during_the_copy_fails_the_transfer(servers: ServerPair) -> None:
+    """The request finishes after its slots were checked and read, before the copy is
+    seen done (on a GPU its freed slots could be another request's by then): the
+    transfer fails naming `running_rid`, and the target commits nothing."""
+    prompt = list(range(6000, 6000 + 2 * PAGE + 3))
+    with RequestMigrator(cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 400, wait=0.3)
+        ids = (prompt + handle.handle.generated_so_far())[:-1]
+        body = {"input_ids": ids, "running_rid": handle.rid}
+        held = _post(servers.source, "/get_request_extra_token_size", body).json()
+        running = held["running_token_size"]
+        assert running > len(prompt) // PAGE * PAGE
+        armed = _post(servers.source, "/standin/finish_during_copy", {"rid": handle.rid})
+        assert armed.status_code == 200, armed.text
+        as_held = {**held, "matched_token_size": running, "device_token_size": running}
+        with MigrationClient() as client, pytest.raises(MigrationFailed) as failed:
+            client.migrate(
+                servers.source.url,
+                servers.target.url,
+                ids[:running],
+                held=as_held,
+                running_rid=handle.rid,
+            )
+        assert f"running_rid {handle.rid!r} does not run" in str(failed.value)
+        out = m.wait(handle, timeout=60)
+    # Aborted right after the copy began: fewer tokens, the same ones.
+    assert 0 < len(out.output_ids) < 400
+    assert out.output_ids == expected_output(prompt, len(out.output_ids))
+    assert servers.target.ask(0, "held", ids[:running]) == (0, 0)
+    assert wait_until(lambda: servers.target.ask(0, "pending") == 0, 10.0, interval_s=0.05)

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from typing import Any
 
 import torch
+from fastapi import Request
 from generate_standin import GenerateStandin, StandinConfig, _Req
 
 
@@ -49,6 +51,42 @@ class SlotStandin(GenerateStandin):
         # Each server writes KV of its own: equal bytes on two servers were migrated,
         # never computed alike.
         self._seed = config.seed * 7919 + (os.getpid() << 24)
+        self._armed: set[str] = set()  # rids to finish once a copy starts
+        self._armed_lock = threading.Lock()
+        self._paths_wrapped = False
+
+    def add_routes(self, app: Any) -> None:
+        super().add_routes(app)
+
+        @app.post("/standin/finish_during_copy", response_model=None)
+        async def finish_during_copy(request: Request) -> Any:
+            """Arm: the running request `rid` finishes right after the next copy of
+            KV starts on this server, before that copy is seen done (a race the GPU's
+            asynchronous copies open; the CPU's are synchronous)."""
+            rid = str((await request.json())["rid"])
+            with self._armed_lock:
+                self._armed.add(rid)
+            return {"armed": rid}
+
+    def tick(self) -> None:
+        migration = getattr(self.scheduler, "kv_migration", None)
+        if migration is not None and not self._paths_wrapped:
+            self._paths_wrapped = True
+            for path in migration.paths.values():
+                path.start_send = self._finishing_armed_after(path.start_send)
+        super().tick()
+
+    def _finishing_armed_after(self, start_send: Any) -> Any:
+        def start_then_finish(send: Any) -> Any:
+            job = start_send(send)
+            with self._armed_lock:
+                armed, self._armed = self._armed, set()
+            for req in [r for r in self.running if r.rid in armed]:
+                req.abort = True
+                self._emit(req)  # its last step: aborted, its slots leave its row
+            return job
+
+        return start_then_finish
 
     def attach(self, scheduler: Any) -> None:
         """The mini scheduler whose running batch lists the running `Req`s."""

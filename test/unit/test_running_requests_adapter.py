@@ -41,6 +41,22 @@ def test_finds_the_running_request_and_its_written_slots(harness_factory):
     assert requests.find("r1") is None
 
 
+def test_still_holds_until_the_request_finishes_or_is_retracted(harness_factory):
+    """What the source asks once a copy of a running request's slots is done."""
+    h = harness_factory(attention="mha", page_size=16)
+    requests, req, _slots = _running(h, "r3", list(range(300, 340)), generated=8)
+    read = requests.find("r3")
+    assert read is not None
+    assert requests.still_holds(read, 32)
+    assert not requests.still_holds(read, 40)  # more than it has written
+    req.reset_for_retract()  # SGLang's retraction frees the slots, the Req stays
+    req.kv_committed_len = 40  # ... and a re-prefill gives it slots again
+    assert requests.find("r3") is not None and not requests.still_holds(read, 32)
+    again = requests.find("r3")
+    req.finished_reason = SimpleNamespace(to_json=lambda: {"type": "abort"})
+    assert requests.find("r3") is None and not requests.still_holds(again, 32)
+
+
 def test_copy_device_to_host_is_byte_exact(harness_factory):
     h = harness_factory(attention="mha", page_size=16)
     requests, _req, slots = _running(h, "r2", list(range(200, 240)), generated=4)

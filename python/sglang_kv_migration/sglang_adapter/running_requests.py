@@ -29,6 +29,7 @@ class RunningRequest:
     token_ids: list[int]  # prompt + output so far (a copy)
     kv_length: int  # leading positions whose KV the slots hold (written)
     req: Any  # SGLang's Req: read its slots only while it still runs (`slots_of`)
+    retractions: int = 0  # its `retraction_count`: a retraction frees its slots
 
 
 class RunningRequests:
@@ -50,9 +51,16 @@ class RunningRequests:
         return any(req.rid == rid for req in getattr(self._scheduler, "waiting_queue", []))
 
     def still_holds(self, running: RunningRequest, end: int) -> bool:
-        """Whether `running`'s request still runs and holds its first `end` positions."""
+        """Whether `running`'s request still runs and holds the slots of its first `end`
+        positions it held when read: the same `Req`, never finished nor retracted since
+        (SGLang frees a running request's slots only then). Reads no device memory."""
         found = self.find(running.rid)
-        return found is not None and found.req is running.req and found.kv_length >= end
+        return (
+            found is not None
+            and found.req is running.req
+            and found.retractions == running.retractions
+            and found.kv_length >= end
+        )
 
     def slots_of(self, running: RunningRequest, start: int, end: int) -> torch.Tensor:
         """The device slots of positions [start, end) (int64, a copy). On a GPU the
@@ -84,7 +92,8 @@ def _read(req: Any) -> RunningRequest | None:
         return None
     tokens = list(req.origin_input_ids) + list(req.output_ids)
     written = max(0, min(int(req.kv_committed_len), len(tokens)) - 1)
-    return RunningRequest(rid=req.rid, token_ids=tokens, kv_length=written, req=req)
+    retractions = int(getattr(req, "retraction_count", 0) or 0)
+    return RunningRequest(req.rid, tokens, written, req, retractions)
 
 
 def copy_device_to_host(

@@ -71,6 +71,22 @@ class RunningSlots:
         """The device slots of positions [start, end) of `running`."""
         return self.requests.slots_of(running, start, end)
 
+    def lost(self, running: sglang_adapter.RunningRequest, end: int) -> MigrationError | None:
+        """Asked once the copy of positions [0, end) of `running` is done: None while the
+        request still holds the slots it held when they were read (the same request,
+        running, never finished nor retracted since: only those free a running request's
+        slots, so they were its own throughout the copy). Otherwise what the copy read
+        may be another request's KV: the error fails the transfer, and the target
+        commits nothing."""
+        if self.requests.still_holds(running, end):
+            return None
+        return MigrationError(
+            ErrorKind.CONFLICT,
+            f"running_rid {running.rid!r} does not run on this source any more with the "
+            "slots the copy read (it finished, was aborted or retracted during the copy): "
+            "nothing is committed",
+        )
+
 
 def _first_difference(held: list[int], asked: list[int]) -> int | None:
     """The first position where `asked` is not `held` (or runs past it); None when

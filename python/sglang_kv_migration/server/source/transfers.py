@@ -126,6 +126,9 @@ class InflightTransfer:
     # `grants.grant_digest` of the grant this request claimed (empty: it claimed none,
     # so its receipt cannot say the grant's writes are over: another request may hold it).
     claimed_grant: str = ""
+    # Feature "running_slots": why the running request's slots the copy read may no
+    # longer be its own (None: they still are), asked once the copy is done.
+    slots_lost: Callable[[], MigrationError | None] | None = None
 
     def release(self) -> None:
         """Unpin what the transfer holds; idempotent."""
@@ -151,7 +154,12 @@ class InflightTransfer:
             state = self.job.poll()
             if state is KVPoll.FAILED:
                 self.error = self.job.error or MigrationError(ErrorKind.INTERNAL, "send failed")
-            elif state is KVPoll.SUCCESS:
+            elif state is KVPoll.SUCCESS and self.slots_lost is not None:
+                # A request that finished (or was retracted) during the copy may have
+                # handed its slots to another request: what was read is not its KV.
+                self.error = self.slots_lost()
+                self.slots_lost = None
+            if self.error is None and state is KVPoll.SUCCESS:
                 stats = self.job.stats
                 assert self.send is not None  # a job is started for a validated send
                 self.result = RankTransferStatus(
@@ -542,7 +550,7 @@ class SourceTransfers:
 
     def _validate(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
         self._check_size(req)
-        source_slots = self._running_source_slots(req)  # before the grant is claimed
+        source_slots = self._running_source_slots(req, inflight)  # before the grant is claimed
         by_rank = {(t.tp, t.pp): t for t in req.target_per_rank}
         me = (self.ctx.tp_rank, self.ctx.pp_rank)
         target = by_rank.get(me)
@@ -588,9 +596,12 @@ class SourceTransfers:
             source_slots=source_slots,
         )
 
-    def _running_source_slots(self, req: TransferRequestKVCacheReqInput) -> torch.Tensor | None:
+    def _running_source_slots(
+        self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer
+    ) -> torch.Tensor | None:
         """Feature "running_slots": the device slots of the range, read from the running
-        request the body names (checked against its ids); None without `running_rid`."""
+        request the body names (checked against its ids); None without `running_rid`.
+        The transfer fails, once its copy is done, unless the request still holds them."""
         if not req.running_rid:
             return None
         if self.running_slots is None:
@@ -600,8 +611,11 @@ class SourceTransfers:
                 '"running_slots"): migrate from the radix tree instead',
             )
         end = req.matched_token_size + req.extra_token_size
-        running = self.running_slots.check(req.running_rid, req.input_ids, end)
-        return self.running_slots.slots(running, 0, end)
+        running_slots = self.running_slots
+        running = running_slots.check(req.running_rid, req.input_ids, end)
+        slots = running_slots.slots(running, 0, end)
+        inflight.slots_lost = lambda: running_slots.lost(running, end)
+        return slots
 
     def _parse_own_slots(
         self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer
