@@ -252,3 +252,28 @@ def test_a_request_that_finishes_during_the_copy_fails_the_transfer(servers: Ser
     assert out.output_ids == expected_output(prompt, len(out.output_ids))
     assert servers.target.ask(0, "held", ids[:running]) == (0, 0)
     assert wait_until(lambda: servers.target.ask(0, "pending") == 0, 10.0, interval_s=0.05)
+
+
+def test_bench_live_move_repeats_on_cpu(servers: ServerPair) -> None:
+    """`benchmark/bench_live_move.py`'s row on the mini servers (the GPU run is the
+    lead's): staggered requests, each moved live from its own slots, each complete with
+    the uninterrupted run's tokens, a stall and an abort latency recorded."""
+    import argparse
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+    import bench_live_move as bench
+
+    # Mode "migrate": the default cost model would price these few pages for recompute.
+    args = argparse.Namespace(tail=8, stagger=4, row_timeout=60.0, max_rounds=6, mode="migrate")
+    prompts = [list(range(7000 + 100 * i, 7000 + 100 * i + 2 * PAGE + 5)) for i in range(2)]
+    repeats = asyncio.run(
+        bench.run_repeats(servers.source.url, servers.target.url, prompts, 40, args)
+    )
+    for prompt, row in zip(prompts, repeats, strict=True):
+        assert row["outcome"] == "migrated" and row["complete"], row
+        assert row["output_ids"] == expected_output(prompt, 48)
+        assert row["rounds"] and row["rounds"][0]["held"] > len(prompt) // PAGE * PAGE
+        assert row["stall_s"] > 0 and row["abort_s"] > 0
