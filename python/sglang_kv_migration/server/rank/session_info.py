@@ -20,7 +20,6 @@ from sglang_kv_migration.server.rank.identity import RankIdentity
 from sglang_kv_migration.server.same_host.allocate_channel import FEATURE as SOURCE_ALLOCATE
 from sglang_kv_migration.server.same_host.mailbox import FEATURE as SOURCE_COMMIT
 from sglang_kv_migration.server.source.known_destinations import FEATURE as DESTINATION_DIGEST
-from sglang_kv_migration.server.source.running_slots import FEATURE as RUNNING_SLOTS
 from sglang_kv_migration.server.source.transfers import SourceTransfers
 from sglang_kv_migration.server.target.role import TargetRole
 from sglang_kv_migration.wire.messages import (
@@ -83,7 +82,7 @@ class SessionInfo:
         if self.transfers.destinations is not None and DEVICE in self.paths:
             output.features.append(DESTINATION_DIGEST)
         if self.transfers.running_slots is not None:
-            output.features.append(RUNNING_SLOTS)
+            output.features.append(self.transfers.running_slots.FEATURE)
         return output
 
     def get_request_extra_token_size(

@@ -28,6 +28,8 @@ __all__ = ["FEATURE", "RunningSlots"]
 class RunningSlots:
     """The source's view of the requests its scheduler runs (one per rank)."""
 
+    FEATURE = FEATURE  # what session info lists while a rank offers it
+
     def __init__(self, requests: sglang_adapter.RunningRequests, page_size: int):
         self.requests = requests
         self.page_size = page_size
