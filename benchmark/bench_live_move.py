@@ -1,37 +1,30 @@
-"""Live move of a decoding request: its stall against today's moves (issue 22; GPU only).
+"""Live move of a decoding request from its own slots: the stall (GPU only).
 
 Two real SGLang servers on one GPU (Llama-3-8B shape, dummy weights, page 16, HiCache,
-device path between them). For each context length (`--contexts`, default 4K / 16K /
-32K) one seeded prompt; per arm, on a flushed target, a request decodes that prompt on
-the source (`--gen` tokens in all, greedy) and is moved to the target once it has
-generated `--move-after` tokens:
+**CUDA graphs on**, device path between them; both list the "running_slots" feature).
+Per row, a context length (`--contexts`, default 4K / 16K / 32K) × tokens generated on
+the source before the move (`--gens`, default 1K / 8K): `--repeats` requests (3), each
+with its own seeded prompt, decode greedily on the source; each is submitted once the
+previous one has generated `--stagger` tokens, so they reach `generated` one after the
+other and are moved one at a time with ``move_request(live=True)``: rounds copy the
+pages of the request's own slots while it keeps decoding until at most one page
+remains, then the stop, the tail, and the resume on the target, which generates
+`--tail` more tokens.
 
-- `live`: ``move_request(live=True)`` (mode "auto"): stage 1 copies the prompt while the
-  request keeps decoding, then the stop, and the cost model prices the delta (the pages
-  generated since), normally leaving it to the target (no round trips after the stop);
-- `live_migrate`: the same with mode "migrate": the delta always migrates after the stop;
-- `migrate`: today's `move_request(mode="migrate")`: stop, migrate prompt + generated;
-- `recompute`: abort + re-prefill on the target (what RL frameworks do today).
+Each repeat records the **stall** (`MoveReport.seconds["stall"]`: the source's last
+streamed token to the target's first), the **abort latency** (`seconds["abort"]`),
+the rounds (tokens each moved while decoding) and what moved after the stop. Per row
+the **target's decode step** (a request the target holds cached, streamed: the median
+time between tokens at that length) and the targets (`live_move_report.py`): median
+stall ≤ 40 ms and ≤ median abort + 10 ms + one target decode step. Medians with their
+range over the repeats.
 
-Each arm records the **stall** (`MoveReport.seconds["stall"]`: the last token the source
-streamed to the first token the target streamed), the abort latency, every stage's tokens
-and time, and whether its whole output equals an uninterrupted greedy run of the same
-request on the source (`reference`). Per length also the target's TTFT for the same
-input fully cached (the resumed input after the last arm, which finished there, sent
-three times and streamed like a resumed piece; median), and the issue's check: live
-stall ≤ abort latency + 10 ms + that cached TTFT; and stricter, `added_s` = stall −
-`last_token_to_stop` (the source's last token to the abort's reply) − that TTFT: what
-the move itself adds (the target: ≤ 10 ms).
-Before the reference run and before every arm both caches are flushed and the prompt is
-served once on the source (as an earlier turn would leave it), so all start from the same
-state: the source holds the prompt, the target nothing.
+    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_live_move.py              # ~7 min
+    python3 benchmark/bench_live_move.py --quick                         # tiny model
 
-    KVMIG_GPU_OUT=$OUT python3 benchmark/bench_live_move.py
-    python3 benchmark/bench_live_move.py --quick      # tiny model, 1K/2K: smoke run
-
-Writes `$KVMIG_GPU_OUT/bench_live_move.json` (rewritten after every length) and prints a
-markdown table for docs/benchmarks.md. About 4.5 minutes at default arguments on an H200
-(255 s measured), half of it the two servers' start.
+Writes `$KVMIG_GPU_OUT/bench_live_move.json`, rewritten after every row (a run cut at
+its time limit keeps the rows it finished; the shortest rows run first), and prints a
+markdown table. `--deadline-s`: start no row after that many seconds from the start.
 """
 
 from __future__ import annotations
@@ -40,7 +33,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -50,11 +42,12 @@ import httpx
 from sglang_kv_migration.rollout.request_migration import (
     AsyncRequestMigrator,
     GenerateRequest,
-    PieceProgress,
-    read_generate_stream,
+    MoveReport,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
+import live_move_report as report  # noqa: E402
 from real_servers import (  # noqa: E402
     LLAMA3_8B,
     OUT_DIR,
@@ -65,9 +58,6 @@ from real_servers import (  # noqa: E402
     write_model,
 )
 
-ARMS = ("live", "live_migrate", "migrate", "recompute")
-STALL_SLACK_S = 0.010  # the issue's target: live stall <= abort + 10 ms + cached TTFT
-
 
 def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
@@ -77,210 +67,129 @@ def greedy(n: int) -> dict[str, Any]:
     return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
 
 
-def generate(url: str, input_ids: list[int], n: int) -> dict[str, Any]:
-    """One plain, uninterrupted `/generate` (greedy, `ignore_eos` as every arm)."""
-    body = {"input_ids": input_ids, "sampling_params": greedy(n)}
-    r = httpx.post(url + "/generate", json=body, timeout=600)
-    r.raise_for_status()
-    return r.json()
+# --------------------------------------------------------------------------- one row
 
 
-# --------------------------------------------------------------------------- one arm
+async def _generated(handle: Any, n: int, deadline: float) -> None:
+    while len(handle.generated_so_far()) < n and not handle.done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{n} tokens not generated in time")
+        await asyncio.sleep(0.002)
 
 
-async def run_arm(
-    arm: str, source: str, target: str, prompt: list[int], args: argparse.Namespace
-) -> dict[str, Any]:
-    """One request decoding on `source`, moved to `target` the way `arm` says."""
-    options = {
-        "live": {"live": True, "mode": "auto"},
-        "live_migrate": {"live": True, "mode": "migrate"},
-        "migrate": {"mode": "migrate"},
-        "recompute": {"mode": "recompute"},
-    }[arm]
-    async with AsyncRequestMigrator() as migrator:
-        handle = await migrator.submit(source, GenerateRequest(prompt, greedy(args.gen)))
-        deadline = time.monotonic() + args.arm_timeout
-        while len(handle.generated_so_far()) < args.move_after and not handle.done():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{arm}: {args.move_after} tokens not generated in time")
-            await asyncio.sleep(0.002)
-        t0 = time.perf_counter()
-        report = await migrator.move_request(handle, target, **options)
-        out = await asyncio.wait_for(handle.result(), args.arm_timeout)
-        move_to_done = time.perf_counter() - t0
-    first = out.segments[0]
-    return {
-        "arm": arm,
-        "outcome": report.outcome,
-        "stall_s": report.stall_s,
-        "abort_s": report.seconds.get("abort"),
-        "seconds": dict(report.seconds),
-        "generated_before_move": report.generated_before_move,
-        "stages": [
-            {
-                k: getattr(s, k)
-                for k in (
-                    "index",
-                    "while_decoding",
-                    "generated",
-                    "held_tokens",
-                    "migrated_tokens",
-                    "seconds",
-                    "decision",
-                    "path",
-                )
-            }
-            for s in report.stages
-        ],  # fmt: skip
-        "migration": _migration(report.migration),
-        "estimate": report.estimate.to_dict() if report.estimate else None,
-        "failure": report.failure,
-        "segments": [
-            {
-                "server": s.server_url,
-                "kind": s.kind,
-                "tokens": len(s.output_ids),
-                "cached_tokens": s.cached_tokens,
-            }
-            for s in out.segments
-        ],  # fmt: skip
-        "move_to_done_s": move_to_done,
-        "resumed_input": len(prompt) + len(first.output_ids),
-        "output_ids": out.output_ids,
-    }
-
-
-def _migration(m: Any) -> dict[str, Any] | None:
-    if m is None:
-        return None
-    return {
-        "path": m.path,
-        "migrated_tokens": m.migrated_token_size,
-        "migrated_bytes": m.migrated_bytes,
-        "timings_s": m.timings,
-        "copy_s": m.copy_seconds,
-    }
-
-
-async def streamed_ttft(url: str, input_ids: list[int]) -> float:
-    """Send `input_ids` (greedy, 2 tokens) as the migrator sends a piece, streamed, and
-    return the seconds to its first streamed token: what the stall's end is made of."""
-    progress = PieceProgress()
-    body = {"input_ids": input_ids, "sampling_params": greedy(2), "stream": True}
-    async with httpx.AsyncClient(timeout=600) as http:
-        t0 = time.monotonic()
-        async with http.stream("POST", url + "/generate", json=body) as r:
-            r.raise_for_status()
-            await read_generate_stream(r.aiter_lines(), progress, url)
-    assert progress.first_token_at is not None
-    return progress.first_token_at - t0
-
-
-def cached_ttft(url: str, input_ids: list[int], repeats: int = 3) -> float:
-    """The target's streamed time to first token for `input_ids`, which it already
-    holds (the last arm's request finished there), median of `repeats`."""
-    return statistics.median(asyncio.run(streamed_ttft(url, input_ids)) for _ in range(repeats))
-
-
-def fresh(source: str, target: str, prompt: list[int]) -> None:
-    """Both caches flushed, then the prompt served once on the source (an earlier turn):
-    every arm and the reference start from the same state."""
-    flush_cache(source)
-    flush_cache(target)
-    generate(source, prompt, 1)
-
-
-def run_length(
-    urls: list[str], context: int, args: argparse.Namespace, vocab: int
-) -> dict[str, Any]:
-    source, target = urls
-    prompt = tokens(random.Random(context + args.seed), context, vocab)
-    fresh(source, target, prompt)
-    # The uninterrupted run every arm must equal (from the same cache on the source).
-    reference = generate(source, prompt, args.gen)["output_ids"]
-    arms: dict[str, Any] = {}
-    resumed: list[int] = []
-    for arm in args.arms:
-        # Flushed again: the reference (or an earlier arm) left prompt + output cached on
-        # the source, and a stage 1 would find and move those pages too.
-        fresh(source, target, prompt)
-        row = asyncio.run(run_arm(arm, source, target, prompt, args))
-        row["equals_reference"] = row["output_ids"] == reference
-        arms[arm] = row
-        resumed = prompt + row["output_ids"][: row["generated_before_move"]]
-        print(json.dumps({"context": context, **_brief(row)}), flush=True)
-    ttft = cached_ttft(target, resumed)
-    return {
-        "context": context,
-        "cached_ttft_s": ttft,
-        "reference_distinct_tokens": len(set(reference)),
-        "arms": arms,
-        "checks": checks(arms, ttft),
-    }
-
-
-def _brief(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: row[k] for k in ("arm", "outcome", "stall_s", "abort_s", "equals_reference")}
-
-
-def checks(arms: dict[str, Any], ttft: float) -> dict[str, Any]:
-    """The issue's target per live arm: stall <= its abort latency + 10 ms + cached TTFT;
-    and whether every arm's output equals the uninterrupted run."""
-    out: dict[str, Any] = {"all_equal_reference": all(a["equals_reference"] for a in arms.values())}
-    for name in ("live", "live_migrate"):
-        arm = arms.get(name)
-        if arm is None or arm["stall_s"] is None or arm["abort_s"] is None:
-            continue
-        bound = arm["abort_s"] + STALL_SLACK_S + ttft
-        stopped = arm["seconds"].get("last_token_to_stop")
-        out[name] = {
-            "stall_s": arm["stall_s"],
-            "bound_s": bound,
-            "met": arm["stall_s"] <= bound,
-            # Stricter: what the move adds to the stall beyond the stop itself (last token
-            # to the abort's reply) and the cached TTFT.
-            "added_s": None if stopped is None else arm["stall_s"] - stopped - ttft,
-        }
+async def run_repeats(
+    source: str, target: str, prompts: list[list[int]], generated: int, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """The row's requests, staggered on the source, each moved live at `generated`."""
+    total = generated + args.tail
+    deadline = time.monotonic() + args.row_timeout
+    async with AsyncRequestMigrator(live_max_rounds=args.max_rounds) as migrator:
+        handles = []
+        for prompt in prompts:
+            if handles:
+                await _generated(handles[-1], args.stagger, deadline)
+            handles.append(await migrator.submit(source, GenerateRequest(prompt, greedy(total))))
+        out = []
+        for prompt, handle in zip(prompts, handles, strict=True):
+            await _generated(handle, generated, deadline)
+            moved = await migrator.move_request(handle, target, live=True, mode=args.mode)
+            result = await asyncio.wait_for(handle.result(), max(1.0, deadline - time.monotonic()))
+            out.append(_repeat(moved, result, len(prompt), total))
     return out
 
 
-# --------------------------------------------------------------------------- report
+def _repeat(moved: MoveReport, result: Any, prompt_len: int, total: int) -> dict[str, Any]:
+    rounds = [s for s in moved.stages if s.while_decoding]
+    after = [s for s in moved.stages if not s.while_decoding]
+    return {
+        "outcome": moved.outcome,
+        "stall_s": moved.stall_s,
+        "abort_s": moved.seconds.get("abort"),
+        "seconds": dict(moved.seconds),
+        "generated_before_move": moved.generated_before_move,
+        "rounds": [
+            {
+                "held": s.held_tokens,
+                "moved": s.migrated_tokens,
+                "s": s.seconds,
+                "decision": s.decision,
+                "path": s.path,
+            }
+            for s in rounds
+        ],  # fmt: skip
+        "after_stop": [
+            {"moved": s.migrated_tokens, "s": s.seconds, "decision": s.decision} for s in after
+        ],  # fmt: skip
+        "failure": moved.failure,
+        "output_tokens": len(result.output_ids),
+        "complete": len(result.output_ids) == total,
+        "resumed_cached": result.segments[-1].cached_tokens if result.segments else None,
+        "prompt": prompt_len,
+        "output_ids": list(result.output_ids),  # dropped from the file by `run_row`
+    }
 
 
-def markdown(rows: list[dict[str, Any]], arms: list[str]) -> str:
-    head = ["context", *(f"{a} stall ms" for a in arms), "live abort ms", "cached TTFT ms",
-            "live added ms", "live bound ms", "met", "outputs equal"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
-
-        def ms(value: float | None) -> str:
-            return "—" if value is None else f"{value * 1e3:.1f}"
-
-        live = row["checks"].get("live", {})
-        cells = [str(row["context"]), *(ms(row["arms"][a]["stall_s"]) for a in arms)]
-        abort = row["arms"].get("live", {}).get("abort_s")
-        cells += [ms(abort), ms(row["cached_ttft_s"]), ms(live.get("added_s")),
-                  ms(live.get("bound_s")), str(live.get("met", "—")),
-                  str(row["checks"]["all_equal_reference"])]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+async def _token_times(url: str, input_ids: list[int], n: int) -> list[float]:
+    times: list[float] = []
+    body = {"input_ids": input_ids, "sampling_params": greedy(n), "stream": True}
+    async with httpx.AsyncClient(timeout=600) as http:
+        async with http.stream("POST", url + "/generate", json=body) as r:
+            r.raise_for_status()
+            seen = 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                ids = json.loads(line[5:]).get("output_ids") or []
+                if len(ids) > seen:
+                    times.append(time.monotonic())
+                    seen = len(ids)
+    return times
 
 
-def write(args: argparse.Namespace, name: str, rows: list[dict[str, Any]], errors: dict) -> Path:
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    path = OUT_DIR / "bench_live_move.json"
-    strip = [
-        {**r, "arms": {a: {**v, "output_ids": len(v["output_ids"])} for a, v in r["arms"].items()}}
-        for r in rows
-    ]
-    config = {k: v for k, v in vars(args).items()}
-    path.write_text(json.dumps({"config": {**config, "shape": name}, "rows": strip,
-                                "errors": errors}, indent=1))  # fmt: skip
-    return path
+def target_decode_step(url: str, input_ids: list[int], n: int) -> float | None:
+    """One decode step of `url` at this length: the median gap between streamed tokens
+    of a request whose input it holds cached."""
+    return report.decode_step_s(asyncio.run(_token_times(url, input_ids, n)))
+
+
+def run_row(
+    urls: list[str], context: int, generated: int, args: argparse.Namespace, vocab: int
+) -> dict[str, Any]:
+    source, target = urls
+    flush_cache(source)
+    flush_cache(target)
+    rng = random.Random(context * 31 + generated + args.seed)
+    prompts = [tokens(rng, context, vocab) for _ in range(args.repeats)]
+    t0 = time.monotonic()
+    repeats = asyncio.run(run_repeats(source, target, prompts, generated, args))
+    outputs = [r.pop("output_ids") for r in repeats]
+    # The first request finished on the target: its prompt + output is cached there.
+    step = target_decode_step(target, prompts[0] + outputs[0][:-1], args.step_tokens)
+    stalls = [r["stall_s"] for r in repeats]
+    aborts = [r["abort_s"] for r in repeats]
+    return {
+        "context": context,
+        "generated": generated,
+        "seconds": time.monotonic() - t0,
+        "stall": report.spread(stalls),
+        "abort": report.spread(aborts),
+        "rounds": report.spread([float(len(r["rounds"])) for r in repeats]),
+        "decode_step_s": step,
+        "checks": report.checks(stalls, aborts, step),
+        "all_complete": all(r["complete"] for r in repeats),
+        "repeats": repeats,
+    }
 
 
 # --------------------------------------------------------------------------- main
+
+
+def write(args: argparse.Namespace, name: str, rows: list[dict], errors: dict) -> Path:
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    path = OUT_DIR / "bench_live_move.json"
+    config = {**vars(args), "shape": name}
+    path.write_text(json.dumps({"config": config, "rows": rows, "errors": errors}, indent=1))
+    return path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -288,60 +197,67 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     add = p.add_argument
-    add("--quick", action="store_true", help="tiny model, 1K and 2K contexts (smoke run)")
-    add("--contexts", type=int, nargs="+", default=[4096, 16384, 32768],
-        help="prompt tokens of the decoding request, one row each")  # fmt: skip
-    add("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="moves to compare, in order")
-    add("--gen", type=int, default=128, help="tokens the request generates in all")
-    add("--move-after", type=int, default=48, help="tokens generated on the source before the move")
+    add("--quick", action="store_true", help="tiny model, 1K context, 256 generated (smoke)")
+    add("--contexts", type=int, nargs="+", default=[4096, 16384, 32768], help="prompt tokens")
+    add("--gens", type=int, nargs="+", default=[1024, 8192],
+        help="tokens generated on the source before the move")  # fmt: skip
+    add("--repeats", type=int, default=3, help="requests per row (medians with range)")
+    add("--stagger", type=int, default=160, help="tokens between the repeats' starts")
+    add("--tail", type=int, default=32, help="tokens the target generates after the move")
+    add("--step-tokens", type=int, default=33, help="tokens streamed to time a decode step")
+    add("--mode", choices=["auto", "migrate"], default="auto", help="the live move's mode")
+    add("--max-rounds", type=int, default=6, help="rounds while decoding, at most")
     add("--page-size", type=int, default=16, help="--page-size of both servers")
-    add("--max-total-tokens", type=int, default=65536, help="GPU KV pool per server (tokens)")
     add("--mem-fraction-static", type=float, default=0.4, help="per server (two on one GPU)")
-    add("--arm-timeout", type=float, default=120.0, help="seconds per arm")
+    add("--row-timeout", type=float, default=240.0, help="seconds per row")
+    add("--deadline-s", type=float, default=0.0, help="start no row after this (0: none)")
     add("--seed", type=int, default=0, help="prompt seed")
     args = p.parse_args(argv)
     if args.quick:
-        args.contexts, args.max_total_tokens = [1024, 2048], 16384
-    if not 0 < args.move_after < args.gen:
-        p.error("--move-after must be between 0 and --gen")
+        args.contexts, args.gens = [1024], [256]
+    if args.repeats < 1 or min(args.gens) < 1 or args.tail < 1 or args.stagger < 1:
+        p.error("--repeats, --gens, --tail and --stagger must be positive")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    started = time.monotonic()
     base, name = (TINY_LLAMA, "tiny") if args.quick else (LLAMA3_8B, "llama3-8b")
-    context_len = max(args.contexts) + args.gen + 64
+    context_len = max(args.contexts) + max(args.gens) + args.tail + 64
     shape = {**base, "max_position_embeddings": max(base["max_position_embeddings"], context_len)}
     model_dir = write_model(shape, Path(f"/tmp/kvmig-{name}-live"))
+    pool = report.pool_tokens(args.contexts, args.gens, args.repeats, args.tail, args.page_size)
     flags = [
         "--page-size", str(args.page_size), "--mem-fraction-static", str(args.mem_fraction_static),
-        "--max-total-tokens", str(args.max_total_tokens), "--context-length", str(context_len),
-        "--enable-metrics",
+        "--max-total-tokens", str(pool), "--context-length", str(context_len),
+        "--max-running-requests", str(max(8, args.repeats + 1)), "--enable-metrics",
     ]  # fmt: skip
     rows: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
-    specs = [ServerSpec(30900, flags), ServerSpec(31000, flags)]
+    specs = [ServerSpec(30900, flags, cuda_graph=True), ServerSpec(31000, flags, cuda_graph=True)]
+    path = write(args, name, rows, errors)
     with running_servers(model_dir, specs, sequential=True) as urls:
-        rng = random.Random(1)
-        for url in urls:  # compile kernels before anything is timed
-            generate(url, tokens(rng, 1024, shape["vocab_size"]), 4)
-        # One untimed move of each kind first, each from fresh caches so that it takes
-        # its real path: the first migration opens the peer's KV buffers (CUDA IPC,
-        # ~150 ms) and the first resumes compile the extend kernels they use.
-        warm = tokens(rng, 1024, shape["vocab_size"])
-        for arm in args.arms:
-            fresh(*urls, warm)
-            asyncio.run(run_arm(arm, urls[0], urls[1], warm, args))
-        for context in args.contexts:
-            print(f"== {context} tokens", flush=True)
+        vocab = shape["vocab_size"]
+        # Untimed: the first move opens the peer's KV buffers (CUDA IPC) and compiles
+        # the kernels the rounds and the resume use.
+        warm = argparse.Namespace(**{**vars(args), "repeats": 1})
+        asyncio.run(run_repeats(*urls, [tokens(random.Random(1), 1024, vocab)], 64, warm))
+        for context, generated in report.plan_rows(args.contexts, args.gens):
+            key = f"{context}x{generated}"
+            if args.deadline_s and time.monotonic() - started > args.deadline_s:
+                errors[key] = "not run: past --deadline-s"
+                continue
+            print(f"== {context} context, {generated} generated", flush=True)
             try:
-                rows.append(run_length(urls, context, args, shape["vocab_size"]))
-            except Exception as e:  # report it and go on: the other lengths still count
-                errors[str(context)] = f"{type(e).__name__}: {e}"
-                print(f"{context}: {errors[str(context)]}", flush=True)
+                rows.append(run_row(urls, context, generated, args, vocab))
+                print(json.dumps({k: rows[-1][k] for k in ("context", "generated", "stall",
+                                                           "checks")}), flush=True)  # fmt: skip
+            except Exception as e:  # report it and go on: the other rows still count
+                errors[key] = f"{type(e).__name__}: {e}"
+                print(f"{key}: {errors[key]}", flush=True)
             path = write(args, name, rows, errors)
-    print(markdown(rows, args.arms))
-    print(json.dumps({r["context"]: r["checks"] for r in rows}))
+    print(report.markdown(rows))
     print(f"results: {path}")
 
 

@@ -4,7 +4,7 @@
 # the GPU tests beside them. Each job fits one device command of at most ~560 s (the
 # device tool allows 600 s a command).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..34, one device command each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..35, one device command each, kind nvidia-h200
 #
 # Before the first job, on the same warm machine (../shared/gpu/README.md, section 2):
 #   install, carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -17,7 +17,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|34}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|35}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -93,9 +93,9 @@ case $call in
     "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py"
   ;;
 4)
-  # The live move: its benchmark and its GPU tests.
+  # The live move beside today's moves, arm by arm, and its GPU tests.
   exec bash scripts/gpu_jobs.sh 560 \
-    "0:live:python3 benchmark/bench_live_move.py" \
+    "0:live:python3 benchmark/bench_live_arms.py" \
     "0:livetests:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py -k 'live or running_request_moves_with'"
   ;;
 10)
@@ -284,8 +284,18 @@ case $call in
   exec bash scripts/gpu_jobs.sh 560 \
     "0:rl16k:python3 benchmark/bench_rl_scene.py --context 16384 --repeats 1 --repeat-start $((call - 32)) --mode-timeout 200"
   ;;
+35)
+  # The live move from the running request's own slots (feature running_slots), CUDA
+  # graphs on: 4K / 16K / 32K context x 1K / 8K tokens generated before the move, three
+  # staggered requests a row (medians with range); per row the stall, the abort latency
+  # and the target's decode step. Targets: stall <= 40 ms and <= abort + 10 ms + one
+  # target decode step. Shortest rows first, the file rewritten after each; no row
+  # starts after 450 s, so the last (32K x 8K, ~80 s) ends inside the call.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:live:python3 benchmark/bench_live_move.py --deadline-s 450"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|34" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|35" >&2
   exit 2
   ;;
 esac

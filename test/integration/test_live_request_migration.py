@@ -331,8 +331,8 @@ def test_rebalance_cli_moves_a_decoding_request_live(servers: ServerPair, tmp_pa
 # --------------------------------------------------------------------------- benchmark
 
 
-def test_bench_live_move_arms_on_cpu(servers: ServerPair) -> None:
-    """`benchmark/bench_live_move.py`'s arms and report on the mini servers (the GPU run
+def test_bench_live_arms_on_cpu(servers: ServerPair) -> None:
+    """`benchmark/bench_live_arms.py`'s arms and report on the mini servers (the GPU run
     is the lead's): every arm moves the decoding request and gives the reference output;
     the live arms report their stages and a stall."""
     import argparse
@@ -340,7 +340,7 @@ def test_bench_live_move_arms_on_cpu(servers: ServerPair) -> None:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
-    import bench_live_move as bench
+    import bench_live_arms as bench
 
     assert bench.parse_args([]).contexts == [4096, 16384, 32768]
     args = argparse.Namespace(gen=60, move_after=8, arm_timeout=30.0)

@@ -293,6 +293,8 @@ class _MiniScheduler:
         # What `sglang_adapter.scheduler_load` counts: no requests run here.
         self.running_batch = SimpleNamespace(reqs=[])
         self.waiting_queue: list[Any] = []
+        # SGLang's pool of request rows (what a running request's slots are read from).
+        self.req_to_token_pool = harness.cache.req_to_token_pool
 
     @property
     def reads_requests(self) -> bool:
@@ -446,6 +448,8 @@ def _rank_main(
             sender = context.socket(zmq.PUSH)
             sender.connect(ports.tokenizer)
         scheduler = _MiniScheduler(spec, rank, harness, sender, ports.launch_id)
+        if extension is not None and hasattr(extension, "attach"):
+            extension.attach(scheduler)  # a stand-in whose requests run in its batch
         if scheduler.reads_requests:
             sched_in = context.socket(zmq.PULL)
             if spec.dp_size > 1:
@@ -573,6 +577,17 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             value = (len(value.device_indices), value.host_hit_length)
         elif name == "kv":
             value = [t.clone() for t in harness.read_device_kv(harness.load_back(args[0]))]
+        elif name == "corrupt_kv":
+            # Invert the bytes of layer 0's KV at position args[1] of the prefix args[0]
+            # (a negative control for byte-for-byte checks).
+            import torch
+
+            slot = int(harness.load_back(args[0])[args[1]])
+            pool = harness.device_pool
+            first = pool.k_buffer[0] if harness.cfg.attention == "mha" else pool.kv_buffer[0]
+            raw = first[slot].view(torch.uint8)
+            raw.copy_(torch.bitwise_not(raw))
+            value = slot
         elif name == "host_slots":
             # Every host slot is free or held by one tree node, exactly once (no leak).
             in_tree = [

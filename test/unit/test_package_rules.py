@@ -133,10 +133,14 @@ WIRE_LITERALS_ALLOWED: dict[str, object] = {
         7,
         "its own JSON output (`success`) and the request file's `input_ids` / `extra_key`",
     ),
+    "rollout/live_rounds.py": (
+        2,
+        "the `message` of a failed call's JSON reply and the field its refusal names",
+    ),
     "rollout/rebalancer.py": (1, "the `path` key of a move plan's own dict"),
     "rollout/request_migration.py": (
-        3,
-        "SGLang's /generate body (`input_ids`, `extra_key`) and the `path` keyword of migrate",
+        4,
+        "SGLang's /generate body (`input_ids`, `extra_key`) and the `path` and `running_rid` keywords of migrate",
     ),
     "server/diag/metrics.py": (9, "metric labels `path`, `tp_rank`, `pp_rank`, `bytes`"),
     "server/diag/trace.py": (1, "the `trace` key of a reply dict"),

@@ -17,7 +17,7 @@ from sglang_kv_migration.client.migration import (
 )
 from sglang_kv_migration.fingerprint import KVCacheShape, LayoutFingerprint
 from sglang_kv_migration.server.same_host import allocate_channel, mailbox
-from sglang_kv_migration.server.source import known_destinations
+from sglang_kv_migration.server.source import known_destinations, running_slots
 from sglang_kv_migration.wire import bodies, features, messages
 from sglang_kv_migration.wire.convert import build, from_dict, to_wire
 
@@ -36,9 +36,10 @@ def test_every_feature_constant_is_a_registered_feature_and_servers_list_them_in
         mailbox.FEATURE,
         allocate_channel.FEATURE,
         known_destinations.FEATURE,
+        running_slots.FEATURE,
     ]
     assert set(constants) <= set(features.BY_NAME)
-    assert len(features.BY_NAME) == len(features.REGISTRY) == 10
+    assert len(features.BY_NAME) == len(features.REGISTRY) == 11
     # The session info's `features` list, as servers of this version have always sent it.
     assert messages.SessionInfoReply(success=True).features == [
         "page_ranges",

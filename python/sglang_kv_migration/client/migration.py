@@ -245,6 +245,7 @@ class MigrationClient:
         path: str | None = None,
         verify: bool = False,
         held: ExtraTokenSizeReply | dict[str, Any] | None = None,
+        running_rid: str = "",
     ) -> MigrationResult:
         """Move the KV of the longest prefix of `input_ids` the source holds.
 
@@ -257,6 +258,9 @@ class MigrationClient:
         `held`: the source's `/get_request_extra_token_size` reply for these `input_ids`
         and `extra_key` when the caller already asked (e.g. to price the move), so the
         move asks once; its epoch is checked like the client's own query.
+        `running_rid` (feature "running_slots", listed by both servers): the source reads
+        the pages from that running request's own slots; `held` must then be its size
+        query with `running_rid` (``matched_token_size``: its ``running_token_size``).
         """
         return self._drive(
             _migration_steps(
@@ -268,6 +272,7 @@ class MigrationClient:
                 self._sessions,
                 verify,
                 held,
+                running_rid,
             )
         )
 
@@ -363,6 +368,7 @@ class AsyncMigrationClient:
         path: str | None = None,
         verify: bool = False,
         held: ExtraTokenSizeReply | dict[str, Any] | None = None,
+        running_rid: str = "",
     ) -> MigrationResult:
         """See `MigrationClient.migrate`."""
         return await self._drive(
@@ -375,6 +381,7 @@ class AsyncMigrationClient:
                 self._sessions,
                 verify,
                 held,
+                running_rid,
             )
         )
 
@@ -537,6 +544,8 @@ class _Plan:
     # Feature "dp_ranks": the source's DP rank holding the prefix, from its size query
     # (None: not asked; the source finds it itself).
     source_dp_rank: int | None = None
+    # Feature "running_slots": the running request whose own slots the source reads.
+    running_rid: str = ""
 
 
 B = TypeVar("B", bound=bodies.IdsBody)
@@ -577,12 +586,16 @@ def size_query(
     extra_key: str | None = None,
     *,
     headroom: bool = False,
+    running_rid: str = "",
 ) -> bodies.ExtraTokenSizeBody:
     """The body of `/get_request_extra_token_size` for `ids` to the server of `info`;
-    `headroom`: also ask for its host headroom (planners)."""
+    `headroom`: also ask for its host headroom (planners); `running_rid` (feature
+    "running_slots"): also ask how much of `ids` that running request holds."""
     body = build(bodies.ExtraTokenSizeBody, extra_key=extra_key)
     if headroom:
         body.headroom = True
+    if running_rid:
+        body.running_rid = running_rid
     return with_ids(body, info, ids)
 
 
@@ -595,6 +608,7 @@ def _migration_steps(
     sessions: SessionCache | None = None,
     verify: bool = False,
     held: ExtraTokenSizeReply | dict[str, Any] | None = None,
+    running_rid: str = "",
 ) -> Generator[_Call, _Reply, MigrationResult]:
     """The migration protocol as a generator of HTTP calls (see the module docstring).
     `held`, the caller's size query, serves the first attempt only: a retry after a
@@ -606,7 +620,15 @@ def _migration_steps(
         try:
             return (
                 yield from _attempt(
-                    source_url, target_url, input_ids, extra_key, path, sessions, verify, known
+                    source_url,
+                    target_url,
+                    input_ids,
+                    extra_key,
+                    path,
+                    sessions,
+                    verify,
+                    known,
+                    running_rid=running_rid,
                 )
             )
         except _StaleSession as stale:
@@ -651,6 +673,7 @@ def _attempt(
     sessions: SessionCache,
     verify: bool = False,
     held: ExtraTokenSizeReply | None = None,
+    running_rid: str = "",
 ) -> Generator[_Call, _Reply, MigrationResult]:
     timings: dict[str, float] = {}
     clock = time.perf_counter
@@ -693,6 +716,7 @@ def _attempt(
         partial=partial,
         sessions=sessions,
         source_dp_rank=None if partial else held.dp_rank,
+        running_rid=running_rid,
     )
     if not prefix:
         return _result(plan, "", AllocateReply(success=True), None, None, "", "")
@@ -973,6 +997,8 @@ def _one_trip_call(plan: _Plan, path: str, digest: str = "") -> _Call:
     with_ids(body, plan.source_info, plan.prefix, plan.encoded)
     if plan.partial:
         body.partial_ok = True
+    if plan.running_rid:
+        body.running_rid = plan.running_rid
     return _Call("transfer", plan.source_url, TRANSFER_ROUTE, body)
 
 
@@ -1027,6 +1053,8 @@ def _transfer_call(plan: _Plan, allocation: AllocateReply, path: str, digest: st
         body.partial_ok = True
     if plan.source_dp_rank is not None:
         body.dp_rank = plan.source_dp_rank
+    if plan.running_rid:
+        body.running_rid = plan.running_rid
     return _Call("transfer", plan.source_url, TRANSFER_ROUTE, body)
 
 

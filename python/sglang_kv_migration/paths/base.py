@@ -113,6 +113,9 @@ class SendRange:
     # What `DataPath.prepare_send` did for this send while the target allocated, if
     # anything: `start_send` takes it over or leaves it to its caller to release.
     prepared: PreparedSend | None = None
+    # Feature "running_slots": the device slots of tokens [0, end), one per token, read
+    # from a running request's own row instead of from the radix tree.
+    source_slots: torch.Tensor | None = None
 
     def cut_to(self, held: int, where: str) -> SendRange:
         """This send, ending where the source's `held` page-aligned prefix ends when that

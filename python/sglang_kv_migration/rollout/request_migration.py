@@ -103,6 +103,7 @@ from sglang_kv_migration.client.migration import (
     predict_path,
     size_query,
 )
+from sglang_kv_migration.rollout import live_rounds
 from sglang_kv_migration.rollout.cost_model import (
     CostEstimate,
     CostModel,
@@ -580,6 +581,7 @@ class AsyncRequestMigrator:
         live_max_stages: int = 3,
         live_stage_tokens: int = 1024,
         gateway: GatewayRouting | None = None,
+        live_max_rounds: int = 6,
     ):
         self.keys = ApiKeys(api_key, admin_api_key)
         self.gateway = gateway
@@ -601,6 +603,8 @@ class AsyncRequestMigrator:
             raise ValueError(f"live_max_stages must be at least 1, got {live_max_stages}")
         self.live_max_stages = live_max_stages
         self.live_stage_tokens = live_stage_tokens
+        # Feature "running_slots": at most this many rounds from the request's own slots.
+        self.live_max_rounds = max(1, live_max_rounds)
         self._live: list[RequestHandle] = []
 
     # -- requests ------------------------------------------------------------------------
@@ -700,8 +704,14 @@ class AsyncRequestMigrator:
         """The stages before the stop: copy what the source holds of the request (its
         prompt, once prefilled) while it keeps decoding; another stage only while the
         source holds `live_stage_tokens` more than the target, at most `live_max_stages`.
-        A failure is recorded in `move.failure` (the request is still running)."""
+        A failure is recorded in `move.failure` (the request is still running). Servers
+        that both list "running_slots" copy from the request's own slots instead, in
+        rounds (`live_rounds.py`), and fall back to this when it does not run there."""
         handle = move.handle
+        if await live_rounds.both_list_running_slots(self, move):
+            page = await self._page_size(move.target_url)
+            if await live_rounds.copy_in_rounds(self, move, mode, path, page) or move.failure:
+                return
         t0 = time.perf_counter()
         for index in range(1, self.live_max_stages + 1):
             stage_t0 = time.perf_counter()
@@ -783,13 +793,16 @@ class AsyncRequestMigrator:
     async def _delta_tokens(self, move: _Move, length: int) -> int:
         """Page-aligned tokens of a `length`-token prefix the target lacks after the
         stages (page size from the target's session info, which is cached)."""
-        page = 1
-        try:
-            info = await self._session_info(move.target_url)
-            page = max(1, info.ranks[0].page_size)
-        except (MigrationFailed, httpx.HTTPError, IndexError, TypeError, ValueError):
-            pass
+        page = await self._page_size(move.target_url)
         return length // page * page - move.target_has
+
+    async def _page_size(self, url: str) -> int:
+        """The server's page size, from its (cached) session info; 1 when unknown."""
+        try:
+            info = await self._session_info(url)
+            return max(1, info.ranks[0].page_size)
+        except (MigrationFailed, httpx.HTTPError, IndexError, TypeError, ValueError):
+            return 1
 
     def _delta_decision(self, move: _Move, delta: int) -> str:
         """The cost model's verdict on the delta, priced from what stage 1 moved (bytes
@@ -849,15 +862,20 @@ class AsyncRequestMigrator:
         return r.json()
 
     async def held_kv(
-        self, url: str, input_ids: list[int], extra_key: str | None = None
+        self,
+        url: str,
+        input_ids: list[int],
+        extra_key: str | None = None,
+        running_rid: str = "",
     ) -> ExtraTokenSizeReply:
         """What `url` holds of `input_ids` (its `/get_request_extra_token_size` reply:
-        ``matched_token_size``, device and host tier, and ``device_token_size``)."""
+        ``matched_token_size``, device and host tier, and ``device_token_size``; with
+        `running_rid`, feature "running_slots", also ``running_token_size``)."""
         try:
             info = await self._session_info(url)  # cached: no trip after the first
         except MigrationFailed:  # the query below reports what is wrong with the server
             info = None
-        body = size_query(info, input_ids, extra_key)
+        body = size_query(info, input_ids, extra_key, running_rid=running_rid)
         return await self._size_query(url, body)
 
     async def host_headroom(self, url: str) -> int | None:
@@ -1058,10 +1076,13 @@ class AsyncRequestMigrator:
         extra_key: str | None,
         path: str | None,
         held: ExtraTokenSizeReply,
+        running_rid: str = "",
     ) -> MigrationResult:
         # `path` only when asked for, so clients without the keyword keep working.
         kwargs: dict[str, Any] = {"path": path} if path is not None else {}
         kwargs["held"] = held
+        if running_rid:  # feature "running_slots"
+            kwargs["running_rid"] = running_rid
         client = self._migration
         if isinstance(client, AsyncMigrationClient):
             return await client.migrate(source, target, ids, extra_key, **kwargs)

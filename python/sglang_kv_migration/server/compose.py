@@ -26,6 +26,7 @@ from sglang_kv_migration.server.rank.scheduler_side import MigrationSchedulerSid
 from sglang_kv_migration.server.rank.session_info import SessionInfo
 from sglang_kv_migration.server.rank.settings import RankSettings, settings_from_server_args
 from sglang_kv_migration.server.source.build import build_source
+from sglang_kv_migration.server.source.running_slots import RunningSlots
 from sglang_kv_migration.server.target.build import build_target
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ def compose_for_scheduler(scheduler: Any) -> MigrationSchedulerSide:
         scheduler_idle=sglang_adapter.scheduler_idle_check(scheduler),
         input_waiting=sglang_adapter.input_waiting_check(scheduler),
     )
+    if view.pp_size == 1 and view.dp_size == 1:
+        settings.running_requests = sglang_adapter.RunningRequests(scheduler)
     return compose_rank(ctx, settings)
 
 
@@ -90,7 +93,14 @@ def compose_rank(ctx: RankContext, settings: RankSettings) -> MigrationScheduler
         settings.enable_memory_saver,
     )
     probe = IdleProbe(settings.scheduler_idle, settings.input_waiting)
-    transfers = build_source(ctx, identity, paths, diagnostics, probe.requests_waiting)
+    running_slots = (
+        RunningSlots(settings.running_requests, identity.page_size)
+        if settings.running_requests is not None
+        else None
+    )
+    transfers = build_source(
+        ctx, identity, paths, diagnostics, probe.requests_waiting, running_slots
+    )
 
     def epoch_for(req: Any) -> str:
         """Changes on a restart, a weight update and a KV memory resume."""

@@ -1,7 +1,8 @@
 """The one package that reads or calls SGLang internals: the radix tree
 (`radix_tree.py`), the KV pools and allocator (`pools.py`, with NSA's host pool groups
 in `pool_groups.py`), and the scheduler's,
-tokenizer manager's and HTTP server's attributes (`process.py`); `hook_targets.py` names
+tokenizer manager's and HTTP server's attributes (`process.py`), the running requests'
+slots (`running_requests.py`); `hook_targets.py` names
 every upstream symbol the plugin hooks or relies on.
 
 Everything else in the package goes through these functions, imported from here
@@ -84,6 +85,12 @@ from sglang_kv_migration.sglang_adapter.radix_tree import (
     unpin_host_pages,
     write_back_path,
 )
+from sglang_kv_migration.sglang_adapter.running_requests import (
+    RunningRequest,
+    RunningRequests,
+    copy_device_to_host,
+    running_prefix,
+)
 
 __all__ = [
     "DEVICE_TIER",
@@ -94,6 +101,8 @@ __all__ = [
     "HostPoolShape",
     "IndexerPoolBuffer",
     "PinnedHostPages",
+    "RunningRequest",
+    "RunningRequests",
     "SchedulerView",
     "Segment",
     "TieredPrefix",
@@ -103,6 +112,7 @@ __all__ = [
     "alloc_device_slots",
     "alloc_host_slots",
     "cache_generation",
+    "copy_device_to_host",
     "device_available_size",
     "device_kv_buffers",
     "device_pool",
@@ -141,6 +151,7 @@ __all__ = [
     "protect_host_nodes",
     "registered_hooks",
     "release_host_nodes",
+    "running_prefix",
     "scheduler_idle_check",
     "scheduler_load",
     "stage_reply_sender",

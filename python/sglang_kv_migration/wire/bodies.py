@@ -117,6 +117,9 @@ Address = Annotated[int, Field(ge=0)]
 # Feature "dp_ranks": a data-parallel rank of the server (checked against its --dp-size
 # by `server/http/dp_ranks.py`); None lets the server choose.
 DpRank = Annotated[int | None, Field(default=None, ge=0, le=MAX_DP_RANK)]
+# Feature "running_slots": a request id as SGLang's /generate takes one (the source
+# compares it with its running requests' rids, nothing more).
+RunningRid = Annotated[str, Field(default="", max_length=MAX_ID_CHARS)]
 
 
 class Body(BaseModel):
@@ -151,6 +154,7 @@ class ExtraTokenSizeBody(IdsBody):
     extra_key: ExtraKey | None = None
     headroom: bool = False  # also report the host pool's headroom (planners)
     dp_rank: DpRank = None  # feature "dp_ranks": ask this DP rank only
+    running_rid: RunningRid = ""  # feature "running_slots": the running request to measure
 
 
 class AllocateFields(Body):
@@ -259,6 +263,8 @@ class TransferBody(IdsBody):
     # allocates on the target itself (single-rank servers on one host).
     allocate_on_target: AllocateOnTargetBody | None = None
     dp_rank: DpRank = None  # feature "dp_ranks": the DP rank holding the prefix
+    # Feature "running_slots": read the range from this running request's own slots.
+    running_rid: RunningRid = ""
 
     @model_validator(mode="after")
     def _consistent_sizes(self) -> TransferBody:

@@ -20,6 +20,7 @@ SOURCE_COMMIT = "source_commit"
 SOURCE_ALLOCATE = "source_allocate"
 DESTINATION_DIGEST = "destination_digest"
 DP_RANKS = "dp_ranks"
+RUNNING_SLOTS = "running_slots"
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,14 @@ REGISTRY: tuple[Feature, ...] = (
         "`dp_size`); size query, allocate and transfer take an optional `dp_rank` and their "
         "replies name the DP rank they used (`server/http/dp_ranks.py`)",
         EVERY_SERVER,
+    ),
+    Feature(
+        RUNNING_SLOTS,
+        "size query and transfer take `running_rid`: the source reads the range from that "
+        "running request's own token slots (its prompt + output so far, checked against "
+        "`input_ids`), not from its radix tree; the size query's reply adds "
+        "`running_token_size` (`server/source/running_slots.py`)",
+        "servers with one PP stage and one DP rank",
     ),
 )
 

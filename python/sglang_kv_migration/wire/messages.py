@@ -125,6 +125,9 @@ class ExtraTokenSizeRequest:
     # Feature "dp_ranks": the DP rank to ask (None: every one; the reply names the one
     # holding the longest prefix).
     dp_rank: int | None = None
+    # Feature "running_slots": also say how much of `input_ids` the running request of
+    # this rid holds in its own slots (`running_token_size`).
+    running_rid: str = ""
 
 
 @dataclass
@@ -141,6 +144,9 @@ class ExtraTokenSizeReply(Reply):
     # with one DP rank), and how many requests run or wait there (its load).
     dp_rank: int | None = None
     dp_load: int = 0
+    # Feature "running_slots", with `running_rid`: the page-aligned prefix of `input_ids`
+    # that request holds in its own slots (-1: it does not run here).
+    running_token_size: int = -1
 
 
 # --------------------------------------------------------------------------- allocate
@@ -371,6 +377,9 @@ class TransferRequest:
     # Feature "dp_ranks": the DP rank holding the prefix (None: the HTTP layer finds the
     # one with the longest match).
     dp_rank: int | None = None
+    # Feature "running_slots": read the range from the slots of the running request of
+    # this rid (whose tokens must begin with `input_ids`), not from the radix tree.
+    running_rid: str = ""
 
 
 @dataclass

@@ -313,7 +313,7 @@ class DevicePath(DataPath):
             raise MigrationError(ErrorKind.BAD_REQUEST, f"bad device_kv description: {e}") from None
         started = time.perf_counter()
         prepared = send.prepared if isinstance(send.prepared, PreparedPrefix) else None
-        if prepared is not None and not prepared.serves(send):
+        if prepared is not None and (send.source_slots is not None or not prepared.serves(send)):
             prepared = None  # matched less than this send asks: match again
         tiered = prepare_tiered_send(
             self.cache, send, self.page_size, prepared.prefix if prepared else None
@@ -863,7 +863,9 @@ def prepare_tiered_send(
     locks): raises CONFLICT when the source no longer holds the range (a partial send
     is cut to what it holds: None when that is nothing past `start`), BAD_REQUEST for
     slots that are not whole pages. `prefix`: matched (and pinned) already."""
-    if prefix is None:
+    if send.source_slots is not None:  # feature "running_slots": the request's own row
+        prefix = sglang_adapter.running_prefix(cache, send.source_slots)
+    elif prefix is None:
         prefix = sglang_adapter.match_tiered_prefix(
             cache, send.input_ids[: send.end], send.extra_key
         )

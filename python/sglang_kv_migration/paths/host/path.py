@@ -149,6 +149,9 @@ class HostPath(DataPath):
         staging = None
         if target.staging:  # the grant check already bound it to this migration
             staging = MemoryRegion(addr=target.staging[0], length=target.staging[1])
+        if send.source_slots is not None:  # feature "running_slots"
+            pinned = self._copy_running_slots(send)
+            return HostSendJob(self, pinned, peer, target.session_id, send, staging, scratch=True)
         pinned = sglang_adapter.pin_host_pages(
             self.cache, send.input_ids, send.extra_key, send.start, send.end, send.partial_ok
         )
@@ -160,6 +163,27 @@ class HostPath(DataPath):
             # writes its slots directly, which the target accepts (the receipt's plan).
             staging = None
         return HostSendJob(self, pinned, peer, target.session_id, send, staging)
+
+    def _copy_running_slots(self, send: SendRange) -> sglang_adapter.PinnedHostPages:
+        """A running request's pages, copied into host slots of their own (freed with the
+        job): the request keeps writing its row, and the tree holds none of them."""
+        page_size = self.layout.page_size
+        if send.start % page_size or send.end % page_size or send.end <= send.start:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                f"token range [{send.start}, {send.end}) is not a non-empty range of whole "
+                f"pages (page_size={page_size})",
+            )
+        host_slots = sglang_adapter.alloc_host_slots(self.cache, send.end - send.start)
+        try:
+            slots = send.source_slots[send.start : send.end]
+            sglang_adapter.copy_device_to_host(self.cache, slots, host_slots)
+        except BaseException:
+            sglang_adapter.free_host_slots(self.cache, host_slots)
+            raise
+        return sglang_adapter.PinnedHostPages(
+            host_indices=host_slots, nodes=[], start=send.start, end=send.end, copying_ids=set()
+        )
 
     def _peer_layout(
         self, data_ptrs: list[int], data_lens: list[int], item_lens: list[int]
@@ -194,8 +218,11 @@ class HostSendJob(SendJob):
         peer_session_id: str,
         send: SendRange,
         staging: MemoryRegion | None = None,
+        scratch: bool = False,
     ):
+        """`scratch`: the pinned host slots are the job's own (freed on `release`)."""
         self._path = path
+        self._scratch = scratch
         self._staging = staging
         self._pinned: sglang_adapter.PinnedHostPages | None = pinned
         self._peer = peer
@@ -260,6 +287,8 @@ class HostSendJob(SendJob):
     def release(self) -> None:
         if self._pinned is not None:
             sglang_adapter.unpin_host_pages(self._pinned)
+            if self._scratch:
+                sglang_adapter.free_host_slots(self._path.cache, self._pinned.host_indices)
             self._pinned = None
 
     def _submit(self) -> None:

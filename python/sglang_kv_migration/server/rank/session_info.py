@@ -81,6 +81,8 @@ class SessionInfo:
             output.allocate_channel = channel.channel.advertise()
         if self.transfers.destinations is not None and DEVICE in self.paths:
             output.features.append(DESTINATION_DIGEST)
+        if self.transfers.running_slots is not None:
+            output.features.append(self.transfers.running_slots.FEATURE)
         return output
 
     def get_request_extra_token_size(
@@ -100,7 +102,16 @@ class SessionInfo:
                     sglang_adapter.host_headroom_tokens(cache) if req.headroom else -1
                 ),
                 server_epoch=self.epoch_for(req),
+                running_token_size=self._running_held(req),
             )
 
         # The tree is identical on every TP rank: no exchange needed.
         return guarded(run, GetRequestExtraTokenSizeReqOutput)
+
+    def _running_held(self, req: GetRequestExtraTokenSizeReqInput) -> int:
+        """Feature "running_slots": what the running request `running_rid` holds of the
+        ids in its own slots (-1: not asked, or it does not run here)."""
+        running = self.transfers.running_slots
+        if not req.running_rid or running is None:
+            return -1
+        return running.held(req.running_rid, req.input_ids)

@@ -37,6 +37,9 @@ class RankSettings:
     input_waiting: Callable[[], bool] | None = None
     # Offer the GIL to our helper threads once per busy iteration (`loop.py`).
     yield_gil: bool = True
+    # Feature "running_slots": the scheduler's running requests (None: not offered, on
+    # servers with several PP stages or DP ranks, or a rank driven without a scheduler).
+    running_requests: Any = None
 
     @property
     def host_path(self) -> bool:

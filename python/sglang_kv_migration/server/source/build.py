@@ -14,6 +14,7 @@ from sglang_kv_migration.server.rank.identity import RankIdentity
 from sglang_kv_migration.server.same_host.allocate_channel import ChannelCaller
 from sglang_kv_migration.server.same_host.mailbox import Deliverer
 from sglang_kv_migration.server.source.known_destinations import KnownDestinations
+from sglang_kv_migration.server.source.running_slots import RunningSlots
 from sglang_kv_migration.server.source.transfers import SourceTransfers
 
 
@@ -23,6 +24,7 @@ def build_source(
     paths: dict[str, DataPath],
     diagnostics: RankDiagnostics,
     requests_waiting: Callable[[], bool],
+    running_slots: RunningSlots | None = None,
 ) -> SourceTransfers:
     """One start-up collective over every rank (their fingerprints, for stage 0's checks
     of later stages' entries)."""
@@ -45,4 +47,5 @@ def build_source(
         # Moves sent together ask their targets before any is prepared: only a source
         # that asks through the channel has prepares to leave for later.
         requests_waiting=requests_waiting if single_rank else None,
+        running_slots=running_slots,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -139,6 +140,9 @@ class InflightTransfer:
     # `grants.grant_digest` of the grant this request claimed (empty: it claimed none,
     # so its receipt cannot say the grant's writes are over: another request may hold it).
     claimed_grant: str = ""
+    # Feature "running_slots": why the running request's slots the copy read may no
+    # longer be its own (None: they still are), asked once the copy is done.
+    slots_lost: Callable[[], MigrationError | None] | None = None
 
     # ------------------------------------------------------------------ transitions
 
@@ -216,6 +220,14 @@ class InflightTransfer:
             state = self.job.poll()
             if state is KVPoll.FAILED:
                 self.fail(self.job.error or MigrationError(ErrorKind.INTERNAL, "send failed"))
+            elif state is KVPoll.SUCCESS and self.slots_lost is not None:
+                # A request that finished (or was retracted) during the copy may have
+                # handed its slots to another request: what was read is not its KV.
+                lost, self.slots_lost = self.slots_lost(), None
+                if lost is not None:
+                    self.fail(lost)
+                else:
+                    self.finish(self._success())
             elif state is KVPoll.SUCCESS:
                 self.finish(self._success())
         if self.state is TransferState.FAILED:

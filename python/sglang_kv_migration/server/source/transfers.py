@@ -57,6 +57,7 @@ from sglang_kv_migration.server.source.replies import (
     steps_text,
     uneven_lengths,
 )
+from sglang_kv_migration.server.source.running_slots import RunningSlots
 from sglang_kv_migration.server.source.validation import (
     TransferChecks,
     granted_target,
@@ -93,6 +94,7 @@ class SourceTransfers:
         destinations: KnownDestinations | None = None,
         log_later: DeferredLog | None = None,
         requests_waiting: Callable[[], bool] | None = None,
+        running_slots: RunningSlots | None = None,
     ):
         self.ctx = ctx
         self.fingerprint = fingerprint
@@ -106,6 +108,7 @@ class SourceTransfers:
             max_tokens,
             destinations,
             delivers=deliverer is not None,
+            running_slots=running_slots,
         )
         self.metrics = metrics
         # Per-move lines, written once idle (the scheduler side passes the one it flushes).
@@ -126,6 +129,9 @@ class SourceTransfers:
         # moves sent together all ask their targets first. None: never (multi-rank).
         self.requests_waiting = requests_waiting
         self._prepare_deferred = 0  # polls in a row that left their prepares
+        # Feature "running_slots": transfers naming `running_rid` read that request's
+        # slots (None: the feature is off, and such transfers are refused).
+        self.running_slots = running_slots
 
     @property
     def paths(self) -> Mapping[str, DataPath]:
@@ -227,7 +233,7 @@ class SourceTransfers:
         count = len(req.input_ids)
         inflight.tokens = TokensDigest(count, grants.request_tokens_digest(req, count))
         path = self.paths.get(req.target_per_rank[0].path) if req.target_per_rank else None
-        if path is None:
+        if path is None or req.running_rid:  # (running slots: no radix match to prepare)
             return
         try:
             inflight.prepared = path.prepare_send(req.input_ids, req.extra_key)

@@ -29,6 +29,7 @@ from sglang_kv_migration.server.source.inflight import (
     TokensDigest,
 )
 from sglang_kv_migration.server.source.known_destinations import KnownDestinations
+from sglang_kv_migration.server.source.running_slots import RunningSlots
 from sglang_kv_migration.wire.messages import AllocateReply, TransferRequestKVCacheTarget
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class TransferChecks:
         max_tokens: int,
         destinations: KnownDestinations | None,
         delivers: bool,
+        running_slots: RunningSlots | None = None,
     ):
         self.ctx = ctx
         self.fingerprint = fingerprint
@@ -69,6 +71,7 @@ class TransferChecks:
         self.max_tokens = max_tokens  # the most slots one transfer can name (host pool)
         self.destinations = destinations
         self.delivers = delivers  # feature "source_commit": a mailbox deliverer exists
+        self.running_slots = running_slots  # feature "running_slots" (None: off)
         self.used_grants = grants.UsedGrants()
 
     def check_size(self, req: TransferRequestKVCacheReqInput) -> None:
@@ -98,6 +101,7 @@ class TransferChecks:
         """Check this rank's entry (and, on stage 0, every later stage's), claim the
         grant and describe this rank's part of the send in `inflight`."""
         self.check_size(req)
+        source_slots = self._running_source_slots(req, inflight)  # before the grant is claimed
         by_rank = {(t.tp, t.pp): t for t in req.target_per_rank}
         me = (self.ctx.tp_rank, self.ctx.pp_rank)
         target = by_rank.get(me)
@@ -142,7 +146,29 @@ class TransferChecks:
             verify=grant.verify,
             partial_ok=req.partial_ok,
             prepared=inflight.prepared,
+            source_slots=source_slots,
         )
+
+    def _running_source_slots(
+        self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer
+    ) -> torch.Tensor | None:
+        """Feature "running_slots": the device slots of the range, read from the running
+        request the body names (checked against its ids); None without `running_rid`.
+        The transfer fails, once its copy is done, unless the request still holds them."""
+        if not req.running_rid:
+            return None
+        if self.running_slots is None:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                "running_rid needs a source with one PP stage and one DP rank (feature "
+                '"running_slots"): migrate from the radix tree instead',
+            )
+        end = req.matched_token_size + req.extra_token_size
+        running_slots = self.running_slots
+        running = running_slots.check(req.running_rid, req.input_ids, end)
+        slots = running_slots.slots(running, 0, end)
+        inflight.slots_lost = lambda: running_slots.lost(running, end)
+        return slots
 
     def check_target(
         self,

@@ -1,0 +1,281 @@
+"""A live move's rounds from the running request's own slots (feature "running_slots").
+
+CPU mini servers whose `/generate` stand-in (`slot_standin.py`) decodes into real token
+slots of real SGLang `Req`s in the scheduler's running batch: nothing generated reaches
+the radix tree until the request stops, as in SGLang 0.5.12. The stand-in's tokens are
+a pure function of the sequence, so a moved request must give exactly the tokens of an
+uninterrupted run; its KV is seeded random bytes, and a finished request inserts its own
+slots into the tree, so the target's pages can be compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+from generate_standin import StandinConfig, next_token
+from mini_server import ServerHandle, ServerPair, ServerSpec, start_servers
+from sglang_kv_migration.client.migration import MigrationClient, MigrationFailed
+from sglang_kv_migration.rollout.cost_model import CostModel, MigrationCosts, PrefillCosts
+from sglang_kv_migration.rollout.request_migration import GenerateRequest, RequestMigrator
+from sglang_kv_migration.wire.features import RUNNING_SLOTS
+from slot_standin import slot_standin_factory
+from timing import wait_until
+
+PAGE = 16
+ALWAYS_MIGRATE = CostModel(
+    MigrationCosts(bandwidth_bytes_per_s=1e12, overhead_s=0.0), PrefillCosts(seconds_per_token=1.0)
+)
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[ServerPair]:
+    config = StandinConfig(max_running=2, step_s=0.01, capacity_tokens=100_000)
+    handles = start_servers([ServerSpec(extension=slot_standin_factory(config)) for _ in range(2)])
+    try:
+        yield ServerPair(*handles)
+    finally:
+        for handle in handles:
+            handle.stop()
+
+
+def expected_output(prompt: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(next_token(prompt + out))
+    return out
+
+
+class Slowed(httpx.BaseTransport):
+    """Real calls; every call to `slow` waits `delay` first (so rounds span decode steps)."""
+
+    def __init__(self, slow: str = "/transfer_request_kvcache", delay: float = 0.15):
+        self.slow, self.delay = slow, delay
+        self.calls: dict[str, int] = {}
+        self._real = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.calls[request.url.path] = self.calls.get(request.url.path, 0) + 1
+        if request.url.path == self.slow:
+            time.sleep(self.delay)
+        return self._real.handle_request(request)
+
+
+class WithoutFeature(MigrationClient):
+    """A client that sees servers without "running_slots" (older servers)."""
+
+    def session_info(self, url: str, *args, **kwargs):
+        info = super().session_info(url, *args, **kwargs)
+        return dataclasses.replace(info, features=[f for f in info.features if f != RUNNING_SLOTS])
+
+
+def _load(server: ServerHandle) -> dict:
+    return httpx.get(server.url + "/v1/loads", timeout=10).json()["loads"][0]
+
+
+def _decoding(m: RequestMigrator, server: ServerHandle, prompt: list[int], n: int, wait: float):
+    handle = m.submit(server.url, GenerateRequest(prompt, {"max_new_tokens": n}))
+    assert wait_until(lambda: _load(server)["num_running_reqs"] >= 1, 10.0, interval_s=0.01)
+    time.sleep(wait)
+    return handle
+
+
+def _post(server: ServerHandle, route: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + route, json=body, timeout=30)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_rounds_copy_generated_pages_while_decoding(servers: ServerPair) -> None:
+    prompt = list(range(1000, 1000 + 2 * PAGE + 7))
+    transport = Slowed()
+    client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
+    with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 200, wait=0.4)  # ~40 tokens generated
+        m.move_request(handle, servers.target.url, live=True)
+        out = handle.result()
+    assert out.output_ids == expected_output(prompt, 200)
+    (move,) = out.moves
+    assert move.outcome == "migrated"
+    rounds = [s for s in move.stages if s.while_decoding]
+    assert rounds and all(s.decision == "migrate" for s in rounds)
+    # The first round already moved generated pages, not only the prompt's.
+    aligned_prompt = len(prompt) // PAGE * PAGE
+    assert rounds[0].migrated_tokens > aligned_prompt
+    assert rounds[0].held_tokens > rounds[0].generated // 2
+    # Each later round moved only what the request generated meanwhile.
+    for before, after in zip(rounds, rounds[1:], strict=False):
+        assert after.migrated_tokens == after.held_tokens - before.held_tokens
+    # What the tail had to move (or recompute) after the stop is small: at most what the
+    # last round left plus the tokens generated during the stop.
+    tail = move.stages[-1]
+    assert not tail.while_decoding
+    first, resumed = out.segments
+    total = len(prompt) + len(first.output_ids) - 1
+    assert total // PAGE * PAGE - rounds[-1].held_tokens <= 3 * PAGE
+    assert resumed.cached_tokens == total // PAGE * PAGE
+
+
+def test_pages_copied_from_running_slots_are_byte_exact(servers: ServerPair) -> None:
+    """The target's pages are the bytes the rounds read from the running request's own
+    slots. After the stop the source's tree holds those very slots (a finished request
+    inserts its row, as SGLang's `cache_finished_req`), and each server writes KV of its
+    own (`slot_standin.py`), so equal bytes were migrated, not recomputed."""
+    prompt = list(range(2000, 2000 + 3 * PAGE + 1))
+    client = MigrationClient(http_client=httpx.Client(transport=Slowed(), timeout=30))
+    with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 100, wait=0.4)
+        report = m.move_request(handle, servers.target.url, live=True)
+        out = handle.result(timeout=60)
+    rounds = [s for s in report.stages if s.while_decoding]
+    moved = rounds[-1].held_tokens
+    assert moved > len(prompt) // PAGE * PAGE  # generated pages moved while decoding
+    ids = (prompt + out.output_ids)[:moved]
+    source_kv = servers.source.ask(0, "kv", ids)
+    assert _differing_positions(source_kv, servers.target.ask(0, "kv", ids), moved) == []
+    # Negative control: one corrupted slot on the target is found, and only that one.
+    position = moved - PAGE // 2
+    servers.target.ask(0, "corrupt_kv", ids, position)
+    assert _differing_positions(source_kv, servers.target.ask(0, "kv", ids), moved) == [position]
+
+
+def _differing_positions(source_kv: list, target_kv: list, n: int) -> list[int]:
+    """The token positions whose KV bytes differ in any layer (K and V, or the latent)."""
+    assert len(source_kv) == len(target_kv) > 0
+    differ: set[int] = set()
+    for s, t in zip(source_kv, target_kv, strict=True):
+        tokens = 1 if s.dim() == 4 else 0  # MHA: (K and V, tokens, heads, head_dim)
+        assert s.shape == t.shape and s.shape[tokens] == n
+        a = s.contiguous().view(torch.uint8).movedim(tokens, 0).reshape(n, -1)
+        b = t.contiguous().view(torch.uint8).movedim(tokens, 0).reshape(n, -1)
+        differ.update((a != b).any(dim=1).nonzero().flatten().tolist())
+    return sorted(differ)
+
+
+def test_size_query_reports_running_slots_and_refuses_other_ids(servers: ServerPair) -> None:
+    prompt = list(range(3000, 3000 + 2 * PAGE + 3))
+    with RequestMigrator(cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 300, wait=0.3)
+        ids = (prompt + handle.handle.generated_so_far())[:-1]
+        rid = handle.rid
+        held = _post(servers.source, "/get_request_extra_token_size",
+                     {"input_ids": ids, "running_rid": rid}).json()  # fmt: skip
+        assert held["running_token_size"] >= len(ids) // PAGE * PAGE - PAGE
+        assert held["running_token_size"] > held["matched_token_size"]
+        wrong = [*ids[:PAGE], ids[PAGE] + 1, *ids[PAGE + 1 :]]
+        other = _post(servers.source, "/get_request_extra_token_size",
+                      {"input_ids": wrong, "running_rid": rid}).json()  # fmt: skip
+        assert other["running_token_size"] == -1
+        # A transfer naming the running request with ids it does not hold: refused,
+        # naming the field, before any grant is looked at.
+        body = {
+            "input_ids": wrong[: 2 * PAGE],
+            "matched_token_size": 0,
+            "extra_token_size": 2 * PAGE,
+            "migration_id": "m",
+            "running_rid": rid,
+            "target_per_rank": [{"tp": 0, "pp": 0, "kv_indices": list(range(2 * PAGE)),
+                                 "session_id": "127.0.0.1:1", "grant": "x",
+                                 "fingerprint": {"x": 1}, "host_kv_data_ptrs": [1],
+                                 "host_kv_data_lens": [1], "host_kv_item_lens": [1]}],
+        }  # fmt: skip
+        refused = _post(servers.source, "/transfer_request_kvcache", body)
+        assert refused.status_code == 400, refused.text
+        assert "input_ids differ" in refused.json()["message"]
+        unknown = _post(servers.source, "/transfer_request_kvcache",
+                        {**body, "input_ids": ids[: 2 * PAGE], "running_rid": "nope"})  # fmt: skip
+        assert unknown.status_code == 409, unknown.text
+        assert "running_rid 'nope'" in unknown.json()["message"]
+        out = m.wait(handle, timeout=60)
+    assert out.output_ids == expected_output(prompt, 300)
+
+
+def test_without_the_feature_the_live_move_copies_from_the_tree(servers: ServerPair) -> None:
+    prompt = list(range(4000, 4000 + 2 * PAGE + 7))
+    transport = Slowed()
+    client = WithoutFeature(http_client=httpx.Client(transport=transport, timeout=30))
+    with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 120, wait=0.3)
+        m.move_request(handle, servers.target.url, live=True)
+        out = handle.result()
+    assert out.output_ids == expected_output(prompt, 120)
+    stage1 = out.moves[0].stages[0]
+    # Today's behaviour: only the prompt's pages, which the tree holds, move while decoding.
+    assert stage1.while_decoding and stage1.migrated_tokens == len(prompt) // PAGE * PAGE
+
+
+def test_a_request_that_finished_before_the_round_falls_back(servers: ServerPair) -> None:
+    """The round's size query arrives after the request finished: no running slots to
+    read; the move falls back (today's stages, then the stop finds it finished)."""
+    prompt = list(range(5000, 5000 + 2 * PAGE + 3))
+    transport = Slowed(slow="/get_request_extra_token_size", delay=0.6)
+    client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
+    with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 20, wait=0.0)
+        report = m.move_request(handle, servers.target.url, live=True)
+        out = handle.result(timeout=30)
+    assert report.outcome == "finished_before_move"
+    assert out.output_ids == expected_output(prompt, 20)
+    assert all(s.decision != "failed" for s in report.stages)
+
+
+def test_a_request_that_finishes_during_the_copy_fails_the_transfer(servers: ServerPair) -> None:
+    """The request finishes after its slots were checked and read, before the copy is
+    seen done (on a GPU its freed slots could be another request's by then): the
+    transfer fails naming `running_rid`, and the target commits nothing."""
+    prompt = list(range(6000, 6000 + 2 * PAGE + 3))
+    with RequestMigrator(cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 400, wait=0.3)
+        ids = (prompt + handle.handle.generated_so_far())[:-1]
+        body = {"input_ids": ids, "running_rid": handle.rid}
+        held = _post(servers.source, "/get_request_extra_token_size", body).json()
+        running = held["running_token_size"]
+        assert running > len(prompt) // PAGE * PAGE
+        armed = _post(servers.source, "/standin/finish_during_copy", {"rid": handle.rid})
+        assert armed.status_code == 200, armed.text
+        as_held = {**held, "matched_token_size": running, "device_token_size": running}
+        with MigrationClient() as client, pytest.raises(MigrationFailed) as failed:
+            client.migrate(
+                servers.source.url,
+                servers.target.url,
+                ids[:running],
+                held=as_held,
+                running_rid=handle.rid,
+            )
+        assert f"running_rid {handle.rid!r} does not run" in str(failed.value)
+        out = m.wait(handle, timeout=60)
+    # Aborted right after the copy began: fewer tokens, the same ones.
+    assert 0 < len(out.output_ids) < 400
+    assert out.output_ids == expected_output(prompt, len(out.output_ids))
+    assert servers.target.ask(0, "held", ids[:running]) == (0, 0)
+    assert wait_until(lambda: servers.target.ask(0, "pending") == 0, 10.0, interval_s=0.05)
+
+
+def test_bench_live_move_repeats_on_cpu(servers: ServerPair) -> None:
+    """`benchmark/bench_live_move.py`'s row on the mini servers (the GPU run is the
+    lead's): staggered requests, each moved live from its own slots, each complete with
+    the uninterrupted run's tokens, a stall and an abort latency recorded."""
+    import argparse
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+    import bench_live_move as bench
+
+    # Mode "migrate": the default cost model would price these few pages for recompute.
+    args = argparse.Namespace(tail=8, stagger=4, row_timeout=60.0, max_rounds=6, mode="migrate")
+    prompts = [list(range(7000 + 100 * i, 7000 + 100 * i + 2 * PAGE + 5)) for i in range(2)]
+    repeats = asyncio.run(
+        bench.run_repeats(servers.source.url, servers.target.url, prompts, 40, args)
+    )
+    for prompt, row in zip(prompts, repeats, strict=True):
+        assert row["outcome"] == "migrated" and row["complete"], row
+        assert row["output_ids"] == expected_output(prompt, 48)
+        assert row["rounds"] and row["rounds"][0]["held"] > len(prompt) // PAGE * PAGE
+        assert row["stall_s"] > 0 and row["abort_s"] > 0
