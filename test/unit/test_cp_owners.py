@@ -150,3 +150,20 @@ def test_replace_keeps_the_checks():
     )
     with pytest.raises(ValueError, match="cp_owner"):
         dataclasses.replace(sharded, cp_owner="round_robin:x")
+
+
+def test_a_sharded_rank_refuses_to_move_pages_until_the_wire_carries_owners():
+    """Both sides sharded with the same function agree on the fingerprint, but pairing by
+    tp rank moves whole prefixes: the rank refuses, naming the mode, rather than move
+    pages it does not hold."""
+    from sglang_kv_migration.errors import ErrorKind, MigrationError
+    from sglang_kv_migration.server.rank.context import check_peer_fingerprint
+
+    mine = LayoutFingerprint.from_shape(
+        SHAPE, attn_cp_size=2, cp_owners=PageOwners(cp_size=2), **PLACE
+    )
+    with pytest.raises(MigrationError, match="attn_cp_mode=sharded") as refused:
+        check_peer_fingerprint(mine, [mine.to_dict()], role="source")
+    assert refused.value.kind is ErrorKind.CONFLICT
+    replicated = LayoutFingerprint.from_shape(SHAPE, attn_cp_size=2, **PLACE)
+    check_peer_fingerprint(replicated, [replicated.to_dict()], role="source")
