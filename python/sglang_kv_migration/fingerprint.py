@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_kv_migration.cp_owners import PageOwners
 from sglang_kv_migration.wire.version import PROTOCOL_VERSION
 
 
@@ -43,12 +44,16 @@ class KVCacheShape:
 # SGLang 0.5.12 all-gathers K/V in prefill and writes the whole result into every CP
 # rank's pool (layers/utils/cp_utils.py): each CP rank holds every page.
 CP_REPLICATED = "replicated"
+# A fork's layout where each page lives on one CP rank only, its owner, chosen by the
+# named owner function the fingerprint's `cp_owner` carries (`cp_owners.PageOwners`).
+CP_SHARDED = "sharded"
 
 # Fields a peer that predates them lacks (and refuses as unknown keys): left out of
 # `to_dict` at these values, and read as them when missing.
 _LEFT_OUT_AT: dict[str, int | str] = {
     "attn_cp_size": 1,
     "attn_cp_mode": "",
+    "cp_owner": "",
     "host_pools": "kv",
     "index_head_dim": 0,
     "index_dtype": "",
@@ -71,6 +76,9 @@ class LayoutFingerprint:
     # ranks too, so both sides must split their ranks the same way.
     attn_cp_size: int = 1
     attn_cp_mode: str = ""
+    # With `CP_SHARDED`, the owner function's name (`cp_owners.PageOwners.describe`);
+    # "" otherwise. Servers whose functions differ are refused naming this field.
+    cp_owner: str = ""
     # SGLang's weight version, as the server's HTTP layer knows it when the request
     # arrives (RL weight updates change it): KV never crosses a weight update.
     weight_version: str = ""
@@ -84,6 +92,18 @@ class LayoutFingerprint:
             ok = _is_int(value) if kind == "int" else isinstance(value, str)
             if not ok:
                 raise ValueError(f"fingerprint field {name} must be {kind}, got {value!r}")
+        self._check_cp_owner()
+
+    def _check_cp_owner(self) -> None:
+        """A sharded mode names a known owner function over its CP ranks; no other mode
+        names one (a peer's fingerprint is hostile input)."""
+        if self.attn_cp_mode == CP_SHARDED:
+            PageOwners.parse(self.cp_owner, self.attn_cp_size)
+        elif self.cp_owner:
+            raise ValueError(
+                f"fingerprint field cp_owner is only for attn_cp_mode={CP_SHARDED}, "
+                f"got cp_owner={self.cp_owner!r} with attn_cp_mode={self.attn_cp_mode!r}"
+            )
 
     @classmethod
     def from_shape(
@@ -96,8 +116,16 @@ class LayoutFingerprint:
         pp_size: int,
         pp_rank: int,
         attn_cp_size: int = 1,
+        cp_owners: PageOwners | None = None,
     ) -> LayoutFingerprint:
-        """This rank's fingerprint (`sglang_adapter.kv_cache_shape` reads ``shape``)."""
+        """This rank's fingerprint (`sglang_adapter.kv_cache_shape` reads ``shape``);
+        `cp_owners` for a server whose CP ranks own disjoint pages (None: replicated)."""
+        if cp_owners is not None and cp_owners.cp_size != attn_cp_size:
+            raise ValueError(
+                f"owner function over {cp_owners.cp_size} CP ranks on a server with "
+                f"attn_cp_size={attn_cp_size}"
+            )
+        mode = "" if attn_cp_size <= 1 else CP_REPLICATED if cp_owners is None else CP_SHARDED
         return cls(
             protocol_version=PROTOCOL_VERSION,
             model=model,
@@ -106,7 +134,8 @@ class LayoutFingerprint:
             pp_size=pp_size,
             pp_rank=pp_rank,
             attn_cp_size=attn_cp_size,
-            attn_cp_mode=CP_REPLICATED if attn_cp_size > 1 else "",
+            attn_cp_mode=mode,
+            cp_owner="" if cp_owners is None else cp_owners.describe(),
             shape=shape,
         )
 

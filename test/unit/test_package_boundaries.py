@@ -3,8 +3,8 @@
 - no import cycle between modules, function-level imports included;
 - `paths/` imports nothing from `server/`, `client/` or `rollout/`;
 - `client/`, `rollout/` and `integrations/` import nothing from `server/` or `paths/`;
-- the shared modules (errors, wire, grants, page_ranges, fingerprint, targets) and
-  `sglang_adapter/` import none of the four parts;
+- the shared modules (errors, wire, grants, page_ranges, cp_owners, fingerprint, targets)
+  and `sglang_adapter/` import none of the four parts;
 - `mooncake` is imported only under `paths/host/`;
 - SGLang is reached only through `sglang_adapter/`: no run-time SGLang import elsewhere
   except the extension points a plugin is meant to use, and no private (`._name`)
@@ -88,6 +88,7 @@ def test_no_import_cycle() -> None:
         ("wire", ("server", "paths", "client", "rollout")),
         ("grants", ("server", "paths", "client", "rollout")),
         ("page_ranges", ("server", "paths", "client", "rollout")),
+        ("cp_owners", ("server", "paths", "client", "rollout")),
         ("fingerprint", ("server", "paths", "client", "rollout")),
         ("targets", ("server", "paths", "client", "rollout")),
         ("sglang_adapter", ("server", "paths", "client", "rollout")),

@@ -1047,3 +1047,32 @@ def test_host_headroom_is_what_a_host_allocate_can_claim(harness_factory, attent
     assert adapter.host_headroom_tokens(h.cache) == 0
     h.host_pool.free(slots)
     h.host_pool.free(hog)
+
+
+def test_cp_page_owners_is_none_on_stock_sglang_and_reads_a_forks_hook(harness_factory):
+    """Stock SGLang's allocator names no owner function (its CP ranks replicate pages); a
+    fork's allocator that names one and allocates by owner pattern is read by name."""
+    from sglang_kv_migration.cp_owners import PageOwners
+
+    h = harness_factory(page_size=16)
+    assert adapter.cp_page_owners(h.cache, 2) is None
+    stock = type(h.allocator)
+
+    class ShardingAllocator(stock):  # what a fork's allocator adds
+        kv_migration_cp_owner = "round_robin:1"
+
+        def alloc_pages_with_owners(self, owners):
+            raise NotImplementedError  # the hook reads only that it exists
+
+    h.allocator.__class__ = ShardingAllocator
+    try:
+        assert adapter.cp_page_owners(h.cache, 2) == PageOwners(cp_size=2)
+        ShardingAllocator.kv_migration_cp_owner = "my_own_function"
+        with pytest.raises(ValueError, match="not a known owner function"):
+            adapter.cp_page_owners(h.cache, 2)
+        ShardingAllocator.kv_migration_cp_owner = "round_robin:1"
+        del ShardingAllocator.alloc_pages_with_owners
+        with pytest.raises(ValueError, match="alloc_pages_with_owners"):
+            adapter.cp_page_owners(h.cache, 2)
+    finally:
+        h.allocator.__class__ = stock

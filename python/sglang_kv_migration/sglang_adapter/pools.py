@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sglang_kv_migration.cp_owners import PageOwners
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.fingerprint import KVCacheShape
 from sglang_kv_migration.sglang_adapter import pool_groups
@@ -104,6 +105,31 @@ def host_pool_buffer(pool: Any) -> HostPoolBuffer:
         num_slots=pool.size,
         slot_bytes=slot_bytes,
     )
+
+
+# The hook a fork whose CP ranks own disjoint pages implements (docs/reliability.md, "What
+# an owner-sharded fork provides"): its device allocator names its owner function, one of
+# `cp_owners.KNOWN_OWNER_FUNCTIONS` (e.g. "round_robin:1"), under this attribute, and
+# allocates pages with a given owner pattern through the method below. Stock SGLang has
+# neither: its CP ranks replicate every page.
+CP_OWNER_ATTRIBUTE = "kv_migration_cp_owner"
+OWNER_AWARE_ALLOCATION = "alloc_pages_with_owners"
+
+
+def cp_page_owners(cache: HiRadixCache, attn_cp_size: int) -> PageOwners | None:
+    """This rank's owner function if its CP ranks own disjoint pages, else None (stock
+    SGLang: replicated). ValueError naming the problem for a fork that names an unknown
+    function or lacks an owner-aware allocator."""
+    allocator = cache.token_to_kv_pool_allocator
+    name = getattr(allocator, CP_OWNER_ATTRIBUTE, None)
+    if name is None:
+        return None
+    if not callable(getattr(allocator, OWNER_AWARE_ALLOCATION, None)):
+        raise ValueError(
+            f"{type(allocator).__name__} names owner function {name!r} in "
+            f"{CP_OWNER_ATTRIBUTE} but has no {OWNER_AWARE_ALLOCATION}()"
+        )
+    return PageOwners.parse(name, attn_cp_size)
 
 
 def kv_cache_shape(pool: Any) -> KVCacheShape:

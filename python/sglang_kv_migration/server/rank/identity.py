@@ -85,6 +85,8 @@ def open_identity(
         pp_size=ctx.pp_size,
         pp_rank=ctx.pp_rank,
         attn_cp_size=attn_cp_size,
+        # None on stock SGLang (every CP rank holds every page); a sharding fork's hook.
+        cp_owners=sglang_adapter.cp_page_owners(ctx.tree_cache, attn_cp_size),
     )
     signer = grants.Signer(grant_key)
     if not signer.signed and ctx.tp_rank == 0:
