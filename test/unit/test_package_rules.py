@@ -140,7 +140,8 @@ WIRE_LITERALS_ALLOWED: dict[str, object] = {
     "rollout/rebalancer.py": (1, "the `path` key of a move plan's own dict"),
     "rollout/request_migration.py": (
         4,
-        "SGLang's /generate body (`input_ids`, `extra_key`) and the `path` and `running_rid` keywords of migrate",
+        "SGLang's /generate body (`input_ids`, `extra_key`) and the `path` and "
+        "`running_rid` keywords of migrate",
     ),
     "server/diag/metrics.py": (9, "metric labels `path`, `tp_rank`, `pp_rank`, `bytes`"),
     "server/diag/trace.py": (1, "the `trace` key of a reply dict"),
