@@ -14,7 +14,8 @@ from typing import Any
 
 from sglang_kv_migration import grants, sglang_adapter
 from sglang_kv_migration.fingerprint import LayoutFingerprint
-from sglang_kv_migration.paths.host.layout import HostPoolLayout
+from sglang_kv_migration.paths import HostPoolLayout
+from sglang_kv_migration.paths.factory import host_pool_layout
 from sglang_kv_migration.server.rank.context import RankContext
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def open_identity(
     return RankIdentity(
         host_pool=host_pool,
         pool_buffer=pool_buffer,
-        layout=HostPoolLayout.from_pool_buffer(pool_buffer) if host_path else None,
+        layout=host_pool_layout(pool_buffer) if host_path else None,
         fingerprint=fingerprint,
         server_epoch=ctx.first_rank_value_on_world(ctx.launch_id or uuid.uuid4().hex),
         signer=signer,
