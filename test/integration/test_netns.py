@@ -79,10 +79,6 @@ def servers(hosts) -> Iterator[tuple[ServerHandle, ServerHandle]]:
     # Mooncake's own per-batch timeout, so a write into a cut link fails in seconds; no
     # longer than the servers' 2 s transfer timeout (start-up refuses a longer one).
     os.environ["MC_TRANSFER_TIMEOUT"] = "2"
-    # A lane (stream) per entry in flight: Mooncake queues entries beyond its lanes and
-    # sends them later on new streams, which the target's fence does not cover
-    # (docs/reliability.md, late writes).
-    os.environ["MC_TCP_LANES_PER_PEER"] = "16"
     try:
         big = cpu_harness.HarnessConfig(device_tokens=8192)
         preload = [(FIRST, 1), (SECOND, 2), (THIRD, 3), (AFTER_CUT, 4)]
@@ -97,7 +93,6 @@ def servers(hosts) -> Iterator[tuple[ServerHandle, ServerHandle]]:
         )
     finally:
         os.environ.pop("MC_TRANSFER_TIMEOUT", None)
-        os.environ.pop("MC_TCP_LANES_PER_PEER", None)
     try:
         yield source, target
     finally:

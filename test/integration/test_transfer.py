@@ -681,3 +681,65 @@ def test_a_stopped_peer_holds_up_only_its_own_writes(peer):
             stalled.kill()
             stalled.join(10)
         conn.close()
+
+
+class _EngineSpy:
+    """The real engine, counting the entries it holds (submitted, not yet reported final)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._open: set[int] = set()
+        self.most = 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def transfer_submit_write(self, *args):
+        batch_id = self._engine.transfer_submit_write(*args)
+        with self._lock:
+            self._open.add(batch_id)
+            self.most = max(self.most, len(self._open))
+        return batch_id
+
+    def batch_transfer_async_write(self, peer, srcs, dsts, lengths):
+        with self._lock:  # counted as held from before submission until its wait returns
+            self.most = max(self.most, len(self._open) + len(lengths))
+        return self._engine.batch_transfer_async_write(peer, srcs, dsts, lengths)
+
+    def transfer_check_status(self, batch_id):
+        code = self._engine.transfer_check_status(batch_id)
+        if code in (1, -1):
+            with self._lock:
+                self._open.discard(batch_id)
+        return code
+
+
+def test_tcp_writes_never_hold_more_entries_than_the_peer_has_lanes(peer):
+    """Mooncake queues entries beyond its TCP lanes per peer and may send a queued one
+    late on a new stream (docs/reliability.md): two concurrent writes of 40 entries each
+    to one peer keep at most the lanes' count (4 by default) in the engine, and every
+    permit comes back."""
+    source = np.random.default_rng(12).integers(0, 256, LOCAL_SIZE, dtype=np.uint8)
+    transport = MooncakeTransport(TransportConfig())
+    try:
+        transport.register([MemoryRegion(source.ctypes.data, LOCAL_SIZE)])
+        spy = _EngineSpy(transport._engine._engine)  # the binding inside the wrapper
+        transport._engine._engine = spy
+        before = peer.read()
+        writes = [
+            [
+                WriteOp(source.ctypes.data + 8192 * i, peer.addr + 8192 * i + 4096 * k, 4096)
+                for i in range(40)
+            ]
+            for k in (0, 1)
+        ]
+        handles = [transport.write(peer.session_id, ops, [peer.region]) for ops in writes]
+        for handle in handles:
+            assert handle.result(WAIT_S).entries == 40
+        expected = expected_after(before, source, peer, [op for ops in writes for op in ops])
+        np.testing.assert_array_equal(peer.read(), expected)
+        assert 1 <= spy.most <= 4, spy.most
+        assert transport.workers.sender.budget.taken(peer.session_id) == 0
+    finally:
+        transport.close()

@@ -101,7 +101,7 @@ def _parse_error(parse, argv: list[str], capsys) -> str:
         (["--max-failed-rounds", "0"], "argument --max-failed-rounds: must be an integer"),
         (["--interval", "-0.5"], "argument --interval: must be a number >= 0"),
         (["--drain-timeout", "-1"], "argument --drain-timeout: must be a number >= 0"),
-        (["--kv-pressure", "0"], "argument --kv-pressure: must be a positive number"),
+        (["--kv-pressure", "-0.1"], "argument --kv-pressure: must be a number >= 0"),
         (["--target-max-ratio", "nan"], "argument --target-max-ratio: must be a positive"),
         (["--min-waiting", "-1"], "argument --min-waiting: must be an integer >= 0"),
         (["--min-held-tokens", "-5"], "argument --min-held-tokens: must be an integer >= 0"),

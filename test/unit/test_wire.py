@@ -34,7 +34,7 @@ def test_every_feature_constant_is_a_registered_feature_and_servers_list_them_in
         known_destinations.FEATURE,
     ]
     assert set(constants) <= set(features.BY_NAME)
-    assert len(features.BY_NAME) == len(features.REGISTRY) == 9
+    assert len(features.BY_NAME) == len(features.REGISTRY) == 10
     # The session info's `features` list, as servers of this version have always sent it.
     assert messages.SessionInfoReply(success=True).features == [
         "page_ranges",
@@ -43,6 +43,7 @@ def test_every_feature_constant_is_a_registered_feature_and_servers_list_them_in
         "binary_ids",
         "epoch_check",
         "transfer_batch",
+        "dp_ranks",
     ]
 
 
@@ -59,16 +60,16 @@ def test_replies_share_one_base_and_keep_their_json_key_order():
     common = ["message", "error_kind", "steps_ms"]
     assert list(messages.reply_content(messages.AllocateReply(success=True))) == [
         "success", "migration_id", "matched_token_size", "extra_token_size", "ranks", "path",
-        "page_size", "server_epoch", *common, "source_commit",
+        "page_size", "server_epoch", *common, "source_commit", "dp_rank",
     ]  # fmt: skip
     assert list(messages.reply_content(messages.TransferReply(success=False))) == [
         "success", "transferred_token_size", "transferred_bytes", "ranks", "path",
         "server_epoch", *common, "delivered", "allocation", "channel_error",
-        "destination_unknown",
+        "destination_unknown", "dp_rank",
     ]  # fmt: skip
     assert list(messages.reply_content(messages.SessionInfoReply(success=True))) == [
         "success", "ranks", "protocol_version", "server_epoch", *common, "features",
-        "instance_id", "allocate_channel",
+        "instance_id", "allocate_channel", "dp_size",
     ]  # fmt: skip
     assert list(messages.reply_content(messages.AbortReply(success=True))) == ["success", *common]
 

@@ -321,7 +321,7 @@ def _add_policy_options(p: argparse.ArgumentParser, policy: RebalancePolicy) -> 
     add = p.add_argument
     add(
         "--kv-pressure",
-        type=positive_float,
+        type=non_negative_float,
         default=policy.kv_pressure,
         help="a server is pressured when its KV demand (used + queued prompts) reaches "
         "this share of its capacity",
@@ -381,8 +381,8 @@ def _add_placement_options(p: argparse.ArgumentParser, policy: RebalancePolicy) 
         "--no-kv-headroom",
         dest="kv_headroom",
         action="store_false",
-        help="let a target take moves beyond what its KV pools can hold at once (by "
-        "default a target takes a move only while its free GPU slots or, failing that, its "
+        help="let a target take moves beyond what its KV pools can hold at once (without "
+        "this flag a target takes a move only while its free GPU slots or, failing that, its "
         "host headroom, less what moves planned and in flight to it claim there, hold what "
         "the source holds of the request)",
     )

@@ -54,10 +54,14 @@ HOOK_TARGETS: tuple[str, ...] = (
     SCHEDULER_RESUME_MEMORY,
 )
 
-# Targets in SGLang's scheduler and HTTP server modules: they import only where
+# Targets in SGLang's scheduler, engine and HTTP server modules: they import only where
 # `sglang_adapter.server_runtime_missing()` finds nothing missing.
 SERVER_RUNTIME_TARGETS: frozenset[str] = frozenset(
-    t for t in HOOK_TARGETS if t.startswith(("sglang.srt.managers.scheduler.", HTTP_LAUNCH_SERVER))
+    t
+    for t in HOOK_TARGETS
+    if t.startswith(
+        ("sglang.srt.managers.scheduler.", HTTP_LAUNCH_SERVER, ENGINE_LAUNCH_SUBPROCESSES)
+    )
 )
 
 REQUIRED_SYMBOLS: tuple[str, ...] = (

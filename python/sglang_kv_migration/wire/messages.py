@@ -94,7 +94,7 @@ class SessionInfoReply(Reply):
     ranks: list[RankSessionInfo] = field(default_factory=list)
     protocol_version: int = 0
     server_epoch: str = ""
-    ADDED_LATER = ("features", "instance_id", "allocate_channel")
+    ADDED_LATER = ("features", "instance_id", "allocate_channel", "dp_size")
     # Optional wire features this server understands beyond its protocol version; a
     # client uses one only when both servers list it (older servers list none).
     features: list[str] = field(default_factory=lambda: list(WIRE_FEATURES))
@@ -203,7 +203,7 @@ class AllocateReply(Reply):
     path: str = ""
     page_size: int = 0
     server_epoch: str = ""
-    ADDED_LATER = ("source_commit",)
+    ADDED_LATER = ("source_commit", "dp_rank")
     # The allocation asked for `source_commit` and got a mailbox slot: a transfer reply
     # that says `delivered` means this server commits by itself.
     source_commit: bool = False
@@ -296,7 +296,13 @@ class TransferReply(Reply):
     ranks: list[RankTransferResult] = field(default_factory=list)
     path: str = ""
     server_epoch: str = ""
-    ADDED_LATER = ("delivered", "allocation", "channel_error", "destination_unknown")
+    ADDED_LATER = (
+        "delivered",
+        "allocation",
+        "channel_error",
+        "destination_unknown",
+        "dp_rank",
+    )
     # Feature "source_commit": every rank's receipts are in the target's mailbox, put
     # there before this reply; the target commits before it handles anything sent after.
     delivered: bool = False

@@ -5,8 +5,9 @@ one batch in flight per worker; a gathered or staged plan (`staging.py`) alterna
 between two registered staging chunks, gathering the next while the previous is on the
 wire. No wait spins a core for long (see `mooncake_engine.py`): a few entries go out as
 one-entry batches polled between short sleeps (`_Singles`), a larger batch sleeps through
-most of its predicted time before the engine's spinning wait. A failed batch is retried
-once.
+most of its predicted time before the engine's spinning wait. Over TCP every entry goes
+out as a one-entry batch, within the peer's lanes (`lanes.py`). A failed batch or entry is
+retried once (a timed-out TCP entry is not: the engine may still send it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sglang_kv_migration.paths.host import staging
+from sglang_kv_migration.paths.host import lanes, staging
 from sglang_kv_migration.paths.host.layout import HostPoolLayout
 from sglang_kv_migration.paths.host.mooncake_engine import (
     EngineCallFailed,
@@ -107,6 +108,11 @@ class BatchSender:
         self._workers_per_peer = per_peer
         self._closed = closed  # whether the transport is closing: no retries, no new chunks
         self._name = name  # the transport's session id, for messages
+        # Over TCP: no more entries in the engine per peer than it has lanes (`lanes.py`).
+        self.budget = (
+            lanes.LaneBudget(lanes.tcp_lanes_per_peer()) if config.protocol == "tcp" else None
+        )
+        self._reaper = lanes.Reaper(self.budget or lanes.LaneBudget(1), engine.status_check)
         self._lock = threading.Lock()  # guards `_all_staging`
         self._tls = threading.local()
         self._all_staging: list[torch.Tensor] = []  # every worker's, freed on close
@@ -142,7 +148,7 @@ class BatchSender:
                 timeout = self._config.transfer_timeout_s
                 raise self.failure(ctx, label, f"the {timeout} s deadline passed", lengths)
             began = time.monotonic()
-            if len(lengths) <= _SINGLES_MAX:
+            if len(lengths) <= _SINGLES_MAX or self.budget is not None:
                 _Singles(self, ctx, label, srcs, dsts, lengths, deadline).submit().wait()
             else:
                 self._write_batch(ctx, label, srcs, dsts, lengths, deadline, previous)
@@ -300,8 +306,14 @@ class BatchSender:
 
 
 class _Singles:
-    """A few entries sent as one-entry batches and polled with `transfer_check_status`
-    between short sleeps (exact for one-entry batches, and it never blocks)."""
+    """Entries sent as one-entry batches and polled with `transfer_check_status` between
+    short sleeps (exact for one-entry batches, and it never blocks).
+
+    Over TCP (`BatchSender.budget`) an entry enters the engine only with one of the peer's
+    lane permits and returns it once the engine reports it final (`lanes.py`); one the
+    write gives up on (timed out) is left to the reaper with its permit, and is not
+    retried: the engine may still send it.
+    """
 
     def __init__(
         self,
@@ -314,17 +326,21 @@ class _Singles:
         deadline: float,
     ):
         self._sender = sender
+        self._budget = sender.budget
         self._ctx = ctx
         self._label = label
         self._srcs, self._dsts, self._lengths = srcs, dsts, lengths
         self._deadline = deadline
+        self._todo: list[int] = []  # entry indices not yet submitted
         self._submitted: list[tuple[int, int]] = []  # (entry index, batch id)
         self._failed: list[int] = []
         self._reason = ""
         self._attempt = 1
+        self._gave_up = False  # entries left in the engine: no retry
 
     def submit(self) -> _Singles:
-        self._submit(list(range(len(self._lengths))))
+        self._todo = list(range(len(self._lengths)))
+        self._fill()
         return self
 
     def wait(self) -> None:
@@ -335,7 +351,12 @@ class _Singles:
                 return
             failed_lengths = [self._lengths[i] for i in self._failed]
             sender = self._sender
-            if self._attempt == 2 or time.monotonic() > self._deadline or sender._closed():
+            if (
+                self._attempt == 2
+                or self._gave_up
+                or time.monotonic() > self._deadline
+                or sender._closed()
+            ):
                 raise sender.failure(self._ctx, self._label, self._reason, failed_lengths)
             logger.warning(
                 "write to %s, %s (%d bytes in %d entries): %s; retrying once",
@@ -347,14 +368,26 @@ class _Singles:
             )
             time.sleep(_RETRY_DELAY_S)
             self._attempt = 2
-            todo, self._failed = sorted(self._failed), []
-            self._submit(todo)
+            self._todo, self._failed = sorted(self._failed), []
+            self._fill()
 
     def drain(self) -> None:
-        """Wait for what is in flight, ignoring the outcome (on a failure path)."""
+        """Wait for what is in flight, ignoring the outcome (on a failure path); send
+        nothing more."""
+        self._fail_todo("the write failed before they were sent")
         self._poll()
 
-    def _submit(self, todo: list[int]) -> None:
+    def _fill(self) -> None:
+        """Submit waiting entries, as many as the peer's lanes have room for."""
+        if not self._todo:
+            return
+        if time.monotonic() > self._deadline or self._sender._closed():
+            self._fail_todo(f"the deadline passed before {len(self._todo)} entries were sent")
+            return
+        count = len(self._todo)
+        if self._budget is not None:
+            count = self._budget.take(self._ctx.peer, count)
+        todo, self._todo = self._todo[:count], self._todo[count:]
         engine = self._sender._engine
         for n, i in enumerate(todo):
             try:
@@ -362,32 +395,81 @@ class _Singles:
                     self._ctx.peer, self._srcs[i], self._dsts[i], self._lengths[i]
                 )
             except EngineCallFailed as exc:
+                if self._budget is not None:
+                    self._budget.give_back(self._ctx.peer, len(todo) - n)
                 self._failed.extend(todo[n:])
                 self._reason = str(exc)
                 return
             self._submitted.append((i, batch_id))
 
+    def _fail_todo(self, reason: str) -> None:
+        if self._todo:
+            self._failed.extend(self._todo)
+            self._todo = []
+            self._reason = reason
+            self._gave_up = True
+
     def _poll(self) -> None:
-        """Wait, oldest first, until every submitted entry finished; record failures."""
-        engine = self._sender._engine
+        """Until every entry finished or was given up: poll those in flight, submit the
+        waiting ones as lanes free up; record failures."""
         give_up = max(self._deadline, time.monotonic()) + self._sender._config.transfer_timeout_s
         pause = _POLL_MIN_S
+        while self._submitted or self._todo:
+            before = len(self._submitted) + len(self._todo)
+            self._settle_finished()
+            if self._submitted and time.monotonic() >= give_up:
+                self._give_up(self._submitted, "the write's time ran out")
+            self._fill()
+            if len(self._submitted) + len(self._todo) < before:
+                pause = _POLL_MIN_S
+            elif self._submitted:
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
+            elif self._todo and self._budget is not None:  # every lane busy with others'
+                self._budget.wait_for_change(_POLL_MAX_S)
+
+    def _settle_finished(self) -> None:
+        """Record the entries the engine reports final; give up on all once one timed out."""
+        engine = self._sender._engine
+        pending: list[tuple[int, int]] = []
+        timed_out = False
         for index, batch_id in self._submitted:
-            while True:
-                code = engine.check_single(batch_id)
-                if code == 0 and time.monotonic() < give_up:
-                    time.sleep(pause)
-                    pause = min(2 * pause, _POLL_MAX_S)
-                    continue
-                break
-            if code in (0, -2):
-                # Timed out (by us or the engine) and not freed: the batch wait frees it,
-                # bounded by the engine's own timeout; 0 there means it did complete.
+            code = engine.check_single(batch_id)
+            if code == 0 or (code == -2 and self._budget is not None):
+                # Over TCP a timed-out entry is still in the engine: it keeps its lane.
+                timed_out = timed_out or code == -2
+                pending.append((index, batch_id))
+                continue
+            if code == -2:
+                # Timed out and not freed: the batch wait frees it, bounded by the
+                # engine's own timeout; 0 there means it did complete.
                 code = 1 if engine.batch_completed(batch_id) else -2
+            if self._budget is not None:
+                self._budget.give_back(self._ctx.peer)
             if code != 1:
                 self._failed.append(index)
                 self._reason = f"transfer_check_status returned {code}"
-            pause = _POLL_MIN_S
+        self._submitted = pending
+        if timed_out:
+            self._give_up(pending, "transfer_check_status returned -2")
+
+    def _give_up(self, entries: list[tuple[int, int]], reason: str) -> None:
+        """Stop waiting for `entries` (all those in flight); the write fails. Over TCP the
+        reaper keeps their permits until the engine is done with them, and nothing more
+        of the write is sent; otherwise the batch wait frees them, bounded by the engine's
+        own timeout (0 there: it did complete)."""
+        engine = self._sender._engine
+        if self._budget is not None:
+            self._sender._reaper.adopt(self._ctx.peer, [b for _i, b in entries])
+            self._failed.extend(i for i, _b in entries)
+            self._reason = reason
+            self._fail_todo(reason)
+            self._gave_up = True
+        else:
+            for index, batch_id in entries:
+                if not engine.batch_completed(batch_id):
+                    self._failed.append(index)
+                    self._reason = reason
         self._submitted = []
 
 

@@ -25,6 +25,12 @@ processes over TCP on 127.0.0.1):
   `_SINGLES_MAX` entries is submitted as one-entry batches and polled with
   `transfer_check_status` between short sleeps; a larger batch sleeps for most of the time
   its previous batch took, and only then calls the spinning `get_batch_transfer_status`.
+- Over TCP one entry is in flight per lane (`MC_TCP_LANES_PER_PEER`, default 4, per peer)
+  and the rest queue in the engine; -2 from `transfer_check_status` means the engine timed
+  the entry out while still holding it (it may yet be sent, even from the queue on a new
+  stream). So over TCP every entry goes out as a one-entry batch, at most the peer's lanes
+  of them in the engine at once, each keeping its lane until the engine reports it final
+  (`lanes.py`); `get_batch_transfer_status`, which frees a batch it timed out, is not used.
 - The cost per entry is fixed (~20 us over TCP on a 2-core box), so `write_pages` plans at
   page granularity in the worker and gathers scattered pages into reused staging chunks
   (`staging.py`), keeping the entry count independent of how fragmented the pools are.
@@ -40,7 +46,7 @@ import contextlib
 import itertools
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from sglang_kv_migration.paths.host.transport import (
@@ -122,6 +128,12 @@ class MooncakeEngine:
         """Wait for a batch the poll gave up on (bounded by the engine's own timeout) and
         free its id: whether it did complete."""
         return self._live().get_batch_transfer_status([batch_id]) == 0
+
+    def status_check(self) -> Callable[[int], int] | None:
+        """The engine's one-entry status call (as `check_single`), or None once released:
+        the lanes' reaper polls with it, and the call it holds keeps the engine alive."""
+        engine = self._engine
+        return None if engine is None else engine.transfer_check_status
 
     def probe(self, peer: str) -> int:
         """The handshake probe (no engine-wide lock, GIL released): 0 when the peer
