@@ -137,7 +137,7 @@ def main() -> None:
         config["two_trip_rounds"] = args.two_trips
         for url in (source, target):  # the cached session info the second client plans from
             info = two_trips.session_info(url)
-            info["features"] = [f for f in info["features"] if f != "source_allocate"]
+            info.features = [f for f in info.features if f != "source_allocate"]
         rng = random.Random(0)
         _warm_up(client, source, target, rng)
         for n in lengths:

@@ -202,8 +202,8 @@ def _clients(flows: list[str], source: Any, target: Any) -> dict[str, Any]:
     for flow in flows:
         client = clients[flow] = MigrationClient()
         for url in (source.url, target.url):
-            info = client.session_info(url)  # the cached dict the client plans from
-            info["features"] = [f for f in info["features"] if f not in FLOWS[flow]]
+            info = client.session_info(url)  # the cached info the client plans from
+            info.features = [f for f in info.features if f not in FLOWS[flow]]
     return clients
 
 

@@ -252,7 +252,7 @@ def _run_pair(
         for kind, other in others.items():
             for url in (source, target):  # the cached session info it plans from
                 info = other.session_info(url)
-                info["features"] = [f for f in info["features"] if f not in HIDDEN[kind]]
+                info.features = [f for f in info.features if f not in HIDDEN[kind]]
         for n in lengths:
             for rep in range(repeats):
                 row = _round(client, source, target, n, rep, rng, not args.no_host, others)

@@ -10,7 +10,7 @@ generated `--move-after` tokens:
   request keeps decoding, then the stop, and the cost model prices the delta (the pages
   generated since), normally leaving it to the target (no round trips after the stop);
 - `live_migrate`: the same with mode "migrate": the delta always migrates after the stop;
-- `migrate`: today's `migrate_request(mode="migrate")`: stop, migrate prompt + generated;
+- `migrate`: today's `move_request(mode="migrate")`: stop, migrate prompt + generated;
 - `recompute`: abort + re-prefill on the target (what RL frameworks do today).
 
 Each arm records the **stall** (`MoveReport.seconds["stall"]`: the last token the source

@@ -239,8 +239,8 @@ async def collect(
     turns = []
     for i, (out, at) in enumerate(done):
         if i < len(highs):
-            turn = Turn("high", i, arrival, held_tokens=held[i]["matched_token_size"])
-            turn.device_tokens = held[i].get("device_token_size", 0)
+            turn = Turn("high", i, arrival, held_tokens=held[i].matched_token_size)
+            turn.device_tokens = held[i].device_token_size
         else:
             turn = Turn("low", i - len(highs), 0.0)
         turn.seconds = at - turn.arrival_s

@@ -17,7 +17,7 @@ on flushed caches:
 - `none`: no rebalancing;
 - `recompute`: the `Rebalancer` moves queued requests off A by abort + re-prefill on B
   (what RL frameworks do today);
-- `migrate`: the same rebalancer, moving the KV with `migrate_request` (`--migrate-mode
+- `migrate`: the same rebalancer, moving the KV with `move_request` (`--migrate-mode
   auto` lets the cost model choose per request instead).
 
 Reported per mode: per-priority turn completion time (submit -> whole output) p50/p99,

@@ -32,6 +32,27 @@ class KVCacheShape:
     qk_rope_head_dim: int  # MLA; 0 for MHA
     page_size: int
     host_layout: str
+    # The pools of the host pool group one page lives in ("kv", or "kv+indexer" for NSA
+    # models) and the NSA indexer's key shape (0 / "" without one).
+    host_pools: str = "kv"
+    index_head_dim: int = 0
+    index_dtype: str = ""
+
+
+# How a server with attention context parallelism holds a prefix's pages on its CP ranks.
+# SGLang 0.5.12 all-gathers K/V in prefill and writes the whole result into every CP
+# rank's pool (layers/utils/cp_utils.py): each CP rank holds every page.
+CP_REPLICATED = "replicated"
+
+# Fields a peer that predates them lacks (and refuses as unknown keys): left out of
+# `to_dict` at these values, and read as them when missing.
+_LEFT_OUT_AT: dict[str, int | str] = {
+    "attn_cp_size": 1,
+    "attn_cp_mode": "",
+    "host_pools": "kv",
+    "index_head_dim": 0,
+    "index_dtype": "",
+}
 
 
 @dataclass(frozen=True)
@@ -45,10 +66,11 @@ class LayoutFingerprint:
     tp_rank: int
     pp_size: int
     pp_rank: int
-    # SGLang's attention context parallelism (--attn-cp-size): > 1 spreads a sequence's
-    # KV pages over CP ranks. Left out of `to_dict` at 1, so older peers (which lack
-    # the field and refuse unknown keys) read the same fingerprint; missing means 1.
+    # SGLang's attention context parallelism (--attn-cp-size) and how its CP ranks hold
+    # pages (`CP_REPLICATED`; "" without CP). Ranks pair by tp rank, which numbers CP
+    # ranks too, so both sides must split their ranks the same way.
     attn_cp_size: int = 1
+    attn_cp_mode: str = ""
     # SGLang's weight version, as the server's HTTP layer knows it when the request
     # arrives (RL weight updates change it): KV never crosses a weight update.
     weight_version: str = ""
@@ -84,6 +106,7 @@ class LayoutFingerprint:
             pp_size=pp_size,
             pp_rank=pp_rank,
             attn_cp_size=attn_cp_size,
+            attn_cp_mode=CP_REPLICATED if attn_cp_size > 1 else "",
             shape=shape,
         )
 
@@ -99,8 +122,9 @@ class LayoutFingerprint:
 
     def to_dict(self) -> dict[str, int | str]:
         d = self._flat()
-        if d["attn_cp_size"] == 1:
-            del d["attn_cp_size"]
+        for name, value in _LEFT_OUT_AT.items():
+            if d[name] == value:
+                del d[name]
         return d
 
     def _flat(self) -> dict[str, Any]:
@@ -116,13 +140,13 @@ class LayoutFingerprint:
     def from_dict(cls, d: Mapping[str, Any]) -> LayoutFingerprint:
         expected = list(_FIELD_TYPES)
         unknown = sorted(set(d) - set(expected))
-        optional = ("weight_version", "attn_cp_size")
+        optional = ("weight_version", *_LEFT_OUT_AT)
         missing = [k for k in expected if k not in d and k not in optional]
         if unknown or missing:
             raise ValueError(
                 f"bad layout fingerprint: unknown keys {unknown}, missing keys {missing}"
             )
-        shape = {name: d[name] for name in _SHAPE_FIELDS}
+        shape = {name: d[name] for name in _SHAPE_FIELDS if name in d}
         rest = {name: value for name, value in d.items() if name not in shape}
         return cls(shape=KVCacheShape(**shape), **rest)
 

@@ -147,8 +147,8 @@ def _allocating_client(transport: httpx.BaseTransport, s: Servers) -> MigrationC
     so a test can act between the allocate and the copy."""
     allocating = MigrationClient(http_client=httpx.Client(transport=transport, timeout=120))
     for url in (s.source, s.target):
-        info = allocating.session_info(url)  # the cached dict it plans from
-        info["features"] = [f for f in info["features"] if f != "source_allocate"]
+        info = allocating.session_info(url)  # the cached info it plans from
+        info.features = [f for f in info.features if f != "source_allocate"]
     return allocating
 
 
@@ -225,7 +225,7 @@ def test_device_path_prompt_served_from_target_gpu(servers: Servers, client: Mig
     assert result.migrated_bytes > 0 and result.copy_seconds > 0
     # Single-rank servers list "source_allocate": one call, the source allocated on the
     # target through its channel (TP/PP servers: the client's own allocate trip).
-    one_trip = "source_allocate" in client.session_info(s.target)["features"]
+    one_trip = "source_allocate" in client.session_info(s.target).features
     assert ("allocate" in result.timings) != one_trip, result.timings
     assert on_target["output_ids"] == reference["output_ids"]
     assert cached_tokens(on_target) >= expected

@@ -1,4 +1,4 @@
-"""`migrate_request` between two real SGLang 0.5.12 servers on one GPU (issue 10).
+"""`move_request` between two real SGLang 0.5.12 servers on one GPU (issue 10).
 
 Run on the lent GPU machine (never in CI), from the repo root, after installing the wheel
 sets and this package as `../shared/gpu/README.md` says (nothing else to install):
@@ -13,7 +13,7 @@ Two servers share GPU 0, both the small dummy Llama (`TEST_MODELS["mha"]`) with
 `--enable-priority-scheduling --enable-metrics --mem-fraction-static 0.2
 --max-total-tokens 65536`; the source also has `--max-running-requests 1`, so a second
 request there waits in its queue for as long as the first one runs. Requests go through
-`RequestMigrator` in this process and are moved with `migrate_request(..., mode="migrate")`
+`RequestMigrator` in this process and are moved with `move_request(..., mode="migrate")`
 (the cost model is bypassed: these tests are about correctness, not about when it pays).
 
 What "equals an uninterrupted run" compares against. Every prompt is first served once
@@ -47,7 +47,6 @@ from sglang_kv_migration.rollout.request_migration import (
     RequestMigrator,
     RequestOutput,
     SyncRequestHandle,
-    migrate_request,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -194,7 +193,8 @@ def test_running_request_moves_with_its_kv(servers: Servers):
         handle = migrator.submit(s.source, request)
         used_at_move = _wait_generating(handle, s.source, base)
         t0 = time.perf_counter()
-        out = migrate_request(handle, s.target, mode="migrate")
+        handle.migrator.move_request(handle, s.target, mode="migrate")
+        out = handle.result()
         move_to_done_s = time.perf_counter() - t0
 
     # Uninterrupted runs of the same request, afterwards, from the same cached prefix.
@@ -273,7 +273,8 @@ def test_queued_high_priority_request_moves(servers: Servers):
             timeout_s=60,
             interval_s=0.05,
         )
-        out = migrate_request(queued, s.target, mode="migrate")
+        queued.migrator.move_request(queued, s.target, mode="migrate")
+        out = queued.result()
         blocker_out = blocking.result(timeout=600)
 
     reference = _generate(s.source, request)
@@ -343,7 +344,8 @@ def test_failed_migration_still_completes_the_request(
     with client, RequestMigrator(client) as migrator:
         handle = migrator.submit(s.source, request)
         _wait_generating(handle, s.source, base)
-        out = migrate_request(handle, s.target, mode="migrate", on_failure=on_failure)
+        handle.migrator.move_request(handle, s.target, mode="migrate", on_failure=on_failure)
+        out = handle.result()
 
     reference = _generate(s.source, request)
     first_ids = out.segments[0].output_ids
@@ -402,7 +404,8 @@ def test_running_request_moves_live(servers: Servers, mode: str):
     with RequestMigrator() as migrator:
         handle = migrator.submit(s.source, request)
         _wait_generating(handle, s.source, base)
-        out = migrate_request(handle, s.target, mode=mode, live=True)
+        handle.migrator.move_request(handle, s.target, mode=mode, live=True)
+        out = handle.result()
 
     reference = _generate(s.source, request)
     on_target = _generate(s.target, request)

@@ -111,7 +111,7 @@ def test_a_target_killed_mid_migration_leaves_the_source_clean(one_trip: bool) -
             if not one_trip:
                 for url in (source.url, target.url):
                     info = client.session_info(url)
-                    info["features"].remove("source_allocate")
+                    info.features.remove("source_allocate")
             started = time.monotonic()
             with pytest.raises(MigrationFailed) as info:
                 client.migrate(source.url, target.url, ids)

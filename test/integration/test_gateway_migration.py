@@ -82,7 +82,8 @@ async def _move_running(
             break
         await asyncio.sleep(0.01)
     assert handle.started, "the request did not start on the source"
-    return await migrator.migrate_request(handle, target, mode="migrate", live=live)
+    await migrator.move_request(handle, target, mode="migrate", live=live)
+    return await handle.result()
 
 
 def gateway_url_of(workers, url: str) -> str:
@@ -202,7 +203,8 @@ def test_policies_without_a_pin_header_use_the_rl_passthrough(
                         home, GenerateRequest(turn, {"max_new_tokens": 30})
                     )
                     await asyncio.sleep(0.2)  # queued or decoding: the passthrough buffers
-                    out = await migrator.migrate_request(handle, away, mode="migrate")
+                    await migrator.move_request(handle, away, mode="migrate")
+                    out = await handle.result()
                 pins = SessionPins(gateway)
                 pins.pin(session, out.segments[-1].server_url)
                 return out, await pins.route(session)

@@ -389,8 +389,8 @@ def test_non_json_body_is_400(servers: Servers, http: httpx.Client, path: str) -
 def _hide_features(client: MigrationClient, urls: list[str], *features: str) -> None:
     """Make `client` plan as if the servers did not list `features` (older servers)."""
     for url in urls:
-        info = client.session_info(url)  # the cached dict the client plans from
-        info["features"] = [f for f in info["features"] if f not in features]
+        info = client.session_info(url)  # the cached info the client plans from
+        info.features = [f for f in info.features if f not in features]
 
 
 @pytest.mark.parametrize("flow", ["one_trip", "two_trips"])
@@ -530,8 +530,8 @@ def _as_older_servers(client: MigrationClient, *urls: str) -> None:
     """Make `client` see `urls` as servers without partial transfers (the cached
     session info it plans from), as it would see servers that predate them."""
     for url in urls:
-        info = client.session_info(url)  # the cached dict itself
-        info["features"] = [f for f in info["features"] if f != grants.PARTIAL_FEATURE]
+        info = client.session_info(url)  # the cached info itself
+        info.features = [f for f in info.features if f != grants.PARTIAL_FEATURE]
 
 
 @pytest.mark.parametrize("older", [False, True], ids=["partial", "size-query"])
@@ -630,8 +630,8 @@ def test_the_next_request_sees_what_the_source_committed(
 def test_without_the_feature_the_client_commits(servers: Servers) -> None:
     src, dst = servers.source, servers.target
     with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
-        info = client.session_info(dst.url)  # the cached dict: a target without a mailbox
-        info["features"] = [f for f in info["features"] if f != grants.SOURCE_COMMIT_FEATURE]
+        info = client.session_info(dst.url)  # the cached info: a target without a mailbox
+        info.features = [f for f in info.features if f != grants.SOURCE_COMMIT_FEATURE]
         result = client.migrate(src.url, dst.url, SEQ_MAILBOX_OFF)
     assert not result.source_committed
     assert set(result.steps_ms) == {"allocate", "transfer", "commit"}
@@ -1009,11 +1009,11 @@ def test_a_client_with_stale_session_info_wastes_no_allocation(servers: Servers)
     with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
         first = client.migrate(src.url, dst.url, SEQ_STALE[:PAGE])
         assert first.migrated_token_size == PAGE
-        stale = client.session_info(dst.url)["server_epoch"]
+        stale = client.session_info(dst.url).server_epoch
         assert dst.ask(0, "memory_cycle") >= 1
         before = dst.ask(0, "snapshot")
         result = client.migrate(src.url, dst.url, SEQ_STALE)
-        assert client.session_info(dst.url)["server_epoch"] != stale  # read again
+        assert client.session_info(dst.url).server_epoch != stale  # read again
     assert result.migrated_token_size == 2 * PAGE and result.matched_after_commit == len(SEQ_STALE)
     after = dst.ask(0, "snapshot")
     # Exactly the migrated pages left the free host slots: none sits in quarantine.

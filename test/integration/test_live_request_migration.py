@@ -27,7 +27,6 @@ from sglang_kv_migration.rollout.request_migration import (
     AsyncRequestMigrator,
     GenerateRequest,
     RequestMigrator,
-    migrate_request,
 )
 from timing import wait_until
 
@@ -136,7 +135,8 @@ def test_live_move_copies_the_prompt_while_decoding(servers: ServerPair) -> None
     transport = Shaped()
     with _client(transport) as client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
         handle = _start_decoding(m, servers.source, prompt, 120)
-        out = migrate_request(handle, servers.target.url, live=True)
+        handle.migrator.move_request(handle, servers.target.url, live=True)
+        out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 120)
     assert out.finish_reason == {"type": "length", "length": 120}
@@ -178,7 +178,8 @@ def test_live_move_leaves_a_small_delta_to_the_target(servers: ServerPair) -> No
     with _client(transport) as client, RequestMigrator(client, cost_model=DELTA_RECOMPUTES) as m:
         handle = _start_decoding(m, servers.source, prompt, 60)
         time.sleep(0.1)  # about one page of output before the move
-        out = migrate_request(handle, servers.target.url, live=True)
+        handle.migrator.move_request(handle, servers.target.url, live=True)
+        out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 60)
     (move,) = out.moves
@@ -239,7 +240,8 @@ def test_live_move_falls_back_at_each_stage(
     transport = Shaped("/transfer_request_kvcache", fail=1 if stage == "decoding" else 2)
     with _client(transport) as client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
         handle = _start_decoding(m, servers.source, prompt, 80)
-        out = m.migrate_request(handle, servers.target.url, live=True, on_failure=on_failure)
+        m.move_request(handle, servers.target.url, live=True, on_failure=on_failure)
+        out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 80)
     (move,) = out.moves
@@ -287,7 +289,8 @@ def test_recompute_mode_ignores_live(servers: ServerPair) -> None:
     prompt = _seq(6500, PAGE + 3)
     with RequestMigrator(cost_model=ALWAYS_MIGRATE) as m:
         handle = _start_decoding(m, servers.source, prompt, 40)
-        out = migrate_request(handle, servers.target.url, live=True, mode="recompute")
+        handle.migrator.move_request(handle, servers.target.url, live=True, mode="recompute")
+        out = handle.result()
     (move,) = out.moves
     assert move.outcome == "recomputed" and move.stages == []
     assert out.output_ids == expected_output(prompt, 40)

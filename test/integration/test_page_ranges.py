@@ -21,6 +21,13 @@ from mini_server import ServerHandle, ServerSpec, start_servers
 from multi_rank import HTTP_TIMEOUT_S, kv_equal, post, session_info
 from sglang_kv_migration.client.migration import MigrationClient, _index_format, _Plan, _targets
 from sglang_kv_migration.page_ranges import FEATURE, pages_from_ranges, to_page_ranges
+from sglang_kv_migration.wire.convert import from_dict, to_wire
+from sglang_kv_migration.wire.messages import (
+    AllocatedRank,
+    AllocateReply,
+    RankSessionInfo,
+    SessionInfoReply,
+)
 
 BIG = list(range(500_000, 500_000 + 32768))
 FRAGMENTED = list(range(600_000, 600_000 + 2048))
@@ -67,8 +74,9 @@ def test_empty_and_bad_runs() -> None:
 
 
 def _plan(source_features: list[str] | None, target_features: list[str] | None) -> _Plan:
-    def info(features: list[str] | None) -> dict[str, Any]:
-        return {"ranks": []} if features is None else {"ranks": [], "features": features}
+    def info(features: list[str] | None) -> SessionInfoReply:
+        wire = {"success": True} if features is None else {"success": True, "features": features}
+        return from_dict(SessionInfoReply, wire)
 
     return _Plan("s", "t", None, info(source_features), info(target_features), [], {})
 
@@ -83,12 +91,13 @@ def test_client_uses_runs_only_when_both_servers_list_them() -> None:
 def test_client_passes_on_what_the_target_sent() -> None:
     host = {"session_id": "h:1", "host_kv_data_ptrs": [1], "host_kv_data_lens": [1]}
     host["host_kv_item_lens"] = [1]
-    info = {"ranks": [{"tp_rank": 0, "pp_rank": 0, "fingerprint": {}, "paths": {"host": host}}]}
-    runs = {"ranks": [{"tp_rank": 0, "pp_rank": 0, "kv_page_ranges": [[3, 4]], "kv_pages": []}]}
-    pages = {"ranks": [{"tp_rank": 0, "pp_rank": 0, "kv_pages": [3, 4]}]}
-    (entry,) = _targets(info, runs, "host")
+    rank = RankSessionInfo(0, 0, 1, {}, paths={"host": host})
+    info = SessionInfoReply(success=True, ranks=[rank])
+    runs = AllocateReply(success=True, ranks=[AllocatedRank(0, 0, [], kv_page_ranges=[[3, 4]])])
+    pages = AllocateReply(success=True, ranks=[AllocatedRank(0, 0, [], kv_pages=[3, 4])])
+    (entry,) = (to_wire(e) for e in _targets(info, runs, "host"))
     assert entry["kv_page_ranges"] == [[3, 4]] and "kv_pages" not in entry
-    (entry,) = _targets(info, pages, "host")
+    (entry,) = (to_wire(e) for e in _targets(info, pages, "host"))
     assert entry["kv_pages"] == [3, 4] and "kv_page_ranges" not in entry
 
 
@@ -122,8 +131,8 @@ class _Bodies:
         http = httpx.Client(timeout=HTTP_TIMEOUT_S, event_hooks={"request": [self.hook]})
         client = MigrationClient(http_client=http)
         for server in servers:
-            info = client.session_info(server.url)  # the cached dict it plans from
-            info["features"] = [f for f in info["features"] if f != "source_allocate"]
+            info = client.session_info(server.url)  # the cached info it plans from
+            info.features = [f for f in info.features if f != "source_allocate"]
         return client
 
 
@@ -180,7 +189,8 @@ def test_runs_other_than_granted_are_refused(pair: tuple[ServerHandle, ServerHan
     runs = allocation["ranks"][0]["kv_page_ranges"]
     assert sum(count for _, count in runs) == len(FORGED)
     assert allocation["ranks"][0]["kv_pages"] == []
-    entry = _targets(info, allocation, "host")[0]
+    target_info = from_dict(SessionInfoReply, info)
+    entry = to_wire(_targets(target_info, from_dict(AllocateReply, allocation), "host")[0])
     try:
         # The same number of pages, the first run one page further on: not what the
         # grant names.
@@ -205,7 +215,7 @@ def test_huge_runs_are_refused_before_expansion(monkeypatch: pytest.MonkeyPatch)
     count alone; nothing is expanded (the spy would fail)."""
     from sglang_kv_migration import page_ranges
     from sglang_kv_migration.errors import MigrationError
-    from sglang_kv_migration.server.source import transfers as source_transfers
+    from sglang_kv_migration.server.source import validation as source_validation
     from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
     def spy(_ranges: Any) -> Any:
@@ -214,11 +224,11 @@ def test_huge_runs_are_refused_before_expansion(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(page_ranges, "pages_from_ranges", spy)
     target = TransferRequestKVCacheTarget(tp=0, pp=0, kv_page_ranges=[[0, 1 << 21]])
     with pytest.raises(MigrationError, match="kv_page_ranges name 33554432 slots") as info:
-        source_transfers.target_slots(target, 16, 1 << 21)
+        source_validation.target_slots(target, 16, 1 << 21)
     assert info.value.kind.value == "bad_request"
     pages = TransferRequestKVCacheTarget(tp=0, pp=0, kv_pages=[0] * 3)
     with pytest.raises(MigrationError, match="kv_pages name 48 slots"):
-        source_transfers.target_slots(pages, 16, 32)
+        source_validation.target_slots(pages, 16, 32)
     monkeypatch.undo()
     good = TransferRequestKVCacheTarget(tp=0, pp=0, kv_page_ranges=[[2, 2]])
-    assert source_transfers.target_slots(good, 4, 8).tolist() == list(range(8, 16))
+    assert source_validation.target_slots(good, 4, 8).tolist() == list(range(8, 16))

@@ -104,7 +104,6 @@ def test_server_args_pickle_keeps_migration_fields() -> None:
         ({"kv_migration_max_batch_entries": 0}, "--kv-migration-max-batch-entries"),
         ({"pp_size": 2, "nnodes": 2}, "needs every stage on one node"),
         ({"dp_size": 2, "pp_size": 2, "tp_size": 2}, "does not support --pp-size > 1 yet"),
-        ({"attn_cp_size": 2, "tp_size": 2}, "does not support --attn-cp-size > 1"),
         ({"tokenizer_worker_num": 2}, "drop --tokenizer-worker-num > 1 and --enable-http2"),
         ({"enable_http2": True}, "drop --tokenizer-worker-num > 1 and --enable-http2"),
     ],
@@ -170,6 +169,28 @@ def test_data_parallel_flags_are_accepted(dp_attention: bool) -> None:
         enable_kv_migration=True,
     )
     assert again.kv_migration_launch_id != args.kv_migration_launch_id  # a new launch
+
+
+@pytest.mark.parametrize(("tp_size", "attn_cp_size"), [(2, 2), (4, 2)])
+def test_context_parallel_flags_are_accepted(tp_size: int, attn_cp_size: int) -> None:
+    """--attn-cp-size > 1 is served: SGLang 0.5.12 keeps every page on every CP rank, so
+    ranks pair by tp rank as without CP (docs/protocol.md, "Rank pairing")."""
+    from sglang_kv_migration.server.server_args import KVMigrationServerArgs
+
+    args = KVMigrationServerArgs(
+        model_path=cpu_harness.write_tiny_model_dir(),
+        skip_tokenizer_init=True,
+        device="cpu",
+        enable_hierarchical_cache=True,
+        enable_kv_migration=True,
+        tp_size=tp_size,
+        attn_cp_size=attn_cp_size,
+    )
+    assert (args.tp_size, args.attn_cp_size, args.enable_kv_migration) == (
+        tp_size,
+        attn_cp_size,
+        True,
+    )
 
 
 def _launch_server_argv(*argv: str) -> list[str]:

@@ -45,6 +45,8 @@ BAD_GRANT_IDS = list(range(17000, 17000 + PAGE))
 # Fits stage 0's host pool (2 x 4096 slots), not stage 1's on B (1.1 x 4096).
 HUGE_IDS = list(range(20000, 20000 + PAGE * 320))
 TARGET_WATCHDOG_S = 8.0
+# B's write window: its grant TTL (min(1 s, watchdog / 2)) + 2 x the 2 s transfer timeout.
+WRITE_WINDOW_S = 5.0
 START_S = 420.0
 
 
@@ -252,9 +254,13 @@ def test_bad_grant_for_a_later_stage_is_refused_before_stage_0_writes(
         {"migration_id": alloc["migration_id"], "receipts": [x["receipt"] for x in ranks]},
     )
     assert r.status_code == 200, r.text
-    # Every rank's receipt (stage 1's too, though it only followed stage 0's refusal)
-    # names its slots and says nothing can land: both stages free them at once.
-    assert dst.ask_all("snapshot") == dst_baseline
+    # The request was refused before any stage claimed its grant, so no receipt can say
+    # that no write under the grant can land (another request could hold it): every
+    # stage keeps its slots quarantined until the write window closes, then frees them.
+    assert [s.host_available for s in dst.ask_all("snapshot")] == [
+        s.host_available - PAGE for s in dst_baseline
+    ]
+    assert wait_until(lambda: dst.ask_all("snapshot") == dst_baseline, WRITE_WINDOW_S + 60)
 
 
 def test_commit_needs_every_stages_receipt(servers: ServerPair) -> None:

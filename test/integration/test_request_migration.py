@@ -1,4 +1,4 @@
-"""`migrate_request` against CPU mini servers with the `/generate` stand-in.
+"""`move_request` against CPU mini servers with the `/generate` stand-in.
 
 The servers are `mini_server`s (real HiRadixCache, real migration routes and Mooncake TCP
 on 127.0.0.1) extended with `generate_standin`, a test stand-in for SGLang's
@@ -32,7 +32,6 @@ from sglang_kv_migration.rollout.request_migration import (
     GenerateRequest,
     PieceProgress,
     RequestMigrator,
-    migrate_request,
     read_generate_stream,
 )
 from timing import wait_until
@@ -177,7 +176,8 @@ def test_running_request_moves_with_its_kv(servers: ServerPair) -> None:
         )
         assert wait_until(_running_on(servers.source), 10.0, interval_s=0.01)
         time.sleep(0.15)  # some tokens on the source
-        out = migrate_request(handle, servers.target.url)
+        handle.migrator.move_request(handle, servers.target.url)
+        out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 60)
     assert out.finish_reason == {"type": "length", "length": 60}
@@ -222,7 +222,8 @@ def test_queued_request_moves_its_history(servers: ServerPair) -> None:
                 blocker.request.rid,
                 queued.request.rid,
             }
-            out = await migrator.migrate_request(queued, servers.target.url)
+            await migrator.move_request(queued, servers.target.url)
+            out = await queued.result()
             return out, await blocker.result()
 
     out, blocker_out = asyncio.run(scenario())
@@ -254,7 +255,8 @@ def test_failure_at_each_phase_falls_back_to_reprefill(servers: ServerPair, phas
     client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
     with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as migrator:
         handle = _start_running(migrator, servers.source, prompt, 30)
-        out = migrate_request(handle, servers.target.url)
+        handle.migrator.move_request(handle, servers.target.url)
+        out = handle.result()
 
     assert transport.hits >= 1
     assert out.output_ids == expected_output(prompt, 30)
@@ -291,7 +293,8 @@ def test_one_size_query_per_move(servers: ServerPair) -> None:
     client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
     with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as migrator:
         handle = _start_running(migrator, servers.source, prompt, 30)
-        out = migrate_request(handle, servers.target.url)
+        handle.migrator.move_request(handle, servers.target.url)
+        out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 30)
     (move,) = out.moves
@@ -308,7 +311,8 @@ def test_failure_can_resume_on_the_source(servers: ServerPair) -> None:
     client = MigrationClient(http_client=httpx.Client(transport=FailOn("/commit"), timeout=30))
     with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as migrator:
         handle = _start_running(migrator, servers.source, prompt, 30)
-        out = migrator.migrate_request(handle, servers.target.url, on_failure="source")
+        migrator.move_request(handle, servers.target.url, on_failure="source")
+        out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 30)
     assert [(s.server_url, s.kind) for s in out.segments] == [
@@ -327,7 +331,8 @@ def test_cost_model_says_recompute(servers: ServerPair) -> None:
     )
     with RequestMigrator(cost_model=slow_path) as migrator:
         handle = _start_running(migrator, servers.source, prompt, 30)
-        out = migrate_request(handle, servers.target.url)
+        handle.migrator.move_request(handle, servers.target.url)
+        out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 30)
     (move,) = out.moves
@@ -347,7 +352,8 @@ def test_cost_model_learned_from_metrics_decides(servers: ServerPair) -> None:
         assert model.migration.overhead_s == pytest.approx(0.002 + 0.005)
         assert model.prefill.seconds_per_token == pytest.approx(1e-3)
         handle = _start_running(migrator, servers.source, prompt, 30)
-        out = migrate_request(handle, servers.target.url)  # mode="auto": the model decides
+        handle.migrator.move_request(handle, servers.target.url)  # mode="auto": the model decides
+        out = handle.result()
 
     (move,) = out.moves
     tokens = move.estimate.tokens
@@ -388,7 +394,8 @@ def test_adopted_call_moves(servers: ServerPair) -> None:
         assert wait_until(_running_on(servers.source), 10.0, interval_s=0.01)
         time.sleep(0.05)
         handle = migrator.adopt(servers.source.url, request, call)
-        out = migrate_request(handle, servers.target.url)
+        handle.migrator.move_request(handle, servers.target.url)
+        out = handle.result()
     assert out.rid == request.rid
     assert out.output_ids == expected_output(prompt, 40)
     assert [s.kind for s in out.segments] == ["original", "migrated"]

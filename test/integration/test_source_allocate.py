@@ -26,6 +26,8 @@ from sglang_kv_migration.client import migration
 from sglang_kv_migration.client.migration import MigrationClient
 from sglang_kv_migration.server.same_host.allocate_channel import ALLOCATE_TIMEOUT_S
 from sglang_kv_migration.server.same_host.mailbox import SHM_DIR, pid_namespace
+from sglang_kv_migration.wire.convert import from_dict, to_wire
+from sglang_kv_migration.wire.messages import RankSessionInfo
 
 PAGE = 16
 HTTP_TIMEOUT_S = 30.0
@@ -76,9 +78,10 @@ def _body(http: httpx.Client, servers: ServerPair, ids: list[int], **changes: An
         "expect_epoch": target["server_epoch"],
     }
     channel = target["allocate_channel"]
+    rank = from_dict(RankSessionInfo, target["ranks"][0])
     body = {
         "input_ids": ids,
-        "target_per_rank": [migration._target_entry(target["ranks"][0], "host")],
+        "target_per_rank": [to_wire(migration._target_entry(rank, "host"))],
         "partial_ok": True,
         "allocate_on_target": {
             "address": channel["address"],
@@ -332,7 +335,7 @@ def test_the_client_falls_back_to_two_trips_when_the_channel_is_unreachable(
     the source cannot open: the client allocates itself."""
     with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
         info = client.session_info(servers.target.url)
-        info["allocate_channel"] = {**info["allocate_channel"], "address": _missing_channel()}
+        info.allocate_channel = {**info.allocate_channel, "address": _missing_channel()}
         result = client.migrate(servers.source.url, servers.target.url, SEQ_FALLBACK)
     assert result.migrated_token_size == len(SEQ_FALLBACK)
     assert "allocate" in result.timings  # the client's own allocate trip

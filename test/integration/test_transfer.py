@@ -62,6 +62,12 @@ class Peer:
         assert self.conn.poll(WAIT_S), "peer did not answer"
         return np.frombuffer(self.conn.recv_bytes(), dtype=np.uint8)
 
+    def ask(self, *command: str):
+        """Send a command to the peer (`_transfer_peer.py`) and return its answer."""
+        self.conn.send(command)
+        assert self.conn.poll(WAIT_S), "peer did not answer"
+        return self.conn.recv()
+
 
 @pytest.fixture(scope="module")
 def peer() -> Iterator[Peer]:
@@ -476,7 +482,8 @@ def test_unregistered_peer_address_fails_and_transport_recovers(local, peer, cap
     assert peer.session_id in message and f"{617 * count} bytes" in message
     assert f"{api} returned -1" in message
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("retrying once" in w for w in warnings)  # the one retry happened and was logged
+    # Retried (once per lane over TCP: a shut stream fails one write each) and logged.
+    assert any("retrying (attempt 2 of" in w for w in warnings)
     assert message in warnings
     np.testing.assert_array_equal(peer.read(), before)
     recovery = WriteOp(source.ctypes.data + 7 * MiB + 3, peer.addr + 9 * MiB + 5, 4096)
@@ -681,6 +688,38 @@ def test_a_stopped_peer_holds_up_only_its_own_writes(peer):
             stalled.kill()
             stalled.join(10)
         conn.close()
+
+
+def test_a_write_after_the_target_shut_every_lane_goes_through(peer, caplog):
+    """The target's late-stream fence shuts every inbound data stream at once
+    (`tcp_streams.py`); Mooncake keeps each shut lane until a write on it fails, then
+    takes the next idle lane. A one-entry write after the fence meets the shut lanes one
+    by one and must still land: the transport retries it once per lane (`_Singles`), so
+    it reaches a fresh stream."""
+    source = np.random.default_rng(14).integers(0, 256, LOCAL_SIZE, dtype=np.uint8)
+    transport = MooncakeTransport(TransportConfig())
+    try:
+        transport.register([MemoryRegion(source.ctypes.data, LOCAL_SIZE)])
+        lane_count = transport.workers.sender.budget.lanes
+        assert lane_count == 4  # Mooncake's default
+        streams_before = peer.ask("streams")
+        # Enough concurrent entries, large enough to overlap, to open every lane.
+        opening = [
+            WriteOp(source.ctypes.data + i * MiB, peer.addr + i * MiB, MiB)
+            for i in range(2 * lane_count)
+        ]
+        write_and_check(transport, source, peer, opening)
+        assert peer.ask("streams") - streams_before == lane_count
+        shut, still_open = peer.ask("shut_streams")
+        assert shut >= lane_count and still_open == 0
+        after_fence = [WriteOp(source.ctypes.data + 12 * MiB + 5, peer.addr + 3 * MiB + 9, 4096)]
+        caplog.clear()
+        write_and_check(transport, source, peer, after_fence)
+        retries = [r for r in caplog.records if "retrying (attempt" in r.getMessage()]
+        # One shut lane fails each attempt: a single retry would not have been enough.
+        assert 2 <= len(retries) <= lane_count, [r.getMessage() for r in retries]
+    finally:
+        transport.close()
 
 
 class _EngineSpy:

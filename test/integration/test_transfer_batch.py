@@ -26,6 +26,7 @@ from sglang_kv_migration.client import (
     Move,
 )
 from sglang_kv_migration.wire.bodies import MAX_BATCH_MOVES
+from sglang_kv_migration.wire.convert import to_wire
 
 PAGE = 16
 HTTP_TIMEOUT_S = 30.0
@@ -142,7 +143,7 @@ def test_a_source_without_the_feature_gets_one_call_per_move(servers: ServerPair
     counted = _Counted()
     with MigrationClient(http_client=counted.client) as client:
         info = client.session_info(servers.source.url)  # as an older server lists them
-        info["features"] = [f for f in info["features"] if f != TRANSFER_BATCH_FEATURE]
+        info.features = [f for f in info.features if f != TRANSFER_BATCH_FEATURE]
         results = client.migrate_many(
             [Move(servers.source.url, servers.target.url, ids) for ids in ONE_BY_ONE]
         )
@@ -159,7 +160,7 @@ def _one_body(servers: ServerPair) -> dict[str, Any]:
 
         def capture(call: Any) -> Any:
             if call.path == TRANSFER:
-                captured.append(call.body)
+                captured.append(to_wire(call.body))
                 return 599, {"success": False, "message": "not sent"}
             return real_post(call)
 

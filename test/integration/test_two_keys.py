@@ -33,7 +33,6 @@ from sglang_kv_migration.rollout.request_migration import (
     AsyncRequestMigrator,
     GenerateRequest,
     RequestMigrator,
-    migrate_request,
 )
 from timing import wait_until
 
@@ -134,7 +133,8 @@ def test_both_keys_move_a_request_with_its_kv(servers: tuple) -> None:
     ) as migrator:
         handle = migrator.submit(source.url, GenerateRequest(prompt, {"max_new_tokens": 40}))
         assert wait_until(lambda: running(source) == 1, 10)
-        out = migrate_request(handle, target.url)
+        handle.migrator.move_request(handle, target.url)
+        out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 40)
     (move,) = out.moves

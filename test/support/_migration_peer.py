@@ -231,6 +231,13 @@ class _Server:
         layers = self.harness.read_device_kv(loaded)
         return len(loaded), [_digest(t) for t in layers]
 
+    def scramble_indexer(self, tokens: list[int]) -> int:
+        """NSA: flip every bit of the indexer's device pages of `tokens` (not the KV)."""
+        loaded = self.harness.load_back(tokens)
+        for rows in self.harness.indexer_rows():
+            rows[loaded] = ~rows[loaded]
+        return len(loaded)
+
     def host_digest(self) -> str:
         hp = self.harness.host_pool
         return _digest(hp.kv_buffer)

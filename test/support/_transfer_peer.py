@@ -2,8 +2,11 @@
 
 Runs in a spawned process (no sglang, no torch). Protocol over a multiprocessing Pipe:
 the peer first sends ``("ready", session_id, addr, size)``; then it answers
-``("read",)`` with the buffer's bytes (``send_bytes``) and ``("quit",)`` by closing its
-transport and exiting. It exits on its own if no command comes for `IDLE_EXIT_S`.
+``("read",)`` with the buffer's bytes (``send_bytes``), ``("streams",)`` with how many
+inbound data streams its engine has open, ``("shut_streams",)`` by shutting all of them
+as the target's late-stream fence does (`tcp_streams.py`) and answering how many it shut
+and how many stayed open, and ``("quit",)`` by closing its transport and exiting. It
+exits on its own if no command comes for `IDLE_EXIT_S`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from multiprocessing.connection import Connection
 
 IDLE_EXIT_S = 120.0
+SHUT_WAIT_S = 10.0  # bound for the engine to close the streams it was told to
 
 
 def initial_contents(size: int, seed: int):
@@ -37,6 +41,26 @@ def peer_main(conn: Connection, size: int, registered: int, seed: int) -> None:
             command = conn.recv()
             if command[0] == "read":
                 conn.send_bytes(buffer.tobytes())
+            elif command[0] == "streams":
+                conn.send(len(transport.inbound.open_now()))
+            elif command[0] == "shut_streams":
+                conn.send(_shut_inbound_streams(transport.inbound))
             elif command[0] == "quit":
                 break
     conn.close()
+
+
+def _shut_inbound_streams(inbound) -> tuple[int, int]:
+    """Shut every inbound data stream open now and wait until the engine closed them, as
+    `PendingMigrations` does when a quarantine ends without a settled receipt; returns
+    (streams shut, streams still open after `SHUT_WAIT_S`)."""
+    import time
+
+    streams = inbound.open_now()
+    left = streams
+    deadline = time.monotonic() + SHUT_WAIT_S
+    while left and time.monotonic() < deadline:
+        left = inbound.close(left)
+        if left:
+            time.sleep(0.01)
+    return len(streams), len(left)

@@ -12,7 +12,13 @@ imports ``sglang``:
    ``memory_pool_host`` imports, written with torch indexing. The ``kernel`` variants
    work on raw addresses, as the CUDA kernels do, so the pointer tables that SGLang
    builds (``k_data_ptrs`` ...) are used for real.
-3. ``pin_memory`` defaults to False for the two host pool classes (pinning needs CUDA).
+3. ``pin_memory`` defaults to False for the host pool classes (pinning needs CUDA).
+
+NSA models (``attention="nsa"``: SGLang's ``NSATokenToKVPool``, whose HiRadixCache gets
+a ``HostPoolGroup`` of the MLA KV host pool and ``NSAIndexerPoolHost``) need one more, at
+page size 1 only: SGLang 0.5.12 builds an NSA device pool with page size 1 only on ROCm
+(``memory_pool._is_hip``, legacy NSA path); CUDA asks for 64. `_make_device_pool` sets
+``_is_hip`` (and "no aiter preshuffle") for that one constructor call.
 
 Typical use (see ``test/conftest.py`` for the fixture)::
 
@@ -125,7 +131,8 @@ _DEFAULT_IO_BACKEND = {
 class HarnessConfig:
     """Shape and HiCache settings of one harness (small defaults: tens of MB in all)."""
 
-    attention: Literal["mha", "mla"] = "mha"
+    # "nsa": an NSA (DeepSeek-V3.2 class) MLA pool with the indexer's key buffers.
+    attention: Literal["mha", "mla", "nsa"] = "mha"
     host_layout: HostLayout = "layer_first"
     # None: the valid one for the layout (direct for layer_first/page_first_direct,
     # kernel for page_first). ServerArgs may still rewrite an invalid pair; the harness
@@ -142,6 +149,7 @@ class HarnessConfig:
     head_dim: int = 16  # MHA
     kv_lora_rank: int = 32  # MLA
     qk_rope_head_dim: int = 16  # MLA
+    index_head_dim: int = 128  # NSA (SGLang asserts 128)
     dtype: torch.dtype = torch.bfloat16
     # A folder with a config.json; a tiny Llama one is written to a temp dir if None.
     model_dir: str | None = None
@@ -185,7 +193,7 @@ class Harness:
     cache: HiRadixCache
     device_pool: Any  # MHATokenToKVPool | MLATokenToKVPool
     allocator: Any  # TokenToKVPoolAllocator | PagedTokenToKVPoolAllocator
-    host_pool: Any  # MHATokenToKVPoolHost | MLATokenToKVPoolHost
+    host_pool: Any  # MHATokenToKVPoolHost | MLATokenToKVPoolHost | HostPoolGroup (NSA)
     controller: Any  # HiCacheController
     tp_group: Any  # torch.distributed.ProcessGroup
     _closed: bool = False
@@ -235,6 +243,8 @@ class Harness:
 
         MHA: ``torch.stack([K, V])`` of shape ``(2, n, head_num, head_dim)``.
         MLA: the latent cache of shape ``(n, 1, kv_lora_rank + qk_rope_head_dim)``.
+        NSA: the MLA latent per layer, then per layer the indexer's page blocks of these
+        slots (whole pages: ``page_size`` rows of one block each).
         Reads the buffers directly (not ``get_key_buffer``, which would wait on the
         layer-done counter of a forward pass that never runs here).
         """
@@ -244,7 +254,7 @@ class Harness:
                 torch.stack([k[idx], v[idx]])
                 for k, v in zip(self.device_pool.k_buffer, self.device_pool.v_buffer, strict=True)
             ]
-        return [kv[idx].clone() for kv in self.device_pool.kv_buffer]
+        return [kv[idx].clone() for kv in [*self.device_pool.kv_buffer, *self.indexer_rows()]]
 
     # -- tier movement ------------------------------------------------------
 
@@ -363,6 +373,19 @@ class Harness:
 
         return RadixKey(token_ids=list(token_ids), extra_key=extra_key)
 
+    @property
+    def kv_host_pool(self) -> Any:
+        """The KV host pool (an NSA group's anchor; else `host_pool` itself)."""
+        entry = getattr(self.host_pool, "anchor_entry", None)
+        return self.host_pool if entry is None else entry.host_pool
+
+    def indexer_rows(self) -> list[torch.Tensor]:
+        """NSA: the indexer's per-layer page blocks viewed as one row per token slot."""
+        if self.cfg.attention != "nsa":
+            return []
+        ps = self.cfg.page_size
+        return [b.view(-1, b.shape[1] // ps) for b in self.device_pool.index_k_with_scale_buffer]
+
     def _device_prefix(self, key: Any) -> torch.Tensor:
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
@@ -374,7 +397,7 @@ class Harness:
         buffers = (
             list(pool.k_buffer) + list(pool.v_buffer)
             if self.cfg.attention == "mha"
-            else list(pool.kv_buffer)
+            else [*pool.kv_buffer, *self.indexer_rows()]
         )
         for buf in buffers:
             shape = (len(slots), *buf.shape[1:])
@@ -389,11 +412,17 @@ class Harness:
             buf[slots] = raw.view(buf.dtype)
 
 
-def build_harness(cfg: HarnessConfig, tp_group: Any = None) -> Harness:
+def build_harness(
+    cfg: HarnessConfig,
+    tp_group: Any = None,
+    attn_cp_group: Any = None,
+    attn_tp_group: Any = None,
+) -> Harness:
     """Build the real SGLang objects the way ``Scheduler.init_cache_with_memory_pool`` does.
 
     ``tp_group``: the cache's TP group (default: the whole gloo world); a PP stage passes
-    its own stage's group.
+    its own stage's group. ``attn_cp_group`` / ``attn_tp_group``: attention context
+    parallelism's groups, as the scheduler passes them (HiCache agrees over them).
     """
     install_cpu_shims()
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -418,6 +447,8 @@ def build_harness(cfg: HarnessConfig, tp_group: Any = None) -> Harness:
         token_to_kv_pool_allocator=allocator,
         page_size=cfg.page_size,
         tp_cache_group=tp_group,
+        attn_cp_cache_group=attn_cp_group,
+        attn_tp_cache_group=attn_tp_group,
         eviction_policy=server_args.radix_eviction_policy,
         pp_rank=cfg.pp_rank,
         pp_size=cfg.pp_size,
@@ -454,15 +485,21 @@ def temp_entry_prefixes() -> tuple[str, ...]:
     return (f"kvm-tiny-llama-{tag}-", f"kvm-tokenizer-{tag}-")
 
 
-def leftover_temp_entries() -> list[str]:
-    """This run's entries still in the temp dir, after removing this process's own model
-    folder (its removal at exit comes after pytest's session finish)."""
+def remove_own_model_dir() -> None:
+    """Remove this process's model folder now (before an `os._exit`, or before the
+    session's finish check, which runs before the exit-time removal)."""
     global _TINY_MODEL_DIR
     if _TINY_MODEL_DIR is not None:
         import shutil
 
         shutil.rmtree(_TINY_MODEL_DIR, ignore_errors=True)
         _TINY_MODEL_DIR = None
+
+
+def leftover_temp_entries() -> list[str]:
+    """This run's entries still in the temp dir, after removing this process's own model
+    folder (its removal at exit comes after pytest's session finish)."""
+    remove_own_model_dir()
     prefixes = temp_entry_prefixes()
     return sorted(e for e in os.listdir(tempfile.gettempdir()) if e.startswith(prefixes))
 
@@ -537,6 +574,8 @@ def _make_server_args(cfg: HarnessConfig) -> Any:
 def _make_device_pool(cfg: HarnessConfig) -> Any:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
+    if cfg.attention == "nsa":
+        return _make_nsa_device_pool(cfg)
     if cfg.attention == "mha":
         return MHATokenToKVPool(
             size=cfg.device_tokens,
@@ -561,6 +600,35 @@ def _make_device_pool(cfg: HarnessConfig) -> Any:
         enable_memory_saver=False,
         **_layer_range(cfg),
     )
+
+
+def _make_nsa_device_pool(cfg: HarnessConfig) -> Any:
+    """SGLang's NSA pool; at page size 1 built as on ROCm (see the module docstring)."""
+    from sglang.srt.mem_cache import memory_pool
+
+    def build() -> Any:
+        return memory_pool.NSATokenToKVPool(
+            size=cfg.device_tokens,
+            page_size=cfg.page_size,
+            kv_lora_rank=cfg.kv_lora_rank,
+            dtype=cfg.dtype,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            layer_num=cfg.layer_num,
+            device="cpu",
+            index_head_dim=cfg.index_head_dim,
+            enable_memory_saver=False,
+            kv_cache_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+            **_layer_range(cfg),
+        )
+
+    if cfg.page_size != 1:
+        return build()
+    saved = memory_pool._is_hip, memory_pool.aiter_can_use_preshuffle_paged_mqa
+    memory_pool._is_hip, memory_pool.aiter_can_use_preshuffle_paged_mqa = True, lambda: False
+    try:
+        return build()
+    finally:
+        memory_pool._is_hip, memory_pool.aiter_can_use_preshuffle_paged_mqa = saved
 
 
 def _layer_range(cfg: HarnessConfig) -> dict[str, int]:
@@ -1083,7 +1151,7 @@ def _default_host_pools_unpinned() -> None:
 def _unpin_host_pools(mph: types.ModuleType) -> None:
     # Pinning calls cudaHostRegister (and torch's pin_memory needs CUDA); HiRadixCache
     # never passes pin_memory, so flipping the default is the whole change.
-    for cls in (mph.MHATokenToKVPoolHost, mph.MLATokenToKVPoolHost):
+    for cls in (mph.MHATokenToKVPoolHost, mph.MLATokenToKVPoolHost, mph.NSAIndexerPoolHost):
         _set_default(cls.__init__, "pin_memory", False)
 
 

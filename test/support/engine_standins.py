@@ -42,7 +42,11 @@ def run_scheduler_process(
     from sglang_kv_migration.server.rank import hooks as scheduler_hooks
 
     load_plugins()  # as SGLang's scheduler process does first
-    cfg = cpu_harness.HarnessConfig(page_size=server_args.page_size)
+    # The engine's own model folder: this process is killed, so a folder of its own
+    # would stay behind in the temp dir.
+    cfg = cpu_harness.HarnessConfig(
+        page_size=server_args.page_size, model_dir=server_args.model_path
+    )
     harness = cpu_harness.build_harness(cfg)
     if os.environ.get("KVM_STANDIN_PRELOAD", "1") != "0":
         harness.insert_random(PRELOAD_IDS, seed=11)

@@ -58,6 +58,10 @@ class ServerSpec:
     tp_size: int = 1
     # Pipeline stages; the harness's `layer_num` layers are split evenly between them.
     pp_size: int = 1
+    # Attention context parallelism (--attn-cp-size; pp_size 1): SGLang numbers a TP
+    # rank's CP rank and attention TP rank as tp_rank = cp_rank * attn_tp + attn_tp_rank,
+    # and every CP rank holds the whole prefix (the same KV for one attn_tp_rank).
+    attn_cp_size: int = 1
     watchdog_timeout_s: float = 60.0
     # Short grants and transfer timeout, so quarantined slots come back within seconds.
     grant_ttl_s: float = 1.0
@@ -419,10 +423,18 @@ def _rank_main(
         if world > 1:
             cpu_harness.init_gloo(rank, world, ports.gloo)
         cfg = _stage_harness_config(spec, tp_rank, pp_rank, rank)
-        harness = cpu_harness.build_harness(cfg, tp_group=_tp_group(spec, rank))
+        attn_cp_group, attn_tp_group = _attn_cp_groups(spec, tp_rank)
+        harness = cpu_harness.build_harness(
+            cfg,
+            tp_group=_tp_group(spec, rank),
+            attn_cp_group=attn_cp_group,
+            attn_tp_group=attn_tp_group,
+        )
+        # CP ranks of one attention TP rank hold the same KV (SGLang all-gathers it).
+        replica = rank - tp_rank + tp_rank % (spec.tp_size // spec.attn_cp_size)
         if spec.preload_dp_rank in (None, dp_rank):
             for token_ids, seed in spec.preload:
-                harness.insert_random(token_ids, seed=seed * 1000 + rank)
+                harness.insert_random(token_ids, seed=seed * 1000 + replica)
         harness.write_back_all()
         extension = spec.extension(harness) if spec.extension is not None and rank == 0 else None
 
@@ -529,6 +541,27 @@ def _start_dp_controller(spec: ServerSpec, dp_inputs: tuple[str, ...]) -> int:
     return port
 
 
+def _attn_cp_groups(spec: ServerSpec, tp_rank: int) -> tuple[Any, Any]:
+    """This rank's attention CP and attention TP groups, as SGLang's parallel state builds
+    them (every rank creates every group, in order); (None, None) without CP."""
+    if spec.attn_cp_size == 1:
+        return None, None
+    if spec.pp_size != 1 or spec.dp_size != 1:
+        raise ValueError("the mini server runs attention CP with pp_size and dp_size 1 only")
+    import torch.distributed as dist
+
+    attn_tp = spec.tp_size // spec.attn_cp_size
+    cp_groups = [
+        dist.new_group([cp * attn_tp + t for cp in range(spec.attn_cp_size)])
+        for t in range(attn_tp)
+    ]
+    tp_groups = [
+        dist.new_group([cp * attn_tp + t for t in range(attn_tp)])
+        for cp in range(spec.attn_cp_size)
+    ]
+    return cp_groups[tp_rank % attn_tp], tp_groups[tp_rank // attn_tp]
+
+
 def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: Any = None) -> None:
     """Test-only introspection commands."""
     name, args = command
@@ -548,9 +581,9 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
                 if n.host_value is not None
                 for s in n.host_value
             ]
-            free = harness.host_pool.free_slots.tolist()
+            free = harness.kv_host_pool.free_slots.tolist()
             value = {
-                "size": int(harness.host_pool.size),
+                "size": int(harness.kv_host_pool.size),
                 "in_tree": len(in_tree),
                 "in_tree_unique": len(set(in_tree)),
                 "free": len(free),
@@ -561,7 +594,7 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             # Shuffle the host pool's free pages: later allocations are one run per page.
             import torch
 
-            pool = harness.host_pool
+            pool = harness.kv_host_pool
             ps = pool.page_size
             gen = torch.Generator().manual_seed(args[0])
             pages = pool.free_slots.reshape(-1, ps)
@@ -787,6 +820,7 @@ def _server_args(spec: ServerSpec, launch_id: str = "") -> Any:
         # With DP attention SGLang's TP group spans every DP rank.
         tp_size=spec.tp_size * spec.dp_size if spec.dp_attention else spec.tp_size,
         pp_size=spec.pp_size,
+        attn_cp_size=spec.attn_cp_size,
         dp_size=spec.dp_size,
         enable_dp_attention=spec.dp_attention,
         enable_hierarchical_cache=True,

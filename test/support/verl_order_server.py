@@ -123,4 +123,5 @@ if __name__ == "__main__":
 
         for child in psutil.Process().children(recursive=True):
             child.kill()
+        cpu_harness.remove_own_model_dir()  # os._exit skips the exit-time removal
         os._exit(0)

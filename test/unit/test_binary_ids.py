@@ -9,6 +9,8 @@ import pytest
 from sglang_kv_migration import binary_ids
 from sglang_kv_migration.client.migration import _allocate_call, _Plan, _transfer_call
 from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
+from sglang_kv_migration.wire.convert import from_dict, to_wire
+from sglang_kv_migration.wire.messages import AllocateReply, SessionInfoReply
 
 
 def test_round_trip_and_the_exact_bytes():
@@ -56,25 +58,29 @@ def _plan(source_features: list[str], target_features: list[str], prefix: list[i
     host = {"session_id": "h:1", "host_kv_data_ptrs": [], "host_kv_data_lens": []}
     host["host_kv_item_lens"] = []
     rank["paths"]["host"] = host
+    rank["page_size"] = 1
     source = {"features": source_features, "ranks": [rank], "instance_id": "s"}
     target = {"features": target_features, "ranks": [rank]}
+    source, target = (from_dict(SessionInfoReply, {**i, "success": True}) for i in (source, target))
     return _Plan("http://s", "http://t", None, source, target, prefix, {})
 
 
 def test_the_client_sends_bytes_only_to_servers_that_list_the_feature():
     ids = list(range(1000, 1064))
     allocation = {
+        "success": True,
         "matched_token_size": 0,
         "extra_token_size": 64,
         "migration_id": "m",
-        "ranks": [{"tp_rank": 0, "pp_rank": 0, "kv_pages": [0], "grant": "g"}],
+        "ranks": [{"tp_rank": 0, "pp_rank": 0, "kv_indices": [], "kv_pages": [0], "grant": "g"}],
     }
+    allocation = from_dict(AllocateReply, allocation)
     plan = _plan([binary_ids.FEATURE], [], ids)
-    allocate = _allocate_call(plan, "host").body
-    transfer = _transfer_call(plan, allocation, "host").body
+    allocate = to_wire(_allocate_call(plan, "host").body)
+    transfer = to_wire(_transfer_call(plan, allocation, "host").body)
     assert allocate["input_ids"] == ids and binary_ids.FIELD not in allocate  # older target
     assert "input_ids" not in transfer
     assert binary_ids.to_list(binary_ids.decode(transfer[binary_ids.FIELD], 64)) == ids
     # Ids the encoding cannot carry go as the list, even to a server that lists it.
     big = _plan([binary_ids.FEATURE], [binary_ids.FEATURE], [2**40] * 64)
-    assert _transfer_call(big, allocation, "host").body["input_ids"] == [2**40] * 64
+    assert to_wire(_transfer_call(big, allocation, "host").body)["input_ids"] == [2**40] * 64

@@ -58,7 +58,12 @@ def _transfers(caller: Any, inflight: list[InflightTransfer]) -> SourceTransfers
 
 
 def _inflight(job: Any = None, allocating: bytes = b"") -> InflightTransfer:
-    return InflightTransfer(request=SimpleNamespace(), started=0.0, job=job, allocating=allocating)
+    inflight = InflightTransfer(request=SimpleNamespace())  # type: ignore[arg-type]
+    if allocating:
+        inflight.ask_target(allocating, answer_by=0.0)
+    if job is not None:
+        inflight.sending(job)
+    return inflight
 
 
 def test_spin_until_returns_when_ready_interrupted_or_out_of_time() -> None:

@@ -13,6 +13,17 @@ from sglang_kv_migration.rollout.cost_model import (
     bytes_per_token_from_session_info,
     parse_prometheus,
 )
+from sglang_kv_migration.wire.messages import (
+    ExtraTokenSizeReply,
+    RankSessionInfo,
+    SessionInfoReply,
+)
+
+
+def _held(tokens: int, on_device: int) -> ExtraTokenSizeReply:
+    """A source's size query: `tokens` held, `on_device` of them on its GPU."""
+    return ExtraTokenSizeReply(success=True, matched_token_size=tokens, device_token_size=on_device)
+
 
 # Two ranks of a source that sent 3 migrations: 600 MB in all, 0.3 s of transfer per rank.
 SOURCE_METRICS = """\
@@ -149,12 +160,13 @@ def test_path_label_filters_series() -> None:
 
 
 def test_bytes_per_token_from_session_info() -> None:
-    info = {
-        "ranks": [
-            {"tp_rank": 0, "pp_rank": 0, "host_kv_item_lens": [64, 64, 64, 64]},
-            {"tp_rank": 1, "pp_rank": 0, "host_kv_item_lens": [64, 64, 64, 64]},
-        ]
-    }
+    ranks = [
+        RankSessionInfo(
+            tp_rank=tp, pp_rank=0, page_size=1, fingerprint={}, host_kv_item_lens=[64] * 4
+        )
+        for tp in (0, 1)
+    ]
+    info = SessionInfoReply(success=True, ranks=ranks)
     assert bytes_per_token_from_session_info(info) == 512
 
 
@@ -164,7 +176,7 @@ def test_bytes_per_token_from_session_info() -> None:
 def test_route_bytes_by_path_and_tier():
     from sglang_kv_migration.rollout.cost_model import route_bytes
 
-    held = {"matched_token_size": 100, "device_token_size": 40}
+    held = _held(100, 40)
     assert route_bytes("device", held, 2.0) == {"gpu_to_gpu": 80, "host_to_gpu": 120}
     assert route_bytes("host", held, 2.0) == {"host_to_host": 200}
 
@@ -190,7 +202,7 @@ def test_route_priors_favour_the_device_path_for_host_held_prefixes():
     # host -> host by more than 10x with the measured priors.
     from sglang_kv_migration.rollout.cost_model import migration_costs_for_routes, route_bytes
 
-    held = {"matched_token_size": 32768, "device_token_size": 0}
+    held = _held(32768, 0)
     per_token = 131072.0
     device = CostModel(
         migration=migration_costs_for_routes(route_bytes("device", held, per_token))
@@ -243,15 +255,15 @@ def test_device_prior_is_priced_from_the_routes_of_the_size_query() -> None:
         PrefillCosts(seconds_per_token=1e-6),
     )
     gpu, host = ROUTE_PRIORS[GPU_TO_GPU], ROUTE_PRIORS[HOST_TO_GPU]
-    half = {"matched_token_size": 8000, "device_token_size": 4000}
+    half = _held(8000, 4000)
     est = model.estimate(8000, path="device", held=half)
     seconds = 4e6 / gpu.bandwidth_bytes_per_s + 4e6 / host.bandwidth_bytes_per_s
     assert est.migrate_s == pytest.approx(max(gpu.overhead_s, host.overhead_s) + seconds)
-    on_gpu = {"matched_token_size": 8000, "device_token_size": 8000}
+    on_gpu = _held(8000, 8000)
     assert model.estimate(8000, path="device", held=on_gpu).migrate_s == pytest.approx(
         gpu.overhead_s + 8e6 / gpu.bandwidth_bytes_per_s
     )
-    on_host = {"matched_token_size": 8000, "device_token_size": 0}
+    on_host = _held(8000, 0)
     assert model.estimate(8000, path="device", held=on_host) == model.estimate(8000, path="device")
     assert model.estimate(8000, path="host", held=half) == model.estimate(8000, path="host")
     learned = CostModel(
@@ -327,7 +339,7 @@ def test_each_route_is_learned_from_the_servers_series() -> None:
     assert routes[LANDING] == ROUTE_PRIORS[LANDING]
 
     # 8000 tokens, 8 MB: half held on the GPU (4 MB at 2 TB/s + 4 MB at 100 GB/s).
-    half = {"matched_token_size": 8000, "device_token_size": 4000}
+    half = _held(8000, 4000)
     device = model.estimate(8000, path="device", held=half)
     assert device.migrate_s == pytest.approx(0.05 + 4e6 / 2e12 + 4e6 / 1e11)
     # Without a size query: all on host -> GPU, the device path's slowest route.

@@ -24,7 +24,9 @@ from side_helpers import one_rank_context
 from timing import FakeClock
 
 TIMEOUT_S = 5.0
-CONFIGS = [("mha", 1), ("mha", 16), ("mla", 1), ("mla", 16)]
+# NSA at page size 1 (SGLang's ROCm NSA pool, see cpu_harness): these tests' prefixes
+# are a few 16-token pages; page size 64 is in test_nsa_layout.py.
+CONFIGS = [("mha", 1), ("mha", 16), ("mla", 1), ("mla", 16), ("nsa", 1)]
 CONFIG_IDS = [f"{a}-page{p}" for a, p in CONFIGS]
 
 
@@ -112,7 +114,9 @@ def test_device_path_target_role_on_a_cpu_pool(harness_factory, attention, page_
     buffers = adapter.device_kv_buffers(h.cache)
     assert ad["row_bytes"] == [b[0].numel() * b.element_size() for b in buffers]
     assert ad["num_rows"] == [b.shape[0] for b in buffers]
-    assert len(ad["row_bytes"]) == (6 if attention == "mha" else 3)
+    # MHA: K and V per layer; MLA: the latent per layer; NSA: the latent, then the
+    # indexer's keys per layer.
+    assert len(ad["row_bytes"]) == {"mha": 6, "mla": 3, "nsa": 6}[attention]
 
     tokens = _tokens(96)
     prefix = h.insert_random(tokens[:32], seed=1)

@@ -7,6 +7,7 @@ full, and sends it in full again when the source says it no longer knows it."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import orjson
 import pytest
@@ -15,7 +16,9 @@ from sglang_kv_migration.client.migration import (
     MigrationFailed,
     SessionCache,
     _Call,
+    _encode,
     _Plan,
+    _target_entry,
     _transfer_step,
 )
 from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
@@ -23,7 +26,15 @@ from sglang_kv_migration.server.source.known_destinations import (
     KnownDestinations,
     UnknownDestination,
 )
-from sglang_kv_migration.wire.messages import AllocateOnTarget, TransferRequestKVCacheTarget
+from sglang_kv_migration.wire.bodies import TransferBody
+from sglang_kv_migration.wire.convert import build
+from sglang_kv_migration.wire.messages import (
+    AllocateOnTarget,
+    RankSessionInfo,
+    SessionInfoReply,
+    TransferReply,
+    TransferRequestKVCacheTarget,
+)
 from side_helpers import SilentTarget
 
 
@@ -102,22 +113,31 @@ def test_what_is_remembered_is_bounded_in_bytes_too():
     assert len(known) == 0 and known.bytes == 0
 
 
-def _plan(sessions: SessionCache, features: list[str]) -> tuple[_Plan, _Call]:
-    source = {"features": features, "ranks": [], "instance_id": "s1"}
-    plan = _Plan("http://s", "http://t", None, source, {}, [1, 2], {}, sessions=sessions)
-    entry = {"tp": 0, "pp": 0, "path": "device", "device_kv": _device_kv()}
-    call = _Call("transfer", "http://s", "/transfer_request_kvcache", {"target_per_rank": [entry]})
-    return plan, call
+def _plan(sessions: SessionCache, features: list[str]) -> tuple[_Plan, Callable[[str], _Call]]:
+    """A plan to one single-rank device target, and the transfer call `_transfer_step`
+    builds from it (its destination in full, or by the digest it is given)."""
+    source = SessionInfoReply(success=True, features=features, instance_id="s1")
+    rank = RankSessionInfo(0, 0, 1, {}, paths={"device": _device_kv()})
+    target = SessionInfoReply(success=True, ranks=[rank])
+    plan = _Plan("http://s", "http://t", None, source, target, [1, 2], {}, sessions=sessions)
+
+    def transfer(digest: str) -> _Call:
+        body = build(TransferBody, target_per_rank=[_target_entry(rank, "device", digest)])
+        return _Call("transfer", "http://s", "/transfer_request_kvcache", body)
+
+    return plan, transfer
 
 
-def _drive(plan: _Plan, call: _Call, replies: list[tuple[int, dict]]) -> tuple[list[dict], dict]:
+def _drive(
+    plan: _Plan, transfer: Callable[[str], _Call], replies: list[tuple[int, dict]]
+) -> tuple[list[dict], object]:
     """Run `_transfer_step`, answering its calls with `replies`; (bodies sent, result)."""
     sent: list[dict] = []
-    steps = _transfer_step(plan, call)
+    steps = _transfer_step(plan, transfer)
     try:
         made = next(steps)
         for reply in replies:
-            sent.append(made.body)
+            sent.append(orjson.loads(_encode(made.body)))
             made = steps.send(reply)
     except StopIteration as done:
         return sent, done.value
@@ -128,16 +148,17 @@ def test_the_client_names_by_digest_only_what_the_source_accepted_in_full():
     ok = (200, {"success": True})
     sessions = SessionCache()
     plan, call = _plan(sessions, [grants.DESTINATION_DIGEST_FEATURE])
-    digest = grants.destination_digest(call.body["target_per_rank"][0]["device_kv"])
+    device_kv = plan.target_info.ranks[0].paths["device"]
+    digest = grants.destination_digest(device_kv)
     sent, _ = _drive(plan, call, [ok])
     assert "device_kv" in sent[0]["target_per_rank"][0]  # first time: in full
     sent, _ = _drive(plan, call, [ok])
     entry = sent[0]["target_per_rank"][0]
     assert entry["device_kv_digest"] == digest and "device_kv" not in entry
-    assert "device_kv" in call.body["target_per_rank"][0]  # the call itself is unchanged
+    assert device_kv == _device_kv()  # the cached session info is unchanged
     # A session-info read drops the digest memos (they would keep replaced infos alive);
     # what the source accepted is still known.
-    sessions.put("http://t", {"ranks": []})
+    sessions.put("http://t", SessionInfoReply(success=True))
     assert not sessions._digests
     sent, _ = _drive(plan, call, [ok])
     assert sent[0]["target_per_rank"][0]["device_kv_digest"] == digest
@@ -145,13 +166,13 @@ def test_the_client_names_by_digest_only_what_the_source_accepted_in_full():
     forgot = (409, {"success": False, "message": "unknown", "destination_unknown": True})
     sent, reply = _drive(plan, call, [forgot, ok])
     assert [("device_kv" in b["target_per_rank"][0]) for b in sent] == [False, True]
-    assert reply == ok[1]
+    assert isinstance(reply, TransferReply) and reply.success
     # Any other failure is the transfer's: raised, not retried.
     refused = (403, {"success": False, "message": "write refused"})
     with pytest.raises(MigrationFailed):
         _drive(plan, call, [refused])
     # Another instance of the source at that URL knows nothing yet.
-    plan.source_info["instance_id"] = "s2"
+    plan.source_info.instance_id = "s2"
     sent, _ = _drive(plan, call, [ok])
     assert "device_kv" in sent[0]["target_per_rank"][0]
 
@@ -196,7 +217,7 @@ def test_what_a_source_pinned_while_its_target_allocated_is_released_on_every_en
     inflight = side.transfers.inflight[0]
     assert inflight.prepared is None  # prepared in the iteration's poll, once all asked
     side.poll()
-    assert inflight.prepared is not None and inflight.tokens[0] == len(ids)
+    assert inflight.prepared is not None and inflight.tokens.count == len(ids)
     assert h.snapshot().total_lock_ref > baseline.total_lock_ref  # pinned while it waits
     refusal = {"success": False, "message": "no room", "error_kind": "unavailable"}
     fake.answers = [(b"c" * 16, orjson.dumps(refusal))]

@@ -252,19 +252,24 @@ def _allocate_on(target: dict, asked: int, call_number: int) -> dict:
         "migration_id": f"m{call_number}" if extra else "",
         "matched_token_size": held,
         "extra_token_size": extra,
-        "ranks": [{"tp_rank": 0, "pp_rank": 0, "kv_pages": list(range(extra // 16))}],
+        "ranks": [
+            {"tp_rank": 0, "pp_rank": 0, "kv_indices": [], "kv_pages": list(range(extra // 16))}
+        ],
     }
 
 
 def _drive(steps, target, source_held: int):
     """Answer the client's calls as a source holding `source_held` tokens and `target`
     (a dict: the target's session info, its landing limit and what it holds) would."""
+    import orjson
+    from sglang_kv_migration.client.migration import _encode
+
     calls, reply = [], None
     try:
         while True:
             call = steps.send(reply)
             calls.append(call)
-            body = call.body
+            body = orjson.loads(_encode(call.body))  # what the server would read
             if call.phase == "session_info":
                 reply = (200, target["info"])
             elif call.phase == "extra_token_size":

@@ -191,7 +191,8 @@ def test_a_send_waiting_for_its_peers_mapping_waits_on_a_helper_thread(harness_f
     path = _OpeningSource(h.cache)
     [(send, kv)] = _moves(h, path, [2])
     job = path.start_send(send)
-    inflight = InflightTransfer(request=None, started=0.0, path=path, send=send, job=job)  # type: ignore[arg-type]
+    inflight = InflightTransfer(request=None, path=path, send=send)  # type: ignore[arg-type]
+    inflight.sending(job)
     transfers = SimpleNamespace(inflight=[inflight])
     assert job.waits_on_helper and SourceTransfers.on_helper_threads(transfers)  # type: ignore[arg-type]
     path.opening.set_result(path.opened)

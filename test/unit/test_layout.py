@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 from sglang_kv_migration import PROTOCOL_VERSION, sglang_adapter
-from sglang_kv_migration.fingerprint import LayoutFingerprint
+from sglang_kv_migration.fingerprint import CP_REPLICATED, KVCacheShape, LayoutFingerprint
 from sglang_kv_migration.paths.host.layout import (
     HostBuffer,
     HostPoolLayout,
@@ -518,17 +518,43 @@ def test_fingerprint_from_dict_rejects_unknown_and_missing_keys():
 
 
 def test_fingerprint_attn_cp_size_differs_and_defaults_to_one():
-    """Issue 17: servers with different attention CP layouts are refused; a fingerprint
-    from an older server (no attn_cp_size) reads as CP 1, and a CP-1 fingerprint is
-    what such a server publishes and reads (no new key)."""
+    """Servers with different attention CP layouts are refused; a fingerprint from an
+    older server (no attn_cp_size) reads as CP 1, and a CP-1 fingerprint is what such a
+    server publishes and reads (no new key)."""
     assert (
         fingerprint().first_mismatch(fingerprint(attn_cp_size=2))
         == "attn_cp_size: source=1 target=2"
     )
     old = fingerprint().to_dict()
-    assert "attn_cp_size" not in old
+    assert "attn_cp_size" not in old and "attn_cp_mode" not in old
     assert LayoutFingerprint.from_dict(old).attn_cp_size == 1
     assert LayoutFingerprint.from_dict(fingerprint(attn_cp_size=2).to_dict()).attn_cp_size == 2
+
+
+def test_fingerprint_carries_the_cp_mode():
+    """A CP server says how its CP ranks hold pages (SGLang 0.5.12: every rank all of
+    them); a peer holding them another way (one owner per page) is refused by name."""
+    shape = KVCacheShape(
+        attention="mla",
+        kv_dtype="bfloat16",
+        start_layer=0,
+        end_layer=3,
+        kv_heads=1,
+        head_dim=0,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        page_size=64,
+        host_layout="layer_first",
+    )
+    place = {"model": "m", "tp_size": 2, "tp_rank": 1, "pp_size": 1, "pp_rank": 0}
+    cp = LayoutFingerprint.from_shape(shape, attn_cp_size=2, **place)
+    assert (cp.attn_cp_size, cp.attn_cp_mode) == (2, CP_REPLICATED)
+    assert cp.to_dict()["attn_cp_mode"] == "replicated"
+    assert LayoutFingerprint.from_dict(cp.to_dict()) == cp
+    plain = LayoutFingerprint.from_shape(shape, **place)
+    assert plain.attn_cp_mode == "" and "attn_cp_mode" not in plain.to_dict()
+    sharded = dataclasses.replace(cp, attn_cp_mode="owner_per_page")
+    assert cp.first_mismatch(sharded) == "attn_cp_mode: source=replicated target=owner_per_page"
 
 
 @pytest.mark.parametrize(("field", "value"), [("page_size", "16"), ("tp_rank", True), ("model", 3)])

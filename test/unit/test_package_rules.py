@@ -86,17 +86,25 @@ def _wire_field_names() -> set[str]:
 # module that spells a field as a literal should take it from the wire models.
 WIRE_LITERALS_ALLOWED: dict[str, object] = {
     "binary_ids.py": (1, "reads `input_ids_u32` from a body dict"),
-    "client/batch.py": (1, "reads `features` from the session-info dict"),
-    "client/cli.py": (4, "prints fields of the reply dict"),
-    "client/migration.py": (172, "builds every request body and reads every reply as dicts"),
+    "client/cli.py": (4, "the CLI's own JSON output (`success`, `message`, `migration_id`)"),
+    "client/migration.py": (
+        5,
+        "phase names `extra_token_size` and `allocate` (the `timings` keys); the session "
+        "info's free-form `allocate_channel` object (`address`, `secret`)",
+    ),
     "fingerprint.py": (4, "names `weight_version` in the layout fingerprint"),
     "grants.py": (4, "the signed grant's payload keys repeat the wire names"),
-    "integrations/verl_balancer.py": (4, "builds extra-size bodies and reads replies as dicts"),
     "paths/host/mooncake_workers.py": (1, "a dict key `plan` that shares a wire field's name"),
-    "rollout/cost_model.py": (10, "reads session-info and extra-size replies as dicts"),
-    "rollout/rebalance_cli.py": (7, "builds extra-size bodies and reads replies as dicts"),
-    "rollout/rebalancer.py": (3, "reads extra-size replies as dicts"),
-    "rollout/request_migration.py": (13, "builds extra-size bodies and reads replies"),
+    "rollout/cost_model.py": (7, 'metric labels `phase="allocate"`, `tp_rank`, `pp_rank`, `path`'),
+    "rollout/rebalance_cli.py": (
+        7,
+        "its own JSON output (`success`) and the request file's `input_ids` / `extra_key`",
+    ),
+    "rollout/rebalancer.py": (1, "the `path` key of a move plan's own dict"),
+    "rollout/request_migration.py": (
+        3,
+        "SGLang's /generate body (`input_ids`, `extra_key`) and the `path` keyword of migrate",
+    ),
     "server/diag/metrics.py": (9, "metric labels `path`, `tp_rank`, `pp_rank`, `bytes`"),
     "server/diag/trace.py": (1, "the `trace` key of a reply dict"),
     "server/http/fast_path.py": (1, "the ASGI scope's `path` (shares a wire field's name)"),
@@ -105,7 +113,8 @@ WIRE_LITERALS_ALLOWED: dict[str, object] = {
     "server/rank/dispatch.py": (1, "the `trace` key of a reply dict"),
     "server/target/allocations.py": (2, "reads mailbox and channel payloads as dicts"),
     "server/same_host/allocate_channel.py": (5, "the channel's own message dicts"),
-    "server/source/transfers.py": (36, "builds the target's allocate / commit bodies as dicts"),
+    "server/source/replies.py": (2, "trace step names `allocate` and the target's `grant`"),
+    "server/source/validation.py": (5, "names the slot fields (`kv_pages`, ...) it refuses"),
     "server/target/channel_allocations.py": (1, "the `trace` key of a channel reply"),
     "sglang_adapter/__init__.py": (1, "names `host_headroom_tokens` in a reply dict"),
     "targets.py": (2, "reads `instance_id` from the session-info dict"),
@@ -199,10 +208,8 @@ SIZE_ALLOWED: dict[str, object] = {
     "live request in one class",
     "server/target/pending.py::PendingMigrations": "pending allocations, their quarantine "
     "and the late-stream fence in one class; the quarantine is to become its own",
-    "server/source/transfers.py": "start, poll and reply of a transfer with the "
-    "same-host features in one module",
-    "server/source/transfers.py::SourceTransfers": "start, poll and reply of a transfer "
-    "in one class",
+    "server/source/transfers.py::SourceTransfers": "start, the target's allocate (feature "
+    "source_allocate), poll and reply of a transfer in one class",
 }
 
 
@@ -232,8 +239,8 @@ FAN_OUT_ALLOWED: dict[str, object] = {
     "paths' slots, staging and the diagnostics",
     "server/target/build.py": "builds the target role from its parts (pending, commits, "
     "allocations, channel, mailbox)",
-    "server/source/transfers.py": "the source role reaches the paths, grants, the "
-    "same-host channels and the diagnostics",
+    "server/source/transfers.py": "the source role's flow reaches its records, checks and "
+    "replies, the same-host channels and the diagnostics",
 }
 
 

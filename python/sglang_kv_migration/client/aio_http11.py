@@ -2,7 +2,7 @@
 
 The asyncio twin of `http11.py`: a migration's calls are short POSTs of encoded JSON to
 the six routes, and `httpx.AsyncClient` costs about 1.6 ms more per call than this on a
-2-core box (no-work trips, `docs/benchmarks.md`), which `migrate_request` and the
+2-core box (no-work trips, `docs/benchmarks.md`), which `move_request` and the
 rebalancer pay on every trip. `AsyncMigrationClient` uses this unless it is handed an
 `httpx.AsyncClient` (proxies, custom transports); it connects directly, ignoring the
 `HTTP(S)_PROXY` variables.

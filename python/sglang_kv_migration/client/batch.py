@@ -20,7 +20,10 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from sglang_kv_migration.wire.bodies import TransferBatchBody
+from sglang_kv_migration.wire.convert import build
 from sglang_kv_migration.wire.features import TRANSFER_BATCH
+from sglang_kv_migration.wire.messages import ExtraTokenSizeReply, SessionInfoReply
 
 TRANSFER_ROUTE = "/transfer_request_kvcache"
 
@@ -34,7 +37,7 @@ class Move:
     input_ids: Sequence[int]
     extra_key: str | None = None
     # The source's `/get_request_extra_token_size` reply for these ids, if asked already.
-    held: dict[str, Any] | None = None
+    held: ExtraTokenSizeReply | dict[str, Any] | None = None
 
 
 class Call(Protocol):
@@ -42,11 +45,11 @@ class Call(Protocol):
 
     url: str
     path: str
-    body: dict[str, Any]
+    body: Any  # a `wire.bodies` model
 
 
 class Sessions(Protocol):
-    def get(self, url: str) -> dict[str, Any] | None: ...
+    def get(self, url: str) -> SessionInfoReply | None: ...
 
 
 Reply = tuple[int | None, Any]  # (HTTP status or None on a connection error, JSON/text)
@@ -99,7 +102,8 @@ def _round(waiting: dict[int, Call], sessions: Sessions) -> tuple[list[Call], li
             singles.extend(owned)
             continue
         moves = [waiting[i].body for i in owned]
-        calls.append(dataclasses.replace(waiting[owned[0]], body={"moves": moves}))
+        batch = build(TransferBatchBody, moves=moves)
+        calls.append(dataclasses.replace(waiting[owned[0]], body=batch))
         owners.append(owned)
     for i in sorted(singles):
         calls.append(waiting[i])
@@ -107,8 +111,8 @@ def _round(waiting: dict[int, Call], sessions: Sessions) -> tuple[list[Call], li
     return calls, owners
 
 
-def _takes_batches(info: dict[str, Any] | None) -> bool:
-    return info is not None and TRANSFER_BATCH in info.get("features", [])
+def _takes_batches(info: SessionInfoReply | None) -> bool:
+    return info is not None and TRANSFER_BATCH in info.features
 
 
 def _split(reply: Reply, count: int) -> list[Reply]:

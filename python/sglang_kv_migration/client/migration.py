@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -44,6 +44,9 @@ from sglang_kv_migration.client import aio_http11, http11
 from sglang_kv_migration.client.batch import Move, lockstep
 from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.grants import destination_digest
+from sglang_kv_migration.targets import HostTarget
+from sglang_kv_migration.wire import bodies
+from sglang_kv_migration.wire.convert import build, from_dict, to_wire
 from sglang_kv_migration.wire.features import (
     BINARY_IDS,
     BOUND_GRANTS,
@@ -53,6 +56,15 @@ from sglang_kv_migration.wire.features import (
     PARTIAL_TRANSFER,
     SOURCE_ALLOCATE,
     SOURCE_COMMIT,
+)
+from sglang_kv_migration.wire.messages import (
+    AllocateReply,
+    CommitReply,
+    ExtraTokenSizeReply,
+    RankSessionInfo,
+    Reply,
+    SessionInfoReply,
+    TransferReply,
 )
 from sglang_kv_migration.wire.version import PROTOCOL_VERSION
 
@@ -200,7 +212,7 @@ class _Call:
     phase: str
     url: str
     path: str
-    body: dict[str, Any]
+    body: Any  # a `wire.bodies` model (`to_wire`), a JSON object (`call`) or None
 
 
 class MigrationClient:
@@ -232,7 +244,7 @@ class MigrationClient:
         *,
         path: str | None = None,
         verify: bool = False,
-        held: dict[str, Any] | None = None,
+        held: ExtraTokenSizeReply | dict[str, Any] | None = None,
     ) -> MigrationResult:
         """Move the KV of the longest prefix of `input_ids` the source holds.
 
@@ -269,9 +281,10 @@ class MigrationClient:
         _check_path(path)
         return self._drive(_many_steps(moves, self._sessions, path, verify))
 
-    def session_info(self, url: str) -> dict[str, Any]:
+    def session_info(self, url: str) -> SessionInfoReply:
         """`/get_transfer_session_info` of `url`, from the cache migrations share (one
-        call per server until it restarts)."""
+        call per server until it restarts). The cached model itself: what it says is
+        what migrations plan with."""
         return self._drive(_session_info(url, self._sessions))
 
     def _drive(self, steps: Generator[Any, Any, T]) -> T:
@@ -288,8 +301,12 @@ class MigrationClient:
             else:
                 reply = self._post(call)
 
-    def call(self, url: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One raw endpoint call; raises `MigrationFailed` on a non-2xx reply."""
+    def call(
+        self, url: str, path: str, body: bodies.Body | dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """One raw endpoint call (`body`: a `wire.bodies` model built for `to_wire`, or a
+        JSON object); its JSON reply (`from_dict` reads it into a model); raises
+        `MigrationFailed` on a non-2xx reply."""
         return _checked(_Call(path.strip("/"), url, path, body or {}), *self._raw(url, path, body))
 
     def close(self) -> None:
@@ -310,7 +327,7 @@ class MigrationClient:
         except (httpx.HTTPError, *http11.ERRORS) as e:
             return None, f"{type(e).__name__}: {e}"
 
-    def _raw(self, url: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
+    def _raw(self, url: str, path: str, body: Any) -> tuple[int, Any]:
         headers = {**_JSON, **self.keys.headers(path)}
         if self._http11 is not None:
             status, data = self._http11.post(_join(url, path), _encode(body), headers)
@@ -345,7 +362,7 @@ class AsyncMigrationClient:
         *,
         path: str | None = None,
         verify: bool = False,
-        held: dict[str, Any] | None = None,
+        held: ExtraTokenSizeReply | dict[str, Any] | None = None,
     ) -> MigrationResult:
         """See `MigrationClient.migrate`."""
         return await self._drive(
@@ -368,7 +385,7 @@ class AsyncMigrationClient:
         _check_path(path)
         return await self._drive(_many_steps(moves, self._sessions, path, verify))
 
-    async def session_info(self, url: str) -> dict[str, Any]:
+    async def session_info(self, url: str) -> SessionInfoReply:
         """See `MigrationClient.session_info`."""
         return await self._drive(_session_info(url, self._sessions))
 
@@ -385,7 +402,10 @@ class AsyncMigrationClient:
             else:
                 reply = await self._post(call)
 
-    async def call(self, url: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def call(
+        self, url: str, path: str, body: bodies.Body | dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """See `MigrationClient.call`."""
         status, payload = await self._raw(url, path, body)
         return _checked(_Call(path.strip("/"), url, path, body or {}), status, payload)
 
@@ -407,7 +427,7 @@ class AsyncMigrationClient:
         except (httpx.HTTPError, *aio_http11.ERRORS) as e:
             return None, f"{type(e).__name__}: {e}"
 
-    async def _raw(self, url: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
+    async def _raw(self, url: str, path: str, body: Any) -> tuple[int, Any]:
         headers = {**_JSON, **self.keys.headers(path)}
         if self._aio is not None:
             status, data = await self._aio.post(_join(url, path), _encode(body), headers)
@@ -420,6 +440,11 @@ class AsyncMigrationClient:
 
 _Reply = tuple[int | None, Any]  # (HTTP status or None on a connection error, JSON/text)
 PATHS = ("device", "host")
+# The phases whose names are also wire fields (`MigrationResult.timings` keys).
+SIZE_QUERY = "extra_token_size"
+ALLOCATE = "allocate"
+SIZE_QUERY_ROUTE = "/get_request_extra_token_size"
+TRANSFER_ROUTE = "/transfer_request_kvcache"
 
 
 class SessionCache:
@@ -427,7 +452,7 @@ class SessionCache:
     changes (a restart); a stale entry is dropped and the migration restarts once."""
 
     def __init__(self) -> None:
-        self._infos: dict[str, dict[str, Any]] = {}
+        self._infos: dict[str, SessionInfoReply] = {}
         # Feature "destination_digest": (source URL, its instance, digest) of the device
         # destinations each source was sent in full and accepted.
         self._sent: set[tuple[str, str, str]] = set()
@@ -435,12 +460,12 @@ class SessionCache:
         # (source info, target info) pairs found compatible, by identity: the check
         # parses and compares every rank's fingerprint (0.15 ms a migration on CPU,
         # `bench_control_plane.py --profile`).
-        self._compatible: dict[tuple[int, int], tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._compatible: dict[tuple[int, int], tuple[SessionInfoReply, SessionInfoReply]] = {}
 
-    def get(self, url: str) -> dict[str, Any] | None:
+    def get(self, url: str) -> SessionInfoReply | None:
         return self._infos.get(url.rstrip("/"))
 
-    def put(self, url: str, info: dict[str, Any]) -> None:
+    def put(self, url: str, info: SessionInfoReply) -> None:
         self._infos[url.rstrip("/")] = info
         self._forget_memos()
 
@@ -453,7 +478,9 @@ class SessionCache:
         self._digests.clear()
         self._compatible.clear()
 
-    def check_compatible(self, source_info: dict[str, Any], target_info: dict[str, Any]) -> None:
+    def check_compatible(
+        self, source_info: SessionInfoReply, target_info: SessionInfoReply
+    ) -> None:
         """`_check_compatible`, once per pair of cached infos."""
         key = (id(source_info), id(target_info))
         known = self._compatible.get(key)
@@ -494,8 +521,8 @@ class _Plan:
     source_url: str
     target_url: str
     extra_key: str | None
-    source_info: dict[str, Any]
-    target_info: dict[str, Any]
+    source_info: SessionInfoReply
+    target_info: SessionInfoReply
     prefix: list[int]  # the page-aligned prefix the source holds
     timings: dict[str, float]
     verify: bool = False  # the target checks a digest of what landed before inserting
@@ -512,22 +539,51 @@ class _Plan:
     source_dp_rank: int | None = None
 
 
-def ids_field(
-    info: dict[str, Any], ids: list[int], encoded: dict[int, str | None] | None = None
-) -> dict[str, Any]:
-    """The body field carrying `ids` to the server whose session info is `info`: as
+B = TypeVar("B", bound=bodies.IdsBody)
+A = TypeVar("A", bound=bodies.AllocateFields)
+R = TypeVar("R", bound=Reply)
+
+
+def with_ids(
+    body: B,
+    info: SessionInfoReply | None,
+    ids: list[int],
+    encoded: dict[int, str | None] | None = None,
+) -> B:
+    """`body` carrying `ids` to the server whose session info is `info`: as
     `input_ids_u32` when it lists "binary_ids" (cheaper to parse, check and hand to its
-    scheduler than a JSON list), else as `input_ids`. `encoded`: prefixes of one id list
-    encoded so far, by length (`_Plan.encoded`), filled in here."""
-    if BINARY_IDS not in info.get("features", []):
-        return {"input_ids": ids}
+    scheduler than a JSON list), else as `input_ids` (also without session info).
+    `encoded`: prefixes of one id list encoded so far, by length (`_Plan.encoded`),
+    filled in here."""
+    if info is None or BINARY_IDS not in info.features:
+        body.input_ids = ids
+        return body
     if encoded is None:
         text = binary_ids.encode(ids)
     elif len(ids) in encoded:
         text = encoded[len(ids)]
     else:
         text = encoded[len(ids)] = binary_ids.encode(ids)
-    return {"input_ids": ids} if text is None else {binary_ids.FIELD: text}
+    if text is None:
+        body.input_ids = ids
+    else:
+        body.input_ids_u32 = text
+    return body
+
+
+def size_query(
+    info: SessionInfoReply | None,
+    ids: list[int],
+    extra_key: str | None = None,
+    *,
+    headroom: bool = False,
+) -> bodies.ExtraTokenSizeBody:
+    """The body of `/get_request_extra_token_size` for `ids` to the server of `info`;
+    `headroom`: also ask for its host headroom (planners)."""
+    body = build(bodies.ExtraTokenSizeBody, extra_key=extra_key)
+    if headroom:
+        body.headroom = True
+    return with_ids(body, info, ids)
 
 
 def _migration_steps(
@@ -538,23 +594,24 @@ def _migration_steps(
     path: str | None = None,
     sessions: SessionCache | None = None,
     verify: bool = False,
-    held: dict[str, Any] | None = None,
+    held: ExtraTokenSizeReply | dict[str, Any] | None = None,
 ) -> Generator[_Call, _Reply, MigrationResult]:
     """The migration protocol as a generator of HTTP calls (see the module docstring).
     `held`, the caller's size query, serves the first attempt only: a retry after a
     restart asks again."""
     _check_path(path)
     sessions = sessions or SessionCache()
+    known = None if held is None else from_dict(ExtraTokenSizeReply, held)
     for attempt in (1, 2):
         try:
             return (
                 yield from _attempt(
-                    source_url, target_url, input_ids, extra_key, path, sessions, verify, held
+                    source_url, target_url, input_ids, extra_key, path, sessions, verify, known
                 )
             )
         except _StaleSession as stale:
             sessions.drop(stale.url)
-            held = None
+            known = None
             if attempt == 2:
                 raise MigrationFailed("session_info", str(stale)) from None
     raise AssertionError("unreachable")
@@ -593,7 +650,7 @@ def _attempt(
     path: str | None,
     sessions: SessionCache,
     verify: bool = False,
-    held: dict[str, Any] | None = None,
+    held: ExtraTokenSizeReply | None = None,
 ) -> Generator[_Call, _Reply, MigrationResult]:
     timings: dict[str, float] = {}
     clock = time.perf_counter
@@ -606,26 +663,22 @@ def _attempt(
 
     if held is None and _partial_ok(path, source_info, target_info):
         # One trip fewer: the transfer finds out what the source holds of the request.
-        page_size = source_info["ranks"][0]["page_size"]
+        page_size = source_info.ranks[0].page_size
         prefix = input_ids[: len(input_ids) - len(input_ids) % page_size]
         steps: dict[str, dict[str, float]] = {}
-        held = {"matched_token_size": 0}  # the path does not depend on it (`_partial_ok`)
+        # The path does not depend on what the source holds (`_partial_ok`).
+        held = ExtraTokenSizeReply(success=True)
         partial = True
     else:
         t0 = clock()
         if held is None:
-            held = yield from _step(
-                _Call(
-                    "extra_token_size",
-                    source_url,
-                    "/get_request_extra_token_size",
-                    {**ids_field(source_info, input_ids), "extra_key": extra_key},
-                )
-            )
-        _check_epoch(source_url, source_info, held)
-        prefix = input_ids[: held["matched_token_size"]]
-        timings["extra_token_size"] = clock() - t0
-        steps = {"extra_token_size": _trip_steps(held, timings["extra_token_size"])}
+            body = size_query(source_info, input_ids, extra_key)
+            call = _Call(SIZE_QUERY, source_url, SIZE_QUERY_ROUTE, body)
+            held = yield from _step(call, ExtraTokenSizeReply)
+        _check_epoch(source_url, source_info, held.server_epoch)
+        prefix = input_ids[: held.matched_token_size]
+        timings[SIZE_QUERY] = clock() - t0
+        steps = {SIZE_QUERY: _trip_steps(held, timings[SIZE_QUERY])}
         partial = False
     plan = _Plan(
         source_url,
@@ -639,10 +692,10 @@ def _attempt(
         steps,
         partial=partial,
         sessions=sessions,
-        source_dp_rank=None if partial else held.get("dp_rank"),
+        source_dp_rank=None if partial else held.dp_rank,
     )
     if not prefix:
-        return _result(plan, "", {"matched_token_size": 0}, None, None, "", "")
+        return _result(plan, "", AllocateReply(success=True), None, None, "", "")
 
     chosen, reason = _choose_path(path, source_info, target_info, held)
     return (yield from _move_with_fallback(plan, path, chosen, reason))
@@ -667,7 +720,7 @@ def _move_with_fallback(
 
 
 def _partial_ok(
-    requested: str | None, source_info: dict[str, Any], target_info: dict[str, Any]
+    requested: str | None, source_info: SessionInfoReply, target_info: SessionInfoReply
 ) -> bool:
     """Skip the source's size query: both servers take partial transfers, and the path
     does not depend on where the source holds the pages (a source whose device path
@@ -676,7 +729,7 @@ def _partial_ok(
         return False
     if requested in PATHS or "device" not in _common_paths(source_info, target_info):
         return True
-    return all("host" in r["paths"]["device"].get("tiers", ()) for r in source_info["ranks"])
+    return all("host" in r.paths["device"].get("tiers", ()) for r in source_info.ranks)
 
 
 def _move(
@@ -688,8 +741,8 @@ def _move(
         moved = yield from _move_in_one_trip(plan, path)
         if moved is not None:
             allocation, transfer = moved
-            if allocation["extra_token_size"] == 0:
-                _check_epoch(plan.target_url, plan.target_info, allocation)
+            if allocation.extra_token_size == 0:
+                _check_epoch(plan.target_url, plan.target_info, allocation.server_epoch)
                 return _result(plan, "", allocation, None, None, "", fallback_reason)
             return (yield from _finish(plan, path, allocation, transfer, fallback_reason))
         # Nothing was allocated (the channel could not be used, or the target refused):
@@ -698,23 +751,26 @@ def _move(
     timings = plan.timings
     t0 = clock()
     try:
-        allocation = yield from _step(_allocate_call(plan, path))
+        allocation = yield from _step(_allocate_call(plan, path), AllocateReply)
     except MigrationFailed as failure:
-        if failure.reply:  # refused for a stale epoch ("epoch_check"): read info again
-            _check_epoch(plan.target_url, plan.target_info, failure.reply)
+        refusal = _parsed(AllocateReply, failure.reply)
+        if refusal is not None:  # refused for a stale epoch ("epoch_check"): read info again
+            _check_epoch(plan.target_url, plan.target_info, refusal.server_epoch)
         raise
-    migration_id = allocation["migration_id"]
-    timings["allocate"] = timings.get("allocate", 0.0) + clock() - t0
-    plan.steps["allocate"] = _trip_steps(allocation, clock() - t0)
-    if allocation["extra_token_size"] == 0:
-        _check_epoch(plan.target_url, plan.target_info, allocation)
+    migration_id = allocation.migration_id
+    timings[ALLOCATE] = timings.get(ALLOCATE, 0.0) + clock() - t0
+    plan.steps[ALLOCATE] = _trip_steps(allocation, clock() - t0)
+    if allocation.extra_token_size == 0:
+        _check_epoch(plan.target_url, plan.target_info, allocation.server_epoch)
         return _result(plan, "", allocation, None, None, "", fallback_reason)
 
     # From here on the target holds slots: every failure must abort them.
     try:
-        _check_epoch(plan.target_url, plan.target_info, allocation)
+        _check_epoch(plan.target_url, plan.target_info, allocation.server_epoch)
         t0 = clock()
-        transfer = yield from _transfer_step(plan, _transfer_call(plan, allocation, path))
+        transfer = yield from _transfer_step(
+            plan, lambda digest: _transfer_call(plan, allocation, path, digest)
+        )
         timings["transfer"] = clock() - t0
         plan.steps["transfer"] = _trip_steps(transfer, timings["transfer"])
     except (MigrationFailed, _StaleSession) as failure:
@@ -725,66 +781,61 @@ def _move(
 
 def _move_in_one_trip(
     plan: _Plan, path: str
-) -> Generator[_Call, _Reply, tuple[dict[str, Any], dict[str, Any]] | None]:
+) -> Generator[_Call, _Reply, tuple[AllocateReply, TransferReply] | None]:
     """Feature "source_allocate": the transfer asks the target for the slots itself.
     Returns (the target's allocate reply, the transfer reply), or None when nothing was
     allocated (the caller allocates then); a failed transfer after an allocation is
     aborted and raised."""
     t0 = time.perf_counter()
     try:
-        transfer = yield from _transfer_step(plan, _one_trip_call(plan, path))
+        transfer = yield from _transfer_step(
+            plan, lambda digest: _one_trip_call(plan, path, digest)
+        )
     except MigrationFailed as failure:
-        reply = failure.reply or {}
-        allocation = reply.get("allocation") or {}
-        if allocation.get("success"):
-            failure.migration_id = allocation["migration_id"]
-            yield from _abort(plan, allocation["migration_id"], failure, None)
+        reply = _parsed(TransferReply, failure.reply) or TransferReply(success=False)
+        allocation = _parsed(AllocateReply, reply.allocation) if reply.allocation else None
+        if allocation is not None and allocation.success:
+            failure.migration_id = allocation.migration_id
+            yield from _abort(plan, allocation.migration_id, failure, None)
             raise
-        if allocation:  # the target refused; a stale epoch: read session info again
-            _check_epoch(plan.target_url, plan.target_info, allocation)
+        if reply.allocation:  # the target refused; a stale epoch: read session info again
+            if allocation is not None:
+                _check_epoch(plan.target_url, plan.target_info, allocation.server_epoch)
             return None  # its own allocate trip says why (or, new weights, moves it)
-        if reply.get("channel_error"):
+        if reply.channel_error:
             return None  # the source could not reach the target's channel
         # Any other failure is the transfer's (nothing was allocated): as with two trips.
         raise
     seconds = time.perf_counter() - t0
     plan.timings["transfer"] = plan.timings.get("transfer", 0.0) + seconds
     plan.steps["transfer"] = _trip_steps(transfer, seconds)
-    allocation = transfer["allocation"]
-    plan.steps["allocate"] = dict(allocation.get("steps_ms") or {})
+    allocation = from_dict(AllocateReply, transfer.allocation)
+    plan.steps[ALLOCATE] = dict(allocation.steps_ms or {})
     return allocation, transfer
 
 
 def _finish(
     plan: _Plan,
     path: str,
-    allocation: dict[str, Any],
-    transfer: dict[str, Any],
+    allocation: AllocateReply,
+    transfer: TransferReply,
     fallback_reason: str,
 ) -> Generator[_Call, _Reply, MigrationResult]:
     """After a transfer into `allocation`: commit on the target, unless the source
     handed its receipts to the target's mailbox; abort on a failure."""
-    migration_id = allocation["migration_id"]
-    commit: dict[str, Any] | None = None
+    migration_id = allocation.migration_id
+    commit: CommitReply | None = None
     try:
-        _check_epoch(plan.target_url, plan.target_info, allocation)
-        if allocation.get("source_commit") and transfer.get("delivered"):
+        _check_epoch(plan.target_url, plan.target_info, allocation.server_epoch)
+        if allocation.source_commit and transfer.delivered:
             # The receipts are in the target's mailbox: it commits by itself, before it
             # handles anything sent from now on (feature "source_commit").
             return _result(plan, path, allocation, transfer, None, migration_id, fallback_reason)
         t0 = time.perf_counter()
-        commit = yield from _step(
-            _Call(
-                "commit",
-                plan.target_url,
-                "/commit",
-                {
-                    "migration_id": migration_id,
-                    "receipts": _receipts(transfer),
-                    **({"verify": True} if plan.verify else {}),
-                },
-            )
-        )
+        body = build(bodies.CommitBody, migration_id=migration_id, receipts=_receipts(transfer))
+        if plan.verify:
+            body.verify = True
+        commit = yield from _step(_Call("commit", plan.target_url, "/commit", body), CommitReply)
         plan.timings["commit"] = time.perf_counter() - t0
         plan.steps["commit"] = _trip_steps(commit, plan.timings["commit"])
     except (MigrationFailed, _StaleSession) as failure:
@@ -797,19 +848,15 @@ def _abort(
     plan: _Plan,
     migration_id: str,
     failure: MigrationFailed | _StaleSession,
-    transfer: dict[str, Any] | None,
+    transfer: TransferReply | None,
 ) -> Generator[_Call, _Reply, None]:
     """Free the target's slots after `failure`. The source's receipts (even of a failed
     transfer) may prove no write can still land, which frees them at once instead of
     after quarantine."""
-    failed_reply = failure.reply if isinstance(failure, MigrationFailed) else None
-    receipts = _receipts(transfer if transfer is not None else failed_reply)
-    status, _ = yield _Call(
-        "abort",
-        plan.target_url,
-        "/abort_transfer",
-        {"migration_id": migration_id, "receipts": receipts},
-    )
+    if transfer is None and isinstance(failure, MigrationFailed):
+        transfer = _parsed(TransferReply, failure.reply)
+    body = build(bodies.MigrationIdBody, migration_id=migration_id, receipts=_receipts(transfer))
+    status, _ = yield _Call("abort", plan.target_url, "/abort_transfer", body)
     if isinstance(failure, MigrationFailed):
         failure.migration_id = migration_id
         failure.rolled_back = status is not None and status < 300
@@ -852,43 +899,47 @@ def _move_in_rounds(
     )
 
 
-def _landing_tokens(target_info: dict[str, Any]) -> int:
+def _landing_tokens(target_info: SessionInfoReply) -> int:
     """The fewest tokens a target rank's landing arena holds (0: writes go to the pool)."""
-    ranks = target_info["ranks"]
-    return min((r["paths"]["device"].get("landing_tokens", 0) for r in ranks), default=0)
+    ranks = target_info.ranks
+    return min((r.paths["device"].get("landing_tokens", 0) for r in ranks), default=0)
+
+
+def _allocate_fields(plan: _Plan, path: str, model: type[A]) -> A:
+    """The allocate's fields but its ids: reserve slots on the target for what it lacks
+    of the prefix, on `path`."""
+    infos = (plan.source_info, plan.target_info)
+    body = build(
+        model,
+        extra_key=plan.extra_key,
+        source_fingerprints=[r.fingerprint for r in plan.source_info.ranks],
+        path=path,
+        index_format=_index_format(plan),
+        nothing_ok=True,
+    )
+    # Each only where the target understands it (older ones refuse unknown fields).
+    if BOUND_GRANTS in plan.target_info.features:
+        # Name the source, so only it may use the grant.
+        body.source_instance = plan.source_info.instance_id
+    if _can_stage(plan, path):
+        body.staging = True
+    if plan.verify:
+        body.verify = True
+    if _both_list(*infos, SOURCE_COMMIT):
+        body.source_commit = True
+    if EPOCH_CHECK in plan.target_info.features:
+        # A target whose epoch moved on since its info was read refuses before it
+        # reserves anything (slots granted to a stale plan would be aborted unused and
+        # sit out their write window: in a small landing arena, room the retry needs).
+        body.expect_epoch = plan.target_info.server_epoch
+    return body
 
 
 def _allocate_call(plan: _Plan, path: str) -> _Call:
     """Reserve slots on the target for what it lacks of the prefix, on `path`."""
-    infos = (plan.source_info, plan.target_info)
-    return _Call(
-        "allocate",
-        plan.target_url,
-        "/allocate_token_for_transfer",
-        {
-            **ids_field(plan.target_info, plan.prefix, plan.encoded),
-            "extra_key": plan.extra_key,
-            "source_fingerprints": [r["fingerprint"] for r in plan.source_info["ranks"]],
-            "path": path,
-            "index_format": _index_format(plan),
-            "nothing_ok": True,
-            **_source_instance(plan),
-            **({"staging": True} if _can_stage(plan, path) else {}),
-            **({"verify": True} if plan.verify else {}),
-            **({"source_commit": True} if _both_list(*infos, SOURCE_COMMIT) else {}),
-            **_expect_epoch(plan.target_info),
-        },
-    )
-
-
-def _expect_epoch(target_info: dict[str, Any]) -> dict[str, Any]:
-    """Feature "epoch_check": a target whose epoch moved on since `target_info` was read
-    refuses before it reserves anything (slots granted to a stale plan would be aborted
-    unused and sit out their write window: in a small landing arena, room the retry
-    needs)."""
-    if EPOCH_CHECK not in target_info.get("features", []):
-        return {}
-    return {"expect_epoch": target_info.get("server_epoch", "")}
+    body = _allocate_fields(plan, path, bodies.AllocateBody)
+    with_ids(body, plan.target_info, plan.prefix, plan.encoded)
+    return _Call(ALLOCATE, plan.target_url, "/allocate_token_for_transfer", body)
 
 
 def _source_allocates(plan: _Plan, path: str) -> bool:
@@ -897,116 +948,110 @@ def _source_allocates(plan: _Plan, path: str) -> bool:
     source, target = plan.source_info, plan.target_info
     if not _both_list(source, target, SOURCE_ALLOCATE):
         return False
-    if len(source["ranks"]) != 1 or len(target["ranks"]) != 1:
+    if len(source.ranks) != 1 or len(target.ranks) != 1:
         return False
-    channels = source.get("allocate_channel") or {}, target.get("allocate_channel") or {}
+    channels = source.allocate_channel or {}, target.allocate_channel or {}
     return bool(channels[1].get("address")) and channels[0].get("host") == channels[1].get("host")
 
 
-def _one_trip_call(plan: _Plan, path: str) -> _Call:
+def _one_trip_call(plan: _Plan, path: str, digest: str = "") -> _Call:
     """The transfer that allocates on the target first (`_source_allocates`): the
     allocate's fields ride along, the source adds the transfer's ids."""
-    allocate = dict(_allocate_call(plan, path).body or {})
-    for field_name in ("input_ids", binary_ids.FIELD):
-        allocate.pop(field_name, None)
-    channel = plan.target_info["allocate_channel"]
-    return _Call(
-        "transfer",
-        plan.source_url,
-        "/transfer_request_kvcache",
-        {
-            **ids_field(plan.source_info, plan.prefix, plan.encoded),
-            "extra_key": plan.extra_key,
-            "target_per_rank": [_target_entry(plan.target_info["ranks"][0], path)],
-            **({"partial_ok": True} if plan.partial else {}),
-            "allocate_on_target": {
-                "address": channel["address"],
-                "secret": channel["secret"],
-                "allocate": allocate,
-            },
-        },
+    # The channel is a free-form object of the target's session info.
+    channel = plan.target_info.allocate_channel
+    body = build(
+        bodies.TransferBody,
+        extra_key=plan.extra_key,
+        target_per_rank=[_target_entry(plan.target_info.ranks[0], path, digest)],
+        allocate_on_target=build(
+            bodies.AllocateOnTargetBody,
+            address=channel["address"],
+            secret=channel["secret"],
+            allocate=_allocate_fields(plan, path, bodies.AllocateFields),
+        ),
     )
+    with_ids(body, plan.source_info, plan.prefix, plan.encoded)
+    if plan.partial:
+        body.partial_ok = True
+    return _Call("transfer", plan.source_url, TRANSFER_ROUTE, body)
 
 
-def _transfer_step(plan: _Plan, call: _Call) -> Generator[_Call, _Reply, dict[str, Any]]:
-    """A transfer; its device destination named by digest to a source that was sent it
-    in full (feature "destination_digest": ~26 KB less per body for an 8B model), and
-    sent in full again to one that no longer knows it."""
-    entries = call.body["target_per_rank"] if call.body else []
-    digest = _destination_digest(plan, entries)
+def _transfer_step(
+    plan: _Plan, transfer_call: Callable[[str], _Call]
+) -> Generator[_Call, _Reply, TransferReply]:
+    """A transfer (`transfer_call(digest)` builds it); its device destination named by
+    digest to a source that was sent it in full (feature "destination_digest": ~26 KB
+    less per body for an 8B model), and sent in full again to one that no longer knows
+    it."""
+    call = transfer_call("")
+    digest = _destination_digest(plan, call.body.target_per_rank)
     if not digest:
-        return (yield from _step(call))
-    source, instance = plan.source_url, plan.source_info.get("instance_id", "")
+        return (yield from _step(call, TransferReply))
+    source, instance = plan.source_url, plan.source_info.instance_id
     if plan.sessions.source_knows(source, instance, digest):
-        short = dict(entries[0])
-        del short["device_kv"]
-        short["device_kv_digest"] = digest
         try:
-            return (
-                yield from _step(
-                    dataclasses.replace(call, body={**call.body, "target_per_rank": [short]})
-                )
-            )
+            return (yield from _step(transfer_call(digest), TransferReply))
         except MigrationFailed as failure:
-            if not (failure.reply or {}).get("destination_unknown"):
+            refusal = _parsed(TransferReply, failure.reply)
+            if refusal is None or not refusal.destination_unknown:
                 raise
             plan.sessions.sent(source, instance, digest, known=False)
-    reply = yield from _step(call)
+    reply = yield from _step(call, TransferReply)
     plan.sessions.sent(source, instance, digest, known=True)
     return reply
 
 
-def _destination_digest(plan: _Plan, entries: list[dict[str, Any]]) -> str:
+def _destination_digest(plan: _Plan, entries: list[bodies.TargetRankBody]) -> str:
     """The digest of the one device entry's `device_kv`, when the source names device
     destinations by digest; "" otherwise."""
-    if plan.sessions is None or len(entries) != 1 or "device_kv" not in entries[0]:
+    if plan.sessions is None or len(entries) != 1 or entries[0].device_kv is None:
         return ""
-    if DESTINATION_DIGEST not in plan.source_info.get("features", []):
+    if DESTINATION_DIGEST not in plan.source_info.features:
         return ""
-    return plan.sessions.digest_of(entries[0]["device_kv"])
+    return plan.sessions.digest_of(entries[0].device_kv)
 
 
-def _transfer_call(plan: _Plan, allocation: dict[str, Any], path: str) -> _Call:
-    """Ask the source to write the pages the target allocated (`allocation`)."""
-    return _Call(
-        "transfer",
-        plan.source_url,
-        "/transfer_request_kvcache",
-        {
-            **ids_field(plan.source_info, plan.prefix, plan.encoded),
-            "extra_key": plan.extra_key,
-            "matched_token_size": allocation["matched_token_size"],
-            "extra_token_size": allocation["extra_token_size"],
-            "migration_id": allocation["migration_id"],
-            "target_per_rank": _targets(plan.target_info, allocation, path),
-            **({"partial_ok": True} if plan.partial else {}),
-            **({"dp_rank": plan.source_dp_rank} if plan.source_dp_rank is not None else {}),
-        },
+def _transfer_call(plan: _Plan, allocation: AllocateReply, path: str, digest: str = "") -> _Call:
+    """Ask the source to write the pages the target allocated (`allocation`); `digest`
+    names the one device destination by its digest instead (`_transfer_step`)."""
+    body = build(
+        bodies.TransferBody,
+        extra_key=plan.extra_key,
+        matched_token_size=allocation.matched_token_size,
+        extra_token_size=allocation.extra_token_size,
+        migration_id=allocation.migration_id,
+        target_per_rank=_targets(plan.target_info, allocation, path, digest),
     )
+    with_ids(body, plan.source_info, plan.prefix, plan.encoded)
+    if plan.partial:
+        body.partial_ok = True
+    if plan.source_dp_rank is not None:
+        body.dp_rank = plan.source_dp_rank
+    return _Call("transfer", plan.source_url, TRANSFER_ROUTE, body)
 
 
 def _result(
     plan: _Plan,
     path: str,
-    allocation: dict[str, Any],
-    transfer: dict[str, Any] | None,
-    commit: dict[str, Any] | None,
+    allocation: AllocateReply,
+    transfer: TransferReply | None,
+    commit: CommitReply | None,
     migration_id: str,
     fallback_reason: str,
 ) -> MigrationResult:
     timings = plan.timings
     timings["total"] = sum(v for k, v in timings.items() if k != "total")
-    target_matched = allocation["matched_token_size"]
-    ranks = transfer.get("ranks", []) if transfer else []
-    seconds = [r.get("seconds", 0.0) for r in ranks]
+    target_matched = allocation.matched_token_size
+    ranks = transfer.ranks if transfer else []
+    seconds = [r.seconds for r in ranks]
     source_held = len(plan.prefix)
-    if plan.partial and transfer and transfer["transferred_token_size"] < len(plan.prefix):
-        source_held = target_matched + transfer["transferred_token_size"]
-    source_committed = bool(commit is None and transfer and transfer.get("delivered"))
+    if plan.partial and transfer and transfer.transferred_token_size < len(plan.prefix):
+        source_held = target_matched + transfer.transferred_token_size
+    source_committed = bool(commit is None and transfer and transfer.delivered)
     if commit is not None:
-        matched_after = commit["matched_after_commit"]
+        matched_after = commit.matched_after_commit
     elif source_committed:
-        matched_after = target_matched + transfer["transferred_token_size"]
+        matched_after = target_matched + transfer.transferred_token_size
     else:
         matched_after = target_matched
     return MigrationResult(
@@ -1015,62 +1060,63 @@ def _result(
         migration_id=migration_id,
         source_held_token_size=source_held,
         target_matched_token_size=target_matched,
-        migrated_token_size=transfer["transferred_token_size"] if transfer else 0,
-        migrated_bytes=transfer["transferred_bytes"] if transfer else 0,
+        migrated_token_size=transfer.transferred_token_size if transfer else 0,
+        migrated_bytes=transfer.transferred_bytes if transfer else 0,
         matched_after_commit=matched_after,
         timings=timings,
         path=path,
         fallback_reason=fallback_reason,
         copy_seconds=max(seconds, default=0.0),
-        plans=[r.get("plan", "") for r in ranks],
-        entries=sum(r.get("entries", 0) for r in ranks),
-        transfer_steps_ms=[r.get("steps_ms", {}) for r in ranks],
+        plans=[r.plan for r in ranks],
+        entries=sum(r.entries for r in ranks),
+        transfer_steps_ms=[r.steps_ms for r in ranks],
         steps_ms=plan.steps,
         source_committed=source_committed,
-        target_dp_rank=allocation.get("dp_rank"),
+        target_dp_rank=allocation.dp_rank,
     )
 
 
-def _trip_steps(reply: dict[str, Any], seconds: float) -> dict[str, float]:
+def _trip_steps(reply: Reply, seconds: float) -> dict[str, float]:
     """The server's `steps_ms` of one trip plus `outside`: this trip less the route."""
-    steps = dict(reply.get("steps_ms") or {})
+    steps = dict(reply.steps_ms or {})
     if "route" in steps:
         steps["outside"] = round(max(seconds * 1e3 - steps["route"], 0.0), 3)
     return steps
 
 
-def _receipts(transfer_reply: dict[str, Any] | None) -> list[str]:
-    if not transfer_reply:
+def _receipts(transfer_reply: TransferReply | None) -> list[str]:
+    if transfer_reply is None:
         return []
-    return [r["receipt"] for r in transfer_reply.get("ranks", []) if r.get("receipt")]
+    return [r.receipt for r in transfer_reply.ranks if r.receipt]
 
 
-def _session_info(url: str, sessions: SessionCache) -> Generator[_Call, _Reply, dict[str, Any]]:
+def _session_info(url: str, sessions: SessionCache) -> Generator[_Call, _Reply, SessionInfoReply]:
     info = sessions.get(url)
     if info is None:
-        info = yield from _step(_Call("session_info", url, "/get_transfer_session_info", {}))
+        call = _Call("session_info", url, "/get_transfer_session_info", None)
+        info = yield from _step(call, SessionInfoReply)
         sessions.put(url, info)
     return info
 
 
-def _check_epoch(url: str, info: dict[str, Any], reply: dict[str, Any]) -> None:
-    epoch = reply.get("server_epoch", "")
-    if epoch and epoch != info.get("server_epoch", ""):
+def _check_epoch(url: str, info: SessionInfoReply, epoch: str) -> None:
+    """A reply's `server_epoch` that is not the one `info` was read with: a restart."""
+    if epoch and epoch != info.server_epoch:
         raise _StaleSession(url)
 
 
-def _common_paths(source_info: dict[str, Any], target_info: dict[str, Any]) -> list[str]:
+def _common_paths(source_info: SessionInfoReply, target_info: SessionInfoReply) -> list[str]:
     """Paths every rank of both servers offers, in the source's order of preference."""
-    ranks = [*source_info["ranks"], *target_info["ranks"]]
-    order = list(source_info["ranks"][0].get("paths", {}) or {"host": {}})
-    return [p for p in order if all(p in (r.get("paths") or {"host": {}}) for r in ranks)]
+    ranks = [*source_info.ranks, *target_info.ranks]
+    order = list(source_info.ranks[0].paths or {"host": {}})
+    return [p for p in order if all(p in (r.paths or {"host": {}}) for r in ranks)]
 
 
 def _choose_path(
     requested: str | None,
-    source_info: dict[str, Any],
-    target_info: dict[str, Any],
-    held: dict[str, Any],
+    source_info: SessionInfoReply,
+    target_info: SessionInfoReply,
+    held: ExtraTokenSizeReply,
 ) -> tuple[str, str]:
     """(path, why the preferred device path was not taken: "" if it was)."""
     common = _common_paths(source_info, target_info)
@@ -1094,9 +1140,9 @@ def _choose_path(
 
 
 def predict_path(
-    source_info: dict[str, Any],
-    target_info: dict[str, Any],
-    held: dict[str, Any],
+    source_info: SessionInfoReply,
+    target_info: SessionInfoReply,
+    held: ExtraTokenSizeReply,
     requested: str | None = None,
 ) -> str:
     """The path `migrate` will try first for what the source holds (`held`: its
@@ -1109,74 +1155,76 @@ def predict_path(
 
 
 def _device_refusal(
-    source_info: dict[str, Any], target_info: dict[str, Any], held: dict[str, Any]
+    source_info: SessionInfoReply, target_info: SessionInfoReply, held: ExtraTokenSizeReply
 ) -> str:
-    hosts = {r["paths"]["device"]["host_identity"] for r in source_info["ranks"]}
-    hosts |= {r["paths"]["device"]["host_identity"] for r in target_info["ranks"]}
+    hosts = {r.paths["device"]["host_identity"] for r in source_info.ranks}
+    hosts |= {r.paths["device"]["host_identity"] for r in target_info.ranks}
     if len(hosts) != 1:
         return "servers are on different hosts"
-    host_only = held["matched_token_size"] - held.get("device_token_size", 0)
+    host_only = held.matched_token_size - held.device_token_size
     # A source that reads its host pool in place (`tiers` lists "host") sends host-only
     # pages on the device path too; sources without that tier read device pages only.
     if host_only > 0 and not all(
-        "host" in r["paths"]["device"].get("tiers", ()) for r in source_info["ranks"]
+        "host" in r.paths["device"].get("tiers", ()) for r in source_info.ranks
     ):
         return f"source holds {host_only} of the tokens on host only (it reads device pages only)"
     return ""
 
 
 def _targets(
-    target_info: dict[str, Any], allocation: dict[str, Any], path: str
-) -> list[dict[str, Any]]:
-    slots = {(r["tp_rank"], r["pp_rank"]): r for r in allocation["ranks"]}
+    target_info: SessionInfoReply, allocation: AllocateReply, path: str, digest: str = ""
+) -> list[bodies.TargetRankBody]:
+    slots = {(r.tp_rank, r.pp_rank): r for r in allocation.ranks}
     entries = []
-    for rank in _dp_rank_ranks(target_info, allocation.get("dp_rank")):
-        granted = slots[(rank["tp_rank"], rank["pp_rank"])]
-        entry = _target_entry(rank, path)
-        entry["grant"] = granted.get("grant", "")
+    for rank in _dp_rank_ranks(target_info, allocation.dp_rank):
+        granted = slots[(rank.tp_rank, rank.pp_rank)]
+        entry = _target_entry(rank, path, digest)
+        entry.grant = granted.grant
         # Runs when the target sent them (both servers speak "page_ranges"), else pages.
-        if granted.get("kv_page_ranges"):
-            entry["kv_page_ranges"] = granted["kv_page_ranges"]
+        if granted.kv_page_ranges:
+            entry.kv_page_ranges = granted.kv_page_ranges
         else:
-            entry["kv_pages"] = granted["kv_pages"]
-        if granted.get("staging"):
-            entry["staging"] = granted["staging"]
+            entry.kv_pages = granted.kv_pages
+        if granted.staging:
+            entry.staging = granted.staging
         entries.append(entry)
     return entries
 
 
-def _dp_rank_ranks(info: dict[str, Any], dp_rank: int | None) -> list[dict[str, Any]]:
+def _dp_rank_ranks(info: SessionInfoReply, dp_rank: int | None) -> list[RankSessionInfo]:
     """The ranks of session info `info` that belong to DP rank `dp_rank` (feature
     "dp_ranks"; all of them for None, a server with one DP rank)."""
     if dp_rank is None:
-        return info["ranks"]
-    return [r for r in info["ranks"] if r.get("dp_rank", 0) == dp_rank]
+        return info.ranks
+    return [r for r in info.ranks if r.dp_rank == dp_rank]
 
 
-def _target_entry(rank: dict[str, Any], path: str) -> dict[str, Any]:
-    """A transfer's target rank entry without its slots and grant: where to write."""
-    entry: dict[str, Any] = {
-        "tp": rank["tp_rank"],
-        "pp": rank["pp_rank"],
-        "path": path,
-        "fingerprint": rank["fingerprint"],
-    }
-    if path == "device":
-        entry["device_kv"] = rank["paths"]["device"]
+def _target_entry(rank: RankSessionInfo, path: str, digest: str = "") -> bodies.TargetRankBody:
+    """A transfer's target rank entry without its slots and grant: where to write (a
+    device destination by its digest when `digest` is given)."""
+    entry = build(
+        bodies.TargetRankBody,
+        tp=rank.tp_rank,
+        pp=rank.pp_rank,
+        path=path,
+        fingerprint=rank.fingerprint,
+    )
+    if path == "device" and digest:
+        entry.device_kv_digest = digest
+    elif path == "device":
+        entry.device_kv = rank.paths["device"]
     else:
-        host = rank["paths"]["host"]
-        entry.update(
-            session_id=host["session_id"],
-            host_kv_data_ptrs=host["host_kv_data_ptrs"],
-            host_kv_data_lens=host["host_kv_data_lens"],
-            host_kv_item_lens=host["host_kv_item_lens"],
-        )
+        host = HostTarget.from_wire(rank.paths["host"])
+        entry.session_id = host.session_id
+        entry.host_kv_data_ptrs = host.host_kv_data_ptrs
+        entry.host_kv_data_lens = host.host_kv_data_lens
+        entry.host_kv_item_lens = host.host_kv_item_lens
     return entry
 
 
-def _both_list(source_info: dict[str, Any], target_info: dict[str, Any], feature: str) -> bool:
+def _both_list(source_info: SessionInfoReply, target_info: SessionInfoReply, feature: str) -> bool:
     """Both servers' session info lists `feature`."""
-    return all(feature in info.get("features", []) for info in (source_info, target_info))
+    return feature in source_info.features and feature in target_info.features
 
 
 def _index_format(plan: _Plan) -> str:
@@ -1186,29 +1234,34 @@ def _index_format(plan: _Plan) -> str:
     return "ranges" if _both_list(plan.source_info, plan.target_info, PAGE_RANGES) else "pages"
 
 
-def _source_instance(plan: _Plan) -> dict[str, str]:
-    """Name the source in the allocate body, so only it may use the grant; sent only to
-    a target that lists the feature (older ones refuse unknown fields)."""
-    if BOUND_GRANTS not in plan.target_info.get("features", []):
-        return {}
-    return {"source_instance": plan.source_info.get("instance_id", "")}
-
-
 def _can_stage(plan: _Plan, path: str) -> bool:
     """Ask the target for staging extents only when every source rank can write them and
     every target rank has an arena (servers without either never see the field)."""
     if path != "host":
         return False
-    sources, targets = plan.source_info["ranks"], plan.target_info["ranks"]
-    return all(r.get("stage_writer") for r in sources) and all(
-        r.get("staging_region") for r in targets
-    )
+    sources, targets = plan.source_info.ranks, plan.target_info.ranks
+    return all(r.stage_writer for r in sources) and all(r.staging_region for r in targets)
 
 
-def _step(call: _Call) -> Generator[_Call, _Reply, dict[str, Any]]:
-    """Yield one call; return its checked JSON reply."""
+def _step(call: _Call, reply_type: type[R]) -> Generator[_Call, _Reply, R]:
+    """Yield one call; return its checked JSON reply as `reply_type`."""
     status, payload = yield call
-    return _checked(call, status, payload)
+    reply = _checked(call, status, payload)
+    try:
+        return from_dict(reply_type, reply)
+    except (ValueError, TypeError) as e:
+        raise MigrationFailed(call.phase, f"{call.url}{call.path}: malformed reply: {e}") from None
+
+
+def _parsed(reply_type: type[R], payload: Any) -> R | None:
+    """A failed call's JSON reply as `reply_type`; None when there is none, or it is not
+    one."""
+    if not payload:
+        return None
+    try:
+        return from_dict(reply_type, payload)
+    except (ValueError, TypeError):
+        return None
 
 
 def _checked(call: _Call, status: int | None, payload: Any) -> dict[str, Any]:
@@ -1218,25 +1271,25 @@ def _checked(call: _Call, status: int | None, payload: Any) -> dict[str, Any]:
     if status in (401, 403):
         message = f"{call.url}{call.path} refused the key: {payload}; {auth_hint(call.path)}"
         raise AuthFailed(call.phase, route_of(call.path), message, status)
-    if status >= 300 or not isinstance(payload, dict) or not payload.get("success", False):
-        message = payload.get("message", payload) if isinstance(payload, dict) else payload
+    common = _parsed(Reply, payload)
+    if status >= 300 or common is None or not common.success:
+        message = common.message if common is not None and common.message else payload
         failure = MigrationFailed(call.phase, f"{call.url}{call.path}: {message}", status)
         failure.reply = payload if isinstance(payload, dict) else None
         raise failure
     return payload
 
 
-def _check_compatible(source_info: dict[str, Any], target_info: dict[str, Any]) -> None:
+def _check_compatible(source_info: SessionInfoReply, target_info: SessionInfoReply) -> None:
     """Refuse before anything is allocated when the two servers cannot exchange pages."""
     for name, info in (("source", source_info), ("target", target_info)):
-        if info.get("protocol_version") != PROTOCOL_VERSION:
+        if info.protocol_version != PROTOCOL_VERSION:
             raise MigrationFailed(
                 "session_info",
-                f"{name} speaks protocol {info.get('protocol_version')}, this client "
-                f"{PROTOCOL_VERSION}",
+                f"{name} speaks protocol {info.protocol_version}, this client {PROTOCOL_VERSION}",
             )
-    source_ranks = {(r["tp_rank"], r["pp_rank"]): r for r in source_info["ranks"]}
-    target_ranks = {(r["tp_rank"], r["pp_rank"]): r for r in target_info["ranks"]}
+    source_ranks = {(r.tp_rank, r.pp_rank): r for r in source_info.ranks}
+    target_ranks = {(r.tp_rank, r.pp_rank): r for r in target_info.ranks}
     if set(source_ranks) != set(target_ranks):
         raise MigrationFailed(
             "session_info",
@@ -1244,8 +1297,8 @@ def _check_compatible(source_info: dict[str, Any], target_info: dict[str, Any]) 
             f"{sorted(target_ranks)}",
         )
     for position, source_rank in source_ranks.items():
-        source_fp = LayoutFingerprint.from_dict(source_rank["fingerprint"])
-        target_fp = LayoutFingerprint.from_dict(target_ranks[position]["fingerprint"])
+        source_fp = LayoutFingerprint.from_dict(source_rank.fingerprint)
+        target_fp = LayoutFingerprint.from_dict(target_ranks[position].fingerprint)
         mismatch = source_fp.first_mismatch(target_fp)
         if mismatch is not None:
             raise MigrationFailed("session_info", f"KV layouts differ: {mismatch}")
@@ -1254,8 +1307,10 @@ def _check_compatible(source_info: dict[str, Any], target_info: dict[str, Any]) 
 _JSON = {"Content-Type": "application/json"}
 
 
-def _encode(body: dict[str, Any] | None) -> bytes:
+def _encode(body: bodies.Body | dict[str, Any] | None) -> bytes:
     # orjson: bodies carry token lists as long as the prefix (stdlib json is ~10x slower).
+    if isinstance(body, bodies.Body):
+        return orjson.dumps(to_wire(body))
     return orjson.dumps(body or {})
 
 

@@ -5,7 +5,7 @@ its KV instead of the one the gateway's policy would pick.
     gateway = ModelGateway("http://gateway:30000")          # --policy consistent_hashing
     migrator = AsyncRequestMigrator(api_key=K, admin_api_key=A, gateway=gateway)
     handle = await migrator.submit(worker_url, request)     # sent through the gateway
-    await migrator.migrate_request(handle, other_worker)    # resumed through it, pinned
+    await migrator.move_request(handle, other_worker)       # resumed through it, pinned
     pins = SessionPins(gateway); pins.pin(session_id, handle.server_url)   # next turns
 
 What smg 1.13.0 honours (checked against its binary, two and three workers):

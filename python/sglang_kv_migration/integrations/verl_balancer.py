@@ -34,13 +34,20 @@ from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-from sglang_kv_migration.client.migration import AsyncMigrationClient, ids_field, predict_path
+from sglang_kv_migration.client.migration import (
+    SIZE_QUERY_ROUTE,
+    AsyncMigrationClient,
+    predict_path,
+    size_query,
+)
 from sglang_kv_migration.rollout.cost_model import (
     CostEstimate,
     CostModel,
     PrefillCosts,
     bytes_per_token_from_session_info,
 )
+from sglang_kv_migration.wire.convert import from_dict
+from sglang_kv_migration.wire.messages import ExtraTokenSizeReply
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +274,9 @@ class KVMigrationLoadBalancer:
         client = self._migration_client()
         src, dst = _url(source), _url(target)
         source_info = await client.session_info(src)
-        held = await client.call(
-            src, "/get_request_extra_token_size", {**ids_field(source_info, ids), "extra_key": None}
+        held = from_dict(
+            ExtraTokenSizeReply,
+            await client.call(src, SIZE_QUERY_ROUTE, size_query(source_info, ids)),
         )
         estimate = await self._estimate(client, src, dst, ids, held)
         if estimate.decision != "migrate":
@@ -285,20 +293,19 @@ class KVMigrationLoadBalancer:
         )
 
     async def _estimate(
-        self, client: Any, src: str, dst: str, ids: list[int], held: dict[str, Any]
+        self, client: Any, src: str, dst: str, ids: list[int], held: ExtraTokenSizeReply
     ) -> CostEstimate:
         """The cost model's verdict on what the source holds beyond the target, priced on
         the path the migration would take."""
-        source_held = int(held.get("matched_token_size", 0))
+        source_held = held.matched_token_size
         if not source_held:
             return self.cost_model.estimate(0)
         target_info = await client.session_info(dst)
-        target_reply = await client.call(
-            dst,
-            "/get_request_extra_token_size",
-            {**ids_field(target_info, ids[:source_held]), "extra_key": None},
+        target_reply = from_dict(
+            ExtraTokenSizeReply,
+            await client.call(dst, SIZE_QUERY_ROUTE, size_query(target_info, ids[:source_held])),
         )
-        tokens = max(0, source_held - int(target_reply.get("matched_token_size", 0)))
+        tokens = max(0, source_held - target_reply.matched_token_size)
         source_info = await client.session_info(src)
         path = predict_path(source_info, target_info, held) or None
         nbytes = None

@@ -108,10 +108,10 @@ def open_paths(
     return paths
 
 
-def host_pool_layout(pool_buffer: Any) -> HostPoolLayout:
-    """The host pool's buffers as the host path's writes address them, from the
-    adapter's `HostPoolBuffer` of the rank's host pool."""
-    return HostPoolLayout.from_pool_buffer(pool_buffer)
+def host_pool_layout(host_pool: Any) -> HostPoolLayout:
+    """The buffers of every pool of SGLang's host pool (the NSA indexer's too) as the
+    host path's writes address them."""
+    return HostPoolLayout.from_host_pool(host_pool)
 
 
 def open_staging(host_path: DataPath, layout: HostPoolLayout, nbytes: int) -> TargetStaging:

@@ -10,7 +10,6 @@ from sglang_kv_migration.rollout.request_migration import (
     MoveReport,
     RequestMigrator,
     RequestOutput,
-    migrate_request,
 )
 
 __all__ = [
@@ -22,5 +21,4 @@ __all__ = [
     "Rebalancer",
     "RequestMigrator",
     "RequestOutput",
-    "migrate_request",
 ]

@@ -65,6 +65,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from sglang_kv_migration.wire.messages import ExtraTokenSizeReply, SessionInfoReply
+
 Decision = Literal["migrate", "recompute"]
 
 # Priors (see the module docstring): used where no metric says otherwise.
@@ -176,7 +178,9 @@ class CostModel:
     # What each route costs: the priors, or what `from_metrics` measured.
     routes: Mapping[str, RouteCost] = dataclasses.field(default_factory=lambda: dict(ROUTE_PRIORS))
 
-    def costs_for(self, path: str | None, held: Mapping[str, Any] | None = None) -> MigrationCosts:
+    def costs_for(
+        self, path: str | None, held: ExtraTokenSizeReply | None = None
+    ) -> MigrationCosts:
         """The migration terms of `path`; bytes per token are the layout's, on any path.
         Route-priced terms (``origin == "routes"``) take their rate and fixed cost from
         `routes`: split by the routes the bytes of `held` (the source's size query)
@@ -201,7 +205,7 @@ class CostModel:
         nbytes: int | None = None,
         *,
         path: str | None = None,
-        held: Mapping[str, Any] | None = None,
+        held: ExtraTokenSizeReply | None = None,
     ) -> CostEstimate:
         """Both estimates for moving `tokens` tokens (`nbytes` bytes on all ranks) over
         `path` (None: `migration`'s terms); `held`, the source's size query, tells which
@@ -272,11 +276,11 @@ class CostModel:
 # --------------------------------------------------------------------------- route math
 
 
-def route_bytes(path: str, held: Mapping[str, Any], bytes_per_token: float) -> dict[str, int]:
+def route_bytes(path: str, held: ExtraTokenSizeReply, bytes_per_token: float) -> dict[str, int]:
     """Bytes per route for moving what the size query `held` reports (tokens held beyond
     what the target has are approximated by the source's tiers: device first)."""
-    total = int(held.get("matched_token_size", 0))
-    on_device = min(total, int(held.get("device_token_size", 0)))
+    total = held.matched_token_size
+    on_device = min(total, held.device_token_size)
     if path == "host":
         return {HOST_TO_HOST: round(total * bytes_per_token)}
     return {
@@ -400,10 +404,10 @@ def learn_prefill_costs(
     return prior
 
 
-def bytes_per_token_from_session_info(info: Mapping[str, Any]) -> int:
+def bytes_per_token_from_session_info(info: SessionInfoReply) -> int:
     """KV bytes one token occupies on all ranks together, from a `/get_transfer_session_info`
     reply: every host buffer holds ``item_len`` bytes per token slot."""
-    return sum(sum(rank["host_kv_item_lens"]) for rank in info["ranks"])
+    return sum(sum(rank.host_kv_item_lens) for rank in info.ranks)
 
 
 # --------------------------------------------------------------------------- parsing

@@ -518,9 +518,7 @@ class Rebalancer:
             if isinstance(reply, BaseException):  # not held, as far as we can tell
                 logger.debug("%s: held size of %s: %s", url, handle.request.rid, reply)
                 continue
-            held[id(handle)] = HeldKV(
-                reply["matched_token_size"], reply.get("device_token_size", 0)
-            )
+            held[id(handle)] = HeldKV(reply.matched_token_size, reply.device_token_size)
         return held
 
     async def _learn_costs(self, source: str, target: str) -> None:

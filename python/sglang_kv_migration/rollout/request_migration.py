@@ -4,9 +4,10 @@
     handle = await migrator.submit(src, GenerateRequest(prompt_ids, {"max_new_tokens": 512},
                                                         priority=5))
     ...                                                   # later, e.g. from a rebalancer:
-    out = await migrator.migrate_request(handle, dst)     # abort, migrate, resume, wait
+    await migrator.move_request(handle, dst)              # abort, migrate, resume
+    out = await handle.result()                           # the whole output, however moved
     out.output_ids, out.finish_reason, out.segments       # as if it had run in one piece
-    out = await migrator.migrate_request(handle, dst, live=True)  # copy while it decodes
+    await migrator.move_request(handle, dst, live=True)   # copy while it decodes
 
 Why the migrator issues the `/generate` call. SGLang hands the tokens a request generated
 so far to one place only: the caller's own `/generate` call, which returns with
@@ -90,6 +91,8 @@ import httpx
 import orjson
 
 from sglang_kv_migration.client.migration import (
+    SIZE_QUERY,
+    SIZE_QUERY_ROUTE,
     ApiKeys,
     AsyncMigrationClient,
     AuthFailed,
@@ -97,8 +100,8 @@ from sglang_kv_migration.client.migration import (
     MigrationFailed,
     MigrationResult,
     auth_hint,
-    ids_field,
     predict_path,
+    size_query,
 )
 from sglang_kv_migration.rollout.cost_model import (
     CostEstimate,
@@ -106,6 +109,8 @@ from sglang_kv_migration.rollout.cost_model import (
     bytes_per_token_from_session_info,
 )
 from sglang_kv_migration.rollout.dp_routing import routed_body
+from sglang_kv_migration.wire.convert import from_dict
+from sglang_kv_migration.wire.messages import ExtraTokenSizeReply, SessionInfoReply
 
 logger = logging.getLogger(__name__)
 
@@ -618,13 +623,6 @@ class AsyncRequestMigrator:
         self._live = [h for h in self._live if not h.done()]
         return list(self._live)
 
-    async def migrate_request(
-        self, handle: RequestHandle, target_url: str, **options: Any
-    ) -> RequestOutput:
-        """`move_request`, then wait for the whole output (see the module docstring)."""
-        await self.move_request(handle, target_url, **options)
-        return await handle.result()
-
     async def move_request(
         self,
         handle: RequestHandle,
@@ -711,7 +709,7 @@ class AsyncRequestMigrator:
             ids = (handle.piece.input_ids + generated)[:-1]
             try:
                 held = await self.held_kv(move.source_url, ids, handle.piece.extra_key)
-                fresh = held["matched_token_size"] - move.target_has
+                fresh = held.matched_token_size - move.target_has
                 if fresh <= 0 or (index > 1 and fresh < self.live_stage_tokens):
                     break
                 if (
@@ -735,7 +733,7 @@ class AsyncRequestMigrator:
         move.seconds["live"] = time.perf_counter() - t0
 
     async def _worth_it(
-        self, move: _Move, ids: list[int], held: dict[str, Any], path: str | None
+        self, move: _Move, ids: list[int], held: ExtraTokenSizeReply, path: str | None
     ) -> bool:
         """mode="auto": the cost model prices stage 1 like a whole move; a `recompute`
         verdict makes the move an ordinary one (priced again after the stop)."""
@@ -788,8 +786,8 @@ class AsyncRequestMigrator:
         page = 1
         try:
             info = await self._session_info(move.target_url)
-            page = max(1, int(info["ranks"][0]["fingerprint"]["page_size"]))
-        except (MigrationFailed, httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
+            page = max(1, info.ranks[0].page_size)
+        except (MigrationFailed, httpx.HTTPError, IndexError, TypeError, ValueError):
             pass
         return length // page * page - move.target_has
 
@@ -852,23 +850,22 @@ class AsyncRequestMigrator:
 
     async def held_kv(
         self, url: str, input_ids: list[int], extra_key: str | None = None
-    ) -> dict[str, Any]:
+    ) -> ExtraTokenSizeReply:
         """What `url` holds of `input_ids` (its `/get_request_extra_token_size` reply:
         ``matched_token_size``, device and host tier, and ``device_token_size``)."""
         try:
             info = await self._session_info(url)  # cached: no trip after the first
         except MigrationFailed:  # the query below reports what is wrong with the server
-            info = {}
-        body = {**ids_field(info, input_ids), "extra_key": extra_key}
-        return await self._call(url, "/get_request_extra_token_size", body)
+            info = None
+        body = size_query(info, input_ids, extra_key)
+        return await self._size_query(url, body)
 
     async def host_headroom(self, url: str) -> int | None:
         """Host slots a host-path allocate on `url` could claim now (free plus evictable
         host-only pages), None when it does not say. One size query with ``headroom``:
         what it holds of the one-token prompt asked is irrelevant."""
-        body = {"input_ids": [0], "headroom": True}
-        reply = await self._call(url, "/get_request_extra_token_size", body)
-        value = reply.get("host_headroom_tokens", -1)
+        reply = await self._size_query(url, size_query(None, [0], headroom=True))
+        value = reply.host_headroom_tokens
         return value if isinstance(value, int) and value >= 0 else None
 
     async def aclose(self) -> None:
@@ -977,19 +974,18 @@ class AsyncRequestMigrator:
         source_url: str,
         target_url: str,
         ids: list[int],
-        held: dict[str, Any],
+        held: ExtraTokenSizeReply,
         extra_key: str | None,
         path: str | None = None,
     ) -> CostEstimate:
         """The cost model's verdict on the tokens the source holds beyond the target
         (`held`: the source's size query), priced on the path the migration will take
         (`client.predict_path`); session info comes from the client's cache."""
-        source_held = held["matched_token_size"]
+        source_held = held.matched_token_size
         target_held = 0
         if source_held:
-            target_held = (await self.held_kv(target_url, ids[:source_held], extra_key))[
-                "matched_token_size"
-            ]
+            on_target = await self.held_kv(target_url, ids[:source_held], extra_key)
+            target_held = on_target.matched_token_size
         tokens = max(0, source_held - target_held)
         if not tokens:
             return self.cost_model.estimate(0)
@@ -1061,7 +1057,7 @@ class AsyncRequestMigrator:
         ids: list[int],
         extra_key: str | None,
         path: str | None,
-        held: dict[str, Any],
+        held: ExtraTokenSizeReply,
     ) -> MigrationResult:
         # `path` only when asked for, so clients without the keyword keep working.
         kwargs: dict[str, Any] = {"path": path} if path is not None else {}
@@ -1071,17 +1067,24 @@ class AsyncRequestMigrator:
             return await client.migrate(source, target, ids, extra_key, **kwargs)
         return await asyncio.to_thread(client.migrate, source, target, ids, extra_key, **kwargs)
 
-    async def _session_info(self, url: str) -> dict[str, Any]:
+    async def _session_info(self, url: str) -> SessionInfoReply:
         client = self._migration
         if isinstance(client, AsyncMigrationClient):
             return await client.session_info(url)
         return await asyncio.to_thread(client.session_info, url)
 
-    async def _call(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _size_query(self, url: str, body: Any) -> ExtraTokenSizeReply:
+        """`/get_request_extra_token_size` of `url` with `body` (`size_query`)."""
         client = self._migration
+        route = SIZE_QUERY_ROUTE
         if isinstance(client, AsyncMigrationClient):
-            return await client.call(url, path, body)
-        return await asyncio.to_thread(client.call, url, path, body)
+            reply = await client.call(url, route, body)
+        else:
+            reply = await asyncio.to_thread(client.call, url, route, body)
+        try:
+            return from_dict(ExtraTokenSizeReply, reply)
+        except ValueError as e:
+            raise MigrationFailed(SIZE_QUERY, f"{url}{route}: malformed reply: {e}") from None
 
     async def _get_text(self, url: str, path: str) -> str | None:
         try:
@@ -1224,11 +1227,6 @@ class RequestMigrator:
     ) -> MoveReport:
         return self._run(self.inner.move_request(handle.handle, target_url, **options))
 
-    def migrate_request(
-        self, handle: SyncRequestHandle, target_url: str, **options: Any
-    ) -> RequestOutput:
-        return self._run(self.inner.migrate_request(handle.handle, target_url, **options))
-
     def wait(self, handle: SyncRequestHandle, timeout: float | None = None) -> RequestOutput:
         """`handle`'s whole output (blocking; `TimeoutError` after `timeout` seconds)."""
         return self._run(handle.handle.result(), timeout)
@@ -1258,21 +1256,6 @@ class RequestMigrator:
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-
-# --------------------------------------------------------------------------- one-call API
-
-
-def migrate_request(handle: SyncRequestHandle, target_url: str, **options: Any) -> RequestOutput:
-    """Move `handle`'s request to `target_url` and wait for its whole output (blocking)."""
-    return handle.migrator.migrate_request(handle, target_url, **options)
-
-
-async def async_migrate_request(
-    migrator: AsyncRequestMigrator, handle: RequestHandle, target_url: str, **options: Any
-) -> RequestOutput:
-    """Move `handle`'s request to `target_url` and wait for its whole output (asyncio)."""
-    return await migrator.migrate_request(handle, target_url, **options)
 
 
 def _close(client: AsyncMigrationClient | MigrationClient) -> Any:

@@ -290,15 +290,6 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
             f"--enable-kv-migration with --dp-size {args.dp_size} does not support "
             f"--pp-size > 1 yet (got {args.pp_size}); use data and tensor parallelism only."
         )
-    if args.attn_cp_size > 1:
-        # Read from SGLang 0.5.12's code (benchmark/probes/probe_attn_cp.py): CP splits the
-        # prefill's compute and every CP rank keeps the whole sequence's KV, but moving
-        # it between such servers has not been run yet (it needs two GPUs).
-        raise KVMigrationArgsError(
-            f"--enable-kv-migration does not support --attn-cp-size > 1 yet (got "
-            f"{args.attn_cp_size}): KV migration between attention-context-parallel servers "
-            "has not been verified; run without --attn-cp-size."
-        )
     if args.tokenizer_worker_num > 1 or args.enable_http2:
         # SGLang then serves HTTP from worker processes that import its app afresh; the
         # plugin adds the migration routes to the main process's app only.

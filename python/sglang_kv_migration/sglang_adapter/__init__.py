@@ -1,5 +1,6 @@
 """The one package that reads or calls SGLang internals: the radix tree
-(`radix_tree.py`), the KV pools and allocator (`pools.py`), and the scheduler's,
+(`radix_tree.py`), the KV pools and allocator (`pools.py`, with NSA's host pool groups
+in `pool_groups.py`), and the scheduler's,
 tokenizer manager's and HTTP server's attributes (`process.py`); `hook_targets.py` names
 every upstream symbol the plugin hooks or relies on.
 
@@ -11,6 +12,11 @@ Everything else in the package goes through these functions, imported from here
 
 from __future__ import annotations
 
+from sglang_kv_migration.sglang_adapter.pool_groups import (
+    IndexerPoolBuffer,
+    indexer_host_pool,
+    indexer_pool_buffer,
+)
 from sglang_kv_migration.sglang_adapter.pools import (
     HostPoolBuffer,
     HostPoolShape,
@@ -86,6 +92,7 @@ __all__ = [
     "HeldPrefix",
     "HostPoolBuffer",
     "HostPoolShape",
+    "IndexerPoolBuffer",
     "PinnedHostPages",
     "SchedulerView",
     "Segment",
@@ -113,6 +120,8 @@ __all__ = [
     "http_server_imported",
     "server_runtime_missing",
     "http_tokenizer_manager",
+    "indexer_host_pool",
+    "indexer_pool_buffer",
     "input_waiting_check",
     "insert_device_pages",
     "insert_host_pages",

@@ -99,6 +99,12 @@ REQUIRED_SYMBOLS: tuple[str, ...] = (
     "sglang.srt.mem_cache.allocator.BaseTokenToKVPoolAllocator.available_size",
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",
     "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool",
+    # NSA models: the device pool with the indexer's keys, and the host pool group
+    # HiRadixCache builds for it (`pool_groups.py`).
+    "sglang.srt.mem_cache.memory_pool.NSATokenToKVPool",
+    "sglang.srt.mem_cache.memory_pool_host.HostPoolGroup",
+    "sglang.srt.mem_cache.memory_pool_host.NSAIndexerPoolHost",
+    "sglang.srt.mem_cache.hicache_storage.PoolName",
     # Private: the only way to add host-only nodes, used by SGLang for storage prefetch.
     "sglang.srt.mem_cache.hiradix_cache.HiRadixCache._insert_helper_host",
     # Private: the walk `radix_tree._walk` mirrors (compared against it on twin trees

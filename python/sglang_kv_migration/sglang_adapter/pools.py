@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.fingerprint import KVCacheShape
+from sglang_kv_migration.sglang_adapter import pool_groups
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +35,15 @@ class HostPoolShape:
 
 def host_pool_shape(cache: HiRadixCache) -> HostPoolShape:
     pool = host_pool(cache)
+    if pool_groups.is_pool_group(pool):
+        # The device path reads the KV pool's host pages in place; the other pools of
+        # a group (the NSA indexer) it does not read, so host-only pages go by the host
+        # path instead.
+        raise MigrationError(
+            ErrorKind.UNAVAILABLE,
+            f"host pool group {'+'.join(pool_groups.pool_names(pool))} is not read in "
+            "place by the device path",
+        )
     attention = _host_attention(pool)
     if attention is None:
         raise MigrationError(
@@ -69,8 +79,10 @@ class HostPoolBuffer:
 
 
 def host_pool_buffer(pool: Any) -> HostPoolBuffer:
-    """Read a live `MHATokenToKVPoolHost` / `MLATokenToKVPoolHost`; raises ValueError for
-    another pool type or a `kv_buffer` that is not one dense allocation."""
+    """Read a live `MHATokenToKVPoolHost` / `MLATokenToKVPoolHost` (a group's KV pool:
+    `pool_groups`); raises ValueError for another pool type or a `kv_buffer` that is not
+    one dense allocation."""
+    pool = pool_groups.kv_host_pool(pool)
     attention = _host_attention(pool)
     if attention is None:
         raise ValueError(f"unsupported host pool type {type(pool).__name__} for KV migration")
@@ -97,12 +109,18 @@ def host_pool_buffer(pool: Any) -> HostPoolBuffer:
 def kv_cache_shape(pool: Any) -> KVCacheShape:
     """What the layout fingerprint takes from a host pool and the device pool behind it;
     raises ValueError for a host pool type migration does not support."""
+    names = pool_groups.pool_names(pool)
+    indexer = pool_groups.indexer_shape(pool)
+    pool = pool_groups.kv_host_pool(pool)
     attention = _host_attention(pool)
     if attention is None:
         raise ValueError(f"unsupported host pool type {type(pool).__name__} for KV migration")
     dev = pool.device_pool
     is_mha = attention == "mha"
     return KVCacheShape(
+        host_pools="+".join(names),
+        index_head_dim=indexer.index_head_dim if indexer else 0,
+        index_dtype=indexer.index_dtype if indexer else "",
         attention=attention,
         # The logical dtype: fp8 e4m3 and e5m2 are both stored as uint8.
         kv_dtype=str(dev.dtype).removeprefix("torch."),
@@ -124,7 +142,8 @@ def pending_device_write_streams(cache: HiRadixCache) -> list[Any]:
 
 
 def host_pool(cache: HiRadixCache) -> Any:
-    """The `MHATokenToKVPoolHost` / `MLATokenToKVPoolHost` of a HiRadixCache."""
+    """The `MHATokenToKVPoolHost` / `MLATokenToKVPoolHost` of a HiRadixCache, or for NSA
+    models the `HostPoolGroup` (KV + indexer, `pool_groups`) that allocates for both."""
     return cache.cache_controller.mem_pool_host
 
 
@@ -135,14 +154,15 @@ def device_pool(cache: HiRadixCache) -> Any:
 
 def device_kv_buffers(cache: HiRadixCache) -> list[torch.Tensor]:
     """The device pool's per-layer buffers, one row per token slot: K layers then V
-    layers for MHA, the latent cache per layer for MLA."""
+    layers for MHA, the latent cache per layer for MLA, then for NSA the indexer's keys
+    per layer (`pool_groups.device_indexer_rows`)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     pool = device_pool(cache)
     if isinstance(pool, MHATokenToKVPool):
         return [*pool.k_buffer, *pool.v_buffer]
     if isinstance(pool, MLATokenToKVPool):
-        return list(pool.kv_buffer)
+        return [*pool.kv_buffer, *pool_groups.device_indexer_rows(pool)]
     raise MigrationError(
         ErrorKind.UNAVAILABLE, f"device KV pool {type(pool).__name__} is not supported"
     )
@@ -257,7 +277,7 @@ def take_host_slots(cache: HiRadixCache, slots: torch.Tensor) -> None:
     """Remove `slots` from the host pool's free list (after a reset freed them all)."""
     import torch
 
-    pool = host_pool(cache)
+    pool = pool_groups.kv_host_pool(host_pool(cache))  # the group's allocator
     taken = torch.isin(pool.free_slots, slots.to(pool.free_slots.device))
     pool.free_slots = pool.free_slots[~taken]
 

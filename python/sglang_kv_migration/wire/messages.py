@@ -193,6 +193,41 @@ class AllocatedRank:
     # [first_page, count] runs instead ("ranges" format; `page_ranges.py`).
     kv_page_ranges: list[list[int]] = field(default_factory=list)
 
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "ranks.0") -> AllocatedRank:
+        """A rank of an allocate reply as another server sent it; ValueError naming the
+        field (`where`: the rank's place in the reply) for a wrong type or shape."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where} is not an object")
+        slot_lists = {}
+        for name in ("kv_indices", "kv_pages", "staging"):
+            value = d.get(name, [])
+            if not isinstance(value, list):
+                raise ValueError(f"{where}.{name} is not a list")
+            if not all(map(_is_count, value)):
+                raise ValueError(f"{where}.{name} are not slot ids")
+            slot_lists[name] = value
+        ranges = d.get("kv_page_ranges", [])
+        if not isinstance(ranges, list):
+            raise ValueError(f"{where}.kv_page_ranges is not a list")
+        if not all(
+            isinstance(pair, list) and len(pair) == 2 and all(map(_is_count, pair))
+            for pair in ranges
+        ):
+            raise ValueError(f"{where}.kv_page_ranges: each page range must be [first, count]")
+        if sum(map(bool, (slot_lists["kv_indices"], slot_lists["kv_pages"], ranges))) > 1:
+            raise ValueError(f"{where} names more than one of kv_indices, kv_pages and ranges")
+        staging = slot_lists["staging"]
+        if staging and (len(staging) != 2 or min(staging) == 0):
+            raise ValueError(f"{where}.staging must be [addr, length], both > 0")
+        return cls(
+            tp_rank=_field(d, "tp_rank", _is_count, f"{where}."),
+            pp_rank=_field(d, "pp_rank", _is_count, f"{where}."),
+            kv_page_ranges=ranges,
+            grant=_field(d, "grant", _is_str, f"{where}.", ""),
+            **slot_lists,
+        )
+
 
 @dataclass
 class AllocateReply(Reply):
@@ -210,6 +245,71 @@ class AllocateReply(Reply):
     # Feature "dp_ranks": the DP rank holding the slots (None on a server with one): the
     # continuation goes there (`routed_dp_rank`).
     dp_rank: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any) -> AllocateReply:
+        """An allocate reply as another server sent it (the JSON object of
+        `reply_content`), checked for the fields a reader acts on; ValueError naming the
+        field. Fields it does not know are left out (a newer server may add some)."""
+        if not isinstance(d, dict):
+            raise ValueError("the reply is not an object")
+        success = _field(d, "success", _is_bool)
+        common = {
+            "message": _field(d, "message", _is_str, default=""),
+            "error_kind": _field(d, "error_kind", _is_str, default=""),
+            "steps_ms": _field(d, "steps_ms", _is_dict, default={}),
+        }
+        if not success:
+            return cls(success=False, **common)
+        ranks = _field(d, "ranks", _is_list)
+        return cls(
+            success=True,
+            migration_id=_field(d, "migration_id", _is_str),
+            matched_token_size=_field(d, "matched_token_size", _is_count),
+            extra_token_size=_field(d, "extra_token_size", _is_count),
+            ranks=[AllocatedRank.from_dict(r, f"ranks.{i}") for i, r in enumerate(ranks)],
+            path=_field(d, "path", _is_str, default=""),
+            page_size=_field(d, "page_size", _is_count, default=0),
+            server_epoch=_field(d, "server_epoch", _is_str, default=""),
+            source_commit=_field(d, "source_commit", _is_bool, default=False),
+            dp_rank=_field(d, "dp_rank", lambda v: v is None or _is_count(v), default=None),
+            **common,
+        )
+
+
+_REQUIRED = object()
+
+
+def _field(d: dict, name: str, valid: Any, prefix: str = "", default: Any = _REQUIRED) -> Any:
+    """`d[name]` when `valid` says it is; `default` when missing (if there is one)."""
+    if name not in d:
+        if default is _REQUIRED:
+            raise ValueError(f"{prefix}{name} is missing")
+        return default
+    value = d[name]
+    if not valid(value):
+        raise ValueError(f"{prefix}{name} has the wrong type or is negative")
+    return value
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_dict(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, list)
 
 
 # --------------------------------------------------------------------------- transfer

@@ -26,7 +26,8 @@ MLA      page_first_direct   (page_num, L, page_size, 1, C)   1          L*C*s
 In ``page_first_direct`` and ``page_head`` a whole page is contiguous but single tokens are
 not, so the formula only holds for whole pages. The protocol only ever moves whole pages,
 and `page_runs` enforces that for every layout. Any other layout (e.g. Ascend's
-``page_first_kv_split``) is refused with an error naming it.
+``page_first_kv_split``) is refused with an error naming it. An NSA model's host pool
+group adds the indexer's buffers after these (`layout_nsa.py`).
 
 Everything here is pure integer math on published buffer info (no engine, no
 torch.distributed), so both servers compute identical plans and tests use literal addresses.
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration import sglang_adapter
+from sglang_kv_migration.paths.host.layout_nsa import indexer_host_buffers
 
 if TYPE_CHECKING:
     import torch
@@ -226,8 +228,19 @@ class HostPoolLayout:
 
     @classmethod
     def from_host_pool(cls, pool: Any) -> HostPoolLayout:
-        """Describe a live ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``."""
-        return cls.from_pool_buffer(sglang_adapter.host_pool_buffer(pool))
+        """Describe a live ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``, or an NSA
+        model's ``HostPoolGroup``: the KV pool's buffers, then the indexer's
+        (`layout_nsa.py`), all at the same slots."""
+        layout = cls.from_pool_buffer(sglang_adapter.host_pool_buffer(pool))
+        indexer = sglang_adapter.indexer_host_pool(pool)
+        if indexer is None:
+            return layout
+        extra = indexer_host_buffers(sglang_adapter.indexer_pool_buffer(indexer))
+        return cls(
+            buffers=layout.buffers + tuple(HostBuffer(p, n, i) for p, n, i in extra),
+            page_size=layout.page_size,
+            num_slots=layout.num_slots,
+        )
 
 
 # --------------------------------------------------------------------------------------

@@ -73,8 +73,9 @@ class MooncakeTransport(KVTransport):
     several writes to one peer side by side; a job's entries go out in batches of at
     most `max_entries_per_batch / workers_per_peer`, one batch in flight per worker; over
     TCP the entries of every worker to one peer share its lanes (`lanes.py`), so the
-    engine never queues one. A failed batch or entry is retried once (a timed-out TCP
-    entry is not: the engine may still send it; `mooncake_batches.py`). `write_pages` jobs
+    engine never queues one. A failed batch or entry is retried once, over TCP once more
+    per lane; a timed-out TCP entry is not retried: the engine may still send it
+    (`mooncake_batches.py`). `write_pages` jobs
     are planned in the worker. No wait spins a core for long (`mooncake_engine.py`).
     """
 

@@ -7,7 +7,8 @@ wire. No wait spins a core for long (see `mooncake_engine.py`): a few entries go
 one-entry batches polled between short sleeps (`_Singles`), a larger batch sleeps through
 most of its predicted time before the engine's spinning wait. Over TCP every entry goes
 out as a one-entry batch, within the peer's lanes (`lanes.py`). A failed batch or entry is
-retried once (a timed-out TCP entry is not: the engine may still send it).
+retried once, over TCP once more per lane (`_Singles`); a timed-out TCP entry is not
+retried: the engine may still send it.
 """
 
 from __future__ import annotations
@@ -313,6 +314,12 @@ class _Singles:
     lane permits and returns it once the engine reports it final (`lanes.py`); one the
     write gives up on (timed out) is left to the reaper with its permit, and is not
     retried: the engine may still send it.
+
+    Failed entries are retried once, and over TCP once more per lane: a target shuts every
+    inbound stream when slots leave quarantine without a settled receipt (`tcp_streams.py`),
+    and Mooncake keeps such a stream's lane idle until a write on it fails, then takes the
+    next idle lane, which may be shut too. Each failure retires one lane, so at most the
+    peer's lanes of retries reach a fresh stream.
     """
 
     def __init__(
@@ -336,6 +343,7 @@ class _Singles:
         self._failed: list[int] = []
         self._reason = ""
         self._attempt = 1
+        self._attempts = 2 + (self._budget.lanes if self._budget is not None else 0)
         self._gave_up = False  # entries left in the engine: no retry
 
     def submit(self) -> _Singles:
@@ -344,7 +352,8 @@ class _Singles:
         return self
 
     def wait(self) -> None:
-        """Wait for every entry; retry the failed ones once; raise `TransferError`."""
+        """Wait for every entry; retry the failed ones (once, over TCP once more per lane);
+        raise `TransferError`."""
         while True:
             self._poll()
             if not self._failed:
@@ -352,22 +361,24 @@ class _Singles:
             failed_lengths = [self._lengths[i] for i in self._failed]
             sender = self._sender
             if (
-                self._attempt == 2
+                self._attempt >= self._attempts
                 or self._gave_up
                 or time.monotonic() > self._deadline
                 or sender._closed()
             ):
                 raise sender.failure(self._ctx, self._label, self._reason, failed_lengths)
             logger.warning(
-                "write to %s, %s (%d bytes in %d entries): %s; retrying once",
+                "write to %s, %s (%d bytes in %d entries): %s; retrying (attempt %d of %d)",
                 self._ctx.peer,
                 self._label,
                 sum(failed_lengths),
                 len(failed_lengths),
                 self._reason,
+                self._attempt + 1,
+                self._attempts,
             )
             time.sleep(_RETRY_DELAY_S)
-            self._attempt = 2
+            self._attempt += 1
             self._todo, self._failed = sorted(self._failed), []
             self._fill()
 

@@ -40,9 +40,9 @@ from sglang_kv_migration.server.messages import (
     GetRequestExtraTokenSizeReqInput,
     GetRequestExtraTokenSizeReqOutput,
     GetTransferSessionInfoReqInput,
-    GetTransferSessionInfoReqOutput,
     TransferRequestKVCacheReqInput,
 )
+from sglang_kv_migration.server.rank.pp_stages import one_server_session_info
 
 # Features that bypass the HTTP layer's routing: not offered by a server with DP ranks.
 SINGLE_DP_RANK_FEATURES = frozenset({SOURCE_ALLOCATE_FEATURE, SOURCE_COMMIT_FEATURE})
@@ -154,16 +154,9 @@ class DataParallelRanks:
 
 def merge_session_info(replies: list[Any]) -> Any:
     """One DP rank's session info per reply -> the server's (ranks by dp, pp, tp)."""
-    failed = next((r for r in replies if not r.success), None)
-    if failed is not None:
-        return failed
-    epochs = {r.server_epoch for r in replies}
-    if len(epochs) != 1:
-        return GetTransferSessionInfoReqOutput(
-            success=False,
-            message=f"DP ranks report different server epochs {sorted(epochs)}",
-            error_kind=ErrorKind.INTERNAL.value,
-        )
+    refused = one_server_session_info(replies, "DP ranks")
+    if refused is not None:
+        return refused
     ranks = sorted(
         (rank for reply in replies for rank in reply.ranks),
         key=lambda r: (r.dp_rank, r.pp_rank, r.tp_rank),

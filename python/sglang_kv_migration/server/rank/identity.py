@@ -37,6 +37,9 @@ class RankIdentity:
     pool_buffer: sglang_adapter.HostPoolBuffer  # its page size, slot count, bytes per slot
     # Its buffers as the host path's writes address them; None with the host path off.
     layout: HostPoolLayout | None
+    # Bytes one token takes over every pool of the host pool (an NSA model's group: the
+    # KV and the indexer's keys).
+    slot_bytes: int
     fingerprint: LayoutFingerprint  # this rank's layout, model and place in the server
     # A restarted server gets a new id: clients drop their cached session info. One for
     # the whole server: every PP stage's reply carries it.
@@ -58,8 +61,8 @@ class RankIdentity:
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes one token takes on this rank."""
-        return self.pool_buffer.slot_bytes
+        """KV bytes one token takes on this rank (every pool a page lives in)."""
+        return self.slot_bytes
 
     def fingerprint_for(self, req: Any) -> LayoutFingerprint:
         """This rank's fingerprint with the weight version the request was stamped with."""
@@ -73,6 +76,8 @@ def open_identity(
     is the first rank's); the host pool's layout only for the host path (`host_path`)."""
     host_pool = sglang_adapter.host_pool(ctx.tree_cache)
     pool_buffer = sglang_adapter.host_pool_buffer(host_pool)
+    # Every pool of the host pool, the NSA indexer's too (`paths/host/layout_nsa.py`).
+    layout = host_pool_layout(host_pool)
     fingerprint = LayoutFingerprint.from_shape(
         sglang_adapter.kv_cache_shape(host_pool),
         model=ctx.model,
@@ -88,7 +93,8 @@ def open_identity(
     return RankIdentity(
         host_pool=host_pool,
         pool_buffer=pool_buffer,
-        layout=host_pool_layout(pool_buffer) if host_path else None,
+        layout=layout if host_path else None,
+        slot_bytes=sum(layout.item_lens),
         fingerprint=fingerprint,
         server_epoch=ctx.first_rank_value_on_world(ctx.launch_id or uuid.uuid4().hex),
         signer=signer,

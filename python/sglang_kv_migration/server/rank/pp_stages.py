@@ -23,7 +23,7 @@ Our operations must answer for every (tp, pp) rank and fail as a whole, so:
 3. Stages agree forward, in the request stream: a stage that refuses an allocate, transfer
    or commit marks the request (`wire.messages.StageRefusal`) before it is handed on, and later
    stages refuse it too without touching their trees. Stage 0 also checks what later
-   stages would refuse: every rank's transfer entry and grant (`source/transfers.py`),
+   stages would refuse: every rank's transfer entry and grant (`source/validation.py`),
    every rank's commit receipt (`target/commits.py`). The watchdog runs on stage 0 only;
    what it freed travels to later stages as a `StageSyncReqInput` appended to the
    iteration's requests.
@@ -103,7 +103,9 @@ def _ranks(replies: Iterable[Any]) -> list[Any]:
     return sorted(ranks, key=lambda r: (r.pp_rank, r.tp_rank))
 
 
-def _merge_session_info(replies: list[Any]) -> Any:
+def one_server_session_info(replies: list[Any], parts: str) -> Any:
+    """The first failed reply; else a failure if the `parts` (PP stages, DP ranks) of one
+    server report different epochs; else None: the replies are one server's."""
     failed = _first_failure(replies)
     if failed is not None:
         return failed
@@ -111,9 +113,16 @@ def _merge_session_info(replies: list[Any]) -> Any:
     if len(epochs) != 1:
         return GetTransferSessionInfoReqOutput(
             success=False,
-            message=f"PP stages report different server epochs {sorted(epochs)}",
+            message=f"{parts} report different server epochs {sorted(epochs)}",
             error_kind=ErrorKind.INTERNAL.value,
         )
+    return None
+
+
+def _merge_session_info(replies: list[Any]) -> Any:
+    refused = one_server_session_info(replies, "PP stages")
+    if refused is not None:
+        return refused
     return dataclasses.replace(replies[0], ranks=_ranks(replies))
 
 

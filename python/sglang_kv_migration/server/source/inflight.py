@@ -1,0 +1,242 @@
+"""One rank's record of a transfer it sends: its state, and what each step left.
+
+    CHECKING ──> SENDING ──> DONE          the request checked, the path's job started
+       │  ▲         │          ▲
+       │  └─┐       └─> FAILED ┘          an error at any step; its reply says so
+       ▼    │              ▲
+    ALLOCATING ────────────┘              feature "source_allocate": the target's
+                                          allocate reply awaited (then CHECKING again)
+
+A transfer the target had nothing to send for goes CHECKING -> DONE. The state moves
+only through the methods below (`_move` checks each step against `_NEXT`); the records
+of the optional features (`TargetAllocation`, `SourceCommit`) and the timestamps the
+reply's trace is stamped with (`Timings`) are data, never read as state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.paths.base import DataPath, KVPoll, PreparedSend, SendJob, SendRange
+from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
+from sglang_kv_migration.wire.messages import AllocateReply
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TransferState(enum.Enum):
+    CHECKING = "checking"  # taken up: the request is being checked, nothing pinned yet
+    ALLOCATING = "allocating"  # feature "source_allocate": waiting for the target
+    SENDING = "sending"  # the data path's job started
+    FAILED = "failed"  # an error; this rank's status says it once asked
+    DONE = "done"  # this rank's status is known (`RankTransferStatus`)
+
+
+_NEXT: dict[TransferState, frozenset[TransferState]] = {
+    TransferState.CHECKING: frozenset(
+        {TransferState.ALLOCATING, TransferState.SENDING, TransferState.FAILED, TransferState.DONE}
+    ),
+    TransferState.ALLOCATING: frozenset({TransferState.CHECKING, TransferState.FAILED}),
+    TransferState.SENDING: frozenset({TransferState.FAILED, TransferState.DONE}),
+    TransferState.FAILED: frozenset({TransferState.DONE}),
+    TransferState.DONE: frozenset(),
+}
+
+
+@dataclass
+class RankTransferStatus:
+    """One rank's view of a transfer, exchanged between ranks in `poll()`."""
+
+    done: bool
+    success: bool = False
+    bytes: int = 0
+    seconds: float = 0.0
+    message: str = ""
+    error_kind: str = ""
+    receipt: str = ""  # signed by this rank once done
+    plan: str = ""  # host path: how the write was shaped (staging.PlanKind)
+    entries: int = 0  # host path: transfer-engine entries
+    digest: str = ""  # of the pages sent, when the grant asked for verification
+    tokens: int = 0  # tokens written (fewer than granted only for a partial transfer)
+    steps: dict[str, float] = dataclasses.field(default_factory=dict)  # SendStats.steps
+    routes: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # .routes
+
+
+@dataclass(frozen=True)
+class OwnSlots:
+    """This rank's target slots, parsed once, and their digest (the receipt names it)."""
+
+    slots: torch.Tensor
+    digest: str
+
+
+@dataclass(frozen=True)
+class TokensDigest:
+    """`grants.request_tokens_digest` of the request's first `count` ids."""
+
+    count: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class SourceCommit:
+    """Feature "source_commit": where rank 0 hands every rank's receipts to the target
+    (its grant's `mailbox`), and until when (unix time)."""
+
+    mailbox: str
+    until: float
+
+
+@dataclass
+class TargetAllocation:
+    """Feature "source_allocate": the call on the target's allocate channel."""
+
+    call: bytes  # the call's id while its answer is awaited (b"": taken up or forgotten)
+    answer_by: float  # monotonic
+    answer: dict = dataclasses.field(default_factory=dict)  # as the target sent it
+    reply: AllocateReply | None = None  # the same, checked
+    channel_error: str = ""  # why the target's channel could not be asked
+
+
+@dataclass
+class Timings:
+    """Monotonic times of the steps, for the reply's trace (`SourceTransfers._send`)."""
+
+    started: float = 0.0  # taken up
+    handled: float = 0.0  # its handler returned
+    allocated: float = 0.0  # the poll that took the target's allocate reply up began
+    answered: float = 0.0  # that reply taken up
+    launched: float = 0.0  # the copy launched (or the transfer failed)
+    finished: float = 0.0  # every rank seen done
+
+
+@dataclass
+class InflightTransfer:
+    """One rank's part of a transfer."""
+
+    request: TransferRequestKVCacheReqInput
+    first_poll: int = 0  # `SourceTransfers.polls` when it started (its reply says how many)
+    state: TransferState = TransferState.CHECKING
+    timings: Timings = dataclasses.field(default_factory=Timings)
+    send: SendRange | None = None  # this rank's part, once validated
+    path: DataPath | None = None
+    job: SendJob | None = None
+    error: MigrationError | None = None  # set with FAILED
+    result: RankTransferStatus | None = None  # set with DONE
+    own_slots: OwnSlots | None = None
+    tokens: TokensDigest | None = None  # taken while the target allocated
+    # Done while the target allocated (`SourceTransfers._prepare`): the path's part
+    # (released here unless its job took it).
+    prepared: PreparedSend | None = None
+    allocate: TargetAllocation | None = None
+    commit: SourceCommit | None = None
+    destination_unknown: bool = False  # feature "destination_digest": nothing was done
+    # `grants.grant_digest` of the grant this request claimed (empty: it claimed none,
+    # so its receipt cannot say the grant's writes are over: another request may hold it).
+    claimed_grant: str = ""
+
+    # ------------------------------------------------------------------ transitions
+
+    def _move(self, to: TransferState) -> None:
+        if to not in _NEXT[self.state]:
+            raise RuntimeError(f"a transfer cannot go from {self.state.name} to {to.name}")
+        self.state = to
+
+    def ask_target(self, call: bytes, answer_by: float) -> None:
+        """Feature "source_allocate": the target's channel was asked."""
+        self._move(TransferState.ALLOCATING)
+        self.allocate = TargetAllocation(call=call, answer_by=answer_by)
+
+    def answer_taken(self) -> None:
+        """The target's allocate reply came: the transfer is checked against it."""
+        self._move(TransferState.CHECKING)
+
+    def sending(self, job: SendJob) -> None:
+        self._move(TransferState.SENDING)
+        self.job = job
+
+    def fail(self, error: MigrationError) -> None:
+        """Fail the transfer, unless it failed already (the first error is the one
+        told) or its status is known."""
+        if self.state in (TransferState.FAILED, TransferState.DONE):
+            return
+        self._move(TransferState.FAILED)
+        self.error = error
+
+    def finish(self, result: RankTransferStatus) -> None:
+        self._move(TransferState.DONE)
+        self.result = result
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def waiting(self) -> bool:
+        """Waiting for pages; identical on every TP rank."""
+        return self.state is TransferState.SENDING and self.job.waiting
+
+    @property
+    def asking(self) -> bool:
+        """Whether a call on the target's allocate channel is still awaited (also for a
+        transfer that failed meanwhile: its answer is taken up and freed)."""
+        return self.allocate is not None and bool(self.allocate.call)
+
+    @property
+    def slots_digest(self) -> str:
+        """Of this rank's target slots, once parsed (for the receipt)."""
+        return self.own_slots.digest if self.own_slots is not None else ""
+
+    @property
+    def allocation(self) -> dict:
+        """The target's allocate reply as it answered (feature "source_allocate")."""
+        return self.allocate.answer if self.allocate is not None else {}
+
+    @property
+    def channel_error(self) -> str:
+        return self.allocate.channel_error if self.allocate is not None else ""
+
+    def release(self) -> None:
+        """Unpin what the transfer holds; idempotent."""
+        if self.job is not None:
+            self.job.release()
+        self.release_prepared()
+
+    def release_prepared(self) -> None:
+        """Drop what was prepared (a no-op for a part the job took over)."""
+        if self.prepared is not None:
+            self.prepared.release()
+            self.prepared = None
+
+    def local_status(self) -> RankTransferStatus:
+        if self.state is TransferState.SENDING:
+            state = self.job.poll()
+            if state is KVPoll.FAILED:
+                self.fail(self.job.error or MigrationError(ErrorKind.INTERNAL, "send failed"))
+            elif state is KVPoll.SUCCESS:
+                self.finish(self._success())
+        if self.state is TransferState.FAILED:
+            self.finish(
+                RankTransferStatus(
+                    done=True, message=self.error.message, error_kind=self.error.kind.value
+                )
+            )
+        return self.result or RankTransferStatus(done=False)
+
+    def _success(self) -> RankTransferStatus:
+        stats = self.job.stats
+        return RankTransferStatus(
+            done=True,
+            success=True,
+            tokens=self.job.end - self.send.start,
+            bytes=stats.bytes,
+            seconds=stats.seconds,
+            plan=stats.plan,
+            entries=stats.entries,
+            digest=stats.digest,
+            steps=stats.steps,
+            routes=stats.routes,
+        )

@@ -1,0 +1,103 @@
+"""The pieces of a transfer's reply on a source rank that need no state of the rank:
+each rank's result, the checks of the gathered statuses, the trace steps of a transfer
+whose target allocated (feature "source_allocate") and the log text."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from sglang_kv_migration.errors import ErrorKind
+from sglang_kv_migration.server.diag.trace import ms
+from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
+from sglang_kv_migration.server.source.inflight import InflightTransfer, RankTransferStatus
+from sglang_kv_migration.wire.messages import RankTransferResult
+
+
+def rank_results(statuses: list[RankTransferStatus], pp_rank: int) -> list[RankTransferResult]:
+    """The reply's `ranks`; `statuses` come from one stage's TP group, in tp_rank order."""
+    return [
+        RankTransferResult(
+            tp_rank=i,
+            pp_rank=pp_rank,
+            success=s.success,
+            bytes=s.bytes,
+            seconds=s.seconds,
+            message=s.message,
+            receipt=s.receipt,
+            plan=s.plan,
+            entries=s.entries,
+            steps_ms={k: round(v * 1e3, 2) for k, v in s.steps.items()},
+        )
+        for i, s in enumerate(statuses)
+    ]
+
+
+def allocate_steps(inflight: InflightTransfer, handled: float, now: float) -> dict[str, float]:
+    """Feature "source_allocate": the target's part of the reply's `waited` (`allocate`),
+    ms, and the steps after its answer; none for a transfer that did not allocate."""
+    times = inflight.timings
+    if not times.allocated:
+        return {}
+    steps = {"allocate": ms(times.allocated - handled)}
+    if times.answered and times.launched and times.finished:
+        # After the answer: its poll up to it (`answer`), the checks, match and launch
+        # (`start`), until the copy was seen done (`copy_wait`), then the receipts, the
+        # mailbox and the reply (`finish`).
+        steps["answer"] = ms(times.answered - max(times.allocated, handled))
+        steps["start"] = ms(times.launched - times.answered)
+        steps["copy_wait"] = ms(times.finished - times.launched)
+        steps["finish"] = ms(now - times.finished)
+    # ... and of it the target's own steps (`queued`: behind other work there).
+    checked = inflight.allocate.reply if inflight.allocate is not None else None
+    if checked is not None:
+        steps.update(_target_steps(checked.steps_ms))
+    return steps
+
+
+_TARGET_STEPS = ("queued", "scheduler", "match_reserve", "slots", "grant")
+
+
+def _target_steps(steps: dict[str, Any]) -> dict[str, float]:
+    """The target's allocate steps as `target_<step>` (only known ones, as numbers: the
+    reply is the target's word)."""
+    return {
+        f"target_{k}": float(steps[k])
+        for k in _TARGET_STEPS
+        if isinstance(steps.get(k), int | float) and not isinstance(steps[k], bool)
+    }
+
+
+def uneven_lengths(statuses: list[RankTransferStatus]) -> list[RankTransferStatus]:
+    """A failure when the ranks wrote different lengths: identical trees cut a partial
+    send alike on every rank, and no reply may name a length some rank did not write
+    (the target's commit checks the receipts too)."""
+    lengths = sorted({s.tokens for s in statuses})
+    if len(lengths) == 1:
+        return []
+    message = f"ranks wrote different lengths of a partial transfer: {lengths}"
+    return [
+        dataclasses.replace(
+            statuses[0], success=False, message=message, error_kind=ErrorKind.INTERNAL.value
+        )
+    ]
+
+
+def receipt_tokens(status: RankTransferStatus, req: TransferRequestKVCacheReqInput) -> int:
+    """The receipt's `tokens`: how many were written when a partial transfer wrote fewer
+    than granted (only a target that lists "partial_transfer" gets one), else -1."""
+    if status.success and req.partial_ok and status.tokens < req.extra_token_size:
+        return status.tokens
+    return -1
+
+
+def steps_text(steps: Mapping[str, float]) -> str:
+    """ ", this rank: host_copies 1.2 ms, probe 0.0 ms, ..." for the log line."""
+    if not steps:
+        return ""
+    return ", this rank: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in steps.items())
+
+
+def path_name(req: TransferRequestKVCacheReqInput) -> str:
+    return req.target_per_rank[0].path if req.target_per_rank else ""
