@@ -209,8 +209,8 @@ class _Peer:
         """CPU seconds of the transport's worker threads, one per peer (plans, gathers,
         waits)."""
         total = 0.0
-        # benchmark only: the threads that wait on the wire (`MooncakeTransport._workers`)
-        for thread, _jobs in list(self.transport._workers.values()):
+        # benchmark only: the threads that wait on the wire (`MooncakeTransport.workers`)
+        for thread in self.transport.workers.all_threads():
             with open(f"/proc/self/task/{thread.native_id}/schedstat") as f:
                 total += int(f.read().split()[0]) / 1e9
         return total

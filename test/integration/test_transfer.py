@@ -33,10 +33,10 @@ from sglang_kv_migration.paths.host.mooncake import (
     TransferHandle,
     TransportConfig,
     WriteOp,
-    _split_entries,
     coalesce,
     open_transport,
 )
+from sglang_kv_migration.paths.host.mooncake_batches import split_entries
 
 MiB = 1 << 20
 PEER_SIZE = 24 * MiB
@@ -126,7 +126,7 @@ def write_and_check(
     assert stats.entries == len(ops)
     assert stats.bytes == sum(op.length for op in ops)
     # The peer's 1024-entry budget is shared by its workers.
-    per_batch = 1024 // transport._workers_per_peer
+    per_batch = 1024 // transport.workers.per_peer
     assert stats.batches == -(-len(ops) // per_batch)
     after = peer.read()
     expected = expected_after(before, source, peer, ops)
@@ -191,20 +191,20 @@ def test_two_writes_to_one_peer_are_in_flight_at_once(local, peer, monkeypatch):
     so the order does not depend on timing; with one worker the small write would wait
     behind it and the held write gives up after WAIT_S."""
     transport, source = local
-    assert len(transport._workers.get(peer.session_id, ([None, None], None))[0]) == 2
+    assert transport.workers.per_peer == 2
     large = [WriteOp(source.ctypes.data + i * MiB, peer.addr + i * MiB, MiB) for i in range(15)]
     small = [WriteOp(source.ctypes.data, peer.addr + 15 * MiB, 4096)]
     transport.write(peer.session_id, small, [peer.region]).result(WAIT_S)  # warm up
     small_done = threading.Event()
     held_until_small_done: list[bool] = []
-    run_job = transport._run_job
+    run_job = transport.workers._run_job
 
     def run_large_after_small(job):
         if job.total_bytes > MiB:
             held_until_small_done.append(small_done.wait(WAIT_S))
         return run_job(job)
 
-    monkeypatch.setattr(transport, "_run_job", run_large_after_small)
+    monkeypatch.setattr(transport.workers, "_run_job", run_large_after_small)
     before = peer.read()
     large_handle = transport.write(peer.session_id, large, [peer.region])
     small_handle = transport.write(peer.session_id, small, [peer.region])
@@ -426,7 +426,7 @@ def test_waiting_for_the_wire_does_not_spin(local, peer):
         for i in range(8)
     ]
     transport.write(peer.session_id, ops, [peer.region]).result(WAIT_S)  # workers started
-    workers = transport._workers[peer.session_id][0]  # this peer's worker threads
+    workers = transport.workers.threads(peer.session_id)  # this peer's worker threads
     cpu, wall = _threads_cpu_s(workers), time.monotonic()
     for _ in range(8):
         transport.write(peer.session_id, ops, [peer.region]).result(WAIT_S)
@@ -609,7 +609,7 @@ def test_large_batches_sleep_through_most_of_their_wait(local, peer):
         for i, slot in enumerate(rng.permutation(3000))
     ]  # 3 batches of up to 1024 scattered entries
     transport.write(peer.session_id, ops, [peer.region]).result(WAIT_S)  # timings learned
-    workers = transport._workers[peer.session_id][0]  # this peer's worker threads
+    workers = transport.workers.threads(peer.session_id)  # this peer's worker threads
     cpu, wall = _threads_cpu_s(workers), time.monotonic()
     for _ in range(3):
         transport.write(peer.session_id, ops, [peer.region]).result(WAIT_S)
@@ -619,10 +619,10 @@ def test_large_batches_sleep_through_most_of_their_wait(local, peer):
 
 
 def test_split_entries_cuts_long_runs_only():
-    srcs, dsts, lengths = _split_entries([100, 5000], [900, 9000], [10, 25], 10)
+    srcs, dsts, lengths = split_entries([100, 5000], [900, 9000], [10, 25], 10)
     assert lengths == [10, 10, 10, 5] and srcs == [100, 5000, 5010, 5020]
     assert dsts == [900, 9000, 9010, 9020]
-    assert _split_entries([1], [2], [30], 0) == ([1], [2], [30])  # 0: never split
+    assert split_entries([1], [2], [30], 0) == ([1], [2], [30])  # 0: never split
 
 
 # ---------------------------------------------------------------------------
@@ -700,7 +700,7 @@ def test_a_write_after_the_target_shut_every_lane_goes_through(peer, caplog):
     transport = MooncakeTransport(TransportConfig())
     try:
         transport.register([MemoryRegion(source.ctypes.data, LOCAL_SIZE)])
-        lane_count = transport._budget.lanes
+        lane_count = transport.workers.sender.budget.lanes
         assert lane_count == 4  # Mooncake's default
         streams_before = peer.ask("streams")
         # Enough concurrent entries, large enough to overlap, to open every lane.
@@ -763,8 +763,8 @@ def test_tcp_writes_never_hold_more_entries_than_the_peer_has_lanes(peer):
     transport = MooncakeTransport(TransportConfig())
     try:
         transport.register([MemoryRegion(source.ctypes.data, LOCAL_SIZE)])
-        spy = _EngineSpy(transport._engine)
-        transport._engine = spy
+        spy = _EngineSpy(transport._engine._engine)  # the binding inside the wrapper
+        transport._engine._engine = spy
         before = peer.read()
         writes = [
             [
@@ -779,6 +779,6 @@ def test_tcp_writes_never_hold_more_entries_than_the_peer_has_lanes(peer):
         expected = expected_after(before, source, peer, [op for ops in writes for op in ops])
         np.testing.assert_array_equal(peer.read(), expected)
         assert 1 <= spy.most <= 4, spy.most
-        assert transport._budget.taken(peer.session_id) == 0
+        assert transport.workers.sender.budget.taken(peer.session_id) == 0
     finally:
         transport.close()

@@ -26,6 +26,10 @@ rank, unless said otherwise):
 - `SendJob.poll()` never blocks. WAITING must be left on every rank in the same loop
   iteration (the host path waits for device->host copies, which retire in lockstep);
   `release()` is called exactly once, after the job reported SUCCESS or FAILED.
+
+The host path's target also has a staging arena (`TargetStaging`, opened by
+`factory.open_staging`): fragmented slots are written into one of its extents and
+scattered into the slots at commit.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
@@ -66,6 +72,11 @@ ROUTE_NAMES: tuple[str, ...] = (
     ROUTE_LANDING,
     ROUTE_HOST_TO_HOST,
 )
+
+
+# The plan of a write into a granted staging extent, as the source's signed receipt names
+# it (`SendStats.plan`): the target scatters that rank's extent before it inserts.
+STAGED_PLAN = "staged"
 
 
 class KVPoll(IntEnum):
@@ -307,6 +318,36 @@ class DataPath(abc.ABC):
         later `start_send` of a prefix of `input_ids` that needs no target slots. None:
         nothing prepared. Raises what the same step of `start_send` would."""
         return None
+
+
+class TargetStaging(Protocol):
+    """The target's staging arena on one rank (host path): registered with the rank's
+    transport and published; a fragmented allocation is granted an extent of it, which
+    the source writes in a few large entries and the commit scatters into the slots.
+    Called on the scheduler thread; the scatter runs on a worker."""
+
+    @property
+    def region(self) -> list[int]:
+        """``[addr, length]`` of the whole arena, published in the session info."""
+        ...
+
+    def grant(self, slots: torch.Tensor, now: float) -> tuple[int, int] | None:
+        """An extent ``(addr, length)`` for writing ``slots`` staged, or None (the slots
+        are not fragmented enough, or there is no room: the source writes direct)."""
+        ...
+
+    def scatter(self, extent: tuple[int, int], slots: torch.Tensor) -> Future[None]:
+        """Copy what is not copied yet of the extent into ``slots`` (worker thread)."""
+        ...
+
+    def release(self, extent: tuple[int, int], not_before: float | None = None) -> None:
+        """Give the extent back, reusable from `not_before` (a granted write may still
+        land until then); stops any copy into the migration's slots first."""
+        ...
+
+    def close(self) -> None:
+        """After the transport it was registered with."""
+        ...
 
 
 def parse_path_names(spec: str | Sequence[str]) -> tuple[str, ...]:

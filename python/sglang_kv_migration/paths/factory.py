@@ -1,6 +1,10 @@
 """The data paths by name (`--kv-migration-paths`): whether each can run on a rank and
 how the server's scheduler side opens it (the one place that picks `HostPath` or
-`DevicePath`). A new path adds one row to `PATH_FACTORIES`."""
+`DevicePath`). A new path adds one row to `PATH_FACTORIES`.
+
+Also what the server builds of a path's parts without naming `host/` or `device/`: the
+host pool's layout, the host path's staging arena (`base.TargetStaging`) and this
+machine's identity (which servers share a host)."""
 
 from __future__ import annotations
 
@@ -9,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
+from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath, TargetStaging
 from sglang_kv_migration.paths.host.layout import HostPoolLayout
-from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig, open_transport
+from sglang_kv_migration.paths.host.transport import KVTransport, TransportConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ def _always_available(_side: RankSide, _enable_memory_saver: bool) -> str | None
 def _open_host_path(
     side: RankSide, config: TransportConfig, transport: KVTransport | None
 ) -> DataPath:
+    from sglang_kv_migration.paths.host.mooncake import open_transport
     from sglang_kv_migration.paths.host.path import HostPath
 
     assert side.layout is not None, "the host path needs the host pool's layout"
@@ -101,3 +106,26 @@ def open_paths(
             continue
         paths[name] = PATH_FACTORIES[name].open(side, transport_config, transport)
     return paths
+
+
+def host_pool_layout(host_pool: Any) -> HostPoolLayout:
+    """The buffers of every pool of SGLang's host pool (the NSA indexer's too) as the
+    host path's writes address them."""
+    return HostPoolLayout.from_host_pool(host_pool)
+
+
+def open_staging(host_path: DataPath, layout: HostPoolLayout, nbytes: int) -> TargetStaging:
+    """The host path's staging arena of `nbytes`, registered with its transport."""
+    from sglang_kv_migration.paths.host.path import HostPath
+    from sglang_kv_migration.paths.host.target_staging import HostStaging
+
+    assert isinstance(host_path, HostPath), f"staging is the host path's, not {host_path.name}"
+    return HostStaging(layout, nbytes, host_path.transport)
+
+
+def host_identity() -> str:
+    """Which machine this process runs on, as same-host peers compare it (the device
+    path's CUDA IPC and the same-host channels need one host)."""
+    from sglang_kv_migration.paths.device.cuda_ipc import host_identity as identity
+
+    return identity()

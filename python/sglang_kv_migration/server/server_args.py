@@ -20,12 +20,9 @@ from typing import Any, Literal
 
 from sglang.srt import server_args as _upstream
 
+from sglang_kv_migration.paths import DEFAULT_WORKERS_PER_PEER as DEFAULT_PEER_WORKERS
+from sglang_kv_migration.paths import MC_DEFAULT_TRANSFER_TIMEOUT_S, MC_TRANSFER_TIMEOUT_ENV
 from sglang_kv_migration.paths.base import parse_path_names
-from sglang_kv_migration.paths.host.mooncake import DEFAULT_WORKERS_PER_PEER as DEFAULT_PEER_WORKERS
-from sglang_kv_migration.paths.host.mooncake import (
-    MC_DEFAULT_TRANSFER_TIMEOUT_S,
-    MC_TRANSFER_TIMEOUT_ENV,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from sglang_kv_migration.paths.base import (
     SendStats,
 )
 from sglang_kv_migration.paths.host.layout import HostPoolLayout
-from sglang_kv_migration.paths.host.mooncake import KVTransport, MemoryRegion, TransferHandle
+from sglang_kv_migration.paths.host.transport import KVTransport, MemoryRegion, TransferHandle
 from sglang_kv_migration.targets import HostTarget
 
 if TYPE_CHECKING:

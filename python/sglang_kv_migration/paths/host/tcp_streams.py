@@ -12,7 +12,7 @@ no descriptor of this process refers to a stream nothing can read it into memory
 A healthy write on a stream closed this way fails. Mooncake keeps every lane's stream
 until a write on it fails, so a source's next writes to this target meet the shut
 streams one by one: it retries a failed entry once per lane and then reaches a new
-stream (`mooncake._Singles`). Only sockets of this process on the engine's own data
+stream (`mooncake_batches._Singles`). Only sockets of this process on the engine's own data
 listener are touched. Linux only (`/proc`); elsewhere nothing is listed and the window
 alone applies.
 """

@@ -14,7 +14,8 @@ from typing import Any
 
 from sglang_kv_migration import grants, sglang_adapter
 from sglang_kv_migration.fingerprint import LayoutFingerprint
-from sglang_kv_migration.paths.host.layout import HostPoolLayout
+from sglang_kv_migration.paths import HostPoolLayout
+from sglang_kv_migration.paths.factory import host_pool_layout
 from sglang_kv_migration.server.rank.context import RankContext
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def open_identity(
     host_pool = sglang_adapter.host_pool(ctx.tree_cache)
     pool_buffer = sglang_adapter.host_pool_buffer(host_pool)
     # Every pool of the host pool, the NSA indexer's too (`paths/host/layout_nsa.py`).
-    layout = HostPoolLayout.from_host_pool(host_pool)
+    layout = host_pool_layout(host_pool)
     fingerprint = LayoutFingerprint.from_shape(
         sglang_adapter.kv_cache_shape(host_pool),
         model=ctx.model,

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_kv_migration.grants import derive_key
+from sglang_kv_migration.paths import KVTransport, TransportConfig
 from sglang_kv_migration.paths.base import HOST, parse_path_names
-from sglang_kv_migration.paths.host.mooncake import KVTransport, TransportConfig
 from sglang_kv_migration.server.diag.metrics import MigrationMetrics
 from sglang_kv_migration.server.diag.profiling import RankProfile, rank_profile
 

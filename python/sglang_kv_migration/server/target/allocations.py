@@ -13,8 +13,7 @@ from typing import Any
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.page_ranges import to_page_ranges
-from sglang_kv_migration.paths.base import HOST, DataPath
-from sglang_kv_migration.paths.host.target_staging import TargetStaging
+from sglang_kv_migration.paths.base import HOST, DataPath, TargetStaging
 from sglang_kv_migration.server.diag.metrics import MigrationMetrics
 from sglang_kv_migration.server.diag.trace import ms
 from sglang_kv_migration.server.messages import (

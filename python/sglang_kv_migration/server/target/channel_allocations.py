@@ -204,7 +204,7 @@ def open_channel_allocations(
     bound (logged)."""
     if not single_rank:
         return None
-    from sglang_kv_migration.paths.device.cuda_ipc import host_identity
+    from sglang_kv_migration.paths.factory import host_identity
 
     channel = open_channel(host_identity())
     if channel is None:

@@ -6,7 +6,7 @@
 Each arrow is a step every TP rank of the stage agrees on through a collective before
 the next begins, so no rank inserts while another refuses. A commit whose receipts name
 a staged write on any rank replies later, from `poll()`, once every rank copied its
-staging extent into its slots (`paths/host/target_staging.StagedCommits`).
+staging extent into its slots (`staged_commits.StagedCommits`).
 
 IMPORTANT: the collectives here are entered in broadcast order (commits) and once per
 loop iteration while a staged commit waits (`poll`), the same on every rank.
@@ -21,15 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.paths.host.target_staging import (
-    STAGED,
-    DeferredCommit,
-    StagedCommits,
-    TargetStaging,
-    done_future,
-    receipt_plan,
-    staged_refusal,
-)
+from sglang_kv_migration.paths.base import STAGED_PLAN, TargetStaging
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
 from sglang_kv_migration.server.messages import (
     AbortTransferReqOutput,
@@ -38,6 +30,13 @@ from sglang_kv_migration.server.messages import (
 )
 from sglang_kv_migration.server.rank.context import RankContext, guarded
 from sglang_kv_migration.server.rank.pp_stages import refusal_of, refused_output
+from sglang_kv_migration.server.target.staged_commits import (
+    DeferredCommit,
+    StagedCommits,
+    done_future,
+    receipt_plan,
+    staged_refusal,
+)
 
 if TYPE_CHECKING:
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics, NullMetrics
@@ -110,7 +109,9 @@ class Commits:
             refusal = refusal or staged_refusal(plan, pending)
             if refusal is None:
                 refusal = self._written(req.receipts, pending)[1]
-        first_refusal, staged_anywhere = self.ctx.first_error_and_any_flag(refusal, plan == STAGED)
+        first_refusal, staged_anywhere = self.ctx.first_error_and_any_flag(
+            refusal, plan == STAGED_PLAN
+        )
         if first_refusal is not None:
             self.metrics.outcome("target", "commit_failed")
             output = CommitTransferRequestKVCacheReqOutput(
@@ -120,7 +121,7 @@ class Commits:
             return output
         if staged_anywhere:
             assert pending is not None  # committable
-            if plan == STAGED:
+            if plan == STAGED_PLAN:
                 assert self.staging is not None  # it granted the extent
                 scatter = self.staging.scatter(pending.staging, pending.slots)
             else:

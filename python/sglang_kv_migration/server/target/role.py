@@ -10,9 +10,9 @@ import functools
 import logging
 from typing import Any
 
-from sglang_kv_migration.paths.base import HOST, DataPath
-from sglang_kv_migration.paths.host.layout import HostPoolLayout
-from sglang_kv_migration.paths.host.target_staging import TargetStaging
+from sglang_kv_migration.paths import HostPoolLayout
+from sglang_kv_migration.paths import factory as path_factory
+from sglang_kv_migration.paths.base import HOST, DataPath, TargetStaging
 from sglang_kv_migration.server.diag.metrics import MigrationMetrics
 from sglang_kv_migration.server.messages import (
     AbortTransferReqInput,
@@ -202,7 +202,7 @@ def open_staging(
         # stage that already inserted. Direct writes only under PP.
         logger.info("KV migration staging is off under PP (--pp-size > 1)")
         return None
-    return TargetStaging(layout, nbytes, paths[HOST].transport)
+    return path_factory.open_staging(paths[HOST], layout, nbytes)
 
 
 def _built_on(requests: list[Any], pending: Any) -> bool:
