@@ -17,7 +17,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|35}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|36}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -294,8 +294,16 @@ case $call in
   exec bash scripts/gpu_jobs.sh 560 \
     "0:live:python3 benchmark/bench_live_move.py --deadline-s 450"
   ;;
+36)
+  # verl's pattern: 16 sticky sessions x 4 turns over two servers on one GPU (CUDA graphs
+  # on), 12 first pinned to A; verl's balancer vs re-pin with re-prefill vs re-pin with
+  # migration, three repeats (makespan, turn p50/p99, greedy outputs compared). Targets:
+  # migrate <= 0.8x re-prefill and <= 0.85x default makespan. No repeat after 420 s.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:verl:python3 benchmark/bench_verl_pattern.py --repeats 3 --deadline-s 420"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|35" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|36" >&2
   exit 2
   ;;
 esac
