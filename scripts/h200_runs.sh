@@ -4,7 +4,7 @@
 # the GPU tests beside them. Each job fits one device command of at most ~560 s (the
 # device tool allows 600 s a command).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..35, one device command each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..37, one device command each, kind nvidia-h200
 #
 # Before the first job, on the same warm machine (../shared/gpu/README.md, section 2):
 #   install, carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -17,7 +17,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|36}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|37}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -302,8 +302,20 @@ case $call in
   exec bash scripts/gpu_jobs.sh 560 \
     "0:verl:python3 benchmark/bench_verl_pattern.py --repeats 3 --deadline-s 420"
   ;;
+37)
+  # A --dp-size 2 server (no DP attention, both DP ranks on the one GPU) beside a
+  # one-rank server and a second DP server: migrations into and out of each DP rank,
+  # greedy output equal, the moved tokens served from cache. Then a DeepSeek-V3.2-shaped
+  # (NSA) tiny model between two servers; a server that does not start fails the test
+  # with its log's tail and NAME-results.jsonl lists which NSA kernel modules import.
+  # The two run side by side (small pools, own ports): one after the other, a slow NSA
+  # start could leave the DP tests no time.
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:dp2:$T test/gpu/test_gpu_dp.py" \
+    "+0:nsa:$T test/gpu/test_gpu_nsa.py"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|36" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|37" >&2
   exit 2
   ;;
 esac

@@ -145,8 +145,15 @@ def launch(
     migration: bool = True,
     tokenizer: bool = False,
     cuda_graph: bool = False,
+    dp_size: int = 1,
 ) -> subprocess.Popen:
     """Start one server; `gpu_id` adds `--base-gpu-id` (the server's first GPU).
+
+    `dp_size` > 1 adds `--dp-size` (no DP attention) with every DP rank on the one GPU
+    `gpu_id` (tp = pp = 1): SGLang 0.5.12 puts DP rank r on GPU base + r (its
+    `--gpu-id-step` must be >= 1), so the server sees that GPU listed once per DP rank
+    in CUDA_VISIBLE_DEVICES and, with SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS, gives each
+    scheduler process only its entry.
 
     `cuda_graph=True` leaves out `--disable-cuda-graph` (decode replays captured graphs, as
     in production; start-up captures them first).
@@ -155,7 +162,11 @@ def launch(
     directory must hold one, see `write_tokenizer`), which `sglang.bench_serving` needs.
     """
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    if gpu_id is not None:
+    env = None
+    if dp_size > 1:
+        env = {**os.environ, **_one_gpu_for_every_dp_rank(gpu_id or 0, dp_size)}
+        extra = [*extra, "--dp-size", str(dp_size)]
+    elif gpu_id is not None:
         extra = [*extra, "--base-gpu-id", str(gpu_id)]
     if migration:
         extra = [
@@ -178,21 +189,45 @@ def launch(
     ]  # fmt: skip
     log.write(" ".join(cmd) + "\n")
     log.flush()
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _one_gpu_for_every_dp_rank(gpu_id: int, dp_size: int) -> dict[str, str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    physical = visible.split(",")[gpu_id] if visible else str(gpu_id)
+    return {
+        "CUDA_VISIBLE_DEVICES": ",".join([physical] * dp_size),
+        "SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS": "1",
+    }
+
+
+def server_log_tail(url: str, lines: int = 80) -> str:
+    """The last `lines` lines of the log `launch` wrote for the server at `url`."""
+    path = OUT_DIR / f"server-{url.rsplit(':', 1)[-1]}.log"
+    if not path.exists():
+        return f"(no log at {path})"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def wait_ready(url: str, proc: subprocess.Popen) -> None:
+    """Wait (bounded) until `url` answers /health; a server that exits first raises
+    with its log's tail, so a failed start says why in the test report itself."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server {url} exited with {proc.returncode}; see its log")
+            raise RuntimeError(
+                f"server {url} exited with {proc.returncode}; its log ends:\n"
+                + server_log_tail(url)
+            )
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(2)
-    raise TimeoutError(f"server {url} not ready in {STARTUP_TIMEOUT_S}s")
+    raise TimeoutError(
+        f"server {url} not ready in {STARTUP_TIMEOUT_S}s; its log ends:\n" + server_log_tail(url)
+    )
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -213,6 +248,7 @@ class ServerSpec:
     extra: list[str] = field(default_factory=list)
     gpu_id: int | None = None
     cuda_graph: bool = False  # see `launch`
+    dp_size: int = 1  # see `launch`: every DP rank on `gpu_id`
 
     @property
     def url(self) -> str:
@@ -248,18 +284,28 @@ def running_servers(
 
 
 def _launch(spec: ServerSpec, model_dir: Path) -> subprocess.Popen:
-    return launch(spec.port, model_dir, spec.extra, spec.gpu_id, cuda_graph=spec.cuda_graph)
-
-
-def generate(url: str, input_ids: list[int], max_new_tokens: int = 24) -> dict:
-    r = httpx.post(
-        url + "/generate",
-        json={
-            "input_ids": input_ids,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
-        },
-        timeout=600,
+    return launch(
+        spec.port,
+        model_dir,
+        spec.extra,
+        spec.gpu_id,
+        cuda_graph=spec.cuda_graph,
+        dp_size=spec.dp_size,
     )
+
+
+def generate(
+    url: str, input_ids: list[int], max_new_tokens: int = 24, dp_rank: int | None = None
+) -> dict:
+    """Greedy `/generate`; `dp_rank` routes it to that DP rank of a `--dp-size` server."""
+    from sglang_kv_migration.rollout.dp_routing import routed_body
+
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+        **routed_body({}, dp_rank),
+    }
+    r = httpx.post(url + "/generate", json=body, timeout=600)
     r.raise_for_status()
     return r.json()
 
