@@ -69,46 +69,17 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "test" / "gpu"))
-from real_servers import OUT_DIR, cached_details, cached_tokens, generate, stop, write_model  # noqa: E402
+from real_servers import (  # noqa: E402
+    OUT_DIR,
+    TINY_DEEPSEEK_V32_NSA,
+    cached_details,
+    cached_tokens,
+    generate,
+    nsa_kernel_modules,
+    stop,
+    write_model,
+)
 
-# DeepSeek-V3.2's attention and indexer dims, shrunk elsewhere: 4 layers, hidden 1024, all
-# dense (first_k_dense_replace = layers: no MoE kernel runs; SGLang still reads the MoE
-# fields). 64 query heads: FlashMLA's sparse kernels take 64 or 128 heads per rank.
-TINY_DEEPSEEK_V32_NSA: dict[str, Any] = {
-    "architectures": ["DeepseekV32ForCausalLM"],
-    "model_type": "deepseek_v32",
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 64,
-    "q_lora_rank": 512,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "index_head_dim": 128,
-    "index_n_heads": 64,
-    "index_topk": 2048,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 512,
-    "first_k_dense_replace": 4,  # == num_hidden_layers
-    "moe_layer_freq": 1,
-    "topk_method": "noaux_tc",
-    "n_group": 1,
-    "topk_group": 1,
-    "norm_topk_prob": True,
-    "scoring_func": "sigmoid",
-    "routed_scaling_factor": 1.0,
-    "hidden_act": "silu",
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "vocab_size": 32000,
-    "max_position_embeddings": 8192,
-}
 VARIANTS = {
     "attn-cp": ["--attn-cp-size", "2"],
     "nsa-prefill-cp": ["--enable-nsa-prefill-context-parallel"],
@@ -130,7 +101,11 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = write_model(TINY_DEEPSEEK_V32_NSA, Path("/tmp/kvmig-tiny-deepseek-v32-nsa"))
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"model": TINY_DEEPSEEK_V32_NSA, "kernels": _kernels(), "variants": {}}
+    result: dict[str, Any] = {
+        "model": TINY_DEEPSEEK_V32_NSA,
+        "kernels": nsa_kernel_modules(),
+        "variants": {},
+    }
     print(json.dumps({"kernels": result["kernels"]}), flush=True)
     for i, name in enumerate(args.variants):
         flags = ["--tp-size", str(args.tp_size), *VARIANTS[name], *args.extra]
@@ -139,20 +114,6 @@ def main() -> None:
         print(json.dumps({name: row})[:4000], flush=True)
         (OUT_DIR / "probe_attn_cp.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {OUT_DIR / 'probe_attn_cp.json'}", flush=True)
-
-
-def _kernels() -> dict[str, str]:
-    """Which of the modules SGLang's NSA path needs import here ("ok" or the error)."""
-    import importlib
-
-    found: dict[str, str] = {}
-    for module in ("deep_gemm", "sgl_kernel.flash_mla", "sgl_kernel.flash_attn"):
-        try:
-            importlib.import_module(module)
-            found[module] = "ok"
-        except Exception as e:  # ImportError, or an OSError from a missing .so
-            found[module] = f"{type(e).__name__}: {str(e)[:300]}"
-    return found
 
 
 def _probe(model_dir: Path, port: int, flags: list[str], timeout_s: float, name: str) -> dict:

@@ -94,6 +94,70 @@ TINY_DEEPSEEK_V2_MLA = {
     "max_position_embeddings": 8192,
 }
 
+# DeepSeek-V3.2's attention and indexer dims, shrunk elsewhere: 4 layers, hidden 1024, all
+# dense (first_k_dense_replace = layers: no MoE kernel runs; SGLang still reads the MoE
+# fields). 64 query heads: FlashMLA's sparse kernels take 64 or 128 heads per rank.
+TINY_DEEPSEEK_V32_NSA = {
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 512,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "index_topk": 2048,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 512,
+    "first_k_dense_replace": 4,  # == num_hidden_layers
+    "moe_layer_freq": 1,
+    "topk_method": "noaux_tc",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "routed_scaling_factor": 1.0,
+    "hidden_act": "silu",
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "vocab_size": 32000,
+    "max_position_embeddings": 8192,
+}
+
+# Where SGLang 0.5.12's NSA backend and indexer import their kernels from.
+NSA_KERNEL_MODULES = (
+    "sgl_kernel.flash_mla",  # flash_mla_sparse_fwd (prefill), flash_mla_with_kvcache
+    "sgl_kernel.flash_attn",  # fa3 decode
+    "deep_gemm",  # the indexer's fp8 MQA logits
+    "fast_hadamard_transform",  # the indexer's rotation
+    "tilelang",
+)
+
+
+def nsa_kernel_modules() -> dict[str, str]:
+    """Which of the modules SGLang's NSA path needs import here ("ok: <file>" or the
+    error): what a server that does not start lacks."""
+    import importlib
+
+    found = {}
+    for name in NSA_KERNEL_MODULES:
+        try:
+            module = importlib.import_module(name)
+            found[name] = f"ok: {getattr(module, '__file__', '')}"
+        except Exception as exc:  # ImportError, or an OSError from a missing .so: recorded
+            found[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return found
+
+
 # KVMIG_ATTENTION=mha|mla picks the small test model.
 TEST_MODELS: dict[str, tuple[dict[str, Any], Path]] = {
     "mha": (TINY_LLAMA, Path("/tmp/kvmig-tiny-llama")),

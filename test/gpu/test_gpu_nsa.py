@@ -18,7 +18,6 @@ in the KV pool beside the latent cache and must move with it for the output to m
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import sys
@@ -29,10 +28,12 @@ from sglang_kv_migration.client.migration import MigrationClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_servers import (  # noqa: E402
+    TINY_DEEPSEEK_V32_NSA,
     ServerSpec,
     cached_details,
     cached_tokens,
     generate,
+    nsa_kernel_modules,
     record,
     running_servers,
     write_model,
@@ -44,67 +45,21 @@ PORT_BASE = int(os.environ.get("KVMIG_PORT_BASE", "30800"))
 NSA_PAGE_SIZE = 64  # SGLang forces it for DeepSeek DSA on CUDA
 PROMPT_TOKENS = 3000  # > index_topk: the sparse path runs
 
-TINY_DEEPSEEK_V32_NSA = {
-    "architectures": ["DeepseekV32ForCausalLM"],
-    "model_type": "deepseek_v32",
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
+# The shared V3.2 shape with 2 layers (all dense) and 128 query heads, as V3.2 has.
+NSA_TEST_MODEL = {
+    **TINY_DEEPSEEK_V32_NSA,
     "num_hidden_layers": 2,
     "num_attention_heads": 128,
     "num_key_value_heads": 128,
     "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "index_head_dim": 128,
-    "index_n_heads": 64,
-    "index_topk": 2048,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 512,
-    "first_k_dense_replace": 2,  # == num_hidden_layers: no MoE layer
-    "moe_layer_freq": 1,
-    "topk_method": "noaux_tc",
-    "n_group": 1,
-    "topk_group": 1,
-    "norm_topk_prob": True,
-    "scoring_func": "sigmoid",
-    "routed_scaling_factor": 1.0,
-    "hidden_act": "silu",
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "vocab_size": 32000,
-    "max_position_embeddings": 8192,
+    "first_k_dense_replace": 2,
 }
 MODEL_DIR = Path("/tmp/kvmig-tiny-deepseek-v32-nsa")
 
-# Where SGLang 0.5.12's NSA backend and indexer import their kernels from.
-NSA_KERNEL_MODULES = (
-    "sgl_kernel.flash_mla",  # flash_mla_sparse_fwd (prefill), flash_mla_with_kvcache
-    "sgl_kernel.flash_attn",  # fa3 decode
-    "deep_gemm",  # the indexer's fp8 MQA logits
-    "fast_hadamard_transform",  # the indexer's rotation
-    "tilelang",
-)
-
-
-def _kernel_modules() -> dict[str, str]:
-    found = {}
-    for name in NSA_KERNEL_MODULES:
-        try:
-            module = importlib.import_module(name)
-            found[name] = f"ok: {getattr(module, '__file__', '')}"
-        except Exception as exc:  # an import error is what this records
-            found[name] = f"{type(exc).__name__}: {exc}"
-    return found
-
 
 def test_nsa_model_migrates_with_equal_greedy_output():
-    record("nsa_kernel_modules", _kernel_modules())
-    write_model(TINY_DEEPSEEK_V32_NSA, MODEL_DIR)
+    record("nsa_kernel_modules", nsa_kernel_modules())
+    write_model(NSA_TEST_MODEL, MODEL_DIR)
     common = ["--attention-backend", "nsa", "--page-size", str(NSA_PAGE_SIZE)]
     common += ["--mem-fraction-static", "0.15", "--max-total-tokens", "32768"]
     specs = [ServerSpec(PORT_BASE + 10, common, gpu_id=0), ServerSpec(PORT_BASE + 20, common)]
