@@ -81,12 +81,9 @@ async def copy_in_rounds(
         except (MigrationFailed, httpx.HTTPError) as failure:
             if _request_left(failure):
                 break  # finished or aborted since the query: the stop finds out which
-            move.failure = f"round {index} (while decoding): {failure}"
-            move.add_stage(True, generated, stage_t0, decision="failed", failure=str(failure))
+            move.failed_while_decoding(f"round {index}", generated, stage_t0, failure)
             break
-        move.target_has = result.matched_after_commit
-        move.migration = result
-        move.add_stage(True, generated, stage_t0, result)
+        move.copied_while_decoding(generated, stage_t0, result)
         # What was generated during this round: another round unless one page is left.
         now = len(handle.piece.input_ids) + len(handle.generated_so_far()) - 1
         if now - now % page - move.target_has <= page:

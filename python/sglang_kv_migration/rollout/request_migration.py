@@ -734,12 +734,9 @@ class AsyncRequestMigrator:
             except AuthFailed:
                 raise
             except (MigrationFailed, httpx.HTTPError) as failure:
-                move.failure = f"stage {index} (while decoding): {failure}"
-                move.add_stage(True, generated, stage_t0, decision="failed", failure=str(failure))
+                move.failed_while_decoding(f"stage {index}", generated, stage_t0, failure)
                 break
-            move.target_has = result.matched_after_commit
-            move.migration = result
-            move.add_stage(True, generated, stage_t0, result)
+            move.copied_while_decoding(generated, stage_t0, result)
         move.seconds["live"] = time.perf_counter() - t0
 
     async def _worth_it(
@@ -1165,6 +1162,21 @@ class _Move:
                 path=result.path if result else "",
             )
         )
+
+    def copied_while_decoding(
+        self, generated: list[int], started: float, result: MigrationResult
+    ) -> None:
+        """A stage or round before the stop moved `result`: the target holds its prefix."""
+        self.target_has = result.matched_after_commit
+        self.migration = result
+        self.add_stage(True, generated, started, result)
+
+    def failed_while_decoding(
+        self, which: str, generated: list[int], started: float, failure: Exception
+    ) -> None:
+        """A stage or round before the stop failed (the request is still running)."""
+        self.failure = f"{which} (while decoding): {failure}"
+        self.add_stage(True, generated, started, decision="failed", failure=str(failure))
 
     def report(
         self, outcome: MoveOutcome, resumed_on: str, generated: int, **kw: Any
