@@ -4,7 +4,7 @@
 # the GPU tests beside them. Each job fits one device command of at most ~560 s (the
 # device tool allows 600 s a command).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..37, one device command each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..38, one device command each, kind nvidia-h200
 #
 # Before the first job, on the same warm machine (../shared/gpu/README.md, section 2):
 #   install, carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -17,7 +17,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|37}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|38}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -305,17 +305,30 @@ case $call in
 37)
   # A --dp-size 2 server (no DP attention, both DP ranks on the one GPU) beside a
   # one-rank server and a second DP server: migrations into and out of each DP rank,
-  # greedy output equal, the moved tokens served from cache. Then a DeepSeek-V3.2-shaped
-  # (NSA) tiny model between two servers; a server that does not start fails the test
-  # with its log's tail and NAME-results.jsonl lists which NSA kernel modules import.
-  # The two run side by side (small pools, own ports): one after the other, a slow NSA
-  # start could leave the DP tests no time.
-  exec bash scripts/gpu_jobs.sh 560 \
+  # greedy output equal, the moved tokens served from cache. Beside it a DeepSeek-V3.2-
+  # shaped (NSA) tiny model between two servers, twice: with the wheel set as the GPU
+  # recipe builds it (a server that does not start fails the test with its log's tail,
+  # and NAME-results.jsonl lists which NSA kernel modules import), and with the kernels
+  # of `scripts/fetch-nsa-kernels.sh` (carry ".whl-nsa" too) in a site of their own,
+  # decoding with flashmla_sparse because fa3's 1 GB library cannot travel.
+  exec bash scripts/gpu_jobs.sh "${KVMIG_BUDGET_S:-560}" \
     "0:dp2:$T test/gpu/test_gpu_dp.py" \
-    "+0:nsa:$T test/gpu/test_gpu_nsa.py"
+    "+0:nsa:$T test/gpu/test_gpu_nsa.py" \
+    "+0:nsak:bash scripts/nsa_site.sh /tmp/site-nsa && PYTHONPATH=/tmp/site-nsa:/tmp/site KVMIG_PORT_BASE=30900 KVMIG_EXTRA_SERVER_FLAGS='--nsa-decode-backend flashmla_sparse' $T test/gpu/test_gpu_nsa.py"
+  ;;
+38)
+  # The GPU tests on the code as it stands, before any benchmark: the device-path tests
+  # at MHA page 16, the memory-saver test and the device-path tests at MLA page 64 one
+  # after the other (one job: at most 8 files come back from a call); beside them the
+  # request-migration tests (page 16, the live move among them) and the host path
+  # through Mooncake (page 1), each on its own ports.
+  exec bash scripts/gpu_jobs.sh "${KVMIG_BUDGET_S:-560}" \
+    "0:devtests:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py; KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py; KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py" \
+    "+0:reqmig16:sleep 20; KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py" \
+    "+0:host1:sleep 40; KVMIG_PAGE_SIZE=1 $T test/gpu/test_gpu_migration.py"
   ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|37" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|38" >&2
   exit 2
   ;;
 esac

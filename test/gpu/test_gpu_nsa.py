@@ -54,7 +54,8 @@ NSA_TEST_MODEL = {
     "q_lora_rank": 1536,
     "first_k_dense_replace": 2,
 }
-MODEL_DIR = Path("/tmp/kvmig-tiny-deepseek-v32-nsa")
+# One directory per port base: two runs side by side never write the same config file.
+MODEL_DIR = Path(f"/tmp/kvmig-tiny-deepseek-v32-nsa-{PORT_BASE}")
 
 
 def test_nsa_model_migrates_with_equal_greedy_output():
