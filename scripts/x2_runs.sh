@@ -3,7 +3,7 @@
 # PP=2 servers, memory-saver servers under TP=2, and the attention-CP probe. Each job
 # fits one device command of at most ~560 s (the device tool allows 600 s a command).
 #
-#   bash scripts/x2_runs.sh N        # N = 1..4, one device command each, kind nvidia-h200-x2
+#   bash scripts/x2_runs.sh N        # N = 1..5, one device command each, kind nvidia-h200-x2
 #
 # Before the first job, on the same warm machine (../shared/gpu/README.md, section 2):
 #   install, carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -19,7 +19,7 @@
 # $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs included).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/x2_runs.sh 1|2|3|4}
+call=${1:?usage: bash scripts/x2_runs.sh 1|2|3|4|5}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -65,8 +65,20 @@ case $call in
     "+0,1:saver_tp2:KVMIG_TP=2 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py" \
     "+0,1:cp:python3 benchmark/probes/probe_attn_cp.py"
   ;;
+5)
+  # Data-parallel ranks (issue of DeepSeek-class servers, item 5): `--dp-size 2` without
+  # DP attention, DP rank r on GPU r (SGLang 0.5.12 cannot put two DP ranks on one GPU:
+  # CUDA refuses a GPU listed twice, error 101, seen on the one-GPU machine): migrations
+  # into and out of each DP rank and between two DP servers, greedy output equal, the
+  # moved tokens served from cache (~200 s: three servers started one after another).
+  # Beside it, the NSA model with the kernels of scripts/fetch-nsa-kernels.sh (carry
+  # ".whl-nsa" too; see h200_runs.sh 37).
+  exec bash scripts/gpu_jobs.sh 545 \
+    "0,1:dp2:$T test/gpu/test_gpu_dp.py" \
+    "+0:nsak:bash scripts/nsa_site.sh /tmp/site-nsa && PYTHONPATH=/tmp/site-nsa:/tmp/site KVMIG_PORT_BASE=30900 SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0 KVMIG_EXTRA_SERVER_FLAGS='--nsa-decode-backend flashmla_sparse' $T test/gpu/test_gpu_nsa.py"
+  ;;
 *)
-  echo "unknown call $call: 1, 2, 3 or 4" >&2
+  echo "unknown call $call: 1, 2, 3, 4 or 5" >&2
   exit 2
   ;;
 esac

@@ -213,11 +213,10 @@ def launch(
 ) -> subprocess.Popen:
     """Start one server; `gpu_id` adds `--base-gpu-id` (the server's first GPU).
 
-    `dp_size` > 1 adds `--dp-size` (no DP attention) with every DP rank on the one GPU
-    `gpu_id` (tp = pp = 1): SGLang 0.5.12 puts DP rank r on GPU base + r (its
-    `--gpu-id-step` must be >= 1), so the server sees that GPU listed once per DP rank
-    in CUDA_VISIBLE_DEVICES and, with SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS, gives each
-    scheduler process only its entry.
+    `dp_size` > 1 adds `--dp-size` (no DP attention): SGLang 0.5.12 puts DP rank r on GPU
+    `gpu_id` + r (its `--gpu-id-step` must be >= 1), so such a server needs `dp_size`
+    GPUs. Two DP ranks cannot share one GPU: listing a GPU twice in CUDA_VISIBLE_DEVICES
+    makes CUDA fail with error 101 (invalid device ordinal) before any rank starts.
 
     `cuda_graph=True` leaves out `--disable-cuda-graph` (decode replays captured graphs, as
     in production; start-up captures them first).
@@ -226,11 +225,9 @@ def launch(
     directory must hold one, see `write_tokenizer`), which `sglang.bench_serving` needs.
     """
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    env = None
     if dp_size > 1:
-        env = {**os.environ, **_one_gpu_for_every_dp_rank(gpu_id or 0, dp_size)}
         extra = [*extra, "--dp-size", str(dp_size)]
-    elif gpu_id is not None:
+    if gpu_id is not None:
         extra = [*extra, "--base-gpu-id", str(gpu_id)]
     if migration:
         extra = [
@@ -253,16 +250,7 @@ def launch(
     ]  # fmt: skip
     log.write(" ".join(cmd) + "\n")
     log.flush()
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-def _one_gpu_for_every_dp_rank(gpu_id: int, dp_size: int) -> dict[str, str]:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    physical = visible.split(",")[gpu_id] if visible else str(gpu_id)
-    return {
-        "CUDA_VISIBLE_DEVICES": ",".join([physical] * dp_size),
-        "SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS": "1",
-    }
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
 def server_log_tail(url: str, lines: int = 80) -> str:

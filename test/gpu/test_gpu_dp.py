@@ -1,8 +1,10 @@
 """Migration into and out of each DP rank of a real `--dp-size 2` SGLang 0.5.12 server.
 
-Three servers on one GPU (tiny Llama, dummy weights): `dp` and `dp_peer` with
-`--dp-size 2` (no DP attention; both DP ranks share the GPU, see `real_servers.launch`)
-and `single` with one DP rank. A prefix lives on one DP rank; the target's allocate
+Three servers on two GPUs (tiny Llama, dummy weights): `dp` and `dp_peer` with
+`--dp-size 2` (no DP attention; DP rank r on GPU r) and `single` with one DP rank on
+GPU 0. SGLang 0.5.12 cannot put two DP ranks on one GPU (see `real_servers.launch`), so
+on a machine with fewer than two GPUs the tests are skipped, saying so
+(`scripts/x2_runs.sh 5`). A prefix lives on one DP rank; the target's allocate
 lands on the DP rank holding the longest prefix of the request (ties: the least loaded,
 then the lowest). So each test first puts a short head of the prompt on the DP rank it
 wants (a `/generate` routed there): the migration must land beside it, report that rank
@@ -56,6 +58,13 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[Servers]:
+    import torch
+
+    if torch.cuda.device_count() < DP_SIZE:
+        pytest.skip(
+            f"--dp-size {DP_SIZE} needs {DP_SIZE} GPUs: SGLang 0.5.12 gives DP rank r GPU "
+            f"base + r, and CUDA refuses a GPU listed twice (error 101)"
+        )
     model_dir = write_model(TINY_LLAMA, Path("/tmp/kvmig-tiny-llama"))
     common = ["--page-size", str(PAGE_SIZE), "--mem-fraction-static", "0.15"]
     common += ["--max-total-tokens", "32768"]
@@ -69,7 +78,7 @@ def servers() -> Iterator[Servers]:
         with running_servers(model_dir, specs, sequential=True) as (dp, dp_peer, single):
             yield Servers(dp, dp_peer, single)
     except (RuntimeError, TimeoutError) as exc:
-        pytest.fail(f"a --dp-size {DP_SIZE} server on one GPU did not start:\n{exc}")
+        pytest.fail(f"a --dp-size {DP_SIZE} server did not start:\n{exc}")
 
 
 @pytest.fixture(scope="module")

@@ -388,10 +388,36 @@ def test_failed_migration_still_completes_the_request(
         assert out.output_ids == reference["output_ids"]
 
 
+def _check_live_stages(
+    stages: Any, prompt_len: int, generated_on_source: int, resumed_cached: int, mode: str
+) -> None:
+    """Stage 1 copies, while the request decodes, what its own slots hold then: the prompt
+    and the tokens generated so far, whole pages only (feature running_slots). After the
+    stop only pages beyond stage 1 are left: with mode "migrate" they move, and when the
+    request made no new whole page there is nothing left to move; with "auto" the cost
+    model leaves the few delta pages to the target."""
+    stage1, delta = stages
+    assert stage1.while_decoding and stage1.decision == "migrate", stages
+    assert 0 < stage1.generated <= generated_on_source, stages
+    assert stage1.migrated_tokens == stage1.held_tokens, stages
+    upper = _aligned(prompt_len + generated_on_source)
+    assert _aligned(prompt_len) <= stage1.held_tokens <= upper, stages
+    assert not delta.while_decoding
+    moved_ids = prompt_len + generated_on_source - 1
+    left = _aligned(moved_ids) - stage1.held_tokens
+    if mode == "migrate" and left > 0:
+        assert delta.decision == "migrate" and delta.migrated_tokens == left, stages
+        assert resumed_cached >= _aligned(moved_ids)
+    else:
+        assert delta.migrated_tokens == 0, stages
+        assert mode == "auto" or left <= 0, stages
+        assert resumed_cached >= stage1.held_tokens
+
+
 @pytest.mark.parametrize("mode", ["migrate", "auto"])
 def test_running_request_moves_live(servers: Servers, mode: str):
-    """`live=True` (issue 22): stage 1 copies the prompt while the request keeps decoding
-    on the source; after the stop the delta migrates (mode "migrate") or, priced by the
+    """`live=True`: stage 1 copies the request's held pages while it keeps decoding on
+    the source; after the stop the delta migrates (mode "migrate") or, priced by the
     default cost model (mode "auto"), is left to the target. The whole output equals an
     uninterrupted greedy run, and the report gives every stage and the stall."""
     s = servers
@@ -427,22 +453,7 @@ def test_running_request_moves_live(servers: Servers, mode: str):
         (s.target, "migrated"),
     ]
     assert move.live and move.outcome == "migrated", move
-    stage1, delta = move.stages
-    # Stage 1: the prompt's whole pages, while the request kept decoding.
-    assert stage1.while_decoding and stage1.decision == "migrate", move.stages
-    assert stage1.migrated_tokens == _aligned(len(prompt)), move.stages
-    assert 0 < stage1.generated <= len(first.output_ids)
-    assert not delta.while_decoding
-    moved_ids = len(prompt) + len(first.output_ids) - 1
-    if mode == "migrate":
-        # Only the pages generated since stage 1 moved after the stop.
-        assert delta.decision == "migrate", move.stages
-        assert delta.migrated_tokens == _aligned(moved_ids) - _aligned(len(prompt)), move.stages
-        assert second.cached_tokens >= _aligned(moved_ids)
-    else:
-        # A few pages of delta: cheaper for the target to recompute than a migration.
-        assert delta.decision == "recompute" and delta.migrated_tokens == 0, move.stages
-        assert second.cached_tokens >= _aligned(len(prompt))
+    _check_live_stages(move.stages, len(prompt), len(first.output_ids), second.cached_tokens, mode)
     assert move.stall_s is not None and 0 < move.stall_s < move.seconds["total"] + 5
     # The whole output, as one uninterrupted greedy run gave it.
     assert len(out.output_ids) == MAX_NEW_TOKENS
