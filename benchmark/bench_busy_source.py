@@ -5,7 +5,9 @@ Two real SGLang servers on one GPU, Llama-3-8B shape (dummy weights), CUDA graph
 
 1. idle: both servers idle; per prefix length N (default 1K / 8K / 32K) the source
    holds one N-token prefix on its GPU and another only in its host tier (pushed there
-   by a flood of other prompts; the size query's tiers are recorded per move); each
+   by a flood of other prompts just before the two move; the size query's tiers are
+   recorded per move, and a move of less than the whole prefix is left out of the
+   summary and counted); each
    moves to the target with `path="device"` (the device path reads both tiers); beside
    them the target re-prefills a fresh N-token prompt (its TTFT, max_new_tokens=1);
 2. busy: the same with the source decoding a full batch: `--busy` requests (>= 32) of
@@ -156,14 +158,18 @@ def _repeat(
         try:
             if batch is not None:
                 batch.start(min_running=min(32, args.busy))
-            prompts = _place_prefixes(client, source, lengths, rng, args.max_total_tokens)
+            prompts: dict[tuple[int, str], list[int]] = {}
             for n in lengths:
+                # Placed just before they move: under a busy batch the host tier turns
+                # over in seconds, and a prefix placed earlier is gone from it too.
+                prompts.update(_place_prefixes(client, source, [n], rng, args.max_total_tokens))
                 flush_cache(target)
                 if state == "idle":
                     _, ttft = timed_generate(target, _tokens(rng, n), 1)
                     rows[n]["reprefill_ms"] = ttft * 1e3
                 rows[n][state] = {
-                    tier: _move(client, source, target, prompts[(n, tier)]) for tier in report.TIERS
+                    tier: _move(client, source, target, prompts[(n, tier)], args.page_size)
+                    for tier in report.TIERS
                 }
                 if batch is not None:
                     rows[n][state]["running_on_source"] = kv_pool_usage(source)["num_running_reqs"]
@@ -239,14 +245,13 @@ def _place_prefixes(
     client: MigrationClient, source: str, lengths: list[int], rng: random.Random, pool: int
 ) -> dict[tuple[int, str], list[int]]:
     """Host-tier prefixes first, pushed out of the source's GPU by a flood of other
-    prompts, then the GPU-tier ones."""
+    prompts (only until none is left there: a longer flood, or a busy batch meanwhile,
+    pushes them out of the host tier too), then the GPU-tier ones."""
     prompts = {(n, "host"): _tokens(rng, n) for n in lengths}
     for p in prompts.values():
         generate(source, p, 1)
     pushed = 0
-    while pushed < 1.1 * pool or any(
-        _held(client, source, p)["device_token_size"] for p in prompts.values()
-    ):
+    while any(_held(client, source, p)["device_token_size"] for p in prompts.values()):
         generate(source, _tokens(rng, FLOOD_TOKENS), 1)
         pushed += FLOOD_TOKENS
         if pushed > 4 * pool:
@@ -258,13 +263,16 @@ def _place_prefixes(
     return prompts
 
 
-def _move(client: MigrationClient, source: str, target: str, prompt: list[int]) -> dict:
+def _move(
+    client: MigrationClient, source: str, target: str, prompt: list[int], page_size: int
+) -> dict:
     held = _held(client, source, prompt)
     t0 = time.perf_counter()
     r = client.migrate(source, target, prompt[:-1], path="device")
     wall = time.perf_counter() - t0
     _, ttft = timed_generate(target, prompt, 1)
-    return report.move_row(r, wall, ttft, held)
+    whole_pages = (len(prompt) - 1) // page_size * page_size
+    return report.move_row(r, wall, ttft, held, whole_pages)
 
 
 def _windows(

@@ -46,11 +46,17 @@ def counter_rate(samples: Sequence[tuple[float, float]]) -> float | None:
     return (v1 - v0) / (t1 - t0) if t1 > t0 else None
 
 
-def move_row(result: Any, wall_s: float, ttft_s: float, held: dict[str, Any]) -> dict[str, Any]:
+def move_row(
+    result: Any, wall_s: float, ttft_s: float, held: dict[str, Any], expected_tokens: int
+) -> dict[str, Any]:
     """One move as the result file keeps it: the client's `MigrationResult` fields the
     replies already report (phases, per-trip `steps_ms`: scheduler trips and their waits,
-    the copy), its wall time, and what the source held where when it was asked."""
+    the copy), its wall time, and what the source held where when it was asked. `whole`:
+    it moved the prefix's `expected_tokens` (its whole pages); a move of less (the source
+    had already evicted the prefix) is kept in the file but left out of the summary."""
     return {
+        "whole": result.migrated_token_size == expected_tokens,
+        "expected_tokens": expected_tokens,
         "path": result.path,
         "fallback_reason": result.fallback_reason,
         "migrated_tokens": result.migrated_token_size,
@@ -69,8 +75,9 @@ def move_row(result: Any, wall_s: float, ttft_s: float, held: dict[str, Any]) ->
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per length: re-prefill on the target, and per (tier, source state) the move's
-    total, copy and wall time as median with min-max, the busy/idle ratio of the
-    medians and whether it meets `BUSY_OVER_IDLE_MAX`."""
+    total, copy and wall time as median with min-max over the moves that moved the whole
+    prefix (`not_whole` counts the others), the busy/idle ratio of the medians and
+    whether it meets `BUSY_OVER_IDLE_MAX`."""
     out = []
     for n in sorted({r["tokens"] for r in rows}):
         mine = [r for r in rows if r["tokens"] == n]
@@ -82,10 +89,12 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             per_state = {}
             for state in SOURCES:
                 moves = [r[state][tier] for r in mine if tier in r.get(state, {})]
+                whole = [m for m in moves if m.get("whole", True)]
                 per_state[state] = {
-                    key: spread([m.get(key) for m in moves])
+                    key: spread([m.get(key) for m in whole])
                     for key in ("total_ms", "copy_ms", "client_wall_ms", "ttft_after_ms")
                 }
+                per_state[state]["not_whole"] = len(moves) - len(whole)
             ratio = _ratio(per_state["busy"]["total_ms"], per_state["idle"]["total_ms"])
             entry[tier] = {
                 **per_state,
@@ -153,7 +162,7 @@ def markdown(summary: Sequence[dict[str, Any]], decode: dict[str, Any] | None) -
             t = entry[tier]
             lines.append(
                 f"| {entry['tokens']} | {tier} | {_cell(entry['reprefill_ms'])} "
-                f"| {_cell(t['idle']['total_ms'])} | {_cell(t['busy']['total_ms'])} "
+                f"| {_moves_cell(t['idle'])} | {_moves_cell(t['busy'])} "
                 f"| {_num(t['busy_over_idle'], 2)} | {_cell(t['busy']['copy_ms'])} "
                 f"| {t['met']} |"
             )
@@ -176,6 +185,13 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 def _num(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _moves_cell(state: dict[str, Any]) -> str:
+    """The moves' total; moves of less than the whole prefix are named, not counted."""
+    cell = _cell(state["total_ms"])
+    left_out = state.get("not_whole", 0)
+    return cell if not left_out else f"{cell} [{left_out} moved less than the prefix]"
 
 
 def _cell(s: dict[str, Any]) -> str:

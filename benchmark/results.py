@@ -38,7 +38,8 @@ RUNS = {
     "host_stall": "2026-11-30-host-path-stall-overhead-llama3-8b.json",
     "scene8k": "2026-12-01/scene8k-bench_rl_scene_8192.json",
     "scene16k": "2026-12-01/scene16k-bench_rl_scene_16384.json",
-    "live": "2026-12-01/live-bench_live_move.json",
+    "live": "2026-12-05/live-bench_live_move.json",
+    "busy": "2026-12-05/busy-bench_busy_source.json",
     "rollout": "2026-11-30-rollout-rebalance-llama3-8b.json",
 }
 
@@ -262,15 +263,60 @@ def block_scenes() -> str:
 
 
 def block_live() -> str:
+    """`bench_live_move.py` from the running request's slots: per context and tokens
+    generated before the move, the stall and the abort over the repeats, the bound (abort
+    + 10 ms + one target decode step) and the 40 ms cap."""
     rows = []
     for row in load("live")["rows"]:
-        live = row["checks"]["live"]
-        rows.append([f"{row['context']:,}", f"{live['stall_s'] * 1e3:.1f} ms",
-                     f"{live['bound_s'] * 1e3:.1f} ms", "met" if live["met"] else "**missed**",
-                     f"{row['arms']['recompute']['stall_s'] * 1e3:,.1f} ms"])  # fmt: skip
-    head = ["context (one run)", "live stall", "abort + 10 ms + cached TTFT", "verdict",
-            "re-prefill stall"]  # fmt: skip
+        stalls = [r["stall_s"] * 1e3 for r in row["repeats"] if r.get("complete")]
+        aborts = [r["abort_s"] * 1e3 for r in row["repeats"] if r.get("complete")]
+        checks = row["checks"]
+        rows.append([f"{row['context']:,}", f"{row['generated']:,}", spread(stalls, " ms", 1),
+                     spread(aborts, " ms", 1), f"{row['decode_step_s'] * 1e3:.1f} ms",
+                     f"{checks['bound_s'] * 1e3:.1f} ms",
+                     verdict(stalls, min(checks["stall_cap_s"], checks["bound_s"]) * 1e3,
+                             " ms", digits=1)])  # fmt: skip
+    head = ["context", "generated", "stall", "abort", "target decode step",
+            "abort + 10 ms + step", "≤ both bounds"]  # fmt: skip
     return _table(head, rows)
+
+
+def _whole(move: dict[str, Any], tokens: int, page: int) -> bool:
+    """Whether a busy-source move moved the prefix's whole pages (records made before
+    the benchmark said so itself are read the same way)."""
+    return move.get("whole", move["migrated_tokens"] == (tokens - 1) // page * page)
+
+
+def block_busy() -> str:
+    """`bench_busy_source.py`: per prefix and tier the move between idle servers and from
+    a source decoding a full batch, over the moves that moved the whole prefix."""
+    record = load("busy")
+    page = record["config"]["page_size"]
+    rows = []
+    for n in sorted({r["tokens"] for r in record["rows"]}):
+        mine = [r for r in record["rows"] if r["tokens"] == n]
+        for tier in ("gpu", "host"):
+            cells = []
+            for state in ("idle", "busy"):
+                moves = [r[state][tier] for r in mine]
+                whole = [m["total_ms"] for m in moves if _whole(m, n, page)]
+                short = len(moves) - len(whole)
+                cells.append(spread(whole, " ms", 1) if whole else f"none of {short} moved it")
+                cells[-1] += f"; {short} moved less" if whole and short else ""
+            idle = [r["idle"][tier]["total_ms"] for r in mine if _whole(r["idle"][tier], n, page)]
+            busy = [r["busy"][tier]["total_ms"] for r in mine if _whole(r["busy"][tier], n, page)]
+            ratio = statistics.median(busy) / statistics.median(idle) if idle and busy else None
+            rows.append([f"{n:,}", tier, spread([r["reprefill_ms"] for r in mine], " ms", 1),
+                         *cells, "—" if ratio is None else f"{ratio:.2f}",
+                         "—" if ratio is None else verdict([ratio], 2.0, "×")])  # fmt: skip
+    head = ["prefix", "source tier", "re-prefill", "move, idle servers", "move, busy source",
+            "busy / idle", "≤ 2×"]  # fmt: skip
+    decode = record["decode"]
+    kept = decode["per_window"]
+    line = (f"\nDecode throughput of the busy batch with a stream of 8K moves over without: "
+            f"{spread(kept, digits=3, of='windows')} — "
+            f"{verdict(kept, 0.95, '', below=False, digits=3)} (≥ 0.95).")  # fmt: skip
+    return _table(head, rows) + "\n" + line
 
 
 BLOCKS: dict[str, Callable[[], str]] = {
@@ -282,6 +328,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "host-path": block_host_path,
     "scenes": block_scenes,
     "live": block_live,
+    "busy": block_busy,
 }
 
 

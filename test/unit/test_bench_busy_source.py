@@ -53,6 +53,19 @@ def test_a_row_cut_short_counts_what_it_measured() -> None:
     assert "1024 | gpu" in report.markdown([entry], None)
 
 
+def test_a_move_of_less_than_the_prefix_is_counted_apart_not_measured() -> None:
+    # The busy source had evicted the host-tier prefix: the move moved nothing, fast.
+    rows = [_row(8192, r, 10.0, 20.0, 500.0) for r in range(3)]
+    for row in rows:
+        row["busy"]["host"].update(total_ms=1.0, whole=False)
+    (entry,) = report.summarize(rows)
+    assert entry["host"]["busy"]["total_ms"]["n"] == 0
+    assert entry["host"]["busy"]["not_whole"] == 3
+    assert entry["host"]["busy_over_idle"] is None and entry["host"]["met"] is None
+    assert entry["gpu"]["busy"]["not_whole"] == 0
+    assert "[3 moved less than the prefix]" in report.markdown([entry], None)
+
+
 def test_counter_rate_uses_only_whole_intervals_between_steps() -> None:
     # The counter steps at t=1.0 (100 -> 150), 2.0 (-> 250), 3.0 (-> 350); samples also
     # before the first step and after the last: only 1.0 .. 3.0 counts.
@@ -90,12 +103,19 @@ class _Result:
 
 
 def test_move_row_keeps_what_the_replies_report() -> None:
-    row = report.move_row(_Result(), 0.007, 0.05, {"matched_token_size": 8192})
+    row = report.move_row(_Result(), 0.007, 0.05, {"matched_token_size": 8192}, 8192)
+    assert row["whole"] is True and row["expected_tokens"] == 8192
     assert row["total_ms"] == 6.0 and row["client_wall_ms"] == 7.0
     assert row["copy_ms"] == 2.0 and row["timings_ms"]["transfer"] == 4.0
     assert row["steps_ms"] == {"transfer": {"waited": 1.5}}
     assert (row["held_tokens"], row["held_device_tokens"]) == (8192, 0)
     assert row["ttft_after_ms"] == 50.0
+
+
+def test_move_row_says_whether_the_whole_prefix_moved() -> None:
+    # The source had evicted the prefix: the move moved nothing.
+    row = report.move_row(_Result(migrated_token_size=0), 0.002, 0.05, {}, 8176)
+    assert row["whole"] is False and row["migrated_tokens"] == 0
 
 
 def test_the_result_file_is_rewritten_whole(tmp_path: Path) -> None:
