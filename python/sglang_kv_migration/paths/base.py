@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     import torch
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
+    from sglang_kv_migration.cp_owners import OwnerRun
     from sglang_kv_migration.sglang_adapter import HeldPrefix
     from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
@@ -127,6 +128,19 @@ class SendRange:
     # Feature "running_slots": the device slots of tokens [0, end), one per token, read
     # from a running request's own row instead of from the radix tree.
     source_slots: torch.Tensor | None = None
+    # Owner-sharded CP (`cp_owners.py`): the owner of each page of [start, end), as the
+    # target allocated them; this rank sends only its own (None: every page).
+    owner_pattern: tuple[int, ...] | None = None
+    cp_rank: int = 0
+
+    def owned_offsets(self, num_tokens: int, page_size: int) -> list[int] | None:
+        """Token offsets (from `start`) of the pages of the first `num_tokens` this rank
+        sends: those it owns; None when it sends them all (no owner pattern)."""
+        if self.owner_pattern is None:
+            return None
+        from sglang_kv_migration.cp_owners import owned_pages
+
+        return owned_pages(self.owner_pattern, self.cp_rank, page_size, num_tokens)
 
     def cut_to(self, held: int, where: str) -> SendRange:
         """This send, ending where the source's `held` page-aligned prefix ends when that
@@ -239,8 +253,9 @@ class DataPath(abc.ABC):
         """The page-aligned prefix this server keeps (locks) when it receives the rest."""
 
     @abc.abstractmethod
-    def reserve(self, num_tokens: int) -> torch.Tensor:
-        """Slots for `num_tokens` tokens, whole pages, in prefix order."""
+    def reserve(self, num_tokens: int, owners: OwnerRun | None = None) -> torch.Tensor:
+        """Slots for `num_tokens` tokens, whole pages, in prefix order. `owners`: on an
+        owner-sharded CP server, the CP rank each page must belong to (`cp_owners.py`)."""
 
     @abc.abstractmethod
     def release(self, slots: torch.Tensor) -> None:

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
+    from sglang_kv_migration.cp_owners import OwnerRun
     from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 logger = logging.getLogger(__name__)
@@ -238,13 +239,19 @@ class DevicePath(DataPath):
     def held_prefix(self, input_ids: list[int], extra_key: str | None) -> sglang_adapter.HeldPrefix:
         return sglang_adapter.match_device_prefix(self.cache, input_ids, extra_key).as_held()
 
-    def reserve(self, num_tokens: int) -> torch.Tensor:
+    def reserve(self, num_tokens: int, owners: OwnerRun | None = None) -> torch.Tensor:
         """Pool slots; with a landing arena, the arena rows reserved with them (the slots
-        sources write: the pool slots stay this rank's business)."""
+        sources write: the pool slots stay this rank's business). `owners`: pages whose
+        owners are the pattern, from the sharding fork's allocator (checked there)."""
         # (While the KV memory is released the scheduler side refuses allocations first.)
         if self.landing_tokens and self._landing is None:
             raise MigrationError(ErrorKind.UNAVAILABLE, self.landing_refusal)
-        slots = sglang_adapter.alloc_device_slots(self.cache, num_tokens)
+        if owners is not None:
+            slots = sglang_adapter.alloc_pages_with_owners(
+                self.cache, owners.function, list(owners.pattern)
+            )
+        else:
+            slots = sglang_adapter.alloc_device_slots(self.cache, num_tokens)
         if self._landing is None:
             return slots
         try:
@@ -302,7 +309,14 @@ class DevicePath(DataPath):
     # ------------------------------------------------------------------ source role
 
     def start_send(self, send: SendRange) -> SendJob:
-
+        if send.owner_pattern is not None:
+            # Its copy plans move every page of the range; sending only this rank's own
+            # pages of an owner-sharded prefix is the host path's (the client picks it).
+            raise MigrationError(
+                ErrorKind.CONFLICT,
+                "the device path does not send owner-sharded CP pages (attn_cp_mode="
+                "sharded): use the host path",
+            )
         if not send.target.device_kv:
             raise MigrationError(
                 ErrorKind.BAD_REQUEST, "target_per_rank has no device_kv for the device path"
