@@ -271,7 +271,7 @@ class PendingMigrations:
             run = self._owner_run(held.length, owners)
             self.cache.inc_lock_ref(held.last_node)
             try:
-                slots = path.reserve(extra, run)
+                slots = path.reserve(extra) if run is None else path.reserve(extra, run)
             except BaseException:
                 self.cache.dec_lock_ref(held.last_node)
                 raise
