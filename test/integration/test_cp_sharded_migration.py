@@ -178,8 +178,9 @@ def test_a_grant_for_another_pattern_is_refused_by_the_source(servers: Servers) 
 
 
 def test_each_target_cp_rank_gets_only_its_own_pages_from_its_twin(servers: Servers) -> None:
-    """A prefix the target lacks, then a longer one whose run starts on a page CP rank 1
-    owns (the target holds an odd number of pages: mid-pattern)."""
+    """A prefix the target lacks (one page: CP rank 1 owns none of it and sends nothing),
+    then a longer one whose run starts on a page rank 1 owns (the target holds an odd
+    number of pages: mid-pattern), with the receipts' digests checked at commit."""
     src, dst = servers.source, servers.target
     owners = _size_query(src.url, servers.ids)["page_owners"]
     # The shortest odd first part after which the run starts on rank 1's page.
@@ -190,7 +191,8 @@ def test_each_target_cp_rank_gets_only_its_own_pages_from_its_twin(servers: Serv
         held_before = sum(dst.ask(0, "held", ids))
         dst.ask_all("cp_mark_free_host")
         with recorder.client() as client:
-            result = client.migrate(src.url, dst.url, ids)
+            # The second move verifies: each rank's digest covers the pages it sent.
+            result = client.migrate(src.url, dst.url, ids, verify=pages > first)
         moved = pages * PAGE - held_before
         assert (result.migrated_token_size, result.matched_after_commit) == (moved, pages * PAGE)
         status, transfer = recorder.last("/transfer_request_kvcache")
