@@ -201,3 +201,16 @@ def test_pattern_digest_names_the_pattern_and_its_length():
     assert pattern_digest([0, 1, 0]) != pattern_digest([1, 0, 1])
     assert pattern_digest([1, 0]) != pattern_digest([10])
     assert pattern_digest([]) != pattern_digest([0])
+
+
+@pytest.mark.parametrize("pattern", [[0, True], [0, 1.0], [0, "1"], [-1], "01", {"0": 1}])
+def test_an_allocate_body_takes_only_a_list_of_non_negative_ints(pattern):
+    from sglang_kv_migration.wire import bodies
+
+    body = {"input_ids": [1, 2], "source_fingerprints": [{}], "page_owners": pattern}
+    with pytest.raises(ValueError, match="page_owners"):
+        bodies.validated(bodies.AllocateBody, body)
+    body["page_owners"] = [0, 1]
+    assert bodies.validated(bodies.AllocateBody, body).page_owners == [0, 1]
+    del body["page_owners"]
+    assert bodies.validated(bodies.AllocateBody, body).page_owners is None

@@ -78,6 +78,9 @@ def test_replies_share_one_base_and_keep_their_json_key_order():
         "instance_id", "allocate_channel", "dp_size",
     ]  # fmt: skip
     assert list(messages.reply_content(messages.AbortReply(success=True))) == ["success", *common]
+    assert list(messages.reply_content(messages.ExtraTokenSizeReply(success=True)))[-4:] == [
+        *common, "page_owners",
+    ]  # fmt: skip
 
 
 def _fingerprint(rank: int = 0) -> dict:

@@ -147,6 +147,7 @@ class ExtraTokenSizeReply(Reply):
     # Feature "running_slots", with `running_rid`: the page-aligned prefix of `input_ids`
     # that request holds in its own slots (-1: it does not run here).
     running_token_size: int = -1
+    ADDED_LATER = ("page_owners",)
     # Feature "owner_pattern", from an owner-sharded CP server only: the CP rank owning
     # each page of the part of the prefix it holds on device, in prefix order (None
     # otherwise); what the caller passes on to the target's allocate.
