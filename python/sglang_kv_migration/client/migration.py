@@ -1198,8 +1198,6 @@ def predict_path(
 def _device_refusal(
     source_info: SessionInfoReply, target_info: SessionInfoReply, held: ExtraTokenSizeReply
 ) -> str:
-    if held.page_owners is not None:
-        return "owner-sharded CP pages move by the host path (each rank sends its own)"
     hosts = {r.paths["device"]["host_identity"] for r in source_info.ranks}
     hosts |= {r.paths["device"]["host_identity"] for r in target_info.ranks}
     if len(hosts) != 1:

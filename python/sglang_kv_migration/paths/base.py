@@ -142,6 +142,15 @@ class SendRange:
 
         return owned_pages(self.owner_pattern, self.cp_rank, page_size, num_tokens)
 
+    def owned_page_positions(self, num_pages: int) -> list[int] | None:
+        """Positions (from `start`'s page) of the first `num_pages` pages this rank owns
+        and sends; None when it sends them all (no owner pattern)."""
+        if self.owner_pattern is None:
+            return None
+        from sglang_kv_migration.cp_owners import owned_positions
+
+        return owned_positions(self.owner_pattern[:num_pages], self.cp_rank)
+
     def cut_to(self, held: int, where: str) -> SendRange:
         """This send, ending where the source's `held` page-aligned prefix ends when that
         is short of `end` (`partial_ok`; at `start` when it holds nothing past it), else
@@ -214,6 +223,26 @@ class NothingToSend(SendJob):
 
     def __init__(self, send: SendRange):
         self.end = send.start
+        self.stats = SendStats()
+
+    def poll(self) -> KVPoll:
+        return KVPoll.SUCCESS
+
+    def release(self) -> None:
+        pass
+
+    @property
+    def started_writing(self) -> bool:
+        return False
+
+
+class OwnsNoPage(SendJob):
+    """An owner-sharded CP rank's send of a range none of whose pages it owns
+    (`SendRange.owner_pattern`): done, nothing written, the whole range accounted for
+    (its twin on the target is written nothing either)."""
+
+    def __init__(self, send: SendRange):
+        self.end = send.end
         self.stats = SendStats()
 
     def poll(self) -> KVPoll:

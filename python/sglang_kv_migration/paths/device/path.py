@@ -33,6 +33,7 @@ process cannot see, or host pages this server cannot read in place.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -52,6 +53,7 @@ from sglang_kv_migration.paths.base import (
     DataPath,
     KVPoll,
     NothingToSend,
+    OwnsNoPage,
     PreparedSend,
     SendJob,
     SendRange,
@@ -309,14 +311,6 @@ class DevicePath(DataPath):
     # ------------------------------------------------------------------ source role
 
     def start_send(self, send: SendRange) -> SendJob:
-        if send.owner_pattern is not None:
-            # Its copy plans move every page of the range; sending only this rank's own
-            # pages of an owner-sharded prefix is the host path's (the client picks it).
-            raise MigrationError(
-                ErrorKind.CONFLICT,
-                "the device path does not send owner-sharded CP pages (attn_cp_mode="
-                "sharded): use the host path",
-            )
         if not send.target.device_kv:
             raise MigrationError(
                 ErrorKind.BAD_REQUEST, "target_per_rank has no device_kv for the device path"
@@ -334,6 +328,11 @@ class DevicePath(DataPath):
         )
         if tiered is None:
             return NothingToSend(send)
+        owned = tiered.send.owned_page_positions(tiered.plan.num_pages)
+        if owned is not None:  # owner-sharded CP: this rank copies only its own pages
+            if not owned:
+                return OwnsNoPage(tiered.send)
+            tiered = dataclasses.replace(tiered, plan=tiers.owned_part(tiered.plan, owned))
         matched = time.perf_counter()
         send = tiered.send
         opening = self._open_peer(peer)
@@ -347,7 +346,7 @@ class DevicePath(DataPath):
         pin = prepared.take_pin() if prepared else TierPin.take(self.cache, tiered.prefix)
         job = DeviceSendJob(pin)
         job.end = send.end
-        job.stats.bytes = (send.end - send.start) * self.bytes_per_token
+        job.stats.bytes = tiered.plan.num_pages * self.page_size * self.bytes_per_token
         plan = tiered.plan
         job.tier_bytes = {t: plan.tokens(t) * self.bytes_per_token for t in plan.tiers}
         job.into_landing = peer.landing_tokens > 0

@@ -29,6 +29,7 @@ from sglang_kv_migration.paths.base import (
     DataPath,
     KVPoll,
     NothingToSend,
+    OwnsNoPage,
     SendJob,
     SendRange,
     SendStats,
@@ -337,25 +338,6 @@ class HostSendJob(SendJob):
             # Off the scheduler thread; the pages stay pinned (unchanged) until `release`.
             layout, indices = self._path.layout, self._pinned.host_indices
             self._digest = verify.submit(lambda: verify.host_pages_digest(layout, indices))
-
-
-class OwnsNoPage(SendJob):
-    """An owner-sharded rank's send of a run none of whose pages it owns: done, nothing
-    written, the whole run accounted for (its twin writes nothing either)."""
-
-    def __init__(self, send: SendRange):
-        self.end = send.end
-        self.stats = SendStats()
-
-    def poll(self) -> KVPoll:
-        return KVPoll.SUCCESS
-
-    def release(self) -> None:
-        pass
-
-    @property
-    def started_writing(self) -> bool:
-        return False
 
 
 def _index(offsets: list[int]) -> torch.Tensor:
