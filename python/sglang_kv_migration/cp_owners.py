@@ -17,6 +17,7 @@ Plain data, importable without torch or SGLang.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -89,12 +90,43 @@ class PageOwners:
         return len(pages) == len(pattern) and self.owners(pages) == list(pattern)
 
 
+@dataclass(frozen=True)
+class OwnerRun:
+    """The owners of the pages one allocation reserves: the run after what the target
+    already held, one CP rank per page, under `function` (the target's, equal to the
+    source's: the fingerprints agree)."""
+
+    function: PageOwners
+    pattern: tuple[int, ...]
+
+
+def owned_pages(pattern: Sequence[int], cp_rank: int, page_size: int, num_tokens: int) -> list[int]:
+    """The token offsets (from the run's first token) of the pages of a run of
+    `num_tokens` tokens that `cp_rank` owns under `pattern`: what that rank sends or
+    writes. A run cut short (a partial send) keeps the owned pages inside it."""
+    owned = owned_positions(pattern[: num_tokens // page_size], cp_rank)
+    return [p * page_size + t for p in owned for t in range(page_size)]
+
+
 def owned_positions(pattern: Sequence[int], cp_rank: int) -> list[int]:
     """The positions in `pattern` (one owner per page of a run) that CP rank `cp_rank`
     owns: the pages that rank sends as a source and writes as a target. A run that starts
     mid-pattern (a matched prefix ending inside a turn) simply starts with that turn's
     owner; the positions are always relative to the run's first page."""
     return [i for i, owner in enumerate(pattern) if owner == cp_rank]
+
+
+def cp_rank_of(tp_rank: int, tp_size: int, cp_size: int) -> int:
+    """The CP rank of TP rank `tp_rank`: SGLang numbers them
+    ``tp_rank = cp_rank * attn_tp_size + attn_tp_rank`` with ``attn_tp_size = tp_size / C``."""
+    return tp_rank // max(1, tp_size // cp_size)
+
+
+def pattern_digest(pattern: Sequence[int]) -> str:
+    """What a grant binds of the owner pattern it was allocated with (the source compares
+    its own pattern of the run with it before it sends): sha256 of the owners in decimal,
+    comma separated."""
+    return hashlib.sha256(",".join(map(str, pattern)).encode()).hexdigest()[:32]
 
 
 def _is_int(value: object) -> bool:

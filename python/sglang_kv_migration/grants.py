@@ -161,6 +161,10 @@ class Grant:
     # feature "source_commit"): "name/slot/nonce" of the target's mailbox; in rank 0's
     # grant only, when the allocate asked for `source_commit`.
     mailbox: str = ""
+    # Owner-sharded CP (`cp_owners.py`): `cp_owners.pattern_digest` of the owners of the
+    # granted pages, as the target allocated them. The source sends only if its own
+    # pattern of the run digests the same, then only the pages its rank owns.
+    owners: str = ""
 
     @property
     def staging(self) -> tuple[int, int] | None:

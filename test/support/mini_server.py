@@ -62,6 +62,9 @@ class ServerSpec:
     # rank's CP rank and attention TP rank as tp_rank = cp_rank * attn_tp + attn_tp_rank,
     # and every CP rank holds the whole prefix (the same KV for one attn_tp_rank).
     attn_cp_size: int = 1
+    # With attention CP: the owner function of a fork whose CP ranks own disjoint pages
+    # (e.g. "round_robin:1", `cp_sharded.py`); None: every CP rank holds every page.
+    cp_owner: str | None = None
     watchdog_timeout_s: float = 60.0
     # Short grants and transfer timeout, so quarantined slots come back within seconds.
     grant_ttl_s: float = 1.0
@@ -432,12 +435,21 @@ def _rank_main(
             attn_cp_group=attn_cp_group,
             attn_tp_group=attn_tp_group,
         )
+        owners = None
+        if spec.cp_owner is not None:  # before the preload allocates any page
+            import cp_sharded
+
+            owners = cp_sharded.make_owner_sharded(harness, spec.cp_owner, spec.attn_cp_size)
         # CP ranks of one attention TP rank hold the same KV (SGLang all-gathers it).
         replica = rank - tp_rank + tp_rank % (spec.tp_size // spec.attn_cp_size)
         if spec.preload_dp_rank in (None, dp_rank):
             for token_ids, seed in spec.preload:
                 harness.insert_random(token_ids, seed=seed * 1000 + replica)
         harness.write_back_all()
+        if owners is not None:  # each CP rank keeps only the pages it owns
+            cp_rank = tp_rank // (spec.tp_size // spec.attn_cp_size)
+            for token_ids, _seed in spec.preload:
+                cp_sharded.keep_owned_pages(harness, owners, cp_rank, token_ids)
         extension = spec.extension(harness) if spec.extension is not None and rank == 0 else None
 
         context = zmq.Context()
@@ -676,6 +688,10 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             harness.insert_random(args[0], seed=args[1])
             harness.write_back_all()
             value = True
+        elif name.startswith("cp_"):  # the owner-sharded stand-in's (`cp_sharded.py`)
+            import cp_sharded
+
+            value = cp_sharded.COMMANDS[name](harness, *args)
         elif name in _MEMORY_COMMANDS:
             value = _MEMORY_COMMANDS[name](scheduler)
         else:

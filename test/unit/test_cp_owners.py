@@ -6,7 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from sglang_kv_migration.cp_owners import PageOwners, owned_positions
+from sglang_kv_migration.cp_owners import (
+    PageOwners,
+    cp_rank_of,
+    owned_pages,
+    owned_positions,
+    pattern_digest,
+)
 from sglang_kv_migration.fingerprint import (
     CP_REPLICATED,
     CP_SHARDED,
@@ -152,18 +158,59 @@ def test_replace_keeps_the_checks():
         dataclasses.replace(sharded, cp_owner="round_robin:x")
 
 
-def test_a_sharded_rank_refuses_to_move_pages_until_the_wire_carries_owners():
-    """Both sides sharded with the same function agree on the fingerprint, but pairing by
-    tp rank moves whole prefixes: the rank refuses, naming the mode, rather than move
-    pages it does not hold."""
+def test_sharded_ranks_with_one_function_pair_and_another_function_is_refused():
+    """Both sides sharded with the same function agree (each then moves its own pages);
+    a peer whose function differs is refused with a 409 naming cp_owner, and a
+    replicated peer one naming attn_cp_mode."""
     from sglang_kv_migration.errors import ErrorKind, MigrationError
     from sglang_kv_migration.server.rank.context import check_peer_fingerprint
 
     mine = LayoutFingerprint.from_shape(
         SHAPE, attn_cp_size=2, cp_owners=PageOwners(cp_size=2), **PLACE
     )
-    with pytest.raises(MigrationError, match="attn_cp_mode=sharded") as refused:
-        check_peer_fingerprint(mine, [mine.to_dict()], role="source")
+    check_peer_fingerprint(mine, [mine.to_dict()], role="source")
+    other = LayoutFingerprint.from_shape(
+        SHAPE, attn_cp_size=2, cp_owners=PageOwners(cp_size=2, pages_per_turn=2), **PLACE
+    )
+    with pytest.raises(MigrationError, match="cp_owner: source=round_robin:2") as refused:
+        check_peer_fingerprint(mine, [other.to_dict()], role="source")
     assert refused.value.kind is ErrorKind.CONFLICT
     replicated = LayoutFingerprint.from_shape(SHAPE, attn_cp_size=2, **PLACE)
+    with pytest.raises(MigrationError, match="attn_cp_mode: source=replicated"):
+        check_peer_fingerprint(mine, [replicated.to_dict()], role="source")
     check_peer_fingerprint(replicated, [replicated.to_dict()], role="source")
+
+
+def test_cp_rank_numbering_follows_sglang():
+    """tp_rank = cp_rank * attn_tp_size + attn_tp_rank."""
+    assert [cp_rank_of(r, 4, 2) for r in range(4)] == [0, 0, 1, 1]
+    assert [cp_rank_of(r, 2, 2) for r in range(2)] == [0, 1]
+
+
+def test_owned_pages_are_token_offsets_of_a_ranks_pages_in_the_run():
+    # A run of 3 pages of 4 tokens starting on rank 1's page: [1, 0, 1].
+    assert owned_pages([1, 0, 1], 0, 4, 12) == [4, 5, 6, 7]
+    assert owned_pages([1, 0, 1], 1, 4, 12) == [0, 1, 2, 3, 8, 9, 10, 11]
+    # A send cut after two pages keeps the owned pages inside it.
+    assert owned_pages([1, 0, 1], 1, 4, 8) == [0, 1, 2, 3]
+    assert owned_pages([0, 0], 1, 4, 8) == []
+
+
+def test_pattern_digest_names_the_pattern_and_its_length():
+    assert pattern_digest([0, 1, 0]) == pattern_digest((0, 1, 0))
+    assert pattern_digest([0, 1, 0]) != pattern_digest([1, 0, 1])
+    assert pattern_digest([1, 0]) != pattern_digest([10])
+    assert pattern_digest([]) != pattern_digest([0])
+
+
+@pytest.mark.parametrize("pattern", [[0, True], [0, 1.0], [0, "1"], [-1], "01", {"0": 1}])
+def test_an_allocate_body_takes_only_a_list_of_non_negative_ints(pattern):
+    from sglang_kv_migration.wire import bodies
+
+    body = {"input_ids": [1, 2], "source_fingerprints": [{}], "page_owners": pattern}
+    with pytest.raises(ValueError, match="page_owners"):
+        bodies.validated(bodies.AllocateBody, body)
+    body["page_owners"] = [0, 1]
+    assert bodies.validated(bodies.AllocateBody, body).page_owners == [0, 1]
+    del body["page_owners"]
+    assert bodies.validated(bodies.AllocateBody, body).page_owners is None

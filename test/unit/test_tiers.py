@@ -62,6 +62,26 @@ def test_plan_tiers_splits_by_tier_in_prefix_order():
     assert [(t, p.tolist()) for t, p in pieces] == [("device", [2]), ("host", [4, 0, 3])]
 
 
+def test_an_owner_sharded_rank_keeps_its_own_pages_of_a_plan_in_prefix_order():
+    ps = 2
+    segments = [
+        tiers.Segment("device", _t([10, 11, 4, 5])),  # device pages 5, 2
+        tiers.Segment("host", _t([8, 9, 0, 1, 6, 7])),  # host pages 4, 0, 3
+    ]
+    plan = tiers.plan_tiers(segments, 2, 10, _t([20, 21, 30, 31, 2, 3, 40, 41]), ps)
+    # The range's pages in prefix order: device 2 -> 10, host 4 -> 15, 0 -> 1, 3 -> 20.
+    mine = tiers.owned_part(plan, [0, 2])
+    assert mine.runs == (("device", 1), ("host", 1))
+    assert mine.tiers["device"].src_pages.tolist() == [2]
+    assert mine.tiers["host"].src_pages.tolist() == [0]
+    assert mine.tiers["host"].dst_pages.tolist() == [1]
+    theirs = tiers.owned_part(plan, [1, 3])
+    assert set(theirs.tiers) == {"host"} and theirs.runs == (("host", 2),)
+    assert theirs.tiers["host"].dst_pages.tolist() == [15, 20]
+    assert mine.num_pages + theirs.num_pages == plan.num_pages
+    assert tiers.owned_part(plan, []).num_pages == 0
+
+
 def test_plan_tiers_device_only_has_no_host_part():
     plan = tiers.plan_tiers([tiers.Segment("device", _t([4, 5, 6, 7]))], 0, 4, _t([0, 1, 2, 3]), 2)
     assert set(plan.tiers) == {"device"} and plan.tokens("host") == 0
@@ -175,6 +195,41 @@ def test_any_tier_copy_moves_the_exact_bytes(harness_factory, attention, layout,
         # The target's verify digest of what landed equals the source's tiered digest.
         assert verify.device_rows_digest(buffers, target) == source_digest, case
         h.allocator.free(target)
+
+
+def test_an_owner_sharded_rank_copies_only_its_own_pages(harness_factory):
+    """The mixed prefix (device then host pages), run from its second page: the rank
+    owning pages 0 and 2 of the run copies those and leaves the others' slots alone; its
+    digest and the target's digest of its own slots agree."""
+    page_size = 16
+    h = harness_factory(attention="mha", host_layout="layer_first", page_size=page_size)
+    path = DevicePath(h.cache)
+    tokens, kv = _hold_three_ways(h, page_size)["mixed"]
+    start, pages = page_size, 3
+    target = h.allocator.alloc(pages * page_size)
+    buffers = adapter.device_kv_buffers(h.cache)
+    for b in buffers:
+        b[target] = torch.zeros_like(b[target])
+    send = dataclasses.replace(_send(tokens, start, target), owner_pattern=(0, 1, 0))
+    tiered = prepare_tiered_send(h.cache, send, page_size)
+    owned = send.owned_page_positions(tiered.plan.num_pages)
+    assert owned == [0, 2]
+    plan = tiers.owned_part(tiered.plan, owned)
+    assert (plan.tokens("device"), plan.tokens("host")) == (page_size, page_size)
+    source_digest = verify.tier_pages_digest(path._digest_pieces(plan))
+    tiers.copy_plan_torch(
+        plan, path.source_tiers(), tiers.TierBuffers.of_device(buffers, page_size)
+    )
+    landed, original = h.read_device_kv(target), _kv_slice(h, kv, start)
+    for page in range(pages):
+        rows = slice(page * page_size, (page + 1) * page_size)
+        for a, b in zip(landed, original, strict=True):
+            got, want = a[:, rows].view(torch.uint8), b[:, rows].view(torch.uint8)
+            assert torch.equal(got, want) == (page in owned), page
+            if page not in owned:
+                assert not got.any()
+    own_slots = torch.cat([target[p * page_size : (p + 1) * page_size] for p in owned])
+    assert verify.device_rows_digest(buffers, own_slots) == source_digest
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])

@@ -39,7 +39,7 @@ def test_every_feature_constant_is_a_registered_feature_and_servers_list_them_in
         running_slots.FEATURE,
     ]
     assert set(constants) <= set(features.BY_NAME)
-    assert len(features.BY_NAME) == len(features.REGISTRY) == 11
+    assert len(features.BY_NAME) == len(features.REGISTRY) == 12
     # The session info's `features` list, as servers of this version have always sent it.
     assert messages.SessionInfoReply(success=True).features == [
         "page_ranges",
@@ -49,6 +49,7 @@ def test_every_feature_constant_is_a_registered_feature_and_servers_list_them_in
         "epoch_check",
         "transfer_batch",
         "dp_ranks",
+        "owner_pattern",
     ]
 
 
@@ -77,6 +78,9 @@ def test_replies_share_one_base_and_keep_their_json_key_order():
         "instance_id", "allocate_channel", "dp_size",
     ]  # fmt: skip
     assert list(messages.reply_content(messages.AbortReply(success=True))) == ["success", *common]
+    assert list(messages.reply_content(messages.ExtraTokenSizeReply(success=True)))[-4:] == [
+        *common, "page_owners",
+    ]  # fmt: skip
 
 
 def _fingerprint(rank: int = 0) -> dict:

@@ -42,7 +42,7 @@ import orjson
 from sglang_kv_migration import binary_ids
 from sglang_kv_migration.client import aio_http11, http11
 from sglang_kv_migration.client.batch import Move, lockstep
-from sglang_kv_migration.fingerprint import LayoutFingerprint
+from sglang_kv_migration.fingerprint import CP_SHARDED, LayoutFingerprint
 from sglang_kv_migration.grants import destination_digest
 from sglang_kv_migration.targets import HostTarget
 from sglang_kv_migration.wire import bodies
@@ -52,6 +52,7 @@ from sglang_kv_migration.wire.features import (
     BOUND_GRANTS,
     DESTINATION_DIGEST,
     EPOCH_CHECK,
+    OWNER_PATTERN,
     PAGE_RANGES,
     PARTIAL_TRANSFER,
     SOURCE_ALLOCATE,
@@ -546,6 +547,9 @@ class _Plan:
     source_dp_rank: int | None = None
     # Feature "running_slots": the running request whose own slots the source reads.
     running_rid: str = ""
+    # Feature "owner_pattern": an owner-sharded source's owner of each page of `prefix`
+    # (its size query's), passed to the target's allocate; None for other sources.
+    page_owners: list[int] | None = None
 
 
 B = TypeVar("B", bound=bodies.IdsBody)
@@ -684,7 +688,8 @@ def _attempt(
     sessions.check_compatible(source_info, target_info)
     timings["session_info"] = clock() - t0
 
-    if held is None and _partial_ok(path, source_info, target_info):
+    sharded = _owner_sharded(source_info, target_info)
+    if held is None and not sharded and _partial_ok(path, source_info, target_info):
         # One trip fewer: the transfer finds out what the source holds of the request.
         page_size = source_info.ranks[0].page_size
         prefix = input_ids[: len(input_ids) - len(input_ids) % page_size]
@@ -700,6 +705,10 @@ def _attempt(
             held = yield from _step(call, ExtraTokenSizeReply)
         _check_epoch(source_url, source_info, held.server_epoch)
         prefix = input_ids[: held.matched_token_size]
+        if sharded:
+            # Only the source's device pages have known owners: that part moves.
+            page_size = source_info.ranks[0].page_size
+            prefix = prefix[: len(held.page_owners or ()) * page_size]
         timings[SIZE_QUERY] = clock() - t0
         steps = {SIZE_QUERY: _trip_steps(held, timings[SIZE_QUERY])}
         partial = False
@@ -717,6 +726,7 @@ def _attempt(
         sessions=sessions,
         source_dp_rank=None if partial else held.dp_rank,
         running_rid=running_rid,
+        page_owners=list(held.page_owners or ()) if sharded else None,
     )
     if not prefix:
         return _result(plan, "", AllocateReply(success=True), None, None, "", "")
@@ -949,6 +959,9 @@ def _allocate_fields(plan: _Plan, path: str, model: type[A]) -> A:
         body.staging = True
     if plan.verify:
         body.verify = True
+    if plan.page_owners is not None:
+        # One owner per page of the ids this allocate sends (a round sends a prefix).
+        body.page_owners = plan.page_owners[: len(plan.prefix) // _page_size(plan)]
     if _both_list(*infos, SOURCE_COMMIT):
         body.source_commit = True
     if EPOCH_CHECK in plan.target_info.features:
@@ -1306,6 +1319,28 @@ def _checked(call: _Call, status: int | None, payload: Any) -> dict[str, Any]:
         failure.reply = payload if isinstance(payload, dict) else None
         raise failure
     return payload
+
+
+def _owner_sharded(source_info: SessionInfoReply, target_info: SessionInfoReply) -> bool:
+    """The source's CP ranks own disjoint pages (its fingerprint says so; the target's
+    agrees, `_check_compatible`): the allocate must carry its owner pattern (feature
+    "owner_pattern"), which both servers must understand."""
+    fingerprint = LayoutFingerprint.from_dict(source_info.ranks[0].fingerprint)
+    if fingerprint.attn_cp_mode != CP_SHARDED:
+        return False
+    for name, info in (("source", source_info), ("target", target_info)):
+        if OWNER_PATTERN not in info.features:
+            raise MigrationFailed(
+                "session_info",
+                f"the source's CP ranks own disjoint pages (cp_owner={fingerprint.cp_owner}), "
+                f"which needs page_owners on the allocate; the {name} does not list "
+                f"{OWNER_PATTERN!r}",
+            )
+    return True
+
+
+def _page_size(plan: _Plan) -> int:
+    return plan.source_info.ranks[0].page_size
 
 
 def _check_compatible(source_info: SessionInfoReply, target_info: SessionInfoReply) -> None:

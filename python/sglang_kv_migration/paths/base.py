@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     import torch
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
+    from sglang_kv_migration.cp_owners import OwnerRun
     from sglang_kv_migration.sglang_adapter import HeldPrefix
     from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
@@ -127,6 +128,28 @@ class SendRange:
     # Feature "running_slots": the device slots of tokens [0, end), one per token, read
     # from a running request's own row instead of from the radix tree.
     source_slots: torch.Tensor | None = None
+    # Owner-sharded CP (`cp_owners.py`): the owner of each page of [start, end), as the
+    # target allocated them; this rank sends only its own (None: every page).
+    owner_pattern: tuple[int, ...] | None = None
+    cp_rank: int = 0
+
+    def owned_offsets(self, num_tokens: int, page_size: int) -> list[int] | None:
+        """Token offsets (from `start`) of the pages of the first `num_tokens` this rank
+        sends: those it owns; None when it sends them all (no owner pattern)."""
+        if self.owner_pattern is None:
+            return None
+        from sglang_kv_migration.cp_owners import owned_pages
+
+        return owned_pages(self.owner_pattern, self.cp_rank, page_size, num_tokens)
+
+    def owned_page_positions(self, num_pages: int) -> list[int] | None:
+        """Positions (from `start`'s page) of the first `num_pages` pages this rank owns
+        and sends; None when it sends them all (no owner pattern)."""
+        if self.owner_pattern is None:
+            return None
+        from sglang_kv_migration.cp_owners import owned_positions
+
+        return owned_positions(self.owner_pattern[:num_pages], self.cp_rank)
 
     def cut_to(self, held: int, where: str) -> SendRange:
         """This send, ending where the source's `held` page-aligned prefix ends when that
@@ -213,6 +236,26 @@ class NothingToSend(SendJob):
         return False
 
 
+class OwnsNoPage(SendJob):
+    """An owner-sharded CP rank's send of a range none of whose pages it owns
+    (`SendRange.owner_pattern`): done, nothing written, the whole range accounted for
+    (its twin on the target is written nothing either)."""
+
+    def __init__(self, send: SendRange):
+        self.end = send.end
+        self.stats = SendStats()
+
+    def poll(self) -> KVPoll:
+        return KVPoll.SUCCESS
+
+    def release(self) -> None:
+        pass
+
+    @property
+    def started_writing(self) -> bool:
+        return False
+
+
 class DataPath(abc.ABC):
     """One way of moving KV between servers (see the module docstring)."""
 
@@ -239,8 +282,9 @@ class DataPath(abc.ABC):
         """The page-aligned prefix this server keeps (locks) when it receives the rest."""
 
     @abc.abstractmethod
-    def reserve(self, num_tokens: int) -> torch.Tensor:
-        """Slots for `num_tokens` tokens, whole pages, in prefix order."""
+    def reserve(self, num_tokens: int, owners: OwnerRun | None = None) -> torch.Tensor:
+        """Slots for `num_tokens` tokens, whole pages, in prefix order. `owners`: on an
+        owner-sharded CP server, the CP rank each page must belong to (`cp_owners.py`)."""
 
     @abc.abstractmethod
     def release(self, slots: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ Everything else in the package goes through these functions, imported from here
 
 from __future__ import annotations
 
+from sglang_kv_migration.sglang_adapter.cp_pages import device_prefix_owners, run_owners
 from sglang_kv_migration.sglang_adapter.pool_groups import (
     IndexerPoolBuffer,
     indexer_host_pool,
@@ -23,6 +24,7 @@ from sglang_kv_migration.sglang_adapter.pools import (
     HostPoolShape,
     alloc_device_slots,
     alloc_host_slots,
+    alloc_pages_with_owners,
     cp_page_owners,
     device_available_size,
     device_kv_buffers,
@@ -112,6 +114,9 @@ __all__ = [
     "add_result_handlers",
     "alloc_device_slots",
     "alloc_host_slots",
+    "alloc_pages_with_owners",
+    "device_prefix_owners",
+    "run_owners",
     "cp_page_owners",
     "cache_generation",
     "copy_device_to_host",

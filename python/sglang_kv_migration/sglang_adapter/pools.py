@@ -132,6 +132,60 @@ def cp_page_owners(cache: HiRadixCache, attn_cp_size: int) -> PageOwners | None:
     return PageOwners.parse(name, attn_cp_size)
 
 
+def alloc_pages_with_owners(
+    cache: HiRadixCache, owners: PageOwners, pattern: list[int]
+) -> torch.Tensor:
+    """Device token slots for one page per entry of `pattern` whose owners under
+    `owners` are exactly `pattern` (a sharding fork's `alloc_pages_with_owners`),
+    evicting by the tree's rules when the pool is short, and checked before the caller
+    grants them: slots that do not reproduce the pattern are freed again and refused
+    (CONFLICT naming cp_owner), so nothing is kept either way."""
+    import torch
+
+    allocator = cache.token_to_kv_pool_allocator
+    allocate = getattr(allocator, OWNER_AWARE_ALLOCATION, None)
+    if allocate is None:
+        raise MigrationError(
+            ErrorKind.CONFLICT,
+            f"cp_owner={owners.describe()}: this server's allocator has no "
+            f"{OWNER_AWARE_ALLOCATION}()",
+        )
+    num_tokens = len(pattern) * int(allocator.page_size)
+    slots = allocate(list(pattern))
+    if slots is None:
+        free, evictable = int(allocator.available_size()), int(cache.evictable_size())
+        if free + evictable < num_tokens:
+            raise MigrationError(
+                ErrorKind.UNAVAILABLE,
+                f"device KV pool is full: {num_tokens} token slots needed, {free} free and "
+                f"{evictable} evictable; nothing was evicted",
+            )
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        cache.evict(EvictParams(num_tokens=num_tokens - free))
+        slots = allocate(list(pattern))
+    if slots is None:
+        raise MigrationError(
+            ErrorKind.UNAVAILABLE,
+            f"device KV pool has no pages with the owners asked for ({len(pattern)} pages, "
+            f"cp_owner={owners.describe()})",
+        )
+    slots = slots.to(torch.int64)
+    page_size = int(allocator.page_size)
+    pages = (slots[::page_size] // page_size).tolist()
+    whole = len(slots) == num_tokens and bool(
+        (slots.view(-1, page_size)[:, 0] % page_size == 0).all()
+    )
+    if not whole or not owners.allocation_matches(pages, pattern):
+        allocator.free(slots)
+        raise MigrationError(
+            ErrorKind.CONFLICT,
+            f"cp_owner={owners.describe()}: {OWNER_AWARE_ALLOCATION}() gave pages whose "
+            "owners are not the page_owners asked for; nothing was kept",
+        )
+    return slots
+
+
 def kv_cache_shape(pool: Any) -> KVCacheShape:
     """What the layout fingerprint takes from a host pool and the device pool behind it;
     raises ValueError for a host pool type migration does not support."""

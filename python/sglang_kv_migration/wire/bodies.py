@@ -110,6 +110,10 @@ PageRanges = Annotated[
     _at_most(MAX_TOKENS),
     Field(max_length=MAX_TOKENS),
 ]
+# Feature "owner_pattern": one CP rank per page (a page is at least one token).
+PageOwnerList = Annotated[
+    list[Annotated[int, Field(ge=0)]], _at_most(MAX_TOKENS), Field(max_length=MAX_TOKENS)
+]
 ExtraKey = Annotated[str, Field(max_length=MAX_KEY_CHARS)]
 NonNegative = Annotated[int, Field(ge=0)]
 Fingerprint = Annotated[dict[str, Any], _json_within(MAX_FINGERPRINT_BYTES)]
@@ -175,6 +179,9 @@ class AllocateFields(Body):
     source_commit: bool = False
     # Feature "epoch_check": the session info `server_epoch` the caller planned with.
     expect_epoch: str = Field(default="", max_length=MAX_EPOCH_CHARS)
+    # Feature "owner_pattern": the source's owner CP rank of every page of the request,
+    # strict ints (their range is the target's CP size, checked there).
+    page_owners: PageOwnerList | None = None
 
 
 class AllocateBody(IdsBody, AllocateFields):

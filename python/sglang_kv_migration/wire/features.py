@@ -21,6 +21,7 @@ SOURCE_ALLOCATE = "source_allocate"
 DESTINATION_DIGEST = "destination_digest"
 DP_RANKS = "dp_ranks"
 RUNNING_SLOTS = "running_slots"
+OWNER_PATTERN = "owner_pattern"
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,14 @@ REGISTRY: tuple[Feature, ...] = (
         "`input_ids`), not from its radix tree; the size query's reply adds "
         "`running_token_size` (`server/source/running_slots.py`)",
         "servers with one PP stage and one DP rank",
+    ),
+    Feature(
+        OWNER_PATTERN,
+        "the size query's reply of an owner-sharded CP server adds `page_owners` (the CP "
+        "rank owning each page of its device prefix); allocate takes `page_owners`, the "
+        "source's owners of every page of the request, and grants bind the run's "
+        "(`cp_owners.py`); a server that does not shard refuses the field by name",
+        EVERY_SERVER,
     ),
 )
 

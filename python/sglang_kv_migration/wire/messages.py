@@ -147,6 +147,11 @@ class ExtraTokenSizeReply(Reply):
     # Feature "running_slots", with `running_rid`: the page-aligned prefix of `input_ids`
     # that request holds in its own slots (-1: it does not run here).
     running_token_size: int = -1
+    ADDED_LATER = ("page_owners",)
+    # Feature "owner_pattern", from an owner-sharded CP server only: the CP rank owning
+    # each page of the part of the prefix it holds on device, in prefix order (None
+    # otherwise); what the caller passes on to the target's allocate.
+    page_owners: list[int] | None = None
 
 
 # --------------------------------------------------------------------------- allocate
@@ -186,6 +191,11 @@ class AllocateRequest:
     # Feature "dp_ranks": the DP rank to allocate on (None: the HTTP layer picks the least
     # loaded one that fits).
     dp_rank: int | None = None
+    # Feature "owner_pattern": the source's owner CP rank of every page of the request's
+    # page-aligned ids, in prefix order (its size query's `page_owners`). An owner-sharded
+    # target allocates the pages it lacks so that each lands on its owner's twin; any
+    # other target refuses it. None: not sent.
+    page_owners: list[int] | None = None
 
 
 @dataclass

@@ -33,6 +33,7 @@ process cannot see, or host pages this server cannot read in place.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -52,6 +53,7 @@ from sglang_kv_migration.paths.base import (
     DataPath,
     KVPoll,
     NothingToSend,
+    OwnsNoPage,
     PreparedSend,
     SendJob,
     SendRange,
@@ -65,6 +67,7 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
+    from sglang_kv_migration.cp_owners import OwnerRun
     from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 logger = logging.getLogger(__name__)
@@ -238,13 +241,19 @@ class DevicePath(DataPath):
     def held_prefix(self, input_ids: list[int], extra_key: str | None) -> sglang_adapter.HeldPrefix:
         return sglang_adapter.match_device_prefix(self.cache, input_ids, extra_key).as_held()
 
-    def reserve(self, num_tokens: int) -> torch.Tensor:
+    def reserve(self, num_tokens: int, owners: OwnerRun | None = None) -> torch.Tensor:
         """Pool slots; with a landing arena, the arena rows reserved with them (the slots
-        sources write: the pool slots stay this rank's business)."""
+        sources write: the pool slots stay this rank's business). `owners`: pages whose
+        owners are the pattern, from the sharding fork's allocator (checked there)."""
         # (While the KV memory is released the scheduler side refuses allocations first.)
         if self.landing_tokens and self._landing is None:
             raise MigrationError(ErrorKind.UNAVAILABLE, self.landing_refusal)
-        slots = sglang_adapter.alloc_device_slots(self.cache, num_tokens)
+        if owners is not None:
+            slots = sglang_adapter.alloc_pages_with_owners(
+                self.cache, owners.function, list(owners.pattern)
+            )
+        else:
+            slots = sglang_adapter.alloc_device_slots(self.cache, num_tokens)
         if self._landing is None:
             return slots
         try:
@@ -302,7 +311,6 @@ class DevicePath(DataPath):
     # ------------------------------------------------------------------ source role
 
     def start_send(self, send: SendRange) -> SendJob:
-
         if not send.target.device_kv:
             raise MigrationError(
                 ErrorKind.BAD_REQUEST, "target_per_rank has no device_kv for the device path"
@@ -320,6 +328,11 @@ class DevicePath(DataPath):
         )
         if tiered is None:
             return NothingToSend(send)
+        owned = tiered.send.owned_page_positions(tiered.plan.num_pages)
+        if owned is not None:  # owner-sharded CP: this rank copies only its own pages
+            if not owned:
+                return OwnsNoPage(tiered.send)
+            tiered = dataclasses.replace(tiered, plan=tiers.owned_part(tiered.plan, owned))
         matched = time.perf_counter()
         send = tiered.send
         opening = self._open_peer(peer)
@@ -333,7 +346,7 @@ class DevicePath(DataPath):
         pin = prepared.take_pin() if prepared else TierPin.take(self.cache, tiered.prefix)
         job = DeviceSendJob(pin)
         job.end = send.end
-        job.stats.bytes = (send.end - send.start) * self.bytes_per_token
+        job.stats.bytes = tiered.plan.num_pages * self.page_size * self.bytes_per_token
         plan = tiered.plan
         job.tier_bytes = {t: plan.tokens(t) * self.bytes_per_token for t in plan.tiers}
         job.into_landing = peer.landing_tokens > 0

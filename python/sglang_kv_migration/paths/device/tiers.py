@@ -105,6 +105,36 @@ def merge_plans(plans: Sequence[TierPlan]) -> TierPlan:
     return TierPlan(page_size=page_size, tiers=tiers, runs=runs)
 
 
+def owned_part(plan: TierPlan, positions: Sequence[int]) -> TierPlan:
+    """The plan with only the pages at `positions` (counted in prefix order from the
+    range's first page): what an owner-sharded CP rank sends of a range (`cp_owners.py`).
+    Prefix order is kept; a tier left with no page is dropped."""
+    import torch
+
+    wanted = set(positions)
+    taken = dict.fromkeys(plan.tiers, 0)
+    keep: dict[str, list[int]] = {tier: [] for tier in plan.tiers}
+    runs: list[tuple[str, int]] = []
+    position = 0
+    for tier, count in plan.runs:
+        lo = taken[tier]
+        kept = [i for i in range(lo, lo + count) if position + i - lo in wanted]
+        keep[tier].extend(kept)
+        taken[tier] = lo + count
+        position += count
+        if kept and runs and runs[-1][0] == tier:
+            runs[-1] = (tier, runs[-1][1] + len(kept))
+        elif kept:
+            runs.append((tier, len(kept)))
+    tiers = {}
+    for tier, indices in keep.items():
+        if indices:
+            index = torch.tensor(indices, dtype=torch.int64)
+            pages = plan.tiers[tier]
+            tiers[tier] = TierPages(pages.src_pages[index], pages.dst_pages[index])
+    return TierPlan(page_size=plan.page_size, tiers=tiers, runs=tuple(runs))
+
+
 def pages_of(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Page ids of token slots that fill whole, aligned pages; raises ValueError."""
     import torch

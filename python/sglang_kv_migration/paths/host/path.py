@@ -14,6 +14,7 @@ scheduler thread; the job is done when the transport's handle is.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future
@@ -28,6 +29,7 @@ from sglang_kv_migration.paths.base import (
     DataPath,
     KVPoll,
     NothingToSend,
+    OwnsNoPage,
     SendJob,
     SendRange,
     SendStats,
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
+    from sglang_kv_migration.cp_owners import OwnerRun
     from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 logger = logging.getLogger(__name__)
@@ -114,7 +117,10 @@ class HostPath(DataPath):
     def content_digest(self, slots: torch.Tensor) -> str:
         return verify.host_pages_digest(self.layout, slots)
 
-    def reserve(self, num_tokens: int) -> torch.Tensor:
+    def reserve(self, num_tokens: int, owners: OwnerRun | None = None) -> torch.Tensor:
+        # Host slots carry no owner: on an owner-sharded server the pattern stays with the
+        # migration (its grant binds it), every rank reserves the whole run, and each is
+        # written only at the pages it owns.
         return sglang_adapter.alloc_host_slots(self.cache, num_tokens)
 
     def release(self, slots: torch.Tensor) -> None:
@@ -161,6 +167,16 @@ class HostPath(DataPath):
             send = send.cut_to(pinned.end, "on device or host")
             # The extent is laid out for every granted page (buffer major): a cut send
             # writes its slots directly, which the target accepts (the receipt's plan).
+            staging = None
+        owned = send.owned_offsets(send.end - send.start, self.layout.page_size)
+        if owned is not None:
+            # Owner-sharded CP: this rank holds, so sends, only its own pages of the run;
+            # the extent is laid out for every page, so they go to their slots directly.
+            if not owned:
+                sglang_adapter.unpin_host_pages(pinned)
+                return OwnsNoPage(send)
+            pinned = _owned_part(pinned, owned)
+            send = dataclasses.replace(send, target_slots=send.target_slots[_index(owned)])
             staging = None
         return HostSendJob(self, pinned, peer, target.session_id, send, staging)
 
@@ -322,6 +338,20 @@ class HostSendJob(SendJob):
             # Off the scheduler thread; the pages stay pinned (unchanged) until `release`.
             layout, indices = self._path.layout, self._pinned.host_indices
             self._digest = verify.submit(lambda: verify.host_pages_digest(layout, indices))
+
+
+def _index(offsets: list[int]) -> torch.Tensor:
+    import torch
+
+    return torch.tensor(offsets, dtype=torch.int64)
+
+
+def _owned_part(
+    pinned: sglang_adapter.PinnedHostPages, offsets: list[int]
+) -> sglang_adapter.PinnedHostPages:
+    """The pinned pages with only the host slots at `offsets` (from the run's start) left
+    to send; the nodes stay pinned as they were (`unpin_host_pages` releases them)."""
+    return dataclasses.replace(pinned, host_indices=pinned.host_indices[_index(offsets)])
 
 
 def _monotonic(unix_time: float, wall: float, mono: float) -> float | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError, detached
-from sglang_kv_migration.fingerprint import CP_SHARDED, LayoutFingerprint
+from sglang_kv_migration.fingerprint import LayoutFingerprint
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import BaseReq
@@ -149,15 +149,9 @@ def error_of(run: Callable[[], None]) -> MigrationError | None:
 def check_peer_fingerprint(
     mine: LayoutFingerprint, peer_fingerprints: list[dict], role: str
 ) -> None:
-    """Compare this rank's fingerprint with the `role` peer rank at the same (tp, pp)."""
-    if mine.attn_cp_mode == CP_SHARDED:
-        # Pairing by tp rank moves whole prefixes; owner-sharded ranks hold only their own
-        # pages, so moving them needs the owner pattern on the wire (docs/reliability.md).
-        raise MigrationError(
-            ErrorKind.CONFLICT,
-            f"attn_cp_mode={CP_SHARDED} (cp_owner={mine.cp_owner}): this build does not "
-            "move owner-sharded CP pages yet",
-        )
+    """Compare this rank's fingerprint with the `role` peer rank at the same (tp, pp).
+    Owner-sharded CP ranks compare their owner function too (`cp_owner`): each moves only
+    the pages it owns, to its twin (`server/source/owned_pages.py`)."""
     for raw in peer_fingerprints:
         if _same_as(raw, mine.wire):  # the usual case: no parse, no field-by-field walk
             return

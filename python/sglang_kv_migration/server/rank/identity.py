@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_kv_migration import grants, sglang_adapter
+from sglang_kv_migration.cp_owners import PageOwners, cp_rank_of
 from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.paths import HostPoolLayout
 from sglang_kv_migration.paths.factory import host_pool_layout
@@ -49,6 +50,10 @@ class RankIdentity:
     memory_released: bool = False
     # Bumped by every KV memory resume: part of the epoch clients see (`loop.py`).
     memory_generation: int = 0
+    # An owner-sharded CP server's owner function (None: every CP rank holds every page)
+    # and this rank's CP rank (the pages it holds, sends and writes).
+    cp_owners: PageOwners | None = None
+    cp_rank: int = 0
 
     @property
     def page_size(self) -> int:
@@ -78,6 +83,8 @@ def open_identity(
     pool_buffer = sglang_adapter.host_pool_buffer(host_pool)
     # Every pool of the host pool, the NSA indexer's too (`paths/host/layout_nsa.py`).
     layout = host_pool_layout(host_pool)
+    # None on stock SGLang (every CP rank holds every page); a sharding fork's hook.
+    cp_owners = sglang_adapter.cp_page_owners(ctx.tree_cache, attn_cp_size)
     fingerprint = LayoutFingerprint.from_shape(
         sglang_adapter.kv_cache_shape(host_pool),
         model=ctx.model,
@@ -86,8 +93,7 @@ def open_identity(
         pp_size=ctx.pp_size,
         pp_rank=ctx.pp_rank,
         attn_cp_size=attn_cp_size,
-        # None on stock SGLang (every CP rank holds every page); a sharding fork's hook.
-        cp_owners=sglang_adapter.cp_page_owners(ctx.tree_cache, attn_cp_size),
+        cp_owners=cp_owners,
     )
     signer = grants.Signer(grant_key)
     if not signer.signed and ctx.tp_rank == 0:
@@ -100,4 +106,6 @@ def open_identity(
         fingerprint=fingerprint,
         server_epoch=ctx.first_rank_value_on_world(ctx.launch_id or uuid.uuid4().hex),
         signer=signer,
+        cp_owners=cp_owners,
+        cp_rank=cp_rank_of(ctx.tp_rank, ctx.tp_size, attn_cp_size),
     )

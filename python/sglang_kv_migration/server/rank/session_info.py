@@ -103,10 +103,21 @@ class SessionInfo:
                 ),
                 server_epoch=self.epoch_for(req),
                 running_token_size=self._running_held(req),
+                page_owners=self._page_owners(req),
             )
 
         # The tree is identical on every TP rank: no exchange needed.
         return guarded(run, GetRequestExtraTokenSizeReqOutput)
+
+    def _page_owners(self, req: GetRequestExtraTokenSizeReqInput) -> list[int] | None:
+        """Feature "owner_pattern": on an owner-sharded CP server, the owner of each page
+        of the device prefix (identical on every rank: one allocator state); else None."""
+        owners = self.identity.cp_owners
+        if owners is None:
+            return None
+        return sglang_adapter.device_prefix_owners(
+            self.ctx.tree_cache, owners, req.input_ids, req.extra_key
+        )
 
     def _running_held(self, req: GetRequestExtraTokenSizeReqInput) -> int:
         """Feature "running_slots": what the running request `running_rid` holds of the

@@ -5,6 +5,7 @@ and the mailbox it delivers commits to (feature "source_commit")."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from sglang_kv_migration.paths.base import DataPath
@@ -14,6 +15,7 @@ from sglang_kv_migration.server.rank.identity import RankIdentity
 from sglang_kv_migration.server.same_host.allocate_channel import ChannelCaller
 from sglang_kv_migration.server.same_host.mailbox import Deliverer
 from sglang_kv_migration.server.source.known_destinations import KnownDestinations
+from sglang_kv_migration.server.source.owned_pages import run_pattern
 from sglang_kv_migration.server.source.running_slots import RunningSlots
 from sglang_kv_migration.server.source.transfers import SourceTransfers
 
@@ -29,7 +31,7 @@ def build_source(
     """One start-up collective over every rank (their fingerprints, for stage 0's checks
     of later stages' entries)."""
     single_rank = ctx.tp_size == 1 and ctx.pp_size == 1
-    return SourceTransfers(
+    transfers = SourceTransfers(
         ctx,
         identity.fingerprint,
         paths,
@@ -49,3 +51,10 @@ def build_source(
         requests_waiting=requests_waiting if single_rank else None,
         running_slots=running_slots,
     )
+    if identity.cp_owners is not None:
+        # Owner-sharded CP: each rank sends only the pages it owns (`owned_pages.py`).
+        transfers.checks.owner_pattern = functools.partial(
+            run_pattern, ctx.tree_cache, identity.cp_owners
+        )
+        transfers.checks.cp_rank = identity.cp_rank
+    return transfers

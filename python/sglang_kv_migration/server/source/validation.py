@@ -10,7 +10,7 @@ needs this rank: its pools' size, its page size, its layout, its paths and its k
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,13 @@ from sglang_kv_migration.wire.messages import AllocateReply, TransferRequestKVCa
 
 if TYPE_CHECKING:
     import torch
+
+
+# (transfer, its verified grant, a running request's slots or None) -> the owner of each
+# page of the transfer's run on this source.
+OwnerPatternOf = Callable[
+    [TransferRequestKVCacheReqInput, grants.Grant, "torch.Tensor | None"], tuple[int, ...]
+]
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,11 @@ class TransferChecks:
         self.delivers = delivers  # feature "source_commit": a mailbox deliverer exists
         self.running_slots = running_slots  # feature "running_slots" (None: off)
         self.used_grants = grants.UsedGrants()
+        # Owner-sharded CP (set by `build.py`): the owner of each page of a transfer's
+        # run, checked against its grant (`owned_pages.run_pattern`), and this rank's CP
+        # rank, whose pages it sends. None: every CP rank holds every page.
+        self.owner_pattern: OwnerPatternOf | None = None
+        self.cp_rank = 0
 
     def check_size(self, req: TransferRequestKVCacheReqInput) -> None:
         """Refuse, before any per-token work, a range no pool of this server could hold
@@ -124,6 +136,10 @@ class TransferChecks:
             req, target, me, self.fingerprint, taken.digest, inflight.own_slots
         )
         grant = checked.grant
+        # Before the grant is claimed: a refusal here leaves it for a correct retry.
+        owner_pattern = None
+        if self.owner_pattern is not None:
+            owner_pattern = self.owner_pattern(req, grant, source_slots)
         self.used_grants.claim(grant)
         inflight.claimed_grant = grants.grant_digest(target.grant)
         if self.destinations is not None and DEVICE in self.paths:
@@ -147,6 +163,8 @@ class TransferChecks:
             partial_ok=req.partial_ok,
             prepared=inflight.prepared,
             source_slots=source_slots,
+            owner_pattern=owner_pattern,
+            cp_rank=self.cp_rank,
         )
 
     def _running_source_slots(

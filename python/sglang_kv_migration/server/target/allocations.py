@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_kv_migration import grants
+from sglang_kv_migration.cp_owners import OwnerRun, owned_pages, pattern_digest
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.page_ranges import to_page_ranges
 from sglang_kv_migration.paths.base import HOST, DataPath, TargetStaging
@@ -107,6 +108,7 @@ class TargetAllocations:
     ) -> AllocateTokenForTransferReqOutput:
         """This rank's part of an allocate (raises; the caller turns errors into replies)."""
         self._check_allocatable(req)
+        page_owners = self._checked_page_owners(req)
         path = self._path(req.path)
         started = time.perf_counter()
         alloc = self.pending.allocate(
@@ -118,8 +120,17 @@ class TargetAllocations:
             nothing_ok=req.nothing_ok,
             weight_version=req.weight_version,
             write_window_s=self.grant_ttl_s + path.late_write_margin_s,
+            owners=page_owners,
         )
         reserved = time.perf_counter()
+        if alloc.owner_pattern is not None and alloc.extra_length:
+            # Owner-sharded: the source's twin of this rank writes only its own pages.
+            self.pending.get(alloc.migration_id).owned_tokens = owned_pages(
+                alloc.owner_pattern,
+                self.identity.cp_rank,
+                self.identity.page_size,
+                alloc.extra_length,
+            )
         rank = self._allocated_rank(req, alloc)
         listed = time.perf_counter()
         extent = self._grant_staging(req, alloc, path)
@@ -167,6 +178,40 @@ class TargetAllocations:
                 "restarted, updated its weights or resumed its KV memory since that session "
                 "info was read (read /get_transfer_session_info again)",
             )
+
+    def _checked_page_owners(self, req: AllocateTokenForTransferReqInput) -> OwnerRun | None:
+        """The source's owner of every page of the request (feature "owner_pattern"),
+        checked as hostile input before anything is reserved: only an owner-sharded
+        server takes it, and it must take it; one CP rank of this server per page."""
+        owners, pattern = self.identity.cp_owners, req.page_owners
+        if owners is None:
+            if pattern is not None:
+                raise MigrationError(
+                    ErrorKind.BAD_REQUEST,
+                    "page_owners is only for a target whose CP ranks own disjoint pages "
+                    f"(attn_cp_mode=sharded); this server's is "
+                    f"{self.identity.fingerprint.attn_cp_mode or 'not CP'!r}",
+                )
+            return None
+        if pattern is None:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                f"page_owners is required: this server's CP ranks own disjoint pages "
+                f"(cp_owner={owners.describe()}), and each page must land on its owner's "
+                "twin (pass the source's size query page_owners)",
+            )
+        pages = len(req.input_ids) // self.identity.page_size
+        if len(pattern) != pages:
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                f"page_owners has {len(pattern)} entries for the {pages} whole pages of "
+                "input_ids: give one owner per page",
+            )
+        try:
+            owners.check_pattern(pattern)
+        except ValueError as e:
+            raise MigrationError(ErrorKind.BAD_REQUEST, f"page_owners: {e}") from None
+        return OwnerRun(owners, tuple(pattern))
 
     def _allocated_rank(self, req: AllocateTokenForTransferReqInput, alloc: Any) -> AllocatedRank:
         """This rank's reserved slots, in the index format the request asks for."""
@@ -227,6 +272,7 @@ class TargetAllocations:
                 destination=self._destination(path),
                 source=req.source_instance,
                 mailbox=mailbox,
+                owners=_owners_digest(alloc.owner_pattern),
             )
         )
         pending.grant = grants.grant_digest(token)
@@ -249,3 +295,8 @@ class TargetAllocations:
                 f"{', '.join(self.paths) or 'none'})",
             )
         return path
+
+
+def _owners_digest(pattern: tuple[int, ...] | None) -> str:
+    """What the grant binds of the reserved pages' owners ("" when not sharded)."""
+    return "" if pattern is None else pattern_digest(pattern)

@@ -256,7 +256,7 @@ class Commits:
                     "verify (allocate with verify: true, or start the target with "
                     "--kv-migration-verify)"
                 )
-            landed = pending.path.content_digest(pending.slots[:written])
+            landed = pending.path.content_digest(pending.written_slots(written))
             if landed != receipt.digest:
                 return f"receipt hash does not match the bytes that landed in {where}"
             return None

@@ -32,6 +32,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from sglang_kv_migration import sglang_adapter
+from sglang_kv_migration.cp_owners import OwnerRun
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths.base import DataPath
 
@@ -86,6 +87,21 @@ class PendingMigration:
     # the target commits by itself once they are there; the same on every rank.
     source_commit: bool = False
     mailbox: tuple[int, bytes] | None = None  # (slot, nonce), on the mailbox's rank only
+    # Owner-sharded CP (`cp_owners.py`): the owner of each reserved page, as the source
+    # asked (None: not sharded); the grant binds it, verify digests this rank's own pages.
+    owner_pattern: tuple[int, ...] | None = None
+    # Token offsets (in `slots`) of the pages this rank owns and is written (None: all).
+    owned_tokens: list[int] | None = None
+
+    def written_slots(self, written: int) -> torch.Tensor:
+        """The slots of the first `written` tokens that a source wrote on this rank: all
+        of them, or on an owner-sharded server those of the pages this rank owns."""
+        if self.owned_tokens is None:
+            return self.slots[:written]
+        import torch
+
+        owned = [t for t in self.owned_tokens if t < written]
+        return self.slots[torch.tensor(owned, dtype=torch.int64)]
 
     @property
     def extra_length(self) -> int:
@@ -100,6 +116,8 @@ class Allocation:
     matched_length: int
     extra_length: int
     slots: torch.Tensor  # int64 token slots reserved after the matched prefix
+    # Owner-sharded CP: the owner of each reserved page (None: not sharded).
+    owner_pattern: tuple[int, ...] | None = None
 
     @cached_property
     def host_slots(self) -> torch.Tensor:
@@ -210,6 +228,7 @@ class PendingMigrations:
         nothing_ok: bool = False,
         weight_version: str = "",
         write_window_s: float = 0.0,
+        owners: OwnerRun | None = None,
     ) -> Allocation:
         """Lock the prefix this server holds (for `path`) and reserve slots for the rest.
 
@@ -217,6 +236,8 @@ class PendingMigrations:
         target's cache changed since it was measured: CONFLICT). When the target already
         holds everything, `nothing_ok` returns an empty allocation (no id registered)
         instead of CONFLICT. The slots are `path`'s (the caller picks the path).
+        `owners` (owner-sharded CP): the owner of every page of the key, checked by the
+        caller; the pages reserved after the held prefix get theirs.
         """
         with self.lock:
             if migration_id in self.by_id or migration_id in self._finished:
@@ -247,9 +268,10 @@ class PendingMigrations:
                 )
             # IMPORTANT: lock the matched prefix before allocating, because allocating
             # may evict host nodes to make room.
+            run = self._owner_run(held.length, owners)
             self.cache.inc_lock_ref(held.last_node)
             try:
-                slots = path.reserve(extra)
+                slots = path.reserve(extra) if run is None else path.reserve(extra, run)
             except BaseException:
                 self.cache.dec_lock_ref(held.last_node)
                 raise
@@ -266,13 +288,22 @@ class PendingMigrations:
                 created_at=now,
                 deadline=now + self.timeout_s,
                 write_window_end=now + write_window_s,
+                owner_pattern=run.pattern if run is not None else None,
             )
             return Allocation(
                 migration_id=migration_id,
                 matched_length=held.length,
                 extra_length=extra,
                 slots=slots,
+                owner_pattern=run.pattern if run is not None else None,
             )
+
+    def _owner_run(self, held: int, owners: OwnerRun | None) -> OwnerRun | None:
+        """The owners of the pages after the `held` tokens (None: not owner-sharded)."""
+        if owners is None:
+            return None
+        first = held // int(self.cache.page_size)
+        return OwnerRun(owners.function, owners.pattern[first:])
 
     def commit(
         self, migration_id: str, weight_version: str | None = None, written: int | None = None
