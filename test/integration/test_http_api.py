@@ -520,6 +520,9 @@ def test_verify_covers_exactly_what_a_partial_transfer_wrote(servers: Servers) -
     with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
         result = client.migrate(src.url, dst.url, SEQ_PARTIAL_VERIFY, verify=True)
     held = 2 * PAGE
+    # A verified move commits with a reply: a mailbox commit could not tell the client
+    # that what landed failed its digest.
+    assert not result.source_committed and "commit" in result.steps_ms
     assert result.migrated_token_size == result.matched_after_commit == held
     assert _same_kv(
         src.ask(0, "kv", SEQ_PARTIAL_VERIFY[:held]), dst.ask(0, "kv", SEQ_PARTIAL_VERIFY[:held])
@@ -693,7 +696,13 @@ def test_only_an_allocate_that_asks_gets_a_mailbox_slot_and_new_weights_drop_it(
     fingerprints = _fingerprints(http, servers.source)
     asked = _allocate(http, dst, SEQ_NEW_WEIGHTS, fingerprints, source_commit=True).json()
     plain = _allocate(http, dst, SEQ_NEW_WEIGHTS[:PAGE] + [1] * PAGE, fingerprints).json()
+    verified = _allocate(
+        http, dst, SEQ_NEW_WEIGHTS[:PAGE] + [2] * PAGE, fingerprints, source_commit=True,
+        verify=True,
+    ).json()  # fmt: skip
     assert asked["source_commit"] is True and plain["source_commit"] is False
+    assert verified["source_commit"] is False  # its commit must answer the client
+    assert "mailbox" not in _grant_fields(verified["ranks"][0]["grant"])
     mailbox = _grant_fields(asked["ranks"][0]["grant"])["mailbox"]
     name, slot, nonce = mailbox.split("/")
     assert name.startswith("kvmig-mbox-") and int(slot) >= 0 and len(nonce) == 32
@@ -703,9 +712,10 @@ def test_only_an_allocate_that_asks_gets_a_mailbox_slot_and_new_weights_drop_it(
     assert dst.ask(0, "new_weights") == 1
     r = _post(http, dst, "/commit", {"migration_id": asked["migration_id"]})
     assert r.status_code == 410 and "weights changed" in r.json()["message"], r.text
-    assert dst.ask(0, "pending") == 1
-    r = _post(http, dst, "/abort_transfer", {"migration_id": plain["migration_id"]})
-    assert r.status_code == 200, r.text
+    assert dst.ask(0, "pending") == 2
+    for allocation in (plain, verified):
+        r = _post(http, dst, "/abort_transfer", {"migration_id": allocation["migration_id"]})
+        assert r.status_code == 200, r.text
     deadline = time.monotonic() + 30  # both sets of slots wait out their write windows
     while dst.ask(0, "snapshot") != before and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -137,8 +137,11 @@ class TargetAllocations:
         if extent is not None:
             rank.staging = list(extent)
         mailbox = ""
-        if req.source_commit and alloc.extra_length and extent is None:
-            # (A staged write commits after a scatter, not in one iteration: no mailbox.)
+        verified = req.verify or self.verify_all
+        if req.source_commit and alloc.extra_length and extent is None and not verified:
+            # No mailbox for a staged write (it commits after a scatter, not in one
+            # iteration) nor for a verified one: a mailbox commit has no reply, and the
+            # client must hear when what landed fails its digest.
             mailbox = self.source_commits.grant_slot(alloc.migration_id)
         if alloc.extra_length:
             rank.grant = self._sign_grant(req, alloc, path, extent, mailbox)
