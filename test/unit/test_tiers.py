@@ -20,7 +20,7 @@ import torch
 from sglang_kv_migration import sglang_adapter as adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths import verify
-from sglang_kv_migration.paths.base import KVPoll, NothingToSend, SendRange
+from sglang_kv_migration.paths.base import KVPoll, NothingWritten, SendRange
 from sglang_kv_migration.paths.device import tiers
 from sglang_kv_migration.paths.device.page_copy import PageGeometry
 from sglang_kv_migration.paths.device.path import DevicePath, TierPin, prepare_tiered_send
@@ -356,7 +356,7 @@ def test_a_partial_send_is_cut_where_the_held_prefix_ends(harness_factory):
         tp=0, pp=0, path="device", device_kv=path.advertise()
     )
     job = path.start_send(dataclasses.replace(beyond, target=target_rank))
-    assert isinstance(job, NothingToSend) and job.end == beyond.start
+    assert isinstance(job, NothingWritten) and job.end == beyond.start
     assert job.poll() is KVPoll.SUCCESS and not job.started_writing
     # Without partial_ok the same send is refused, as before.
     with pytest.raises(MigrationError) as info:

@@ -218,31 +218,15 @@ class SendJob(abc.ABC):
         return None
 
 
-class NothingToSend(SendJob):
-    """A partial send of a source that holds nothing past `start`: done, nothing written."""
+class NothingWritten(SendJob):
+    """A send that writes nothing and is done at once, its range accounted for up to
+    `end`: a partial send of a source that holds nothing past its start (`end` = the
+    range's start), or an owner-sharded CP rank's send of a range none of whose pages it
+    owns (`SendRange.owner_pattern`; `end` = the range's end: its twin on the target is
+    written nothing either)."""
 
-    def __init__(self, send: SendRange):
-        self.end = send.start
-        self.stats = SendStats()
-
-    def poll(self) -> KVPoll:
-        return KVPoll.SUCCESS
-
-    def release(self) -> None:
-        pass
-
-    @property
-    def started_writing(self) -> bool:
-        return False
-
-
-class OwnsNoPage(SendJob):
-    """An owner-sharded CP rank's send of a range none of whose pages it owns
-    (`SendRange.owner_pattern`): done, nothing written, the whole range accounted for
-    (its twin on the target is written nothing either)."""
-
-    def __init__(self, send: SendRange):
-        self.end = send.end
+    def __init__(self, end: int):
+        self.end = end
         self.stats = SendStats()
 
     def poll(self) -> KVPoll:

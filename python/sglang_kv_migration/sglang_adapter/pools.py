@@ -15,6 +15,8 @@ from sglang_kv_migration.fingerprint import KVCacheShape
 from sglang_kv_migration.sglang_adapter import pool_groups
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.radix_cache import TreeNode
@@ -151,19 +153,7 @@ def alloc_pages_with_owners(
             f"{OWNER_AWARE_ALLOCATION}()",
         )
     num_tokens = len(pattern) * int(allocator.page_size)
-    slots = allocate(list(pattern))
-    if slots is None:
-        free, evictable = int(allocator.available_size()), int(cache.evictable_size())
-        if free + evictable < num_tokens:
-            raise MigrationError(
-                ErrorKind.UNAVAILABLE,
-                f"device KV pool is full: {num_tokens} token slots needed, {free} free and "
-                f"{evictable} evictable; nothing was evicted",
-            )
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        cache.evict(EvictParams(num_tokens=num_tokens - free))
-        slots = allocate(list(pattern))
+    slots = _alloc_evicting(cache, num_tokens, lambda: allocate(list(pattern)))
     if slots is None:
         raise MigrationError(
             ErrorKind.UNAVAILABLE,
@@ -324,10 +314,26 @@ def alloc_device_slots(cache: HiRadixCache, num_tokens: int) -> torch.Tensor:
     Feasibility (free + evictable) is decided before anything is evicted.
     """
     allocator = cache.token_to_kv_pool_allocator
-    slots = allocator.alloc(num_tokens)
+    slots = _alloc_evicting(cache, num_tokens, lambda: allocator.alloc(num_tokens))
+    if slots is None:
+        raise MigrationError(
+            ErrorKind.UNAVAILABLE,
+            f"device KV pool is full: {num_tokens} token slots needed, "
+            f"{allocator.available_size()} free after evicting unlocked device pages",
+        )
+    return slots
+
+
+def _alloc_evicting(
+    cache: HiRadixCache, num_tokens: int, allocate: Callable[[], torch.Tensor | None]
+) -> torch.Tensor | None:
+    """`allocate()`, and once more after evicting unlocked device pages by the tree's
+    rules when the pool is short (None when it still fails). Feasibility (free +
+    evictable >= `num_tokens`) is decided before anything is evicted."""
+    slots = allocate()
     if slots is not None:
         return slots
-    free = int(allocator.available_size())
+    free = int(cache.token_to_kv_pool_allocator.available_size())
     evictable = int(cache.evictable_size())
     if free + evictable < num_tokens:
         raise MigrationError(
@@ -338,14 +344,7 @@ def alloc_device_slots(cache: HiRadixCache, num_tokens: int) -> torch.Tensor:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     cache.evict(EvictParams(num_tokens=num_tokens - free))
-    slots = allocator.alloc(num_tokens)
-    if slots is None:
-        raise MigrationError(
-            ErrorKind.UNAVAILABLE,
-            f"device KV pool is full: {num_tokens} token slots needed, "
-            f"{allocator.available_size()} free after evicting unlocked device pages",
-        )
-    return slots
+    return allocate()
 
 
 def free_device_slots(cache: HiRadixCache, slots: torch.Tensor) -> None:

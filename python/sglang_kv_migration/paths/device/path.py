@@ -52,8 +52,7 @@ from sglang_kv_migration.paths.base import (
     ROUTE_LANDING,
     DataPath,
     KVPoll,
-    NothingToSend,
-    OwnsNoPage,
+    NothingWritten,
     PreparedSend,
     SendJob,
     SendRange,
@@ -327,11 +326,11 @@ class DevicePath(DataPath):
             self.cache, send, self.page_size, prepared.prefix if prepared else None
         )
         if tiered is None:
-            return NothingToSend(send)
+            return NothingWritten(send.start)
         owned = tiered.send.owned_page_positions(tiered.plan.num_pages)
         if owned is not None:  # owner-sharded CP: this rank copies only its own pages
             if not owned:
-                return OwnsNoPage(tiered.send)
+                return NothingWritten(tiered.send.end)
             tiered = dataclasses.replace(tiered, plan=tiers.owned_part(tiered.plan, owned))
         matched = time.perf_counter()
         send = tiered.send

@@ -28,8 +28,7 @@ from sglang_kv_migration.paths.base import (
     ROUTE_HOST_TO_HOST,
     DataPath,
     KVPoll,
-    NothingToSend,
-    OwnsNoPage,
+    NothingWritten,
     SendJob,
     SendRange,
     SendStats,
@@ -162,7 +161,7 @@ class HostPath(DataPath):
             self.cache, send.input_ids, send.extra_key, send.start, send.end, send.partial_ok
         )
         if pinned is None:
-            return NothingToSend(send)
+            return NothingWritten(send.start)
         if pinned.end < send.end:
             send = send.cut_to(pinned.end, "on device or host")
             # The extent is laid out for every granted page (buffer major): a cut send
@@ -174,7 +173,7 @@ class HostPath(DataPath):
             # the extent is laid out for every page, so they go to their slots directly.
             if not owned:
                 sglang_adapter.unpin_host_pages(pinned)
-                return OwnsNoPage(send)
+                return NothingWritten(send.end)
             pinned = _owned_part(pinned, owned)
             send = dataclasses.replace(send, target_slots=send.target_slots[_index(owned)])
             staging = None
