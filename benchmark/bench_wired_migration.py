@@ -190,6 +190,9 @@ class Row:
     raw_pieces_ms: float
     ratio: float  # migration / raw contiguous
     pieces_ratio: float
+    migration_ms_range: tuple[float, float]  # the repeats' smallest and largest migration
+    ratio_range: tuple[float, float]  # each repeat's migration / its contiguous write
+    repeats_ms: dict[str, list[float]]  # every repeat of each timed part
     source_loop_max_ms: float  # longest iteration of our code on the source's loop (max)
     target_loop_max_ms: float
     ok: bool
@@ -289,6 +292,10 @@ def run_cell(
             ok = src.do("kv_digest", prefix) == dst.do("kv_digest", prefix)
     med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
     migration = med["alloc"] + med["xfer"] + med["commit"]
+    # Per repeat: the migration and its ratio to that repeat's contiguous write.
+    parts = zip(samples["alloc"], samples["xfer"], samples["commit"], strict=True)
+    each = [sum(x) * 1e3 for x in parts]
+    each_ratio = [m / (raw * 1e3) for m, raw in zip(each, samples["raw"], strict=True)]
     return Row(
         layout=layout,
         page_size=page_size,
@@ -304,6 +311,9 @@ def run_cell(
         raw_contiguous_ms=round(med["raw"], 1),
         raw_pieces_ms=round(med["raw16"], 1),
         ratio=round(migration / med["raw"], 2),
+        migration_ms_range=(round(min(each), 1), round(max(each), 1)),
+        ratio_range=(round(min(each_ratio), 2), round(max(each_ratio), 2)),
+        repeats_ms={k: [round(x * 1e3, 2) for x in v] for k, v in samples.items()},
         pieces_ratio=round(migration / med["raw16"], 2),
         source_loop_max_ms=round(loop_src.total_s * 1e3, 2),
         target_loop_max_ms=round(loop_dst.total_s * 1e3, 2),
@@ -359,7 +369,8 @@ def main() -> None:
     print(f"load average after: {os.getloadavg()}")
     print(
         "| loop | layout | page | tokens (MiB) | variant | plan, entries | migration ms "
-        "(allocate / transfer / commit) | raw contiguous ms (x16) | ratio (vs x16) | "
+        "(allocate / transfer / commit; min–max) | raw contiguous ms (x16) | ratio "
+        "(min–max; vs x16) | "
         "loop max ms source / target | bytes equal |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -367,8 +378,10 @@ def main() -> None:
         print(
             f"| {r.loop} | {r.layout} | {r.page_size} | {r.tokens} ({r.mib:.0f}) | {r.variant} | "
             f"{r.plan}, {r.entries} | {r.migration_ms:.0f} ({r.allocate_ms:.0f} / "
-            f"{r.transfer_ms:.0f} / {r.commit_ms:.0f}) | {r.raw_contiguous_ms:.0f} "
-            f"({r.raw_pieces_ms:.0f}) | **{r.ratio:.2f}** ({r.pieces_ratio:.2f}) | "
+            f"{r.transfer_ms:.0f} / {r.commit_ms:.0f}; {r.migration_ms_range[0]:.0f}–"
+            f"{r.migration_ms_range[1]:.0f}) | {r.raw_contiguous_ms:.0f} "
+            f"({r.raw_pieces_ms:.0f}) | **{r.ratio:.2f}** ({r.ratio_range[0]:.2f}–"
+            f"{r.ratio_range[1]:.2f}; x16 {r.pieces_ratio:.2f}) | "
             f"{r.source_loop_max_ms:.1f} / {r.target_loop_max_ms:.1f} | {r.ok} |"
         )
     print(
