@@ -94,43 +94,23 @@ TINY_DEEPSEEK_V2_MLA = {
     "max_position_embeddings": 8192,
 }
 
-# DeepSeek-V3.2's attention and indexer dims, shrunk elsewhere: 4 layers, hidden 1024, all
+# The V2 shape above with DeepSeek-V3.2's attention and indexer dims: 4 layers, hidden 1024, all
 # dense (first_k_dense_replace = layers: no MoE kernel runs; SGLang still reads the MoE
 # fields). 64 query heads: FlashMLA's sparse kernels take 64 or 128 heads per rank.
 TINY_DEEPSEEK_V32_NSA = {
+    **TINY_DEEPSEEK_V2_MLA,
     "architectures": ["DeepseekV32ForCausalLM"],
     "model_type": "deepseek_v32",
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_hidden_layers": 4,
     "num_attention_heads": 64,
     "num_key_value_heads": 64,
     "q_lora_rank": 512,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
     "index_head_dim": 128,
     "index_n_heads": 64,
     "index_topk": 2048,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 512,
-    "first_k_dense_replace": 4,  # == num_hidden_layers
-    "moe_layer_freq": 1,
+    # V3.2's router settings (read by SGLang, never run: no MoE layer).
     "topk_method": "noaux_tc",
-    "n_group": 1,
-    "topk_group": 1,
     "norm_topk_prob": True,
     "scoring_func": "sigmoid",
-    "routed_scaling_factor": 1.0,
-    "hidden_act": "silu",
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "vocab_size": 32000,
-    "max_position_embeddings": 8192,
 }
 
 # Where SGLang 0.5.12's NSA backend and indexer import their kernels from.

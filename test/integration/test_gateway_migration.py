@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from generate_standin import StandinConfig, next_token, standin_factory
+from generate_standin import StandinConfig, expected_output, standin_factory
 from mini_server import ServerPair, ServerSpec, start_servers
 from sglang_discovery import discovery_factory
 from sglang_kv_migration import cli
@@ -51,13 +51,6 @@ def servers() -> Iterator[ServerPair]:
     finally:
         for handle in handles:
             handle.stop()
-
-
-def expected_output(prompt: list[int], n: int) -> list[int]:
-    out: list[int] = []
-    for _ in range(n):
-        out.append(next_token(prompt + out))
-    return out
 
 
 def _prompt(start: int, pages: int = 3) -> list[int]:

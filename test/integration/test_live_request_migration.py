@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from generate_standin import StandinConfig, next_token, standin_factory
+from generate_standin import StandinConfig, expected_output, standin_factory
 from mini_server import ServerHandle, ServerPair, ServerSpec, start_servers
 from sglang_kv_migration import cli
 from sglang_kv_migration.client.migration import MigrationClient
@@ -37,13 +37,6 @@ SLOW_STAGE_S = 0.2  # ~20 decode steps: stage 1 spans more than a page of new to
 
 def _seq(start: int, length: int) -> list[int]:
     return list(range(start, start + length))
-
-
-def expected_output(prompt: list[int], n: int) -> list[int]:
-    out: list[int] = []
-    for _ in range(n):
-        out.append(next_token(prompt + out))
-    return out
 
 
 # The multi-stage test's request: the source already holds its prompt and the first 100

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-from generate_standin import StandinConfig, next_token
+from generate_standin import StandinConfig, expected_output
 from mini_server import ServerHandle, ServerPair, ServerSpec, start_servers
 from sglang_kv_migration.client.migration import MigrationClient, MigrationFailed
 from sglang_kv_migration.rollout.cost_model import CostModel, MigrationCosts, PrefillCosts
@@ -41,13 +41,6 @@ def servers() -> Iterator[ServerPair]:
     finally:
         for handle in handles:
             handle.stop()
-
-
-def expected_output(prompt: list[int], n: int) -> list[int]:
-    out: list[int] = []
-    for _ in range(n):
-        out.append(next_token(prompt + out))
-    return out
 
 
 class Slowed(httpx.BaseTransport):

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from fail_on import FailOn
-from generate_standin import StandinConfig, next_token, standin_factory
+from generate_standin import StandinConfig, expected_output, standin_factory
 from mini_server import ServerHandle, ServerPair, ServerSpec, start_servers
 from sglang_kv_migration import cli
 from sglang_kv_migration.client.migration import MigrationClient
@@ -99,13 +99,6 @@ def servers() -> Iterator[ServerPair]:
     finally:
         for handle in handles:
             handle.stop()
-
-
-def expected_output(prompt: list[int], n: int) -> list[int]:
-    out: list[int] = []
-    for _ in range(n):
-        out.append(next_token(prompt + out))
-    return out
 
 
 # Migration always looks cheaper than recomputation, so the moves below really migrate.

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from generate_standin import StandinConfig, next_token, standin_factory
+from generate_standin import StandinConfig, expected_output, standin_factory
 from mini_server import ServerHandle, ServerSpec, start_servers
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 from sglang_kv_migration import cli
@@ -59,13 +59,6 @@ def servers() -> Iterator[tuple[ServerHandle, ServerHandle]]:
     finally:
         for handle in handles:
             handle.stop()
-
-
-def expected_output(prompt: list[int], n: int) -> list[int]:
-    out: list[int] = []
-    for _ in range(n):
-        out.append(next_token(prompt + out))
-    return out
 
 
 def running(server: ServerHandle) -> int:

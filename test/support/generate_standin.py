@@ -64,17 +64,27 @@ def next_token(seq: list[int]) -> int:
     return 20_000 + (a * 7919 + b * 104_729 + len(seq) * 31) % 10_000
 
 
-def standin_factory(config: StandinConfig) -> Any:
-    """A picklable `ServerSpec.extension`: builds the engine in the server process."""
-    return _Factory(config)
+def expected_output(prompt: list[int], n: int) -> list[int]:
+    """The `n` tokens the stand-in generates greedily after `prompt`, one at a time."""
+    out: list[int] = []
+    for _ in range(n):
+        out.append(next_token(prompt + out))
+    return out
+
+
+def standin_factory(config: StandinConfig, engine: type | None = None) -> Any:
+    """A picklable `ServerSpec.extension`: builds the engine (`GenerateStandin`, or the
+    subclass `engine`) in the server process."""
+    return _Factory(config, engine)
 
 
 @dataclasses.dataclass
 class _Factory:
     config: StandinConfig
+    engine: type | None = None
 
     def __call__(self, harness: Any) -> GenerateStandin:
-        return GenerateStandin(self.config, harness)
+        return (self.engine or GenerateStandin)(self.config, harness)
 
 
 @dataclasses.dataclass

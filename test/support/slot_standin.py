@@ -19,27 +19,18 @@ written alike.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 from typing import Any
 
 import torch
 from fastapi import Request
-from generate_standin import GenerateStandin, StandinConfig, _Req
+from generate_standin import GenerateStandin, StandinConfig, _Req, standin_factory
 
 
 def slot_standin_factory(config: StandinConfig) -> Any:
     """A picklable `ServerSpec.extension` building a `SlotStandin`."""
-    return _SlotFactory(config)
-
-
-@dataclasses.dataclass
-class _SlotFactory:
-    config: StandinConfig
-
-    def __call__(self, harness: Any) -> SlotStandin:
-        return SlotStandin(self.config, harness)
+    return standin_factory(config, SlotStandin)
 
 
 class SlotStandin(GenerateStandin):
