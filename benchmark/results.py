@@ -5,10 +5,13 @@ smallest and the largest, and how many repeats there were.
     python3 benchmark/results.py            # print every generated block
     python3 benchmark/results.py --check    # exit 1 when a block of the page differs
     python3 benchmark/results.py --write    # rewrite the page's blocks from the records
+    python3 benchmark/results.py --show flag-cost FILE.json   # a new record's block
 
 The page holds each block between `<!-- results:NAME -->` and `<!-- /results:NAME -->`;
 everything else on the page is written by hand. After a new GPU run, copy its records
-under `docs/gpu-runs/<date>/`, point `RUNS` at them and run `--write`.
+under `docs/gpu-runs/<date>/`, point `RUNS` at them and run `--write`. The blocks of
+`results_adoption.py` (flag cost, verl's pattern at scale, the RL scene per variant)
+name their records in its own `RUNS` and join the page once they have one.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+import results_adoption
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = ROOT / "docs" / "gpu-runs"
@@ -330,6 +335,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "live": block_live,
     "busy": block_busy,
 }
+BLOCKS |= results_adoption.ready_blocks(RUNS_DIR)
 
 
 def _pattern(name: str) -> re.Pattern[str]:
@@ -340,6 +346,9 @@ def _pattern(name: str) -> re.Pattern[str]:
 
 
 def render(page: str) -> str:
+    unknown = sorted(set(re.findall(r"<!-- results:([\w-]+) -->", page)) - set(BLOCKS))
+    if unknown:  # e.g. a results_adoption.py block whose records RUNS does not name
+        raise SystemExit(f"{PAGE}: no records for block(s) {', '.join(unknown)}")
     for name, block in BLOCKS.items():
         text = block()
         page, n = _pattern(name).subn(lambda m, t=text: f"{m[1]}\n{t}\n{m[3]}", page)
@@ -353,7 +362,14 @@ def main() -> None:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="exit 1 if the page differs")
     mode.add_argument("--write", action="store_true", help="rewrite the page's blocks")
+    mode.add_argument(
+        "--show", nargs="+", metavar="ARG",
+        help="BLOCK FILE...: one of results_adoption.py's blocks from these records",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.show:
+        print(results_adoption.show(args.show[0], args.show[1:]))
+        return
     if not (args.check or args.write):
         for name, block in BLOCKS.items():
             print(f"<!-- results:{name} -->\n{block()}\n<!-- /results:{name} -->\n")

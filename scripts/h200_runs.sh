@@ -5,6 +5,11 @@
 # device tool allows 600 s a command).
 #
 #   bash scripts/h200_runs.sh N        # N = 1..38, one device command each, kind nvidia-h200
+#   bash scripts/h200_runs.sh NAME     # the named jobs below (flagcost, verl64, rl8k-both-r0, ...)
+#
+# The named jobs take KVMIG_BUDGET_S (default 560: the command's limit less the start of
+# the call) and stop their benchmark's rounds 40 s before it; set KVMIG_COMMIT=<sha> in
+# the command so that the record names the commit (the copy on the device has no .git).
 #
 # Before the first job, on the same warm machine (../shared/gpu/README.md, section 2):
 #   install, carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -18,7 +23,9 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|38}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|38|NAME}
+budget=${KVMIG_BUDGET_S:-560}
+deadline=$((budget - 40))
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -296,12 +303,63 @@ case $call in
     "0:live:python3 benchmark/bench_live_move.py --deadline-s 450"
   ;;
 36)
-  # verl's pattern: 16 sticky sessions x 4 turns over two servers on one GPU (CUDA graphs
-  # on), 12 first pinned to A; verl's balancer vs re-pin with re-prefill vs re-pin with
-  # migration, three repeats (makespan, turn p50/p99, greedy outputs compared). Targets:
-  # migrate <= 0.8x re-prefill and <= 0.85x default makespan. No repeat after 420 s.
+  # verl's pattern at its first size: 16 sticky sessions x 4 turns of 8K histories, 12
+  # first pinned to A (the benchmark's defaults are now verl64's scale, below).
   exec bash scripts/gpu_jobs.sh 560 \
-    "0:verl:python3 benchmark/bench_verl_pattern.py --repeats 3 --deadline-s 420"
+    "0:verl:python3 benchmark/bench_verl_pattern.py --repeats 3 --deadline-s 420 --sessions 16 --skewed 12 --context 8192 --context-max 0 --user-tokens 256 --new-tokens 32"
+  ;;
+flagcost)
+  # What --enable-kv-migration costs a server that never moves (issue: the flag's cost,
+  # A/B on one GPU): SGLang as users run it (no plugin loaded), + HiCache, + HiCache +
+  # the flag, side by side on the one GPU, Llama-3-8B shape, page 16, CUDA graphs on,
+  # started one after another with one planned pool size each; interleaved rounds of
+  # fresh 17-token and 2K TTFT, cached TTFT at 4K/16K/32K, one request's inter-token
+  # latency, decode throughput and ITL at 32 and 64 concurrent. Target: the flag within
+  # 1% of HiCache alone on every row, or within the A/A spread. Start-ups ~300 s (the
+  # log says each), then rounds until the deadline (~4 on an H100).
+  # `python3 benchmark/results.py --show flag-cost flagcost-bench_flag_cost.json`.
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:flagcost:python3 benchmark/bench_flag_cost.py --deadline-s $deadline"
+  ;;
+flagcost-twin)
+  # The same with a second HiCache server, the A/A spread of two identical servers
+  # (needs four pools of >= 40K tokens: an H200; on an H100 it refuses at once).
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:flagcost:python3 benchmark/bench_flag_cost.py --twin on --deadline-s $deadline"
+  ;;
+verl64|verl64-r*)
+  # verl's pattern at the scale verl runs: 64 sticky sessions x 4 turns over two servers
+  # on one GPU (CUDA graphs on, page 16), 48 first pinned to A, first prompts 2K-12K
+  # skewed (most short), growing by 576 tokens a turn to 5K-15K; verl's balancer vs
+  # re-pin with re-prefill vs re-pin with migration, beside the balanced bound (sessions
+  # spread from their first turn). Makespan and turn p50/p99, outputs compared. Targets:
+  # migrate <= 0.8x re-prefill and <= 0.85x default makespan. Repeats until the
+  # deadline (one repeat ~2-3 min of four arms); verl64-rN starts at repeat N (more
+  # repeats from another call). Pool them: python3 benchmark/bench_verl_pattern.py
+  # --merge verl-bench_verl_pattern.json verl-bench_verl_pattern_r2.json ...
+  start=0
+  [[ $call == verl64-r* ]] && start=${call#verl64-r}
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:verl:python3 benchmark/bench_verl_pattern.py --repeats 3 --repeat-start $start --deadline-s $deadline"
+  ;;
+rl4k-*|rl8k-*|rl16k-*)
+  # The RL scene (24 high-priority turns a repeat, p99 over all of them, CUDA graphs on)
+  # at one context, one repeat of none / recompute / migrate per variant:
+  # rl<4|8|16>k-<room|full|both>-r<N>, e.g. rl8k-both-r0. `room`: B's GPU has room for
+  # the moved histories; `full`: B's own low-priority decodes take 90% of its pool (the
+  # seed's scene: a move lands in B's host tier, or takes the host path where the client
+  # has no such landing; each move's path and landing tier are recorded). Targets:
+  # high p99 migrate / recompute <= 0.4, migrate / none <= 0.15, low p99 <= 1.05x none.
+  # No mode starts after the deadline; 8K both variants ~1 repeat a call, 16K one
+  # variant. Pool the calls: python3 benchmark/bench_rl_scene.py --merge FILES...
+  ctx=${call%%k-*}
+  ctx=$((${ctx#rl} * 1024))
+  rest=${call#*k-}
+  variant=${rest%-r*}
+  rep=${rest##*-r}
+  [[ $variant == both ]] && variant="room full"
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:rl${ctx}:python3 benchmark/bench_rl_scene.py --context $ctx --target-gpu $variant --repeats 1 --repeat-start $rep --mode-timeout 180 --deadline-s $deadline"
   ;;
 37)
   # The DeepSeek-V3.2-shaped (NSA) tiny model between two servers, with the kernels of
@@ -327,7 +385,7 @@ case $call in
     "+0:host1:sleep 40; KVMIG_PAGE_SIZE=1 $T test/gpu/test_gpu_migration.py"
   ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|38" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|38|flagcost|flagcost-twin|verl64[-rN]|rl<4|8|16>k-<room|full|both>-rN" >&2
   exit 2
   ;;
 esac

@@ -190,6 +190,8 @@ def launch(
     tokenizer: bool = False,
     cuda_graph: bool = False,
     dp_size: int = 1,
+    hicache: bool = True,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """Start one server; `gpu_id` adds `--base-gpu-id` (the server's first GPU).
 
@@ -203,6 +205,9 @@ def launch(
     `migration=False` leaves out the plugin's flags (HiCache stays on): the "off" server
     of an overhead comparison. `tokenizer=True` keeps SGLang's tokenizer (the model
     directory must hold one, see `write_tokenizer`), which `sglang.bench_serving` needs.
+    `hicache=False` leaves out `--enable-hierarchical-cache` (with `migration=False`:
+    SGLang as its users run it). `env`: variables set for the server beside this
+    process's (e.g. `SGLANG_PLUGINS=none`: SGLang loads no plugin, this one included).
     """
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     if dp_size > 1:
@@ -224,13 +229,15 @@ def launch(
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_dir), "--load-format", "dummy",
         "--attention-backend", "triton", "--sampling-backend", "pytorch",
-        *([] if cuda_graph else ["--disable-cuda-graph"]), "--enable-hierarchical-cache",
+        *([] if cuda_graph else ["--disable-cuda-graph"]),
+        *(["--enable-hierarchical-cache"] if hicache else []),
         "--host", "127.0.0.1", "--port", str(port),
         *extra,
     ]  # fmt: skip
-    log.write(" ".join(cmd) + "\n")
+    log.write(" ".join([*(f"{k}={v}" for k, v in (env or {}).items()), *cmd]) + "\n")
     log.flush()
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    full_env = {**os.environ, **env} if env else None
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
 
 
 def server_log_tail(url: str, lines: int = 80) -> str:
@@ -281,6 +288,9 @@ class ServerSpec:
     gpu_id: int | None = None
     cuda_graph: bool = False  # see `launch`
     dp_size: int = 1  # see `launch`: every DP rank on `gpu_id`
+    migration: bool = True  # see `launch`
+    hicache: bool = True  # see `launch`
+    env: dict[str, str] = field(default_factory=dict)  # see `launch`
 
     @property
     def url(self) -> str:
@@ -323,6 +333,9 @@ def _launch(spec: ServerSpec, model_dir: Path) -> subprocess.Popen:
         spec.gpu_id,
         cuda_graph=spec.cuda_graph,
         dp_size=spec.dp_size,
+        migration=spec.migration,
+        hicache=spec.hicache,
+        env=spec.env,
     )
 
 
