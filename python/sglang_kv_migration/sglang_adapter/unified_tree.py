@@ -38,7 +38,6 @@ from sglang_kv_migration.sglang_adapter.radix_tree import (
     PinnedHostPages,
     Segment,
     TieredPrefix,
-    page_hashes,
 )
 
 if TYPE_CHECKING:
@@ -217,10 +216,9 @@ def insert_host_pages(
     frees `host_indices[:returned]`. Raises (nothing inserted, the slots still the
     caller's) when the tree drops the insert."""
     suffix = key[anchor_length:]
-    if needs_page_hashes(cache):
-        hashes: list[Any] = page_hashes(key, cache.page_size)[anchor_length // cache.page_size :]
-    else:
-        hashes = [None] * (len(suffix) // cache.page_size)
+    # No page hashes: `cache_unsupported` refuses a storage backend, the one user of them
+    # (0.5.23's tree cores take a list of strings, empty when nothing hashes).
+    hashes: list[str] = []
     result = cache.tree_core.insert_host(anchor, suffix, host_indices, hashes)
     cache._apply_cache_actions(result.cache_actions)
     if result.host_insert_dropped:
@@ -232,8 +230,8 @@ def insert_host_pages(
 
 
 def needs_page_hashes(cache: Cache) -> bool:
-    """Whether tree nodes must carry page hashes (a HiCache storage backend)."""
-    return bool(cache.enable_storage)
+    """False: a storage backend (the one user of page hashes) is refused on 0.5.23."""
+    return False
 
 
 def insert_device_pages(
