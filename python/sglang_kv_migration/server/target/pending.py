@@ -64,8 +64,7 @@ class PendingMigration:
     migration_id: str
     key: RadixKey  # page-aligned key of the whole prefix
     matched_length: int  # tokens the target already held, locked until the end
-    anchor: TreeNode  # node ending at matched_length, locked by `anchor_lock`
-    anchor_lock: sglang_adapter.NodeLock
+    anchor_lock: sglang_adapter.NodeLock  # on the node ending at matched_length
     root: object  # sglang_adapter.cache_generation() at allocation: a reset changes it
     path: DataPath  # owns the slots: reserve / release / insert
     slots: torch.Tensor  # int64 slots for tokens [matched_length, len(key))
@@ -75,6 +74,12 @@ class PendingMigration:
     write_window_end: float = 0.0  # a source may write the slots until then (registry clock)
     verify: bool = False  # commit checks the receipt's content digest (opt-in verify)
     state: MigrationState = MigrationState.ALLOCATED
+
+    @property
+    def anchor(self) -> TreeNode:
+        """The node ending at matched_length (locked until the migration ends)."""
+        return self.anchor_lock.node
+
     staging: tuple[int, int] | None = None  # granted staging extent (target_staging.py)
     source: str = ""  # the source instance the grant names: receipts must come from it
     # `grants.grant_digest` of this rank's grant: a receipt settles or commits these slots
@@ -281,7 +286,6 @@ class PendingMigrations:
                 migration_id=migration_id,
                 key=key,
                 matched_length=held.length,
-                anchor=held.last_node,
                 anchor_lock=anchor_lock,
                 root=sglang_adapter.cache_generation(self.cache),
                 path=path,
