@@ -748,7 +748,8 @@ def test_pools_and_device_kv_buffers(harness_factory, attention, page_size):
 
 
 def test_device_kv_buffers_refuses_an_unknown_pool():
-    cache = SimpleNamespace(kv_cache=object())
+    allocator = SimpleNamespace(get_kvcache=lambda: object())
+    cache = SimpleNamespace(token_to_kv_pool_allocator=allocator)
     with pytest.raises(MigrationError) as info:
         adapter.device_kv_buffers(cache)
     assert info.value.kind is ErrorKind.UNAVAILABLE

@@ -36,11 +36,9 @@ def compose_for_scheduler(scheduler: Any) -> MigrationSchedulerSide:
     """The migration side of the rank `scheduler` runs (`--enable-kv-migration`)."""
     view = sglang_adapter.SchedulerView.of(scheduler)
     args = view.server_args
-    if not sglang_adapter.is_hiradix_cache(view.tree_cache):
-        raise RuntimeError(
-            "--enable-kv-migration needs SGLang's HiRadixCache as the tree cache, got "
-            f"{type(view.tree_cache).__name__}; other hierarchical caches are not supported yet"
-        )
+    unsupported = sglang_adapter.cache_unsupported(view.tree_cache)
+    if unsupported is not None:
+        raise RuntimeError(unsupported)
     ctx = RankContext(
         tree_cache=view.tree_cache,
         tp_rank=view.tp_rank,

@@ -115,7 +115,7 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
     from sglang_kv_migration.server.rank import hooks as scheduler_hooks
     from sglang_kv_migration.server.server_args import KVMigrationServerArgs
 
-    return [
+    table = [
         (upstream.SERVER_ARGS_CLASS, KVMigrationServerArgs, HookType.REPLACE),
         (upstream.SCHEDULER_INIT_IPC, scheduler_hooks.after_init_ipc_channels, HookType.AFTER),
         (
@@ -158,6 +158,10 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
         (upstream.HTTP_LAUNCH_SERVER, before_launch_server, HookType.BEFORE),
         (upstream.ENGINE_LAUNCH_SUBPROCESSES, before_launch_subprocesses, HookType.BEFORE),
     ]
+    # Targets the installed SGLang line lacks are left out; what needs them is refused
+    # at start (sglang_adapter.installed).
+    targets = set(upstream.hook_targets())
+    return [row for row in table if row[0] in targets]
 
 
 def _wraps_hook(fn: object, hook: object) -> bool:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from sglang.srt import server_args as _upstream
 
+from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.paths import DEFAULT_WORKERS_PER_PEER as DEFAULT_PEER_WORKERS
 from sglang_kv_migration.paths import MC_DEFAULT_TRANSFER_TIMEOUT_S, MC_TRANSFER_TIMEOUT_ENV
 from sglang_kv_migration.paths.base import parse_path_names
@@ -312,6 +313,9 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
         raise KVMigrationArgsError(
             f"--kv-migration-protocol must be tcp or rdma, got {args.kv_migration_protocol!r}."
         )
+    refusal = sglang_adapter.server_args_refusal(args.enable_memory_saver)
+    if refusal is not None:
+        raise KVMigrationArgsError(f"{refusal}.")
 
 
 def check_mooncake_timeout(

@@ -14,6 +14,14 @@ Everything else in the package goes through these functions, imported from here
 from __future__ import annotations
 
 from sglang_kv_migration.sglang_adapter.cp_pages import device_prefix_owners, run_owners
+from sglang_kv_migration.sglang_adapter.installed import (
+    SUPPORTED_LINES,
+    device_path_missing,
+    is_unified_line,
+    server_args_refusal,
+    sglang_line,
+    sglang_version,
+)
 from sglang_kv_migration.sglang_adapter.pool_groups import (
     IndexerPoolBuffer,
     indexer_host_pool,
@@ -23,7 +31,6 @@ from sglang_kv_migration.sglang_adapter.pools import (
     HostPoolBuffer,
     HostPoolShape,
     alloc_device_slots,
-    alloc_host_slots,
     alloc_pages_with_owners,
     cp_page_owners,
     device_available_size,
@@ -31,16 +38,10 @@ from sglang_kv_migration.sglang_adapter.pools import (
     device_pool,
     free_device_slots,
     free_host_slots,
-    host_evictable_size,
-    host_headroom_tokens,
-    host_pool,
     host_pool_buffer,
-    host_pool_shape,
     kv_cache_shape,
     no_slots,
-    pending_device_write_streams,
     take_device_slots,
-    take_host_slots,
 )
 from sglang_kv_migration.sglang_adapter.process import (
     SchedulerView,
@@ -66,36 +67,100 @@ from sglang_kv_migration.sglang_adapter.radix_tree import (
     WRITE_BACK_TIMEOUT_S,
     DevicePrefix,
     HeldPrefix,
+    NodeLock,
     PinnedHostPages,
     Segment,
     TieredPrefix,
-    cache_generation,
-    host_pages_ready,
-    insert_device_pages,
-    insert_host_pages,
-    is_hiradix_cache,
-    key_parts,
-    make_key,
-    match_device_prefix,
-    match_held_prefix,
-    match_tiered_prefix,
-    needs_page_hashes,
     page_hashes,
-    path_from_root,
-    pin_host_pages,
-    protect_host_nodes,
-    release_host_nodes,
-    unpin_host_pages,
-    write_back_path,
 )
 from sglang_kv_migration.sglang_adapter.running_requests import (
     RunningRequest,
     RunningRequests,
-    copy_device_to_host,
     running_prefix,
 )
 
+# IMPORTANT: the one place that picks what differs between SGLang lines (installed.py):
+# the tree (radix_tree.py for 0.5.12's HiRadixCache, unified_tree.py for 0.5.23's
+# UnifiedRadixCache) and the pools where they differ (pools.py / unified_pools.py).
+# Both modules of a pair define the same names with the same contracts.
+if is_unified_line():
+    from sglang_kv_migration.sglang_adapter.unified_pools import (
+        alloc_host_slots,
+        copy_device_to_host,
+        host_evictable_size,
+        host_headroom_tokens,
+        host_pool,
+        host_pool_shape,
+        pending_device_write_streams,
+        take_host_slots,
+    )
+    from sglang_kv_migration.sglang_adapter.unified_tree import (
+        cache_generation,
+        cache_unsupported,
+        host_pages_ready,
+        insert_device_pages,
+        insert_host_pages,
+        is_hiradix_cache,
+        key_parts,
+        lock_node,
+        make_key,
+        match_device_prefix,
+        match_held_prefix,
+        match_tiered_prefix,
+        needs_page_hashes,
+        path_from_root,
+        pin_host_pages,
+        protect_host_nodes,
+        release_host_nodes,
+        unlock_node,
+        unpin_host_pages,
+        write_back_path,
+    )
+else:
+    from sglang_kv_migration.sglang_adapter.pools import (
+        alloc_host_slots,
+        host_evictable_size,
+        host_headroom_tokens,
+        host_pool,
+        host_pool_shape,
+        pending_device_write_streams,
+        take_host_slots,
+    )
+    from sglang_kv_migration.sglang_adapter.radix_tree import (
+        cache_generation,
+        cache_unsupported,
+        host_pages_ready,
+        insert_device_pages,
+        insert_host_pages,
+        is_hiradix_cache,
+        key_parts,
+        lock_node,
+        make_key,
+        match_device_prefix,
+        match_held_prefix,
+        match_tiered_prefix,
+        needs_page_hashes,
+        path_from_root,
+        pin_host_pages,
+        protect_host_nodes,
+        release_host_nodes,
+        unlock_node,
+        unpin_host_pages,
+        write_back_path,
+    )
+    from sglang_kv_migration.sglang_adapter.running_requests import copy_device_to_host
+
 __all__ = [
+    "NodeLock",
+    "SUPPORTED_LINES",
+    "cache_unsupported",
+    "device_path_missing",
+    "server_args_refusal",
+    "is_unified_line",
+    "lock_node",
+    "sglang_line",
+    "sglang_version",
+    "unlock_node",
     "DEVICE_TIER",
     "DevicePrefix",
     "HOST_TIER",

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import pkgutil
 
-SGLANG_VERSION = "0.5.12"
+from sglang_kv_migration.sglang_adapter.installed import (
+    SUPPORTED_LINES,
+    UNIFIED_LINE,
+    is_unified_line,
+)
+
+SGLANG_VERSION = " or ".join(SUPPORTED_LINES)  # what start-up names when a hook is missing
 
 SERVER_ARGS_CLASS = "sglang.srt.server_args.ServerArgs"
 SCHEDULER_INIT_DISPATCHER = "sglang.srt.managers.scheduler.Scheduler.init_request_dispatcher"
@@ -64,7 +70,76 @@ SERVER_RUNTIME_TARGETS: frozenset[str] = frozenset(
     )
 )
 
-REQUIRED_SYMBOLS: tuple[str, ...] = (
+# Hook targets the 0.5.23 line lacks; what hooks them is refused there at start
+# (`installed.device_path_missing`, `installed.server_args_refusal`).
+ABSENT_ON_UNIFIED_LINE: frozenset[str] = frozenset(
+    {SCHEDULER_SESSION_HELD_TOKENS, SCHEDULER_RELEASE_MEMORY, SCHEDULER_RESUME_MEMORY}
+)
+
+# Symbols both lines have.
+_COMMON_SYMBOLS: tuple[str, ...] = (
+    "sglang.srt.plugins.hook_registry.HookRegistry",
+    "sglang.srt.managers.io_struct.BaseReq",
+    "sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE",
+    "sglang.srt.managers.communicator.FanOutCommunicator",
+    "sglang.srt.managers.scheduler.Scheduler.is_fully_idle",
+    "sglang.srt.utils.network.get_zmq_socket",
+    "sglang.utils.TypeBasedDispatcher",
+    "sglang.srt.entrypoints.http_server.app",
+    "sglang.srt.entrypoints.http_server.get_global_state",
+    "sglang.srt.utils.auth.auth_level",
+    "sglang.srt.utils.auth.AuthLevel",
+    "sglang.srt.mem_cache.base_prefix_cache.MatchPrefixParams",
+    "sglang.srt.mem_cache.base_prefix_cache.InsertParams",
+    "sglang.srt.mem_cache.base_prefix_cache.EvictParams",
+    "sglang.srt.mem_cache.radix_cache.RadixKey",
+    "sglang.srt.mem_cache.allocator.TokenToKVPoolAllocator.alloc",
+    "sglang.srt.mem_cache.allocator.PagedTokenToKVPoolAllocator.alloc",
+    "sglang.srt.mem_cache.allocator.BaseTokenToKVPoolAllocator.free",
+    "sglang.srt.mem_cache.allocator.BaseTokenToKVPoolAllocator.available_size",
+    "sglang.srt.mem_cache.allocator.BaseTokenToKVPoolAllocator.get_kvcache",
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",
+    "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool",
+)
+
+# What `unified_tree.py` and `unified_pools.py` call on 0.5.23.
+_UNIFIED_SYMBOLS: tuple[str, ...] = (
+    "sglang.srt.managers.scheduler_components.output_sender.SenderWrapper.send_output",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.match_prefix",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.insert",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.lock",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.unlock",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.inc_host_lock_ref",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.dec_host_lock_ref",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.backup_node_for_write_back",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.flush_pending_backups",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.writing_check",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.evict_host",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.evict",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.evictable_size",
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.root_node_handle",
+    # Private: how SGLang applies a tree core walk's actions after a host insert.
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache._apply_cache_actions",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core_interface."
+    "UnifiedTreeCoreInterface.insert_host",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core_interface."
+    "UnifiedTreeCoreInterface.collect_path_info",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core_interface."
+    "UnifiedTreeCoreInterface.collect_full_device_indices",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core_interface."
+    "UnifiedTreeCoreInterface.build_storage_backup_spec",
+    "sglang.srt.mem_cache.unified_cache.unified_tree_core_interface."
+    "UnifiedTreeCoreInterface.is_backuped",
+    "sglang.srt.mem_cache.pool_host.HostPoolGroup",
+    "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost",
+    "sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost",
+    "sglang.srt.mem_cache.pool_host.base.HostKVCache.alloc",
+    "sglang.srt.mem_cache.pool_host.base.HostKVCache.free",
+    "sglang.srt.mem_cache.pool_host.base.HostKVCache.available_size",
+)
+
+# What `radix_tree.py` and `pools.py` call on 0.5.12.
+REQUIRED_SYMBOLS_0_5_12: tuple[str, ...] = (
     "sglang.srt.plugins.hook_registry.HookRegistry",
     "sglang.srt.managers.io_struct.BaseReq",
     "sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE",
@@ -115,6 +190,20 @@ REQUIRED_SYMBOLS: tuple[str, ...] = (
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.free",
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.available_size",
 )
+
+
+def hook_targets(line: str | None = None) -> tuple[str, ...]:
+    """The hook targets of an SGLang line (default: the installed one)."""
+    unified = is_unified_line() if line is None else line == UNIFIED_LINE
+    if unified:
+        return tuple(t for t in HOOK_TARGETS if t not in ABSENT_ON_UNIFIED_LINE)
+    return HOOK_TARGETS
+
+
+def required_symbols(line: str | None = None) -> tuple[str, ...]:
+    """The upstream symbols an SGLang line must have (default: the installed one)."""
+    unified = is_unified_line() if line is None else line == UNIFIED_LINE
+    return (*_COMMON_SYMBOLS, *(_UNIFIED_SYMBOLS if unified else REQUIRED_SYMBOLS_0_5_12))
 
 
 def resolve(dotted: str) -> object:

@@ -82,6 +82,9 @@ def device_path_unavailable_reason(
     memory saver on, as a landing-arena target of `landing_bytes`: `landing.py`)."""
     import torch
 
+    missing = sglang_adapter.device_path_missing()
+    if missing is not None:
+        return missing
     if not torch.cuda.is_available():
         return "CUDA is not available in this process"
     if enable_memory_saver and not landing_bytes:
@@ -934,26 +937,28 @@ class TierPin:
     """What a send holds until its copy's event: a lock on the deepest device node
     (and so its ancestors) and host protection on the host-only nodes it reads."""
 
-    def __init__(self, cache: HiRadixCache, device_node: TreeNode, host_nodes: list[TreeNode]):
+    def __init__(
+        self, cache: HiRadixCache, device_lock: sglang_adapter.NodeLock, host_protection: list
+    ):
         self._cache = cache
-        self._device_node: TreeNode | None = device_node
-        self._host_nodes = host_nodes
+        self._device_lock: sglang_adapter.NodeLock | None = device_lock
+        self._host_protection = host_protection
 
     @classmethod
     def take(cls, cache: HiRadixCache, prefix: sglang_adapter.TieredPrefix) -> TierPin:
         # IMPORTANT: lock only the device part: `inc_lock_ref` on an evicted node would
         # count its tokens out of the device pool's evictable size.
-        cache.inc_lock_ref(prefix.last_device_node)
-        sglang_adapter.protect_host_nodes(prefix.host_nodes)
-        return cls(cache, prefix.last_device_node, list(prefix.host_nodes))
+        device_lock = sglang_adapter.lock_node(cache, prefix.last_device_node)
+        host_protection = sglang_adapter.protect_host_nodes(cache, prefix.host_nodes)
+        return cls(cache, device_lock, host_protection)
 
     def release(self) -> None:
         """Idempotent."""
-        if self._device_node is not None:
-            self._cache.dec_lock_ref(self._device_node)
-            self._device_node = None
-        sglang_adapter.release_host_nodes(self._host_nodes)
-        self._host_nodes = []
+        if self._device_lock is not None:
+            sglang_adapter.unlock_node(self._cache, self._device_lock)
+            self._device_lock = None
+        sglang_adapter.release_host_nodes(self._cache, self._host_protection)
+        self._host_protection = []
 
 
 def _timed_event() -> Any:
