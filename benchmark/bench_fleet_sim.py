@@ -6,6 +6,7 @@
                                                        # a verl-pattern record: exit 1 if an
                                                        # arm's makespan is off by > 15%
     python3 benchmark/bench_fleet_sim.py sweep --servers 8 64 --contexts 8192
+    python3 benchmark/bench_fleet_sim.py sweep --router prefill_seconds_per_token=3e-5
     python3 benchmark/bench_fleet_sim.py all --write   # all of it: docs/sim/fleet_sim.json
                                                        # and docs/fleet-sim.png (matplotlib)
 
@@ -217,10 +218,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="verl's arm: KVMigrationLoadBalancer with re-pinning off (as "
         "bench_verl_pattern does without verl) instead of verl's own class",
     )
+    p.add_argument(
+        "--router",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="sweep: router YAML keys for KVMigrationLoadBalancer beyond the "
+        "benchmark's arms, e.g. prefill_seconds_per_token=3e-5 (values read as JSON)",
+    )
     p.add_argument("--write", action="store_true", help="all: write the record and the plot")
     args = p.parse_args(argv)
     if args.what == "compare" and args.record is None:
         p.error("compare needs a bench_verl_pattern.json")
+    try:
+        args.router = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.router)}
+    except ValueError as e:
+        p.error(f"--router takes KEY=VALUE with a JSON value: {e}")
     return args
 
 

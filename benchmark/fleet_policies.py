@@ -152,7 +152,9 @@ class BalancerPlacement:
             self.balancer = KVMigrationLoadBalancer(handles, {"repin_margin": 10**9})
         else:
             self.balancer = bench_verl_pattern.make_balancer(policy, handles, args)
-        router = config.get("router") or {}
+        router = dict(config.get("router") or {})
+        if policy == arms.REPREFILL:
+            router.pop("cost_margin", None)  # what makes the arm re-prefill stays
         if router and isinstance(self.balancer, KVMigrationLoadBalancer):
             # Router YAML keys beyond the benchmark's arms (e.g. cost_margin): the same
             # balancer, its config with them.

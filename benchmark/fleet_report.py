@@ -99,36 +99,70 @@ def verl_block(record: Mapping[str, Any]) -> str:
     return _table(head, rows)
 
 
+def _ratio(row: Mapping[str, Any], policy: str) -> float:
+    pol = row["policies"]
+    return pol[policy]["makespan_s"] / pol["bound"]["makespan_s"]
+
+
 def sweep_block(record: Mapping[str, Any]) -> str:
-    """Per fleet size, context and skew: each policy's makespan over the bound."""
+    """Per context and skew: each policy's makespan over the bound at every fleet size,
+    then what the whole sweep says."""
+    rows_in = record["sweep"]["rows"]
+    sizes = sorted({r["servers"] for r in rows_in})
+    cells: dict[tuple[int, float], dict[int, Mapping[str, Any]]] = {}
+    for r in rows_in:
+        cells.setdefault((r["context"], r["hot_load"]), {})[r["servers"]] = r
     rows = []
-    for r in record["sweep"]["rows"]:
-        pol = r["policies"]
-        bound = pol["bound"]["makespan_s"]
-        cells = [f"{pol[p]['makespan_s'] / bound:.2f}" for p in POLICY_NAMES if p != "bound"]
-        mig = pol["repin_migrate"]
-        moves = ", ".join(f"{k} {v}" for k, v in mig["moves"].items()) or "—"
-        rows.append(
-            [
-                str(r["servers"]),
-                f"{r['sessions']:,}",
-                f"{r['context'] // 1024}K",
-                f"{r['hot_load']:.0f}×",
-                f"{bound:.1f}",
-                *cells,
-                moves,
-            ]
+    for (context, load), by_size in sorted(cells.items()):
+        largest = by_size[max(by_size)]
+        ratios = [
+            " / ".join(f"{_ratio(by_size[n], p):.2f}" for n in sizes if n in by_size)
+            for p in POLICY_NAMES
+            if p != "bound"
+        ]
+        moves = ", ".join(
+            f"{k} {v:,}" for k, v in largest["policies"]["repin_migrate"]["moves"].items()
         )
+        bound = largest["policies"]["bound"]["makespan_s"]
+        rows.append([f"{context // 1024}K", f"{load:g}×", f"{bound:.1f}", *ratios, moves or "—"])
+    per = " / ".join(str(n) for n in sizes)
     head = [
-        "servers",
-        "sessions",
         "context",
         "hot quarter's load",
-        "bound s",
-        *(f"{POLICY_NAMES[p]} / bound" for p in POLICY_NAMES if p != "bound"),
-        "migrate arm's re-pins",
+        f"bound s ({sizes[-1]} servers)",
+        *(f"{POLICY_NAMES[p]} / bound ({per} servers)" for p in POLICY_NAMES if p != "bound"),
+        f"migrate arm's re-pins ({sizes[-1]} servers)",
     ]
-    return _table(head, rows)
+    return _table(head, rows) + "\n\n" + "\n".join(sweep_headline(rows_in))
+
+
+def sweep_headline(rows: list[Mapping[str, Any]]) -> list[str]:
+    """What the sweep says, computed: each policy's range over the bound, and in how many
+    skewed cells migration beats re-prefill and verl's sticky placement."""
+    skewed = [r for r in rows if r["hot_load"] > 1]
+    balanced = [r for r in rows if r["hot_load"] <= 1]
+    lines = []
+    for policy in ("repin_migrate", "repin_reprefill", "default"):
+        vals = [_ratio(r, policy) for r in skewed]
+        lines.append(
+            f"- {POLICY_NAMES[policy]}, skewed cells: {min(vals):.2f}–{max(vals):.2f}× the bound"
+        )
+    mig = lambda r: r["policies"]["repin_migrate"]["makespan_s"]  # noqa: E731
+    beats_re = sum(mig(r) < r["policies"]["repin_reprefill"]["makespan_s"] for r in skewed)
+    beats_verl = sum(mig(r) < r["policies"]["default"]["makespan_s"] for r in skewed)
+    lines.append(
+        f"- re-pin with migration is faster than re-pin with re-prefill in {beats_re} "
+        f"of {len(skewed)} skewed cells, and than verl's sticky placement in "
+        f"{beats_verl} of {len(skewed)}"
+    )
+    if balanced:
+        moved = sum(sum(r["policies"]["repin_migrate"]["moves"].values()) for r in balanced)
+        worst = max(_ratio(r, "repin_migrate") for r in balanced)
+        lines.append(
+            f"- without skew: {moved:,} re-pins over {len(balanced)} cells, the "
+            f"migrate arm at most {worst:.2f}× the bound"
+        )
+    return lines
 
 
 def plot(record: Mapping[str, Any], path: Path = PLOT) -> bool:

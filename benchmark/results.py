@@ -8,7 +8,9 @@ smallest and the largest, and how many repeats there were.
 
 The page holds each block between `<!-- results:NAME -->` and `<!-- /results:NAME -->`;
 everything else on the page is written by hand. After a new GPU run, copy its records
-under `docs/gpu-runs/<date>/`, point `RUNS` at them and run `--write`.
+under `docs/gpu-runs/<date>/`, point `RUNS` at them and run `--write`. The `fleet-sim-*`
+blocks come from the fleet simulation's record (`docs/sim/fleet_sim.json`, written by
+`bench_fleet_sim.py all --write`, whose costs are read from the records `RUNS` names).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+import fleet_report
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = ROOT / "docs" / "gpu-runs"
@@ -329,6 +333,9 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "scenes": block_scenes,
     "live": block_live,
     "busy": block_busy,
+    "fleet-sim-validation": lambda: fleet_report.validation_block(fleet_report.load()),
+    "fleet-sim-verl": lambda: fleet_report.verl_block(fleet_report.load()),
+    "fleet-sim-sweep": lambda: fleet_report.sweep_block(fleet_report.load()),
 }
 
 
