@@ -202,7 +202,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hot-loads",
         type=float,
         nargs="+",
-        default=[1.0, 2.0, 4.0],
+        default=[1.0, 1.5, 2.0, 4.0],
         help="load of the hot quarter over the mean (1: balanced)",
     )
     p.add_argument("--sessions-per-server", type=int, default=32)
