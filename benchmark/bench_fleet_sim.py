@@ -132,9 +132,9 @@ def sweep(args: argparse.Namespace, costs: Any) -> dict[str, Any]:
                     seed=args.seed,
                 )
                 started = time.monotonic()
+                config = {"verl": args.verl, "router": args.router}
                 policies = {
-                    p: run_rollout(spec, rollout, p, costs, {"verl": args.verl}).summary()
-                    for p in POLICIES
+                    p: run_rollout(spec, rollout, p, costs, config).summary() for p in POLICIES
                 }
                 rows.append(
                     {
@@ -168,6 +168,7 @@ def sweep(args: argparse.Namespace, costs: Any) -> dict[str, Any]:
             "mem_fraction_static",
             "seed",
             "verl",
+            "router",
         )
     }
     return {"params": params, "rows": rows}
