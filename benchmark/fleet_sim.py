@@ -33,7 +33,12 @@ What the model leaves out:
   context-switch cost, no contention for PCIe or host memory bandwidth between moves;
 - decode cost by batch only through the contexts it reads (`CostProfile.decode_work`):
   the per-request sampling and bookkeeping of large batches are in no record;
+- the KV pools' true sizes: `kv_capacity_tokens` applies SGLang's sizing rule without
+  what CUDA graphs and activations take; the `Rebalancer` scenes price moves with a
+  fixed cost model instead of one refreshed from the servers' `/metrics`;
 - failures, timeouts, weight updates, verl's Ray RPC latency.
+The bound is a reference run, not a proof: another policy's timing can land a few percent
+under it.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fleet_costs import CROSS_HOST, GPU, HOST, CostProfile, kv_capacity_tokens
@@ -333,17 +338,3 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 def _stat(fleet: Fleet, before: dict[str, dict[str, int]], key: str) -> int:
     return sum(s.stats[key] - before[n][key] for n, s in fleet.servers.items())
-
-
-def compare_policies(
-    spec: FleetSpec,
-    rollout: Rollout,
-    costs: CostProfile,
-    policies: tuple[str, ...],
-    balancer_config: dict[str, Any] | None = None,
-) -> dict[str, RolloutResult]:
-    return {p: run_rollout(spec, rollout, p, costs, balancer_config) for p in policies}
-
-
-def with_seed(rollout: Rollout, seed: int) -> Rollout:
-    return replace(rollout, seed=seed)
