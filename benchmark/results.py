@@ -11,7 +11,9 @@ The page holds each block between `<!-- results:NAME -->` and `<!-- /results:NAM
 everything else on the page is written by hand. After a new GPU run, copy its records
 under `docs/gpu-runs/<date>/`, point `RUNS` at them and run `--write`. The blocks of
 `results_adoption.py` (flag cost, verl's pattern at scale, the RL scene per variant)
-name their records in its own `RUNS` and join the page once they have one.
+name their records in its own `RUNS` and join the page once they have one. The `fleet-sim-*`
+blocks come from the fleet simulation's record (`docs/sim/fleet_sim.json`, written by
+`bench_fleet_sim.py all --write`, whose costs are read from the records `RUNS` names).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import fleet_report
 import results_adoption
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -334,6 +337,9 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "scenes": block_scenes,
     "live": block_live,
     "busy": block_busy,
+    "fleet-sim-validation": lambda: fleet_report.validation_block(fleet_report.load()),
+    "fleet-sim-verl": lambda: fleet_report.verl_block(fleet_report.load()),
+    "fleet-sim-sweep": lambda: fleet_report.sweep_block(fleet_report.load()),
 }
 BLOCKS |= results_adoption.ready_blocks(RUNS_DIR)
 
