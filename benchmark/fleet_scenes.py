@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 from collections import Counter
 from collections.abc import Callable
@@ -282,15 +283,32 @@ def _flag(flags: list[str], name: str) -> float:
     return float(flags[flags.index(name) + 1])
 
 
+def recorded_host_ratios(
+    config: dict[str, Any], args: argparse.Namespace, scene: Any
+) -> list[float]:
+    """A's and B's `--hicache-ratio` as the run started them: from the flags a record
+    keeps, else by the rule the benchmark used before it kept them (A's tier holds every
+    conversation and the low decodes; B's half of it, or `--b-hicache-ratio`)."""
+    flags = config.get("server_flags")
+    if flags:
+        return [_flag(flags[name], "--hicache-ratio") for name in ("A", "B")]
+    per_conv = scene.context + scene.history_gen + scene.observation + scene.high_gen
+    needed = scene.conversations * per_conv + scene.low_count * (scene.low_prompt + scene.low_gen)
+    ratio_a = max(2.0, math.ceil(needed / args.max_total_tokens) + 0.5)
+    ratio_b = config.get("b_hicache_ratio") or max(2.0, ratio_a / 2)
+    return [ratio_a, ratio_b]
+
+
 def simulate_rl_scene(record: dict[str, Any], mode: str, costs: CostProfile) -> dict[str, Any]:
     """One mode of `bench_rl_scene.py`'s scene as the record ran it (see its docstring)."""
     import bench_rl_scene
 
     args = rl_scene_args(record["config"])
-    scene = bench_rl_scene.Scene(**record["scene"])
-    ratios = [
-        _flag(bench_rl_scene.server_flags(args, scene, b), "--hicache-ratio") for b in (False, True)
-    ]
+    # Records from before the full-target variant have no `b_prompt`: B's low requests
+    # then had a quarter of A's low prompt, as the benchmark still sizes the room variant.
+    fields = {"b_prompt": record["scene"]["low_prompt"] // 4, **record["scene"]}
+    scene = bench_rl_scene.Scene(**fields)
+    ratios = recorded_host_ratios(record["config"], args, scene)
     hosts = tuple(int(r * args.max_total_tokens) for r in ratios)
     spec = FleetSpec(
         servers=2,
