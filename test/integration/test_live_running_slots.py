@@ -112,6 +112,12 @@ def test_rounds_copy_generated_pages_while_decoding(servers: ServerPair) -> None
     total = len(prompt) + len(first.output_ids) - 1
     assert total // PAGE * PAGE - rounds[-1].held_tokens <= 3 * PAGE
     assert resumed.cached_tokens == total // PAGE * PAGE
+    # The move's moments, by the wall clock, in the order they happen.
+    at = move.moments
+    assert at["last_copy_done"] <= at["stop_sent"] <= at["stop_returned"]
+    assert at["last_source_token"] <= at["stop_returned"] <= at["resume_sent"]
+    assert at["resume_sent"] < at["first_token"]
+    assert at["first_token"] - at["last_source_token"] == pytest.approx(move.stall_s, abs=1e-3)
 
 
 def test_pages_copied_from_running_slots_are_byte_exact(servers: ServerPair) -> None:
