@@ -46,6 +46,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -171,9 +172,7 @@ async def cached_resume(url: str, input_ids: list[int], n: int = 1) -> dict[str,
     first token, SGLang's timestamps, and the times of its `n` tokens."""
     rid = new_rid()
     body = {"input_ids": input_ids, "sampling_params": greedy(n), "rid": rid, "stream": True}
-    times: list[float] = []
-    progress = PieceProgress()
-    progress.saw = _timing(progress.saw, times)  # type: ignore[method-assign]
+    progress = TimedProgress()
     async with httpx.AsyncClient(timeout=600) as http:
         progress.sent_at = time.monotonic()
         async with http.stream(
@@ -189,18 +188,20 @@ async def cached_resume(url: str, input_ids: list[int], n: int = 1) -> dict[str,
         "ttft_s": first - progress.sent_at if first is not None else None,
         "meta": report.meta_stamps(reply.get("meta_info") or {}),
         "cached_tokens": (reply.get("meta_info") or {}).get("cached_tokens"),
-        "token_times": times,
+        "token_times": progress.token_times,
     }
 
 
-def _timing(saw: Any, times: list[float]) -> Any:
-    """`PieceProgress.saw`, also noting the monotonic time of each new token."""
+@dataclass
+class TimedProgress(PieceProgress):
+    """`PieceProgress` that also notes the monotonic time of each new token."""
 
-    def noting(output_ids: list[int]) -> None:
-        times.extend([time.monotonic()] * max(0, len(output_ids) - len(times)))
-        saw(output_ids)
+    token_times: list[float] = field(default_factory=list)
 
-    return noting
+    def saw(self, output_ids: list[int]) -> None:
+        now = time.monotonic()
+        self.token_times.extend([now] * max(0, len(output_ids) - self.tokens))
+        super().saw(output_ids)
 
 
 def run_row(
@@ -322,6 +323,9 @@ def main(argv: list[str] | None = None) -> None:
     specs = [ServerSpec(30900, flags, cuda_graph=True), ServerSpec(31000, flags, cuda_graph=True)]
     if args.moments_dir:  # the servers inherit it: their processes record request moments
         os.environ[request_moments.ENV] = args.moments_dir
+        Path(args.moments_dir).mkdir(parents=True, exist_ok=True)
+        for old in Path(args.moments_dir).glob("moments-*.jsonl"):
+            old.unlink()  # an earlier run's, on a warm machine
     path = write(args, name, rows, errors)
     with running_servers(model_dir, specs, sequential=True) as urls:
         vocab = shape["vocab_size"]

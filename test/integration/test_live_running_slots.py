@@ -255,7 +255,7 @@ def test_a_request_that_finishes_during_the_copy_fails_the_transfer(servers: Ser
     assert wait_until(lambda: servers.target.ask(0, "pending") == 0, 10.0, interval_s=0.05)
 
 
-def test_bench_live_move_repeats_on_cpu(servers: ServerPair) -> None:
+def test_bench_live_move_repeats_on_cpu(servers: ServerPair, tmp_path) -> None:
     """`benchmark/bench_live_move.py`'s row on the mini servers (the GPU run is the
     lead's): staggered requests, each moved live from its own slots, each complete with
     the uninterrupted run's tokens, a stall and an abort latency recorded. The source
@@ -293,6 +293,14 @@ def test_bench_live_move_repeats_on_cpu(servers: ServerPair) -> None:
         assert base["rid"] not in (row["source_rid"], row["resumed_rid"])
         assert row["source_rid"] != row["resumed_rid"]
         assert row["moments"]["resume_sent"] < row["moments"]["first_token"]
+    # The breakdown's join: the migrator's clock says the stall's first phases; these
+    # mini servers run no SGLang scheduler, so the servers' phases are not said.
+    bench._add_breakdowns(repeats, tmp_path)
+    for row in repeats:
+        phases = row["phases"]
+        assert phases["tail_to_stop"] >= 0 and phases["to_resume"] >= 0
+        assert phases["resume.prefill"] is None and phases["stop.release"] is None
+        assert phases["baseline"]["resume.http_in"] is None
 
 
 def test_bench_ttft_split_times_calls_on_cpu(servers: ServerPair) -> None:
@@ -312,6 +320,10 @@ def test_bench_ttft_split_times_calls_on_cpu(servers: ServerPair) -> None:
         per_call = bench.timed_call(url, prompt, None)
         kept_call = bench.timed_call(url, prompt, kept)
     resumed = asyncio.run(bench.cached_resume(url, prompt + [5]))
+    streamed = asyncio.run(bench.cached_resume(url, prompt + [6], 5))
+    times = streamed["token_times"]  # one per token, in order: the decode steps' gaps
+    assert len(times) == 5 and times == sorted(times)
+    assert bench.report.decode_step_s(times) is not None
     for call in (per_call, kept_call, resumed):
         assert call["ttft_s"] > 0 and call["sent"] < call["first_token"]
     assert per_call["client_build_ms"] > 0  # the SSL context of a client made per call
