@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -68,6 +69,7 @@ from sglang_kv_migration.server.diag import request_moments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
+import gpu_servers  # noqa: E402
 import live_move_report as report  # noqa: E402
 from real_servers import (  # noqa: E402
     LLAMA3_8B,
@@ -75,7 +77,6 @@ from real_servers import (  # noqa: E402
     TINY_LLAMA,
     ServerSpec,
     flush_cache,
-    running_servers,
     write_model,
 )
 
@@ -261,10 +262,12 @@ def _add_breakdowns(repeats: list[dict[str, Any]], directory: Path) -> None:
 # --------------------------------------------------------------------------- main
 
 
-def write(args: argparse.Namespace, name: str, rows: list[dict], errors: dict) -> Path:
+def write(args: argparse.Namespace, run: dict[str, Any], rows: list[dict], errors: dict) -> Path:
+    """The record: the arguments, where it ran (`run`: shape, card, versions, commit,
+    the servers as started), every row so far and why any did not run."""
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     path = OUT_DIR / "bench_live_move.json"
-    config = {**vars(args), "shape": name}
+    config = {**vars(args), **run}
     path.write_text(json.dumps({"config": config, "rows": rows, "errors": errors}, indent=1))
     return path
 
@@ -285,7 +288,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--mode", choices=["auto", "migrate"], default="auto", help="the live move's mode")
     add("--max-rounds", type=int, default=6, help="rounds while decoding, at most")
     add("--page-size", type=int, default=16, help="--page-size of both servers")
-    add("--mem-fraction-static", type=float, default=0.4, help="per server (two on one GPU)")
     add("--row-timeout", type=float, default=240.0, help="seconds per row")
     add("--deadline-s", type=float, default=0.0, help="start no row after this (0: none)")
     add("--budget-s", type=float, default=0.0,
@@ -307,6 +309,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    card = gpu_servers.require_gpu("bench_live_move")
     started = time.monotonic()
     base, name = (TINY_LLAMA, "tiny") if args.quick else (LLAMA3_8B, "llama3-8b")
     context_len = max(args.contexts) + max(args.gens) + args.tail + 64
@@ -314,20 +317,27 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = write_model(shape, Path(f"/tmp/kvmig-{name}-live"))
     pool = report.pool_tokens(args.contexts, args.gens, args.repeats, args.tail, args.page_size)
     flags = [
-        "--page-size", str(args.page_size), "--mem-fraction-static", str(args.mem_fraction_static),
-        "--max-total-tokens", str(pool), "--context-length", str(context_len),
+        "--page-size", str(args.page_size), "--context-length", str(context_len),
         "--max-running-requests", str(max(8, args.repeats + 1)), "--enable-metrics",
     ]  # fmt: skip
     rows: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
-    specs = [ServerSpec(30900, flags, cuda_graph=True), ServerSpec(31000, flags, cuda_graph=True)]
+    # One after the other, each sized from the memory then free (`gpu_servers.py`): a
+    # fixed --mem-fraction-static leaves the second server of an 80 GB card too small.
+    specs = {
+        "source": ServerSpec(30900, flags, cuda_graph=True),
+        "target": ServerSpec(31000, flags, cuda_graph=True),
+    }
     if args.moments_dir:  # the servers inherit it: their processes record request moments
         os.environ[request_moments.ENV] = args.moments_dir
         Path(args.moments_dir).mkdir(parents=True, exist_ok=True)
         for old in Path(args.moments_dir).glob("moments-*.jsonl"):
             old.unlink()  # an earlier run's, on a warm machine
-    path = write(args, name, rows, errors)
-    with running_servers(model_dir, specs, sequential=True) as urls:
+    run = {"shape": name, "kv_tokens": pool, **gpu_servers.run_info(card)}
+    path = write(args, run, rows, errors)
+    with gpu_servers.sized_servers(model_dir, specs, shape, pool) as servers:
+        urls = [server.url for server in servers]
+        run["servers"] = [dataclasses.asdict(server) for server in servers]
         vocab = shape["vocab_size"]
         # Untimed: the first move opens the peer's KV buffers (CUDA IPC) and compiles
         # the kernels the rounds and the resume use.
@@ -351,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as e:  # report it and go on: the other rows still count
                 errors[key] = f"{type(e).__name__}: {e}"
                 print(f"{key}: {errors[key]}", flush=True)
-            path = write(args, name, rows, errors)
+            path = write(args, run, rows, errors)
     print(report.markdown(rows))
     broken_down = [row for row in rows if row["phases"]]
     if broken_down:

@@ -55,6 +55,7 @@ from sglang_kv_migration.server.diag import request_moments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
+import gpu_servers  # noqa: E402
 import live_move_report as report  # noqa: E402
 from bench_live_move import cached_resume  # noqa: E402
 from real_servers import (  # noqa: E402
@@ -203,6 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    card = gpu_servers.require_gpu("bench_ttft_split")
     started = time.monotonic()
     context = max(40960, max(args.lengths) + 64)
     shape = {**LLAMA3_8B, "max_position_embeddings": context}
@@ -214,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     for old in moments_dir.glob("moments-*.jsonl"):
         old.unlink()
     os.environ[request_moments.ENV] = str(moments_dir)
-    record: dict[str, Any] = {"config": {**vars(args), "flags": flags}, "servers": {}}
+    config = {**vars(args), "flags": flags, **gpu_servers.run_info(card)}
+    record: dict[str, Any] = {"config": config, "servers": {}}
     errors: dict[str, str] = {}
     last_s = 0.0
     for i, name in enumerate(args.servers):
