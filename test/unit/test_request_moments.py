@@ -181,3 +181,13 @@ def test_the_plugin_hooks_the_moments_only_when_asked(tmp_path: Path, on: bool) 
     line = proc.stdout.strip().splitlines()[-1]
     expected = [1] * 6 if on else [0] * 6
     assert line == f"COUNTS {expected} MISSING []", line
+
+
+def test_the_moments_are_hooked_on_the_0_5_12_line_only() -> None:
+    """What they read (`request_facts.py`) is 0.5.12's requests and batches."""
+    from sglang_kv_migration.sglang_adapter import hook_targets as upstream
+    from sglang_kv_migration.sglang_adapter.installed import HIRADIX_LINE, UNIFIED_LINE
+
+    assert upstream.moment_hook_targets(HIRADIX_LINE) == upstream.MOMENT_HOOK_TARGETS
+    assert upstream.moment_hook_targets(UNIFIED_LINE) == ()
+    assert len(set(upstream.MOMENT_HOOK_TARGETS)) == len(moments.hook_table()) == 6
