@@ -294,13 +294,16 @@ case $call in
   ;;
 35)
   # The live move from the running request's own slots (feature running_slots), CUDA
-  # graphs on: 4K / 16K / 32K context x 1K / 8K tokens generated before the move, three
-  # staggered requests a row (medians with range); per row the stall, the abort latency
-  # and the target's decode step. Targets: stall <= 40 ms and <= abort + 10 ms + one
-  # target decode step. Shortest rows first, the file rewritten after each; no row
-  # starts after 450 s, so the last (32K x 8K, ~80 s) ends inside the call.
-  exec bash scripts/gpu_jobs.sh 560 \
-    "0:live:python3 benchmark/bench_live_move.py --deadline-s 450"
+  # graphs on: 4K / 16K / 32K context x 1K tokens generated before the move, then 8K
+  # where the call's time allows (a row starts only when the 1K row at its context
+  # predicts it ends 30 s before KVMIG_BUDGET_S), three staggered requests a row.
+  # Per move the stall taken apart (the servers' request moments, SGLang's meta_info
+  # timestamps and the migrator's moments on one clock: the stop's and the resume's
+  # phases) beside SGLang's own cached resume of the same request on the same target,
+  # and the target's decode step. Targets: stall <= that resume + 10 ms + one target
+  # decode step; at 4K, <= 40 ms. Shortest rows first, the file rewritten after each.
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:live:python3 benchmark/bench_live_move.py --budget-s $((budget - 30)) --moments-dir /tmp/kvmig-live-moments"
   ;;
 36)
   # verl's pattern at its first size: 16 sticky sessions x 4 turns of 8K histories, 12
@@ -384,8 +387,19 @@ rl4k-*|rl8k-*|rl16k-*)
     "+0:reqmig16:sleep 20; KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py" \
     "+0:host1:sleep 40; KVMIG_PAGE_SIZE=1 $T test/gpu/test_gpu_migration.py"
   ;;
+ttftsplit)
+  # Where a fresh 17-token prompt's time to first token goes (the move-latency rows'
+  # ~66 ms re-prefill): HiCache + --enable-kv-migration (eager, as those rows), stock
+  # SGLang without HiCache, + HiCache, then the first with CUDA graphs, one server at a
+  # time alone on the GPU, eight repeats of each request kind (a client per call as those
+  # rows timed it, a kept client, after a flush, streamed; SGLang's own cached resume at
+  # 4K / 16K / 32K), each taken apart by SGLang's meta_info timestamps and the request
+  # moments. No server starts that the one before predicts to end past the deadline.
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:ttft:python3 benchmark/bench_ttft_split.py --budget-s $deadline"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|38|flagcost|flagcost-twin|verl64[-rN]|rl<4|8|16>k-<room|full|both>-rN" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|38|flagcost|flagcost-twin|verl64[-rN]|rl<4|8|16>k-<room|full|both>-rN|ttftsplit" >&2
   exit 2
   ;;
 esac

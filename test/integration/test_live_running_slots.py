@@ -112,6 +112,12 @@ def test_rounds_copy_generated_pages_while_decoding(servers: ServerPair) -> None
     total = len(prompt) + len(first.output_ids) - 1
     assert total // PAGE * PAGE - rounds[-1].held_tokens <= 3 * PAGE
     assert resumed.cached_tokens == total // PAGE * PAGE
+    # The move's moments, by the wall clock, in the order they happen.
+    at = move.moments
+    assert at["last_copy_done"] <= at["stop_sent"] <= at["stop_returned"]
+    assert at["last_source_token"] <= at["stop_returned"] <= at["resume_sent"]
+    assert at["resume_sent"] < at["first_token"]
+    assert at["first_token"] - at["last_source_token"] == pytest.approx(move.stall_s, abs=1e-3)
 
 
 def test_pages_copied_from_running_slots_are_byte_exact(servers: ServerPair) -> None:
@@ -249,10 +255,12 @@ def test_a_request_that_finishes_during_the_copy_fails_the_transfer(servers: Ser
     assert wait_until(lambda: servers.target.ask(0, "pending") == 0, 10.0, interval_s=0.05)
 
 
-def test_bench_live_move_repeats_on_cpu(servers: ServerPair) -> None:
+def test_bench_live_move_repeats_on_cpu(servers: ServerPair, tmp_path) -> None:
     """`benchmark/bench_live_move.py`'s row on the mini servers (the GPU run is the
     lead's): staggered requests, each moved live from its own slots, each complete with
-    the uninterrupted run's tokens, a stall and an abort latency recorded."""
+    the uninterrupted run's tokens, a stall and an abort latency recorded. The source
+    holds each request at the length the row moves it at (a gate, not the clock: on a
+    loaded machine a request would otherwise finish before its move began)."""
     import argparse
     import asyncio
     import sys
@@ -264,11 +272,65 @@ def test_bench_live_move_repeats_on_cpu(servers: ServerPair) -> None:
     # Mode "migrate": the default cost model would price these few pages for recompute.
     args = argparse.Namespace(tail=8, stagger=4, row_timeout=60.0, max_rounds=6, mode="migrate")
     prompts = [list(range(7000 + 100 * i, 7000 + 100 * i + 2 * PAGE + 5)) for i in range(2)]
-    repeats = asyncio.run(
-        bench.run_repeats(servers.source.url, servers.target.url, prompts, 40, args)
-    )
+    assert _post(servers.source, "/standin/hold", {"at": 40}).status_code == 200
+    try:
+        repeats = asyncio.run(
+            bench.run_repeats(servers.source.url, servers.target.url, prompts, 40, args)
+        )
+    finally:
+        assert _post(servers.source, "/standin/hold", {"at": None}).status_code == 200
     for prompt, row in zip(prompts, repeats, strict=True):
         assert row["outcome"] == "migrated" and row["complete"], row
         assert row["output_ids"] == expected_output(prompt, 48)
         assert row["rounds"] and row["rounds"][0]["held"] > len(prompt) // PAGE * PAGE
         assert row["stall_s"] > 0 and row["abort_s"] > 0
+        # SGLang's own resume of the same request on the target, beside the move: the
+        # target holds its whole pages, and it was sent and read as the resume was.
+        base = row["baseline"]
+        assert row["baseline_s"] == base["ttft_s"] > 0
+        resumed_len = len(prompt) + row["generated_before_move"]
+        assert base["cached_tokens"] >= (resumed_len - 1) // PAGE * PAGE > len(prompt)
+        assert base["rid"] not in (row["source_rid"], row["resumed_rid"])
+        assert row["source_rid"] != row["resumed_rid"]
+        assert row["moments"]["resume_sent"] < row["moments"]["first_token"]
+    # The breakdown's join: the migrator's clock says the stall's first phases; these
+    # mini servers run no SGLang scheduler, so the servers' phases are not said.
+    bench._add_breakdowns(repeats, tmp_path)
+    for row in repeats:
+        phases = row["phases"]
+        assert phases["tail_to_stop"] >= 0 and phases["to_resume"] >= 0
+        assert phases["resume.prefill"] is None and phases["stop.release"] is None
+        assert phases["baseline"]["resume.http_in"] is None
+
+
+def test_bench_ttft_split_times_calls_on_cpu(servers: ServerPair) -> None:
+    """`benchmark/bench_ttft_split.py`'s calls on a mini server (the GPU run is the
+    lead's): a call through a client made for it, one through a kept client and a
+    streamed cached resume, each with its time to first token, then the summary."""
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+    import bench_ttft_split as bench
+
+    url = servers.target.url
+    prompt = list(range(8000, 8000 + 2 * PAGE + 1))
+    with httpx.Client(timeout=30) as kept:
+        per_call = bench.timed_call(url, prompt, None)
+        kept_call = bench.timed_call(url, prompt, kept)
+    resumed = asyncio.run(bench.cached_resume(url, prompt + [5]))
+    streamed = asyncio.run(bench.cached_resume(url, prompt + [6], 5))
+    times = streamed["token_times"]  # one per token, in order: the decode steps' gaps
+    assert len(times) == 5 and times == sorted(times)
+    assert bench.report.decode_step_s(times) is not None
+    for call in (per_call, kept_call, resumed):
+        assert call["ttft_s"] > 0 and call["sent"] < call["first_token"]
+    assert per_call["client_build_ms"] > 0  # the SSL context of a client made per call
+    # The prompt was served once: the kept client's call and the resume hit its pages.
+    assert kept_call["cached_tokens"] == resumed["cached_tokens"] == 2 * PAGE
+    rows = bench.summarize({"fresh17_call_client": [per_call], "cached_33": [resumed]}, None)
+    assert rows["fresh17_call_client"]["ttft"]["n"] == 1
+    assert rows["cached_33"]["phases"]["resume.prefill"]["n"] == 0  # no SGLang stamps here
+    table = bench.markdown("kvmig", rows)
+    assert "| fresh17_call_client |" in table and "| cached_33 |" in table

@@ -25,6 +25,10 @@ rely on, nothing more:
   *starts with* the given one; a queued request returns at once with no output ("Abort
   in waiting queue"), a running one after one more step, with its tokens so far; both
   with ``finish_reason.type == "abort"``.
+- `/standin/hold {"at": n}` (a test's gate, not SGLang's): from now on a running request
+  that has generated `n` tokens waits there, emitting nothing, until it is aborted (its
+  abort step then runs as usual) or `{"at": null}` releases every request; so a test can
+  move a request at the length it needs however slow the machine is.
 - `/v1/loads` and `/get_load`: SGLang's field names; ``num_total_tokens`` counts the
   tokens of running requests plus the prompts waiting, against ``capacity_tokens``.
 - `/metrics`: ``metrics_text`` as configured (for cost-model tests).
@@ -113,6 +117,7 @@ class GenerateStandin:
         self._last_step = 0.0
         self._lock = threading.Lock()
         self._load: dict[str, int] = {"running": 0, "waiting": 0, "used": 0, "total": 0}
+        self.hold_at: int | None = None  # `/standin/hold`: running requests wait at this
 
     # -- HTTP side (uvicorn thread) -------------------------------------------------------
 
@@ -136,6 +141,12 @@ class GenerateStandin:
         async def abort_request(request: Request) -> Any:
             self.inbox.put(("abort", (await request.json()).get("rid", "")))
             return PlainTextResponse("")
+
+        @app.post("/standin/hold", response_model=None)
+        async def hold(request: Request) -> Any:
+            at = (await request.json()).get("at")
+            self.inbox.put(("hold", None if at is None else int(at)))
+            return {"hold_at": at}
 
         @app.get("/v1/loads", response_model=None)
         async def loads() -> Any:
@@ -185,6 +196,8 @@ class GenerateStandin:
                 break
             if kind == "generate":
                 self._enqueue(*payload)
+            elif kind == "hold":
+                self.hold_at = payload
             else:
                 self._abort(payload)
         now = time.monotonic()
@@ -220,7 +233,8 @@ class GenerateStandin:
     def _step(self) -> None:
         # Running requests first (one token each), then admissions (prefill + first token).
         for req in list(self.running):
-            self._emit(req)
+            if not self.held(req):
+                self._emit(req)
         self.waiting.sort(key=lambda r: (-r.priority, r.order))
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting.pop(0)
@@ -229,6 +243,10 @@ class GenerateStandin:
             self._insert(req.input_ids)
             self.running.append(req)
             self._emit(req)
+
+    def held(self, req: _Req) -> bool:
+        """Whether `req` waits at the `/standin/hold` gate (an aborted one never does)."""
+        return self.hold_at is not None and len(req.output_ids) >= self.hold_at and not req.abort
 
     def _emit(self, req: _Req) -> None:
         token = next_token(req.input_ids + req.output_ids)

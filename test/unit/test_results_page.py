@@ -38,6 +38,34 @@ def test_spread_gives_the_median_and_the_range_and_says_when_there_is_one_value(
     assert results.verdict([48.2], 45.0, " GB/s", below=False) == "met"
 
 
+def test_the_live_block_reads_a_record_with_sglangs_own_resume(monkeypatch):
+    """A `bench_live_move.py` record with the baseline (SGLang's own cached resume)
+    renders its columns: the stall, the resume, what the move added, the bound, the cap
+    at 4K only, and the verdict against the tighter of the two."""
+
+    def repeat(stall: float, base: float) -> dict:
+        return {"complete": True, "stall_s": stall, "baseline_s": base}
+
+    rows = [
+        {"context": 4096, "generated": 1024, "decode_step_s": 0.0066,
+         "repeats": [repeat(0.030, 0.020), repeat(0.035, 0.024), repeat(0.032, 0.021)],
+         "baseline": {}, "checks": {"bound_s": 0.0376, "stall_cap_s": 0.040,
+                                    "added_s": 0.011}},
+        {"context": 32768, "generated": 1024, "decode_step_s": 0.0172,
+         "repeats": [repeat(0.120, 0.090), repeat(0.130, 0.095), repeat(0.125, 0.092)],
+         "baseline": {}, "checks": {"bound_s": 0.1192, "stall_cap_s": None,
+                                    "added_s": 0.033}},
+    ]  # fmt: skip
+    monkeypatch.setattr(results, "load", lambda name: {"rows": rows})
+    lines = results.block_live().splitlines()
+    assert lines[0].startswith("| context | generated | stall | SGLang's own cached resume |")
+    assert lines[2] == (
+        "| 4,096 | 1,024 | 32.0 ms (30.0–35.0, n=3) | 21.0 ms (20.0–24.0, n=3) | 11.0 ms "
+        "| 6.6 ms | 37.6 ms | 40 ms | met |"
+    )
+    assert lines[3].endswith("| 119.2 ms | — | **missed by 5.8 ms** |")
+
+
 # ------------------------------------------------- results_adoption.py's blocks
 
 import json  # noqa: E402

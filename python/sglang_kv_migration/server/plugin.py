@@ -22,7 +22,9 @@ Hooks (targets are named in `sglang_adapter/hook_targets.py`):
   the HTTP routes to SGLang's FastAPI app;
 - BEFORE `Engine._launch_subprocesses`: the same, in a process that imported SGLang's HTTP
   server but starts the engine without `launch_server` (verl serves SGLang's `app` with
-  its own uvicorn; `integrations/verl_plugin.py` loads the plugins there in time).
+  its own uvicorn; `integrations/verl_plugin.py` loads the plugins there in time);
+- only with `SGLANG_KV_MIGRATION_MOMENTS_DIR` set, AROUND the methods a request passes
+  through (`server/diag/request_moments.py`): a diagnosis record, flag or no flag.
 """
 
 from __future__ import annotations
@@ -161,7 +163,18 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
     # Targets the installed SGLang line lacks are left out; what needs them is refused
     # at start (sglang_adapter.installed).
     targets = set(upstream.hook_targets())
-    return [row for row in table if row[0] in targets]
+    return [row for row in table if row[0] in targets] + _moment_hooks()
+
+
+def _moment_hooks() -> list[tuple[str, object, HookType]]:
+    """The opt-in request moments' hooks, where asked for and the installed line has
+    their targets (`hook_targets.moment_hook_targets`)."""
+    from sglang_kv_migration.server.diag import request_moments
+
+    if not request_moments.enabled():
+        return []
+    targets = set(upstream.moment_hook_targets())
+    return [(t, h, HookType.AROUND) for t, h in request_moments.hook_table() if t in targets]
 
 
 def _wraps_hook(fn: object, hook: object) -> bool:

@@ -2,7 +2,8 @@
 (`radix_tree.py`), the KV pools and allocator (`pools.py`, with NSA's host pool groups
 in `pool_groups.py`), and the scheduler's,
 tokenizer manager's and HTTP server's attributes (`process.py`), the running requests'
-slots (`running_requests.py`); `hook_targets.py` names
+slots (`running_requests.py`), what the opt-in request moments read of requests and
+batches (`request_facts.py`); `hook_targets.py` names
 every upstream symbol the plugin hooks or relies on.
 
 Everything else in the package goes through these functions, imported from here
@@ -72,6 +73,14 @@ from sglang_kv_migration.sglang_adapter.radix_tree import (
     Segment,
     TieredPrefix,
     page_hashes,
+)
+from sglang_kv_migration.sglang_adapter.request_facts import (
+    AbortFacts,
+    BatchFacts,
+    abort_facts,
+    batch_facts,
+    generate_facts,
+    request_facts,
 )
 from sglang_kv_migration.sglang_adapter.running_requests import (
     RunningRequest,
@@ -161,6 +170,13 @@ __all__ = [
     "sglang_line",
     "sglang_version",
     "unlock_node",
+    # request_facts.py: what the opt-in request moments read
+    "AbortFacts",
+    "BatchFacts",
+    "abort_facts",
+    "batch_facts",
+    "generate_facts",
+    "request_facts",
     "DEVICE_TIER",
     "DevicePrefix",
     "HOST_TIER",

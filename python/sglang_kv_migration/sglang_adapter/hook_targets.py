@@ -60,13 +60,39 @@ HOOK_TARGETS: tuple[str, ...] = (
     SCHEDULER_RESUME_MEMORY,
 )
 
+# Opt-in diagnosis (`server/diag/request_moments.py`, hooked only with
+# SGLANG_KV_MIGRATION_MOMENTS_DIR set): the moments of a request through a server. Each
+# is a method SGLang calls through its instance (the dispatcher binds `abort_request` and
+# `handle_generate_request` when the scheduler is built, after the hooks are applied), and
+# `cache_finished_req` is `RadixCache`'s, which `HiRadixCache` inherits.
+TOKENIZER_ABORT_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request"
+SCHEDULER_ABORT_REQUEST = "sglang.srt.managers.scheduler.Scheduler.abort_request"
+SCHEDULER_HANDLE_GENERATE = "sglang.srt.managers.scheduler.Scheduler.handle_generate_request"
+SCHEDULER_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+SCHEDULER_PROCESS_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+RADIX_CACHE_FINISHED_REQ = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req"
+
+MOMENT_HOOK_TARGETS: tuple[str, ...] = (
+    TOKENIZER_ABORT_REQUEST,
+    SCHEDULER_ABORT_REQUEST,
+    SCHEDULER_HANDLE_GENERATE,
+    SCHEDULER_RUN_BATCH,
+    SCHEDULER_PROCESS_RESULT,
+    RADIX_CACHE_FINISHED_REQ,
+)
+
 # Targets in SGLang's scheduler, engine and HTTP server modules: they import only where
 # `sglang_adapter.server_runtime_missing()` finds nothing missing.
 SERVER_RUNTIME_TARGETS: frozenset[str] = frozenset(
     t
-    for t in HOOK_TARGETS
+    for t in HOOK_TARGETS + MOMENT_HOOK_TARGETS
     if t.startswith(
-        ("sglang.srt.managers.scheduler.", HTTP_LAUNCH_SERVER, ENGINE_LAUNCH_SUBPROCESSES)
+        (
+            "sglang.srt.managers.scheduler.",
+            "sglang.srt.managers.tokenizer_manager.",
+            HTTP_LAUNCH_SERVER,
+            ENGINE_LAUNCH_SUBPROCESSES,
+        )
     )
 )
 
@@ -190,6 +216,13 @@ REQUIRED_SYMBOLS_0_5_12: tuple[str, ...] = (
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.free",
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.available_size",
 )
+
+
+def moment_hook_targets(line: str | None = None) -> tuple[str, ...]:
+    """The opt-in request moments' targets on an SGLang line (default: the installed
+    one): 0.5.12's only (`request_facts.py` reads 0.5.12's requests and batches)."""
+    unified = is_unified_line() if line is None else line == UNIFIED_LINE
+    return () if unified else MOMENT_HOOK_TARGETS
 
 
 def hook_targets(line: str | None = None) -> tuple[str, ...]:
