@@ -16,7 +16,8 @@ from sglang_kv_migration.server.diag.deferred_log import DeferredLog
 from sglang_kv_migration.server.rank import loop
 from sglang_kv_migration.server.rank.idle_probe import IdleProbe
 from sglang_kv_migration.server.rank.loop import RankLoop, spin_until
-from sglang_kv_migration.server.source import transfers as source_transfers
+from sglang_kv_migration.server.source import target_asks
+from sglang_kv_migration.server.source.target_asks import TargetAsks
 from sglang_kv_migration.server.source.transfers import InflightTransfer, SourceTransfers
 
 
@@ -47,13 +48,10 @@ class _Job:
 
 
 def _transfers(caller: Any, inflight: list[InflightTransfer]) -> SourceTransfers:
-    # `awaited` reads only these attributes.
+    # `awaited` and `poll` read only these attributes (and `poll` the ones tests set).
     transfers = SourceTransfers.__new__(SourceTransfers)
-    transfers.caller = caller
+    transfers.asks = TargetAsks(caller, lambda: {}) if caller is not None else None
     transfers.inflight = inflight
-    transfers._to_prepare = []
-    transfers.requests_waiting = None
-    transfers._prepare_deferred = 0
     return transfers
 
 
@@ -97,8 +95,12 @@ def test_awaited_covers_allocate_replies_and_copy_events_only() -> None:
     assert _transfers(_Caller(), [_inflight(job=_Job(None))]).awaited() is None  # host path
     assert _transfers(_Caller(), [_inflight()]).awaited() is None  # failed or answered
     prepared_next = _transfers(_Caller(waiting=1), [waiting_reply])
-    prepared_next._to_prepare = [waiting_reply]
+    prepared_next.asks.to_prepare = [waiting_reply]
     assert prepared_next.awaited() is None
+    # An answer the HTTP layer asked for ahead waits for the poll: nothing to wait for.
+    answered_ahead = _transfers(_Caller(waiting=0), [waiting_reply])
+    answered_ahead.asks.ahead[b"ahead:1"] = b"{}"
+    assert answered_ahead.awaited() is None
 
 
 def test_a_device_job_waits_only_on_its_copy_once_launched() -> None:
@@ -117,8 +119,8 @@ def _polled(started: int, prepare: bool = False) -> list[str]:
     asked = _inflight(allocating=b"call")
     transfers = _transfers(_Caller(waiting=1), [asked])
     transfers.polls = 0
-    transfers._to_prepare = [asked] if prepare else []
-    transfers._prepare_asked = lambda: steps.append("prepare")
+    transfers.asks.to_prepare = [asked] if prepare else []
+    transfers.asks._prepare = lambda one: steps.append("prepare")
     transfers._take_allocations = lambda: steps.append("take") or started
     transfers._finish_done = lambda: steps.append("finish")
     transfers.poll()
@@ -140,38 +142,39 @@ def test_a_poll_leaves_its_prepares_while_requests_wait_for_a_bounded_number_of_
     steps: list[str] = []
     asked = _inflight(allocating=b"call")
     transfers = _transfers(_Caller(waiting=1), [asked])
+    asks = transfers.asks
     transfers.polls = 0
-    transfers._prepare_asked = lambda: steps.append("prepare") or transfers._to_prepare.clear()
+    asks._prepare = lambda one: steps.append("prepare")
     transfers._take_allocations = lambda: steps.append("take") and 0
     transfers._finish_done = lambda: None
     waiting = [True]
-    transfers.requests_waiting = lambda: waiting[0]
-    transfers._to_prepare = [asked]
-    for _ in range(source_transfers.PREPARE_DEFER_POLLS):
+    asks.requests_waiting = lambda: waiting[0]
+    asks.to_prepare = [asked]
+    for _ in range(target_asks.PREPARE_DEFER_POLLS):
         transfers.poll()
-    assert steps == ["take"] * source_transfers.PREPARE_DEFER_POLLS  # asked, not prepared
-    assert transfers._to_prepare == [asked]  # kept for a later poll
+    assert steps == ["take"] * target_asks.PREPARE_DEFER_POLLS  # asked, not prepared
+    assert asks.to_prepare == [asked]  # kept for a later poll
     transfers.poll()  # bounded: prepares although requests still wait
-    assert steps[-2:] == ["prepare", "take"]
+    assert steps[-2:] == ["prepare", "take"] and asks.to_prepare == []
     # Once the input is drained a poll prepares at once, and the count starts again.
     steps.clear()
     waiting[0] = False
-    transfers._to_prepare = [asked]
+    asks.to_prepare = [asked]
     transfers.poll()
-    assert steps == ["prepare", "take"] and transfers._prepare_deferred == 0
-    # Without the test (multi-rank, or turned off) nothing is left for later.
+    assert steps == ["prepare", "take"] and asks._prepare_deferred == 0
+    # Without the test (turned off) nothing is left for later.
     steps.clear()
     waiting[0] = True
-    transfers.requests_waiting = None
-    transfers._to_prepare = [asked]
+    asks.requests_waiting = None
+    asks.to_prepare = [asked]
     transfers.poll()
     assert steps == ["prepare", "take"]
 
 
 def test_the_scheduler_side_gives_its_transfers_its_input_test(side_factory: Any) -> None:
     side = side_factory(page_size=16)
-    assert side.transfers.caller is not None  # a single-rank source
-    assert side.transfers.requests_waiting == side.loop.probe.requests_waiting
+    assert side.transfers.asks is not None  # a single-rank source
+    assert side.transfers.asks.requests_waiting == side.loop.probe.requests_waiting
     assert not side.requests_waiting()  # no SGLang state set yet
 
 
