@@ -458,8 +458,9 @@ class SourceTransfers:
     def _send(self, output: TransferRequestKVCacheReqOutput, inflight: InflightTransfer) -> None:
         """Send the reply, stamped with where the scheduler's part of the trip went
         (`trace.py`), ms: the handler, the wait until the poll that found the copy done
-        (`polls` loop iterations), and that poll until now (the ranks' gather, receipts,
-        the mailbox delivery)."""
+        (`polls` loop iterations; `first_poll`, the count when it was taken up, is the
+        same for the moves of one iteration), and that poll until now (the ranks'
+        gather, receipts, the mailbox delivery)."""
         now = time.monotonic()
         times = inflight.timings
         handled = times.handled or now
@@ -470,6 +471,7 @@ class SourceTransfers:
             inflight.request,
             self.ctx.pp_rank,
             polls=self.polls - inflight.first_poll,
+            first_poll=inflight.first_poll,
             handler=ms(handled - times.started),
             waited=ms(polled - handled),
             replying=ms(now - polled),
