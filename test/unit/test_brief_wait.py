@@ -16,6 +16,7 @@ from sglang_kv_migration.server.diag.deferred_log import DeferredLog
 from sglang_kv_migration.server.rank import loop
 from sglang_kv_migration.server.rank.idle_probe import IdleProbe
 from sglang_kv_migration.server.rank.loop import RankLoop, spin_until
+from sglang_kv_migration.server.source import inflight as source_transfers
 from sglang_kv_migration.server.source import target_asks
 from sglang_kv_migration.server.source.target_asks import TargetAsks
 from sglang_kv_migration.server.source.transfers import InflightTransfer, SourceTransfers
@@ -114,16 +115,18 @@ def test_a_device_job_waits_only_on_its_copy_once_launched() -> None:
 
 
 def _polled(started: int, prepare: bool = False) -> list[str]:
-    """The order of a poll's steps when its answers started `started` copies."""
+    """The order of a poll's steps when its answers started `started` host-path copies
+    (nothing to wait for on the GPU)."""
     steps: list[str] = []
     asked = _inflight(allocating=b"call")
     transfers = _transfers(_Caller(waiting=1), [asked])
     transfers.polls = 0
     transfers.asks.to_prepare = [asked] if prepare else []
     transfers.asks._prepare = lambda one: steps.append("prepare")
-    transfers._take_allocations = lambda: steps.append("take") or started
+    host_copies = [_inflight(job=_Job(None)) for _ in range(started)]
+    transfers._take_allocations = lambda: steps.append("take") or host_copies
     transfers._finish_done = lambda: steps.append("finish")
-    transfers.poll()
+    transfers.poll(lambda events: steps.append("wait"))
     return steps
 
 
@@ -133,6 +136,57 @@ def test_a_poll_prepares_takes_and_finishes_without_waiting_inside() -> None:
     assert _polled(1) == ["take", "finish"]
     assert _polled(1, prepare=True) == ["prepare", "take", "finish"]
     assert _polled(0, prepare=True) == ["prepare", "take", "finish"]
+
+
+def test_a_poll_waits_for_the_gpu_copies_it_launched_before_its_replies() -> None:
+    """Only copies on the GPU, launched by this poll, are waited for (`wait_for_copies`
+    decides how long), and before the replies; a host-path copy among them: not at all."""
+    events = [_Event(), _Event()]
+    launched = [_inflight(job=_Job(event)) for event in events]
+    done_already = _inflight()  # the target held it all: done without a copy
+    done_already.finish(source_transfers.RankTransferStatus(done=True, success=True))
+    for started, waited in (
+        ([*launched, done_already], [events]),
+        ([launched[0], _inflight(job=_Job(None))], []),  # a host-path write among them
+        ([], []),
+    ):
+        steps: list[Any] = []
+        transfers = _transfers(_Caller(waiting=1), [_inflight(allocating=b"call")])
+        transfers.polls = 0
+        transfers._take_allocations = lambda started=started: started
+        transfers._finish_done = lambda steps=steps: steps.append("finish")
+        transfers.poll(steps.append)
+        assert steps == [*waited, "finish"]
+
+
+def _copy_waits(idle: Any) -> RankLoop:
+    side = RankLoop.__new__(RankLoop)
+    side.probe = IdleProbe(idle, lambda: False)
+    return side
+
+
+def test_wait_for_copies_waits_only_on_a_busy_scheduler_and_is_bounded(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(loop, "COPY_WAIT_S", 0.05)
+    events = [_Event(done=True), _Event()]
+    side = _copy_waits(lambda: False)
+    started = time.perf_counter()
+    assert not side.wait_for_copies(events)  # one copy never ends: bounded
+    assert 0.05 <= time.perf_counter() - started < 1.0
+    events[1].done = True
+    assert side.wait_for_copies(events)
+    idle = _copy_waits(lambda: True)
+    events[1].done, queries = False, events[1].queries
+    assert not idle.wait_for_copies(events) and events[1].queries == queries  # no wait
+
+    def broken() -> bool:
+        raise RuntimeError("boom")
+
+    failing = _copy_waits(broken)
+    with caplog.at_level(logging.ERROR):
+        assert not failing.wait_for_copies(events)
+    assert failing.probe.off
 
 
 def test_a_poll_leaves_its_prepares_while_requests_wait_for_a_bounded_number_of_polls() -> None:
@@ -145,7 +199,7 @@ def test_a_poll_leaves_its_prepares_while_requests_wait_for_a_bounded_number_of_
     asks = transfers.asks
     transfers.polls = 0
     asks._prepare = lambda one: steps.append("prepare")
-    transfers._take_allocations = lambda: steps.append("take") and 0
+    transfers._take_allocations = lambda: steps.append("take") or []
     transfers._finish_done = lambda: None
     waiting = [True]
     asks.requests_waiting = lambda: waiting[0]

@@ -22,6 +22,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
@@ -41,6 +42,7 @@ from sglang_kv_migration.server.source.inflight import (
     RankTransferStatus,
     Timings,
     TransferState,
+    gpu_copy_events,
 )
 from sglang_kv_migration.server.source.known_destinations import (
     KnownDestinations,
@@ -205,12 +207,12 @@ class SourceTransfers:
         for target in req.target_per_rank:
             self.destinations.resolve(target)
 
-    def _take_allocations(self) -> int:
+    def _take_allocations(self) -> list[InflightTransfer]:
         """Start the transfers whose target answered their allocate; fail those it did
         not answer in time (a late allocation is freed by the target's watchdog). The
         copies of the transfers started here launch together (`launching_together`):
         moves sent at once are answered together, and each launch costs ~1 ms. Returns
-        how many started without an error."""
+        the ones that started without an error."""
         with contextlib.ExitStack() as together:
             for path in self.paths.values():
                 together.enter_context(path.launching_together())
@@ -218,7 +220,7 @@ class SourceTransfers:
         launched = time.monotonic()  # (the block's end launched their copies)
         for inflight in answered:
             inflight.timings.launched = launched
-        return sum(inflight.error is None for inflight in answered)
+        return [inflight for inflight in answered if inflight.error is None]
 
     def _allocated(self, inflight: InflightTransfer, reply: bytes) -> None:
         """The target's allocate reply: start the transfer into what it granted."""
@@ -261,16 +263,20 @@ class SourceTransfers:
         # the caller's to record (`start`, `TargetAsks.take`).
         self._start_job(inflight)
 
-    def poll(self) -> None:
-        """Once per scheduler loop iteration while transfers are in flight."""
+    def poll(self, wait_for_copies: Callable[[list[Any]], None] | None = None) -> None:
+        """Once per scheduler loop iteration while transfers are in flight.
+        `wait_for_copies(events)`: may wait for the copies this poll launched, when each
+        is a copy on the GPU that ends with one of `events` (`RankLoop.wait_for_copies`),
+        so that their replies go out in this iteration."""
         if self.inflight:
             self.polls += 1
             self._poll_started = time.monotonic()
             asks = self.asks
             if asks is not None:
                 asks.prepare(self.inflight)
-                if asks.waiting:
-                    self._take_allocations()
+                events = gpu_copy_events(self._take_allocations() if asks.waiting else [])
+                if events and wait_for_copies is not None:
+                    wait_for_copies(events)
             if any(t.waiting for t in self.inflight):
                 # A collective: `waiting` is the same on every rank.
                 self.ctx.tree_cache.writing_check()
