@@ -4,7 +4,7 @@
 # the GPU tests beside them. Each job fits one device command of at most ~560 s (the
 # device tool allows 600 s a command).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..38, one device command each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..39, one device command each, kind nvidia-h200
 #
 # Before the first job, on the same warm machine (../shared/gpu/README.md, section 2):
 #   install, carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -18,7 +18,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|38}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|39}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -254,12 +254,6 @@ case $call in
   exec bash scripts/gpu_jobs.sh 560 \
     "0:busy:python3 benchmark/bench_busy_source.py --repeats 3"
   ;;
-28)
-  # Six concurrent 8K moves to one target vs one, on an idle target and on a target
-  # decoding 40 requests (CUDA graphs on), three rounds each. Target: <= 1.5x.
-  exec bash scripts/gpu_jobs.sh 560 \
-    "0:conc:python3 benchmark/bench_busy_source.py --only-concurrency --concurrency-rounds 3"
-  ;;
 29)
   # The RL scene, CUDA graphs on, 4K histories: 24 high-priority turns,
   # three repeats (none / recompute / migrate each), p99 over all 72 turns with the
@@ -326,8 +320,20 @@ case $call in
     "+0:reqmig16:sleep 20; KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py" \
     "+0:host1:sleep 40; KVMIG_PAGE_SIZE=1 $T test/gpu/test_gpu_migration.py"
   ;;
+28|39)
+  # (28, which busied the target instead, never ran: the same job now.)
+  # Six concurrent 8K moves against one, from an idle source and from a source decoding
+  # a full batch (32 greedy decodes of mixed lengths, CUDA graphs on), page 16, five
+  # rounds: one alone, six from six threads, the same six in one call. Per move the
+  # tier it was copied from and the loop iterations of its trip on each side (`polls`,
+  # `first_poll`, `target_iteration`; `allocate_ahead`: the busy source's HTTP layer
+  # asked the target). Targets: six <= 1.5x one; <= 2x from the busy source. No round
+  # starts after 450 s (~4 min of server start-up and rounds expected).
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:conc:python3 benchmark/bench_busy_source.py --only-concurrency --concurrency-rounds 5 --busy 32 --deadline-s 450"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|38" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|39" >&2
   exit 2
   ;;
 esac
