@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,9 +31,11 @@ from typing import Any
 
 import busy_source_report as report
 from busy_batch import BusyBatch, held, tokens
-from real_servers import OUT_DIR, flush_cache, generate, running_servers
 from sglang_kv_migration.client import MigrationResult, Move
 from sglang_kv_migration.client.migration import MigrationClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
+from real_servers import OUT_DIR, flush_cache, generate, running_servers  # noqa: E402
 
 RESULT = OUT_DIR / "bench_busy_source_concurrency.json"
 TOKENS = 8192
@@ -42,7 +45,7 @@ SETTLE_S = 0.5
 def run(args: argparse.Namespace, model_dir: Path, specs: list, warm_up: Any) -> None:
     """`warm_up(client, source, target, rng)`: the benchmark's own (kernels, device path)."""
     started = time.monotonic()
-    result: dict[str, Any] = {"config": vars(args), "rounds": [], "complete": False}
+    result: dict[str, Any] = {"config": dict(vars(args)), "rounds": [], "complete": False}
     with (
         running_servers(model_dir, specs, sequential=True) as (source, target),
         MigrationClient(timeout=600) as client,
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace, model_dir: Path, specs: list, warm_up: Any) ->
                 report.write_result(RESULT, result)
                 print(json.dumps(_brief(result["rounds"][-1])), flush=True)
     result["complete"] = len(result["rounds"]) == 2 * args.concurrency_rounds
+    result["summary"] = report.concurrency_summary(result["rounds"])
     report.write_result(RESULT, result)
     print(report.concurrency_markdown(result["summary"]), flush=True)
 
@@ -134,7 +138,10 @@ def _threads(
                 client.session_info(url)
             ready.wait(timeout=120)
             t0 = time.perf_counter()
-            r = client.migrate(source, target, prompts[i][:-1], path="device")
+            try:
+                r = client.migrate(source, target, prompts[i][:-1], path="device")
+            except Exception as e:  # noqa: BLE001 - recorded as this move's failure
+                r = e
             moves[i] = _move(r, time.perf_counter() - t0, where[i], whole)
 
     threads = [threading.Thread(target=move, args=(i,)) for i in range(len(prompts))]
