@@ -1,6 +1,6 @@
 """The figures of the results page (`docs/benchmarks.md`), computed from the raw records
-under `docs/gpu-runs/`: per figure the median over the record's repeats, with the
-smallest and the largest, and how many repeats there were.
+under `docs/gpu-runs/` (the CPU blocks: `docs/cpu-runs/`): per figure the median over the
+record's repeats, with the smallest and the largest, and how many repeats there were.
 
     python3 benchmark/results.py            # print every generated block
     python3 benchmark/results.py --check    # exit 1 when a block of the page differs
@@ -52,8 +52,20 @@ RUNS = {
 }
 
 
+# The CPU records the page's generated CPU blocks read.
+CPU_RUNS_DIR = ROOT / "docs" / "cpu-runs"
+CPU_RUNS = {
+    "loop_iterations": "2026-12-06/bench_loop_iterations.json",
+    "loop_iterations_idle_target": "2026-12-06/bench_loop_iterations-idle-target.json",
+}
+
+
 def load(name: str) -> dict[str, Any]:
     return json.loads((RUNS_DIR / RUNS[name]).read_text())
+
+
+def load_cpu(name: str) -> dict[str, Any]:
+    return json.loads((CPU_RUNS_DIR / CPU_RUNS[name]).read_text())
 
 
 def spread(values: Iterable[float], unit: str = "", digits: int = 2, of: str = "") -> str:
@@ -354,6 +366,36 @@ def block_busy() -> str:
     return _table(head, rows) + "\n" + line
 
 
+_WAYS = {"one": "one alone", "one_call": "six in one call", "threads": "six from threads"}
+
+
+def block_cpu_iterations() -> str:
+    """`bench_loop_iterations.py`: per target loop (a fixed step, or idle), flow (the
+    busy source's HTTP layer asks the target, or its scheduler does) and way of sending,
+    the loop iterations a move took on each side, as min–max over the rounds, and the
+    wall time over one move's."""
+
+    def counts(values: list[int]) -> str:
+        return "–".join(str(v) for v in sorted({min(values), max(values)})) if values else "—"
+
+    rows = []
+    targets = (("loop_iterations", "20 ms step"), ("loop_iterations_idle_target", "idle"))
+    for name, target in targets:
+        record = load_cpu(name)
+        rounds = record["config"]["rounds"]
+        for flow, cells in record["summary"].items():
+            for way, c in cells.items():
+                over = "1" if way == "one" else spread(c["wall_over_one"], "×")
+                rows.append([target, flow, _WAYS[way], counts(c["source_iterations_max"]),
+                             counts(c["taken_up_in"]), counts(c["allocated_in"]),
+                             counts(c["committed_in"]), spread(c["wall_steps"]), over,
+                             str(rounds)])  # fmt: skip
+    head = ["target loop", "who asks the target", "moves", "source iterations per move",
+            "taken up in (source iterations)", "allocated in (target iterations)",
+            "committed in", "wall, steps", "wall / one move", "rounds"]  # fmt: skip
+    return _table(head, rows)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "targets": block_targets,
     "control-plane": block_control_plane,
@@ -367,6 +409,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "fleet-sim-validation": lambda: fleet_report.validation_block(fleet_report.load()),
     "fleet-sim-verl": lambda: fleet_report.verl_block(fleet_report.load()),
     "fleet-sim-sweep": lambda: fleet_report.sweep_block(fleet_report.load()),
+    "cpu-iterations": block_cpu_iterations,
 }
 BLOCKS |= results_adoption.ready_blocks(RUNS_DIR)
 

@@ -171,6 +171,12 @@ class GenerateStandin:
         async def metrics() -> Any:
             return PlainTextResponse(self.config.metrics_text)
 
+    def busy(self) -> bool:
+        """What the HTTP layer reads as SGLang's generate requests in flight (the
+        tokenizer manager's `rid_to_state`): requests running or waiting here."""
+        with self._lock:
+            return bool(self._load["running"] or self._load["waiting"])
+
     def _load_dict(self) -> dict[str, Any]:
         with self._lock:
             load = dict(self._load)

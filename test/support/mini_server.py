@@ -398,8 +398,8 @@ class _IdleWait:
                 self.poller.register(channel.channel.socket, zmq.POLLIN)
 
     def wait(self) -> None:
-        caller = self.migration.transfers.caller if self.migration is not None else None
-        if caller is not None and caller.waiting:
+        asks = self.migration.transfers.asks if self.migration is not None else None
+        if asks is not None and asks.waiting:
             return
         if self.poller is not None:
             self.poller.poll(1)
@@ -786,7 +786,12 @@ def _serve_http(
     from_scheduler.bind(tokenizer_endpoint)
 
     comms = (
-        KVMigrationCommunicators(to_scheduler, pp_size=spec.pp_size, dp_size=spec.dp_size)
+        KVMigrationCommunicators(
+            to_scheduler,
+            pp_size=spec.pp_size,
+            dp_size=spec.dp_size,
+            ask_ahead=_ask_ahead(spec, extension),
+        )
         if spec.enable_kv_migration
         else None
     )
@@ -810,6 +815,18 @@ def _serve_http(
         asyncio.get_running_loop().create_task(loop())
 
     uvicorn.run(app, host=spec.host, port=http_port, log_level="warning")
+
+
+def _ask_ahead(spec: ServerSpec, extension: Any) -> Any:
+    """What SGLang's tokenizer manager gets on a single-rank server
+    (`communicators.after_init_communicators`): its scheduler counts as busy while an
+    extension says so (`slowed_loop.py`), never otherwise (no generate runs here)."""
+    from sglang_kv_migration.server.same_host.ask_ahead import AskAhead
+
+    if not spec.tp_size == spec.pp_size == spec.dp_size == 1:
+        return None
+    busy = getattr(extension, "busy", None)
+    return AskAhead(busy if busy is not None else lambda: False)
 
 
 def _join_netns(name: str) -> None:

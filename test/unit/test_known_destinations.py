@@ -210,7 +210,7 @@ def test_what_a_source_pinned_while_its_target_allocated_is_released_on_every_en
     ids = list(range(3000, 3064))
     h.insert_random(ids, seed=7)
     side.transfers.paths = {**side.transfers.paths, "device": DevicePath(h.cache)}
-    fake = side.transfers.caller = SilentTarget()
+    fake = side.transfers.asks.caller = SilentTarget()
     baseline = h.snapshot()
 
     side.transfer_request_kvcache(_one_trip(ids, device_kv=_device_kv()))

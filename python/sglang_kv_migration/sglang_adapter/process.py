@@ -121,6 +121,13 @@ def add_result_handlers(tokenizer_manager: Any, handlers: list[tuple[type, Any]]
     tokenizer_manager._result_dispatcher += TypeBasedDispatcher(handlers)
 
 
+def generate_requests_in_flight(tokenizer_manager: Any) -> Callable[[], bool]:
+    """A test, for the tokenizer manager's process, that generate requests are in flight
+    (SGLang's `rid_to_state`: sent to the scheduler and not finished), so its scheduler
+    runs a batch: one loop iteration per forward step."""
+    return lambda: bool(tokenizer_manager.rid_to_state)
+
+
 def http_server_app() -> Any:
     """SGLang's FastAPI app (`http_server.app`), which our routes join."""
     from sglang.srt.entrypoints import http_server

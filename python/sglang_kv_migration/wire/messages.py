@@ -364,6 +364,11 @@ class AllocateOnTarget:
     secret: str
     allocate: bytes
     ids: bytes = b""
+    # Set by the source's HTTP layer when it asked the target itself, before the
+    # transfer reached a busy scheduler (`server/same_host/ask_ahead.py`; never from a
+    # body): the target's allocate reply as it answered, or why it did not answer.
+    reply_ahead: bytes = b""
+    error_ahead: str = ""
 
 
 @dataclass

@@ -19,7 +19,7 @@ import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths.base import DataPath, KVPoll, PreparedSend, SendJob, SendRange
@@ -252,3 +252,12 @@ class InflightTransfer:
             steps=stats.steps,
             routes=stats.routes,
         )
+
+
+def gpu_copy_events(started: list[InflightTransfer]) -> list[Any]:
+    """The events the copies of `started` (launched in one poll) end with, when each is
+    only a copy on the GPU; else none (a host-path write or a verify digest runs on for
+    longer, on helper threads)."""
+    sending = [t for t in started if t.state is TransferState.SENDING]
+    events = [t.job.completion_event for t in sending]
+    return events if all(e is not None for e in events) else []

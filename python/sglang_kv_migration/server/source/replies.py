@@ -56,7 +56,7 @@ def allocate_steps(inflight: InflightTransfer, handled: float, now: float) -> di
     return steps
 
 
-_TARGET_STEPS = ("queued", "scheduler", "match_reserve", "slots", "grant")
+_TARGET_STEPS = ("queued", "scheduler", "match_reserve", "slots", "grant", "iteration")
 
 
 def _target_steps(steps: dict[str, Any]) -> dict[str, float]:
