@@ -113,7 +113,6 @@ class TransferChecks:
         """Check this rank's entry (and, on stage 0, every later stage's), claim the
         grant and describe this rank's part of the send in `inflight`."""
         self.check_size(req)
-        source_slots = self._running_source_slots(req, inflight)  # before the grant is claimed
         by_rank = {(t.tp, t.pp): t for t in req.target_per_rank}
         me = (self.ctx.tp_rank, self.ctx.pp_rank)
         target = by_rank.get(me)
@@ -136,7 +135,10 @@ class TransferChecks:
             req, target, me, self.fingerprint, taken.digest, inflight.own_slots
         )
         grant = checked.grant
-        # Before the grant is claimed: a refusal here leaves it for a correct retry.
+        # IMPORTANT: a running request is looked at only now, with the grant verified:
+        # a caller without one learns nothing about it. And before the grant is claimed:
+        # a refusal here (or below) leaves it for a correct retry.
+        source_slots = self._running_source_slots(req, inflight)
         owner_pattern = None
         if self.owner_pattern is not None:
             owner_pattern = self.owner_pattern(req, grant, source_slots)
