@@ -23,6 +23,7 @@ from sglang_kv_migration.paths.base import DEVICE, DataPath, SendRange
 from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
 from sglang_kv_migration.server.rank.context import RankContext, check_peer_fingerprint
 from sglang_kv_migration.server.source.inflight import (
+    GrantClaim,
     InflightTransfer,
     OwnSlots,
     SourceCommit,
@@ -143,7 +144,11 @@ class TransferChecks:
         if self.owner_pattern is not None:
             owner_pattern = self.owner_pattern(req, grant, source_slots)
         self.used_grants.claim(grant)
-        inflight.claimed_grant = grants.grant_digest(target.grant)
+        inflight.claim = GrantClaim(
+            grants.grant_digest(target.grant),
+            grant.expires_at,
+            self.ctx.dp_rank if grant.source_dp_rank >= 0 else -1,
+        )
         if self.destinations is not None and DEVICE in self.paths:
             # Kept only now that a verified grant names it: a refused body keeps nothing.
             self.destinations.remember(target, grant.destination)
@@ -240,6 +245,7 @@ class TransferChecks:
             # the grant must have been issued to this server.
             destination=self._destination_digest(target),
             source=self.server_epoch,
+            dp_rank=self.ctx.dp_rank,
         )
         return CheckedTarget(own.slots, own.digest, grant)
 
