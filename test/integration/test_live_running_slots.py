@@ -170,26 +170,68 @@ def test_size_query_reports_running_slots_and_refuses_other_ids(servers: ServerP
         other = _post(servers.source, "/get_request_extra_token_size",
                       {"input_ids": wrong, "running_rid": rid}).json()  # fmt: skip
         assert other["running_token_size"] == -1
-        # A transfer naming the running request with ids it does not hold: refused,
-        # naming the field, before any grant is looked at.
-        body = {
-            "input_ids": wrong[: 2 * PAGE],
-            "matched_token_size": 0,
-            "extra_token_size": 2 * PAGE,
-            "migration_id": "m",
-            "running_rid": rid,
-            "target_per_rank": [{"tp": 0, "pp": 0, "kv_indices": list(range(2 * PAGE)),
-                                 "session_id": "127.0.0.1:1", "grant": "x",
-                                 "fingerprint": {"x": 1}, "host_kv_data_ptrs": [1],
-                                 "host_kv_data_lens": [1], "host_kv_item_lens": [1]}],
-        }  # fmt: skip
-        refused = _post(servers.source, "/transfer_request_kvcache", body)
-        assert refused.status_code == 400, refused.text
-        assert "input_ids differ" in refused.json()["message"]
-        unknown = _post(servers.source, "/transfer_request_kvcache",
-                        {**body, "input_ids": ids[: 2 * PAGE], "running_rid": "nope"})  # fmt: skip
-        assert unknown.status_code == 409, unknown.text
-        assert "running_rid 'nope'" in unknown.json()["message"]
+        out = m.wait(handle, timeout=60)
+    assert out.output_ids == expected_output(prompt, 300)
+
+
+def _allocated_for(servers: ServerPair, ids: list[int]) -> dict:
+    """The target's allocate reply for `ids`, granted to the source."""
+    info = _post(servers.source, "/get_transfer_session_info", {}).json()
+    alloc = _post(servers.target, "/allocate_token_for_transfer", {
+        "input_ids": ids, "source_fingerprints": [r["fingerprint"] for r in info["ranks"]],
+        "source_instance": info["instance_id"]})  # fmt: skip
+    assert alloc.status_code == 200, alloc.text
+    return alloc.json()
+
+
+def test_running_rid_tells_a_caller_without_a_grant_nothing(servers: ServerPair) -> None:
+    """A caller probing a running request's tokens with `running_rid`: without a grant
+    that verifies, every probe is the same refusal of the grant (a differing position,
+    the right tokens, an unknown rid alike); with one, a refusal names the field, never
+    where the tokens differ."""
+    from multi_rank import host_transfer_body
+
+    prompt = list(range(3500, 3500 + 2 * PAGE + 3))
+    with RequestMigrator(cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 300, wait=0.3)
+        ids = (prompt + handle.handle.generated_so_far())[:-1]
+        rid = handle.rid
+        probes = {
+            "right": (ids, rid),
+            "differs at 1": ([ids[0], ids[1] + 1, *ids[2:]], rid),
+            "differs at 20": ([*ids[:20], ids[20] + 1, *ids[21:]], rid),
+            "unknown rid": (ids, "nope"),
+        }
+        # Slots the target allocated, a grant that does not verify: a token of another
+        # key, and the grant of another prefix.
+        alloc = _allocated_for(servers, list(range(9000, 9000 + 2 * PAGE)))
+        target_info = _post(servers.target, "/get_transfer_session_info", {}).json()
+        for grant in ("e30.", alloc["ranks"][0]["grant"]):
+            answers = {}
+            for what, (probe, probe_rid) in probes.items():
+                body = host_transfer_body(probe[: 2 * PAGE], alloc, target_info)
+                body["target_per_rank"][0]["grant"] = grant
+                r = _post(servers.source, "/transfer_request_kvcache",
+                          {**body, "running_rid": probe_rid})  # fmt: skip
+                answers[what] = (r.status_code, r.json()["message"])
+            assert set(answers.values()) == {answers["right"]}, answers
+            status, message = answers["right"]
+            assert status == 403 and "grant" in message, message
+            assert "running_rid" not in message and "position" not in message, message
+        _post(servers.target, "/abort_transfer", {"migration_id": alloc["migration_id"]})
+        # Under a grant (the target allocated for those very ids): refused naming the
+        # field, the same refusal wherever the ids differ.
+        refusals = set()
+        for what in ("differs at 1", "differs at 20"):
+            wrong = probes[what][0][: 2 * PAGE]
+            alloc = _allocated_for(servers, wrong)
+            body = {**host_transfer_body(wrong, alloc, target_info), "running_rid": rid}
+            r = _post(servers.source, "/transfer_request_kvcache", body)
+            assert r.status_code == 400, r.text
+            refusals.add(r.json()["message"])
+            _post(servers.target, "/abort_transfer", {"migration_id": alloc["migration_id"]})
+        (refusal,) = refusals
+        assert "input_ids" in refusal and "position" not in refusal, refusal
         out = m.wait(handle, timeout=60)
     assert out.output_ids == expected_output(prompt, 300)
 

@@ -694,6 +694,10 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             value = cp_sharded.COMMANDS[name](harness, *args)
         elif name in _MEMORY_COMMANDS:
             value = _MEMORY_COMMANDS[name](scheduler)
+        elif name.endswith("_writes"):  # the write gate's (`write_gate.py`)
+            import write_gate
+
+            value = write_gate.COMMANDS[name](scheduler)
         else:
             raise ValueError(f"unknown command {name}")
         control.send((True, value))

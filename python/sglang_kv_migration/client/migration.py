@@ -57,6 +57,7 @@ from sglang_kv_migration.wire.features import (
     PARTIAL_TRANSFER,
     SOURCE_ALLOCATE,
     SOURCE_COMMIT,
+    SOURCE_DP_RANK,
 )
 from sglang_kv_migration.wire.messages import (
     AllocateReply,
@@ -756,10 +757,14 @@ def _move_with_fallback(
 def _partial_ok(
     requested: str | None, source_info: SessionInfoReply, target_info: SessionInfoReply
 ) -> bool:
-    """Skip the source's size query: both servers take partial transfers, and the path
+    """Skip the source's size query: both servers take partial transfers, the path
     does not depend on where the source holds the pages (a source whose device path
-    reads only its GPU would need the query to fall back to the host path up front)."""
+    reads only its GPU would need the query to fall back to the host path up front),
+    and the grants need not name a DP rank of the source (feature "source_dp_rank")."""
     if not _both_list(source_info, target_info, PARTIAL_TRANSFER):
+        return False
+    if source_info.dp_size > 1 and SOURCE_DP_RANK in target_info.features:
+        # Ask which DP rank of the source holds the prefix: the grants then name it.
         return False
     if requested in PATHS or "device" not in _common_paths(source_info, target_info):
         return True
@@ -955,6 +960,12 @@ def _allocate_fields(plan: _Plan, path: str, model: type[A]) -> A:
     if BOUND_GRANTS in plan.target_info.features:
         # Name the source, so only it may use the grant.
         body.source_instance = plan.source_info.instance_id
+    if plan.source_dp_rank is not None and SOURCE_DP_RANK in plan.target_info.features:
+        # Name the source's DP rank too: only its scheduler claims the grants, and the
+        # target takes receipts naming them from no other. (An allocate the source
+        # forwards has no such field: only single-rank sources forward one.)
+        if isinstance(body, bodies.AllocateBody):
+            body.source_dp_rank = plan.source_dp_rank
     if _can_stage(plan, path):
         body.staging = True
     if plan.verify:

@@ -52,6 +52,7 @@ def compose_for_scheduler(scheduler: Any) -> MigrationSchedulerSide:
         world_group=view.world_cpu_group,
         # Every DP rank of one launch shares the server's identity (`server_epoch`).
         launch_id=args.kv_migration_launch_id if view.dp_size > 1 else "",
+        dp_rank=view.dp_rank,
     )
     settings = settings_from_server_args(
         args,

@@ -186,6 +186,9 @@ class AllocateFields(Body):
 
 class AllocateBody(IdsBody, AllocateFields):
     dp_rank: DpRank = None  # feature "dp_ranks": allocate on this DP rank
+    # Feature "source_dp_rank": the source's DP rank holding the prefix (its size query's
+    # `dp_rank`); the grants bind it.
+    source_dp_rank: DpRank = None
 
 
 class AllocateOnTargetBody(Body):

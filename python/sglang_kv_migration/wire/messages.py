@@ -196,6 +196,10 @@ class AllocateRequest:
     # target allocates the pages it lacks so that each lands on its owner's twin; any
     # other target refuses it. None: not sent.
     page_owners: list[int] | None = None
+    # Feature "source_dp_rank": the source's DP rank that holds the prefix (its size
+    # query's `dp_rank`); the grants bind it, and only that DP rank's scheduler claims
+    # them. None: any DP rank of the source (its HTTP layer lets one claim each grant).
+    source_dp_rank: int | None = None
 
 
 @dataclass
@@ -443,6 +447,11 @@ class TransferReply(Reply):
     destination_unknown: bool = False
     # Feature "dp_ranks": the DP rank that sent (None on a server with one).
     dp_rank: int | None = None
+    # Internal (never on the wire): the grants this reply's ranks account for, one
+    # [migration_id, tp, pp, claimed_until] each (claimed_until: the unix time the grant
+    # this request claimed expires; 0 when it claimed none). The HTTP layer of a server
+    # with DP ranks keeps them (`server/http/grant_claims.py`); None: not known.
+    claims: list | None = None
 
 
 # --------------------------------------------------------------------------- commit/abort
@@ -480,8 +489,9 @@ class AbortReply(Reply):
     pass
 
 
-# BaseReq bookkeeping and the scheduler's raw stamps (`trace.py`): never leave the server.
-INTERNAL_FIELDS = frozenset({"rid", "http_worker_ipc", "trace"})
+# BaseReq bookkeeping, the scheduler's raw stamps (`trace.py`) and the grants a transfer
+# claimed (`TransferReply.claims`): never leave the server.
+INTERNAL_FIELDS = frozenset({"rid", "http_worker_ipc", "trace", "claims"})
 
 
 def reply_content(reply: Reply) -> dict[str, Any]:

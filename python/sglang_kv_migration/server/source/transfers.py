@@ -50,6 +50,7 @@ from sglang_kv_migration.server.source.known_destinations import (
 )
 from sglang_kv_migration.server.source.replies import (
     allocate_steps,
+    claims_of,
     path_name,
     rank_results,
     receipt_tokens,
@@ -373,7 +374,8 @@ class SourceTransfers:
         """This rank's status, with its signed receipt once the transfer is over here."""
         status = inflight.local_status()
         if status.done and not status.receipt:
-            send, job = inflight.send, inflight.job
+            send, job, claim = inflight.send, inflight.job, inflight.claim
+            status.claimed_until = claim.until if claim is not None else 0.0
             status.receipt = self.signer.encode(
                 grants.Receipt(
                     migration_id=inflight.request.migration_id,
@@ -385,9 +387,10 @@ class SourceTransfers:
                     bytes=status.bytes,
                     # Nothing more can land once done, or if no write was ever submitted
                     # under the grant: only its claimant knows (a refused replay does not).
-                    settled=bool(inflight.claimed_grant)
+                    settled=claim is not None
                     and (status.success or job is None or not job.started_writing),
-                    grant=inflight.claimed_grant,
+                    grant=claim.digest if claim is not None else "",
+                    dp_rank=claim.dp_rank if claim is not None else -1,
                     # Told only to a target that granted an extent: it must scatter then.
                     plan=status.plan if send is not None and send.target.staging else "",
                     digest=status.digest,
@@ -447,6 +450,7 @@ class SourceTransfers:
         output.channel_error = inflight.channel_error
         output.destination_unknown = inflight.destination_unknown
         output.rid = req.rid  # the tokenizer side matches concurrent transfers by rid
+        output.claims = claims_of(statuses, req.migration_id, self.ctx.pp_rank)
         self._send(output, inflight)
         if first_rank and output.success:
             # Written once nothing is in flight: a log line costs ~0.1-0.2 ms here.
