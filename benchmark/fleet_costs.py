@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import results
-from bench_busy_source import BUSY_OUTPUTS, BUSY_PROMPTS
+from busy_batch import BUSY_OUTPUTS, BUSY_PROMPTS
 
 GPU, HOST, CROSS_HOST = "gpu", "host", "cross_host"
 ROUTES = (GPU, HOST, CROSS_HOST)
@@ -243,7 +243,7 @@ def decode_kv_slope(
     attention = iteration - per_step_prefill - d0
     seq = c_seq * max(contexts)
     slope = max(attention, seq) / sum_ctx
-    note = f"{where}; prompts and outputs of bench_busy_source.BUSY_PROMPTS / BUSY_OUTPUTS"
+    note = f"{where}; prompts and outputs of busy_batch.BUSY_PROMPTS / BUSY_OUTPUTS"
     return slope, note
 
 
