@@ -2,7 +2,8 @@
 (`radix_tree.py`), the KV pools and allocator (`pools.py`, with NSA's host pool groups
 in `pool_groups.py`), and the scheduler's,
 tokenizer manager's and HTTP server's attributes (`process.py`), the running requests'
-slots (`running_requests.py`); `hook_targets.py` names
+slots (`running_requests.py`), the host pool in shared memory (`shared_host_pool.py`);
+`hook_targets.py` names
 every upstream symbol the plugin hooks or relies on.
 
 Everything else in the package goes through these functions, imported from here
@@ -94,6 +95,13 @@ from sglang_kv_migration.sglang_adapter.running_requests import (
     copy_device_to_host,
     running_prefix,
 )
+from sglang_kv_migration.sglang_adapter.shared_host_pool import MEMFD_LINK as SHARED_POOL_MEMFD_LINK
+from sglang_kv_migration.sglang_adapter.shared_host_pool import (
+    SharedHostRegion,
+    host_pool_in_shared_memory,
+    host_tensor_allocator,
+    shared_host_region,
+)
 
 __all__ = [
     "DEVICE_TIER",
@@ -106,8 +114,10 @@ __all__ = [
     "PinnedHostPages",
     "RunningRequest",
     "RunningRequests",
+    "SHARED_POOL_MEMFD_LINK",
     "SchedulerView",
     "Segment",
+    "SharedHostRegion",
     "TieredPrefix",
     "WRITE_BACK_TIMEOUT_S",
     "add_request_handlers",
@@ -132,7 +142,9 @@ __all__ = [
     "host_pages_ready",
     "host_pool",
     "host_pool_buffer",
+    "host_pool_in_shared_memory",
     "host_pool_shape",
+    "host_tensor_allocator",
     "http_server_app",
     "http_server_imported",
     "server_runtime_missing",
@@ -161,6 +173,7 @@ __all__ = [
     "running_prefix",
     "scheduler_idle_check",
     "scheduler_load",
+    "shared_host_region",
     "stage_reply_sender",
     "take_device_slots",
     "take_host_slots",

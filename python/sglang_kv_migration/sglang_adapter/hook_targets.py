@@ -38,6 +38,11 @@ SCHEDULER_SLEEP_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_o
 # copies in flight must finish first, and the device path's landing arena follows it.
 SCHEDULER_RELEASE_MEMORY = "sglang.srt.managers.scheduler.Scheduler.release_memory_occupation"
 SCHEDULER_RESUME_MEMORY = "sglang.srt.managers.scheduler.Scheduler.resume_memory_occupation"
+# The shared-host path: a server that offers it builds its host KV pool in shared memory
+# (`shared_host_pool.py`), through the allocator SGLang asks for while the scheduler
+# builds its cache.
+SCHEDULER_INIT_CACHE = "sglang.srt.managers.scheduler.Scheduler.init_cache_with_memory_pool"
+HOST_POOL_ALLOCATOR = "sglang.srt.mem_cache.memory_pool_host.get_allocator_from_storage"
 
 HOOK_TARGETS: tuple[str, ...] = (
     SERVER_ARGS_CLASS,
@@ -52,6 +57,8 @@ HOOK_TARGETS: tuple[str, ...] = (
     SCHEDULER_SLEEP_ON_IDLE,
     SCHEDULER_RELEASE_MEMORY,
     SCHEDULER_RESUME_MEMORY,
+    SCHEDULER_INIT_CACHE,
+    HOST_POOL_ALLOCATOR,
 )
 
 # Targets in SGLang's scheduler, engine and HTTP server modules: they import only where
@@ -60,7 +67,13 @@ SERVER_RUNTIME_TARGETS: frozenset[str] = frozenset(
     t
     for t in HOOK_TARGETS
     if t.startswith(
-        ("sglang.srt.managers.scheduler.", HTTP_LAUNCH_SERVER, ENGINE_LAUNCH_SUBPROCESSES)
+        (
+            "sglang.srt.managers.scheduler.",
+            HTTP_LAUNCH_SERVER,
+            ENGINE_LAUNCH_SUBPROCESSES,
+            # The host pool module imports the native KV copy kernels.
+            HOST_POOL_ALLOCATOR,
+        )
     )
 )
 
@@ -114,6 +127,8 @@ REQUIRED_SYMBOLS: tuple[str, ...] = (
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.alloc",
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.free",
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.available_size",
+    # The shared-host path's allocator derives from it (`shared_host_pool.py`).
+    "sglang.srt.mem_cache.memory_pool_host.HostTensorAllocator",
 )
 
 
