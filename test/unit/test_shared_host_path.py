@@ -268,3 +268,52 @@ def test_the_mapping_of_a_target_that_is_gone_is_dropped(harness_factory):
     with pytest.raises(MigrationError, match="was dropped"):
         pool.resolve()
     pools.close(lambda: None)
+
+
+# --------------------------------------------------------------------------- the hooks
+
+
+@pytest.mark.parametrize(
+    ("enable", "paths", "shared"),
+    [
+        (True, "device,shared_host,host", True),
+        (True, "shared_host", True),
+        (True, "device,host", False),
+        (False, "device,shared_host,host", False),
+    ],
+)
+def test_the_plugin_builds_the_host_pool_in_shared_memory_when_the_path_is_offered(
+    enable, paths, shared
+):
+    """The AROUND hooks on `Scheduler.init_cache_with_memory_pool` and on the host pool's
+    allocator (`server/rank/hooks.py`): SGLang's default allocator is replaced inside the
+    cache's construction only, and only for a server that offers the path."""
+    import cpu_harness
+    from sglang.srt.mem_cache.memory_pool_host import HostTensorAllocator
+    from sglang_kv_migration.server.rank import hooks
+    from sglang_kv_migration.server.server_args import KVMigrationServerArgs
+
+    args = KVMigrationServerArgs(
+        model_path=cpu_harness.write_tiny_model_dir(),
+        skip_tokenizer_init=True,
+        device="cpu",
+        enable_hierarchical_cache=True,
+        enable_kv_migration=enable,
+        kv_migration_paths=paths,
+    )
+    plain = HostTensorAllocator()
+
+    def default_allocator(allocator_type):
+        return plain
+
+    def build_cache(scheduler):
+        return [
+            hooks.around_get_allocator_from_storage(default_allocator, kind)
+            for kind in (None, "mooncake")
+        ]
+
+    scheduler = type("Scheduler", (), {"server_args": args})()
+    during, with_backend = hooks.around_init_cache_with_memory_pool(build_cache, scheduler)
+    assert (during is not plain) is shared
+    assert with_backend is plain  # a storage backend's allocator stays its own
+    assert hooks.around_get_allocator_from_storage(default_allocator, None) is plain  # after

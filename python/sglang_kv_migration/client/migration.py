@@ -464,6 +464,8 @@ class AsyncMigrationClient:
 # --------------------------------------------------------------------------- protocol
 
 _Reply = tuple[int | None, Any]  # (HTTP status or None on a connection error, JSON/text)
+# `error_kind` of a server's refusal of a write or commit for its grant or receipts.
+FORBIDDEN_KIND = "forbidden"
 # The phases whose names are also wire fields (`MigrationResult.timings` keys).
 SIZE_QUERY = "extra_token_size"
 ALLOCATE = "allocate"
@@ -1274,10 +1276,12 @@ def _checked(call: _Call, status: int | None, payload: Any) -> dict[str, Any]:
     """The JSON reply of a successful call, else `MigrationFailed` naming the phase."""
     if status is None:
         raise MigrationFailed(call.phase, f"{call.url}{call.path}: {payload}")
-    if status in (401, 403):
+    common = _parsed(Reply, payload)
+    # A 403 of ours (a write refused for its grant, `error_kind` "forbidden") is this
+    # migration's failure, rolled back like any other; SGLang's refusal of a key is not.
+    if status in (401, 403) and (common is None or common.error_kind != FORBIDDEN_KIND):
         message = f"{call.url}{call.path} refused the key: {payload}; {auth_hint(call.path)}"
         raise AuthFailed(call.phase, route_of(call.path), message, status)
-    common = _parsed(Reply, payload)
     if status >= 300 or common is None or not common.success:
         message = common.message if common is not None and common.message else payload
         failure = MigrationFailed(call.phase, f"{call.url}{call.path}: {message}", status)
