@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The one-GPU runs: the device path's latency against re-prefill, concurrent moves to
-# one target, the any-tier table, the live move, the busy source and the RL scene, with
-# the GPU tests beside them. Each job fits one device command of at most ~560 s (the
+# one target, the any-tier table, the live move, the busy source, the RL scene and the
+# host-tier landing into a full target GPU, with the GPU tests beside them. Each job fits one device command of at most ~560 s (the
 # device tool allows 600 s a command).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..38, one device command each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..40, one device command each, kind nvidia-h200
 #
 # Before the first job, on the same warm machine (../shared/gpu/README.md, section 2):
 #   install, carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -18,7 +18,7 @@
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|38}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|40}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -326,8 +326,31 @@ case $call in
     "+0:reqmig16:sleep 20; KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py" \
     "+0:host1:sleep 40; KVMIG_PAGE_SIZE=1 $T test/gpu/test_gpu_migration.py"
   ;;
+39)
+  # The host-tier landing: a same-host move into a target whose GPU pool is full (held by
+  # four of its own requests, paused in place: ~6K of 49K tokens free, nothing evictable)
+  # lands in the target's host tier through shared memory (path shared_host), never over
+  # Mooncake TCP. 8K and 32K prefixes on the source's GPU and on its host tier, beside the
+  # device-path move of the same length into a target with room and beside re-prefill;
+  # three repeats (medians with range), CUDA graphs on, Llama-3-8B shape, page 16; each
+  # move's path, landing tier and the target's cached_tokens_details. Targets: landing
+  # <= 3x the device-path move and <= 10% of re-prefill. Then the host-landing GPU test
+  # (tiny model, page 16). No repeat starts after 330 s (~40 s each after ~200 s of
+  # server starts).
+  exec bash scripts/gpu_jobs.sh "${KVMIG_BUDGET_S:-560}" \
+    "0:landing:python3 benchmark/bench_host_landing.py --repeats 3 --deadline-s 330" \
+    "0:landtest:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_host_landing.py"
+  ;;
+40)
+  # The host-landing GPU test alone (page 16, then page 1), and the device-path tests at
+  # MHA page 16 beside it (the device path's source and target, now two modules, and its
+  # tiered copies, now shared with the host landing): when job 39 ran out of time.
+  exec bash scripts/gpu_jobs.sh "${KVMIG_BUDGET_S:-560}" \
+    "0:landtest:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_host_landing.py; KVMIG_PAGE_SIZE=1 KVMIG_PORT_BASE=30800 $T test/gpu/test_gpu_host_landing.py" \
+    "+0:devtest16:sleep 30; KVMIG_PORT_BASE=31500 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|38" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|40" >&2
   exit 2
   ;;
 esac

@@ -38,6 +38,8 @@ from sglang_kv_migration.targets import SharedHostTarget
 
 logger = logging.getLogger(__name__)
 
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
 
 @dataclass
 class MappedPool:
@@ -86,7 +88,12 @@ def map_pool(peer: SharedHostTarget, device: Any) -> MappedPool:
     flat = _mapped_file(peer)
     registered = False
     if device.type == "cuda":
-        code = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), peer.nbytes, 0)
+        # On this (helper) thread, in this GPU's context; portable: pinned for every
+        # context of the process, whichever GPU the copy launches on.
+        with torch.cuda.device(device):
+            code = torch.cuda.cudart().cudaHostRegister(
+                flat.data_ptr(), peer.nbytes, CUDA_HOST_REGISTER_PORTABLE
+            )
         if int(code) != 0:
             raise MigrationError(
                 ErrorKind.CONFLICT,
