@@ -218,7 +218,7 @@ def test_a_destination_that_is_not_the_targets_pool_is_refused_and_nothing_writt
     alloc = pending.allocate("h", tokens, None, path=target)
     real = target.advertise()
     other_fd, other_inode = _other_file(real["nbytes"])
-    locks, before = src.snapshot().total_lock_ref, _pool_bytes(dst)
+    locks, before, own_before = src.snapshot().total_lock_ref, _pool_bytes(dst), _pool_bytes(src)
     cases = {
         "inode": ({"inode": real["inode"] + 1}, ErrorKind.CONFLICT, "is not the target"),
         "size": ({"nbytes": real["nbytes"] + 64}, ErrorKind.BAD_REQUEST, "bytes for a pool of"),
@@ -227,6 +227,11 @@ def test_a_destination_that_is_not_the_targets_pool_is_refused_and_nothing_writt
         "other host": ({"host_identity": "elsewhere"}, ErrorKind.CONFLICT, "another host"),
         "layout": ({"layer_num": 3}, ErrorKind.CONFLICT, "host pool layouts differ"),
         "not an int": ({"pid": "1"}, ErrorKind.BAD_REQUEST, "non-negative integer"),
+        "the source's own pool": (
+            {k: source.advertise()[k] for k in ("pid", "fd", "inode")},
+            ErrorKind.CONFLICT,
+            "this server's own host pool",
+        ),
     }
     try:
         for name, (changes, kind, words) in cases.items():
@@ -242,6 +247,7 @@ def test_a_destination_that_is_not_the_targets_pool_is_refused_and_nothing_writt
     error = _refusal(source, _send(tokens, beyond, _entry(target)))
     assert error.kind is ErrorKind.BAD_REQUEST and "outside its buffers" in error.message
     assert _pool_bytes(dst) == before  # nothing landed anywhere in the target's pool
+    assert _pool_bytes(src) == own_before  # nor in the source's
     assert src.snapshot().total_lock_ref == locks  # every pin released
 
 

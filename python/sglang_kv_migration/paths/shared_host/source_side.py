@@ -83,6 +83,11 @@ class SharedHostSourceSide(TierSource):
                 f"host pool layouts differ: target (attention, layout, layers, page, row "
                 f"bytes) {theirs}, source {ours}",
             )
+        own = sglang_adapter.shared_host_region(self.cache)
+        if own is not None and (peer.pid, peer.inode) == (own.pid, own.inode):
+            raise MigrationError(
+                ErrorKind.CONFLICT, "the destination is this server's own host pool"
+            )
         if self._together is None and not self.pools.holds(peer):
             # A new target (a restarted one, maybe), between launches: mappings of
             # targets that are gone go now (each keeps a whole host pool allocated).
