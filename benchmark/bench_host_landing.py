@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import host_landing_report as report
-from sglang_kv_migration.client.migration import MigrationClient
+from sglang_kv_migration.client.migration import MigrationClient, MigrationFailed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
 from full_pool import FullPool  # noqa: E402
@@ -65,6 +65,7 @@ from real_servers import (  # noqa: E402
 RESULT = OUT_DIR / "bench_host_landing.json"
 FLOOD_TOKENS = 16384
 SETTLE_S = 0.5
+WARM_UP_ATTEMPTS = 3
 
 
 def main() -> None:
@@ -123,8 +124,9 @@ def _parse() -> argparse.Namespace:
         help="their prompt tokens: 4 x 10688 leave ~6.4K of 49152 free, as in the issue",
     )  # fmt: skip
     p.add_argument(
-        "--decode-new", type=int, default=2048,
-        help="their max_new_tokens (admitted together: 4 x (10688 + 0.7 x 2048) < 49152)",
+        "--decode-new", type=int, default=1024,
+        help="their max_new_tokens: admitted together (4 x (10688 + 0.7 x 1024) < 49152), "
+        "and still decoding when the last is prefilled",
     )  # fmt: skip
     p.add_argument("--deadline-s", type=float, default=420.0, help="no repeat starts after")
     p.add_argument("--quick", action="store_true", help="8K, one repeat")
@@ -229,7 +231,14 @@ def _warm_up(client: MigrationClient, source: str, target: str, rng: random.Rand
     for path in ("device", "shared_host"):
         p = _tokens(rng, 1024)
         generate(source, p, 1)
-        client.migrate(source, target, p[:-1], path=path)
+        for attempt in range(WARM_UP_ATTEMPTS):
+            # Registering the target's host pool with CUDA takes seconds: a grant may
+            # expire meanwhile; the mapping goes on and is kept for the next attempt.
+            try:
+                client.migrate(source, target, p[:-1], path=path)
+                break
+            except MigrationFailed as e:
+                print(f"warm-up on {path}, attempt {attempt + 1}: {e}", flush=True)
         flush_cache(target)
     for url in (source, target):
         flush_cache(url)
