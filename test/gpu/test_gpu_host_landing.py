@@ -52,9 +52,9 @@ PORT_BASE = int(os.environ.get("KVMIG_PORT_BASE", "30700"))
 TARGET_POOL = 8192  # the target's GPU KV pool, tokens
 SOURCE_POOL = 16384
 PROMPT = 2049  # the moved prompts: 2048 tokens move (its last is recomputed)
-# The target's own requests: 4 x 1800 prompt tokens leave < 1000 of 8192 free (admitted
-# together: 4 x (1800 + 0.7 x 256) < 8192).
-DECODES, DECODE_PROMPT, DECODE_NEW = 4, 1800, 256
+# The target's own requests: 4 x 1600 prompt tokens leave < 1800 of 8192 free, less than
+# a moved prompt's 2048 (admitted together: 4 x (1600 + 0.7 x 512) < 8192).
+DECODES, DECODE_PROMPT, DECODE_NEW = 4, 1600, 512
 
 
 @dataclass(frozen=True)
