@@ -323,3 +323,18 @@ def test_the_plugin_builds_the_host_pool_in_shared_memory_when_the_path_is_offer
     assert (during is not plain) is shared
     assert with_backend is plain  # a storage backend's allocator stays its own
     assert hooks.around_get_allocator_from_storage(default_allocator, None) is plain  # after
+
+
+def test_a_pool_of_several_buffers_allocates_each_in_shared_memory_and_is_not_offered():
+    """Hybrid models' host pools allocate several buffers through one allocator: each
+    gets its memory file (nothing fails), and no single region is published."""
+    with sglang_adapter.host_pool_in_shared_memory():
+        allocator = sglang_adapter.host_tensor_allocator(None)
+    assert sglang_adapter.host_tensor_allocator(None) is None  # outside: SGLang's own
+    first = allocator.allocate((4, 8), torch.bfloat16, "cpu")
+    assert allocator.region is not None and allocator.region.nbytes == 64
+    second = allocator.allocate((2, 3), torch.float32, "cpu")
+    assert allocator.region is None and len(allocator.regions) == 2
+    first.fill_(1.0)
+    second.fill_(2.0)
+    assert float(first.sum()) == 32.0 and float(second.sum()) == 12.0

@@ -72,8 +72,9 @@ def shared_host_region(cache: HiRadixCache) -> SharedHostRegion | None:
     """The memory file of `cache`'s host pool, None when it was not allocated in one."""
     from sglang_kv_migration.sglang_adapter.pools import host_pool
 
+    # A host pool group (NSA) has no allocator of its own: not offered.
     allocator = getattr(host_pool(cache), "allocator", None)
-    return getattr(allocator, "region", None) if isinstance(allocator, _allocator_class()) else None
+    return allocator.region if isinstance(allocator, _allocator_class()) else None
 
 
 def open_shared_memory(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
@@ -96,22 +97,27 @@ def _allocator_class() -> type:
     from sglang.srt.mem_cache.memory_pool_host import HostTensorAllocator
 
     class SharedHostTensorAllocator(HostTensorAllocator):
-        """Allocates the pool's kv_buffer from a shared memory file, kept open for the
-        life of the process (sources open it by descriptor)."""
+        """Allocates a host pool's buffers from shared memory files, kept open for the
+        life of the process (sources open them by descriptor). The KV host pools of MHA
+        and MLA models allocate one buffer (`region`); other pools (hybrid models' state,
+        per-layer pools) allocate several, and are not offered to sources."""
 
         def __init__(self) -> None:
             super().__init__()
-            self.region: SharedHostRegion | None = None
-            self._mapping: mmap.mmap | None = None
+            self.regions: list[SharedHostRegion] = []
+            self._mappings: list[mmap.mmap] = []
+
+        @property
+        def region(self) -> SharedHostRegion | None:
+            """The pool's one buffer, None when it has several (or none yet)."""
+            return self.regions[0] if len(self.regions) == 1 else None
 
         def allocate(self, dims: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
-            if self.region is not None:
-                raise RuntimeError("a shared host pool allocator allocates one kv_buffer")
             self.dtype, self.dims = dtype, dims
             nbytes = int(torch.Size(dims).numel()) * torch.empty((), dtype=dtype).element_size()
             fd, mapping = open_shared_memory(MEMFD_NAME, nbytes)
-            self._mapping = mapping
-            self.region = SharedHostRegion(os.getpid(), fd, os.fstat(fd).st_ino, nbytes)
+            self._mappings.append(mapping)
+            self.regions.append(SharedHostRegion(os.getpid(), fd, os.fstat(fd).st_ino, nbytes))
             flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
             return flat.view(dtype).view(dims)
 

@@ -149,11 +149,15 @@ class PeerPools:
     def _map(self, key: tuple[str, int, int, int], peer: SharedHostTarget) -> MappedPool:
         try:
             pool = map_pool(peer, self.device)
-        finally:
+        except BaseException:
             with self._lock:
                 self._opening.pop(key, None)
+            raise
         with self._lock:
+            # IMPORTANT: kept before it stops being "opening", so no send maps (and
+            # registers) the same file a second time in between.
             self._open[key] = pool
+            self._opening.pop(key, None)
         logger.info("Mapped the host pool of peer %s (%d bytes)", peer.instance, peer.nbytes)
         return pool
 
