@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one-GPU runs: the device path's latency against re-prefill, concurrent moves to
-# one target, the any-tier table, the live move, the busy source and the RL scene, with
-# the GPU tests beside them. Each job fits one device command of at most ~560 s (the
-# device tool allows 600 s a command).
+# one target, the any-tier table, the live move, the busy source, the RL scene and the
+# host-tier landing into a full target GPU, with the GPU tests beside them. Each job
+# fits one device command of at most ~560 s (the device tool allows 600 s a command).
 #
 #   bash scripts/h200_runs.sh N        # N = 1..39, one device command each, kind nvidia-h200
 #   bash scripts/h200_runs.sh NAME     # the named jobs below (flagcost, verl64, rl8k-both-r0, ...)
@@ -404,8 +404,31 @@ ttftsplit)
   exec bash scripts/gpu_jobs.sh "$budget" \
     "0:conc:python3 benchmark/bench_busy_source.py --only-concurrency --concurrency-rounds 5 --busy 32 --deadline-s $((budget - 110))"
   ;;
+landing)
+  # The host-tier landing: a same-host move into a target whose GPU pool is full (held by
+  # four of its own requests, paused in place: ~6K of 49K tokens free, nothing evictable)
+  # lands in the target's host tier through shared memory (path shared_host), never over
+  # Mooncake TCP. 8K and 32K prefixes on the source's GPU and on its host tier, beside the
+  # device-path move of the same length into a target with room and beside re-prefill;
+  # three repeats (medians with range), CUDA graphs on, Llama-3-8B shape, page 16; each
+  # move's path, landing tier and the target's cached_tokens_details. Targets: landing
+  # <= 3x the device-path move and <= 10% of re-prefill. Then the host-landing GPU test
+  # (tiny model, page 16). No repeat starts after 330 s (~40 s each after ~200 s of
+  # server starts).
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:landing:python3 benchmark/bench_host_landing.py --repeats 3 --deadline-s $((budget - 230))" \
+    "0:landtest:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_host_landing.py"
+  ;;
+landtests)
+  # The host-landing GPU test alone (page 16, then page 1), and the device-path tests at
+  # MHA page 16 beside it (the device path's source and target, now two modules, and its
+  # tiered copies, now shared with the host landing): when the landing job ran out of time.
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:landtest:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_host_landing.py; KVMIG_PAGE_SIZE=1 KVMIG_PORT_BASE=30800 $T test/gpu/test_gpu_host_landing.py" \
+    "+0:devtest16:sleep 30; KVMIG_PORT_BASE=31500 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|39|flagcost|flagcost-twin|verl64[-rN]|rl<4|8|16>k-<room|full|both>-rN|ttftsplit" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|39|flagcost|flagcost-twin|verl64[-rN]|rl<4|8|16>k-<room|full|both>-rN|ttftsplit|landing|landtests" >&2
   exit 2
   ;;
 esac

@@ -7,7 +7,8 @@ rely on, nothing more:
 - `/generate` (non-streaming, ``input_ids`` in, ``output_ids`` out): requests wait in a
   queue, highest ``priority`` first (SGLang's default order), FIFO within a priority;
   at most ``max_running`` run. Admission is the "prefill": ``meta_info.cached_tokens`` is
-  the prefix the server's real HiRadixCache holds (device + host), and the prompt's
+  the prefix the server's real HiRadixCache holds (device + host; how much of each in
+  ``cached_tokens_details``, as SGLang says), and the prompt's
   page-aligned part is inserted into that cache. Each later step emits one token per
   running request. A request finishes with ``{"type": "length"}`` after
   ``max_new_tokens`` tokens or ``{"type": "stop"}`` on a ``stop_token_ids`` token; then
@@ -103,6 +104,9 @@ class _Req:
     return_logprob: bool = False
     output_ids: list[int] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
+    # SGLang's `meta_info.cached_tokens_details`: of `cached_tokens`, how many were on
+    # the GPU and how many only in the host tier (loaded back) at admission.
+    cached_details: dict[str, int] = dataclasses.field(default_factory=dict)
     abort: bool = False
 
 
@@ -246,6 +250,10 @@ class GenerateStandin:
             req = self.waiting.pop(0)
             match = self.harness.match(req.input_ids)
             req.cached_tokens = len(match.device_indices) + match.host_hit_length
+            req.cached_details = {
+                "device": len(match.device_indices),
+                "host": int(match.host_hit_length),
+            }
             self._insert(req.input_ids)
             self.running.append(req)
             self._emit(req)
@@ -289,6 +297,7 @@ class GenerateStandin:
                 "prompt_tokens": len(req.input_ids),
                 "completion_tokens": len(req.output_ids),
                 "cached_tokens": req.cached_tokens,
+                "cached_tokens_details": req.cached_details or None,
             },
         }
         if req.return_logprob:  # SGLang's shape: (logprob, token id, text) per token

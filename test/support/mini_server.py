@@ -298,6 +298,7 @@ class _MiniScheduler:
         self.waiting_queue: list[Any] = []
         # SGLang's pool of request rows (what a running request's slots are read from).
         self.req_to_token_pool = harness.cache.req_to_token_pool
+        self.held_device_slots: Any = None  # the "hold_device_pool" command's
 
     @property
     def reads_requests(self) -> bool:
@@ -755,13 +756,35 @@ def _known_destinations(scheduler: Any) -> int:
     return len(known) if known is not None else 0
 
 
-# Test-only commands about what requests leave behind in the rank's process.
+def _hold_device_pool(scheduler: Any) -> int:
+    """Take every free device KV slot, as running requests hold theirs (nothing of it
+    evictable): the GPU pool is full. Returns how many were taken."""
+    allocator = scheduler.tree_cache.token_to_kv_pool_allocator
+    held = allocator.alloc(allocator.available_size())
+    scheduler.held_device_slots = held
+    return 0 if held is None else len(held)
+
+
+def _release_device_pool(scheduler: Any) -> int:
+    """Give back what `_hold_device_pool` took; returns the pool's free slots."""
+    allocator = scheduler.tree_cache.token_to_kv_pool_allocator
+    held = scheduler.held_device_slots
+    if held is not None and len(held):
+        allocator.free(held)
+    scheduler.held_device_slots = None
+    return int(allocator.available_size())
+
+
+# Test-only commands about what requests leave behind in the rank's process, and the
+# device pool held full (as by running requests).
 _MEMORY_COMMANDS = {
     "rss": _rss_bytes,
     "gc_off": _gc_off,
     "gc_garbage_types": _gc_garbage_types,
     "gc_rss": _gc_rss,
     "known_destinations": _known_destinations,
+    "hold_device_pool": _hold_device_pool,
+    "release_device_pool": _release_device_pool,
 }
 
 

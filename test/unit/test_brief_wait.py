@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from sglang_kv_migration.paths.device.path import DeviceSendJob
+from sglang_kv_migration.paths.device.send_job import TierSendJob
 from sglang_kv_migration.server.diag import deferred_log
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
 from sglang_kv_migration.server.rank import loop
@@ -105,7 +105,7 @@ def test_awaited_covers_allocate_replies_and_copy_events_only() -> None:
 
 
 def test_a_device_job_waits_only_on_its_copy_once_launched() -> None:
-    job = DeviceSendJob(pin=SimpleNamespace(release=lambda: None))
+    job = TierSendJob(pin=SimpleNamespace(release=lambda: None))
     assert job.completion_event is None  # not launched
     end = _Event()
     job.launched(_Event(), end, {})

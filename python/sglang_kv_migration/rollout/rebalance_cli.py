@@ -75,6 +75,7 @@ def main(argv: list[str]) -> int:
         max_moves_per_request=args.max_moves_per_request,
         kv_headroom=args.kv_headroom,
         device_path=args.device_path,
+        shared_host=args.shared_host,
         no_room=args.no_room,
         live=args.live,
     )
@@ -391,6 +392,13 @@ def _add_placement_options(p: argparse.ArgumentParser, policy: RebalancePolicy) 
         dest="device_path",
         action="store_false",
         help="the servers do not share a host: plan every migration into the target's host pool",
+    )
+    add(
+        "--no-shared-host",
+        dest="shared_host",
+        action="store_false",
+        help="servers on one host that do not offer the shared-host path: a move that fits "
+        "only the target's host pool goes through the host path (Mooncake)",
     )
     add(
         "--no-room",

@@ -17,6 +17,9 @@ Hooks (targets are named in `sglang_adapter/hook_targets.py`):
   SGLang's idle memory-leak check holds;
 - AROUND `Scheduler.maybe_sleep_on_idle`: with `--sleep-on-idle`, keep the loop awake
   while a migration is in flight or pending (its replies come from the poll);
+- AROUND `Scheduler.init_cache_with_memory_pool` and AROUND
+  `memory_pool_host.get_allocator_from_storage`: a server that offers the shared-host
+  path builds its host KV pool in shared memory;
 - AFTER `TokenizerControlMixin.init_communicators`: one communicator per operation;
 - BEFORE `http_server.launch_server`: check that every hook above is installed, then add
   the HTTP routes to SGLang's FastAPI app;
@@ -151,6 +154,16 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
             upstream.SCHEDULER_RESUME_MEMORY,
             scheduler_hooks.after_resume_memory_occupation,
             HookType.AFTER,
+        ),
+        (
+            upstream.SCHEDULER_INIT_CACHE,
+            scheduler_hooks.around_init_cache_with_memory_pool,
+            HookType.AROUND,
+        ),
+        (
+            upstream.HOST_POOL_ALLOCATOR,
+            scheduler_hooks.around_get_allocator_from_storage,
+            HookType.AROUND,
         ),
         (
             upstream.TOKENIZER_INIT_COMMUNICATORS,

@@ -3,7 +3,8 @@
 in `pool_groups.py`), and the scheduler's,
 tokenizer manager's and HTTP server's attributes (`process.py`), the running requests'
 slots (`running_requests.py`), what the opt-in request moments read of requests and
-batches (`request_facts.py`); `hook_targets.py` names
+batches (`request_facts.py`), the host pool in shared memory (`shared_host_pool.py`);
+`hook_targets.py` names
 every upstream symbol the plugin hooks or relies on.
 
 Everything else in the package goes through these functions, imported from here
@@ -87,6 +88,13 @@ from sglang_kv_migration.sglang_adapter.running_requests import (
     RunningRequest,
     RunningRequests,
     running_prefix,
+)
+from sglang_kv_migration.sglang_adapter.shared_host_pool import MEMFD_LINK as SHARED_POOL_MEMFD_LINK
+from sglang_kv_migration.sglang_adapter.shared_host_pool import (
+    SharedHostRegion,
+    host_pool_in_shared_memory,
+    host_tensor_allocator,
+    shared_host_region,
 )
 
 # IMPORTANT: the one place that picks what differs between SGLang lines (installed.py):
@@ -188,8 +196,10 @@ __all__ = [
     "PinnedHostPages",
     "RunningRequest",
     "RunningRequests",
+    "SHARED_POOL_MEMFD_LINK",
     "SchedulerView",
     "Segment",
+    "SharedHostRegion",
     "TieredPrefix",
     "WRITE_BACK_TIMEOUT_S",
     "add_request_handlers",
@@ -214,7 +224,9 @@ __all__ = [
     "host_pages_ready",
     "host_pool",
     "host_pool_buffer",
+    "host_pool_in_shared_memory",
     "host_pool_shape",
+    "host_tensor_allocator",
     "http_server_app",
     "http_server_imported",
     "server_runtime_missing",
@@ -244,6 +256,7 @@ __all__ = [
     "running_prefix",
     "scheduler_idle_check",
     "scheduler_load",
+    "shared_host_region",
     "stage_reply_sender",
     "take_device_slots",
     "take_host_slots",

@@ -44,6 +44,11 @@ SCHEDULER_SLEEP_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_o
 # copies in flight must finish first, and the device path's landing arena follows it.
 SCHEDULER_RELEASE_MEMORY = "sglang.srt.managers.scheduler.Scheduler.release_memory_occupation"
 SCHEDULER_RESUME_MEMORY = "sglang.srt.managers.scheduler.Scheduler.resume_memory_occupation"
+# The shared-host path: a server that offers it builds its host KV pool in shared memory
+# (`shared_host_pool.py`), through the allocator SGLang asks for while the scheduler
+# builds its cache.
+SCHEDULER_INIT_CACHE = "sglang.srt.managers.scheduler.Scheduler.init_cache_with_memory_pool"
+HOST_POOL_ALLOCATOR = "sglang.srt.mem_cache.memory_pool_host.get_allocator_from_storage"
 
 HOOK_TARGETS: tuple[str, ...] = (
     SERVER_ARGS_CLASS,
@@ -58,6 +63,8 @@ HOOK_TARGETS: tuple[str, ...] = (
     SCHEDULER_SLEEP_ON_IDLE,
     SCHEDULER_RELEASE_MEMORY,
     SCHEDULER_RESUME_MEMORY,
+    SCHEDULER_INIT_CACHE,
+    HOST_POOL_ALLOCATOR,
 )
 
 # Opt-in diagnosis (`server/diag/request_moments.py`, hooked only with
@@ -92,6 +99,8 @@ SERVER_RUNTIME_TARGETS: frozenset[str] = frozenset(
             "sglang.srt.managers.tokenizer_manager.",
             HTTP_LAUNCH_SERVER,
             ENGINE_LAUNCH_SUBPROCESSES,
+            # The host pool module imports the native KV copy kernels.
+            HOST_POOL_ALLOCATOR,
         )
     )
 )
@@ -99,7 +108,12 @@ SERVER_RUNTIME_TARGETS: frozenset[str] = frozenset(
 # Hook targets the 0.5.23 line lacks; what hooks them is refused there at start
 # (`installed.device_path_missing`, `installed.server_args_refusal`).
 ABSENT_ON_UNIFIED_LINE: frozenset[str] = frozenset(
-    {SCHEDULER_SESSION_HELD_TOKENS, SCHEDULER_RELEASE_MEMORY, SCHEDULER_RESUME_MEMORY}
+    {
+        SCHEDULER_SESSION_HELD_TOKENS,
+        SCHEDULER_RELEASE_MEMORY,
+        SCHEDULER_RESUME_MEMORY,
+        HOST_POOL_ALLOCATOR,
+    }
 )
 
 # Symbols both lines have.
@@ -215,6 +229,8 @@ REQUIRED_SYMBOLS_0_5_12: tuple[str, ...] = (
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.alloc",
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.free",
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.available_size",
+    # The shared-host path's allocator derives from it (`shared_host_pool.py`).
+    "sglang.srt.mem_cache.memory_pool_host.HostTensorAllocator",
 )
 
 

@@ -338,7 +338,8 @@ def _is_list(value: Any) -> bool:
 @dataclass
 class TransferRequestKVCacheTarget(HostTarget):
     """One target rank: where the source rank with the same (tp, pp) writes (host path:
-    the `HostTarget` fields; device path: `device_kv`, a `DeviceTarget` on the wire)."""
+    the `HostTarget` fields; device path: `device_kv`, a `DeviceTarget` on the wire;
+    shared-host path: `shared_host_kv`, a `SharedHostTarget`)."""
 
     tp: int
     pp: int
@@ -355,6 +356,8 @@ class TransferRequestKVCacheTarget(HostTarget):
     # was sent it in full before (`server/source/known_destinations.py`); the source fills
     # `device_kv` in from what it hashed itself.
     device_kv_digest: str = ""
+    # Shared-host path: the target rank's paths["shared_host"] (`SharedHostTarget`).
+    shared_host_kv: dict | None = None
 
 
 @dataclass
