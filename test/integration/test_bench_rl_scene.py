@@ -92,7 +92,7 @@ def test_scene_modes_on_mini_servers(servers: list[ServerHandle], tmp_path: Path
 
     rows = [report.summarize(none, none), report.summarize(migrate, none)]
     assert rows[1]["moves"] == 2 and rows[1]["paths"] == ["host"]
-    assert rows[1]["landing"] == {"host -> unreported": 2}
+    assert rows[1]["landing"] == {"host -> host": 2}
     assert rows[1]["moved_outputs_identical"] == rows[1]["moved"] == 2
     assert rows[0]["moves"] == 0
     runs = [report.Run("room", 0, none), report.Run("room", 0, migrate)]
