@@ -95,6 +95,8 @@ class ServerSpec:
     dp_size: int = 1
     dp_attention: bool = False
     preload_dp_rank: int | None = None
+    # --served-model-name (None: SGLang's default, the model path).
+    served_model_name: str | None = "tiny-llama"
 
     @property
     def world(self) -> int:
@@ -859,7 +861,7 @@ def _server_args(spec: ServerSpec, launch_id: str = "") -> Any:
     cfg = spec.harness
     args = KVMigrationServerArgs(
         model_path=cfg.model_dir or cpu_harness.write_tiny_model_dir(),
-        served_model_name="tiny-llama",
+        served_model_name=spec.served_model_name,
         skip_tokenizer_init=True,
         device="cpu",
         page_size=cfg.page_size,

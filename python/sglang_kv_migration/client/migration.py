@@ -42,7 +42,7 @@ import orjson
 from sglang_kv_migration import binary_ids
 from sglang_kv_migration.client import aio_http11, http11
 from sglang_kv_migration.client.batch import Move, lockstep
-from sglang_kv_migration.fingerprint import CP_SHARDED, LayoutFingerprint
+from sglang_kv_migration.fingerprint import CP_SHARDED, LayoutFingerprint, explain
 from sglang_kv_migration.grants import destination_digest
 from sglang_kv_migration.targets import HostTarget
 from sglang_kv_migration.wire import bodies
@@ -1364,7 +1364,7 @@ def _check_compatible(source_info: SessionInfoReply, target_info: SessionInfoRep
         target_fp = LayoutFingerprint.from_dict(target_ranks[position].fingerprint)
         mismatch = source_fp.first_mismatch(target_fp)
         if mismatch is not None:
-            raise MigrationFailed("session_info", f"KV layouts differ: {mismatch}")
+            raise MigrationFailed("session_info", f"KV layouts differ: {explain(mismatch)}")
 
 
 _JSON = {"Content-Type": "application/json"}
