@@ -812,8 +812,16 @@ def _serve_http(
     from_scheduler = context.socket(zmq.PULL)
     from_scheduler.bind(tokenizer_endpoint)
 
+    # SGLang's tokenizer manager stamps every request with its server args' weight version
+    # ("default" until a weight update names one).
+    weight_version = _server_args(spec).weight_version
     comms = (
-        KVMigrationCommunicators(to_scheduler, pp_size=spec.pp_size, dp_size=spec.dp_size)
+        KVMigrationCommunicators(
+            to_scheduler,
+            weight_version=lambda: weight_version,
+            pp_size=spec.pp_size,
+            dp_size=spec.dp_size,
+        )
         if spec.enable_kv_migration
         else None
     )

@@ -28,6 +28,9 @@ HTTP_LAUNCH_SERVER = "sglang.srt.entrypoints.http_server.launch_server"
 # frameworks that serve SGLang's `app` with their own uvicorn (verl) call it directly and
 # never reach `launch_server`.
 ENGINE_LAUNCH_SUBPROCESSES = "sglang.srt.entrypoints.engine.Engine._launch_subprocesses"
+# The class `Engine(**kwargs)` builds its ServerArgs with, bound when the class was
+# defined: the REPLACE of `ServerArgs` rebinds module attributes, not this one.
+ENGINE_SERVER_ARGS_CLASS = "sglang.srt.entrypoints.engine.Engine.server_args_class"
 # The idle/busy memory-leak checks count these tokens as held outside the tree: pending
 # device-slot allocations are added here, so SGLang's pool invariant keeps holding.
 SCHEDULER_SESSION_HELD_TOKENS = "sglang.srt.managers.scheduler.Scheduler._session_held_tokens"
@@ -48,6 +51,7 @@ HOOK_TARGETS: tuple[str, ...] = (
     TOKENIZER_INIT_COMMUNICATORS,
     HTTP_LAUNCH_SERVER,
     ENGINE_LAUNCH_SUBPROCESSES,
+    ENGINE_SERVER_ARGS_CLASS,
     SCHEDULER_SESSION_HELD_TOKENS,
     SCHEDULER_SLEEP_ON_IDLE,
     SCHEDULER_RELEASE_MEMORY,
@@ -60,7 +64,7 @@ SERVER_RUNTIME_TARGETS: frozenset[str] = frozenset(
     t
     for t in HOOK_TARGETS
     if t.startswith(
-        ("sglang.srt.managers.scheduler.", HTTP_LAUNCH_SERVER, ENGINE_LAUNCH_SUBPROCESSES)
+        ("sglang.srt.managers.scheduler.", HTTP_LAUNCH_SERVER, "sglang.srt.entrypoints.engine.")
     )
 )
 

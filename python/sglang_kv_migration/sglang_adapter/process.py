@@ -144,6 +144,33 @@ def http_tokenizer_manager() -> Any:
     return get_global_state().tokenizer_manager
 
 
+def plugins_loading_started() -> bool:
+    """Whether SGLang's `load_plugins()` has started in this process (it sets its flag
+    first, before it loads any plugin)."""
+    import sglang.srt.plugins as plugins
+
+    return bool(plugins._plugins_loaded)
+
+
+def engine_tokenizer_manager(engine: Any) -> Any:
+    """An in-process `sglang.Engine`'s tokenizer manager (set once it has started)."""
+    return engine.tokenizer_manager
+
+
+def engine_loop(engine: Any) -> Any:
+    """The asyncio loop an in-process `sglang.Engine` runs its calls on: the running loop
+    it was built in, else one of its own that its blocking calls run."""
+    return engine.loop
+
+
+def add_api_key_middleware(app: Any, api_key: str | None, admin_api_key: str | None) -> None:
+    """SGLang's API-key middleware on `app`, as its HTTP server adds it (the routes'
+    auth levels decide which key each takes)."""
+    from sglang.srt.utils.auth import add_api_key_middleware as add
+
+    add(app, api_key=api_key, admin_api_key=admin_api_key)
+
+
 def registered_hooks(target: str) -> list[object]:
     """The hook callables SGLang's `HookRegistry` holds for `target` (registered, maybe not
     applied yet). The registry has no public reader; this is its one private read."""
