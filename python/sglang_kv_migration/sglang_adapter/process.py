@@ -89,6 +89,19 @@ def forward_to_later_stages(recv_reqs: list[Any], messages: list[Any]) -> None:
     recv_reqs.extend(messages)
 
 
+def give_request_dispatcher(scheduler_stand_in: Any) -> None:
+    """The empty `TypeBasedDispatcher` SGLang's `Scheduler` starts with, on an object that
+    stands in for one (the demo's CPU server): our hooks add their handlers to it."""
+    from sglang.utils import TypeBasedDispatcher
+
+    scheduler_stand_in._request_dispatcher = TypeBasedDispatcher([])
+
+
+def dispatch_request(scheduler: Any, request: Any) -> Any:
+    """A request through the scheduler's dispatcher, as its loop hands it on."""
+    return scheduler._request_dispatcher(request)
+
+
 def add_request_handlers(scheduler: Any, handlers: list[tuple[type, Any]]) -> None:
     """Append handlers to the scheduler's `TypeBasedDispatcher`."""
     from sglang.utils import TypeBasedDispatcher
