@@ -4,7 +4,7 @@
 # the GPU tests beside them. Each job fits one device command of at most ~560 s (the
 # device tool allows 600 s a command).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..38, one device command each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..39, one device command each, kind nvidia-h200
 #
 # Before the first job, on the same warm machine (../shared/gpu/README.md, section 2):
 #   install, carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -14,11 +14,14 @@
 #   .whl-mc .`), httptools and torch_memory_saver 0.0.10 (`scripts/fetch-gpu-extras.sh`,
 #   which also moves two wheels of .whl/ there: .whl/ and the tree passed 64 MiB).
 #   If the machine went cold between jobs, /tmp/site is gone: run the install again.
+#   Job 39 (verl and Ray) needs one more install call before it, carry [".whl-verl"]
+#   (`bash scripts/fetch-verl-wheels.sh`, ~50 MiB):  python3 -m pip install -q --no-index \
+#     --no-deps --no-compile --no-cache-dir --target /tmp/site-verl .whl-verl/*.whl
 #
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|38}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|39}
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -326,8 +329,19 @@ case $call in
     "+0:reqmig16:sleep 20; KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py" \
     "+0:host1:sleep 40; KVMIG_PAGE_SIZE=1 $T test/gpu/test_gpu_migration.py"
   ;;
+39)
+  # verl's own SGLang server class (SGLangHttpServer) in Ray actors: two replicas on one
+  # GPU, CUDA graphs on, the recipe's engine kwargs (docs/rl-integration.md, "verl"),
+  # routed by KVMigrationLoadBalancer through verl's get_router_handle and client: 8
+  # sessions' 2K-token histories on replica A, then B joins and every second turn is
+  # acquired at once; moved sessions' turns must find the migrated KV in B's cache.
+  # /tmp/site-verl from the install call above (.whl-verl); ~4-6 min (two server
+  # starts, ~150 s and ~50 s). Result: verlray/results.jsonl ("verl_actors").
+  exec bash scripts/gpu_jobs.sh 560 \
+    "0:verlray:PYTHONPATH=/tmp/site:/tmp/site-verl $T test/gpu/test_gpu_verl_actors.py"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|38" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|39" >&2
   exit 2
   ;;
 esac
