@@ -9,7 +9,10 @@ workload:
 2. pressure: `--max-running-requests` long low-priority decodes fill A's running slots
    and KV pool, which pushes the conversations' KV out of A's GPU into its host tier (the
    size query's `device_token_size` per conversation is recorded: the tier a move reads
-   from); B runs only `--b-low` short low-priority requests;
+   from); B runs only `--b-low` short low-priority requests (variant `room`), or
+   `--b-full-requests` long ones that take `--b-full-fill` of its GPU pool (variant
+   `full`, `--target-gpu full`: a moved history finds no room on B's GPU, nothing there
+   evictable while they run);
 3. next turns: each conversation's next turn (history + `--observation` new tokens)
    arrives on A with priority `--high` over `--low`, less than SGLang's preemption
    threshold (`--preemption-threshold`), so it waits in A's queue instead of preempting.
@@ -20,18 +23,24 @@ high-priority turns to B by abort + re-prefill, what RL frameworks do today); `m
 it will take). Both rebalancing modes use the scene policy: only queued requests at least
 `--high` urgent whose KV A holds (any tier), at most `--max-concurrent` at once.
 
-Servers run with CUDA graphs on (`--no-cuda-graph` turns them off). The modes run
-`--repeats` times (default 3; repeat r draws its workload from seed `--seed` + r), and
-the p99s are over all turns of all repeats together, with their spread (the lowest
-and highest per-repeat p99; `rl_scene_stats.py`). Result files of separate runs of one
-context (e.g. one repeat per device call, `--repeat-start`) merge with `--merge`.
+Servers run with CUDA graphs on (`--no-cuda-graph` turns them off), started one after
+another with pools of `--max-total-tokens` each (`gpu_servers.py` sizes each one's
+`--mem-fraction-static` from the memory free when it starts); the host tiers are sized
+for the scene within 70% of the machine's free memory. The modes run `--repeats` times
+per variant (default 3; repeat r draws its workload from seed `--seed` + r), and the
+p99s are over all turns of all repeats together, with their spread (the lowest and
+highest per-repeat p99) and each repeat's own ratios (`rl_scene_stats.py`). Result files
+of separate runs of one context (e.g. one repeat per device call, `--repeat-start`)
+merge with `--merge`. No mode starts that the last one's duration says would end after
+`--deadline-s` (from this process's start).
 
 Reported per mode: high-priority completion from arrival p50/p99, low-priority
 completion p50/p99, makespan, prefill tokens computed (SGLang's
 `sglang:realtime_tokens_total{mode="prefill_compute"}`, both servers), every move's
-outcome, path, tier (device/host tokens held on A when planned) and phases, and whether
-each moved turn's output equals the same turn's output in `none` (greedy, same dummy
-weights on both servers). Then the issue's ratios.
+outcome, path, tier (device/host tokens held on A when planned), the tier it landed in
+on B and what B served the moved turn from (`rl_scene_report.py`), and phases, and
+whether each moved turn's output equals the same turn's output in `none` (greedy, same
+dummy weights on both servers). Then the issue's ratios.
 
     KVMIG_GPU_OUT=$OUT python3 benchmark/bench_rl_scene.py --context 8192
     KVMIG_GPU_OUT=$OUT python3 benchmark/bench_rl_scene.py --context 16384 --repeats 1 \
@@ -41,8 +50,9 @@ weights on both servers). Then the issue's ratios.
     python3 benchmark/bench_rl_scene.py --scene early  # the earlier scene:
                                                        # bench_rollout_rebalance.py
 
-Writes `$KVMIG_GPU_OUT/bench_rl_scene_<context>.json` and, with matplotlib, a PNG of the
-same name; prints a markdown table for docs/benchmarks.md.
+Writes `$KVMIG_GPU_OUT/bench_rl_scene_<context>.json` (`_r<start>` with
+`--repeat-start`) after every mode and, with matplotlib, a PNG per variant; prints
+markdown tables for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -50,18 +60,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import gpu_servers
 import httpx
+import rl_scene_report as report
 import rl_scene_stats
+from rl_scene_report import ModeResult, Turn
 from sglang_kv_migration.rollout.rebalancer import RebalancePolicy, Rebalancer
 from sglang_kv_migration.rollout.request_migration import (
     AsyncRequestMigrator,
@@ -78,7 +89,6 @@ from real_servers import (  # noqa: E402
     flush_cache,
     generate,
     prefill_tokens,
-    running_servers,
     write_model,
 )
 
@@ -96,34 +106,12 @@ class Scene:
     low_prompt: int
     low_gen: int
     b_low: int  # low-priority requests on B
+    b_prompt: int  # ... their prompt tokens
     high: int
     low: int
     vocab: int
     seed: int = 0
-
-
-@dataclass
-class Turn:
-    """One request of the measured phase, as the report needs it."""
-
-    kind: str  # "high" (a conversation's next turn) or "low"
-    key: int
-    arrival_s: float  # since the mode started
-    seconds: float = 0.0  # arrival -> whole output
-    servers: list[str] = field(default_factory=list)
-    moves: list[dict[str, Any]] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    held_tokens: int = 0  # what A held of the prompt at arrival (high turns)
-    device_tokens: int = 0  # ... of it on A's GPU
-
-
-@dataclass
-class ModeResult:
-    mode: str
-    makespan_s: float
-    turns: list[Turn]
-    prefill_tokens: float | None
-    rebalancer: dict[str, Any]
+    variant: str = rl_scene_stats.ROOM  # B's GPU with room for the moves, or full
 
 
 # --------------------------------------------------------------------------- workload
@@ -153,7 +141,7 @@ def make_workload(s: Scene) -> Workload:
         first_turns=[tokens(rng, s.context, s.vocab) for _ in range(s.conversations)],
         observations=[tokens(rng, s.observation, s.vocab) for _ in range(s.conversations)],
         low_on_a=[tokens(rng, s.low_prompt, s.vocab) for _ in range(s.low_count)],
-        low_on_b=[tokens(rng, s.low_prompt // 4, s.vocab) for _ in range(s.b_low)],
+        low_on_b=[tokens(rng, s.b_prompt, s.vocab) for _ in range(s.b_low)],
     )
 
 
@@ -171,6 +159,8 @@ async def run_mode(
         lows = await submit_all(migrator, a, work.low_on_a, scene.low_gen, scene.low)
         lows += await submit_all(migrator, b, work.low_on_b, scene.low_gen, scene.low)
         await wait_running(a, scene.low_count)
+        if scene.variant == rl_scene_stats.FULL:  # B's pool taken before anything moves
+            await wait_running(b, scene.b_low)
         prompts = [h + o for h, o in zip(histories, work.observations, strict=True)]
         held = await asyncio.gather(*(migrator.held_kv(a, p) for p in prompts))
         arrival = time.perf_counter() - t0
@@ -245,91 +235,12 @@ async def collect(
             turn = Turn("low", i - len(highs), 0.0)
         turn.seconds = at - turn.arrival_s
         turn.servers = [s.server_url for s in out.segments]
-        turn.moves = [move_record(m) for m in out.moves]
+        turn.moves = [report.move_record(m) for m in out.moves]
+        if out.moves and out.segments:
+            turn.target_cached = report.served_from(out.segments[-1].meta_info)
         turn.output_ids = out.output_ids
         turns.append(turn)
     return turns
-
-
-def move_record(report: Any) -> dict[str, Any]:
-    m = report.migration
-    return {
-        "outcome": report.outcome,
-        "path": m.path if m else "",
-        "migrated_tokens": m.migrated_token_size if m else 0,
-        "phases_s": m.timings if m else {},
-        "move_s": report.seconds,
-        "estimate": report.estimate.to_dict() if report.estimate else None,
-        "failure": report.failure,
-    }
-
-
-# --------------------------------------------------------------------------- report
-
-
-def summarize(result: ModeResult, baseline: ModeResult | None) -> dict[str, Any]:
-    row: dict[str, Any] = {"mode": result.mode, "makespan_s": round(result.makespan_s, 2)}
-    for kind in ("high", "low"):
-        times = sorted(t.seconds for t in result.turns if t.kind == kind)
-        row[f"{kind}_p50_s"] = round(percentile(times, 50), 3) if times else None
-        row[f"{kind}_p99_s"] = round(percentile(times, 99), 3) if times else None
-    row["prefill_tokens"] = result.prefill_tokens
-    moves = [m for t in result.turns for m in t.moves]
-    row["moves"] = len(moves)
-    row["paths"] = sorted({m["path"] or m["outcome"] for m in moves})
-    highs = [t for t in result.turns if t.kind == "high"]
-    row["held_on_host_tokens"] = sum(t.held_tokens - t.device_tokens for t in highs)
-    row["held_on_device_tokens"] = sum(t.device_tokens for t in highs)
-    if baseline is not None:
-        same = {t.key: t.output_ids for t in baseline.turns if t.kind == "high"}
-        moved = [t for t in highs if t.moves]
-        row["moved_outputs_identical"] = sum(t.output_ids == same.get(t.key) for t in moved)
-        row["moved"] = len(moved)
-    return row
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    return rl_scene_stats.percentile(sorted_values, q)
-
-
-def markdown(rows: list[dict[str, Any]]) -> str:
-    cols = [
-        *("mode", "repeat", "repeats", "high_turns", "high_p50_s", "high_p99_s"),
-        *("high_p99_spread_s", "low_p50_s", "low_p99_s", "low_p99_spread_s", "makespan_s"),
-        *("prefill_tokens", "moves", "paths", "held_on_host_tokens", "moved_outputs_identical"),
-    ]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    keys = ["high_p50_s", "high_p99_s", "low_p50_s", "low_p99_s"]
-    width = 0.8 / len(rows)
-    for i, row in enumerate(rows):
-        ax1.bar([j + i * width for j in range(len(keys))], [row[k] or 0 for k in keys], width,
-                label=row["mode"])  # fmt: skip
-    ax1.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(keys))],
-                   [k.removesuffix("_s").replace("_", " ") for k in keys])  # fmt: skip
-    ax1.set_ylabel("completion from arrival (s)")
-    ax1.legend()
-    ax2.bar([r["mode"] for r in rows], [r["makespan_s"] or 0 for r in rows], color="gray")
-    ax2.set_ylabel("makespan (s)")
-    ax2b = ax2.twinx()
-    ax2b.plot([r["mode"] for r in rows], [r["prefill_tokens"] or 0 for r in rows], "o-", color="C3")
-    ax2b.set_ylabel("prefill tokens computed", color="C3")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
 
 
 # --------------------------------------------------------------------------- main
@@ -349,6 +260,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add("--quick", action="store_true", help="tiny model and a small scene (smoke run)")
     add("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run, in order")
+    add("--target-gpu", nargs="+", choices=rl_scene_stats.VARIANTS, default=[rl_scene_stats.ROOM],
+        help="variants, in order: B's GPU with room for the moves, or full")  # fmt: skip
     add("--context", type=int, default=8192, help="first-turn prompt tokens (4096/8192/16384)")
     add("--conversations", type=int, default=24, help="high-priority conversations")
     add("--repeats", type=int, default=3, help="times every mode runs")
@@ -360,7 +273,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--history-gen", type=int, default=32, help="tokens the first turn generates")
     add("--high-gen", type=int, default=64, help="tokens the next turn generates")
     add("--low-gen", type=int, default=512, help="tokens each low-priority decode generates")
-    add("--b-low", type=int, default=2, help="low-priority requests on B")
+    add("--b-low", type=int, default=2, help="short low-priority requests on B (room)")
+    add("--b-full-requests", type=int, default=4, help="long low-priority requests on B (full)")
+    add("--b-full-fill", type=float, default=0.9, help="share of B's pool they take (full)")
     add("--high", type=int, default=5, help="priority of the conversations")
     add("--low", type=int, default=0, help="priority of the low-priority work")
     add(
@@ -374,13 +289,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-running-requests", type=int, default=8,
         help="running slots per server; A's are all taken by low-priority decodes")  # fmt: skip
     add("--kv-fill", type=float, default=0.9, help="share of A's KV the low decodes need")
-    add("--mem-fraction-static", type=float, default=0.35, help="per server (two on one GPU)")
+    add("--mem-fraction-static", type=float, default=None,
+        help="one value for both servers (default: each one's, from the memory free)")  # fmt: skip
     add("--max-concurrent", type=int, default=6, help="rebalancer: moves in flight at once")
     add("--target-max-ratio", type=float, default=0.95, help="rebalancer: B's KV headroom")
     add("--mode-timeout", type=float, default=150.0, help="seconds per mode")
-    add("--b-hicache-ratio", type=float, default=None,
-        help="B's --hicache-ratio (default: half of A's, at least 2): B's host pool takes "
-        "moves, A's holds every conversation; two on one machine must fit its memory")  # fmt: skip
+    add("--deadline-s", type=float, default=None, help="seconds from start; see the docstring")
+    add("--host-share", type=float, default=0.7,
+        help="share of the machine's free memory both host tiers may pin")  # fmt: skip
     add("--seed", type=int, default=0, help="workload seed")
     args, rest = p.parse_known_args(argv)
     if args.scene == "queued" and rest:
@@ -390,38 +306,80 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.context, args.conversations, args.observation, args.repeats = 1024, 4, 64, 1
         args.high_gen, args.low_gen, args.max_total_tokens = 16, 64, 8192
         args.max_running_requests = 4
+    args.t0 = time.monotonic()
     return args
 
 
-def scene_from(args: argparse.Namespace, vocab: int) -> Scene:
+def scene_from(args: argparse.Namespace, vocab: int, variant: str = rl_scene_stats.ROOM) -> Scene:
     low_prompt = int(args.max_total_tokens * args.kv_fill / args.max_running_requests)
+    low_prompt = max(16, low_prompt - args.low_gen)
+    b_low, b_prompt = args.b_low, low_prompt // 4
+    if variant == rl_scene_stats.FULL:
+        b_low = args.b_full_requests
+        b_prompt = max(16, int(args.max_total_tokens * args.b_full_fill / b_low) - args.low_gen)
     return Scene(
         conversations=args.conversations, context=args.context, observation=args.observation,
         history_gen=args.history_gen, high_gen=args.high_gen,
-        low_count=args.max_running_requests, low_prompt=max(16, low_prompt - args.low_gen),
-        low_gen=args.low_gen, b_low=args.b_low, high=args.high, low=args.low, vocab=vocab,
-        seed=args.seed,
+        low_count=args.max_running_requests, low_prompt=low_prompt,
+        low_gen=args.low_gen, b_low=b_low, b_prompt=b_prompt, high=args.high, low=args.low,
+        vocab=vocab, seed=args.seed, variant=variant,
     )  # fmt: skip
 
 
-def server_flags(args: argparse.Namespace, scene: Scene, b: bool = False) -> list[str]:
-    """A's flags (B's with `b`: its host pool per `--b-hicache-ratio`). A's host pool
-    holds every conversation plus the low decodes (none of the scene's KV may fall out
-    of A's host tier: that is what moves)."""
-    per_conv = scene.context + scene.history_gen + scene.observation + scene.high_gen
-    needed = scene.conversations * per_conv + scene.low_count * (scene.low_prompt + scene.low_gen)
-    ratio = max(2.0, math.ceil(needed / args.max_total_tokens) + 0.5)
-    if b:
-        ratio = args.b_hicache_ratio or max(2.0, ratio / 2)
-    context_len = max(per_conv, scene.low_prompt + scene.low_gen) + 64
+def host_needs(scenes: list[Scene], in_flight: int) -> tuple[int, int]:
+    """Tokens A's and B's host tiers should hold: on A every conversation and A's own
+    low-priority decodes; on B the conversations moved and not yet done (at most
+    `in_flight` at once: B's running slots and the moves in flight; a finished one may
+    fall out) and B's own decodes, in the largest variant."""
+    s = scenes[0]
+    per_conv = s.context + s.history_gen + s.observation + s.high_gen
+    a = s.conversations * per_conv + s.low_count * (s.low_prompt + s.low_gen)
+    b = min(s.conversations, in_flight) * per_conv
+    b += max(v.b_low * (v.b_prompt + v.low_gen) for v in scenes)
+    return a, b
+
+
+def host_ratios(args: argparse.Namespace, scenes: list[Scene], per_token: int) -> list[float]:
+    """A's and B's `--hicache-ratio`: A's tier first (none of the conversations may fall
+    out of it: that is what moves), within `--host-share` of the machine's free memory
+    less B's smallest tier; B's gets what is left, at least SGLang's floor."""
+    in_flight = args.max_running_requests + args.max_concurrent
+    need_a, need_b = host_needs(scenes, in_flight)
+    pool_bytes = args.max_total_tokens * per_token
+    budget = int(gpu_servers.mem_available_bytes() * args.host_share)
+    floor = 2.0
+    ratio_a = gpu_servers.host_ratio(
+        need_a, args.max_total_tokens, budget - int(floor * pool_bytes), per_token, floor=floor
+    )
+    left = budget - int(ratio_a * pool_bytes)
+    ratio_b = gpu_servers.host_ratio(need_b, args.max_total_tokens, left, per_token, floor=floor)
+    return [ratio_a, ratio_b]
+
+
+def server_flags(args: argparse.Namespace, scenes: list[Scene], per_token: int) -> list[list[str]]:
+    """A's and B's flags; the host tiers as `host_ratios` sizes them."""
+    context_len = 64 + max(
+        max(v.context + v.history_gen + v.observation + v.high_gen,
+            v.low_prompt + v.low_gen, v.b_prompt + v.low_gen)
+        for v in scenes
+    )  # fmt: skip
     return [
-        "--page-size", str(args.page_size), "--mem-fraction-static", str(args.mem_fraction_static),
-        "--max-total-tokens", str(args.max_total_tokens), "--hicache-ratio", str(ratio),
-        "--max-running-requests", str(args.max_running_requests),
-        "--context-length", str(context_len), "--enable-priority-scheduling",
-        "--priority-scheduling-preemption-threshold", str(args.preemption_threshold),
-        "--enable-metrics",
-    ]  # fmt: skip
+        [
+            "--page-size",
+            str(args.page_size),
+            "--hicache-ratio",
+            str(ratio),
+            "--max-running-requests",
+            str(args.max_running_requests),
+            "--context-length",
+            str(context_len),
+            "--enable-priority-scheduling",
+            "--priority-scheduling-preemption-threshold",
+            str(args.preemption_threshold),
+            "--enable-metrics",
+        ]  # fmt: skip
+        for ratio in host_ratios(args, scenes, per_token)
+    ]
 
 
 def policy_for(mode: str, args: argparse.Namespace) -> RebalancePolicy | None:
@@ -437,13 +395,71 @@ def policy_for(mode: str, args: argparse.Namespace) -> RebalancePolicy | None:
     )
 
 
+def merge_files(files: list[Path]) -> None:
+    for variant, seconds in rl_scene_stats.merge(files).items():
+        rows = rl_scene_stats.pooled_rows(seconds)
+        print(f"## target GPU {variant}")
+        print(report.markdown(rows))
+        print(json.dumps({"pooled": rl_scene_stats.ratios(rows),
+                          "per_repeat": rl_scene_stats.repeat_ratios(seconds)}))  # fmt: skip
+
+
+class Scenes:
+    """Every (repeat, variant, mode) on the running servers; the file after each."""
+
+    def __init__(self, args: argparse.Namespace, config: dict, scenes: list[Scene], urls: list):
+        self.args, self.config, self.scenes, self.urls = args, config, scenes, urls
+        self.runs: list[report.Run] = []
+        self.errors: dict[str, str] = {}
+        suffix = f"_r{args.repeat_start}" if args.repeat_start else ""
+        self.stem = f"bench_rl_scene_{args.context}{suffix}"
+
+    def content(self) -> dict[str, Any]:
+        scenes = {v.variant: asdict(v) for v in self.scenes}
+        return report.result_file(self.config, scenes, self.runs, self.errors)
+
+    def too_late(self, last_s: float) -> bool:
+        if self.args.deadline_s is None:
+            return False
+        return time.monotonic() - self.args.t0 + last_s > self.args.deadline_s
+
+    def run(self) -> None:
+        last = 0.0
+        for rep in range(self.args.repeat_start, self.args.repeat_start + self.args.repeats):
+            for scene in self.scenes:
+                scene_r = replace(scene, seed=self.args.seed + rep)
+                work = make_workload(scene_r)
+                for mode in self.args.modes:
+                    if self.too_late(last):
+                        print(f"deadline: stopping before {scene.variant} {rep} {mode}", flush=True)
+                        return
+                    t = time.monotonic()
+                    self.one_mode(rep, scene_r, work, mode)
+                    last = time.monotonic() - t
+
+    def one_mode(self, rep: int, scene: Scene, work: Workload, mode: str) -> None:
+        for url in self.urls:
+            flush_cache(url)
+        print(f"== {scene.variant} repeat {rep}: {mode}", flush=True)
+        run = run_mode(mode, scene, work, self.urls, policy_for(mode, self.args))
+        try:
+            result = asyncio.run(asyncio.wait_for(run, self.args.mode_timeout))
+        except TimeoutError:  # report it and go on: the other modes still count
+            self.errors[f"{scene.variant}:{rep}:{mode}"] = (
+                f"did not finish in {self.args.mode_timeout} s"
+            )
+            return
+        self.runs.append(report.Run(scene.variant, rep, result))
+        content = self.content()
+        report.write(OUT_DIR / f"{self.stem}.json", content)
+        rows = content["variants"][scene.variant]["repeat_rows"]
+        print(json.dumps(rows[-1]) if rows else "{}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.merge:
-        seconds = rl_scene_stats.merge(args.merge)
-        rows = rl_scene_stats.pooled_rows(seconds)
-        print(markdown(rows))
-        print(json.dumps(rl_scene_stats.ratios(rows)))
+        merge_files(args.merge)
         return
     if args.scene == "early":
         import bench_rollout_rebalance
@@ -451,99 +467,35 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv = [sys.argv[0], *args.rest]
         bench_rollout_rebalance.main()
         return
+    card = gpu_servers.require_gpu("bench_rl_scene")
     shape, name = (TINY_LLAMA, "tiny") if args.quick else (LLAMA3_8B, "llama3-8b")
-    scene = scene_from(args, shape["vocab_size"])
+    scenes = [scene_from(args, shape["vocab_size"], v) for v in args.target_gpu]
     os.environ.setdefault("SGLANG_ENABLE_METRICS_DEVICE_TIMER", "1")  # prefill seconds
     model_dir = write_model(shape, Path(f"/tmp/kvmig-{name}"))
     graphs = not args.no_cuda_graph
-    specs = [
-        ServerSpec(30700, server_flags(args, scene), cuda_graph=graphs),
-        ServerSpec(30800, server_flags(args, scene, b=True), cuda_graph=graphs),
-    ]
-    results: list[tuple[int, ModeResult]] = []
-    errors: dict[str, str] = {}
-    with running_servers(model_dir, specs, sequential=True) as urls:
+    flags_a, flags_b = server_flags(args, scenes, gpu_servers.kv_bytes_per_token(shape))
+    specs = {
+        "A": ServerSpec(30700, flags_a, cuda_graph=graphs),
+        "B": ServerSpec(30800, flags_b, cuda_graph=graphs),
+    }
+    config = {k: v for k, v in vars(args).items() if k not in ("rest", "merge", "t0")}
+    config |= {"shape": name, "server_flags": {"A": flags_a, "B": flags_b},
+               **gpu_servers.run_info(card)}  # fmt: skip
+    servers = gpu_servers.sized_servers(
+        model_dir, specs, shape, args.max_total_tokens, args.mem_fraction_static
+    )
+    with servers as started:
+        config["startup_s"] = {s.name: s.startup_s for s in started}
+        urls = [s.url for s in started]
         rng = random.Random(1)
         for url in urls:  # compile kernels before anything is timed
             generate(url, tokens(rng, 1024, shape["vocab_size"]), 4)
-        for rep in range(args.repeat_start, args.repeat_start + args.repeats):
-            scene_r = replace(scene, seed=args.seed + rep)
-            work = make_workload(scene_r)
-            for mode in args.modes:
-                for url in urls:
-                    flush_cache(url)
-                print(f"== repeat {rep}: {mode}", flush=True)
-                run = run_mode(mode, scene_r, work, urls, policy_for(mode, args))
-                try:
-                    results.append((rep, asyncio.run(asyncio.wait_for(run, args.mode_timeout))))
-                except TimeoutError:  # report it and go on: the other modes still count
-                    errors[f"{rep}:{mode}"] = f"did not finish in {args.mode_timeout} s"
-                    continue
-                report(args, name, scene, results, errors, final=False)
-    report(args, name, scene, results, errors, final=True)
-
-
-def report(
-    args: argparse.Namespace,
-    name: str,
-    scene: Scene,
-    results: list[tuple[int, ModeResult]],
-    errors: dict[str, str],
-    final: bool,
-) -> None:
-    """Write the JSON (after every mode: a cut-short run keeps what it measured); at the
-    end also the table, the ratios and the plot. `rows`: pooled over the repeats;
-    `repeat_rows`: each repeat's own, its moved turns checked against its `none`."""
-    repeat_rows = []
-    for rep in sorted({r for r, _ in results}):
-        mine = [m for r, m in results if r == rep]
-        baseline = next((m for m in mine if m.mode == "none"), None)
-        repeat_rows += [{"repeat": rep, **summarize(m, baseline)} for m in mine]
-    seconds = turn_seconds(results)
-    rows = rl_scene_stats.pooled_rows(seconds)
-    for row in rows:  # the plot's and table's per-mode makespan and prefill: medians
-        mine = [r for r in repeat_rows if r["mode"] == row["mode"]]
-        for key in ("makespan_s", "prefill_tokens", "moves"):
-            present = [r[key] for r in mine if r.get(key) is not None]
-            row[key] = statistics.median(present) if present else None
-    suffix = f"_r{args.repeat_start}" if args.repeat_start else ""
-    stem = f"bench_rl_scene_{args.context}{suffix}"
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    out = {
-        "config": {**{k: v for k, v in vars(args).items() if k not in ("rest", "merge")},
-                   "shape": name},
-        "scene": asdict(scene),
-        "rows": rows,
-        "ratios": rl_scene_stats.ratios(rows),
-        "repeat_rows": repeat_rows,
-        "turn_seconds": seconds,
-        "errors": errors,
-        "turns": {
-            f"{rep}:{r.mode}": [asdict(t) | {"output_ids": len(t.output_ids)} for t in r.turns]
-            for rep, r in results
-        },
-        "rebalancer": {f"{rep}:{r.mode}": r.rebalancer for rep, r in results},
-    }  # fmt: skip
-    (OUT_DIR / f"{stem}.json").write_text(json.dumps(out, indent=1))
-    if not final:
-        print(json.dumps(repeat_rows[-1]) if repeat_rows else "{}", flush=True)
-        return
-    png = OUT_DIR / f"{stem}.png"
+        run = Scenes(args, config, scenes, urls)
+        run.run()
+    content = run.content()
+    report.write(OUT_DIR / f"{run.stem}.json", content)
     title = f"RL scene, {name}, {args.context}-token histories: none / re-prefill / migrate"
-    plotted = plot(rows, png, title) if rows else False
-    print(markdown(rows))
-    print(markdown(repeat_rows))
-    print(json.dumps(out["ratios"]))
-    print(f"plot: {png}" if plotted else "plot: matplotlib not installed (or no rows)")
-
-
-def turn_seconds(results: list[tuple[int, ModeResult]]) -> dict[str, dict[str, dict]]:
-    """mode -> repeat (as a string: JSON keys) -> kind -> every turn's completion seconds."""
-    out: dict[str, dict[str, dict]] = {}
-    for rep, result in results:
-        kinds = {k: [t.seconds for t in result.turns if t.kind == k] for k in ("high", "low")}
-        out.setdefault(result.mode, {})[str(rep)] = kinds
-    return out
+    report.print_final(content, OUT_DIR, run.stem, title)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
 """The figures of the results page (`docs/benchmarks.md`), computed from the raw records
-under `docs/gpu-runs/`: per figure the median over the record's repeats, with the
-smallest and the largest, and how many repeats there were.
+under `docs/gpu-runs/` (the CPU blocks: `docs/cpu-runs/`): per figure the median over the
+record's repeats, with the smallest and the largest, and how many repeats there were.
 
     python3 benchmark/results.py            # print every generated block
     python3 benchmark/results.py --check    # exit 1 when a block of the page differs
     python3 benchmark/results.py --write    # rewrite the page's blocks from the records
+    python3 benchmark/results.py --show flag-cost FILE.json   # a new record's block
 
 The page holds each block between `<!-- results:NAME -->` and `<!-- /results:NAME -->`;
 everything else on the page is written by hand. After a new GPU run, copy its records
-under `docs/gpu-runs/<date>/`, point `RUNS` at them and run `--write`.
+under `docs/gpu-runs/<date>/`, point `RUNS` at them and run `--write`. The blocks of
+`results_adoption.py` (flag cost, verl's pattern at scale, the RL scene per variant)
+name their records in its own `RUNS` and join the page once they have one. The `fleet-sim-*`
+blocks come from the fleet simulation's record (`docs/sim/fleet_sim.json`, written by
+`bench_fleet_sim.py all --write`, whose costs are read from the records `RUNS` names).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+import fleet_report
+import results_adoption
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = ROOT / "docs" / "gpu-runs"
@@ -44,8 +52,20 @@ RUNS = {
 }
 
 
+# The CPU records the page's generated CPU blocks read.
+CPU_RUNS_DIR = ROOT / "docs" / "cpu-runs"
+CPU_RUNS = {
+    "loop_iterations": "2026-12-06/bench_loop_iterations.json",
+    "loop_iterations_idle_target": "2026-12-06/bench_loop_iterations-idle-target.json",
+}
+
+
 def load(name: str) -> dict[str, Any]:
     return json.loads((RUNS_DIR / RUNS[name]).read_text())
+
+
+def load_cpu(name: str) -> dict[str, Any]:
+    return json.loads((CPU_RUNS_DIR / CPU_RUNS[name]).read_text())
 
 
 def spread(values: Iterable[float], unit: str = "", digits: int = 2, of: str = "") -> str:
@@ -264,10 +284,37 @@ def block_scenes() -> str:
 
 def block_live() -> str:
     """`bench_live_move.py` from the running request's slots: per context and tokens
-    generated before the move, the stall and the abort over the repeats, the bound (abort
-    + 10 ms + one target decode step) and the 40 ms cap."""
+    generated before the move, the stall over the repeats beside SGLang's own cached
+    resume of the same request on the same target, the bound (that resume + 10 ms + one
+    target decode step) and, at 4K, the 40 ms cap. Records made before the benchmark
+    measured SGLang's own resume are read with their bound (the abort + 10 ms + step)."""
+    record = load("live")
+    if not any("baseline" in row for row in record["rows"]):
+        return _block_live_before_baseline(record)
     rows = []
-    for row in load("live")["rows"]:
+    for row in record["rows"]:
+        done = [r for r in row["repeats"] if r.get("complete")]
+        stalls = [r["stall_s"] * 1e3 for r in done]
+        bases = [r["baseline_s"] * 1e3 for r in done if r.get("baseline_s") is not None]
+        checks = row["checks"]
+        bound, cap, added = checks.get("bound_s"), checks.get("stall_cap_s"), checks.get("added_s")
+        limit = min(b for b in (bound, cap) if b is not None) * 1e3 if bound else None
+        met = "—" if limit is None else verdict(stalls, limit, " ms", digits=1)
+        rows.append([f"{row['context']:,}", f"{row['generated']:,}", spread(stalls, " ms", 1),
+                     spread(bases, " ms", 1), _ms(added), _ms(row["decode_step_s"]),
+                     _ms(bound), _ms(cap, 0), met])  # fmt: skip
+    head = ["context", "generated", "stall", "SGLang's own cached resume", "added (median)",
+            "target decode step", "resume + 10 ms + step", "cap", "≤ both bounds"]  # fmt: skip
+    return _table(head, rows)
+
+
+def _ms(seconds: float | None, digits: int = 1) -> str:
+    return "—" if seconds is None else f"{seconds * 1e3:.{digits}f} ms"
+
+
+def _block_live_before_baseline(record: dict[str, Any]) -> str:
+    rows = []
+    for row in record["rows"]:
         stalls = [r["stall_s"] * 1e3 for r in row["repeats"] if r.get("complete")]
         aborts = [r["abort_s"] * 1e3 for r in row["repeats"] if r.get("complete")]
         checks = row["checks"]
@@ -319,6 +366,36 @@ def block_busy() -> str:
     return _table(head, rows) + "\n" + line
 
 
+_WAYS = {"one": "one alone", "one_call": "six in one call", "threads": "six from threads"}
+
+
+def block_cpu_iterations() -> str:
+    """`bench_loop_iterations.py`: per target loop (a fixed step, or idle), flow (the
+    busy source's HTTP layer asks the target, or its scheduler does) and way of sending,
+    the loop iterations a move took on each side, as min–max over the rounds, and the
+    wall time over one move's."""
+
+    def counts(values: list[int]) -> str:
+        return "–".join(str(v) for v in sorted({min(values), max(values)})) if values else "—"
+
+    rows = []
+    targets = (("loop_iterations", "20 ms step"), ("loop_iterations_idle_target", "idle"))
+    for name, target in targets:
+        record = load_cpu(name)
+        rounds = record["config"]["rounds"]
+        for flow, cells in record["summary"].items():
+            for way, c in cells.items():
+                over = "1" if way == "one" else spread(c["wall_over_one"], "×")
+                rows.append([target, flow, _WAYS[way], counts(c["source_iterations_max"]),
+                             counts(c["taken_up_in"]), counts(c["allocated_in"]),
+                             counts(c["committed_in"]), spread(c["wall_steps"]), over,
+                             str(rounds)])  # fmt: skip
+    head = ["target loop", "who asks the target", "moves", "source iterations per move",
+            "taken up in (source iterations)", "allocated in (target iterations)",
+            "committed in", "wall, steps", "wall / one move", "rounds"]  # fmt: skip
+    return _table(head, rows)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "targets": block_targets,
     "control-plane": block_control_plane,
@@ -329,7 +406,12 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "scenes": block_scenes,
     "live": block_live,
     "busy": block_busy,
+    "fleet-sim-validation": lambda: fleet_report.validation_block(fleet_report.load()),
+    "fleet-sim-verl": lambda: fleet_report.verl_block(fleet_report.load()),
+    "fleet-sim-sweep": lambda: fleet_report.sweep_block(fleet_report.load()),
+    "cpu-iterations": block_cpu_iterations,
 }
+BLOCKS |= results_adoption.ready_blocks(RUNS_DIR)
 
 
 def _pattern(name: str) -> re.Pattern[str]:
@@ -340,6 +422,9 @@ def _pattern(name: str) -> re.Pattern[str]:
 
 
 def render(page: str) -> str:
+    unknown = sorted(set(re.findall(r"<!-- results:([\w-]+) -->", page)) - set(BLOCKS))
+    if unknown:  # e.g. a results_adoption.py block whose records RUNS does not name
+        raise SystemExit(f"{PAGE}: no records for block(s) {', '.join(unknown)}")
     for name, block in BLOCKS.items():
         text = block()
         page, n = _pattern(name).subn(lambda m, t=text: f"{m[1]}\n{t}\n{m[3]}", page)
@@ -353,7 +438,14 @@ def main() -> None:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="exit 1 if the page differs")
     mode.add_argument("--write", action="store_true", help="rewrite the page's blocks")
+    mode.add_argument(
+        "--show", nargs="+", metavar="ARG",
+        help="BLOCK FILE...: one of results_adoption.py's blocks from these records",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.show:
+        print(results_adoption.show(args.show[0], args.show[1:]))
+        return
     if not (args.check or args.write):
         for name, block in BLOCKS.items():
             print(f"<!-- results:{name} -->\n{block()}\n<!-- /results:{name} -->\n")

@@ -2,7 +2,9 @@
 
 Each repeat gives, per mode, the completion seconds of every high- and low-priority
 turn. The p99 is taken over all turns of all repeats together (24 turns x 3 repeats =
-72 samples, not the max of 24), with its spread: the lowest and highest per-repeat p99.
+72 samples, not the max of 24), with its spread: the lowest and highest per-repeat p99;
+beside the pooled ratios, each ratio of one repeat's own p99s, as median (min–max, n).
+Each variant of the scene (the target's GPU with room, or full) is pooled on its own.
 Files written by separate runs (one repeat per device call) merge the same way.
 """
 
@@ -24,6 +26,15 @@ TARGETS = {
 
 # mode -> repeat -> kind -> completion seconds of every turn of that kind
 Seconds = Mapping[str, Mapping[Any, Mapping[str, Sequence[float]]]]
+ROOM = "room"  # the target's GPU has room for the moved histories
+FULL = "full"  # the target's own decodes fill its GPU pool
+VARIANTS = (ROOM, FULL)
+# Each ratio: (kind, mode over, mode under).
+RATIO_PARTS = {
+    "high_p99_migrate_over_recompute": ("high", "migrate", "recompute"),
+    "high_p99_migrate_over_none": ("high", "migrate", "none"),
+    "low_p99_migrate_over_none": ("low", "migrate", "none"),
+}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -65,9 +76,8 @@ def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         return round(by[a][key] / by[b][key], 3)
 
     values = {
-        "high_p99_migrate_over_recompute": ratio("migrate", "recompute", "high_p99_s"),
-        "high_p99_migrate_over_none": ratio("migrate", "none", "high_p99_s"),
-        "low_p99_migrate_over_none": ratio("migrate", "none", "low_p99_s"),
+        name: ratio(over, under, f"{kind}_p99_s")
+        for name, (kind, over, under) in RATIO_PARTS.items()
     }
     return {
         name: {
@@ -79,13 +89,44 @@ def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     }
 
 
-def merge(files: Iterable[Path]) -> dict[str, dict[str, dict[str, list[float]]]]:
-    """The `turn_seconds` of several result files of one context, repeats kept apart
-    (keyed "<file stem>:<repeat>" so two files' repeat 0 do not collide)."""
-    merged: dict[str, dict[str, dict[str, list[float]]]] = {}
+def repeat_ratios(seconds: Seconds) -> dict[str, dict[str, Any] | None]:
+    """Each ratio of the issue per repeat (of that repeat's own p99s), over the repeats
+    that ran both modes: `{"median", "min", "max", "n"}`, None where none did."""
+    out: dict[str, dict[str, Any] | None] = {}
+    for name, (kind, over, under) in RATIO_PARTS.items():
+        values = []
+        for rep, kinds in seconds.get(over, {}).items():
+            mine, theirs = kinds.get(kind), seconds.get(under, {}).get(rep, {}).get(kind)
+            if mine and theirs and percentile(theirs, 99) > 0:
+                values.append(percentile(mine, 99) / percentile(theirs, 99))
+        out[name] = None
+        if values:
+            out[name] = {
+                "median": round(statistics.median(values), 3),
+                "min": round(min(values), 3),
+                "max": round(max(values), 3),
+                "n": len(values),
+            }
+    return out
+
+
+def variant_seconds(record: Mapping[str, Any]) -> dict[str, Any]:
+    """variant -> `Seconds` of one result file; a file written before the variants
+    holds the target-with-room scene only."""
+    if "variants" in record:
+        return {v: data.get("turn_seconds", {}) for v, data in record["variants"].items()}
+    return {ROOM: record.get("turn_seconds", {})}
+
+
+def merge(files: Iterable[Path]) -> dict[str, dict[str, dict[str, dict[str, list[float]]]]]:
+    """Per variant, the turn seconds of several result files of one context, repeats
+    kept apart (keyed "<file stem>:<repeat>" so two files' repeat 0 do not collide)."""
+    merged: dict[str, dict[str, dict[str, dict[str, list[float]]]]] = {}
     for path in files:
         data = json.loads(Path(path).read_text())
-        for mode, repeats in data.get("turn_seconds", {}).items():
-            for rep, kinds in repeats.items():
-                merged.setdefault(mode, {})[f"{Path(path).stem}:{rep}"] = kinds
+        for variant, seconds in variant_seconds(data).items():
+            for mode, repeats in seconds.items():
+                for rep, kinds in repeats.items():
+                    key = f"{Path(path).stem}:{rep}"
+                    merged.setdefault(variant, {}).setdefault(mode, {})[key] = kinds
     return merged

@@ -3,13 +3,16 @@
 Each repeat runs one rollout step per arm and gives, per arm, the step's makespan and
 every turn's latency and greedy output. Per arm: the makespan and the per-repeat p50 and
 p99 of the turn latencies, each as the median over repeats with its min and max; the
-ratios of the medians against the targets; and whether every turn's output is the same
-token list in every arm of the same repeat.
+ratios of the medians against the targets and against the bound (balanced from the
+start, every turn served from its own server's cache: no skew to undo); and whether
+every turn's output is the same token list in every arm of the same repeat. Result
+files of separate runs (a few repeats per device call) merge into one summary.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,12 +21,26 @@ from typing import Any
 DEFAULT = "default"  # verl's balancer: sticky + least in flight, never re-pins
 REPREFILL = "repin_reprefill"  # re-pins; the new server re-prefills the history
 MIGRATE = "repin_migrate"  # re-pins; the history's KV migrates first
-ARMS = (DEFAULT, REPREFILL, MIGRATE)
+BOUND = "balanced_bound"  # no skew: sessions spread from their first turn, never re-pinned
+ARMS = (DEFAULT, REPREFILL, MIGRATE, BOUND)
 # The issue's targets on the median step makespan.
 TARGETS = {
     "makespan_migrate_over_reprefill": 0.8,  # <=
     "makespan_migrate_over_default": 0.85,  # <=
 }
+
+
+def context_lengths(seed: int, n: int, shortest: int, longest: int | None) -> list[int]:
+    """Each session's first prompt length: `shortest` for all without `longest`; else
+    skewed toward `shortest` with a long tail up to `longest` (shortest + span * u**3,
+    u uniform: the mean sits a quarter of the way up), in whole pages of 16, shuffled."""
+    if longest is None or longest <= shortest:
+        return [shortest] * n
+    rng = random.Random(f"lengths/{seed}")
+    span = longest - shortest
+    lengths = [shortest + int(span * rng.random() ** 3) // 16 * 16 for _ in range(n)]
+    rng.shuffle(lengths)
+    return lengths
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -75,14 +92,34 @@ def _median(summary: Mapping[str, Any] | None, key: str) -> float | None:
 
 
 def ratios(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
-    """Median makespan and p99 of re-pin-with-migration over the other two arms."""
+    """Median makespan and p99 of re-pin-with-migration over the other arms (over the
+    bound: how far from it migration stays)."""
     out: dict[str, float | None] = {}
     for key, short in (("makespan_s", "makespan"), ("turn_p99_s", "p99")):
         mine = _median(summaries.get(MIGRATE), key)
-        for other, name in ((REPREFILL, "reprefill"), (DEFAULT, "default")):
+        for other, name in ((REPREFILL, "reprefill"), (DEFAULT, "default"), (BOUND, "bound")):
             theirs = _median(summaries.get(other), key)
             ok = mine is not None and theirs
             out[f"{short}_migrate_over_{name}"] = round(mine / theirs, 4) if ok else None
+    return out
+
+
+def repeat_ratios(steps: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """Each repeat's own makespan of re-pin-with-migration over the other arms', over
+    the repeats that ran both (steps without a `repeat` pair up by position):
+    `{"median", "min", "max", "n"}` or None."""
+
+    def by_repeat(arm: str) -> dict[Any, float]:
+        return {
+            s.get("repeat", i): float(s["makespan_s"]) for i, s in enumerate(steps.get(arm, ()))
+        }
+
+    mine = by_repeat(MIGRATE)
+    out: dict[str, Any] = {}
+    for other, name in ((REPREFILL, "reprefill"), (DEFAULT, "default"), (BOUND, "bound")):
+        theirs = by_repeat(other)
+        values = [mine[r] / theirs[r] for r in mine if theirs.get(r)]
+        out[f"makespan_migrate_over_{name}"] = spread(values)
     return out
 
 
@@ -121,9 +158,27 @@ def summarize(
     return {
         "arms": summaries,
         "ratios": ratio,
+        "repeat_ratios": repeat_ratios(steps),
         "mismatched_turns": {str(k): list(v) for k, v in mismatches.items()},
         "targets": targets(ratio, identical),
     }
+
+
+def merge(records: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """The steps and mismatches of several result files (`(name, record)` pairs), each
+    repeat keyed "<name>:<repeat>" so that two files' repeat 0 stay apart."""
+    steps: dict[str, list[dict[str, Any]]] = {}
+    mismatches: dict[str, list[str]] = {}
+    for name, record in records:
+        for arm, arm_steps in record.get("steps", {}).items():
+            for step in arm_steps:
+                steps.setdefault(arm, []).append({**step, "repeat": f"{name}:{step['repeat']}"})
+        compared = record.get("mismatched_turns")
+        if compared is None:  # files written before the field moved out of the summary
+            compared = record.get("summary", {}).get("mismatched_turns", {})
+        for repeat, keys in compared.items():
+            mismatches[f"{name}:{repeat}"] = list(keys)
+    return {"steps": steps, "mismatches": mismatches}
 
 
 def write_result(path: Path, result: Mapping[str, Any]) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wheels verl 0.9.1 and Ray need on the GPU machine (h200_runs.sh job 39:
+# The wheels verl 0.9.1 and Ray need on the GPU machine (h200_runs.sh job verlray:
 # test/gpu/test_gpu_verl_actors.py), into the ignored folder .whl-verl/, which travels in a
 # device call of its own (one call carries at most 64 MiB; see ../shared/gpu/README.md).
 #

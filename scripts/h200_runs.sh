@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # The one-GPU runs: the device path's latency against re-prefill, concurrent moves to
-# one target, the any-tier table, the live move, the busy source and the RL scene, with
-# the GPU tests beside them. Each job fits one device command of at most ~560 s (the
-# device tool allows 600 s a command).
+# one target, the any-tier table, the live move, the busy source, the RL scene and the
+# host-tier landing into a full target GPU, with the GPU tests beside them. Each job
+# fits one device command of at most ~560 s (the device tool allows 600 s a command).
 #
 #   bash scripts/h200_runs.sh N        # N = 1..39, one device command each, kind nvidia-h200
+#   bash scripts/h200_runs.sh NAME     # the named jobs below (flagcost, verl64, rl8k-both-r0, ...)
+#
+# The named jobs take KVMIG_BUDGET_S (default 560: the command's limit less the start of
+# the call) and stop their benchmark's rounds 40 s before it; set KVMIG_COMMIT=<sha> in
+# the command so that the record names the commit (the copy on the device has no .git).
 #
 # Before the first job, on the same warm machine (../shared/gpu/README.md, section 2):
 #   install, carry [".whl"]:  python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -14,14 +19,16 @@
 #   .whl-mc .`), httptools and torch_memory_saver 0.0.10 (`scripts/fetch-gpu-extras.sh`,
 #   which also moves two wheels of .whl/ there: .whl/ and the tree passed 64 MiB).
 #   If the machine went cold between jobs, /tmp/site is gone: run the install again.
-#   Job 39 (verl and Ray) needs one more install call before it, carry [".whl-verl"]
+#   Job verlray (verl and Ray) needs one more install call before it, carry [".whl-verl"]
 #   (`bash scripts/fetch-verl-wheels.sh`, ~50 MiB):  python3 -m pip install -q --no-index \
 #     --no-deps --no-compile --no-cache-dir --target /tmp/site-verl .whl-verl/*.whl
 #
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|39}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|39|NAME}
+budget=${KVMIG_BUDGET_S:-560}
+deadline=$((budget - 40))
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
 case $call in
 1)
@@ -257,12 +264,6 @@ case $call in
   exec bash scripts/gpu_jobs.sh 560 \
     "0:busy:python3 benchmark/bench_busy_source.py --repeats 3"
   ;;
-28)
-  # Six concurrent 8K moves to one target vs one, on an idle target and on a target
-  # decoding 40 requests (CUDA graphs on), three rounds each. Target: <= 1.5x.
-  exec bash scripts/gpu_jobs.sh 560 \
-    "0:conc:python3 benchmark/bench_busy_source.py --only-concurrency --concurrency-rounds 3"
-  ;;
 29)
   # The RL scene, CUDA graphs on, 4K histories: 24 high-priority turns,
   # three repeats (none / recompute / migrate each), p99 over all 72 turns with the
@@ -290,21 +291,75 @@ case $call in
   ;;
 35)
   # The live move from the running request's own slots (feature running_slots), CUDA
-  # graphs on: 4K / 16K / 32K context x 1K / 8K tokens generated before the move, three
-  # staggered requests a row (medians with range); per row the stall, the abort latency
-  # and the target's decode step. Targets: stall <= 40 ms and <= abort + 10 ms + one
-  # target decode step. Shortest rows first, the file rewritten after each; no row
-  # starts after 450 s, so the last (32K x 8K, ~80 s) ends inside the call.
-  exec bash scripts/gpu_jobs.sh 560 \
-    "0:live:python3 benchmark/bench_live_move.py --deadline-s 450"
+  # graphs on: 4K / 16K / 32K context x 1K tokens generated before the move, then 8K
+  # where the call's time allows (a row starts only when the 1K row at its context
+  # predicts it ends 30 s before KVMIG_BUDGET_S), three staggered requests a row.
+  # Per move the stall taken apart (the servers' request moments, SGLang's meta_info
+  # timestamps and the migrator's moments on one clock: the stop's and the resume's
+  # phases) beside SGLang's own cached resume of the same request on the same target,
+  # and the target's decode step. Targets: stall <= that resume + 10 ms + one target
+  # decode step; at 4K, <= 40 ms. Shortest rows first, the file rewritten after each.
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:live:python3 benchmark/bench_live_move.py --budget-s $((budget - 30)) --moments-dir /tmp/kvmig-live-moments"
   ;;
 36)
-  # verl's pattern: 16 sticky sessions x 4 turns over two servers on one GPU (CUDA graphs
-  # on), 12 first pinned to A; verl's balancer vs re-pin with re-prefill vs re-pin with
-  # migration, three repeats (makespan, turn p50/p99, greedy outputs compared). Targets:
-  # migrate <= 0.8x re-prefill and <= 0.85x default makespan. No repeat after 420 s.
+  # verl's pattern at its first size: 16 sticky sessions x 4 turns of 8K histories, 12
+  # first pinned to A (the benchmark's defaults are now verl64's scale, below).
   exec bash scripts/gpu_jobs.sh 560 \
-    "0:verl:python3 benchmark/bench_verl_pattern.py --repeats 3 --deadline-s 420"
+    "0:verl:python3 benchmark/bench_verl_pattern.py --repeats 3 --deadline-s 420 --sessions 16 --skewed 12 --context 8192 --context-max 0 --user-tokens 256 --new-tokens 32"
+  ;;
+flagcost)
+  # What --enable-kv-migration costs a server that never moves (issue: the flag's cost,
+  # A/B on one GPU): SGLang as users run it (no plugin loaded), + HiCache, + HiCache +
+  # the flag, side by side on the one GPU, Llama-3-8B shape, page 16, CUDA graphs on,
+  # started one after another with one planned pool size each; interleaved rounds of
+  # fresh 17-token and 2K TTFT, cached TTFT at 4K/16K/32K, one request's inter-token
+  # latency, decode throughput and ITL at 32 and 64 concurrent. Target: the flag within
+  # 1% of HiCache alone on every row, or within the A/A spread. Start-ups ~300 s (the
+  # log says each), then rounds until the deadline (~4 on an H100).
+  # `python3 benchmark/results.py --show flag-cost flagcost-bench_flag_cost.json`.
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:flagcost:python3 benchmark/bench_flag_cost.py --deadline-s $deadline"
+  ;;
+flagcost-twin)
+  # The same with a second HiCache server, the A/A spread of two identical servers
+  # (needs four pools of >= 40K tokens: an H200; on an H100 it refuses at once).
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:flagcost:python3 benchmark/bench_flag_cost.py --twin on --deadline-s $deadline"
+  ;;
+verl64|verl64-r*)
+  # verl's pattern at the scale verl runs: 64 sticky sessions x 4 turns over two servers
+  # on one GPU (CUDA graphs on, page 16), 48 first pinned to A, first prompts 2K-12K
+  # skewed (most short), growing by 576 tokens a turn to 5K-15K; verl's balancer vs
+  # re-pin with re-prefill vs re-pin with migration, beside the balanced bound (sessions
+  # spread from their first turn). Makespan and turn p50/p99, outputs compared. Targets:
+  # migrate <= 0.8x re-prefill and <= 0.85x default makespan. Repeats until the
+  # deadline (one repeat ~2-3 min of four arms); verl64-rN starts at repeat N (more
+  # repeats from another call). Pool them: python3 benchmark/bench_verl_pattern.py
+  # --merge verl-bench_verl_pattern.json verl-bench_verl_pattern_r2.json ...
+  start=0
+  [[ $call == verl64-r* ]] && start=${call#verl64-r}
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:verl:python3 benchmark/bench_verl_pattern.py --repeats 3 --repeat-start $start --deadline-s $deadline"
+  ;;
+rl4k-*|rl8k-*|rl16k-*)
+  # The RL scene (24 high-priority turns a repeat, p99 over all of them, CUDA graphs on)
+  # at one context, one repeat of none / recompute / migrate per variant:
+  # rl<4|8|16>k-<room|full|both>-r<N>, e.g. rl8k-both-r0. `room`: B's GPU has room for
+  # the moved histories; `full`: B's own low-priority decodes take 90% of its pool (the
+  # seed's scene: a move lands in B's host tier, or takes the host path where the client
+  # has no such landing; each move's path and landing tier are recorded). Targets:
+  # high p99 migrate / recompute <= 0.4, migrate / none <= 0.15, low p99 <= 1.05x none.
+  # No mode starts after the deadline; 8K both variants ~1 repeat a call, 16K one
+  # variant. Pool the calls: python3 benchmark/bench_rl_scene.py --merge FILES...
+  ctx=${call%%k-*}
+  ctx=$((${ctx#rl} * 1024))
+  rest=${call#*k-}
+  variant=${rest%-r*}
+  rep=${rest##*-r}
+  [[ $variant == both ]] && variant="room full"
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:rl${ctx}:python3 benchmark/bench_rl_scene.py --context $ctx --target-gpu $variant --repeats 1 --repeat-start $rep --mode-timeout 180 --deadline-s $deadline"
   ;;
 37)
   # The DeepSeek-V3.2-shaped (NSA) tiny model between two servers, with the kernels of
@@ -329,7 +384,53 @@ case $call in
     "+0:reqmig16:sleep 20; KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py" \
     "+0:host1:sleep 40; KVMIG_PAGE_SIZE=1 $T test/gpu/test_gpu_migration.py"
   ;;
-39)
+ttftsplit)
+  # Where a fresh 17-token prompt's time to first token goes (the move-latency rows'
+  # ~66 ms re-prefill): HiCache + --enable-kv-migration (eager, as those rows), stock
+  # SGLang without HiCache, + HiCache, then the first with CUDA graphs, one server at a
+  # time alone on the GPU, eight repeats of each request kind (a client per call as those
+  # rows timed it, a kept client, after a flush, streamed; SGLang's own cached resume at
+  # 4K / 16K / 32K), each taken apart by SGLang's meta_info timestamps and the request
+  # moments. No server starts that the one before predicts to end past the deadline.
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:ttft:python3 benchmark/bench_ttft_split.py --budget-s $deadline"
+  ;;
+28|39)
+  # (28, which busied the target instead, never ran: the same job now.)
+  # Six concurrent 8K moves against one, from an idle source and from a source decoding
+  # a full batch (32 greedy decodes of mixed lengths, CUDA graphs on), page 16, five
+  # rounds: one alone, six from six threads, the same six in one call. Per move the
+  # tier it was copied from and the loop iterations of its trip on each side (`polls`,
+  # `first_poll`, `target_iteration`; `allocate_ahead`: the busy source's HTTP layer
+  # asked the target). Targets: six <= 1.5x one; <= 2x from the busy source. No round
+  # starts after 450 s (~4 min of server start-up and rounds expected).
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:conc:python3 benchmark/bench_busy_source.py --only-concurrency --concurrency-rounds 5 --busy 32 --deadline-s $((budget - 110))"
+  ;;
+landing)
+  # The host-tier landing: a same-host move into a target whose GPU pool is full (held by
+  # four of its own requests, paused in place: ~6K of 49K tokens free, nothing evictable)
+  # lands in the target's host tier through shared memory (path shared_host), never over
+  # Mooncake TCP. 8K and 32K prefixes on the source's GPU and on its host tier, beside the
+  # device-path move of the same length into a target with room and beside re-prefill;
+  # three repeats (medians with range), CUDA graphs on, Llama-3-8B shape, page 16; each
+  # move's path, landing tier and the target's cached_tokens_details. Targets: landing
+  # <= 3x the device-path move and <= 10% of re-prefill. Then the host-landing GPU test
+  # (tiny model, page 16). No repeat starts after 330 s (~40 s each after ~200 s of
+  # server starts).
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:landing:python3 benchmark/bench_host_landing.py --repeats 3 --deadline-s $((budget - 230))" \
+    "0:landtest:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_host_landing.py"
+  ;;
+landtests)
+  # The host-landing GPU test alone (page 16, then page 1), and the device-path tests at
+  # MHA page 16 beside it (the device path's source and target, now two modules, and its
+  # tiered copies, now shared with the host landing): when the landing job ran out of time.
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:landtest:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_host_landing.py; KVMIG_PAGE_SIZE=1 KVMIG_PORT_BASE=30800 $T test/gpu/test_gpu_host_landing.py" \
+    "+0:devtest16:sleep 30; KVMIG_PORT_BASE=31500 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+  ;;
+verlray)
   # verl's own SGLang server class (SGLangHttpServer) in Ray actors: two replicas on one
   # GPU, CUDA graphs on, the recipe's engine kwargs (docs/rl-integration.md, "verl"),
   # routed by KVMigrationLoadBalancer through verl's get_router_handle and client: 8
@@ -337,11 +438,11 @@ case $call in
   # acquired at once; moved sessions' turns must find the migrated KV in B's cache.
   # /tmp/site-verl from the install call above (.whl-verl); ~4-6 min (two server
   # starts, ~150 s and ~50 s). Result: verlray/results.jsonl ("verl_actors").
-  exec bash scripts/gpu_jobs.sh 560 \
+  exec bash scripts/gpu_jobs.sh "$budget" \
     "0:verlray:PYTHONPATH=/tmp/site:/tmp/site-verl $T test/gpu/test_gpu_verl_actors.py"
   ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|39" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|39|flagcost|flagcost-twin|verl64[-rN]|rl<4|8|16>k-<room|full|both>-rN|ttftsplit|landing|landtests|verlray" >&2
   exit 2
   ;;
 esac

@@ -190,6 +190,8 @@ def launch(
     tokenizer: bool = False,
     cuda_graph: bool = False,
     dp_size: int = 1,
+    hicache: bool = True,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """Start one server; `gpu_id` adds `--base-gpu-id` (the server's first GPU).
 
@@ -203,6 +205,9 @@ def launch(
     `migration=False` leaves out the plugin's flags (HiCache stays on): the "off" server
     of an overhead comparison. `tokenizer=True` keeps SGLang's tokenizer (the model
     directory must hold one, see `write_tokenizer`), which `sglang.bench_serving` needs.
+    `hicache=False` leaves out `--enable-hierarchical-cache` (with `migration=False`:
+    SGLang as its users run it). `env`: variables set for the server beside this
+    process's (e.g. `SGLANG_PLUGINS=none`: SGLang loads no plugin, this one included).
     """
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     if dp_size > 1:
@@ -224,13 +229,15 @@ def launch(
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_dir), "--load-format", "dummy",
         "--attention-backend", "triton", "--sampling-backend", "pytorch",
-        *([] if cuda_graph else ["--disable-cuda-graph"]), "--enable-hierarchical-cache",
+        *([] if cuda_graph else ["--disable-cuda-graph"]),
+        *(["--enable-hierarchical-cache"] if hicache else []),
         "--host", "127.0.0.1", "--port", str(port),
         *extra,
     ]  # fmt: skip
-    log.write(" ".join(cmd) + "\n")
+    log.write(" ".join([*(f"{k}={v}" for k, v in (env or {}).items()), *cmd]) + "\n")
     log.flush()
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    full_env = {**os.environ, **env} if env else None
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
 
 
 def server_log_tail(url: str, lines: int = 80) -> str:
@@ -281,6 +288,9 @@ class ServerSpec:
     gpu_id: int | None = None
     cuda_graph: bool = False  # see `launch`
     dp_size: int = 1  # see `launch`: every DP rank on `gpu_id`
+    migration: bool = True  # see `launch`
+    hicache: bool = True  # see `launch`
+    env: dict[str, str] = field(default_factory=dict)  # see `launch`
 
     @property
     def url(self) -> str:
@@ -323,6 +333,9 @@ def _launch(spec: ServerSpec, model_dir: Path) -> subprocess.Popen:
         spec.gpu_id,
         cuda_graph=spec.cuda_graph,
         dp_size=spec.dp_size,
+        migration=spec.migration,
+        hicache=spec.hicache,
+        env=spec.env,
     )
 
 
@@ -337,9 +350,22 @@ def generate(
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
         **routed_body({}, dp_rank),
     }
-    r = httpx.post(url + "/generate", json=body, timeout=600)
+    r = generate_client().post(url + "/generate", json=body)
     r.raise_for_status()
     return r.json()
+
+
+_GENERATE_CLIENT: httpx.Client | None = None
+
+
+def generate_client() -> httpx.Client:
+    """The one HTTP client `generate` sends through, kept for the process. A client per
+    call (what `httpx.post` makes) builds an SSL context first, ~5-20 ms of the caller's
+    CPU, and opens a new connection: a TTFT timed that way is partly the client's."""
+    global _GENERATE_CLIENT
+    if _GENERATE_CLIENT is None:
+        _GENERATE_CLIENT = httpx.Client(timeout=600)
+    return _GENERATE_CLIENT
 
 
 def timed_generate(url: str, input_ids: list[int], max_new_tokens: int = 1) -> tuple[dict, float]:

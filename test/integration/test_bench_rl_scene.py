@@ -2,11 +2,13 @@
 lead's): with the `/generate` stand-in, two conversations whose first turns ran on A
 queue behind low-priority decodes that hold A's two running slots; in `migrate` mode
 the scene policy moves exactly the conversations' next turns to B with their KV, in
-`none` nothing moves; the report functions digest both."""
+`none` nothing moves; the report functions digest both, and the result file keeps each
+variant of the scene apart."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ from mini_server import ServerHandle, ServerSpec, start_servers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
 import bench_rl_scene as bench  # noqa: E402
+import rl_scene_report as report  # noqa: E402
 
 PAGE = 16
 # B's /metrics: migration at 10 GB/s with 1 MB per token against 1 ms of prefill per
@@ -56,11 +59,12 @@ def expected(prompt: list[int], n: int) -> list[int]:
 
 SCENE = bench.Scene(
     conversations=2, context=2 * PAGE, observation=5, history_gen=4, high_gen=6,
-    low_count=2, low_prompt=PAGE, low_gen=80, b_low=1, high=5, low=0, vocab=1000,
+    low_count=2, low_prompt=PAGE, low_gen=80, b_low=1, b_prompt=PAGE // 4, high=5, low=0,
+    vocab=1000,
 )  # fmt: skip
 
 
-def test_scene_modes_on_mini_servers(servers: list[ServerHandle]) -> None:
+def test_scene_modes_on_mini_servers(servers: list[ServerHandle], tmp_path: Path) -> None:
     urls = [s.url for s in servers]
     args = bench.parse_args(["--page-size", str(PAGE), "--max-concurrent", "4"])
     work = bench.make_workload(SCENE)
@@ -76,7 +80,9 @@ def test_scene_modes_on_mini_servers(servers: list[ServerHandle]) -> None:
         (move,) = turn.moves
         assert move["outcome"] == "migrated" and move["path"] == "host"
         assert move["migrated_tokens"] == 2 * PAGE and "transfer" in move["phases_s"]
+        assert move["landing_tier"] is None  # the client names no landing tier yet
         assert turn.servers == urls  # queued on A, finished on B
+        assert set(turn.target_cached) == {"device", "host"}
     lows = [t for t in migrate.turns if t.kind == "low"]
     assert len(lows) == 3 and all(t.moves == [] for t in lows)
     assert all(t.moves == [] and len(set(t.servers)) == 1 for t in none.turns)
@@ -84,37 +90,65 @@ def test_scene_modes_on_mini_servers(servers: list[ServerHandle]) -> None:
         history = work.first_turns[i] + expected(work.first_turns[i], SCENE.history_gen)
         assert highs[i].output_ids == expected(history + obs, SCENE.high_gen)
 
-    rows = [bench.summarize(none, none), bench.summarize(migrate, none)]
+    rows = [report.summarize(none, none), report.summarize(migrate, none)]
     assert rows[1]["moves"] == 2 and rows[1]["paths"] == ["host"]
+    assert rows[1]["landing"] == {"host -> unreported": 2}
     assert rows[1]["moved_outputs_identical"] == rows[1]["moved"] == 2
     assert rows[0]["moves"] == 0
-    pooled = bench.rl_scene_stats.pooled_rows(bench.turn_seconds([(0, none), (0, migrate)]))
+    runs = [report.Run("room", 0, none), report.Run("room", 0, migrate)]
+    pooled = bench.rl_scene_stats.pooled_rows(report.turn_seconds(runs)["room"])
     assert [r["high_turns"] for r in pooled] == [SCENE.conversations] * 2
     assert set(bench.rl_scene_stats.ratios(pooled)) == {
         "high_p99_migrate_over_recompute",
         "high_p99_migrate_over_none",
         "low_p99_migrate_over_none",
     }
-    assert "| migrate |" in bench.markdown(rows)
+    assert "| migrate |" in report.markdown(rows)
+    # The file: each variant on its own; `--merge` reads its turn seconds back.
+    runs.append(report.Run("full", 0, migrate))
+    content = report.result_file({"context": 32}, {}, runs, {})
+    assert set(content["variants"]) == {"room", "full"}
+    assert set(content["turns"]) == {"room:0:none", "room:0:migrate", "full:0:migrate"}
+    path = tmp_path / "bench_rl_scene_32.json"
+    report.write(path, content)
+    merged = bench.rl_scene_stats.merge([path])
+    assert set(merged["room"]) == {"none", "migrate"} and set(merged["full"]) == {"migrate"}
+    assert (
+        json.loads(path.read_text())["variants"]["room"]["repeat_ratios"][
+            "high_p99_migrate_over_none"
+        ]["n"]
+        == 1
+    )
 
 
-def test_arguments_and_server_flags() -> None:
-    args = bench.parse_args(["--context", "16384"])
-    scene = bench.scene_from(args, 128_256)
-    flags = bench.server_flags(args, scene)
+def test_arguments_and_server_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 120 GiB free (a lent GPU machine has ~125 GiB): room for A's whole 16K scene.
+    monkeypatch.setattr(bench.gpu_servers, "mem_available_bytes", lambda: 120 << 30)
+    args = bench.parse_args(["--context", "16384", "--target-gpu", "room", "full"])
+    room, full = (bench.scene_from(args, 128_256, v) for v in args.target_gpu)
+    flags_a, flags_b = bench.server_flags(args, [room, full], 128 << 10)
     for flag in ("--enable-priority-scheduling", "--priority-scheduling-preemption-threshold",
                  "--hicache-ratio", "--enable-metrics", "--page-size"):  # fmt: skip
-        assert flag in flags
+        assert flag in flags_a and flag in flags_b
+    assert "--mem-fraction-static" not in flags_a  # sized at each start (gpu_servers.py)
     # A's low decodes need ~90% of its KV pool, and the host tier holds all of the scene.
-    low_kv = scene.low_count * (scene.low_prompt + scene.low_gen)
+    low_kv = room.low_count * (room.low_prompt + room.low_gen)
     assert 0.85 * args.max_total_tokens <= low_kv <= args.max_total_tokens
-    ratio = float(flags[flags.index("--hicache-ratio") + 1])
-    per_conv = scene.context + scene.history_gen + scene.observation + scene.high_gen
-    assert ratio * args.max_total_tokens >= scene.conversations * per_conv + low_kv
+    ratio = float(flags_a[flags_a.index("--hicache-ratio") + 1])
+    per_conv = room.context + room.history_gen + room.observation + room.high_gen
+    assert ratio * args.max_total_tokens >= room.conversations * per_conv + low_kv
+    # Full: B's own decodes take ~90% of its pool, so a 16K history finds no room there.
+    assert 0.85 * args.max_total_tokens <= full.b_low * (full.b_prompt + full.low_gen)
+    assert args.max_total_tokens - full.b_low * (full.b_prompt + full.low_gen) < per_conv
+    assert room.b_low * (room.b_prompt + room.low_gen) < args.max_total_tokens / 2
+    context_len = int(flags_a[flags_a.index("--context-length") + 1])
+    assert context_len >= full.b_prompt + full.low_gen
     assert args.high - args.low < args.preemption_threshold  # the turns wait, never preempt
-    # CUDA graphs on, 24 turns, 3 repeats unless asked; B's host pool is half of A's.
+    # CUDA graphs on, 24 turns, 3 repeats unless asked.
     assert (args.no_cuda_graph, args.conversations, args.repeats) == (False, 24, 3)
-    b_flags = bench.server_flags(args, scene, b=True)
-    assert float(b_flags[b_flags.index("--hicache-ratio") + 1]) == max(2.0, ratio / 2)
+    # With little memory the host tiers shrink to the share they may pin.
+    monkeypatch.setattr(bench.gpu_servers, "mem_available_bytes", lambda: 20 << 30)
+    small_a, _ = bench.server_flags(args, [room, full], 128 << 10)
+    assert float(small_a[small_a.index("--hicache-ratio") + 1]) < ratio
     with pytest.raises(SystemExit):
         bench.parse_args(["--bogus"])

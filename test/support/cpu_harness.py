@@ -33,6 +33,7 @@ Typical use (see ``test/conftest.py`` for the fixture)::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import importlib.abc
@@ -162,6 +163,9 @@ class HarnessConfig:
     # SGLang's init_load_back ignores host hits shorter than 10 tokens. None keeps that;
     # tests with one or two tiny pages set it lower so the load-back path still runs.
     load_back_threshold: int | None = None
+    # The host pool in a shared memory file, as a server offering the shared-host path
+    # builds it (`sglang_adapter.shared_host_pool`).
+    shared_host_pool: bool = False
 
     def effective_io_backend(self) -> str:
         return self.io_backend or _DEFAULT_IO_BACKEND[self.host_layout]
@@ -425,16 +429,20 @@ def build_harness(
     parallelism's groups, as the scheduler passes them (HiCache agrees over them).
     """
     install_cpu_shims()
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
     if cfg.tp_size != 1 and not torch.distributed.is_initialized():
         raise RuntimeError("call init_gloo(rank, world_size, port) before a tp_size > 1 harness")
     if not torch.distributed.is_initialized():
         init_gloo()  # single rank, on demand; multi-rank callers did it already
     if tp_group is None:
         tp_group = torch.distributed.group.WORLD
+    if is_unified_sglang():
+        import cpu_harness_unified
+
+        return cpu_harness_unified.build_unified_harness(cfg, tp_group)  # type: ignore[return-value]
+
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     server_args = _make_server_args(cfg)
     device_pool = _make_device_pool(cfg)
@@ -453,7 +461,10 @@ def build_harness(
         pp_rank=cfg.pp_rank,
         pp_size=cfg.pp_size,
     )
-    cache = HiRadixCache(params=params, server_args=server_args)
+    from sglang_kv_migration.sglang_adapter import host_pool_in_shared_memory
+
+    with _plugin_allocator_hook(), host_pool_in_shared_memory(cfg.shared_host_pool):
+        cache = HiRadixCache(params=params, server_args=server_args)
     if cfg.load_back_threshold is not None:
         cache.load_back_threshold = cfg.load_back_threshold
     controller = cache.cache_controller
@@ -467,6 +478,32 @@ def build_harness(
         controller=controller,
         tp_group=tp_group,
     )
+
+
+def is_unified_sglang() -> bool:
+    """Whether the installed SGLang is the 0.5.23 line (`cpu_harness_unified` builds its
+    caches); asked without importing SGLang."""
+    from sglang_kv_migration.sglang_adapter.installed import is_unified_line
+
+    return is_unified_line()
+
+
+@contextlib.contextmanager
+def _plugin_allocator_hook() -> Iterator[None]:
+    """The plugin's AROUND hook on the host pool's allocator (`server/rank/hooks.py`),
+    as `load_plugins()` installs it in a server: the harness builds its cache without
+    the plugin loaded."""
+    import functools
+
+    import sglang.srt.mem_cache.memory_pool_host as mph
+    from sglang_kv_migration.server.rank.hooks import around_get_allocator_from_storage
+
+    original = mph.get_allocator_from_storage
+    mph.get_allocator_from_storage = functools.partial(around_get_allocator_from_storage, original)
+    try:
+        yield
+    finally:
+        mph.get_allocator_from_storage = original
 
 
 # Temp-dir entries the suite creates carry this run's tag (the pytest process's pid, which
@@ -1140,12 +1177,25 @@ _HOST_POOL_MODULE = "sglang.srt.mem_cache.memory_pool_host"
 
 
 def _default_host_pools_unpinned() -> None:
-    # Applied when memory_pool_host is first imported, not now: importing SGLang takes
-    # many seconds, which tests that never build a cache should not pay.
-    if _HOST_POOL_MODULE in sys.modules:
-        _unpin_host_pools(sys.modules[_HOST_POOL_MODULE])
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(_HOST_POOL_MODULE, _unpin_host_pools))
+    # Applied when the host pool modules are first imported, not now: importing SGLang
+    # takes many seconds, which tests that never build a cache should not pay.
+    if is_unified_sglang():
+        # 0.5.23: the kernels are bound into each host pool module too (see
+        # cpu_harness_unified's docstring).
+        import cpu_harness_unified
+
+        kernels = {name: globals()[name] for name in _KVCACHEIO_NAMES}
+        for name in cpu_harness_unified.HOST_POOL_MODULES:
+            _after_import(name, lambda m: cpu_harness_unified.prepare_host_pool_module(m, kernels))
+        return
+    _after_import(_HOST_POOL_MODULE, _unpin_host_pools)
+
+
+def _after_import(name: str, action: Callable[[types.ModuleType], None]) -> None:
+    if name in sys.modules:
+        action(sys.modules[name])
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, action))
 
 
 def _unpin_host_pools(mph: types.ModuleType) -> None:
@@ -1159,12 +1209,12 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``action(module)`` right after the module ``name`` is first executed."""
 
     def __init__(self, name: str, action: Callable[[types.ModuleType], None]) -> None:
-        self._name = name
+        self.name = name
         self._action = action
         self._done = False
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if self._done or fullname != self._name:
+        if self._done or fullname != self.name:
             return None
         # Stays in sys.meta_path (inert): removing it while the import system iterates
         # over that list would make it skip the next finder.

@@ -318,6 +318,7 @@ class _MiniScheduler:
         self.waiting_queue: list[Any] = []
         # SGLang's pool of request rows (what a running request's slots are read from).
         self.req_to_token_pool = harness.cache.req_to_token_pool
+        self.held_device_slots: Any = None  # the "hold_device_pool" command's
 
     @property
     def reads_requests(self) -> bool:
@@ -418,8 +419,8 @@ class _IdleWait:
                 self.poller.register(channel.channel.socket, zmq.POLLIN)
 
     def wait(self) -> None:
-        caller = self.migration.transfers.caller if self.migration is not None else None
-        if caller is not None and caller.waiting:
+        asks = self.migration.transfers.asks if self.migration is not None else None
+        if asks is not None and asks.waiting:
             return
         if self.poller is not None:
             self.poller.poll(1)
@@ -719,6 +720,10 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             value = cp_sharded.COMMANDS[name](harness, *args)
         elif name in _MEMORY_COMMANDS:
             value = _MEMORY_COMMANDS[name](scheduler)
+        elif name.endswith("_writes"):  # the write gate's (`write_gate.py`)
+            import write_gate
+
+            value = write_gate.COMMANDS[name](scheduler)
         else:
             raise ValueError(f"unknown command {name}")
         control.send((True, value))
@@ -776,13 +781,35 @@ def _known_destinations(scheduler: Any) -> int:
     return len(known) if known is not None else 0
 
 
-# Test-only commands about what requests leave behind in the rank's process.
+def _hold_device_pool(scheduler: Any) -> int:
+    """Take every free device KV slot, as running requests hold theirs (nothing of it
+    evictable): the GPU pool is full. Returns how many were taken."""
+    allocator = scheduler.tree_cache.token_to_kv_pool_allocator
+    held = allocator.alloc(allocator.available_size())
+    scheduler.held_device_slots = held
+    return 0 if held is None else len(held)
+
+
+def _release_device_pool(scheduler: Any) -> int:
+    """Give back what `_hold_device_pool` took; returns the pool's free slots."""
+    allocator = scheduler.tree_cache.token_to_kv_pool_allocator
+    held = scheduler.held_device_slots
+    if held is not None and len(held):
+        allocator.free(held)
+    scheduler.held_device_slots = None
+    return int(allocator.available_size())
+
+
+# Test-only commands about what requests leave behind in the rank's process, and the
+# device pool held full (as by running requests).
 _MEMORY_COMMANDS = {
     "rss": _rss_bytes,
     "gc_off": _gc_off,
     "gc_garbage_types": _gc_garbage_types,
     "gc_rss": _gc_rss,
     "known_destinations": _known_destinations,
+    "hold_device_pool": _hold_device_pool,
+    "release_device_pool": _release_device_pool,
 }
 
 
@@ -821,6 +848,7 @@ def _serve_http(
             weight_version=lambda: weight_version,
             pp_size=spec.pp_size,
             dp_size=spec.dp_size,
+            ask_ahead=_ask_ahead(spec, extension),
         )
         if spec.enable_kv_migration
         else None
@@ -847,6 +875,18 @@ def _serve_http(
             serving.set()  # startup handlers run once the socket is being served
 
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[http_socket])
+
+
+def _ask_ahead(spec: ServerSpec, extension: Any) -> Any:
+    """What SGLang's tokenizer manager gets on a single-rank server
+    (`communicators.after_init_communicators`): its scheduler counts as busy while an
+    extension says so (`slowed_loop.py`), never otherwise (no generate runs here)."""
+    from sglang_kv_migration.server.same_host.ask_ahead import AskAhead
+
+    if not spec.tp_size == spec.pp_size == spec.dp_size == 1:
+        return None
+    busy = getattr(extension, "busy", None)
+    return AskAhead(busy if busy is not None else lambda: False)
 
 
 def _join_netns(name: str) -> None:

@@ -90,3 +90,42 @@ def test_write_result_rewrites_the_whole_file_and_table_renders(tmp_path: Path) 
     text = stats.table(summary)
     assert "| repin_migrate | 3 | 11.00 (10.80–11.20) |" in text
     assert "migrated 24" in text
+
+
+def test_context_lengths_are_skewed_whole_pages_between_the_bounds() -> None:
+    assert stats.context_lengths(0, 4, 8192, None) == [8192] * 4
+    lengths = stats.context_lengths(0, 64, 2048, 12288)
+    assert lengths == stats.context_lengths(0, 64, 2048, 12288)  # the seed decides
+    assert all(2048 <= n <= 12288 and n % 16 == 0 for n in lengths)
+    # Most are short, a few long: the median below the midpoint, the longest well above it.
+    assert sorted(lengths)[32] < (2048 + 12288) / 2 < max(lengths)
+    assert lengths != stats.context_lengths(1, 64, 2048, 12288)
+
+
+def test_the_bound_arm_and_each_repeats_own_ratio() -> None:
+    steps = _steps(default=20.0, reprefill=15.0, migrate=12.0)
+    lat = [0.1 * i for i in range(1, 9)]
+    steps[stats.BOUND] = [_step(10.0 + d, lat) for d in (0.0, 0.5, -0.5)]
+    for arm_steps in steps.values():
+        for i, step in enumerate(arm_steps):
+            step["repeat"] = i
+    out = stats.summarize(steps, {0: [], 1: [], 2: []})
+    assert out["ratios"]["makespan_migrate_over_bound"] == round(12 / 10, 4)
+    # Per repeat: 12/15, 12.2/15.5, 11.8/14.5 over re-prefill.
+    per = out["repeat_ratios"]["makespan_migrate_over_reprefill"]
+    assert per["n"] == 3 and per["median"] == round(12 / 15, 4)
+    assert per["min"] == round(12.2 / 15.5, 4) and per["max"] == round(11.8 / 14.5, 4)
+    assert "| balanced_bound | 3 | 10.00 (9.50–10.50) |" in stats.table(out)
+
+
+def test_merge_keeps_each_files_repeats_and_mismatches_apart() -> None:
+    first = {"steps": {stats.MIGRATE: [_step(11.0, [1.0]) | {"repeat": 0}]},
+             "mismatched_turns": {"0": []}}  # fmt: skip
+    old = {"steps": {stats.MIGRATE: [_step(12.0, [1.0]) | {"repeat": 0}]},
+           "summary": {"mismatched_turns": {"0": ["s1/2"]}}}  # fmt: skip
+    merged = stats.merge([("a", first), ("b_r2", old)])
+    assert [s["repeat"] for s in merged["steps"][stats.MIGRATE]] == ["a:0", "b_r2:0"]
+    assert merged["mismatches"] == {"a:0": [], "b_r2:0": ["s1/2"]}
+    summary = stats.summarize(merged["steps"], merged["mismatches"])
+    assert summary["arms"][stats.MIGRATE]["repeats"] == 2
+    assert summary["targets"]["identical_greedy_outputs"] is False

@@ -36,3 +36,125 @@ def test_spread_gives_the_median_and_the_range_and_says_when_there_is_one_value(
     assert results.spread([2.5], "%", 1) == "2.5% (one run)"
     assert results.verdict([5.39], 5.0, " ms") == "**missed by 0.39 ms**"
     assert results.verdict([48.2], 45.0, " GB/s", below=False) == "met"
+
+
+def test_the_live_block_reads_a_record_with_sglangs_own_resume(monkeypatch):
+    """A `bench_live_move.py` record with the baseline (SGLang's own cached resume)
+    renders its columns: the stall, the resume, what the move added, the bound, the cap
+    at 4K only, and the verdict against the tighter of the two."""
+
+    def repeat(stall: float, base: float) -> dict:
+        return {"complete": True, "stall_s": stall, "baseline_s": base}
+
+    rows = [
+        {"context": 4096, "generated": 1024, "decode_step_s": 0.0066,
+         "repeats": [repeat(0.030, 0.020), repeat(0.035, 0.024), repeat(0.032, 0.021)],
+         "baseline": {}, "checks": {"bound_s": 0.0376, "stall_cap_s": 0.040,
+                                    "added_s": 0.011}},
+        {"context": 32768, "generated": 1024, "decode_step_s": 0.0172,
+         "repeats": [repeat(0.120, 0.090), repeat(0.130, 0.095), repeat(0.125, 0.092)],
+         "baseline": {}, "checks": {"bound_s": 0.1192, "stall_cap_s": None,
+                                    "added_s": 0.033}},
+    ]  # fmt: skip
+    monkeypatch.setattr(results, "load", lambda name: {"rows": rows})
+    lines = results.block_live().splitlines()
+    assert lines[0].startswith("| context | generated | stall | SGLang's own cached resume |")
+    assert lines[2] == (
+        "| 4,096 | 1,024 | 32.0 ms (30.0–35.0, n=3) | 21.0 ms (20.0–24.0, n=3) | 11.0 ms "
+        "| 6.6 ms | 37.6 ms | 40 ms | met |"
+    )
+    assert lines[3].endswith("| 119.2 ms | — | **missed by 5.8 ms** |")
+
+
+# ------------------------------------------------- results_adoption.py's blocks
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+import results_adoption as adoption  # noqa: E402
+
+
+def _flag_record() -> dict:
+    def rnd(i: int, stock: float, hicache: float, flag: float) -> dict:
+        cell = {"stock": {"value": stock}, "hicache": {"value": hicache}, "flag": {"value": flag}}
+        return {"round": i, "cells": {"ttft_fresh_17": cell}}
+
+    return {
+        "config": {"card": {"name": "NVIDIA H100 80GB HBM3"}, "kv_tokens": 57344},
+        "servers": [{"name": n, "startup_s": s} for n, s in
+                    (("stock", 151.0), ("hicache", 66.0), ("flag", 71.0))],
+        "rounds": [rnd(0, 20.0, 21.0, 21.1), rnd(1, 20.2, 21.2, 21.2), rnd(2, 19.8, 20.8, 21.0)],
+    }  # fmt: skip
+
+
+def _verl_record(makespans: dict[str, float]) -> dict:
+    steps = {
+        arm: [{"makespan_s": m, "turns": [{"latency_s": m / 10}], "moves": {}, "repeat": 0}]
+        for arm, m in makespans.items()
+    }
+    config = {"sessions": 64, "skewed": 48, "turns": 4, "card": {"name": "NVIDIA H200"}}
+    return {"config": config, "steps": steps, "mismatched_turns": {"0": []}}
+
+
+def _scene_record(migrate_high: float) -> dict:
+    seconds = {
+        "none": {"0": {"high": [10.0], "low": [20.0]}},
+        "recompute": {"0": {"high": [5.0], "low": [20.0]}},
+        "migrate": {"0": {"high": [migrate_high], "low": [20.5]}},
+    }
+    move = {"outcome": "migrated", "path": "device", "landing_tier": "host"}
+    return {
+        "variants": {"full": {"turn_seconds": seconds}},
+        "turns": {"full:0:migrate": [{"moves": [move]}, {"moves": []}]},
+    }
+
+
+def test_adoption_blocks_stay_off_the_page_until_their_records_are_named() -> None:
+    for name, records in adoption.RUNS.items():
+        assert (name in results.BLOCKS) == bool(records)
+        for entry in records:  # rl-scenes: "<context>=<path>"
+            assert (results.RUNS_DIR / entry.partition("=")[2 if "=" in entry else 0]).is_file()
+    page = results.PAGE.read_text() + "\n<!-- results:flag-cost -->\n<!-- /results:flag-cost -->\n"
+    with pytest.raises(SystemExit, match="no records for block"):
+        results.render(page)
+
+
+def test_adoption_blocks_are_computed_from_the_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "flag.json").write_text(json.dumps(_flag_record()))
+    arms = {"default": 30.0, "repin_reprefill": 25.0, "repin_migrate": 19.0,
+            "balanced_bound": 17.0}  # fmt: skip
+    (tmp_path / "verl_a.json").write_text(json.dumps(_verl_record(arms)))
+    later = {arm: m + 1.0 for arm, m in arms.items()}
+    (tmp_path / "verl_b.json").write_text(json.dumps(_verl_record(later)))
+    (tmp_path / "scene_r0.json").write_text(json.dumps(_scene_record(1.0)))
+    (tmp_path / "scene_r1.json").write_text(json.dumps(_scene_record(3.0)))
+    monkeypatch.setattr(adoption, "RUNS", {
+        "flag-cost": ["flag.json"],
+        "verl-scale": ["verl_a.json", "verl_b.json"],
+        "rl-scenes": ["8192=scene_r0.json", "8192=scene_r1.json"],
+    })  # fmt: skip
+    blocks = adoption.ready_blocks(tmp_path)
+    assert set(blocks) == {"flag-cost", "verl-scale", "rl-scenes"}
+
+    flag = blocks["flag-cost"]()
+    assert "| TTFT, fresh 17-token prompt (ms) | 20.00 (19.80–20.20, n=3) |" in flag
+    assert "+5.00%" in flag and "+0.48%" in flag and "| met |" in flag
+    assert "NVIDIA H100 80GB HBM3, 3 interleaved rounds" in flag and "stock 151 s" in flag
+
+    verl = blocks["verl-scale"]()
+    assert "| repin_migrate | 2 | 19.50 (19.00–20.00) |" in verl
+    # Per repeat 19/25 and 20/26 over re-prefill: median 0.765, met (<= 0.8).
+    assert "makespan migrate over reprefill ≤ 0.8: 0.765 (0.760–0.769, n=2) per repeat" in verl
+    assert "(medians' ratio 0.7647) — met" in verl
+    assert "makespan migrate over bound: 1.114 (1.111–1.118, n=2)" in verl
+
+    scene = blocks["rl-scenes"]()
+    # Pooled p99 of migrate's high turns over none's: 2.98 / 10 = 0.298 (missed by 0.148).
+    assert "| 8K | full | 2 | " in scene
+    assert "0.298; per repeat 0.200 (0.100–0.300, n=2) (**missed by 0.148**)" in scene
+    assert "device → host 2" in scene
+    assert adoption.show("rl-scenes", [f"8192={tmp_path / 'scene_r0.json'}"]).count("| 8K |") == 1
+    with pytest.raises(SystemExit):
+        adoption.show("bogus", [])

@@ -57,13 +57,35 @@ def test_merge_keeps_each_files_repeats_apart(tmp_path: Path) -> None:
         tmp_path / "bench_rl_scene_16384.json",
         tmp_path / "bench_rl_scene_16384_r2.json",
     )
+    # A file written before the variants holds the target-with-room scene only.
     first.write_text(json.dumps({"turn_seconds": {"none": {"0": {"high": [1.0]}}}}))
     later = {"none": {"0": {"high": [2.0]}}, "migrate": {"2": {"high": [0.5]}}}
-    second.write_text(json.dumps({"turn_seconds": later}))
+    full = {"migrate": {"2": {"high": [4.0]}}}
+    second.write_text(json.dumps({"variants": {"room": {"turn_seconds": later},
+                                               "full": {"turn_seconds": full}}}))  # fmt: skip
     merged = stats.merge([first, second])
     assert merged == {
-        "none": {"bench_rl_scene_16384:0": {"high": [1.0]},
-                 "bench_rl_scene_16384_r2:0": {"high": [2.0]}},
-        "migrate": {"bench_rl_scene_16384_r2:2": {"high": [0.5]}},
+        "room": {
+            "none": {"bench_rl_scene_16384:0": {"high": [1.0]},
+                     "bench_rl_scene_16384_r2:0": {"high": [2.0]}},
+            "migrate": {"bench_rl_scene_16384_r2:2": {"high": [0.5]}},
+        },
+        "full": {"migrate": {"bench_rl_scene_16384_r2:2": {"high": [4.0]}}},
     }  # fmt: skip
-    assert [r["high_turns"] for r in stats.pooled_rows(merged)] == [2, 1]
+    assert [r["high_turns"] for r in stats.pooled_rows(merged["room"])] == [2, 1]
+
+
+def test_repeat_ratios_pair_each_repeats_own_p99s() -> None:
+    seconds = {
+        "none": {"0": {"high": [10.0], "low": [20.0]}, "1": {"high": [20.0], "low": [20.0]}},
+        "recompute": {"0": {"high": [4.0]}, "1": {"high": [5.0]}},
+        "migrate": {"0": {"high": [1.0], "low": [21.0]}, "1": {"high": [4.0], "low": [19.0]},
+                    "2": {"high": [9.0]}},  # no repeat 2 of the others: left out
+    }  # fmt: skip
+    out = stats.repeat_ratios(seconds)
+    assert out["high_p99_migrate_over_none"] == {"median": 0.15, "min": 0.1, "max": 0.2, "n": 2}
+    assert out["high_p99_migrate_over_recompute"] == {
+        "median": 0.525, "min": 0.25, "max": 0.8, "n": 2
+    }  # fmt: skip
+    assert out["low_p99_migrate_over_none"]["n"] == 2
+    assert stats.repeat_ratios({"none": seconds["none"]}) == {name: None for name in stats.TARGETS}

@@ -748,7 +748,8 @@ def test_pools_and_device_kv_buffers(harness_factory, attention, page_size):
 
 
 def test_device_kv_buffers_refuses_an_unknown_pool():
-    cache = SimpleNamespace(kv_cache=object())
+    allocator = SimpleNamespace(get_kvcache=lambda: object())
+    cache = SimpleNamespace(token_to_kv_pool_allocator=allocator)
     with pytest.raises(MigrationError) as info:
         adapter.device_kv_buffers(cache)
     assert info.value.kind is ErrorKind.UNAVAILABLE
@@ -1028,6 +1029,27 @@ def test_http_tokenizer_manager_is_the_launched_servers(monkeypatch):
     )
     monkeypatch.setattr(http_server, "_global_state", state)
     assert adapter.http_tokenizer_manager() is manager
+
+
+def test_generate_requests_in_flight_reads_the_tokenizer_managers_request_states():
+    """SGLang's tokenizer manager keeps one `rid_to_state` entry per generate request
+    from its send to the scheduler until it finished (read from its source: building one
+    needs a model), and the test reads the dict as it is now."""
+    import inspect
+
+    from sglang.srt.managers import tokenizer_manager as module
+
+    source = inspect.getsource(module.TokenizerManager)
+    assert "self.rid_to_state: Dict[str, ReqState] = {}" in source
+    assert "self.rid_to_state[rid] = state" in source
+    assert "del self.rid_to_state[" in source
+    manager = SimpleNamespace(rid_to_state={})
+    busy = adapter.generate_requests_in_flight(manager)
+    assert not busy()
+    manager.rid_to_state["r1"] = object()
+    assert busy()
+    manager.rid_to_state = {}  # were it ever replaced, the test reads the new one
+    assert not busy()
 
 
 @pytest.mark.parametrize(("attention", "page_size"), CONFIGS, ids=CONFIG_IDS)

@@ -160,8 +160,9 @@ def _parser() -> argparse.ArgumentParser:
         "--path",
         choices=("auto", *PATHS),
         default="auto",
-        help="data path: auto prefers device (same host, pages on the source's GPU) and "
-        "falls back to host; device or host pins one (fails if both servers do not offer it)",
+        help="data path: auto tries device (same host, into the target's GPU), "
+        "shared_host (same host, into its host tier) and host (Mooncake) in turn; one of "
+        "them pins it (fails unless both servers offer it)",
     )
     parser.add_argument(
         "--api-key",

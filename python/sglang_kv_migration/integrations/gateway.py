@@ -223,16 +223,19 @@ class ModelGateway:
         self,
         http: httpx.AsyncClient,
         worker_url: str,
-        body: Mapping[str, Any],
+        body: bytes | Mapping[str, Any],
         headers: Mapping[str, str],
         path: str = "/generate",
     ) -> AsyncIterator[PinnedReply]:
-        """POST `body` to `path` of `worker_url` through the gateway and yield the reply
+        """POST `body` (encoded JSON, or an object to encode) to `path` of `worker_url`
+        through the gateway and yield the reply
         of that worker (`PinnedReply`: a streamed response's `status_code`, `aread`,
         `aiter_lines`), sent again while the gateway is down, the worker is not listed, or
         the list changed under the request (module docstring); `GatewayError` once
         `retry_s` has passed. The reply is closed on exit."""
-        response, route = await self._open(http, worker_url, dict(body), dict(headers), path)
+        content = body if isinstance(body, bytes) else orjson.dumps(dict(body))
+        headers = {"Content-Type": "application/json", **headers}
+        response, route = await self._open(http, worker_url, content, headers, path)
         try:
             yield PinnedReply(response, route)
         finally:
@@ -254,7 +257,7 @@ class ModelGateway:
         self,
         http: httpx.AsyncClient,
         worker_url: str,
-        body: dict[str, Any],
+        content: bytes,
         headers: dict[str, str],
         path: str,
     ) -> tuple[httpx.Response, GatewayRoute]:
@@ -265,7 +268,7 @@ class ModelGateway:
             try:
                 route = await self.route(worker_url, path)
                 request = http.build_request(
-                    "POST", route.url, json=body, headers={**headers, **route.headers}
+                    "POST", route.url, content=content, headers={**headers, **route.headers}
                 )
                 response = await http.send(request, stream=True)
             except (httpx.TransportError, WorkerNotListed) as e:

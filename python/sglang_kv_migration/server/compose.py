@@ -37,11 +37,9 @@ def compose_for_scheduler(scheduler: Any) -> MigrationSchedulerSide:
     """The migration side of the rank `scheduler` runs (`--enable-kv-migration`)."""
     view = sglang_adapter.SchedulerView.of(scheduler)
     args = view.server_args
-    if not sglang_adapter.is_hiradix_cache(view.tree_cache):
-        raise RuntimeError(
-            "--enable-kv-migration needs SGLang's HiRadixCache as the tree cache, got "
-            f"{type(view.tree_cache).__name__}; other hierarchical caches are not supported yet"
-        )
+    unsupported = sglang_adapter.cache_unsupported(view.tree_cache)
+    if unsupported is not None:
+        raise RuntimeError(unsupported)
     model, model_name = server_model_identity(args)
     ctx = RankContext(
         tree_cache=view.tree_cache,
@@ -57,6 +55,7 @@ def compose_for_scheduler(scheduler: Any) -> MigrationSchedulerSide:
         world_group=view.world_cpu_group,
         # Every DP rank of one launch shares the server's identity (`server_epoch`).
         launch_id=args.kv_migration_launch_id if view.dp_size > 1 else "",
+        dp_rank=view.dp_rank,
     )
     settings = settings_from_server_args(
         args,

@@ -19,12 +19,17 @@ Hooks (targets are named in `sglang_adapter/hook_targets.py`):
   SGLang's idle memory-leak check holds;
 - AROUND `Scheduler.maybe_sleep_on_idle`: with `--sleep-on-idle`, keep the loop awake
   while a migration is in flight or pending (its replies come from the poll);
+- AROUND `Scheduler.init_cache_with_memory_pool` and AROUND
+  `memory_pool_host.get_allocator_from_storage`: a server that offers the shared-host
+  path builds its host KV pool in shared memory;
 - AFTER `TokenizerControlMixin.init_communicators`: one communicator per operation;
 - BEFORE `http_server.launch_server`: check that every hook above is installed, then add
   the HTTP routes to SGLang's FastAPI app;
 - BEFORE `Engine._launch_subprocesses`: the same, in a process that imported SGLang's HTTP
   server but starts the engine without `launch_server` (verl serves SGLang's `app` with
-  its own uvicorn; `integrations/verl_plugin.py` loads the plugins there in time).
+  its own uvicorn; `integrations/verl_plugin.py` loads the plugins there in time);
+- only with `SGLANG_KV_MIGRATION_MOMENTS_DIR` set, AROUND the methods a request passes
+  through (`server/diag/request_moments.py`): a diagnosis record, flag or no flag.
 """
 
 from __future__ import annotations
@@ -139,7 +144,7 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
     from sglang_kv_migration.server.rank import hooks as scheduler_hooks
     from sglang_kv_migration.server.server_args import KVMigrationServerArgs
 
-    return [
+    table = [
         (upstream.SERVER_ARGS_CLASS, KVMigrationServerArgs, HookType.REPLACE),
         (upstream.ENGINE_SERVER_ARGS_CLASS, KVMigrationServerArgs, HookType.REPLACE),
         (upstream.SCHEDULER_INIT_IPC, scheduler_hooks.after_init_ipc_channels, HookType.AFTER),
@@ -176,6 +181,16 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
             HookType.AFTER,
         ),
         (
+            upstream.SCHEDULER_INIT_CACHE,
+            scheduler_hooks.around_init_cache_with_memory_pool,
+            HookType.AROUND,
+        ),
+        (
+            upstream.HOST_POOL_ALLOCATOR,
+            scheduler_hooks.around_get_allocator_from_storage,
+            HookType.AROUND,
+        ),
+        (
             upstream.TOKENIZER_INIT_COMMUNICATORS,
             communicators.after_init_communicators,
             HookType.AFTER,
@@ -183,6 +198,21 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
         (upstream.HTTP_LAUNCH_SERVER, before_launch_server, HookType.BEFORE),
         (upstream.ENGINE_LAUNCH_SUBPROCESSES, before_launch_subprocesses, HookType.BEFORE),
     ]
+    # Targets the installed SGLang line lacks are left out; what needs them is refused
+    # at start (sglang_adapter.installed).
+    targets = set(upstream.hook_targets())
+    return [row for row in table if row[0] in targets] + _moment_hooks()
+
+
+def _moment_hooks() -> list[tuple[str, object, HookType]]:
+    """The opt-in request moments' hooks, where asked for and the installed line has
+    their targets (`hook_targets.moment_hook_targets`)."""
+    from sglang_kv_migration.server.diag import request_moments
+
+    if not request_moments.enabled():
+        return []
+    targets = set(upstream.moment_hook_targets())
+    return [(t, h, HookType.AROUND) for t, h in request_moments.hook_table() if t in targets]
 
 
 def _wraps_hook(fn: object, hook: object) -> bool:

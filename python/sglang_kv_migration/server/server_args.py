@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from sglang.srt import server_args as _upstream
 
+from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.paths import DEFAULT_WORKERS_PER_PEER as DEFAULT_PEER_WORKERS
 from sglang_kv_migration.paths import MC_DEFAULT_TRANSFER_TIMEOUT_S, MC_TRANSFER_TIMEOUT_ENV
 from sglang_kv_migration.paths.base import parse_path_names
@@ -34,7 +35,7 @@ TransportProtocol = Literal["tcp", "rdma"]
 
 DEFAULT_WATCHDOG_TIMEOUT_S = 60.0
 DEFAULT_MAX_BATCH_ENTRIES = 1024
-DEFAULT_PATHS = "device,host"
+DEFAULT_PATHS = "device,shared_host,host"
 DEFAULT_GRANT_TTL_S = 15.0
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 DEFAULT_STAGING_MB = 256
@@ -164,10 +165,12 @@ CLI_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         dict(
             type=str,
             default=DEFAULT_PATHS,
-            help="Data paths this server offers, in order of preference: 'device' (GPU to GPU "
-            "through CUDA IPC, servers on one host) and 'host' (host pool to host pool through "
-            "Mooncake). A path that cannot run here (no CUDA, --enable-memory-saver) is left "
-            "out with a warning at start-up.",
+            help="Data paths this server offers, in order of preference: 'device' (into the "
+            "target's GPU through CUDA IPC, servers on one host), 'shared_host' (into the "
+            "target's host pool, kept in shared memory, servers on one host: the landing when "
+            "the target's GPU is full) and 'host' (host pool to host pool through Mooncake). A "
+            "path that cannot run here (no CUDA, --enable-memory-saver) is left out with a "
+            "warning at start-up.",
         ),
     ),
     (
@@ -312,6 +315,9 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
         raise KVMigrationArgsError(
             f"--kv-migration-protocol must be tcp or rdma, got {args.kv_migration_protocol!r}."
         )
+    refusal = sglang_adapter.server_args_refusal(args.enable_memory_saver)
+    if refusal is not None:
+        raise KVMigrationArgsError(f"{refusal}.")
 
 
 def check_mooncake_timeout(

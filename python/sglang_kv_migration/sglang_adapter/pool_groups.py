@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.sglang_adapter.installed import host_pool_classes
 
 # The pool names a group may hold for migration (SGLang's `PoolName` values).
 KV_POOL = "kv"
@@ -63,14 +64,19 @@ class IndexerShape:
 
 
 def is_pool_group(pool: Any) -> bool:
-    from sglang.srt.mem_cache.memory_pool_host import HostPoolGroup
-
-    return isinstance(pool, HostPoolGroup)
+    """Whether `pool` is a `HostPoolGroup` (on 0.5.23 every HiCache host pool is one,
+    a plain model's holding the KV pool alone)."""
+    return isinstance(pool, host_pool_classes().group)
 
 
 def kv_host_pool(pool: Any) -> Any:
     """The KV host pool: `pool` itself, or a group's index anchor."""
     return pool.anchor_entry.host_pool if is_pool_group(pool) else pool
+
+
+def kv_device_pool(pool: Any) -> Any:
+    """The device pool behind the KV host pool of `pool` (a group's anchor entry)."""
+    return pool.anchor_entry.device_pool if is_pool_group(pool) else pool.device_pool
 
 
 def pool_names(pool: Any) -> tuple[str, ...]:
@@ -103,9 +109,8 @@ def indexer_host_pool(pool: Any) -> Any | None:
 def indexer_pool_buffer(pool: Any) -> IndexerPoolBuffer:
     """Read a live `NSAIndexerPoolHost`; raises ValueError for another type, a layout
     it does not lay out as documented above, or a buffer that is not one allocation."""
-    from sglang.srt.mem_cache.memory_pool_host import NSAIndexerPoolHost
-
-    if not isinstance(pool, NSAIndexerPoolHost):
+    indexer_class = host_pool_classes().nsa_indexer
+    if indexer_class is None or not isinstance(pool, indexer_class):
         raise ValueError(f"{type(pool).__name__} is not an NSA indexer host pool")
     buf = pool.index_k_with_scale_buffer
     if not buf.is_contiguous():

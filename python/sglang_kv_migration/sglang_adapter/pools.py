@@ -13,6 +13,7 @@ from sglang_kv_migration.cp_owners import PageOwners
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.fingerprint import KVCacheShape
 from sglang_kv_migration.sglang_adapter import pool_groups
+from sglang_kv_migration.sglang_adapter.installed import host_pool_classes
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -179,13 +180,14 @@ def alloc_pages_with_owners(
 def kv_cache_shape(pool: Any) -> KVCacheShape:
     """What the layout fingerprint takes from a host pool and the device pool behind it;
     raises ValueError for a host pool type migration does not support."""
+    group = pool
     names = pool_groups.pool_names(pool)
     indexer = pool_groups.indexer_shape(pool)
     pool = pool_groups.kv_host_pool(pool)
     attention = _host_attention(pool)
     if attention is None:
         raise ValueError(f"unsupported host pool type {type(pool).__name__} for KV migration")
-    dev = pool.device_pool
+    dev = pool_groups.kv_device_pool(group)
     is_mha = attention == "mha"
     return KVCacheShape(
         host_pools="+".join(names),
@@ -218,8 +220,9 @@ def host_pool(cache: HiRadixCache) -> Any:
 
 
 def device_pool(cache: HiRadixCache) -> Any:
-    """The `MHATokenToKVPool` / `MLATokenToKVPool` the tree's device slots index."""
-    return cache.kv_cache
+    """The `MHATokenToKVPool` / `MLATokenToKVPool` the tree's device slots index (the
+    one its allocator allocates in, on every SGLang line)."""
+    return cache.token_to_kv_pool_allocator.get_kvcache()
 
 
 def device_kv_buffers(cache: HiRadixCache) -> list[torch.Tensor]:
@@ -380,12 +383,13 @@ def device_available_size(cache: HiRadixCache) -> int:
 
 
 def _host_attention(pool: Any) -> str | None:
-    """ "mha" / "mla" for the host pool classes migration supports, else None."""
-    from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost, MLATokenToKVPoolHost
-
-    if isinstance(pool, MHATokenToKVPoolHost):
-        return "mha"
-    if isinstance(pool, MLATokenToKVPoolHost):
+    """ "mha" / "mla" for the host pool classes migration supports, else None (an MHA
+    pool whose V rows differ in width from its K rows included: 0.5.23 allows them)."""
+    classes = host_pool_classes()
+    if isinstance(pool, classes.mha):
+        split_v = classes.mha_has_v_head_dim and pool.v_head_dim != pool.head_dim
+        return None if split_v else "mha"
+    if isinstance(pool, classes.mla):
         return "mla"
     return None
 

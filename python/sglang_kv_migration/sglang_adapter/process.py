@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_kv_migration.sglang_adapter.installed import is_unified_line
+
 
 @dataclass(frozen=True)
 class SchedulerView:
@@ -49,7 +51,7 @@ class SchedulerView:
             send_output=(
                 scheduler.kv_migration_stage_reply.send_output
                 if scheduler.pp_rank > 0
-                else scheduler.send_to_tokenizer.send_output
+                else _tokenizer_sender(scheduler).send_output
             ),
             world_cpu_group=scheduler.world_group.cpu_group if pipelined else None,
             # SGLang passes None without a DP controller (--dp-size 1).
@@ -67,7 +69,7 @@ def stage_reply_sender(scheduler: Any, tokenizer_ipc_name: str) -> Any:
     first TP rank of each later stage gets its own; the other ranks a no-op sender, as
     SGLang gives them.
     """
-    from sglang.srt.managers.scheduler import SenderWrapper
+    SenderWrapper = _sender_wrapper_class()  # noqa: N806 (a class)
 
     if scheduler.pp_rank == 0 or scheduler.tp_rank != 0:
         return SenderWrapper(None)
@@ -76,6 +78,22 @@ def stage_reply_sender(scheduler: Any, tokenizer_ipc_name: str) -> Any:
 
     socket = get_zmq_socket(zmq.Context(1), zmq.PUSH, tokenizer_ipc_name, False)
     return SenderWrapper(socket)
+
+
+def _tokenizer_sender(scheduler: Any) -> Any:
+    """The scheduler's `SenderWrapper` to the tokenizer manager (0.5.23 keeps its sockets
+    in `ipc_channels`)."""
+    if is_unified_line():
+        return scheduler.ipc_channels.send_to_tokenizer
+    return scheduler.send_to_tokenizer
+
+
+def _sender_wrapper_class() -> type:
+    if is_unified_line():
+        from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
+    else:
+        from sglang.srt.managers.scheduler import SenderWrapper
+    return SenderWrapper
 
 
 def forward_to_later_stages(recv_reqs: list[Any], messages: list[Any]) -> None:
@@ -114,6 +132,13 @@ def add_result_handlers(tokenizer_manager: Any, handlers: list[tuple[type, Any]]
     from sglang.utils import TypeBasedDispatcher
 
     tokenizer_manager._result_dispatcher += TypeBasedDispatcher(handlers)
+
+
+def generate_requests_in_flight(tokenizer_manager: Any) -> Callable[[], bool]:
+    """A test, for the tokenizer manager's process, that generate requests are in flight
+    (SGLang's `rid_to_state`: sent to the scheduler and not finished), so its scheduler
+    runs a batch: one loop iteration per forward step."""
+    return lambda: bool(tokenizer_manager.rid_to_state)
 
 
 def http_server_app() -> Any:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
     from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
@@ -51,6 +53,19 @@ class PinnedHostPages:
     start: int
     end: int
     copying_ids: set[int]  # ids of path nodes whose device->host copy was in flight
+    # What releases the protection where the tree hands out receipts for it (0.5.23's
+    # host locks: `unified_tree.pin_host_pages`); None where the nodes themselves do.
+    release: Callable[[], None] | None = None
+
+
+@dataclass
+class NodeLock:
+    """A lock on a tree node and every ancestor (device eviction skips them), as
+    `lock_node` took it: `receipt` is what the tree needs to release it (0.5.23's
+    `TreeLock`; None on 0.5.12, whose nodes count their own locks)."""
+
+    node: Any  # the locked node: a TreeNode (0.5.12) or a node id (0.5.23)
+    receipt: Any = None
 
 
 # --------------------------------------------------------------------------- public API
@@ -267,14 +282,16 @@ def match_tiered_prefix(
     return TieredPrefix(held.length, segments, last_device, host_nodes)
 
 
-def protect_host_nodes(nodes: list[TreeNode]) -> None:
-    """Keep the host values of `nodes` from host eviction (`evict_host` skips them)."""
+def protect_host_nodes(cache: HiRadixCache, nodes: list[TreeNode]) -> list[Any]:
+    """Keep the host values of `nodes` from host eviction (`evict_host` skips them);
+    returns what `release_host_nodes` takes (here the nodes themselves)."""
     for node in nodes:
         node.protect_host()
+    return list(nodes)
 
 
-def release_host_nodes(nodes: list[TreeNode]) -> None:
-    for node in nodes:
+def release_host_nodes(cache: HiRadixCache, protected: list[Any]) -> None:
+    for node in protected:
         node.release_host()
 
 
@@ -385,6 +402,27 @@ def unpin_host_pages(pinned: PinnedHostPages) -> None:
     for node in pinned.nodes:
         node.release_host()
     pinned.nodes = []
+
+
+def lock_node(cache: HiRadixCache, node: TreeNode) -> NodeLock:
+    """Lock `node` and its ancestors against device eviction until `unlock_node`."""
+    cache.inc_lock_ref(node)
+    return NodeLock(node)
+
+
+def unlock_node(cache: HiRadixCache, lock: NodeLock) -> None:
+    cache.dec_lock_ref(lock.node)
+
+
+def cache_unsupported(cache: object) -> str | None:
+    """Why `cache` cannot serve migrations (None when it can): 0.5.12 migrates through
+    `HiRadixCache` only."""
+    if is_hiradix_cache(cache):
+        return None
+    return (
+        "--enable-kv-migration needs SGLang's HiRadixCache as the tree cache, got "
+        f"{type(cache).__name__}; other hierarchical caches are not supported yet"
+    )
 
 
 def page_hashes(key: RadixKey, page_size: int) -> list[str]:

@@ -47,6 +47,9 @@ class RankContext:
     # ranks of a `--dp-size N` server, which share no process group, take it as the
     # server's epoch. "" : the first rank mints one at start-up.
     launch_id: str = ""
+    # This scheduler's data-parallel rank (0 without DP): a grant naming a DP rank is
+    # claimed only there, and receipts of such grants name it (feature "source_dp_rank").
+    dp_rank: int = 0
     # --served-model-name where it was set apart from the path, else "" (fingerprint).
     model_name: str = ""
 

@@ -64,7 +64,7 @@ class PendingMigration:
     migration_id: str
     key: RadixKey  # page-aligned key of the whole prefix
     matched_length: int  # tokens the target already held, locked until the end
-    anchor: TreeNode  # node ending at matched_length, lock_ref held
+    anchor_lock: sglang_adapter.NodeLock  # on the node ending at matched_length
     root: object  # sglang_adapter.cache_generation() at allocation: a reset changes it
     path: DataPath  # owns the slots: reserve / release / insert
     slots: torch.Tensor  # int64 slots for tokens [matched_length, len(key))
@@ -74,12 +74,21 @@ class PendingMigration:
     write_window_end: float = 0.0  # a source may write the slots until then (registry clock)
     verify: bool = False  # commit checks the receipt's content digest (opt-in verify)
     state: MigrationState = MigrationState.ALLOCATED
+
+    @property
+    def anchor(self) -> TreeNode:
+        """The node ending at matched_length (locked until the migration ends)."""
+        return self.anchor_lock.node
+
     staging: tuple[int, int] | None = None  # granted staging extent (target_staging.py)
     source: str = ""  # the source instance the grant names: receipts must come from it
     # `grants.grant_digest` of this rank's grant: a receipt settles or commits these slots
     # only if it names it (it comes from the request that claimed the grant). Kept in
     # quarantine with the slots and the source, so a repeated abort checks them too.
     grant: str = ""
+    # Feature "source_dp_rank": the source DP rank the grant names (-1: none); a receipt
+    # naming the grant counts only from that DP rank's scheduler (kept in quarantine too).
+    source_dp_rank: int = -1
     # Once its write window closed in quarantine: the inbound streams still to be closed
     # before the slots go back (`DataPath.close_write_streams`; None: not yet listed).
     streams: frozenset[int] | None = None
@@ -269,18 +278,18 @@ class PendingMigrations:
             # IMPORTANT: lock the matched prefix before allocating, because allocating
             # may evict host nodes to make room.
             run = self._owner_run(held.length, owners)
-            self.cache.inc_lock_ref(held.last_node)
+            anchor_lock = sglang_adapter.lock_node(self.cache, held.last_node)
             try:
                 slots = path.reserve(extra) if run is None else path.reserve(extra, run)
             except BaseException:
-                self.cache.dec_lock_ref(held.last_node)
+                sglang_adapter.unlock_node(self.cache, anchor_lock)
                 raise
             now = self.clock()
             self.by_id[migration_id] = PendingMigration(
                 migration_id=migration_id,
                 key=key,
                 matched_length=held.length,
-                anchor=held.last_node,
+                anchor_lock=anchor_lock,
                 root=sglang_adapter.cache_generation(self.cache),
                 path=path,
                 slots=slots,
@@ -347,7 +356,7 @@ class PendingMigrations:
                 # A partial transfer's unwritten slots go back at once: no write can reach
                 # them (the grant was used, and its receipts say the write is over).
                 pending.path.release(pending.slots[len(slots) :])
-            self.cache.dec_lock_ref(pending.anchor)
+            sglang_adapter.unlock_node(self.cache, pending.anchor_lock)
             # The whole key is in the tree now (the locked anchor, then what was just
             # inserted or found present): no second radix walk over it (at page size 1
             # SGLang's match is a Python loop over every token).
@@ -473,7 +482,7 @@ class PendingMigrations:
     def _release(
         self, pending: PendingMigration, state: MigrationState, settled: bool = False
     ) -> None:
-        self.cache.dec_lock_ref(pending.anchor)
+        sglang_adapter.unlock_node(self.cache, pending.anchor_lock)
         self._finish(pending, state, settled=settled)
         if settled:
             pending.path.release(pending.slots)

@@ -1,0 +1,128 @@
+"""Which SGLang this process runs on, decided once, by what the installed package has.
+
+The plugin runs on two lines of SGLang whose caches differ in kind, not in detail:
+
+- ``0.5.12``: ``HiRadixCache`` (``mem_cache/hiradix_cache.py``), a radix tree of Python
+  ``TreeNode`` objects with their device and host values, and the host pools of
+  ``mem_cache/memory_pool_host.py``. What this line needs is in ``radix_tree.py`` and
+  ``pools.py``.
+- ``0.5.23``: ``UnifiedRadixCache`` (``mem_cache/unified_radix_cache.py``) with HiCache
+  attached by ``init_hicache``; its tree lives in a tree core (a Rust extension by
+  default) reached only by node ids, and every host pool sits in a ``HostPoolGroup`` of
+  ``mem_cache/pool_host/``. What this line needs is in ``unified_tree.py`` and
+  ``unified_pools.py``.
+
+The line is read off the installed package's files (never by importing it, so the
+check is free in every SGLang process): ``sglang_adapter/__init__.py`` binds each
+version-dependent function once, from here. Nothing outside `sglang_adapter/` asks
+which line runs; what one line lacks is refused at start by `missing_for_migration`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from functools import cache
+
+HIRADIX_LINE = "0.5.12"
+UNIFIED_LINE = "0.5.23"
+SUPPORTED_LINES = (HIRADIX_LINE, UNIFIED_LINE)
+
+# The file that defines each line's cache, under the sglang package (one per line).
+_LINE_FILES = {
+    HIRADIX_LINE: ("srt", "mem_cache", "hiradix_cache.py"),
+    UNIFIED_LINE: ("srt", "mem_cache", "unified_radix_cache.py"),
+}
+
+
+@cache
+def sglang_line() -> str:
+    """The line of the installed SGLang: ``HIRADIX_LINE`` or ``UNIFIED_LINE``. Where no
+    SGLang is installed (a client-only environment) the 0.5.12 line: nothing runs it."""
+    package = _sglang_package_dir()
+    for line in (HIRADIX_LINE, UNIFIED_LINE):
+        if package is not None and os.path.isfile(os.path.join(package, *_LINE_FILES[line])):
+            return line
+    return HIRADIX_LINE
+
+
+def is_unified_line() -> bool:
+    return sglang_line() == UNIFIED_LINE
+
+
+def sglang_version() -> str:
+    """The installed SGLang's version string ("" when none is installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def _sglang_package_dir() -> str | None:
+    """Where the sglang package lies; found without importing it (its import is heavy)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return str(list(spec.submodule_search_locations)[0])
+
+
+@dataclass(frozen=True)
+class HostPoolClasses:
+    """Where the installed line keeps the host pool classes migration reads."""
+
+    mha: type
+    mla: type
+    group: type
+    nsa_indexer: type | None  # 0.5.23's DSA indexer pool is not migrated (refused)
+    mha_has_v_head_dim: bool  # 0.5.23's MHA host pool may hold V rows of another width
+
+
+@cache
+def host_pool_classes() -> HostPoolClasses:
+    if is_unified_line():
+        from sglang.srt.mem_cache.pool_host import HostPoolGroup
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+        return HostPoolClasses(
+            MHATokenToKVPoolHost, MLATokenToKVPoolHost, HostPoolGroup, None, True
+        )
+    from sglang.srt.mem_cache import memory_pool_host as pools
+
+    return HostPoolClasses(
+        pools.MHATokenToKVPoolHost,
+        pools.MLATokenToKVPoolHost,
+        pools.HostPoolGroup,
+        pools.NSAIndexerPoolHost,
+        False,
+    )
+
+
+# What the plugin does on 0.5.12 and cannot on the 0.5.23 line, each with why: the
+# device path (its pending device slots are counted through the scheduler's
+# `_session_held_tokens`, which 0.5.23 no longer has) and the memory saver (0.5.23 moved
+# `release/resume_memory_occupation` off the scheduler into its weight updater, where
+# the plugin does not hook yet). Start-up refuses them by these names.
+DEVICE_PATH_MISSING = (
+    "SGLang 0.5.23 has no Scheduler._session_held_tokens, through which the device path "
+    "counts its pending device slots: the device path runs on SGLang 0.5.12 only"
+)
+MEMORY_SAVER_MISSING = (
+    "--enable-memory-saver with --enable-kv-migration runs on SGLang 0.5.12 only: 0.5.23 "
+    "releases and resumes KV memory outside the scheduler methods the plugin hooks"
+)
+
+
+def device_path_missing() -> str | None:
+    """Why the installed SGLang cannot run the device path (None: it can)."""
+    return DEVICE_PATH_MISSING if is_unified_line() else None
+
+
+def server_args_refusal(enable_memory_saver: bool) -> str | None:
+    """A start-up refusal for what the installed SGLang line cannot migrate with."""
+    if is_unified_line() and enable_memory_saver:
+        return MEMORY_SAVER_MISSING
+    return None

@@ -1,0 +1,111 @@
+"""The adapter's host-path functions against the real caches of the installed SGLang,
+whichever supported line it is (0.5.12's HiRadixCache, 0.5.23's UnifiedRadixCache): CI
+runs this module on both (marker `any_sglang`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang_kv_migration import sglang_adapter as adapter
+from sglang_kv_migration.errors import MigrationError
+
+pytestmark = pytest.mark.any_sglang
+
+TOKENS = list(range(700, 700 + 64))  # 4 pages of 16
+
+
+def _bytes(layers: list[torch.Tensor]) -> list[bytes]:
+    return [layer.contiguous().view(torch.uint8).numpy().tobytes() for layer in layers]
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_the_cache_is_one_migration_supports(harness_factory, attention):
+    h = harness_factory(attention=attention, layer_num=2)
+    assert adapter.cache_unsupported(h.cache) is None
+    assert adapter.cache_unsupported(object()) is not None
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_held_prefix_counts_device_then_host(harness_factory, layout):
+    h = harness_factory(host_layout=layout, layer_num=2)
+    h.insert_random(TOKENS, seed=1)
+    held = adapter.match_held_prefix(h.cache, TOKENS + [1, 2], None)
+    assert (held.length, held.device_length) == (64, 64)
+    h.evict_device_all()
+    held = adapter.match_held_prefix(h.cache, TOKENS, None)
+    assert (held.length, held.device_length) == (64, 0)
+    assert adapter.match_device_prefix(h.cache, TOKENS, None).length == 0
+    assert len(adapter.path_from_root(h.cache, held.last_node)) >= 1
+
+
+def test_pinned_host_pages_hold_the_device_kv(harness_factory):
+    h = harness_factory(layer_num=2, load_back_threshold=1)
+    device = h.insert_random(TOKENS, seed=3)
+    want = _bytes(h.read_device_kv(device[16:48]))
+    pinned = adapter.pin_host_pages(h.cache, TOKENS, None, 16, 48)
+    try:
+        while not adapter.host_pages_ready(h.cache, pinned):
+            h.cache.writing_check()
+        assert len(pinned.host_indices) == 32
+        pool = adapter.host_pool(h.cache)
+        layout = adapter.host_pool_buffer(pool)
+        assert layout.num_slots >= int(pinned.host_indices.max()) + 1
+    finally:
+        adapter.unpin_host_pages(pinned)
+    # What the pin read is the prefix's KV: evict the device copy, load it back.
+    h.evict_device_all()
+    assert _bytes(h.read_device_kv(h.load_back(TOKENS)[16:48])) == want
+    with pytest.raises(MigrationError):
+        adapter.pin_host_pages(h.cache, TOKENS, None, 8, 48)  # not whole pages
+
+
+def test_host_insert_under_a_locked_anchor_is_served_as_a_cache_hit(harness_factory):
+    src = harness_factory(layer_num=2)
+    dst = harness_factory(layer_num=2, load_back_threshold=1)
+    want = _bytes(src.read_device_kv(src.insert_random(TOKENS, seed=5)[16:]))
+    dst.insert_random(TOKENS[:16], seed=6)  # the first page, held by the target already
+    held = adapter.match_held_prefix(dst.cache, TOKENS, None)
+    assert held.length == 16
+    lock = adapter.lock_node(dst.cache, held.last_node)
+    free_before = int(adapter.host_pool(dst.cache).available_size())
+    slots = adapter.alloc_host_slots(dst.cache, 48)
+    assert int(adapter.host_pool(dst.cache).available_size()) == free_before - 48
+    # Fill the slots as a transfer would: the source's host bytes, slot for slot.
+    pinned = adapter.pin_host_pages(src.cache, TOKENS, None, 16, 64)
+    try:
+        _copy_host_slots(src, pinned.host_indices, dst, slots)
+    finally:
+        adapter.unpin_host_pages(pinned)
+    key = adapter.make_key(dst.cache, TOKENS, None)
+    assert adapter.insert_host_pages(dst.cache, held.last_node, key, 16, slots) == 0
+    adapter.unlock_node(dst.cache, lock)
+    after = adapter.match_held_prefix(dst.cache, TOKENS, None)
+    assert (after.length, after.device_length) == (64, 16)
+    assert _bytes(dst.read_device_kv(dst.load_back(TOKENS)[16:])) == want
+
+
+def test_kv_cache_shape_reads_the_pools(harness_factory):
+    h = harness_factory(attention="mla", layer_num=2, page_size=16)
+    shape = adapter.kv_cache_shape(adapter.host_pool(h.cache))
+    assert (shape.attention, shape.page_size, shape.host_pools) == ("mla", 16, "kv")
+    assert (shape.start_layer, shape.end_layer) == (0, 1)  # the last layer, inclusive
+
+
+def test_cache_generation_changes_on_reset(harness_factory):
+    h = harness_factory(layer_num=2)
+    before = adapter.cache_generation(h.cache)
+    h.cache.reset()
+    assert adapter.cache_generation(h.cache) is not before
+
+
+def _copy_host_slots(src, src_slots, dst, dst_slots) -> None:
+    """Copy host slots between two harnesses' KV host pools through the host path's own
+    layout math (what a Mooncake write does, in one process)."""
+    import ctypes
+
+    from sglang_kv_migration.paths.host.layout import HostPoolLayout, plan_writes
+
+    src_layout = HostPoolLayout.from_host_pool(adapter.host_pool(src.cache))
+    dst_layout = HostPoolLayout.from_host_pool(adapter.host_pool(dst.cache))
+    for write in plan_writes(src_layout, src_slots, dst_layout, dst_slots):
+        ctypes.memmove(write.dst_addr, write.src_addr, write.length)
