@@ -2,10 +2,11 @@
 
 - `sglang.Engine(..., enable_kv_migration=True)`: the engine loads SGLang's plugins
   before it builds its args, with a class bound when `Engine` was defined; the plugin
-  replaces that binding too. Nothing of this package is imported first.
+  replaces that binding too. SGLang's `ServerArgs` is still its own before the engine.
 - `ServerArgs(enable_kv_migration=True)` built by the process itself (slime's actors,
-  any embedding that builds args before SGLang loads plugins): works once the package
-  is imported, before or after SGLang's `server_args`.
+  any embedding that builds args before SGLang loads plugins): works after the one line
+  `import sglang_kv_migration.sglang_flags`, before or after SGLang's `server_args`; the
+  package's other modules do not replace anything.
 - An in-process engine with no SGLang HTTP server (ROLL, AReaL) serves the six routes on
   a port of its own (`server/embedded.py`); KV moves from a CPU mini server to it and
   from it to another mini server, and each side reports the prefix held.
@@ -103,7 +104,7 @@ def _first_json_line(proc: subprocess.Popen, timeout_s: float) -> dict[str, Any]
     raise TimeoutError("embedded_engine.py printed no result")
 
 
-def test_sglang_engine_takes_the_flag_with_nothing_imported_first(servers: tuple) -> None:
+def test_sglang_engine_takes_the_flag_with_nothing_done_first(servers: tuple) -> None:
     embedded, _ = servers
     assert embedded["server_args_class"].endswith(".KVMigrationServerArgs")
     assert embedded["engine_args_class"].endswith(".KVMigrationServerArgs")
@@ -131,13 +132,14 @@ SERVER_ARGS = (
 )
 
 
-def test_server_args_take_the_flag_once_the_package_is_imported(tmp_path: Path) -> None:
-    """Before or after SGLang's `server_args` is imported (two fresh interpreters, run
-    side by side)."""
+def test_server_args_take_the_flag_after_the_one_line_opt_in(tmp_path: Path) -> None:
+    """Before or after SGLang's `server_args` is imported; and importing the package's
+    client alone replaces nothing (three fresh interpreters, run side by side)."""
     model = cpu_harness.write_tiny_model_dir(str(tmp_path))
-    imports = ["import sglang_kv_migration", "from sglang.srt import server_args"]
+    imports = ["import sglang_kv_migration.sglang_flags", "from sglang.srt import server_args"]
+    client_only = ["import sglang_kv_migration.client", "from sglang.srt import server_args"]
     runs = []
-    for order in (imports, imports[::-1]):
+    for order in (imports, imports[::-1], client_only):
         code = "\n".join(order) + "\n" + SERVER_ARGS.format(model=model)
         runs.append(
             subprocess.Popen(
@@ -148,7 +150,9 @@ def test_server_args_take_the_flag_once_the_package_is_imported(tmp_path: Path) 
                 text=True,
             )
         )
-    for run in runs:
+    for run in runs[:2]:
         out, err = run.communicate(timeout=300)
         assert run.returncode == 0, err[-3000:]
         assert out.split()[-2:] == ["KVMigrationServerArgs", "True"], out
+    out, err = runs[2].communicate(timeout=300)
+    assert runs[2].returncode != 0 and "unexpected keyword argument 'enable_kv_migration'" in err

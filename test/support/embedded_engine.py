@@ -4,8 +4,9 @@ migration routes on a port of its own (test env only).
     python embedded_engine.py '<Engine kwargs as JSON>'
 
 In a fresh interpreter, inside a running asyncio loop (the rollout's): `Engine(**kwargs)`
-with `enable_kv_migration=True`, nothing of this package imported first (SGLang finds the
-plugin through its installed entry point, in `Engine.__init__`), then
+with `enable_kv_migration=True`, with SGLang's `ServerArgs` still SGLang's own (no
+`sglang_flags` import: SGLang finds the plugin through its installed entry point, in
+`Engine.__init__`), then
 `serve_engine_routes(engine)`. What stands in: only the scheduler and detokenizer
 process functions (`engine_standins.py`; a GPU model cannot load here), given as the
 `Engine` class attributes SGLang keeps for that (`run_scheduler_process_func`,
@@ -33,11 +34,11 @@ def _qualified(cls: type) -> str:
 async def launch(kwargs: dict[str, Any]) -> dict[str, Any]:
     import engine_standins
     import sglang
+    from sglang.srt import server_args
     from sglang.srt.entrypoints.engine import Engine
 
-    loaded = sorted(m for m in sys.modules if m.startswith("sglang_kv_migration"))
-    if loaded:
-        raise RuntimeError(f"the package was imported before the Engine: {loaded}")
+    if server_args.ServerArgs.__module__ != server_args.__name__:
+        raise RuntimeError(f"ServerArgs was replaced before the Engine: {server_args.ServerArgs}")
 
     class CPUEngine(Engine):
         run_scheduler_process_func = staticmethod(engine_standins.run_scheduler_process)

@@ -72,7 +72,7 @@ def register() -> None:
 def take_server_args() -> None:
     """Make SGLang's `ServerArgs` ours now: the one hook a process needs before it builds
     `ServerArgs(enable_kv_migration=True)` itself, ahead of SGLang's `load_plugins()`
-    (the package's `__init__` calls this once SGLang's `server_args` is imported). Does
+    (`sglang_flags.py` calls this once SGLang's `server_args` is imported). Does
     nothing once `load_plugins()` has started: that registers every hook itself, or was
     told by `SGLANG_PLUGINS` to leave this plugin out. Idempotent."""
     if sglang_adapter.plugins_loading_started():
