@@ -19,6 +19,9 @@
 #   .whl-mc .`), httptools and torch_memory_saver 0.0.10 (`scripts/fetch-gpu-extras.sh`,
 #   which also moves two wheels of .whl/ there: .whl/ and the tree passed 64 MiB).
 #   If the machine went cold between jobs, /tmp/site is gone: run the install again.
+#   Job verlray (verl and Ray) needs one more install call before it, carry [".whl-verl"]
+#   (`bash scripts/fetch-verl-wheels.sh`, ~50 MiB):  python3 -m pip install -q --no-index \
+#     --no-deps --no-compile --no-cache-dir --target /tmp/site-verl .whl-verl/*.whl
 #
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
@@ -427,8 +430,19 @@ landtests)
     "0:landtest:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_host_landing.py; KVMIG_PAGE_SIZE=1 KVMIG_PORT_BASE=30800 $T test/gpu/test_gpu_host_landing.py" \
     "+0:devtest16:sleep 30; KVMIG_PORT_BASE=31500 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
   ;;
+verlray)
+  # verl's own SGLang server class (SGLangHttpServer) in Ray actors: two replicas on one
+  # GPU, CUDA graphs on, the recipe's engine kwargs (docs/rl-integration.md, "verl"),
+  # routed by KVMigrationLoadBalancer through verl's get_router_handle and client: 8
+  # sessions' 2K-token histories on replica A, then B joins and every second turn is
+  # acquired at once; moved sessions' turns must find the migrated KV in B's cache.
+  # /tmp/site-verl from the install call above (.whl-verl); ~4-6 min (two server
+  # starts, ~150 s and ~50 s). Result: verlray/results.jsonl ("verl_actors").
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:verlray:PYTHONPATH=/tmp/site:/tmp/site-verl $T test/gpu/test_gpu_verl_actors.py"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|39|flagcost|flagcost-twin|verl64[-rN]|rl<4|8|16>k-<room|full|both>-rN|ttftsplit|landing|landtests" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|39|flagcost|flagcost-twin|verl64[-rN]|rl<4|8|16>k-<room|full|both>-rN|ttftsplit|landing|landtests|verlray" >&2
   exit 2
   ;;
 esac

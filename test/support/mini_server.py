@@ -95,6 +95,8 @@ class ServerSpec:
     dp_size: int = 1
     dp_attention: bool = False
     preload_dp_rank: int | None = None
+    # --served-model-name (None: SGLang's default, the model path).
+    served_model_name: str | None = "tiny-llama"
 
     @property
     def world(self) -> int:
@@ -202,12 +204,11 @@ def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
     model_dir = spec.harness.model_dir or cpu_harness.write_tiny_model_dir()
     spec = dataclasses.replace(spec, harness=dataclasses.replace(spec.harness, model_dir=model_dir))
     gloo_port = cpu_harness.free_port()
-    http_port = cpu_harness.free_port()
     endpoint = os.path.join(
         tempfile.gettempdir(), f"{cpu_harness.temp_entry_prefixes()[1]}{uuid.uuid4().hex}"
     )
     leaders = tuple(f"ipc://{endpoint}-dp{d}" for d in range(spec.dp_size))
-    ports = _Ports(gloo_port, http_port, f"ipc://{endpoint}", leaders, uuid.uuid4().hex)
+    ports = _Ports(gloo_port, f"ipc://{endpoint}", leaders, uuid.uuid4().hex)
     ready = ctx.Queue()
     processes, control = [], []
     world = spec.world
@@ -223,16 +224,14 @@ def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
         processes.append(p)
         control.append(parent)
     readers = (0,) if spec.dp_attention else tuple(spec.dp_leaders())
-    handle = ServerHandle(
-        f"http://{spec.host}:{http_port}", processes, control, readers=readers, ipc_file=endpoint
-    )
+    # The URL once rank 0 has bound its HTTP socket (`_wait_ready`).
+    handle = ServerHandle("", processes, control, readers=readers, ipc_file=endpoint)
     return handle, ready, world
 
 
 @dataclasses.dataclass(frozen=True)
 class _Ports:
     gloo: int
-    http: int
     # The "tokenizer manager" binds a PULL here and scheduler ranks push to it. An ipc://
     # path like SGLang's own: unique, so no other process can take it before the bind.
     tokenizer: str
@@ -252,9 +251,30 @@ def _wait_ready(handle: ServerHandle, ready: Any, num_ranks: int, timeout_s: flo
             raise TimeoutError(
                 f"{handle.url}: ranks {sorted(pending)} not ready in {timeout_s}s"
             ) from None
+        if status.startswith(_LISTENING):  # rank 0 bound its HTTP socket: the URL
+            handle.url = status[len(_LISTENING) :]
+            continue
         if status != "ready":
             raise RuntimeError(f"{handle.url}: rank {rank} failed to start: {status}")
         pending.discard(rank)
+
+
+# Rank 0's report of the address its HTTP socket is bound to (before "ready").
+_LISTENING = "listening "
+
+
+def _bind_http(host: str) -> Any:
+    """A listening socket on a port the kernel picks: bound before anything else, so no
+    other process can take the port between its choice and the bind (a port chosen in
+    the parent and bound here later could be taken, and the tests would then talk to
+    whatever holds it)."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(2048)
+    return sock
 
 
 # --------------------------------------------------------------------------- child side
@@ -416,6 +436,9 @@ def _rank_main(
         os.environ.update(env)
         if spec.netns is not None:
             _join_netns(spec.netns)  # before any socket is created
+        http_socket = _bind_http(spec.host) if rank == 0 else None
+        if http_socket is not None:
+            ready.put((rank, f"{_LISTENING}http://{spec.host}:{http_socket.getsockname()[1]}"))
         cpu_harness.install_cpu_shims()
         from types import SimpleNamespace
 
@@ -478,12 +501,14 @@ def _rank_main(
         if spec.broken_transport_rank == rank and scheduler.kv_migration is not None:
             _break_transport(scheduler.kv_migration.paths["host"].transport)
         if rank == 0:
+            serving = threading.Event()
             threading.Thread(
                 target=_serve_http,
-                args=(spec, ports.http, sched_in_port, ports.tokenizer, extension),
+                args=(spec, http_socket, sched_in_port, ports.tokenizer, extension, serving),
                 daemon=True,
             ).start()
-            _wait_http(ports.http, spec.host)
+            if not serving.wait(60):
+                raise TimeoutError(f"the HTTP server on {spec.host} did not start in 60 s")
         ready.put((rank, "ready"))
         scheduler.run(sched_in, control, harness, extension)
         if scheduler.kv_migration is not None:
@@ -790,11 +815,13 @@ _MEMORY_COMMANDS = {
 
 def _serve_http(
     spec: ServerSpec,
-    http_port: int,
+    http_socket: Any,
     sched_in_port: int,
     tokenizer_endpoint: str,
     extension: Any = None,
+    serving: threading.Event | None = None,
 ) -> None:
+    """Serve the app on `http_socket`; `serving` is set once it answers requests."""
     import asyncio
 
     import uvicorn
@@ -812,9 +839,13 @@ def _serve_http(
     from_scheduler = context.socket(zmq.PULL)
     from_scheduler.bind(tokenizer_endpoint)
 
+    # SGLang's tokenizer manager stamps every request with its server args' weight version
+    # ("default" until a weight update names one).
+    weight_version = _server_args(spec).weight_version
     comms = (
         KVMigrationCommunicators(
             to_scheduler,
+            weight_version=lambda: weight_version,
             pp_size=spec.pp_size,
             dp_size=spec.dp_size,
             ask_ahead=_ask_ahead(spec, extension),
@@ -840,8 +871,10 @@ def _serve_http(
                 dispatcher(await from_scheduler.recv_pyobj())
 
         asyncio.get_running_loop().create_task(loop())
+        if serving is not None:
+            serving.set()  # startup handlers run once the socket is being served
 
-    uvicorn.run(app, host=spec.host, port=http_port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[http_socket])
 
 
 def _ask_ahead(spec: ServerSpec, extension: Any) -> Any:
@@ -870,25 +903,13 @@ def _join_netns(name: str) -> None:
         os.close(fd)
 
 
-def _wait_http(port: int, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex((host, port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"HTTP server on port {port} did not start")
-
-
 def _server_args(spec: ServerSpec, launch_id: str = "") -> Any:
     from sglang_kv_migration.server.server_args import KVMigrationServerArgs
 
     cfg = spec.harness
     args = KVMigrationServerArgs(
         model_path=cfg.model_dir or cpu_harness.write_tiny_model_dir(),
-        served_model_name="tiny-llama",
+        served_model_name=spec.served_model_name,
         skip_tokenizer_init=True,
         device="cpu",
         page_size=cfg.page_size,

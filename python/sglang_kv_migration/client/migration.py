@@ -55,7 +55,7 @@ from sglang_kv_migration.client.path_choice import (
     reads_host_tier,
     target_entry,
 )
-from sglang_kv_migration.fingerprint import CP_SHARDED, LayoutFingerprint
+from sglang_kv_migration.fingerprint import CP_SHARDED, LayoutFingerprint, explain
 from sglang_kv_migration.grants import destination_digest
 from sglang_kv_migration.wire import bodies
 from sglang_kv_migration.wire.convert import build, from_dict, to_wire
@@ -1344,7 +1344,7 @@ def _check_compatible(source_info: SessionInfoReply, target_info: SessionInfoRep
         target_fp = LayoutFingerprint.from_dict(target_ranks[position].fingerprint)
         mismatch = source_fp.first_mismatch(target_fp)
         if mismatch is not None:
-            raise MigrationFailed("session_info", f"KV layouts differ: {mismatch}")
+            raise MigrationFailed("session_info", f"KV layouts differ: {explain(mismatch)}")
 
 
 _JSON = {"Content-Type": "application/json"}

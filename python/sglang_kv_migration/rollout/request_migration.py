@@ -84,6 +84,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Coroutine, Iterable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -295,12 +296,13 @@ class RequestOutput:
 
 
 class GatewayRouting(Protocol):
-    """A gateway in front of the workers (`integrations.gateway.ModelGateway`): `route`
-    says where to POST `path` so that it reaches `worker_url`, with which headers; the
-    route's `check(headers)` raises when another worker answered, and `lines(response)`
-    yields the worker's reply."""
+    """A gateway in front of the workers (`integrations.gateway.ModelGateway`): `stream`
+    POSTs through it to the worker `worker_url` names and yields that worker's reply (its
+    `status_code`, `aread()` and `aiter_lines()`, as a streamed httpx response has)."""
 
-    async def route(self, worker_url: str, path: str = "/generate") -> Any: ...
+    def stream(
+        self, http: Any, worker_url: str, body: Any, headers: Any
+    ) -> AbstractAsyncContextManager[Any]: ...
 
 
 class RequestHandle:
@@ -986,26 +988,23 @@ class AsyncRequestMigrator:
         arrives (SGLang publishes no per-request queue state); returns what the same call
         without streaming would have returned."""
         body = encoded_body({**request.body(), "stream": True})
-        where = f"{url}/generate"
+        where = url.rstrip("/") + "/generate"
         try:
             headers = {**JSON_HEADERS, **self.keys.headers("/generate")}
-            post_to, route = url.rstrip("/") + "/generate", None
-            if self.gateway is not None:  # through the gateway, pinned to `url`
-                route = await self.gateway.route(url)
-                post_to, headers = route.url, {**headers, **route.headers}
-                where = f"{url}/generate via {route.url}"
             progress.sent_at = time.monotonic()
-            async with self._http.stream("POST", post_to, content=body, headers=headers) as r:
+            if self.gateway is None:
+                opened = self._http.stream("POST", where, content=body, headers=headers)
+            else:  # through the gateway, pinned to `url` (resolved and checked there)
+                opened = self.gateway.stream(self._http, url, body, headers)
+                where += " via the gateway"
+            async with opened as r:
                 if r.status_code >= 300:
                     text = (await r.aread()).decode(errors="replace")
                     hint = ""
                     if r.status_code in (401, 403):
                         hint = f" (sent {self.keys.sent('/generate')}; {auth_hint('/generate')})"
                     raise GenerateFailed(f"{where}: HTTP {r.status_code}: {text[:500]}{hint}")
-                if route is None:
-                    return await read_generate_stream(r.aiter_lines(), progress, where)
-                route.check(r.headers)
-                return await read_generate_stream(route.lines(r), progress, where)
+                return await read_generate_stream(r.aiter_lines(), progress, where)
         except httpx.HTTPError as e:
             raise GenerateFailed(f"{where}: {type(e).__name__}: {e}") from e
 

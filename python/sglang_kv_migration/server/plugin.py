@@ -6,6 +6,8 @@ ranks, Engine) and then applies the hooks. Each hook returns at once when
 
 Hooks (targets are named in `sglang_adapter/hook_targets.py`):
 - REPLACE `ServerArgs` with `KVMigrationServerArgs`: our CLI flags and their checks;
+  the same for `Engine.server_args_class`, which `sglang.Engine(**kwargs)` builds its
+  args with (bound when the class was defined, so the first REPLACE misses it);
 - AFTER `Scheduler.init_ipc_channels`: later PP stages get a socket to the tokenizer;
 - AFTER `Scheduler.init_request_dispatcher`: add the six handlers on every rank;
 - BEFORE `Scheduler.process_input_requests`: commit what sources delivered to the
@@ -33,6 +35,7 @@ Hooks (targets are named in `sglang_adapter/hook_targets.py`):
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -41,6 +44,8 @@ from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.sglang_adapter import hook_targets as upstream
 
 logger = logging.getLogger(__name__)
+
+_SERVER_ARGS_MODULE = "sglang_kv_migration.server.server_args"
 
 
 def register() -> None:
@@ -62,6 +67,25 @@ def register() -> None:
             "scheduler and HTTP server not registered",
             runtime_missing,
         )
+
+
+def take_server_args() -> None:
+    """Make SGLang's `ServerArgs` ours now: the one hook a process needs before it builds
+    `ServerArgs(enable_kv_migration=True)` itself, ahead of SGLang's `load_plugins()`
+    (`sglang_flags.py` calls this once SGLang's `server_args` is imported). Does
+    nothing once `load_plugins()` has started: that registers every hook itself, or was
+    told by `SGLANG_PLUGINS` to leave this plugin out. Idempotent."""
+    if sglang_adapter.plugins_loading_started():
+        return
+    ours = sys.modules.get(_SERVER_ARGS_MODULE)
+    if ours is not None and "KVMigrationServerArgs" not in vars(ours):
+        return  # it is importing SGLang's module right now: it is the class itself
+    from sglang_kv_migration.server.server_args import KVMigrationServerArgs
+
+    target = upstream.SERVER_ARGS_CLASS
+    if not any(h is KVMigrationServerArgs for h in sglang_adapter.registered_hooks(target)):
+        HookRegistry.register(target, KVMigrationServerArgs, HookType.REPLACE)
+    HookRegistry.apply_hooks()
 
 
 def missing_hooks() -> list[str]:
@@ -122,6 +146,7 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
 
     table = [
         (upstream.SERVER_ARGS_CLASS, KVMigrationServerArgs, HookType.REPLACE),
+        (upstream.ENGINE_SERVER_ARGS_CLASS, KVMigrationServerArgs, HookType.REPLACE),
         (upstream.SCHEDULER_INIT_IPC, scheduler_hooks.after_init_ipc_channels, HookType.AFTER),
         (
             upstream.SCHEDULER_INIT_DISPATCHER,

@@ -34,6 +34,9 @@ HTTP_LAUNCH_SERVER = "sglang.srt.entrypoints.http_server.launch_server"
 # frameworks that serve SGLang's `app` with their own uvicorn (verl) call it directly and
 # never reach `launch_server`.
 ENGINE_LAUNCH_SUBPROCESSES = "sglang.srt.entrypoints.engine.Engine._launch_subprocesses"
+# The class `Engine(**kwargs)` builds its ServerArgs with, bound when the class was
+# defined: the REPLACE of `ServerArgs` rebinds module attributes, not this one.
+ENGINE_SERVER_ARGS_CLASS = "sglang.srt.entrypoints.engine.Engine.server_args_class"
 # The idle/busy memory-leak checks count these tokens as held outside the tree: pending
 # device-slot allocations are added here, so SGLang's pool invariant keeps holding.
 SCHEDULER_SESSION_HELD_TOKENS = "sglang.srt.managers.scheduler.Scheduler._session_held_tokens"
@@ -59,6 +62,7 @@ HOOK_TARGETS: tuple[str, ...] = (
     TOKENIZER_INIT_COMMUNICATORS,
     HTTP_LAUNCH_SERVER,
     ENGINE_LAUNCH_SUBPROCESSES,
+    ENGINE_SERVER_ARGS_CLASS,
     SCHEDULER_SESSION_HELD_TOKENS,
     SCHEDULER_SLEEP_ON_IDLE,
     SCHEDULER_RELEASE_MEMORY,
@@ -98,7 +102,8 @@ SERVER_RUNTIME_TARGETS: frozenset[str] = frozenset(
             "sglang.srt.managers.scheduler.",
             "sglang.srt.managers.tokenizer_manager.",
             HTTP_LAUNCH_SERVER,
-            ENGINE_LAUNCH_SUBPROCESSES,
+            # Engine's _launch_subprocesses and its server_args_class.
+            "sglang.srt.entrypoints.engine.",
             # The host pool module imports the native KV copy kernels.
             HOST_POOL_ALLOCATOR,
         )
