@@ -205,3 +205,23 @@ def test_a_failed_or_partial_move_is_counted_apart_and_leaves_the_target_unjudge
     assert "| busy | one_call |" in table and "<= 2.0: not measured" in table
     assert "| 4 of 6 | {'gpu': 4} |" in table and f"failed 2x: {full}" in table
 
+
+def test_both_servers_get_one_planned_pool_that_holds_what_a_round_moves() -> None:
+    """On an 80 GB card both servers get the same pool (not the second a fifth of the
+    first's, as one --mem-fraction-static gave: three 8K prefixes on the target); a card
+    that cannot hold a concurrency round's seven 8K prefixes on the target is refused."""
+    import argparse
+
+    import bench_busy_source as bench
+    import busy_concurrency
+    import gpu_servers
+    import pytest
+    from real_servers import LLAMA3_8B
+
+    assert busy_concurrency.target_tokens() == 7 * 8176
+    args = argparse.Namespace(max_total_tokens=163840, only_concurrency=True, lengths=[8192])
+    h100 = gpu_servers.Card("NVIDIA H100 80GB HBM3", 81559, 81079, "580.159.04", "0")
+    assert bench._pool(args, h100, dict(LLAMA3_8B)) == 163840
+    small = gpu_servers.Card("a 40 GB card", 40960, 40000, "580.159.04", "0")
+    with pytest.raises(SystemExit, match="4096-token KV pool; the run needs 57232"):
+        bench._pool(args, small, dict(LLAMA3_8B))
