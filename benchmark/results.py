@@ -52,6 +52,9 @@ RUNS = {
     "scene8k": "2026-12-01/scene8k-bench_rl_scene_8192.json",
     "scene16k": "2026-12-01/scene16k-bench_rl_scene_16384.json",
     "live": "2026-12-06/live-bench_live_move.json",
+    # The fleet simulation's constants all come from H200 records (`fleet_costs.py`):
+    # its decode steps from the H200's live-move record, not the H100's above.
+    "live_h200": "2026-12-05/live-bench_live_move.json",
     "busy": "2026-12-05/busy-bench_busy_source.json",
     "concurrency": "2026-12-06/conc-bench_busy_source_concurrency.json",
     "rollout": "2026-11-30-rollout-rebalance-llama3-8b.json",
