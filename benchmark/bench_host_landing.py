@@ -278,6 +278,9 @@ def _move(
                 t0 = time.perf_counter()
                 result = client.migrate(source, target, prompt[:-1], path=path)
                 wall = time.perf_counter() - t0
+            # The ended requests' KV is written through to the host pool: until that is
+            # done HiCache cannot evict it to load the landed prefix back.
+            time.sleep(SETTLE_S)
     except MigrationFailed as e:  # a result of the path under test: kept, not fatal
         row = report.failed_move(str(e), held, whole)
     else:
