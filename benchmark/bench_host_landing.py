@@ -8,8 +8,8 @@ graphs ON.
    repeat finds a prompt moved: the source, flushed, holds one N-token prompt per length
    (`--lengths`, default 8K and 32K) only in its host tier, whole (flooded out of its GPU
    by one prompt more than fills its GPU pool, then asked where they are: asking between
-   flood prompts kept them on the GPU, and a flood past the host pool's room lost them
-   from both tiers), and another on its GPU, served after the flood. What each attempt
+   flood prompts keeps them on the GPU, and a flood past the host pool's room loses
+   them from both tiers), and another on its GPU, served after the flood. What each attempt
    left where is recorded (`placements`); a prompt that could not be placed is left out
    of the rows (`unplaced`), never fatal.
 2. Per repeat (`--repeats`, default 3) and length, one row, per source tier:

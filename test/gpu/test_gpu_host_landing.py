@@ -76,7 +76,7 @@ def servers() -> Iterator[Servers]:
         ServerSpec(PORT_BASE + 20, [*common, "--max-total-tokens", str(TARGET_POOL)], gpu_id=0),
     ]
     # Started together: their pools are capped far below what either measures free, so
-    # a neighbour's loading cannot shrink them (one at a time took ~40 s longer).
+    # a neighbour's loading cannot shrink them (one after the other: ~40 s more).
     with running_servers(model_dir, specs) as (source, target):
         yield Servers(source, target, int(shape["vocab_size"]))
 
@@ -106,8 +106,8 @@ def _place_on_host_tier(
     s: Servers, client: MigrationClient, prompt: list[int], rng: random.Random
 ) -> tier_placement.Placement:
     """`prompt` cached on the source, then flooded out of its GPU pool but not out of its
-    host pool (`tier_placement.py`: a flood of twice the GPU pool overflowed a host pool of
-    twice the GPU pool and lost the prompt from both tiers)."""
+    host pool (`tier_placement.py`: a flood of twice the GPU pool overflows a host pool of
+    twice the GPU pool and loses the prompt from both tiers)."""
     return tier_placement.place_in_host_tier(
         {"prompt": prompt},
         serve=lambda ids: generate(s.source, ids, 1),

@@ -4,8 +4,8 @@ a prefix from there (`bench_host_landing.py`, `test_gpu_host_landing.py`).
 Each prompt is served once (HiCache writes it through to the host pool), then distinct
 prompts flood the GPU pool until LRU eviction has pushed the prompts out of it; the
 size query's `device_token_size` (0) and `matched_token_size` (the whole prompt) say
-where they are. Two ways this went wrong on a real server (H100, SGLang 0.5.12), both
-reproduced on CPU against SGLang's own eviction (`test/unit/test_tier_placement.py`):
+where they are. Two ways this goes wrong on a real server, both reproduced on CPU
+against SGLang's own eviction (`test/unit/test_tier_placement.py`):
 
 - A size query between flood prompts keeps the prompts on the GPU for ever: its radix
   match refreshes their access time as a request's would, so they are always the

@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+from served_cache import ServedCache
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
 import bench_host_landing as bench  # noqa: E402
 import host_landing_report as report  # noqa: E402
@@ -231,3 +234,52 @@ def test_the_landing_job_runs_the_gpu_test_then_the_benchmark_to_the_budget_s_en
     args = bench.parse_args(argv[2:])
     assert args.repeats >= 3 and args.lengths == [8192, 32768]
     assert int(before) + 560 - 25 <= args.end_at <= time.time() + 560 - 25
+
+
+# ------------------------------------------- the placement against SGLang's eviction (CPU)
+
+
+def _bench_on(monkeypatch, served: ServedCache) -> None:
+    """The benchmark's server calls answered by a harness cache (`served_cache.py`)."""
+    monkeypatch.setattr(bench, "flush_cache", lambda url: served.h.cache.reset())
+    monkeypatch.setattr(bench, "kv_pool_usage", lambda url: {"max_total_num_tokens": 1024})
+    monkeypatch.setattr(bench, "generate", lambda url, ids, n=1: served.serve(ids))
+    monkeypatch.setattr(bench, "_held", lambda client, url, ids: served.held(ids))
+    monkeypatch.setattr(bench, "FLOOD_TOKENS", 256)
+    monkeypatch.setattr(bench, "SETTLE_S", 0.0)
+
+
+@pytest.fixture
+def served(harness_factory) -> ServedCache:
+    return ServedCache(harness_factory(page_size=16, device_tokens=1024, hicache_ratio=2.0))
+
+
+def test_the_benchmark_places_each_prompt_in_its_tier(monkeypatch, served: ServedCache) -> None:
+    _bench_on(monkeypatch, served)
+    prompts, record = bench._place_prefixes(None, "src", [256, 512], random.Random(0), 16)
+    assert record["placed"] == {"256/host": True, "512/host": True,
+                                "256/gpu": True, "512/gpu": True}  # fmt: skip
+    assert record["held_after"]["512/host"] == {"matched_token_size": 496, "device_token_size": 0}
+    assert record["held_after"]["512/gpu"]["device_token_size"] == 496
+    assert record["host_room_tokens"] > 0 and len(record["attempts"]) == 1
+    assert bench._still_placed(None, "src", prompts, 16)
+    served.serve(prompts[(256, "host")])  # a request for it loads it back to the GPU
+    assert not bench._still_placed(None, "src", prompts, 16)
+
+
+def test_the_benchmark_records_prompts_its_host_pool_cannot_keep(
+    monkeypatch, served: ServedCache
+) -> None:
+    """Host-tier prompts that do not fit beside a flood (`host_room` < 0) are lost at each
+    attempt: recorded as not placed, and their rows are skipped, not fatal."""
+    _bench_on(monkeypatch, served)
+    prompts, record = bench._place_prefixes(None, "src", [512, 768], random.Random(0), 16)
+    assert record["host_room_tokens"] < 0
+    assert len(record["attempts"]) == bench.tier_placement.ATTEMPTS
+    assert not all(record["placed"][f"{n}/host"] for n in (512, 768)), record
+    monkeypatch.setattr(bench, "timed_generate", lambda url, ids, n=1: ({}, 0.5))
+    row = bench._row(bench.parse_args([]), None, "src", "dst", prompts,
+                     {**record["placed"], "512/gpu": False, "512/host": False},
+                     512, 0, random.Random(1))  # fmt: skip
+    assert set(row["unplaced"]) == {"gpu", "host"} and row["device"] == row["landing"] == {}
+    assert row["reprefill_ms"] == 500.0

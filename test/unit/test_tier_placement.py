@@ -1,15 +1,13 @@
 """Placing prompts in a server's host tier only (`test/gpu/tier_placement.py`), against
 SGLang's own eviction on CPU: a real HiRadixCache (write-through, host pool twice the
-GPU pool, as the GPU benchmark and test run it) served the way the scheduler serves a
-request (its prompt's slots taken after evicting what they need from the tree, the
-prompt inserted and written through), queried with the size query's own match
-(`sglang_adapter.match_held_prefix`, which refreshes access times as SGLang's does).
+GPU pool, as the GPU benchmark and test run it) served the way the scheduler serves
+requests and asked the size query (`test/support/served_cache.py`).
 
-The first two tests are the two ways the H100 run's placements failed, kept as
-reproductions: a size query between flood prompts keeps the prompts on the GPU for
-ever (the benchmark's "host-tier prefixes still on the source's GPU"), and a flood of
-twice the GPU pool into a host pool of twice the GPU pool loses the prompt from the
-host tier too (the GPU test's move that sent 0 tokens).
+The first two tests reproduce the two ways a placement fails on a real server: a size
+query between flood prompts keeps the prompts on the GPU for ever (a benchmark then
+stops at "host-tier prefixes still on the source's GPU"), and a flood of twice the GPU
+pool into a host pool of twice the GPU pool loses the prompt from the host tier too (a
+move of it then sends 0 tokens).
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from served_cache import ServedCache
 from sglang_kv_migration import sglang_adapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
@@ -28,44 +27,18 @@ DEVICE_TOKENS = 1024  # the harness's GPU pool; its host pool holds twice that
 FLOOD = 256
 
 
-class Server:
-    """A harness cache served as the scheduler serves requests (see the docstring)."""
-
-    def __init__(self, harness):
-        self.h = harness
-        self.next_id = 1_000_000
-        self.queries = 0
-
-    def serve(self, ids: list[int]) -> None:
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        need = -(-len(ids) // PAGE) * PAGE
-        short = need - self.h.allocator.available_size()
-        if short > 0:
-            self.h.cache.evict(EvictParams(num_tokens=short))
-        self.h.insert_random(ids, seed=len(ids))
-        self.h.drain_writes()
-
-    def held(self, ids: list[int]) -> dict[str, int]:
-        self.queries += 1
-        found = sglang_adapter.match_held_prefix(self.h.cache, ids[:-1], None)
-        return {"matched_token_size": found.length, "device_token_size": found.device_length}
-
-    def fresh(self, n: int) -> list[int]:
-        self.next_id += n
-        return list(range(self.next_id - n, self.next_id))
-
-
 @pytest.fixture
-def server(harness_factory) -> Server:
-    return Server(harness_factory(page_size=PAGE, device_tokens=DEVICE_TOKENS, hicache_ratio=2.0))
+def server(harness_factory) -> ServedCache:
+    return ServedCache(
+        harness_factory(page_size=PAGE, device_tokens=DEVICE_TOKENS, hicache_ratio=2.0)
+    )
 
 
 def _prompt(start: int, pages: int) -> list[int]:
     return list(range(start, start + pages * PAGE + 1))  # a move carries `pages` pages
 
 
-def test_a_size_query_between_flood_prompts_keeps_the_prompts_on_the_gpu(server: Server):
+def test_a_size_query_between_flood_prompts_keeps_the_prompts_on_the_gpu(server: ServedCache):
     """The benchmark's loop: flood one prompt, ask where the prompts are, again."""
     prompts = [_prompt(10, 8), _prompt(5_000, 16)]
     for p in prompts:
@@ -77,7 +50,7 @@ def test_a_size_query_between_flood_prompts_keeps_the_prompts_on_the_gpu(server:
 
 
 def test_a_flood_of_twice_the_gpu_pool_loses_the_prompt_from_the_host_tier_too(
-    server: Server,
+    server: ServedCache,
 ):
     """The GPU test's flood: 2 x pool tokens, with the host pool 2 x pool."""
     prompt = _prompt(10, 8)
@@ -87,7 +60,7 @@ def test_a_flood_of_twice_the_gpu_pool_loses_the_prompt_from_the_host_tier_too(
     assert server.held(prompt) == {"matched_token_size": 0, "device_token_size": 0}
 
 
-def test_placing_leaves_each_prompt_whole_in_the_host_tier_only(server: Server):
+def test_placing_leaves_each_prompt_whole_in_the_host_tier_only(server: ServedCache):
     prompts = {"8": _prompt(10, 8), "16": _prompt(5_000, 16)}
     kept = sum(placement.whole_tokens(p, PAGE) for p in prompts.values())
     assert placement.host_room(2 * DEVICE_TOKENS, DEVICE_TOKENS, kept, FLOOD) > 0
@@ -114,7 +87,7 @@ def test_placing_leaves_each_prompt_whole_in_the_host_tier_only(server: Server):
         assert placement.in_host_tier_only(server.held(p), placement.whole_tokens(p, PAGE))
 
 
-def test_what_cannot_be_placed_is_recorded_after_the_bounded_attempts(server: Server):
+def test_what_cannot_be_placed_is_recorded_after_the_bounded_attempts(server: ServedCache):
     """A prompt that stays on the GPU (here: locked, as a running request's prefix is)
     is reported not placed after `attempts` floods; nothing raises."""
     prompts = {"held": _prompt(10, 8), "free": _prompt(5_000, 8)}
