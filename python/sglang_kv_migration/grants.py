@@ -45,17 +45,10 @@ import orjson
 import xxhash
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.wire import features
 
 if TYPE_CHECKING:
     import torch
 
-# The wire features grants take part in (`wire/features.py` says what each adds).
-FEATURE = features.BOUND_GRANTS
-PARTIAL_FEATURE = features.PARTIAL_TRANSFER  # receipts say how many tokens (`Receipt.tokens`)
-SOURCE_COMMIT_FEATURE = features.SOURCE_COMMIT  # receipts go to `Grant.mailbox`
-SOURCE_ALLOCATE_FEATURE = features.SOURCE_ALLOCATE
-DESTINATION_DIGEST_FEATURE = features.DESTINATION_DIGEST  # grants bind the digest
 _KEY_CONTEXT = b"sglang-kv-migration grant key\x00"
 # Grants used by this source (for replay refusal), remembered until they expire.
 MAX_REMEMBERED_GRANTS = 1 << 16

@@ -20,8 +20,9 @@ import torch
 from mini_server import ServerHandle, ServerSpec, start_servers
 from multi_rank import HTTP_TIMEOUT_S, kv_equal, post, session_info
 from sglang_kv_migration.client.migration import MigrationClient, _index_format, _Plan, _targets
-from sglang_kv_migration.page_ranges import FEATURE, pages_from_ranges, to_page_ranges
+from sglang_kv_migration.page_ranges import pages_from_ranges, to_page_ranges
 from sglang_kv_migration.wire.convert import from_dict, to_wire
+from sglang_kv_migration.wire.features import PAGE_RANGES as FEATURE
 from sglang_kv_migration.wire.messages import (
     AllocatedRank,
     AllocateReply,

@@ -31,6 +31,7 @@ from sglang_kv_migration.server.rank.hooks import (
     around_release_memory_occupation,
 )
 from sglang_kv_migration.server.target.pending import MigrationState, PendingMigrations
+from sglang_kv_migration.wire import features
 from side_helpers import allocate_on
 from timing import FakeClock
 
@@ -326,13 +327,12 @@ def test_the_client_moves_a_long_prefix_in_landing_sized_rounds(side_factory, he
 def test_rounds_without_a_size_query_stop_where_the_source_holds_no_more(side_factory):
     """Feature "partial_transfer": the client asks the source nothing; each round moves
     what the source holds of it, and a short round is the last."""
-    from sglang_kv_migration import grants
     from sglang_kv_migration.client.migration import SessionCache, _migration_steps
 
     side = side_factory(page_size=16, layer_num=2)
     side.paths["device"] = _landing_path(side.harness, 64)
     info = dataclasses.asdict(side.get_transfer_session_info(GetTransferSessionInfoReqInput()))
-    assert grants.PARTIAL_FEATURE in info["features"]
+    assert features.PARTIAL_TRANSFER in info["features"]
     target = {"info": info, "limit": 64, "held": 0}
     steps = _migration_steps(
         "http://src", "http://dst", _tokens(208), None, sessions=SessionCache()
