@@ -91,7 +91,7 @@ def _tokens_hash(int64_ids: bytes, extra_key: str | None) -> str:
 def request_tokens_digest(req: Any, end: int) -> str:
     """`tokens_digest` of a request's first `end` ids (`input_ids`, `extra_key`), from
     the bytes they came as when they did (`binary_ids.raw_of`)."""
-    from sglang_kv_migration import binary_ids
+    from sglang_kv_migration.wire import binary_ids
 
     raw = binary_ids.raw_of(req)
     if len(raw) >= end * binary_ids.ITEM_BYTES:

@@ -28,14 +28,14 @@ import httpx
 import pytest
 import torch
 from mini_server import ServerHandle, ServerSpec, start_servers
-from sglang_kv_migration import PROTOCOL_VERSION, binary_ids
+from sglang_kv_migration import PROTOCOL_VERSION
 from sglang_kv_migration.client.migration import (
     AsyncMigrationClient,
     MigrationClient,
     MigrationFailed,
 )
 from sglang_kv_migration.server.http.routes import DISABLED_MESSAGE
-from sglang_kv_migration.wire import features
+from sglang_kv_migration.wire import binary_ids, features
 
 PAGE = 16
 WATCHDOG_S = 2.0

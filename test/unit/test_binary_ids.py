@@ -6,10 +6,9 @@ from __future__ import annotations
 import base64
 
 import pytest
-from sglang_kv_migration import binary_ids
 from sglang_kv_migration.client.migration import _allocate_call, _Plan, _transfer_call
 from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
-from sglang_kv_migration.wire import features
+from sglang_kv_migration.wire import binary_ids, features
 from sglang_kv_migration.wire.convert import from_dict, to_wire
 from sglang_kv_migration.wire.messages import AllocateReply, SessionInfoReply
 

@@ -235,7 +235,7 @@ def test_release_of_other_memory_or_a_busy_server_changes_nothing(side_factory):
 
 def _ids_in(body: dict) -> int:
     """How many ids a body carries, as a list or as bytes (feature "binary_ids")."""
-    from sglang_kv_migration import binary_ids
+    from sglang_kv_migration.wire import binary_ids
 
     if binary_ids.FIELD in body:
         return binary_ids.count(binary_ids.decode(body[binary_ids.FIELD], 1 << 21))

@@ -90,7 +90,7 @@ def _session_info(instance: str) -> dict:
         page_size=PAGE,
         fingerprint=_fingerprint(),
     )
-    rank.paths = {"host": rank.to_wire()}
+    rank.paths = {"host": rank.host_wire()}
     reply = messages.SessionInfoReply(
         success=True,
         ranks=[rank],

@@ -25,8 +25,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from sglang_kv_migration import binary_ids, page_ranges
-from sglang_kv_migration.targets import HostTarget
+from sglang_kv_migration.wire import binary_ids, page_ranges
+from sglang_kv_migration.wire.host_fields import buffer_count_problem
 
 MAX_TOKENS = 1 << 21  # input_ids / kv_indices / kv_pages per request
 MAX_ID_CHARS = 128  # migration_id
@@ -256,7 +256,9 @@ class TargetRankBody(Body):
             return self
         if not self.session_id or not self.host_kv_data_ptrs:
             raise ValueError("session_id and host_kv_data_ptrs are required for path 'host'")
-        problem = HostTarget.from_wire(dict(self)).buffer_count_problem()
+        problem = buffer_count_problem(
+            self.host_kv_data_ptrs, self.host_kv_data_lens, self.host_kv_item_lens
+        )
         if problem is not None:
             raise ValueError(problem)
         return self

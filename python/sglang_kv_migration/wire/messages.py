@@ -23,8 +23,8 @@ import functools
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
 
-from sglang_kv_migration.targets import HostTarget  # the host path's fields, once
 from sglang_kv_migration.wire import features
+from sglang_kv_migration.wire.host_fields import HostFields
 
 # Optional wire features every server of this version lists (`features.py`).
 WIRE_FEATURES = features.ALWAYS
@@ -62,8 +62,8 @@ class StageRefusal:
 
 
 @dataclass
-class RankSessionInfo(HostTarget):
-    """One rank's endpoints: the host path's fields (`HostTarget`; empty without the host
+class RankSessionInfo(HostFields):
+    """One rank's endpoints: the host path's fields (`HostFields`; empty without the host
     path) at top level (protocol 1), and every data path's advertisement under `paths`,
     in this server's order of preference."""
 
@@ -336,9 +336,9 @@ def _is_list(value: Any) -> bool:
 
 
 @dataclass
-class TransferRequestKVCacheTarget(HostTarget):
+class TransferRequestKVCacheTarget(HostFields):
     """One target rank: where the source rank with the same (tp, pp) writes (host path:
-    the `HostTarget` fields; device path: `device_kv`, a `DeviceTarget` on the wire;
+    the `HostFields`; device path: `device_kv`, a `DeviceTarget` on the wire;
     shared-host path: `shared_host_kv`, a `SharedHostTarget`)."""
 
     tp: int

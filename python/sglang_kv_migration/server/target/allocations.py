@@ -13,7 +13,6 @@ from typing import Any
 from sglang_kv_migration import grants
 from sglang_kv_migration.cp_owners import OwnerRun, owned_pages, pattern_digest
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.page_ranges import to_page_ranges
 from sglang_kv_migration.paths.base import HOST, DataPath, TargetStaging
 from sglang_kv_migration.server.diag.metrics import MigrationMetrics
 from sglang_kv_migration.server.diag.trace import ms
@@ -29,6 +28,7 @@ from sglang_kv_migration.server.target.pending import PendingMigrations
 from sglang_kv_migration.wire.messages import (
     AllocatedRank,
 )
+from sglang_kv_migration.wire.page_ranges import to_page_ranges
 
 logger = logging.getLogger(__name__)
 

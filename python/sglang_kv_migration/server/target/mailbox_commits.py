@@ -20,9 +20,10 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sglang_kv_migration import binary_ids, sglang_adapter
+from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.server.messages import CommitTransferRequestKVCacheReqInput
 from sglang_kv_migration.server.same_host.mailbox import Mailbox, MailboxSlots, open_mailbox
+from sglang_kv_migration.wire import binary_ids
 
 if TYPE_CHECKING:
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics, NullMetrics
