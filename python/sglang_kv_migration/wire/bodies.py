@@ -4,12 +4,14 @@ allocate all validate with these models.
 
 Strict pydantic models (no bools for ints, no strings for numbers, unknown fields
 refused); a bad body is a ValueError / 400 naming the field (`describe_errors`).
-Importable without SGLang.
+Importable without SGLang. Each model's fields are those of its request in `messages.py`
+(the same names, types, optionality and defaults; `test/unit/test_wire_forms.py`), with
+the constraints a body's hostile input needs.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import orjson
 from pydantic import (
@@ -27,6 +29,7 @@ from pydantic_core import PydanticCustomError
 
 from sglang_kv_migration.wire import binary_ids, page_ranges
 from sglang_kv_migration.wire.host_fields import buffer_count_problem
+from sglang_kv_migration.wire.messages import IndexFormat, PathName
 
 MAX_TOKENS = 1 << 21  # input_ids / kv_indices / kv_pages per request
 MAX_ID_CHARS = 128  # migration_id
@@ -168,8 +171,8 @@ class AllocateFields(Body):
     extra_key: ExtraKey | None = None
     extra_token_size: NonNegative = 0
     source_fingerprints: Annotated[list[Fingerprint], _at_most(MAX_RANKS)] = Field(min_length=1)
-    path: Literal["host", "device", "shared_host"] = "host"
-    index_format: Literal["tokens", "pages", "ranges"] = "tokens"
+    path: PathName = "host"
+    index_format: IndexFormat = "tokens"
     nothing_ok: bool = False
     staging: bool = False  # the source writes staging extents (its `stage_writer`)
     verify: bool = False
@@ -203,7 +206,7 @@ class AllocateOnTargetBody(Body):
 class TargetRankBody(Body):
     tp: NonNegative
     pp: NonNegative
-    path: Literal["host", "device", "shared_host"] = "host"
+    path: PathName = "host"
     # Host path: the target rank's transfer session and host buffers.
     session_id: str = Field(default="", pattern=r"^(.+:\d+)?$")
     host_kv_data_ptrs: list[Address] = Field(default_factory=list)
