@@ -30,8 +30,9 @@ from sglang_kv_migration.server.rank.hooks import (
     after_resume_memory_occupation,
     around_release_memory_occupation,
 )
-from sglang_kv_migration.server.target.pending import MigrationState, PendingMigrations
+from sglang_kv_migration.server.target.pending import PendingMigrations
 from sglang_kv_migration.wire import features
+from sglang_kv_migration.wire.moments import Moment
 from side_helpers import allocate_on
 from timing import FakeClock
 
@@ -214,7 +215,7 @@ def test_release_hook_drops_then_resume_hook_renews_the_epoch(side_factory, tags
     after_resume_memory_occupation(None, scheduler, SimpleNamespace(tags=tags))
     assert _epoch(side) != epoch
     assert _allocate(side, _tokens(32), "c").success
-    assert side.pending.get("c").state is MigrationState.ALLOCATED
+    assert side.pending.get("c").state is Moment.ALLOCATED
 
 
 def test_release_of_other_memory_or_a_busy_server_changes_nothing(side_factory):

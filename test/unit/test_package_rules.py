@@ -94,7 +94,7 @@ WIRE_LITERALS_ALLOWED: dict[str, object] = {
     "fingerprint.py": (4, "names `weight_version` in the layout fingerprint"),
     "grants.py": (4, "the signed grant's payload keys repeat the wire names"),
     "paths/host/mooncake_workers.py": (1, "a dict key `plan` that shares a wire field's name"),
-    "rollout/cost_model.py": (7, 'metric labels `phase="allocate"`, `tp_rank`, `pp_rank`, `path`'),
+    "rollout/cost_model.py": (5, "metric labels `tp_rank`, `pp_rank`, `path`"),
     "rollout/rebalance_cli.py": (
         7,
         "its own JSON output (`success`) and the request file's `input_ids` / `extra_key`",
@@ -115,7 +115,7 @@ WIRE_LITERALS_ALLOWED: dict[str, object] = {
     "server/http/routes.py": (19, "turns replies into JSON bodies by hand (`steps_ms`, ...)"),
     "server/diag/profiling.py": (1, "a profile field that shares a wire field's name"),
     "server/rank/dispatch.py": (1, "the `trace` key of a reply dict"),
-    "server/target/allocations.py": (2, "reads mailbox and channel payloads as dicts"),
+    "server/target/allocations.py": (1, "the `grant` step of its `steps_ms`"),
     "server/same_host/allocate_channel.py": (5, "the channel's own message dicts"),
     "server/source/replies.py": (2, "trace step names `allocate` and the target's `grant`"),
     "server/source/validation.py": (5, "names the slot fields (`kv_pages`, ...) it refuses"),
