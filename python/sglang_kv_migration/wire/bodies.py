@@ -29,7 +29,12 @@ from pydantic_core import PydanticCustomError
 
 from sglang_kv_migration.wire import binary_ids, page_ranges
 from sglang_kv_migration.wire.host_fields import buffer_count_problem
-from sglang_kv_migration.wire.messages import IndexFormat, PathName
+from sglang_kv_migration.wire.messages import (
+    AllocateOnTarget,
+    IndexFormat,
+    PathName,
+    TransferRequestKVCacheTarget,
+)
 
 MAX_TOKENS = 1 << 21  # input_ids / kv_indices / kv_pages per request
 MAX_ID_CHARS = 128  # migration_id
@@ -343,6 +348,22 @@ class TransferBody(IdsBody):
             raise ValueError("with allocate_on_target the target rank names no staging")
         return self
 
+    def request_fields(self) -> dict[str, Any]:
+        """The fields of this transfer's request (`messages.TransferRequest`): the target
+        entries as `TransferRequestKVCacheTarget`s, `allocate_on_target` as the
+        `AllocateOnTarget` the source forwards (built here, off the scheduler thread)."""
+        fields = body_fields(self, exclude=_NESTED_IN_TRANSFER)
+        fields["target_per_rank"] = [
+            TransferRequestKVCacheTarget(**body_fields(t)) for t in self.target_per_rank
+        ]
+        on_target = self.allocate_on_target
+        if on_target is not None:
+            on_target = AllocateOnTarget(
+                on_target.address, on_target.secret, *self.forwarded_allocate()
+            )
+        fields["allocate_on_target"] = on_target
+        return fields
+
     def forwarded_allocate(self) -> tuple[bytes, bytes]:
         """What the source sends to the target's allocate channel: the JSON object of
         `allocate_on_target.allocate`, and this transfer's ids as little-endian uint32
@@ -354,6 +375,9 @@ class TransferBody(IdsBody):
         if not raw:
             fields["input_ids"] = self.input_ids
         return orjson.dumps(fields), raw
+
+
+_NESTED_IN_TRANSFER = frozenset({"target_per_rank", "allocate_on_target"})
 
 
 class TransferBatchBody(Body):

@@ -47,8 +47,6 @@ from sglang_kv_migration.server.messages import (
 from sglang_kv_migration.server.rank.pp_stages import one_server_session_info
 from sglang_kv_migration.wire import features
 
-# Features that bypass the HTTP layer's routing: not offered by a server with DP ranks.
-SINGLE_DP_RANK_FEATURES = frozenset({features.SOURCE_ALLOCATE, features.SOURCE_COMMIT})
 # A migration id minted on such a server ends in this, then the DP rank's number.
 ID_TAG = ".dp"
 
@@ -186,7 +184,7 @@ def merge_session_info(replies: list[Any]) -> Any:
         first,
         ranks=ranks,
         dp_size=len(replies),
-        features=[f for f in first.features if f not in SINGLE_DP_RANK_FEATURES],
+        features=[f for f in first.features if f not in features.ONE_DP_RANK],
         allocate_channel={},
     )
 
