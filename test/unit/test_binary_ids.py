@@ -6,9 +6,9 @@ from __future__ import annotations
 import base64
 
 import pytest
-from sglang_kv_migration import binary_ids
 from sglang_kv_migration.client.migration import _allocate_call, _Plan, _transfer_call
 from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
+from sglang_kv_migration.wire import binary_ids, features
 from sglang_kv_migration.wire.convert import from_dict, to_wire
 from sglang_kv_migration.wire.messages import AllocateReply, SessionInfoReply
 
@@ -75,12 +75,12 @@ def test_the_client_sends_bytes_only_to_servers_that_list_the_feature():
         "ranks": [{"tp_rank": 0, "pp_rank": 0, "kv_indices": [], "kv_pages": [0], "grant": "g"}],
     }
     allocation = from_dict(AllocateReply, allocation)
-    plan = _plan([binary_ids.FEATURE], [], ids)
+    plan = _plan([features.BINARY_IDS], [], ids)
     allocate = to_wire(_allocate_call(plan, "host").body)
     transfer = to_wire(_transfer_call(plan, allocation, "host").body)
     assert allocate["input_ids"] == ids and binary_ids.FIELD not in allocate  # older target
     assert "input_ids" not in transfer
     assert binary_ids.to_list(binary_ids.decode(transfer[binary_ids.FIELD], 64)) == ids
     # Ids the encoding cannot carry go as the list, even to a server that lists it.
-    big = _plan([binary_ids.FEATURE], [binary_ids.FEATURE], [2**40] * 64)
+    big = _plan([features.BINARY_IDS], [features.BINARY_IDS], [2**40] * 64)
     assert to_wire(_transfer_call(big, allocation, "host").body)["input_ids"] == [2**40] * 64

@@ -26,6 +26,7 @@ from sglang_kv_migration.server.source.known_destinations import (
     KnownDestinations,
     UnknownDestination,
 )
+from sglang_kv_migration.wire import features
 from sglang_kv_migration.wire.bodies import TransferBody
 from sglang_kv_migration.wire.convert import build
 from sglang_kv_migration.wire.messages import (
@@ -147,7 +148,7 @@ def _drive(
 def test_the_client_names_by_digest_only_what_the_source_accepted_in_full():
     ok = (200, {"success": True})
     sessions = SessionCache()
-    plan, call = _plan(sessions, [grants.DESTINATION_DIGEST_FEATURE])
+    plan, call = _plan(sessions, [features.DESTINATION_DIGEST])
     device_kv = plan.target_info.ranks[0].paths["device"]
     digest = grants.destination_digest(device_kv)
     sent, _ = _drive(plan, call, [ok])

@@ -30,7 +30,9 @@ from sglang_kv_migration.server.rank.hooks import (
     after_resume_memory_occupation,
     around_release_memory_occupation,
 )
-from sglang_kv_migration.server.target.pending import MigrationState, PendingMigrations
+from sglang_kv_migration.server.target.pending import PendingMigrations
+from sglang_kv_migration.wire import features
+from sglang_kv_migration.wire.moments import Moment
 from side_helpers import allocate_on
 from timing import FakeClock
 
@@ -213,7 +215,7 @@ def test_release_hook_drops_then_resume_hook_renews_the_epoch(side_factory, tags
     after_resume_memory_occupation(None, scheduler, SimpleNamespace(tags=tags))
     assert _epoch(side) != epoch
     assert _allocate(side, _tokens(32), "c").success
-    assert side.pending.get("c").state is MigrationState.ALLOCATED
+    assert side.pending.get("c").state is Moment.ALLOCATED
 
 
 def test_release_of_other_memory_or_a_busy_server_changes_nothing(side_factory):
@@ -234,7 +236,7 @@ def test_release_of_other_memory_or_a_busy_server_changes_nothing(side_factory):
 
 def _ids_in(body: dict) -> int:
     """How many ids a body carries, as a list or as bytes (feature "binary_ids")."""
-    from sglang_kv_migration import binary_ids
+    from sglang_kv_migration.wire import binary_ids
 
     if binary_ids.FIELD in body:
         return binary_ids.count(binary_ids.decode(body[binary_ids.FIELD], 1 << 21))
@@ -326,13 +328,12 @@ def test_the_client_moves_a_long_prefix_in_landing_sized_rounds(side_factory, he
 def test_rounds_without_a_size_query_stop_where_the_source_holds_no_more(side_factory):
     """Feature "partial_transfer": the client asks the source nothing; each round moves
     what the source holds of it, and a short round is the last."""
-    from sglang_kv_migration import grants
     from sglang_kv_migration.client.migration import SessionCache, _migration_steps
 
     side = side_factory(page_size=16, layer_num=2)
     side.paths["device"] = _landing_path(side.harness, 64)
     info = dataclasses.asdict(side.get_transfer_session_info(GetTransferSessionInfoReqInput()))
-    assert grants.PARTIAL_FEATURE in info["features"]
+    assert features.PARTIAL_TRANSFER in info["features"]
     target = {"info": info, "limit": 64, "held": 0}
     steps = _migration_steps(
         "http://src", "http://dst", _tokens(208), None, sessions=SessionCache()

@@ -3,8 +3,10 @@
 - no import cycle between modules, function-level imports included;
 - `paths/` imports nothing from `server/`, `client/` or `rollout/`;
 - `client/`, `rollout/` and `integrations/` import nothing from `server/` or `paths/`;
-- the shared modules (errors, wire, grants, page_ranges, cp_owners, fingerprint, targets)
-  and `sglang_adapter/` import none of the four parts;
+- the shared modules (errors, wire, grants, cp_owners, fingerprint, targets) and
+  `sglang_adapter/` import none of the four parts;
+- sibling layers import one way only: the root modules stand on `wire/`, which imports
+  nothing of the package outside itself;
 - `mooncake` is imported only by the engine wrapper, `paths/host/mooncake_engine.py`;
 - SGLang is reached only through `sglang_adapter/`: no run-time SGLang import elsewhere
   except the extension points a plugin is meant to use, and no private (`._name`)
@@ -90,7 +92,6 @@ def test_no_import_cycle() -> None:
         ("errors", ("server", "paths", "client", "rollout")),
         ("wire", ("server", "paths", "client", "rollout")),
         ("grants", ("server", "paths", "client", "rollout")),
-        ("page_ranges", ("server", "paths", "client", "rollout")),
         ("cp_owners", ("server", "paths", "client", "rollout")),
         ("fingerprint", ("server", "paths", "client", "rollout")),
         ("targets", ("server", "paths", "client", "rollout")),
@@ -106,6 +107,49 @@ def test_parts_import_only_what_they_may(part: str, forbidden: tuple[str, ...]) 
         if _in(target, *forbidden)
     ]
     assert not bad, bad
+
+
+# Sibling layers, (lower, upper): the lower imports nothing of the upper. `wire/` is the
+# contract every part speaks (names, encodings, versions, models); the root modules that
+# hold shared logic (grants, fingerprints, typed destinations, errors) stand on it.
+ROOT_MODULES = ("errors", "grants", "cp_owners", "fingerprint", "targets")
+ONE_WAY_PAIRS = [(("wire",), ROOT_MODULES)]
+
+
+def _edges_between(lower: tuple[str, ...], upper: tuple[str, ...]) -> list[str]:
+    return [
+        f"{module} -> {target}"
+        for module, targets in _edges().items()
+        if _in(module, *lower)
+        for target in sorted(targets)
+        if _in(target, *upper)
+    ]
+
+
+@pytest.mark.parametrize(("lower", "upper"), ONE_WAY_PAIRS)
+def test_sibling_layers_import_one_way(lower: tuple[str, ...], upper: tuple[str, ...]) -> None:
+    assert not _edges_between(lower, upper)
+    assert _edges_between(upper, lower), "the upper layer was expected to use the lower"
+
+
+def test_wire_imports_nothing_of_the_package_outside_itself() -> None:
+    bad = [
+        f"{module} -> {target}"
+        for module, targets in _edges().items()
+        if _in(module, "wire")
+        for target in sorted(targets)
+        if not _in(target, "wire")
+    ]
+    assert not bad, bad
+
+
+def test_every_root_module_is_in_a_layer() -> None:
+    """A new module at the package root joins `ROOT_MODULES` (or a folder), so the
+    one-way check sees it; the entry points and import helpers stand above every part."""
+    above = {"cli", "sglang_flags", "import_hooks"}
+    folders = {m.split(".")[1] for m in MODULES if m.count(".") >= 2}
+    files = {m.split(".")[1] for m in MODULES if m.count(".") == 1} - folders
+    assert files - above == set(ROOT_MODULES)
 
 
 def test_only_the_console_script_loads_the_demo() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from sglang_kv_migration import binary_ids, grants, page_ranges
 from sglang_kv_migration.client.migration import (
     _allocate_call,
     _encode,
@@ -16,8 +15,6 @@ from sglang_kv_migration.client.migration import (
     size_query,
 )
 from sglang_kv_migration.fingerprint import KVCacheShape, LayoutFingerprint
-from sglang_kv_migration.server.same_host import allocate_channel, mailbox
-from sglang_kv_migration.server.source import known_destinations, running_slots
 from sglang_kv_migration.wire import bodies, features, messages
 from sglang_kv_migration.wire.convert import build, from_dict, to_wire
 
@@ -25,21 +22,12 @@ PAGE = 4
 
 
 def test_every_feature_constant_is_a_registered_feature_and_servers_list_them_in_order():
-    constants = [
-        binary_ids.FEATURE,
-        page_ranges.FEATURE,
-        grants.FEATURE,
-        grants.PARTIAL_FEATURE,
-        grants.SOURCE_COMMIT_FEATURE,
-        grants.SOURCE_ALLOCATE_FEATURE,
-        grants.DESTINATION_DIGEST_FEATURE,
-        mailbox.FEATURE,
-        allocate_channel.FEATURE,
-        known_destinations.FEATURE,
-        running_slots.FEATURE,
-        features.SOURCE_DP_RANK,
-    ]
-    assert set(constants) <= set(features.BY_NAME)
+    constants = {
+        value
+        for name, value in vars(features).items()
+        if name.isupper() and isinstance(value, str) and name != "EVERY_SERVER"
+    }
+    assert constants == set(features.BY_NAME)
     assert len(features.BY_NAME) == len(features.REGISTRY) == 13
     # The session info's `features` list, as servers of this version have always sent it.
     assert messages.SessionInfoReply(success=True).features == [
@@ -102,7 +90,7 @@ def _session_info(instance: str) -> dict:
         page_size=PAGE,
         fingerprint=_fingerprint(),
     )
-    rank.paths = {"host": rank.to_wire()}
+    rank.paths = {"host": rank.host_wire()}
     reply = messages.SessionInfoReply(
         success=True,
         ranks=[rank],

@@ -40,7 +40,6 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
-from sglang_kv_migration import binary_ids
 from sglang_kv_migration.client import aio_http11, http11
 from sglang_kv_migration.client.batch import Move, lockstep
 from sglang_kv_migration.client.path_choice import (
@@ -57,7 +56,7 @@ from sglang_kv_migration.client.path_choice import (
 )
 from sglang_kv_migration.fingerprint import CP_SHARDED, LayoutFingerprint, explain
 from sglang_kv_migration.grants import destination_digest
-from sglang_kv_migration.wire import bodies
+from sglang_kv_migration.wire import binary_ids, bodies
 from sglang_kv_migration.wire.convert import build, from_dict, to_wire
 from sglang_kv_migration.wire.features import (
     BINARY_IDS,

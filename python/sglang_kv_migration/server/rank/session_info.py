@@ -17,14 +17,11 @@ from sglang_kv_migration.server.messages import (
 )
 from sglang_kv_migration.server.rank.context import RankContext, guarded
 from sglang_kv_migration.server.rank.identity import RankIdentity
-from sglang_kv_migration.server.same_host.allocate_channel import FEATURE as SOURCE_ALLOCATE
-from sglang_kv_migration.server.same_host.mailbox import FEATURE as SOURCE_COMMIT
-from sglang_kv_migration.server.source.known_destinations import FEATURE as DESTINATION_DIGEST
 from sglang_kv_migration.server.source.transfers import SourceTransfers
 from sglang_kv_migration.server.target.role import TargetRole
-from sglang_kv_migration.wire.messages import (
-    RankSessionInfo,
-)
+from sglang_kv_migration.wire import features
+from sglang_kv_migration.wire.host_fields import HOST_FIELD_NAMES
+from sglang_kv_migration.wire.messages import RankSessionInfo
 from sglang_kv_migration.wire.version import PROTOCOL_VERSION
 
 
@@ -55,10 +52,7 @@ class SessionInfo:
         local = RankSessionInfo(
             tp_rank=self.ctx.tp_rank,
             pp_rank=self.ctx.pp_rank,
-            session_id=host.get("session_id", ""),
-            host_kv_data_ptrs=host.get("host_kv_data_ptrs", []),
-            host_kv_data_lens=host.get("host_kv_data_lens", []),
-            host_kv_item_lens=host.get("host_kv_item_lens", []),
+            **{name: host[name] for name in HOST_FIELD_NAMES if name in host},
             page_size=self.identity.page_size,
             fingerprint=self.identity.fingerprint_for(req).to_dict(),
             paths={name: path.advertise() for name, path in self.paths.items()},
@@ -75,15 +69,15 @@ class SessionInfo:
             instance_id=self.identity.server_epoch,
         )
         if self.target.source_commits.enabled:
-            output.features.append(SOURCE_COMMIT)
+            output.features.append(features.SOURCE_COMMIT)
         channel = self.target.channel
         if channel is not None:
-            output.features.append(SOURCE_ALLOCATE)
+            output.features.append(features.SOURCE_ALLOCATE)
             output.allocate_channel = channel.channel.advertise()
         if self.transfers.destinations is not None and DEVICE in self.paths:
-            output.features.append(DESTINATION_DIGEST)
+            output.features.append(features.DESTINATION_DIGEST)
         if self.transfers.running_slots is not None:
-            output.features.append(self.transfers.running_slots.FEATURE)
+            output.features.append(features.RUNNING_SLOTS)
         return output
 
     def get_request_extra_token_size(

@@ -41,7 +41,6 @@ from sglang_kv_migration.server.source.inflight import (
     InflightTransfer,
     RankTransferStatus,
     Timings,
-    TransferState,
     gpu_copy_events,
 )
 from sglang_kv_migration.server.source.known_destinations import (
@@ -65,6 +64,7 @@ from sglang_kv_migration.server.source.validation import (
     refusal_of,
 )
 from sglang_kv_migration.wire.messages import StageRefusal
+from sglang_kv_migration.wire.moments import Moment, Phase
 
 # Kept importable from here: the record and status of a transfer (`inflight.py`).
 __all__ = ["InflightTransfer", "RankTransferStatus", "SourceTransfers"]
@@ -160,7 +160,7 @@ class SourceTransfers:
         for t in self.inflight:
             if t.asking:
                 continue  # (`answered` covers it)
-            event = t.job.completion_event if t.state is TransferState.SENDING else None
+            event = t.job.completion_event if t.state is Moment.SENDING else None
             if event is None:
                 return None
             events.append(event)
@@ -305,7 +305,7 @@ class SourceTransfers:
             except Exception:  # the reply below must still go out
                 logger.exception("KV migration could not release a failed transfer")
             req = inflight.request
-            self.metrics.outcome("source", "send_failed")
+            self.metrics.outcome("source", Moment.SEND_FAILED)
             output = TransferRequestKVCacheReqOutput(
                 success=False,
                 path=path_name(req),
@@ -406,7 +406,7 @@ class SourceTransfers:
         ranks = rank_results(statuses, self.ctx.pp_rank)
         failed = [s for s in statuses if not s.success] or uneven_lengths(statuses)
         elapsed = time.monotonic() - inflight.timings.started
-        self.metrics.phase("transfer", elapsed)
+        self.metrics.phase(Phase.TRANSFER, elapsed)
         # Every rank of a stage builds this same reply; only the first one logs it.
         first_rank = self.ctx.tp_rank == 0
         if failed:
@@ -418,11 +418,12 @@ class SourceTransfers:
                 message=failed[0].message,
                 error_kind=failed[0].error_kind,
             )
-            self.metrics.outcome("source", "send_failed")
+            self.metrics.outcome("source", Moment.SEND_FAILED)
             if first_rank:
                 logger.warning(
-                    "KV migration %s transfer failed after %.1f ms: %s",
+                    "KV migration %s %s after %.1f ms: %s",
                     req.migration_id,
+                    Moment.SEND_FAILED,
                     elapsed * 1e3,
                     failed[0].message,
                 )
@@ -437,7 +438,7 @@ class SourceTransfers:
                 path=path_name(req),
                 server_epoch=self.epoch_of(req.weight_version),
             )
-            self.metrics.outcome("source", "sent")
+            self.metrics.outcome("source", Moment.SENT)
             output.delivered = self._deliver(inflight, statuses)
             # Gathers run over the stage's TP group, in tp_rank order.
             mine = statuses[self.ctx.tp_rank]
@@ -456,8 +457,9 @@ class SourceTransfers:
             # Written once nothing is in flight: a log line costs ~0.1-0.2 ms here.
             self.log_later.info(
                 logger,
-                "KV migration %s sent: %d tokens, %d bytes (%d ranks), %.1f ms%s",
+                "KV migration %s %s: %d tokens, %d bytes (%d ranks), %.1f ms%s",
                 req.migration_id,
+                Moment.SENT,
                 output.transferred_token_size,
                 output.transferred_bytes,
                 len(statuses),

@@ -6,6 +6,9 @@ Life of a migration on the target (one `PendingMigration` per rank, same id ever
                      │──abort───> ABORTED     (slots freed, prefix unlocked)
                      └──watchdog─> EXPIRED     (same, after the timeout)
 
+(and FLUSHED, WEIGHTS_CHANGED, RELEASED when the cache, the weights or the KV memory
+change under it): the moments are `wire.moments.Moment`'s, the steps `ALLOCATION_STEPS`.
+
 Every exit frees exactly what `allocate` took: the slots and the lock on the matched
 prefix. Slots of an aborted, expired or weights-changed migration go back to the free
 list only when no write to them can still land: at once if the source's receipt says it
@@ -27,7 +30,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -35,6 +37,7 @@ from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.cp_owners import OwnerRun
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths.base import DataPath
+from sglang_kv_migration.wire.moments import ALLOCATION_STEPS, Moment, step
 
 if TYPE_CHECKING:
     import torch
@@ -45,16 +48,6 @@ logger = logging.getLogger(__name__)
 
 # How many finished migration ids are remembered for precise late answers.
 FINISHED_HISTORY = 4096
-
-
-class MigrationState(StrEnum):
-    ALLOCATED = "allocated"
-    COMMITTED = "committed"
-    ABORTED = "aborted"
-    EXPIRED = "expired"
-    FLUSHED = "flushed"  # the radix cache was reset (e.g. /flush_cache after new weights)
-    WEIGHTS_CHANGED = "weights_changed"  # the target's weight version moved before commit
-    RELEASED = "released"  # the target released its KV cache memory (memory saver)
 
 
 @dataclass
@@ -73,7 +66,7 @@ class PendingMigration:
     weight_version: str = ""  # the target's weights when it allocated
     write_window_end: float = 0.0  # a source may write the slots until then (registry clock)
     verify: bool = False  # commit checks the receipt's content digest (opt-in verify)
-    state: MigrationState = MigrationState.ALLOCATED
+    state: Moment = Moment.ALLOCATED
 
     @property
     def anchor(self) -> TreeNode:
@@ -147,7 +140,7 @@ class Allocation:
 
 @dataclass(frozen=True)
 class _Finished:
-    state: MigrationState
+    state: Moment
     matched_after_commit: int = 0
 
 
@@ -333,7 +326,7 @@ class PendingMigrations:
                 return finished.matched_after_commit
             self._forget_if_flushed(pending)
             if weight_version is not None and weight_version != pending.weight_version:
-                self._release(pending, MigrationState.WEIGHTS_CHANGED)
+                self._release(pending, Moment.WEIGHTS_CHANGED)
                 raise MigrationError(
                     ErrorKind.GONE,
                     f"migration {migration_id!r} was dropped: weight_version changed from "
@@ -361,7 +354,7 @@ class PendingMigrations:
             # inserted or found present): no second radix walk over it (at page size 1
             # SGLang's match is a Python loop over every token).
             matched_after = len(key)
-            self._finish(pending, MigrationState.COMMITTED, matched_after)
+            self._finish(pending, Moment.COMMITTED, matched_after)
             return matched_after
 
     def abort(self, migration_id: str, settled: bool = False) -> None:
@@ -376,7 +369,7 @@ class PendingMigrations:
                     self._free_quarantined(migration_id)
                 return
             self._forget_if_flushed(pending)
-            self._release(pending, MigrationState.ABORTED, settled)
+            self._release(pending, Moment.ABORTED, settled)
 
     def due(self, now: float | None = None) -> list[str]:
         """Pending ids past their deadline and quarantined ids past their write window."""
@@ -400,15 +393,16 @@ class PendingMigrations:
             now = self.clock()
             for pending in expired:
                 if pending.root is not sglang_adapter.cache_generation(self.cache):
-                    self._finish(pending, MigrationState.FLUSHED)
+                    self._finish(pending, Moment.FLUSHED)
                     continue
                 logger.warning(
-                    "KV migration %s expired after %.1fs without commit; freeing %d slots",
+                    "KV migration %s %s after %.1fs without commit; freeing %d slots",
                     pending.migration_id,
+                    Moment.EXPIRED,
                     now - pending.created_at,
                     pending.extra_length,
                 )
-                self._release(pending, MigrationState.EXPIRED)
+                self._release(pending, Moment.EXPIRED)
             return [p.migration_id for p in expired]
 
     def drop_for_new_weights(self, migration_ids: list[str]) -> list[str]:
@@ -418,7 +412,7 @@ class PendingMigrations:
         with self.lock:
             dropped = [self.by_id[i] for i in migration_ids if i in self.by_id]
             for pending in dropped:
-                self._end(pending, MigrationState.WEIGHTS_CHANGED)
+                self._end(pending, Moment.WEIGHTS_CHANGED)
             return [p.migration_id for p in dropped]
 
     def prepare_for_reset(self) -> list[str]:
@@ -430,7 +424,7 @@ class PendingMigrations:
             )
             dropped = list(self.by_id.values())
             for pending in dropped:
-                self._release(pending, MigrationState.FLUSHED)
+                self._release(pending, Moment.FLUSHED)
             return [p.migration_id for p in dropped]
 
     def prepare_for_release(self) -> list[str]:
@@ -443,7 +437,7 @@ class PendingMigrations:
             dropped = list(self.by_id.values())
             for pending in dropped:
                 settled = not pending.path.late_writes_reach_slots
-                self._release(pending, MigrationState.RELEASED, settled=settled)
+                self._release(pending, Moment.RELEASED, settled=settled)
             for mid, pending in list(self.quarantine.items()):
                 if not pending.path.late_writes_reach_slots:
                     self._free_quarantined(mid)
@@ -458,7 +452,7 @@ class PendingMigrations:
                 pending.path.retake(pending.slots)
                 pending.root = generation
 
-    def abort_all(self, state: MigrationState = MigrationState.ABORTED) -> list[str]:
+    def abort_all(self, state: Moment = Moment.ABORTED) -> list[str]:
         """Free everything, quarantine included: at shutdown, or with FLUSHED before the
         cache is reset (the caller makes sure no write window is open)."""
         with self.lock:
@@ -471,17 +465,15 @@ class PendingMigrations:
 
     # ------------------------------------------------------------------ helpers
 
-    def _end(self, pending: PendingMigration, state: MigrationState, settled: bool = False) -> None:
+    def _end(self, pending: PendingMigration, state: Moment, settled: bool = False) -> None:
         """End a pending migration as `state`; one allocated before a reset only has its
         entry forgotten (FLUSHED: the reset freed its slots and unlocked its nodes)."""
         if pending.root is not sglang_adapter.cache_generation(self.cache):
-            self._finish(pending, MigrationState.FLUSHED)
+            self._finish(pending, Moment.FLUSHED)
         else:
             self._release(pending, state, settled)
 
-    def _release(
-        self, pending: PendingMigration, state: MigrationState, settled: bool = False
-    ) -> None:
+    def _release(self, pending: PendingMigration, state: Moment, settled: bool = False) -> None:
         sglang_adapter.unlock_node(self.cache, pending.anchor_lock)
         self._finish(pending, state, settled=settled)
         if settled:
@@ -514,13 +506,14 @@ class PendingMigrations:
     def _finish(
         self,
         pending: PendingMigration,
-        state: MigrationState,
+        state: Moment,
         matched_after: int = 0,
         settled: bool = False,
     ) -> None:
+        step(ALLOCATION_STEPS, pending.state, state)  # ends once, from ALLOCATED
         # IMPORTANT: like the slots, an extent or mailbox slot a granted write may still
         # reach is reused only after the write window (a commit saw every write complete).
-        late = state is not MigrationState.COMMITTED and not settled
+        late = state is not Moment.COMMITTED and not settled
         not_before = pending.write_window_end if late else None
         if pending.staging is not None and self.release_staging is not None:
             self.release_staging(pending.staging, not_before)
@@ -538,7 +531,7 @@ class PendingMigrations:
         """A reset replaced the tree and cleared the host pool: there is nothing left to
         free or unlock, only the entry to forget."""
         if pending.root is not sglang_adapter.cache_generation(self.cache):
-            self._finish(pending, MigrationState.FLUSHED)
+            self._finish(pending, Moment.FLUSHED)
             self._check_finished(pending.migration_id, "commit")
 
     def _check_finished(self, migration_id: str, action: str) -> _Finished:
@@ -546,32 +539,32 @@ class PendingMigrations:
         finished = self._finished.get(migration_id)
         if finished is None:
             raise MigrationError(ErrorKind.NOT_FOUND, f"unknown migration id {migration_id!r}")
-        if finished.state is MigrationState.FLUSHED:
+        if finished.state is Moment.FLUSHED:
             raise MigrationError(
                 ErrorKind.GONE,
                 f"migration {migration_id!r} was dropped: the cache was flushed (for example "
                 "after a weight update) before it was committed",
             )
-        if finished.state is MigrationState.WEIGHTS_CHANGED:
+        if finished.state is Moment.WEIGHTS_CHANGED:
             raise MigrationError(
                 ErrorKind.GONE,
                 f"migration {migration_id!r} was dropped: the target's weights changed "
                 "before it was committed",
             )
-        if finished.state is MigrationState.RELEASED:
+        if finished.state is Moment.RELEASED:
             raise MigrationError(
                 ErrorKind.GONE,
                 f"migration {migration_id!r} was dropped: the target released its KV cache "
                 "memory (/release_memory_occupation) before it was committed; migrate again "
                 "after /resume_memory_occupation",
             )
-        if finished.state is MigrationState.EXPIRED:
+        if finished.state is Moment.EXPIRED:
             raise MigrationError(
                 ErrorKind.GONE,
                 f"migration {migration_id!r} expired after the {self.timeout_s:g}s watchdog "
                 "timeout; its slots were freed",
             )
-        repeat_ok = {"commit": MigrationState.COMMITTED, "abort": MigrationState.ABORTED}
+        repeat_ok = {"commit": Moment.COMMITTED, "abort": Moment.ABORTED}
         if finished.state is repeat_ok[action]:
             return finished
         raise MigrationError(
