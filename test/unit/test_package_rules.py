@@ -87,11 +87,12 @@ def _wire_field_names() -> set[str]:
 WIRE_LITERALS_ALLOWED: dict[str, object] = {
     "binary_ids.py": (1, "reads `input_ids_u32` from a body dict"),
     "client/cli.py": (4, "the CLI's own JSON output (`success`, `message`, `migration_id`)"),
-    "client/migration.py": (
-        5,
-        "phase names `extra_token_size` and `allocate` (the `timings` keys); the session "
-        "info's free-form `allocate_channel` object (`address`, `secret`)",
+    "client/call_bodies.py": (
+        2,
+        "the session info's free-form `allocate_channel` object (`address`, `secret`)",
     ),
+    "client/calls.py": (2, "phase names `extra_token_size` and `allocate` (the `timings` keys)"),
+    "client/plan.py": (1, "the session info's free-form `allocate_channel` object (`address`)"),
     "fingerprint.py": (4, "names `weight_version` in the layout fingerprint"),
     "grants.py": (4, "the signed grant's payload keys repeat the wire names"),
     "paths/host/mooncake_workers.py": (1, "a dict key `plan` that shares a wire field's name"),
@@ -203,8 +204,6 @@ MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 400
 # path (or path::Class) -> why it is still longer.
 SIZE_ALLOWED: dict[str, object] = {
-    "client/migration.py": "the sync and async clients and the protocol steps they share; "
-    "to split into steps, plan and the two drivers",
     "rollout/request_migration.py": "the sync and async request migrators and the "
     "generate-call plumbing in one module; the live stages (tree stages, the stop, the "
     "delta) are to join the running-slot rounds in their own module",
