@@ -97,7 +97,7 @@ WIRE_LITERALS_ALLOWED: dict[str, object] = {
     "grants.py": (4, "the signed grant's payload keys repeat the wire names"),
     "paths/host/mooncake_workers.py": (1, "a dict key `plan` that shares a wire field's name"),
     "rollout/cost_model.py": (7, 'metric labels `phase="allocate"`, `tp_rank`, `pp_rank`, `path`'),
-    "rollout/rebalance_cli.py": (
+    "integrations/rebalance_cli.py": (
         7,
         "its own JSON output (`success`) and the request file's `input_ids` / `extra_key`",
     ),
