@@ -19,7 +19,9 @@ import pytest
 import torch
 from mini_server import ServerHandle, ServerSpec, start_servers
 from multi_rank import HTTP_TIMEOUT_S, kv_equal, post, session_info
-from sglang_kv_migration.client.migration import MigrationClient, _index_format, _Plan, _targets
+from sglang_kv_migration.client.call_bodies import _index_format, _targets
+from sglang_kv_migration.client.migration import MigrationClient
+from sglang_kv_migration.client.plan import Plan
 from sglang_kv_migration.wire.convert import from_dict, to_wire
 from sglang_kv_migration.wire.features import PAGE_RANGES as FEATURE
 from sglang_kv_migration.wire.messages import (
@@ -74,12 +76,12 @@ def test_empty_and_bad_runs() -> None:
             pages_from_ranges(bad)
 
 
-def _plan(source_features: list[str] | None, target_features: list[str] | None) -> _Plan:
+def _plan(source_features: list[str] | None, target_features: list[str] | None) -> Plan:
     def info(features: list[str] | None) -> SessionInfoReply:
         wire = {"success": True} if features is None else {"success": True, "features": features}
         return from_dict(SessionInfoReply, wire)
 
-    return _Plan("s", "t", None, info(source_features), info(target_features), [], {})
+    return Plan("s", "t", None, info(source_features), info(target_features), [], {})
 
 
 def test_client_uses_runs_only_when_both_servers_list_them() -> None:

@@ -2,7 +2,12 @@
 
 - no import cycle between modules, function-level imports included;
 - `paths/` imports nothing from `server/`, `client/` or `rollout/`;
-- `client/`, `rollout/` and `integrations/` import nothing from `server/` or `paths/`;
+- `client/`, `rollout/` and `integrations/` import nothing from `server/` or `paths/`,
+  and stand in that order: `client/` imports neither of the other two, `rollout/` not
+  `integrations/`;
+- no two sibling folders import each other (`server/rank` and `server/source`, say);
+  the pairs that still do are listed with their module edges each way, so they only
+  shrink (`MUTUAL_FOLDERS_ALLOWED`);
 - the shared modules (errors, wire, grants, cp_owners, fingerprint, targets) and
   `sglang_adapter/` import none of the four parts;
 - sibling layers import one way only: the root modules stand on `wire/`, which imports
@@ -19,7 +24,7 @@ from __future__ import annotations
 import ast
 
 import pytest
-from package_source import MODULES, NAME, check_allow_list, imports, relative_path
+from package_source import MODULES, NAME, PATHS, check_allow_list, imports, relative_path
 from package_source import edges as _edges
 from package_source import in_part as _in
 
@@ -85,8 +90,8 @@ def test_no_import_cycle() -> None:
     ("part", "forbidden"),
     [
         ("paths", ("server", "client", "rollout")),
-        ("client", ("server", "paths")),
-        ("rollout", ("server", "paths")),
+        ("client", ("server", "paths", "rollout", "integrations")),
+        ("rollout", ("server", "paths", "integrations")),
         ("integrations", ("server", "paths")),
         # The shared modules (and the adapter) stand under every part.
         ("errors", ("server", "paths", "client", "rollout")),
@@ -164,6 +169,91 @@ def test_only_the_console_script_loads_the_demo() -> None:
     assert importers == {f"{NAME}.cli"}, importers
     driver_imports = _edges()[f"{NAME}.demo.run"]
     assert not [t for t in driver_imports if _in(t, "server", "paths")], driver_imports
+
+
+# "a <-> b" (sibling folders, as paths below the package) -> ((module edges a -> b,
+# b -> a), why they still import each other). Counts may only go down, to no entry.
+MUTUAL_FOLDERS_ALLOWED: dict[str, object] = {
+    "server/rank <-> server/source": (
+        (4, 5),
+        "`server/rank/` holds both what the roles stand on (`context`, `identity`) and what "
+        "stands on them (`scheduler_side`, `loop`, `session_info`); to split into the base "
+        "and the loop",
+    ),
+    "server/rank <-> server/target": (
+        (3, 11),
+        "`server/rank/` holds both what the roles stand on (`context`, `identity`, "
+        "`pp_stages`, `dispatch`, `settings`) and what stands on them (`scheduler_side`, "
+        "`loop`, `session_info`); to split into the base and the loop",
+    ),
+}
+
+
+def _folders() -> set[str]:
+    """Every package folder below the root, dotted (`sglang_kv_migration.server.rank`)."""
+    return {m for m, path in PATHS.items() if path.name == "__init__.py" and m != NAME}
+
+
+def _folder_edges(edges: dict[str, set[str]], folders: set[str]) -> dict[tuple[str, str], int]:
+    """(folder a, folder b) -> how many module edges go from inside a to inside b, for
+    each edge between two sibling folders: the child folders, under the deepest package
+    both modules are in, that hold each end (none where an end sits in that package
+    itself)."""
+
+    def child_folder(module: str, parent: str) -> str | None:
+        for folder in folders:
+            if folder.rpartition(".")[0] == parent and (
+                module == folder or module.startswith(folder + ".")
+            ):
+                return folder
+        return None
+
+    counts: dict[tuple[str, str], int] = {}
+    for module, targets in edges.items():
+        for target in targets:
+            a, b = module.split("."), target.split(".")
+            shared = 0
+            while shared < min(len(a), len(b)) and a[shared] == b[shared]:
+                shared += 1
+            parent = ".".join(a[:shared])
+            ends = child_folder(module, parent), child_folder(target, parent)
+            if ends[0] and ends[1] and ends[0] != ends[1]:
+                counts[ends] = counts.get(ends, 0) + 1
+    return counts
+
+
+def _mutual_folders(edges: dict[str, set[str]], folders: set[str]) -> dict[str, tuple[int, int]]:
+    """Sibling folders that import each other: "a <-> b" -> (edges a -> b, b -> a)."""
+    counts = _folder_edges(edges, folders)
+
+    def path(folder: str) -> str:
+        return folder.removeprefix(NAME + ".").replace(".", "/")
+
+    return {
+        f"{path(a)} <-> {path(b)}": (n, counts[(b, a)])
+        for (a, b), n in counts.items()
+        if (b, a) in counts and path(a) < path(b)
+    }
+
+
+def test_no_two_sibling_folders_import_each_other() -> None:
+    check_allow_list(_mutual_folders(_edges(), _folders()), MUTUAL_FOLDERS_ALLOWED)
+
+
+def test_the_sibling_folder_check_can_fail() -> None:
+    """Edges one way, edges between a folder and a module beside it, and edges inside a
+    folder are not a pair; two folders that import each other are, counted each way."""
+    folders = {f"{NAME}.a", f"{NAME}.b", f"{NAME}.c", f"{NAME}.a.x", f"{NAME}.a.y"}
+    edges = {
+        f"{NAME}.a.one": {f"{NAME}.b.two", f"{NAME}.c.three", f"{NAME}.shared"},
+        f"{NAME}.a.x.four": {f"{NAME}.b.two", f"{NAME}.a.y.five", f"{NAME}.a.six"},
+        f"{NAME}.b.two": {f"{NAME}.a.one"},
+        f"{NAME}.a.y.five": {f"{NAME}.a.x.four"},
+        f"{NAME}.a.six": {f"{NAME}.a.x.four"},
+        f"{NAME}.shared": {f"{NAME}.c.three"},
+    }
+    assert _mutual_folders(edges, folders) == {"a <-> b": (2, 1), "a/x <-> a/y": (1, 1)}
+    assert _folders() >= {f"{NAME}.server.rank", f"{NAME}.client", f"{NAME}.paths.host"}
 
 
 def _mooncake_importers() -> set[str]:
