@@ -92,13 +92,11 @@ class UnifiedHarness:
         slots = slots[:n]
         self._fill_random(slots, seed)
         key = self._key(token_ids[:aligned], extra_key)
-        result = self.cache.insert(InsertParams(key=key, value=slots[:aligned].clone()))
+        # 0.5.23's insert frees the slots it does not keep (the already cached part's
+        # duplicates) itself: only the unaligned tail is left to free here.
+        self.cache.insert(InsertParams(key=key, value=slots[:aligned].clone()))
         held = self.device_prefix(token_ids[:aligned], extra_key)
-        owned = set(held.tolist())
-        dup = [int(s) for s in slots[: result.prefix_len].tolist() if int(s) not in owned]
         spare = slots[aligned:]
-        if dup:
-            self.allocator.free(torch.tensor(dup, dtype=torch.int64))
         if len(spare):
             self.allocator.free(spare)
         return held
@@ -146,6 +144,13 @@ class UnifiedHarness:
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
         return self.cache.match_prefix(MatchPrefixParams(key=self._key(token_ids, extra_key)))
+
+    def match_lengths(
+        self, token_ids: Sequence[int], extra_key: str | None = None
+    ) -> tuple[int, int]:
+        """As `Harness.match_lengths`: (device prefix length, host hit length)."""
+        m = self.match(token_ids, extra_key)
+        return int(m.device_prefix_len), int(m.host_hit_length)
 
     def device_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> torch.Tensor:
         """Device slots of the prefix of `token_ids` held on device."""

@@ -109,3 +109,81 @@ def _copy_host_slots(src, src_slots, dst, dst_slots) -> None:
     dst_layout = HostPoolLayout.from_host_pool(adapter.host_pool(dst.cache))
     for write in plan_writes(src_layout, src_slots, dst_layout, dst_slots):
         ctypes.memmove(write.dst_addr, write.src_addr, write.length)
+
+
+def test_host_inserts_that_split_each_other_are_served_byte_exact(harness_factory):
+    """Two host-only inserts from the root that share a two-page stem: the second splits
+    the first's node (0.5.23's tree core splits the page hashes with it), and the slots
+    of the stem it brought again are the caller's to free."""
+    src = harness_factory(layer_num=2)
+    dst = harness_factory(layer_num=2, load_back_threshold=1)
+    stem = TOKENS[:32]
+    seqs = [stem + list(range(9000, 9032)), stem + list(range(9100, 9148))]
+    want = {}
+    for seed, seq in enumerate(seqs):
+        device = src.insert_random(seq, seed=20 + seed)
+        want[len(seq)] = _bytes(src.read_device_kv(device))
+    free_before = int(adapter.host_pool(dst.cache).available_size())
+    kept = 0
+    for seq in seqs:
+        root = adapter.match_held_prefix(dst.cache, [], None).last_node
+        lock = adapter.lock_node(dst.cache, root)
+        slots = adapter.alloc_host_slots(dst.cache, len(seq))
+        pinned = adapter.pin_host_pages(src.cache, seq, None, 0, len(seq))
+        try:
+            _copy_host_slots(src, pinned.host_indices, dst, slots)
+        finally:
+            adapter.unpin_host_pages(pinned)
+        key = adapter.make_key(dst.cache, seq, None)
+        present = adapter.insert_host_pages(dst.cache, root, key, 0, slots)
+        adapter.unlock_node(dst.cache, lock)
+        if present:
+            adapter.free_host_slots(dst.cache, slots[:present])
+        kept += len(seq) - present
+    assert kept == 32 + 32 + 48  # the stem once
+    assert int(adapter.host_pool(dst.cache).available_size()) == free_before - kept
+    for seq in seqs:
+        assert adapter.match_held_prefix(dst.cache, seq, None).length == len(seq)
+        assert _bytes(dst.read_device_kv(dst.load_back(seq))) == want[len(seq)]
+
+
+def test_device_insert_under_a_locked_prefix_leaves_the_allocator_exact(harness_factory):
+    """`insert_device_pages` with a concurrent insert of the same pages: the caller frees
+    what the function says, the tree frees nothing of the locked prefix, and every
+    device slot is owned once (no slot freed twice, none lost)."""
+    h = harness_factory(layer_num=2)
+    h.insert_random(TOKENS[:16], seed=7)
+    prefix_bytes = _bytes(h.read_device_kv(h.device_prefix(TOKENS[:16])))
+    held = adapter.match_device_prefix(h.cache, TOKENS, None)
+    assert held.length == 16
+    lock = adapter.lock_node(h.cache, held.last_node)
+    slots = adapter.alloc_device_slots(h.cache, 48)
+    h.insert_random(TOKENS, seed=8)  # a concurrent insert brings the same 48 tokens
+    available = int(adapter.device_available_size(h.cache))
+    key = adapter.make_key(h.cache, TOKENS, None)
+    present = adapter.insert_device_pages(h.cache, key, 16, slots)
+    adapter.unlock_node(h.cache, lock)
+    if present:
+        adapter.free_device_slots(h.cache, slots[:present])
+    # All 48 were duplicates: whoever frees them, they are free exactly once.
+    assert int(adapter.device_available_size(h.cache)) == available + 48
+    assert adapter.match_device_prefix(h.cache, TOKENS, None).length == 64
+    assert _bytes(h.read_device_kv(h.device_prefix(TOKENS[:16]))) == prefix_bytes
+    everything = adapter.alloc_device_slots(h.cache, int(adapter.device_available_size(h.cache)))
+    tree_slots = set(h.device_prefix(TOKENS).tolist())
+    assert len(set(everything.tolist())) == len(everything)
+    assert not tree_slots & set(everything.tolist())
+
+
+def test_cache_generation_stays_through_ordinary_work(harness_factory):
+    """Only a reset changes the generation: inserts, write-through, eviction and load
+    back (what runs between an allocate and its commit) leave it as it was, or every
+    pending migration would be refused as flushed."""
+    h = harness_factory(layer_num=2, load_back_threshold=1)
+    before = adapter.cache_generation(h.cache)
+    h.insert_random(TOKENS, seed=9)
+    h.write_back_all()
+    h.evict_device_all()
+    h.load_back(TOKENS)
+    h.insert_random(TOKENS[:32] + list(range(5000, 5032)), seed=10)
+    assert adapter.cache_generation(h.cache) is before
