@@ -47,7 +47,7 @@ def compose_for_scheduler(scheduler: Any) -> MigrationSchedulerSide:
         pp_size=view.pp_size,
         # Handlers gather over the stage's TP ranks; each stage replies for itself.
         cpu_group=view.tp_cpu_group,
-        model=args.served_model_name,
+        model=sglang_adapter.effective_server_args(args).served_model_name,
         send_output=view.send_output,
         world_group=view.world_cpu_group,
         # Every DP rank of one launch shares the server's identity (`server_epoch`).

@@ -22,6 +22,11 @@ from sglang_kv_migration.sglang_adapter.installed import (
     sglang_line,
     sglang_version,
 )
+from sglang_kv_migration.sglang_adapter.ipc_messages import (
+    ipc_message,
+    replace_message,
+    send_to_scheduler,
+)
 from sglang_kv_migration.sglang_adapter.pool_groups import (
     IndexerPoolBuffer,
     indexer_host_pool,
@@ -44,6 +49,7 @@ from sglang_kv_migration.sglang_adapter.pools import (
     take_device_slots,
 )
 from sglang_kv_migration.sglang_adapter.process import (
+    SchedulerRanks,
     SchedulerView,
     add_request_handlers,
     add_result_handlers,
@@ -56,6 +62,8 @@ from sglang_kv_migration.sglang_adapter.process import (
     registered_hooks,
     scheduler_idle_check,
     scheduler_load,
+    scheduler_ranks,
+    scheduler_stage_rank,
     server_runtime_missing,
     stage_reply_sender,
     wake_from_idle_sleep_on,
@@ -77,6 +85,11 @@ from sglang_kv_migration.sglang_adapter.running_requests import (
     RunningRequest,
     RunningRequests,
     running_prefix,
+)
+from sglang_kv_migration.sglang_adapter.server_config import (
+    current_weight_version,
+    effective_server_args,
+    server_args_class,
 )
 
 # IMPORTANT: the one place that picks what differs between SGLang lines (installed.py):
@@ -171,11 +184,15 @@ __all__ = [
     "PinnedHostPages",
     "RunningRequest",
     "RunningRequests",
+    "SchedulerRanks",
     "SchedulerView",
     "Segment",
     "TieredPrefix",
     "WRITE_BACK_TIMEOUT_S",
     "add_request_handlers",
+    "current_weight_version",
+    "effective_server_args",
+    "server_args_class",
     "add_result_handlers",
     "alloc_device_slots",
     "alloc_host_slots",
@@ -204,6 +221,9 @@ __all__ = [
     "http_tokenizer_manager",
     "indexer_host_pool",
     "indexer_pool_buffer",
+    "ipc_message",
+    "replace_message",
+    "send_to_scheduler",
     "input_waiting_check",
     "insert_device_pages",
     "insert_host_pages",
@@ -225,6 +245,8 @@ __all__ = [
     "release_host_nodes",
     "running_prefix",
     "scheduler_idle_check",
+    "scheduler_ranks",
+    "scheduler_stage_rank",
     "scheduler_load",
     "stage_reply_sender",
     "take_device_slots",

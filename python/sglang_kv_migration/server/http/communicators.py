@@ -48,7 +48,7 @@ class RidCommunicator:
         self._waiting[request.rid] = (done, [], replies or self._replies)
         try:
             mark_sent(request)
-            self._sender.send_pyobj(request)
+            sglang_adapter.send_to_scheduler(self._sender, request)
             return await done
         finally:
             self._waiting.pop(request.rid, None)
@@ -138,12 +138,13 @@ def after_init_communicators(_result: None, tokenizer_manager: Any, server_args:
     tokenizer_manager.kv_migration_communicators = None
     if not kv_migration_enabled(server_args):
         return
+    effective = sglang_adapter.effective_server_args(server_args)
     comms = KVMigrationCommunicators(
         tokenizer_manager.send_to_scheduler,
         before_call=tokenizer_manager.auto_create_handle_loop,
-        weight_version=lambda: tokenizer_manager.server_args.weight_version,
-        pp_size=server_args.pp_size,
-        dp_size=server_args.dp_size,
+        weight_version=lambda: sglang_adapter.current_weight_version(tokenizer_manager),
+        pp_size=effective.pp_size,
+        dp_size=effective.dp_size,
     )
     tokenizer_manager.kv_migration_communicators = comms
     sglang_adapter.add_result_handlers(tokenizer_manager, comms.result_handlers)

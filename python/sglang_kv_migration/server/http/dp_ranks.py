@@ -26,7 +26,6 @@ rank directly, outside this routing: a server with several DP ranks does not lis
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -41,6 +40,7 @@ from sglang_kv_migration.server.messages import (
     GetRequestExtraTokenSizeReqOutput,
     GetTransferSessionInfoReqInput,
     TransferRequestKVCacheReqInput,
+    replace_message,
 )
 from sglang_kv_migration.server.rank.pp_stages import one_server_session_info
 
@@ -162,7 +162,7 @@ def merge_session_info(replies: list[Any]) -> Any:
         key=lambda r: (r.dp_rank, r.pp_rank, r.tp_rank),
     )
     first = replies[0]
-    return dataclasses.replace(
+    return replace_message(
         first,
         ranks=ranks,
         dp_size=len(replies),
