@@ -175,7 +175,7 @@ class _Server:
 
         pool = self.harness.kv_host_pool
         ps = pool.page_size
-        free = pool.free_slots
+        free = self.harness.host_free_list()
         pages = free.reshape(-1, ps)[:, 0] if ps > 1 else free
         order = torch.randperm(len(pages), generator=torch.Generator().manual_seed(seed))
         pages = pages[order]

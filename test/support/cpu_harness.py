@@ -311,6 +311,15 @@ class Harness:
         """Device slots of the prefix of `token_ids` held on device."""
         return self._device_prefix(self._key(token_ids, extra_key))
 
+    def host_free_list(self) -> torch.Tensor:
+        """The KV host pool's free slots, in the order it hands them out (assign its
+        `free_slots` to reorder them)."""
+        return self.kv_host_pool.free_slots
+
+    def host_slots_held(self) -> list[int]:
+        """Host slots the tree's nodes hold (each listed once per node holding it)."""
+        return [int(s) for n in self.iter_nodes() if n.host_value is not None for s in n.host_value]
+
     def match_lengths(
         self, token_ids: Sequence[int], extra_key: str | None = None
     ) -> tuple[int, int]:

@@ -145,6 +145,18 @@ class UnifiedHarness:
 
         return self.cache.match_prefix(MatchPrefixParams(key=self._key(token_ids, extra_key)))
 
+    def host_free_list(self) -> torch.Tensor:
+        """As `Harness.host_free_list` (0.5.23 keeps freed slots aside until the next
+        allocation needs them: merged first, so the list is whole)."""
+        pool = self.kv_host_pool
+        pool._merge_release_slots()
+        return pool.free_slots
+
+    def host_slots_held(self) -> list[int]:
+        """The host slots the pool counts as allocated (the tree core lists no nodes to
+        read them from: this includes slots pending migrations hold)."""
+        return self.kv_host_pool.slot_used.nonzero().flatten().tolist()
+
     def match_lengths(
         self, token_ids: Sequence[int], extra_key: str | None = None
     ) -> tuple[int, int]:
