@@ -15,7 +15,32 @@ The plugin runs on two lines of SGLang whose caches differ in kind, not in detai
 The line is read off the installed package's files (never by importing it, so the
 check is free in every SGLang process): ``sglang_adapter/__init__.py`` binds each
 version-dependent function once, from here. Nothing outside `sglang_adapter/` asks
-which line runs; what one line lacks is refused at start by `missing_for_migration`.
+which line runs; what one line lacks is refused at start (`server_args_refusal`,
+`device_path_missing`, `unified_tree.cache_unsupported`), naming it.
+
+How the plugin behaves differently on 0.5.23, and why each is safe:
+
+- IPC (`ipc_messages.py`): messages are msgspec structs registered with SGLang's msgpack
+  decoder; they cross pickled (SGLang's default) or msgpack-encoded alike.
+- Server args (`server_config.py`): the record keeps the operator's input; the plugin
+  reads what resolution decided, and the weight version from the serving config (a
+  weight update changes it there only: read from the record, a source's KV computed
+  with old weights would pass the weight-version check).
+- Pinning a source's host pages (`unified_tree.pin_host_pages`) backs the path up to
+  host and waits for the copy before it returns, on the scheduler thread (0.5.23 has no
+  public call that starts one node's copy to poll later): a device-only prefix costs its
+  device -> host copy in that iteration instead of overlapping later ones. Every TP
+  rank runs it in the same order (its write-back check may all-reduce over them).
+- Host headroom (`unified_pools.host_headroom_tokens`) counts free host slots only: the
+  tree core does not say what host eviction would free, so planners see a lower bound;
+  an allocate still evicts unlocked host-only pages when it needs them, and when even
+  that is not enough it fails after evicting them (cached pages lost, nothing wrong).
+- The cache generation (`unified_tree.cache_generation`) is the identity of the cache's
+  write-through table, which only a reset replaces (`_reset_full`); the contract tests
+  check that it changes on a reset and on nothing else.
+- Inserts: 0.5.23's tree frees the duplicates of an insert itself (device) and keeps one
+  page hash per host page; `unified_tree` passes what each needs (`prev_prefix_len`,
+  the hashes), so no slot is freed twice and no node split fails.
 """
 
 from __future__ import annotations
