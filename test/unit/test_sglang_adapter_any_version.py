@@ -187,3 +187,68 @@ def test_cache_generation_stays_through_ordinary_work(harness_factory):
     h.load_back(TOKENS)
     h.insert_random(TOKENS[:32] + list(range(5000, 5032)), seed=10)
     assert adapter.cache_generation(h.cache) is before
+
+
+def _filled_messages() -> list:
+    """One of every server message, with the nested wire values set."""
+    from sglang_kv_migration.server import messages as m
+    from sglang_kv_migration.wire import messages as wire
+
+    rank = wire.RankSessionInfo(
+        tp_rank=0, pp_rank=0, page_size=16, fingerprint={"page_size": 16}, paths={"host": {}}
+    )
+    target = wire.TransferRequestKVCacheTarget(tp=0, pp=0, kv_page_ranges=[[2, 3]], grant="g")
+    return [
+        m.GetTransferSessionInfoReqInput(weight_version="w", dp_rank=None),
+        m.GetTransferSessionInfoReqOutput(success=True, ranks=[rank], instance_id="i"),
+        m.GetRequestExtraTokenSizeReqInput(input_ids=[1, 2], input_ids_u32=b"\x01\0\0\0"),
+        m.GetRequestExtraTokenSizeReqOutput(success=True, matched_token_size=16, page_owners=[0]),
+        m.AllocateTokenForTransferReqInput(
+            input_ids=[1], stage_refusal=wire.StageRefusal("no", "conflict")
+        ),
+        m.AllocateTokenForTransferReqOutput(
+            success=True, ranks=[wire.AllocatedRank(tp_rank=0, pp_rank=0, kv_indices=[5])]
+        ),
+        m.TransferRequestKVCacheReqInput(
+            input_ids=[1],
+            target_per_rank=[target],
+            allocate_on_target=wire.AllocateOnTarget(address="a", secret="s", allocate=b"{}"),
+        ),
+        m.TransferRequestKVCacheReqOutput(
+            success=False,
+            ranks=[wire.RankTransferResult(tp_rank=0, pp_rank=0, success=False, seconds=0.5)],
+            steps_ms={"wire": 1.5},
+            trace={"received": 1.0},
+        ),
+        m.CommitTransferRequestKVCacheReqInput(migration_id="x", receipts=["r"]),
+        m.CommitTransferRequestKVCacheReqOutput(success=True, matched_after_commit=32),
+        m.AbortTransferReqInput(migration_id="x"),
+        m.AbortTransferReqOutput(success=True),
+        m.StageSyncReqInput(expired_ids=["x"]),
+    ]
+
+
+def test_every_message_crosses_sglang_s_ipc_and_answers_as_its_wire_model():
+    """Pickled (both lines' default), and on 0.5.23 also msgpack-encoded as SGLang's
+    `sock_send` does with SGLANG_USE_PICKLE_IPC=0 (decoded into the same type by the
+    decoder `hook_custom_types` extended); `rid` survives, and a reply's JSON is its wire
+    model's fields."""
+    import pickle
+
+    from sglang_kv_migration.server.messages import replace_message
+    from sglang_kv_migration.wire.messages import Reply, reply_content, wire_order
+
+    for message in _filled_messages():
+        message.rid = "rid-1"
+        copies = [pickle.loads(pickle.dumps(message))]
+        if adapter.is_unified_line():
+            from sglang.srt.managers.io_struct import msgpack_decode, msgpack_encode
+
+            copies.append(msgpack_decode(msgpack_encode(message)))
+        for copy in copies:
+            assert type(copy) is type(message) and copy == message and copy.rid == "rid-1"
+        model = type(message).WIRE_MODEL
+        if issubclass(model, Reply):
+            assert list(reply_content(message)) == list(wire_order(model))
+            changed = replace_message(message, success=False)
+            assert (changed.success, changed.rid, type(changed)) == (False, "rid-1", type(message))
