@@ -2,8 +2,10 @@
 (`radix_tree.py`), the KV pools and allocator (`pools.py`, with NSA's host pool groups
 in `pool_groups.py`), and the scheduler's,
 tokenizer manager's and HTTP server's attributes (`process.py`), the running requests'
-slots (`running_requests.py`); `hook_targets.py` names
-every upstream symbol the plugin hooks or relies on.
+slots (`running_requests.py`), our requests as SGLang IPC messages (`ipc_messages.py`),
+`ServerArgs` as it is in effect (`server_config.py`); `hook_targets.py` names
+every upstream symbol the plugin hooks or relies on, `installed.py` which SGLang line
+runs (0.5.12's `HiRadixCache` or 0.5.23's `UnifiedRadixCache`, bound below).
 
 Everything else in the package goes through these functions, imported from here
 (`sglang_adapter.match_held_prefix`), so an SGLang upgrade is this package's work:
