@@ -61,7 +61,9 @@ def replace_message(message: Any, **changes: Any) -> Any:
 
 def send_to_scheduler(socket: Any, message: Any) -> None:
     """Send `message` on the tokenizer manager's socket to the scheduler the way the
-    installed SGLang sends its own requests (what its scheduler's receive decodes)."""
+    installed SGLang sends its own requests (what its scheduler's receive decodes). On
+    0.5.23 that is `TokenizerManager._dispatch_to_scheduler` less its multi-tokenizer
+    stamp (`--tokenizer-worker-num > 1` is refused with migration)."""
     if is_unified_line():
         from sglang.srt.managers.io_struct import sock_send
 
