@@ -329,7 +329,36 @@ def test_flag_off_installs_nothing_on_the_scheduler() -> None:
     for _name, input_type, _output_type in REQUEST_TYPES:
         assert input_type not in dispatcher._mapping
 
-    tokenizer = SimpleNamespace(_result_dispatcher=TypeBasedDispatcher([]))
-    communicators.after_init_communicators(None, tokenizer, args)
+    tokenizer = SimpleNamespace(_result_dispatcher=TypeBasedDispatcher([]), server_args=args)
+    communicators.after_init_communicators(None, tokenizer)
     assert tokenizer.kv_migration_communicators is None
     assert tokenizer._result_dispatcher._mapping == {}
+
+
+def test_every_hook_takes_the_arguments_its_target_is_called_with() -> None:
+    """The registry calls an AFTER hook with (result, *the target's arguments), a BEFORE
+    hook with the target's arguments, an AROUND hook with (original, *arguments): each of
+    ours must take what the installed SGLang's target is called with (a signature that
+    differs between SGLang lines would fail only when a real server starts)."""
+    import inspect
+
+    from sglang.srt.plugins.hook_registry import HookType
+    from sglang_kv_migration.server import plugin
+
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    checked = 0
+    table = plugin._hook_table()
+    for target, hook, hook_type in table:
+        if hook_type == HookType.REPLACE:
+            continue
+        original = upstream.resolve(target)
+        params = inspect.signature(original).parameters.values()
+        required = [p for p in params if p.kind in positional and p.default is p.empty]
+        leading = {HookType.AFTER: [None], HookType.BEFORE: [], HookType.AROUND: [original]}
+        arguments = [*leading[hook_type], *(object() for _ in required)]
+        try:
+            inspect.signature(hook).bind(*arguments)
+        except TypeError as e:
+            pytest.fail(f"{hook.__qualname__} cannot take {target}'s arguments: {e}")
+        checked += 1
+    assert checked == sum(1 for row in table if row[2] != HookType.REPLACE) > 5

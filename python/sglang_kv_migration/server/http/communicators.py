@@ -133,8 +133,11 @@ class KVMigrationCommunicators:
         return merged
 
 
-def after_init_communicators(_result: None, tokenizer_manager: Any, server_args: Any) -> None:
-    """Hook: attach our communicators to SGLang's tokenizer manager."""
+def after_init_communicators(_result: None, tokenizer_manager: Any, *_args: Any) -> None:
+    """Hook: attach our communicators to SGLang's tokenizer manager. The server args are
+    read off the tokenizer manager (SGLang passes them to `init_communicators` on some
+    versions only)."""
+    server_args = tokenizer_manager.server_args
     tokenizer_manager.kv_migration_communicators = None
     if not kv_migration_enabled(server_args):
         return
