@@ -90,3 +90,13 @@ def test_a_host_pool_group_with_more_than_the_kv_pool_is_refused_by_name(harness
     finally:
         controller.mem_pool_host = h.host_pool
     assert refusal is not None and "kv+indexer" in refusal and "0.5.12 only" in refusal
+
+
+def test_running_slots_are_not_offered_on_0_5_23():
+    """0.5.23 keeps a request's slots in `Req.kv`, which the adapter does not read: the
+    live move's feature "running_slots" is left out (clients fall back to abort,
+    migrate, resume), never served wrong."""
+    from types import SimpleNamespace
+
+    scheduler = SimpleNamespace(running_batch=SimpleNamespace(reqs=[]), waiting_queue=[])
+    assert adapter.running_requests_of(scheduler) is None

@@ -61,7 +61,7 @@ def compose_for_scheduler(scheduler: Any) -> MigrationSchedulerSide:
         input_waiting=sglang_adapter.input_waiting_check(scheduler),
     )
     if view.pp_size == 1 and view.dp_size == 1:
-        settings.running_requests = sglang_adapter.RunningRequests(scheduler)
+        settings.running_requests = sglang_adapter.running_requests_of(scheduler)
     return compose_rank(ctx, settings)
 
 

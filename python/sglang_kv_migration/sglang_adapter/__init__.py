@@ -87,6 +87,7 @@ from sglang_kv_migration.sglang_adapter.running_requests import (
     RunningRequest,
     RunningRequests,
     running_prefix,
+    running_requests_of,
 )
 from sglang_kv_migration.sglang_adapter.server_config import (
     current_weight_version,
@@ -246,6 +247,7 @@ __all__ = [
     "registered_hooks",
     "release_host_nodes",
     "running_prefix",
+    "running_requests_of",
     "scheduler_idle_check",
     "scheduler_ranks",
     "scheduler_stage_rank",
