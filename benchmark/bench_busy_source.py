@@ -17,9 +17,11 @@ Two real SGLang servers on one GPU, Llama-3-8B shape (dummy weights), CUDA graph
    stream of 8K moves from it (the target's cache is flushed after each, so each moves
    the whole prefix), from SGLang's `sglang:realtime_tokens_total{mode="decode"}`.
 
-With `--only-concurrency`: six concurrent 8K moves to one target (six threads) beside
-one alone, `--concurrency-rounds` rounds each with the target idle and with the target
-decoding a full batch (`bench_busy_source_concurrency.json`; target <= 1.5x).
+With `--only-concurrency`: six concurrent 8K moves against one, from six threads and in
+one call, `--concurrency-rounds` rounds each with the source idle and with the source
+decoding a full batch, with the loop iterations each move took on each side
+(`busy_concurrency.py`; `bench_busy_source_concurrency.json`; targets <= 1.5x, and
+<= 2x from the busy source).
 
 Per move the file keeps what the replies already report: phases, per-trip `steps_ms`
 (the scheduler trips, the loop iterations a transfer waited, the copy), `copy_ms`, the
@@ -27,6 +29,12 @@ wall time and the TTFT of the target serving the prompt afterwards. Medians with
 min-max over the repeats, busy/idle ratios (target <= 2x) and decode kept (>= 95%)
 come from `busy_source_report.py`. The result file is rewritten after every row (a run
 cut at its limit keeps what it measured; `complete` false).
+
+Both servers are started one after the other with the same planned GPU KV pool
+(`gpu_servers.sized_servers`: what the card has free, shared evenly, at most
+`--max-total-tokens`); the record names the card, the pool and each server's start. (One
+`--mem-fraction-static` for both, as before, leaves the second server of an 80 GB card a
+fifth of the first's pool: on an H100 the target held three 8K prefixes, 27,744 tokens.)
 
 Settings changed from SGLang's defaults, and why:
 - `--cuda-graph-max-bs 64`: the busy batch is at most `--busy` (40) + the moved
@@ -43,16 +51,21 @@ Settings changed from SGLang's defaults, and why:
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import random
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import busy_concurrency
 import busy_source_report as report
+import gpu_servers
 import httpx
+from busy_batch import BusyBatch, held, tokens
 from sglang_kv_migration.client.migration import MigrationClient
 from sglang_kv_migration.rollout.cost_model import parse_prometheus
 
@@ -64,37 +77,47 @@ from real_servers import (  # noqa: E402
     flush_cache,
     generate,
     kv_pool_usage,
-    running_servers,
     timed_generate,
     write_model,
 )
 
 RESULT = OUT_DIR / "bench_busy_source.json"
 FLOOD_TOKENS = 4096
-BUSY_PROMPTS = (256, 512, 1024, 2048, 3072)  # mixed lengths, cycled
-BUSY_OUTPUTS = (256, 512, 768, 1024)
 SETTLE_S = 0.5
 SAMPLE_S = 0.25  # /metrics sampling period in a throughput window
 
 
 def main() -> None:
     args = _parse()
+    card = gpu_servers.require_gpu("bench_busy_source")
     lengths = [1024, 4096] if args.quick else args.lengths
     repeats = 1 if args.quick else args.repeats
     shape = dict(LLAMA3_8B, max_position_embeddings=max(args.context_length, 40960))
     model_dir = write_model(shape, Path("/tmp/kvmig-llama3-8b-40k"))
     flags = [
-        *("--page-size", str(args.page_size), "--mem-fraction-static", str(args.mem_fraction)),
-        *("--max-total-tokens", str(args.max_total_tokens), "--context-length", "40960"),
+        *("--page-size", str(args.page_size), "--context-length", "40960"),
         *("--hicache-ratio", str(args.hicache_ratio), "--max-running-requests", "64"),
         *("--cuda-graph-max-bs", "64", "--enable-metrics", "--decode-log-interval", "10"),
     ]
     graphs = not args.no_cuda_graph
-    specs = [ServerSpec(30910, flags, 0, graphs), ServerSpec(30920, flags, 0, graphs)]
+    specs = {
+        "source": ServerSpec(30910, flags, 0, graphs),
+        "target": ServerSpec(30920, flags, 0, graphs),
+    }
+    pool = _pool(args, card, shape)
+
+    @contextmanager
+    def servers(config: dict[str, Any]) -> Iterator[tuple[str, str]]:
+        """Both servers with the planned pool; the record's config says where it ran."""
+        config.update({"kv_tokens": pool, "server_flags": flags, **gpu_servers.run_info(card)})
+        with gpu_servers.sized_servers(model_dir, specs, shape, pool, args.mem_fraction) as up:
+            config["servers"] = [dataclasses.asdict(server) for server in up]
+            yield up[0].url, up[1].url
+
     if args.only_concurrency:
-        _run_concurrency(args, model_dir, specs)
+        busy_concurrency.run(args, servers, _warm_up)
         return
-    config = {**vars(args), "lengths": lengths, "repeats": repeats, "server_flags": flags}
+    config = {**vars(args), "lengths": lengths, "repeats": repeats}
     result: dict[str, Any] = {"config": config, "rows": [], "windows": [], "complete": False}
     started = time.monotonic()
 
@@ -105,10 +128,7 @@ def main() -> None:
         result["complete"] = complete
         report.write_result(RESULT, result)
 
-    with (
-        running_servers(model_dir, specs, sequential=True) as (source, target),
-        MigrationClient(timeout=600) as client,
-    ):
+    with servers(config) as (source, target), MigrationClient(timeout=600) as client:
         config["startup_s"] = time.monotonic() - started
         rng = random.Random(0)
         _warm_up(client, source, target, rng)
@@ -118,6 +138,21 @@ def main() -> None:
     print(report.markdown(result["summary"], result["decode"]), flush=True)
 
 
+def _pool(args: argparse.Namespace, card: gpu_servers.Card, shape: dict[str, int]) -> int:
+    """The GPU KV pool both servers get: the card's free memory shared by two, at most
+    `--max-total-tokens`; exit (status 2, one line) when it cannot hold what the run
+    moves at once (with --only-concurrency: the target takes one 8K prefix and six more)."""
+    pool = gpu_servers.plan_kv_tokens(
+        card.free_mib * gpu_servers.MIB, 2, gpu_servers.weight_bytes(shape),
+        gpu_servers.kv_bytes_per_token(shape), cap=args.max_total_tokens,
+    )  # fmt: skip
+    needed = busy_concurrency.target_tokens() if args.only_concurrency else max(args.lengths)
+    if pool < needed:
+        sys.exit(f"bench_busy_source: {card.name} gives each server a {pool}-token KV pool; "
+                 f"the run needs {needed}")  # fmt: skip
+    return pool
+
+
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=list(report.LENGTHS))
@@ -125,10 +160,15 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--busy", type=int, default=40, help="decodes the busy source runs (>= 32)")
     p.add_argument("--window-s", type=float, default=10.0, help="each throughput window")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--mem-fraction", type=float, default=0.4, help="per server (one GPU)")
+    p.add_argument(
+        "--mem-fraction", type=float, default=None,
+        help="one --mem-fraction-static for both servers (default: each server's own, "
+        "computed from the memory free at its start)",
+    )  # fmt: skip
     p.add_argument(
         "--max-total-tokens", type=int, default=163840,
-        help="GPU KV pool per server: the busy batch (~40 x 2K) plus the moved prefixes",
+        help="GPU KV pool per server, at most: the busy batch (~40 x 2K) plus the moved "
+        "prefixes (less where the card has less free)",
     )  # fmt: skip
     p.add_argument("--hicache-ratio", type=float, default=1.5)
     p.add_argument("--context-length", type=int, default=40960)
@@ -136,6 +176,10 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="1K and 4K, one repeat")
     p.add_argument("--only-concurrency", action="store_true", help="six 8K moves vs one")
     p.add_argument("--concurrency-rounds", type=int, default=3)
+    p.add_argument(
+        "--deadline-s", type=float, default=1e9,
+        help="--only-concurrency: no round starts after this many seconds of the run",
+    )  # fmt: skip
     return p.parse_args()
 
 
@@ -165,7 +209,7 @@ def _repeat(
                 prompts.update(_place_prefixes(client, source, [n], rng, args.max_total_tokens))
                 flush_cache(target)
                 if state == "idle":
-                    _, ttft = timed_generate(target, _tokens(rng, n), 1)
+                    _, ttft = timed_generate(target, tokens(rng, n), 1)
                     rows[n]["reprefill_ms"] = ttft * 1e3
                 rows[n][state] = {
                     tier: _move(client, source, target, prompts[(n, tier)], args.page_size)
@@ -184,80 +228,23 @@ def _repeat(
     save()
 
 
-def _run_concurrency(args: argparse.Namespace, model_dir: Path, specs: list) -> None:
-    path = OUT_DIR / "bench_busy_source_concurrency.json"
-    result: dict[str, Any] = {"config": vars(args), "rounds": [], "complete": False}
-    with (
-        running_servers(model_dir, specs, sequential=True) as (source, target),
-        MigrationClient(timeout=600) as client,
-    ):
-        rng = random.Random(0)
-        _warm_up(client, source, target, rng)
-        for _ in range(args.concurrency_rounds):
-            for state in report.SOURCES:
-                batch = BusyBatch(target, args.busy, rng.randrange(1 << 30))
-                for url in (source, target):
-                    flush_cache(url)
-                try:
-                    if state == "busy":
-                        batch.start(min_running=min(32, args.busy))
-                    row = {"target": state, **_concurrent(client, source, target, rng)}
-                finally:
-                    if state == "busy":
-                        batch.stop()
-                result["rounds"].append(row)
-                result["summary"] = report.concurrency_summary(result["rounds"])
-                report.write_result(path, result)
-    result["complete"] = True
-    report.write_result(path, result)
-    print(json.dumps(result["summary"], indent=1), flush=True)
-
-
-def _concurrent(
-    client: MigrationClient, source: str, target: str, rng: random.Random, n: int = 6
-) -> dict[str, Any]:
-    """Seven 8K prefixes on the source's GPU: one moves alone, then six at once."""
-    prompts = [_tokens(rng, 8192) for _ in range(n + 1)]
-    for p in prompts:
-        generate(source, p, 1)
-    time.sleep(SETTLE_S)
-    t0 = time.perf_counter()
-    client.migrate(source, target, prompts[0][:-1], path="device")
-    one = time.perf_counter() - t0
-    walls: list[float] = [0.0] * n
-
-    def move(i: int) -> None:
-        t = time.perf_counter()
-        client.migrate(source, target, prompts[i + 1][:-1], path="device")
-        walls[i] = time.perf_counter() - t
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=move, args=(i,)) for i in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    return {"one_ms": one * 1e3, "all_ms": (time.perf_counter() - t0) * 1e3,
-            "each_ms": [w * 1e3 for w in walls]}  # fmt: skip
-
-
 def _place_prefixes(
     client: MigrationClient, source: str, lengths: list[int], rng: random.Random, pool: int
 ) -> dict[tuple[int, str], list[int]]:
     """Host-tier prefixes first, pushed out of the source's GPU by a flood of other
     prompts (only until none is left there: a longer flood, or a busy batch meanwhile,
     pushes them out of the host tier too), then the GPU-tier ones."""
-    prompts = {(n, "host"): _tokens(rng, n) for n in lengths}
+    prompts = {(n, "host"): tokens(rng, n) for n in lengths}
     for p in prompts.values():
         generate(source, p, 1)
     pushed = 0
-    while any(_held(client, source, p)["device_token_size"] for p in prompts.values()):
-        generate(source, _tokens(rng, FLOOD_TOKENS), 1)
+    while any(held(client, source, p)["device_token_size"] for p in prompts.values()):
+        generate(source, tokens(rng, FLOOD_TOKENS), 1)
         pushed += FLOOD_TOKENS
         if pushed > 4 * pool:
             raise RuntimeError("host-tier prefixes still on the source's GPU")
     for n in lengths:
-        prompts[(n, "gpu")] = _tokens(rng, n)
+        prompts[(n, "gpu")] = tokens(rng, n)
         generate(source, prompts[(n, "gpu")], 1)
     time.sleep(SETTLE_S)
     return prompts
@@ -266,13 +253,13 @@ def _place_prefixes(
 def _move(
     client: MigrationClient, source: str, target: str, prompt: list[int], page_size: int
 ) -> dict:
-    held = _held(client, source, prompt)
+    where = held(client, source, prompt)
     t0 = time.perf_counter()
     r = client.migrate(source, target, prompt[:-1], path="device")
     wall = time.perf_counter() - t0
     _, ttft = timed_generate(target, prompt, 1)
     whole_pages = (len(prompt) - 1) // page_size * page_size
-    return report.move_row(r, wall, ttft, held, whole_pages)
+    return report.move_row(r, wall, ttft, where, whole_pages)
 
 
 def _windows(
@@ -314,64 +301,15 @@ def _sample_decode(url: str, seconds: float) -> list[tuple[float, float]]:
     return samples
 
 
-class BusyBatch:
-    """`n` threads, each keeping one greedy decode running on `url` (mixed prompt and
-    output lengths, `ignore_eos`), resubmitted as it ends, until `stop`."""
-
-    def __init__(self, url: str, n: int, seed: int):
-        self.url, self.n, self.rng = url, n, random.Random(seed)
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-
-    def start(self, min_running: int, timeout_s: float = 120.0) -> None:
-        for i in range(self.n):
-            prompt_len = BUSY_PROMPTS[i % len(BUSY_PROMPTS)]
-            gen = BUSY_OUTPUTS[i % len(BUSY_OUTPUTS)]
-            args = (_tokens(self.rng, prompt_len), gen)
-            thread = threading.Thread(target=self._keep, args=args, daemon=True)
-            thread.start()
-            self._threads.append(thread)
-        deadline = time.monotonic() + timeout_s
-        while kv_pool_usage(self.url)["num_running_reqs"] < min_running:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.url}: {min_running} decodes not running")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self._stop.set()
-        httpx.post(self.url + "/abort_request", json={"abort_all": True}, timeout=30)
-        for thread in self._threads:
-            thread.join(timeout=60)
-
-    def _keep(self, prompt: list[int], gen: int) -> None:
-        params = {"max_new_tokens": gen, "temperature": 0.0, "ignore_eos": True}
-        with httpx.Client(timeout=600) as http:
-            while not self._stop.is_set():
-                body = {"input_ids": prompt, "sampling_params": params}
-                try:
-                    http.post(self.url + "/generate", json=body)
-                except httpx.HTTPError:
-                    return
-                prompt = prompt[1:] + prompt[:1]  # a new prompt: it is prefilled again
-
-
 def _warm_up(client: MigrationClient, source: str, target: str, rng: random.Random) -> None:
     """Compile kernels on both servers and open the device path once."""
     for url in (source, target):
-        generate(url, _tokens(rng, 2048), 4)
-    p = _tokens(rng, 1024)
+        generate(url, tokens(rng, 2048), 4)
+    p = tokens(rng, 1024)
     generate(source, p, 1)
     client.migrate(source, target, p[:-1], path="device")
     for url in (source, target):
         flush_cache(url)
-
-
-def _held(client: MigrationClient, url: str, prompt: list[int]) -> dict[str, Any]:
-    return client.call(url, "/get_request_extra_token_size", {"input_ids": prompt[:-1]})
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 128000) for _ in range(n)]
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ rotated order, on flushed caches:
 - `default`: verl's own `GlobalRequestLoadBalancer` (`verl.workers.rollout.router`) when
   it imports; else `KVMigrationLoadBalancer` with re-pinning off (`repin_margin` beyond
   any load), which places exactly as verl's does. The result names which one ran.
-- `repin_reprefill`: `KVMigrationLoadBalancer` re-pinning at `--repin-margin` with the
-  cost model forced to recompute (`cost_margin` 1e12): the new server re-prefills.
-- `repin_migrate`: the same re-pinning with the cost model's own verdict: the session's
-  KV migrates first.
+- `repin_reprefill`: `KVMigrationLoadBalancer` past `--repin-margin` with the cost model
+  forced to recompute (`cost_margin` 1e12): a session moves only when its load gain beats
+  re-prefilling what its server holds, and the new server re-prefills.
+- `repin_migrate`: the same balancer with the cost model's own verdict: a session moves
+  when its load gain beats its migration (or its re-prefill), its KV migrated first.
 - `balanced_bound`: the bound: the default balancer with both servers from the first
   turn, so the sessions start spread and every turn finds its history on its own
   server: no skew to undo, nothing re-prefilled or moved.

@@ -1,6 +1,6 @@
 """The figures of the results page (`docs/benchmarks.md`), computed from the raw records
-under `docs/gpu-runs/`: per figure the median over the record's repeats, with the
-smallest and the largest, and how many repeats there were.
+under `docs/gpu-runs/` (the CPU blocks: `docs/cpu-runs/`): per figure the median over the
+record's repeats, with the smallest and the largest, and how many repeats there were.
 
     python3 benchmark/results.py            # print every generated block
     python3 benchmark/results.py --check    # exit 1 when a block of the page differs
@@ -11,7 +11,12 @@ The page holds each block between `<!-- results:NAME -->` and `<!-- /results:NAM
 everything else on the page is written by hand. After a new GPU run, copy its records
 under `docs/gpu-runs/<date>/`, point `RUNS` at them and run `--write`. The blocks of
 `results_adoption.py` (flag cost, verl's pattern at scale, the RL scene per variant)
-name their records in its own `RUNS` and join the page once they have one.
+name their records in its own `RUNS` and join the page once they have one. The `fleet-sim-*`
+blocks come from the fleet simulation's record (`docs/sim/fleet_sim.json`, written by
+`bench_fleet_sim.py all --write`, whose costs are read from the records `RUNS` names).
+The `busy-concurrency*` blocks are `results_concurrency.py`'s, from the record
+`RUNS["concurrency"]` names; `live-phases` is `live_move_report.py`'s phase table of the
+live record.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import fleet_report
+import live_move_report
 import results_adoption
+import results_concurrency
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = ROOT / "docs" / "gpu-runs"
@@ -43,14 +51,30 @@ RUNS = {
     "host_stall": "2026-11-30-host-path-stall-overhead-llama3-8b.json",
     "scene8k": "2026-12-01/scene8k-bench_rl_scene_8192.json",
     "scene16k": "2026-12-01/scene16k-bench_rl_scene_16384.json",
-    "live": "2026-12-05/live-bench_live_move.json",
+    "live": "2026-12-06/live-bench_live_move.json",
+    # The fleet simulation's constants all come from H200 records (`fleet_costs.py`):
+    # its decode steps from the H200's live-move record, not the H100's above.
+    "live_h200": "2026-12-05/live-bench_live_move.json",
     "busy": "2026-12-05/busy-bench_busy_source.json",
+    "concurrency": "2026-12-06/conc-bench_busy_source_concurrency.json",
     "rollout": "2026-11-30-rollout-rebalance-llama3-8b.json",
+}
+
+
+# The CPU records the page's generated CPU blocks read.
+CPU_RUNS_DIR = ROOT / "docs" / "cpu-runs"
+CPU_RUNS = {
+    "loop_iterations": "2026-12-06/bench_loop_iterations.json",
+    "loop_iterations_idle_target": "2026-12-06/bench_loop_iterations-idle-target.json",
 }
 
 
 def load(name: str) -> dict[str, Any]:
     return json.loads((RUNS_DIR / RUNS[name]).read_text())
+
+
+def load_cpu(name: str) -> dict[str, Any]:
+    return json.loads((CPU_RUNS_DIR / CPU_RUNS[name]).read_text())
 
 
 def spread(values: Iterable[float], unit: str = "", digits: int = 2, of: str = "") -> str:
@@ -269,10 +293,47 @@ def block_scenes() -> str:
 
 def block_live() -> str:
     """`bench_live_move.py` from the running request's slots: per context and tokens
-    generated before the move, the stall and the abort over the repeats, the bound (abort
-    + 10 ms + one target decode step) and the 40 ms cap."""
+    generated before the move, the stall over the repeats beside SGLang's own cached
+    resume of the same request on the same target, the bound (that resume + 10 ms + one
+    target decode step) and, at 4K, the 40 ms cap. Records made before the benchmark
+    measured SGLang's own resume are read with their bound (the abort + 10 ms + step)."""
+    record = load("live")
+    if not any("baseline" in row for row in record["rows"]):
+        return _block_live_before_baseline(record)
     rows = []
-    for row in load("live")["rows"]:
+    for row in record["rows"]:
+        done = [r for r in row["repeats"] if r.get("complete")]
+        stalls = [r["stall_s"] * 1e3 for r in done]
+        bases = [r["baseline_s"] * 1e3 for r in done if r.get("baseline_s") is not None]
+        checks = row["checks"]
+        bound, cap, added = checks.get("bound_s"), checks.get("stall_cap_s"), checks.get("added_s")
+        limit = min(b for b in (bound, cap) if b is not None) * 1e3 if bound else None
+        met = "—" if limit is None else verdict(stalls, limit, " ms", digits=1)
+        if limit is not None and met != "met":
+            met += " (the cap)" if cap is not None and cap < bound else " (the bound)"
+        rows.append([f"{row['context']:,}", f"{row['generated']:,}", spread(stalls, " ms", 1),
+                     spread(bases, " ms", 1), _ms(added), _ms(row["decode_step_s"]),
+                     _ms(bound), _ms(cap, 0), met])  # fmt: skip
+    head = ["context", "generated", "stall", "SGLang's own cached resume", "added (median)",
+            "target decode step", "resume + 10 ms + step", "cap", "≤ both bounds"]  # fmt: skip
+    quiet = [(row["context"], row.get("quiet_resume") or {}) for row in record["rows"]]
+    quiet = [(n, q["ttft_s"]) for n, q in quiet if q.get("ttft_s") is not None]
+    if not quiet:
+        return _table(head, rows)
+    said = ", ".join(f"{n // 1024}K {_ms(s)}" for n, s in quiet)
+    return (
+        _table(head, rows) + "\n\nSGLang's own cached resume on the target with nothing else "
+        f"decoding (`quiet_resume`, one per row): {said}."
+    )
+
+
+def _ms(seconds: float | None, digits: int = 1) -> str:
+    return "—" if seconds is None else f"{seconds * 1e3:.{digits}f} ms"
+
+
+def _block_live_before_baseline(record: dict[str, Any]) -> str:
+    rows = []
+    for row in record["rows"]:
         stalls = [r["stall_s"] * 1e3 for r in row["repeats"] if r.get("complete")]
         aborts = [r["abort_s"] * 1e3 for r in row["repeats"] if r.get("complete")]
         checks = row["checks"]
@@ -324,6 +385,36 @@ def block_busy() -> str:
     return _table(head, rows) + "\n" + line
 
 
+_WAYS = {"one": "one alone", "one_call": "six in one call", "threads": "six from threads"}
+
+
+def block_cpu_iterations() -> str:
+    """`bench_loop_iterations.py`: per target loop (a fixed step, or idle), flow (the
+    busy source's HTTP layer asks the target, or its scheduler does) and way of sending,
+    the loop iterations a move took on each side, as min–max over the rounds, and the
+    wall time over one move's."""
+
+    def counts(values: list[int]) -> str:
+        return "–".join(str(v) for v in sorted({min(values), max(values)})) if values else "—"
+
+    rows = []
+    targets = (("loop_iterations", "20 ms step"), ("loop_iterations_idle_target", "idle"))
+    for name, target in targets:
+        record = load_cpu(name)
+        rounds = record["config"]["rounds"]
+        for flow, cells in record["summary"].items():
+            for way, c in cells.items():
+                over = "1" if way == "one" else spread(c["wall_over_one"], "×")
+                rows.append([target, flow, _WAYS[way], counts(c["source_iterations_max"]),
+                             counts(c["taken_up_in"]), counts(c["allocated_in"]),
+                             counts(c["committed_in"]), spread(c["wall_steps"]), over,
+                             str(rounds)])  # fmt: skip
+    head = ["target loop", "who asks the target", "moves", "source iterations per move",
+            "taken up in (source iterations)", "allocated in (target iterations)",
+            "committed in", "wall, steps", "wall / one move", "rounds"]  # fmt: skip
+    return _table(head, rows)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "targets": block_targets,
     "control-plane": block_control_plane,
@@ -334,6 +425,15 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "scenes": block_scenes,
     "live": block_live,
     "busy": block_busy,
+    "busy-concurrency": lambda: results_concurrency.block_concurrency(load("concurrency")),
+    "busy-concurrency-steps": lambda: results_concurrency.block_concurrency_steps(
+        load("concurrency")
+    ),
+    "live-phases": lambda: live_move_report.markdown_breakdown(load("live")["rows"]),
+    "fleet-sim-validation": lambda: fleet_report.validation_block(fleet_report.load()),
+    "fleet-sim-verl": lambda: fleet_report.verl_block(fleet_report.load()),
+    "fleet-sim-sweep": lambda: fleet_report.sweep_block(fleet_report.load()),
+    "cpu-iterations": block_cpu_iterations,
 }
 BLOCKS |= results_adoption.ready_blocks(RUNS_DIR)
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The one-GPU runs: the device path's latency against re-prefill, concurrent moves to
-# one target, the any-tier table, the live move, the busy source and the RL scene, with
-# the GPU tests beside them. Each job fits one device command of at most ~560 s (the
-# device tool allows 600 s a command).
+# one target, the any-tier table, the live move, the busy source, the RL scene and the
+# host-tier landing into a full target GPU, with the GPU tests beside them. Each job
+# fits one device command of at most ~560 s (the device tool allows 600 s a command).
 #
-#   bash scripts/h200_runs.sh N        # N = 1..38, one device command each, kind nvidia-h200
+#   bash scripts/h200_runs.sh N        # N = 1..39, one device command each, kind nvidia-h200
 #   bash scripts/h200_runs.sh NAME     # the named jobs below (flagcost, verl64, rl8k-both-r0, ...)
 #
 # The named jobs take KVMIG_BUDGET_S (default 560: the command's limit less the start of
@@ -19,11 +19,14 @@
 #   .whl-mc .`), httptools and torch_memory_saver 0.0.10 (`scripts/fetch-gpu-extras.sh`,
 #   which also moves two wheels of .whl/ there: .whl/ and the tree passed 64 MiB).
 #   If the machine went cold between jobs, /tmp/site is gone: run the install again.
+#   Job verlray (verl and Ray) needs one more install call before it, carry [".whl-verl"]
+#   (`bash scripts/fetch-verl-wheels.sh`, ~50 MiB):  python3 -m pip install -q --no-index \
+#     --no-deps --no-compile --no-cache-dir --target /tmp/site-verl .whl-verl/*.whl
 #
 # Results: $OUT/NAME.log, NAME-*.json / NAME-results.jsonl, all.tgz (server logs).
 set -u
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|38|NAME}
+call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|39|NAME}
 budget=${KVMIG_BUDGET_S:-560}
 deadline=$((budget - 40))
 T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
@@ -261,12 +264,6 @@ case $call in
   exec bash scripts/gpu_jobs.sh 560 \
     "0:busy:python3 benchmark/bench_busy_source.py --repeats 3"
   ;;
-28)
-  # Six concurrent 8K moves to one target vs one, on an idle target and on a target
-  # decoding 40 requests (CUDA graphs on), three rounds each. Target: <= 1.5x.
-  exec bash scripts/gpu_jobs.sh 560 \
-    "0:conc:python3 benchmark/bench_busy_source.py --only-concurrency --concurrency-rounds 3"
-  ;;
 29)
   # The RL scene, CUDA graphs on, 4K histories: 24 high-priority turns,
   # three repeats (none / recompute / migrate each), p99 over all 72 turns with the
@@ -294,13 +291,16 @@ case $call in
   ;;
 35)
   # The live move from the running request's own slots (feature running_slots), CUDA
-  # graphs on: 4K / 16K / 32K context x 1K / 8K tokens generated before the move, three
-  # staggered requests a row (medians with range); per row the stall, the abort latency
-  # and the target's decode step. Targets: stall <= 40 ms and <= abort + 10 ms + one
-  # target decode step. Shortest rows first, the file rewritten after each; no row
-  # starts after 450 s, so the last (32K x 8K, ~80 s) ends inside the call.
-  exec bash scripts/gpu_jobs.sh 560 \
-    "0:live:python3 benchmark/bench_live_move.py --deadline-s 450"
+  # graphs on: 4K / 16K / 32K context x 1K tokens generated before the move, then 8K
+  # where the call's time allows (a row starts only when the 1K row at its context
+  # predicts it ends 30 s before KVMIG_BUDGET_S), three staggered requests a row.
+  # Per move the stall taken apart (the servers' request moments, SGLang's meta_info
+  # timestamps and the migrator's moments on one clock: the stop's and the resume's
+  # phases) beside SGLang's own cached resume of the same request on the same target,
+  # and the target's decode step. Targets: stall <= that resume + 10 ms + one target
+  # decode step; at 4K, <= 40 ms. Shortest rows first, the file rewritten after each.
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:live:python3 benchmark/bench_live_move.py --budget-s $((budget - 30)) --moments-dir /tmp/kvmig-live-moments"
   ;;
 36)
   # verl's pattern at its first size: 16 sticky sessions x 4 turns of 8K histories, 12
@@ -384,8 +384,65 @@ rl4k-*|rl8k-*|rl16k-*)
     "+0:reqmig16:sleep 20; KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py" \
     "+0:host1:sleep 40; KVMIG_PAGE_SIZE=1 $T test/gpu/test_gpu_migration.py"
   ;;
+ttftsplit)
+  # Where a fresh 17-token prompt's time to first token goes (the move-latency rows'
+  # ~66 ms re-prefill): HiCache + --enable-kv-migration (eager, as those rows), stock
+  # SGLang without HiCache, + HiCache, then the first with CUDA graphs, one server at a
+  # time alone on the GPU, eight repeats of each request kind (a client per call as those
+  # rows timed it, a kept client, after a flush, streamed; SGLang's own cached resume at
+  # 4K / 16K / 32K), each taken apart by SGLang's meta_info timestamps and the request
+  # moments. No server starts that the one before predicts to end past the deadline.
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:ttft:python3 benchmark/bench_ttft_split.py --budget-s $deadline"
+  ;;
+28|39)
+  # (28, which busied the target instead, never ran: the same job now.)
+  # Six concurrent 8K moves against one, from an idle source and from a source decoding
+  # a full batch (32 greedy decodes of mixed lengths, CUDA graphs on), page 16, five
+  # rounds: one alone, six from six threads, the same six in one call. Per move the
+  # tier it was copied from and the loop iterations of its trip on each side (`polls`,
+  # `first_poll`, `target_iteration`; `allocate_ahead`: the busy source's HTTP layer
+  # asked the target). Targets: six <= 1.5x one; <= 2x from the busy source. No round
+  # starts after 450 s (~4 min of server start-up and rounds expected).
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:conc:python3 benchmark/bench_busy_source.py --only-concurrency --concurrency-rounds 5 --busy 32 --deadline-s $((budget - 110))"
+  ;;
+landing)
+  # The host-tier landing: a same-host move into a target whose GPU pool is full (held by
+  # four of its own requests, paused in place: ~6K of 49K tokens free, nothing evictable)
+  # lands in the target's host tier through shared memory (path shared_host), never over
+  # Mooncake TCP. 8K and 32K prefixes on the source's GPU and on its host tier, beside the
+  # device-path move of the same length into a target with room and beside re-prefill;
+  # three repeats (medians with range), CUDA graphs on, Llama-3-8B shape, page 16; each
+  # move's path, landing tier and the target's cached_tokens_details. Targets: landing
+  # <= 3x the device-path move and <= 10% of re-prefill. Then the host-landing GPU test
+  # (tiny model, page 16). No repeat starts after 330 s (~40 s each after ~200 s of
+  # server starts).
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:landing:python3 benchmark/bench_host_landing.py --repeats 3 --deadline-s $((budget - 230))" \
+    "0:landtest:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_host_landing.py"
+  ;;
+landtests)
+  # The host-landing GPU test alone (page 16, then page 1), and the device-path tests at
+  # MHA page 16 beside it (the device path's source and target, now two modules, and its
+  # tiered copies, now shared with the host landing): when the landing job ran out of time.
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:landtest:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_host_landing.py; KVMIG_PAGE_SIZE=1 KVMIG_PORT_BASE=30800 $T test/gpu/test_gpu_host_landing.py" \
+    "+0:devtest16:sleep 30; KVMIG_PORT_BASE=31500 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+  ;;
+verlray)
+  # verl's own SGLang server class (SGLangHttpServer) in Ray actors: two replicas on one
+  # GPU, CUDA graphs on, the recipe's engine kwargs (docs/rl-integration.md, "verl"),
+  # routed by KVMigrationLoadBalancer through verl's get_router_handle and client: 8
+  # sessions' 2K-token histories on replica A, then B joins and every second turn is
+  # acquired at once; moved sessions' turns must find the migrated KV in B's cache.
+  # /tmp/site-verl from the install call above (.whl-verl); ~4-6 min (two server
+  # starts, ~150 s and ~50 s). Result: verlray/results.jsonl ("verl_actors").
+  exec bash scripts/gpu_jobs.sh "$budget" \
+    "0:verlray:PYTHONPATH=/tmp/site:/tmp/site-verl $T test/gpu/test_gpu_verl_actors.py"
+  ;;
 *)
-  echo "usage: bash scripts/h200_runs.sh 1|2|...|38|flagcost|flagcost-twin|verl64[-rN]|rl<4|8|16>k-<room|full|both>-rN" >&2
+  echo "usage: bash scripts/h200_runs.sh 1|2|...|39|flagcost|flagcost-twin|verl64[-rN]|rl<4|8|16>k-<room|full|both>-rN|ttftsplit|landing|landtests|verlray" >&2
   exit 2
   ;;
 esac

@@ -8,7 +8,7 @@ GPU idle before each call (synchronized, not timed): the two index copies to the
 device from pageable and from pinned memory, a timed CUDA event pair, a stream wait,
 the fused Triton page copy's launch, the copy plan of `tiers.plan_tiers` over device
 slots, the host identity and GPU lookup of the target check, and the whole sequence as
-`DevicePath._launch` runs it. Medians (and p90) of `--repeats` calls, microseconds.
+`TierCopier.launch` runs it. Medians (and p90) of `--repeats` calls, microseconds.
 
     python3 benchmark/probes/probe_launch_cost.py [--pages 1 1024] [--repeats 200]
 """
@@ -78,7 +78,7 @@ def _pieces(b: _Buffers, n: int) -> dict[str, Callable[[], Any]]:
             event.record(stream)
 
     def launch_like() -> None:
-        # `DevicePath._launch` for one device tier: waits, index copies, events, copy.
+        # `TierCopier.launch` for one device tier: waits, index copies, events, copy.
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             src_idx = pageable.to(dev, non_blocking=True)

@@ -1,11 +1,13 @@
-"""`sglang-kv-migrate`, the console script: one command, two jobs.
+"""`sglang-kv-migrate`, the console script: one command, three jobs.
 
     sglang-kv-migrate --source URL --target URL --input-ids ...   move one prefix
     sglang-kv-migrate rebalance --server URL --server URL ...     move whole requests
+    sglang-kv-migrate demo                                        watch one move on CPU
 
 The first is `client/cli.py`, the second `rollout/rebalance_cli.py` (same exit
-statuses). The dispatch lives here, above both, so that `client/` never imports
-`rollout/` (which is built on it).
+statuses), the third `demo/run.py`. The dispatch lives here, above them, so that
+`client/` never imports `rollout/` (which is built on it), and only `demo` loads the
+demo (its servers run SGLang's cache on CPU, in processes of their own).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         from sglang_kv_migration.rollout import rebalance_cli
 
         return rebalance_cli.main(argv[1:])
+    if argv[:1] == ["demo"]:
+        from sglang_kv_migration.demo import run
+
+        return run.main(argv[1:])
     return migrate_cli.main(argv)
 
 

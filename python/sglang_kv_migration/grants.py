@@ -8,7 +8,10 @@ slot lists between servers is not trusted either. So:
   path and a deadline, and hands out a **grant** for them;
 - the source writes only what a grant it can verify names (same migration, rank, path,
   exactly these slots, not expired, not used before); anything else is refused with 403
-  before a byte moves;
+  before a byte moves. One grant, one claim, per source server: each scheduler process
+  refuses a replay (`UsedGrants`), and a server with DP ranks lets only one of them
+  claim each grant (`server/http/grant_claims.py`; a grant may name that DP rank,
+  `Grant.source_dp_rank`);
 - the source answers every transfer with a **receipt** per rank (success or not, bytes,
   the slots' digest, whether no write of it can still land, and — when the grant asked
   for verification — a digest of the bytes it sent, `verify.py`); `/commit` inserts only
@@ -165,6 +168,10 @@ class Grant:
     # granted pages, as the target allocated them. The source sends only if its own
     # pattern of the run digests the same, then only the pages its rank owns.
     owners: str = ""
+    # Feature "source_dp_rank": the DP rank of the source server whose scheduler may
+    # claim the grant (the allocate's `source_dp_rank`, from the source's size query);
+    # -1 (left out of the token): any one of them, the server's claim ledger picking one.
+    source_dp_rank: int = -1
 
     @property
     def staging(self) -> tuple[int, int] | None:
@@ -198,6 +205,10 @@ class Receipt:
     # source); empty when the request claimed none (refused before its grant verified).
     # Only a receipt naming the target's own grant can settle its slots.
     grant: str = ""
+    # The DP rank of the source scheduler that claimed the grant, as it knows itself; set
+    # only when the grant names one (`Grant.source_dp_rank`: a target that understands
+    # it), and the target takes a receipt naming its grant only from that DP rank.
+    dp_rank: int = -1
 
 
 class Signer:
@@ -243,13 +254,15 @@ class Signer:
         staging: tuple[int, int] | None = None,
         destination: str = "",
         source: str = "",
+        dp_rank: int = 0,
     ) -> Grant:
         """The grant, if it names exactly this write and has not expired; else FORBIDDEN.
         `slots` is `slots_digest` of the target slots named in the request and `tokens`
         `tokens_digest` of the prefix the source is about to send; `staging` the
         ``(addr, length)`` extent the request asks to write instead of the slots, which the
         grant must name exactly; `destination` the `destination_digest` of where the
-        request asks to write, and `source` this source server's instance id."""
+        request asks to write, `source` this source server's instance id and `dp_rank`
+        the DP rank of the scheduler that checks it."""
         grant = self.decode_grant(raw)
         if not grant.source:
             raise _forbidden(
@@ -258,6 +271,11 @@ class Signer:
             )
         if grant.source != source:
             raise _forbidden("grant was issued to another source server")
+        if grant.source_dp_rank >= 0 and grant.source_dp_rank != dp_rank:
+            raise _forbidden(
+                f"grant is for DP rank {grant.source_dp_rank} of the source, not DP rank "
+                f"{dp_rank} (send the transfer with dp_rank {grant.source_dp_rank})"
+            )
         if not grant.destination:
             raise _forbidden("grant names no destination (a target that predates it)")
         if grant.destination != destination:
@@ -336,7 +354,9 @@ def _payload_problem(data: Any, kind: type) -> str | None:
 
 
 class UsedGrants:
-    """Grants a source already acted on, until they expire: a replay is refused."""
+    """Grants a source scheduler process already acted on, until they expire: a replay
+    is refused. One process's guard: the DP ranks of a server, each with its own, agree
+    through the server's HTTP layer (`server/http/grant_claims.py`)."""
 
     def __init__(self, clock: Callable[[], float] = time.time):
         self._used: OrderedDict[tuple[str, int, int], float] = OrderedDict()

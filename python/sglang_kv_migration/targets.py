@@ -3,7 +3,8 @@
 `HostTarget` is the host path's (transfer session and host-pool buffers; protocol 1 puts
 its fields at top level of session-info ranks and transfer targets, which is why those
 `wire.messages` classes derive from it), `DeviceTarget` the device path's (`device_kv` in a
-transfer target, `paths["device"]` in session info). The JSON field names are the wire
+transfer target, `paths["device"]` in session info), `SharedHostTarget` the shared-host
+path's (`shared_host_kv`, `paths["shared_host"]`). The JSON field names are the wire
 format and do not change. Plain data, importable without SGLang or torch (clients too).
 """
 
@@ -114,4 +115,70 @@ class DeviceTarget:
             buffers=list(d["buffers"]),
             tiers=d.get("tiers"),  # read by clients only
             landing_tokens=int(d.get("landing_tokens", 0)),
+        )
+
+
+@dataclass
+class SharedHostTarget:
+    """The shared-host path's destination on one target rank (`SharedHostPath.advertise`),
+    which a transfer body's target entry carries as `shared_host_kv`: the rank's host, its
+    host pool's memory file (``/proc/<pid>/fd/<fd>``, checked by its inode and size) and
+    the pool's layout, which the source checks against its own before it writes."""
+
+    host_identity: str
+    instance: str  # a restarted server is a new peer
+    pid: int
+    fd: int
+    inode: int
+    nbytes: int
+    attention: str  # "mha" or "mla"
+    layout: str  # the host pool's hicache_mem_layout
+    layer_num: int
+    page_num: int
+    page_tokens: int  # tokens per page
+    row_bytes: int  # one token of one layer (one plane)
+    # Tiers this rank copies from as a source ("device", and "host" where it reads its
+    # host pool in place).
+    tiers: list[str] = field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "host_identity": self.host_identity,
+            "instance": self.instance,
+            "pid": self.pid,
+            "fd": self.fd,
+            "inode": self.inode,
+            "nbytes": self.nbytes,
+            "attention": self.attention,
+            "layout": self.layout,
+            "layer_num": self.layer_num,
+            "page_num": self.page_num,
+            "page_tokens": self.page_tokens,
+            "row_bytes": self.row_bytes,
+            "tiers": self.tiers,
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> SharedHostTarget:
+        """Parse a `shared_host_kv` dict; raises KeyError, TypeError or ValueError for one
+        that is not a shared-host target (counts must be non-negative ints)."""
+        counts = ("pid", "fd", "inode", "nbytes", "layer_num", "page_num", "page_tokens")
+        for name in (*counts, "row_bytes"):
+            value = d[name]
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        return cls(
+            host_identity=str(d["host_identity"]),
+            instance=str(d["instance"]),
+            pid=d["pid"],
+            fd=d["fd"],
+            inode=d["inode"],
+            nbytes=d["nbytes"],
+            attention=str(d["attention"]),
+            layout=str(d["layout"]),
+            layer_num=d["layer_num"],
+            page_num=d["page_num"],
+            page_tokens=d["page_tokens"],
+            row_bytes=d["row_bytes"],
+            tiers=[str(t) for t in d.get("tiers", [])],
         )

@@ -80,7 +80,7 @@ def test_scene_modes_on_mini_servers(servers: list[ServerHandle], tmp_path: Path
         (move,) = turn.moves
         assert move["outcome"] == "migrated" and move["path"] == "host"
         assert move["migrated_tokens"] == 2 * PAGE and "transfer" in move["phases_s"]
-        assert move["landing_tier"] is None  # the client names no landing tier yet
+        assert move["landing_tier"] == "host"  # the host path lands in the host tier
         assert turn.servers == urls  # queued on A, finished on B
         assert set(turn.target_cached) == {"device", "host"}
     lows = [t for t in migrate.turns if t.kind == "low"]
@@ -92,7 +92,7 @@ def test_scene_modes_on_mini_servers(servers: list[ServerHandle], tmp_path: Path
 
     rows = [report.summarize(none, none), report.summarize(migrate, none)]
     assert rows[1]["moves"] == 2 and rows[1]["paths"] == ["host"]
-    assert rows[1]["landing"] == {"host -> unreported": 2}
+    assert rows[1]["landing"] == {"host -> host": 2}
     assert rows[1]["moved_outputs_identical"] == rows[1]["moved"] == 2
     assert rows[0]["moves"] == 0
     runs = [report.Run("room", 0, none), report.Run("room", 0, migrate)]

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from mini_server import ServerHandle, ServerSpec, start_server
+from sglang_kv_migration.wire.bodies import MAX_RANKS, MAX_TOKENS
 from test_hostile_input import _info, _transfer_body
 
 PAGE = 16
@@ -135,6 +136,50 @@ def test_refused_transfers_wait_for_no_garbage_collection(
     # Kept until a collection, the six would be over 100 MiB.
     assert grown < 40 * MIB, f"{grown / MIB:.0f} MiB left for the collector"
     ours = {"InflightTransfer", "TransferRequestKVCacheReqInput", "MigrationError", "traceback"}
+    assert not ours & set(garbage), garbage[:20]
+
+
+def _over_limit_bodies() -> dict[str, bytes]:
+    """A ~6 MB body over a limit of each typed route (every route with a body model):
+    one id more than `MAX_TOKENS`, one receipt more than `MAX_RANKS`."""
+    ids = [1] * (MAX_TOKENS + 1)
+    receipts = ["r" * 4096] * (MAX_RANKS + 1)
+    return {
+        "/get_request_extra_token_size": json.dumps({"input_ids": ids}).encode(),
+        "/allocate_token_for_transfer": json.dumps(
+            {"input_ids": ids, "source_fingerprints": [{}]}
+        ).encode(),
+        "/commit": json.dumps({"migration_id": "m", "receipts": receipts}).encode(),
+        "/abort_transfer": json.dumps({"migration_id": "m", "receipts": receipts}).encode(),
+    }
+
+
+@pytest.mark.parametrize("route", list(_over_limit_bodies()))
+def test_refused_bodies_on_typed_routes_wait_for_no_garbage_collection(
+    server: ServerHandle, http: httpx.Client, route: str
+) -> None:
+    """With the cyclic collector off, over-limit bodies on a typed route (its 400 comes
+    from the route's body model): each is freed as its reply goes out, so memory does
+    not grow with their number and a collection finds nothing of theirs."""
+    raw = _over_limit_bodies()[route]
+    warm = _post_raw(http, server, route, raw, "application/json")
+    assert warm.status_code == 400, warm.text
+    server.ask(0, "gc_off")
+    try:
+        for i in range(7):
+            r = _post_raw(http, server, route, raw, "application/json")
+            assert r.status_code == 400, r.text
+            assert r.json()["error_kind"] == "bad_request"
+            assert "limit" in r.json()["message"], r.text
+            if i == 0:  # the heap's one-time growth for a body this size, then none
+                before = server.ask(0, "rss")
+        grown = server.ask(0, "rss") - before
+    finally:
+        garbage = server.ask(0, "gc_garbage_types")
+    # Kept until a collection, the six after the first would be over 100 MiB (each ~2M
+    # ids or 1,025 receipts parsed, and the raw body).
+    assert grown < 40 * MIB, f"{route}: {grown / MIB:.0f} MiB left for the collector"
+    ours = {"RequestValidationError", "ValidationError", "Request", "traceback", "frame"}
     assert not ours & set(garbage), garbage[:20]
 
 

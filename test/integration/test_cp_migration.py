@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import pytest
 from cpu_harness import HarnessConfig
 from mini_server import ServerHandle, ServerSpec, start_servers
-from multi_rank import Recorder, aligned, kv_equal, post, session_info
+from multi_rank import Recorder, aligned, check_one_claim_per_grant, kv_equal, post, session_info
 
 START_S = 480.0  # up to ten processes importing SGLang on a slow, shared 2-core machine
 
@@ -51,8 +51,10 @@ class Servers:
 def servers(request: pytest.FixtureRequest) -> Iterator[Servers]:
     tp, cp, harness = SHAPES[request.param]
     ids = list(range(300, 300 + harness.page_size * 6 + 7))
+    # A second prefix, for the claim test (the first is migrated whole by another test).
+    claimed = list(range(20_000, 20_000 + harness.page_size * 2))
     specs = [
-        ServerSpec(harness=harness, tp_size=tp, attn_cp_size=cp, preload=[(ids, 1)]),
+        ServerSpec(harness=harness, tp_size=tp, attn_cp_size=cp, preload=[(ids, 1), (claimed, 2)]),
         ServerSpec(harness=harness, tp_size=tp, attn_cp_size=cp),
     ]
     if tp == 2:
@@ -124,3 +126,25 @@ def test_a_server_without_cp_is_refused_naming_the_field(servers: Servers) -> No
         assert r.status_code == 409, r.text
         assert want in r.json()["message"]
     assert plain.ask_all("snapshot") == before
+
+
+def test_each_grant_is_claimed_once_across_the_cp_ranks(servers: Servers) -> None:
+    """One grant, one claim, per server: CP ranks are TP ranks, so each grant verifies on
+    one scheduler only (swapped between CP ranks, nothing moves), and the transfer sent
+    again is refused as a replay on every CP rank, with receipts that settle nothing."""
+    src, dst = servers.source, servers.target
+    ids = list(range(20_000, 20_000 + servers.page * 2))
+    assert dst.ask_all("held", ids) == [(0, 0)] * len(dst.control)
+    info = session_info(src.url)
+    r = post(
+        dst.url,
+        "/allocate_token_for_transfer",
+        {
+            "input_ids": ids,
+            "source_fingerprints": [rank["fingerprint"] for rank in info["ranks"]],
+            "source_instance": info["instance_id"],
+        },
+    )
+    assert r.status_code == 200, r.text
+    check_one_claim_per_grant(src, dst, ids, r.json())
+    assert dst.ask_all("held", ids) == [(0, len(ids))] * len(dst.control)  # on host

@@ -19,13 +19,14 @@ import torch
 from cp_sharded import SOURCE_POISON, UNWRITTEN
 from cpu_harness import HarnessConfig
 from mini_server import ServerHandle, ServerSpec, start_servers
-from multi_rank import Recorder, aligned, post, session_info
+from multi_rank import Recorder, aligned, check_one_claim_per_grant, post, session_info
 from sglang_kv_migration.cp_owners import PageOwners, owned_positions
 
 START_S = 480.0  # four processes importing SGLang on a slow, shared 2-core machine
 PAGE = 16
 OWNER = "round_robin:1"
 OWNERS = PageOwners.parse(OWNER, 2)
+CLAIMED = list(range(30_000, 30_000 + 3 * PAGE))
 
 
 @dataclass
@@ -42,7 +43,8 @@ def servers() -> Iterator[Servers]:
     # One page first: the prefix's pages are then device pages 2..10 (page 0 is never
     # handed out), owned by ranks 0, 1, 0, ..: a run after an odd number of them starts
     # on rank 1's page.
-    preload = [(list(range(100, 100 + PAGE)), 2), (ids, 3)]
+    # After them, a prefix for the claim test (the second one is migrated by others).
+    preload = [(list(range(100, 100 + PAGE)), 2), (ids, 3), (CLAIMED, 4)]
     spec = {"harness": harness, "tp_size": 2, "attn_cp_size": 2, "cp_owner": OWNER}
     handles = start_servers(
         [ServerSpec(**spec, preload=preload), ServerSpec(**spec)], timeout_s=START_S
@@ -208,3 +210,18 @@ def test_each_target_cp_rank_gets_only_its_own_pages_from_its_twin(servers: Serv
     # Every target rank committed the whole prefix (the tree is the same on all of them).
     assert dst.ask_all("held", servers.ids) == [(0, len(owners) * PAGE)] * 2
     _check_pages(servers, aligned(servers.ids, PAGE), owners)
+
+
+def test_each_grant_is_claimed_once_across_the_owner_sharded_cp_ranks(servers: Servers) -> None:
+    """One grant, one claim, per server, where each CP rank sends only the pages it owns:
+    each grant still names its rank's tp and verifies on that scheduler only; swapped,
+    nothing moves; sent again, refused as a replay on every rank, settling nothing."""
+    src, dst = servers.source, servers.target
+    assert sum(dst.ask(0, "held", CLAIMED)) == 0
+    owners = _size_query(src.url, CLAIMED)["page_owners"]
+    assert sorted(set(owners)) == [0, 1]  # both CP ranks own pages of it
+    instance = session_info(src.url)["instance_id"]
+    code, alloc = _allocate(servers, CLAIMED, page_owners=owners, source_instance=instance)
+    assert code == 200, alloc
+    check_one_claim_per_grant(src, dst, CLAIMED, alloc)
+    assert dst.ask_all("held", CLAIMED) == [(0, len(CLAIMED))] * 2

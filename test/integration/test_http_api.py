@@ -438,8 +438,9 @@ def test_client_migrates_partial_then_rest_then_nothing(servers: Servers, flow: 
             # target's part: the source may lose its CPU between its send and the end of
             # its handler, while the target answers.)
             allocate = second.steps_ms["allocate"]
-            target_steps = {"scheduler", "queued", "match_reserve", "slots", "grant"}
+            target_steps = {"scheduler", "queued", "match_reserve", "slots", "grant", "iteration"}
             assert set(allocate) == target_steps and allocate["scheduler"] > 0
+            assert allocate["iteration"] >= 1  # the target loop iteration that answered
             transfer = second.steps_ms["transfer"]
             assert 0 <= transfer["allocate"] <= transfer["waited"]
             # ... and the target's own steps, in the transfer's reply too.

@@ -112,6 +112,12 @@ def test_rounds_copy_generated_pages_while_decoding(servers: ServerPair) -> None
     total = len(prompt) + len(first.output_ids) - 1
     assert total // PAGE * PAGE - rounds[-1].held_tokens <= 3 * PAGE
     assert resumed.cached_tokens == total // PAGE * PAGE
+    # The move's moments, by the wall clock, in the order they happen.
+    at = move.moments
+    assert at["last_copy_done"] <= at["stop_sent"] <= at["stop_returned"]
+    assert at["last_source_token"] <= at["stop_returned"] <= at["resume_sent"]
+    assert at["resume_sent"] < at["first_token"]
+    assert at["first_token"] - at["last_source_token"] == pytest.approx(move.stall_s, abs=1e-3)
 
 
 def test_pages_copied_from_running_slots_are_byte_exact(servers: ServerPair) -> None:
@@ -164,26 +170,68 @@ def test_size_query_reports_running_slots_and_refuses_other_ids(servers: ServerP
         other = _post(servers.source, "/get_request_extra_token_size",
                       {"input_ids": wrong, "running_rid": rid}).json()  # fmt: skip
         assert other["running_token_size"] == -1
-        # A transfer naming the running request with ids it does not hold: refused,
-        # naming the field, before any grant is looked at.
-        body = {
-            "input_ids": wrong[: 2 * PAGE],
-            "matched_token_size": 0,
-            "extra_token_size": 2 * PAGE,
-            "migration_id": "m",
-            "running_rid": rid,
-            "target_per_rank": [{"tp": 0, "pp": 0, "kv_indices": list(range(2 * PAGE)),
-                                 "session_id": "127.0.0.1:1", "grant": "x",
-                                 "fingerprint": {"x": 1}, "host_kv_data_ptrs": [1],
-                                 "host_kv_data_lens": [1], "host_kv_item_lens": [1]}],
-        }  # fmt: skip
-        refused = _post(servers.source, "/transfer_request_kvcache", body)
-        assert refused.status_code == 400, refused.text
-        assert "input_ids differ" in refused.json()["message"]
-        unknown = _post(servers.source, "/transfer_request_kvcache",
-                        {**body, "input_ids": ids[: 2 * PAGE], "running_rid": "nope"})  # fmt: skip
-        assert unknown.status_code == 409, unknown.text
-        assert "running_rid 'nope'" in unknown.json()["message"]
+        out = m.wait(handle, timeout=60)
+    assert out.output_ids == expected_output(prompt, 300)
+
+
+def _allocated_for(servers: ServerPair, ids: list[int]) -> dict:
+    """The target's allocate reply for `ids`, granted to the source."""
+    info = _post(servers.source, "/get_transfer_session_info", {}).json()
+    alloc = _post(servers.target, "/allocate_token_for_transfer", {
+        "input_ids": ids, "source_fingerprints": [r["fingerprint"] for r in info["ranks"]],
+        "source_instance": info["instance_id"]})  # fmt: skip
+    assert alloc.status_code == 200, alloc.text
+    return alloc.json()
+
+
+def test_running_rid_tells_a_caller_without_a_grant_nothing(servers: ServerPair) -> None:
+    """A caller probing a running request's tokens with `running_rid`: without a grant
+    that verifies, every probe is the same refusal of the grant (a differing position,
+    the right tokens, an unknown rid alike); with one, a refusal names the field, never
+    where the tokens differ."""
+    from multi_rank import host_transfer_body
+
+    prompt = list(range(3500, 3500 + 2 * PAGE + 3))
+    with RequestMigrator(cost_model=ALWAYS_MIGRATE) as m:
+        handle = _decoding(m, servers.source, prompt, 300, wait=0.3)
+        ids = (prompt + handle.handle.generated_so_far())[:-1]
+        rid = handle.rid
+        probes = {
+            "right": (ids, rid),
+            "differs at 1": ([ids[0], ids[1] + 1, *ids[2:]], rid),
+            "differs at 20": ([*ids[:20], ids[20] + 1, *ids[21:]], rid),
+            "unknown rid": (ids, "nope"),
+        }
+        # Slots the target allocated, a grant that does not verify: a token of another
+        # key, and the grant of another prefix.
+        alloc = _allocated_for(servers, list(range(9000, 9000 + 2 * PAGE)))
+        target_info = _post(servers.target, "/get_transfer_session_info", {}).json()
+        for grant in ("e30.", alloc["ranks"][0]["grant"]):
+            answers = {}
+            for what, (probe, probe_rid) in probes.items():
+                body = host_transfer_body(probe[: 2 * PAGE], alloc, target_info)
+                body["target_per_rank"][0]["grant"] = grant
+                r = _post(servers.source, "/transfer_request_kvcache",
+                          {**body, "running_rid": probe_rid})  # fmt: skip
+                answers[what] = (r.status_code, r.json()["message"])
+            assert set(answers.values()) == {answers["right"]}, answers
+            status, message = answers["right"]
+            assert status == 403 and "grant" in message, message
+            assert "running_rid" not in message and "position" not in message, message
+        _post(servers.target, "/abort_transfer", {"migration_id": alloc["migration_id"]})
+        # Under a grant (the target allocated for those very ids): refused naming the
+        # field, the same refusal wherever the ids differ.
+        refusals = set()
+        for what in ("differs at 1", "differs at 20"):
+            wrong = probes[what][0][: 2 * PAGE]
+            alloc = _allocated_for(servers, wrong)
+            body = {**host_transfer_body(wrong, alloc, target_info), "running_rid": rid}
+            r = _post(servers.source, "/transfer_request_kvcache", body)
+            assert r.status_code == 400, r.text
+            refusals.add(r.json()["message"])
+            _post(servers.target, "/abort_transfer", {"migration_id": alloc["migration_id"]})
+        (refusal,) = refusals
+        assert "input_ids" in refusal and "position" not in refusal, refusal
         out = m.wait(handle, timeout=60)
     assert out.output_ids == expected_output(prompt, 300)
 
@@ -249,10 +297,12 @@ def test_a_request_that_finishes_during_the_copy_fails_the_transfer(servers: Ser
     assert wait_until(lambda: servers.target.ask(0, "pending") == 0, 10.0, interval_s=0.05)
 
 
-def test_bench_live_move_repeats_on_cpu(servers: ServerPair) -> None:
+def test_bench_live_move_repeats_on_cpu(servers: ServerPair, tmp_path) -> None:
     """`benchmark/bench_live_move.py`'s row on the mini servers (the GPU run is the
     lead's): staggered requests, each moved live from its own slots, each complete with
-    the uninterrupted run's tokens, a stall and an abort latency recorded."""
+    the uninterrupted run's tokens, a stall and an abort latency recorded. The source
+    holds each request at the length the row moves it at (a gate, not the clock: on a
+    loaded machine a request would otherwise finish before its move began)."""
     import argparse
     import asyncio
     import sys
@@ -264,11 +314,65 @@ def test_bench_live_move_repeats_on_cpu(servers: ServerPair) -> None:
     # Mode "migrate": the default cost model would price these few pages for recompute.
     args = argparse.Namespace(tail=8, stagger=4, row_timeout=60.0, max_rounds=6, mode="migrate")
     prompts = [list(range(7000 + 100 * i, 7000 + 100 * i + 2 * PAGE + 5)) for i in range(2)]
-    repeats = asyncio.run(
-        bench.run_repeats(servers.source.url, servers.target.url, prompts, 40, args)
-    )
+    assert _post(servers.source, "/standin/hold", {"at": 40}).status_code == 200
+    try:
+        repeats = asyncio.run(
+            bench.run_repeats(servers.source.url, servers.target.url, prompts, 40, args)
+        )
+    finally:
+        assert _post(servers.source, "/standin/hold", {"at": None}).status_code == 200
     for prompt, row in zip(prompts, repeats, strict=True):
         assert row["outcome"] == "migrated" and row["complete"], row
         assert row["output_ids"] == expected_output(prompt, 48)
         assert row["rounds"] and row["rounds"][0]["held"] > len(prompt) // PAGE * PAGE
         assert row["stall_s"] > 0 and row["abort_s"] > 0
+        # SGLang's own resume of the same request on the target, beside the move: the
+        # target holds its whole pages, and it was sent and read as the resume was.
+        base = row["baseline"]
+        assert row["baseline_s"] == base["ttft_s"] > 0
+        resumed_len = len(prompt) + row["generated_before_move"]
+        assert base["cached_tokens"] >= (resumed_len - 1) // PAGE * PAGE > len(prompt)
+        assert base["rid"] not in (row["source_rid"], row["resumed_rid"])
+        assert row["source_rid"] != row["resumed_rid"]
+        assert row["moments"]["resume_sent"] < row["moments"]["first_token"]
+    # The breakdown's join: the migrator's clock says the stall's first phases; these
+    # mini servers run no SGLang scheduler, so the servers' phases are not said.
+    bench._add_breakdowns(repeats, tmp_path)
+    for row in repeats:
+        phases = row["phases"]
+        assert phases["tail_to_stop"] >= 0 and phases["to_resume"] >= 0
+        assert phases["resume.prefill"] is None and phases["stop.release"] is None
+        assert phases["baseline"]["resume.http_in"] is None
+
+
+def test_bench_ttft_split_times_calls_on_cpu(servers: ServerPair) -> None:
+    """`benchmark/bench_ttft_split.py`'s calls on a mini server (the GPU run is the
+    lead's): a call through a client made for it, one through a kept client and a
+    streamed cached resume, each with its time to first token, then the summary."""
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+    import bench_ttft_split as bench
+
+    url = servers.target.url
+    prompt = list(range(8000, 8000 + 2 * PAGE + 1))
+    with httpx.Client(timeout=30) as kept:
+        per_call = bench.timed_call(url, prompt, None)
+        kept_call = bench.timed_call(url, prompt, kept)
+    resumed = asyncio.run(bench.cached_resume(url, prompt + [5]))
+    streamed = asyncio.run(bench.cached_resume(url, prompt + [6], 5))
+    times = streamed["token_times"]  # one per token, in order: the decode steps' gaps
+    assert len(times) == 5 and times == sorted(times)
+    assert bench.report.decode_step_s(times) is not None
+    for call in (per_call, kept_call, resumed):
+        assert call["ttft_s"] > 0 and call["sent"] < call["first_token"]
+    assert per_call["client_build_ms"] > 0  # the SSL context of a client made per call
+    # The prompt was served once: the kept client's call and the resume hit its pages.
+    assert kept_call["cached_tokens"] == resumed["cached_tokens"] == 2 * PAGE
+    rows = bench.summarize({"fresh17_call_client": [per_call], "cached_33": [resumed]}, None)
+    assert rows["fresh17_call_client"]["ttft"]["n"] == 1
+    assert rows["cached_33"]["phases"]["resume.prefill"]["n"] == 0  # no SGLang stamps here
+    table = bench.markdown("kvmig", rows)
+    assert "| fresh17_call_client |" in table and "| cached_33 |" in table

@@ -22,7 +22,10 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.any_sglang
 
 
-@pytest.mark.parametrize("symbol", upstream.hook_targets() + upstream.required_symbols())
+@pytest.mark.parametrize(
+    "symbol",
+    upstream.hook_targets() + upstream.moment_hook_targets() + upstream.required_symbols(),
+)
 def test_upstream_symbol_exists(symbol: str) -> None:
     try:
         upstream.resolve(symbol)

@@ -22,7 +22,7 @@ import pytest
 import zmq
 from mini_server import ServerHandle, ServerPair, ServerSpec, serving
 from sglang_kv_migration import grants
-from sglang_kv_migration.client import migration
+from sglang_kv_migration.client import path_choice
 from sglang_kv_migration.client.migration import MigrationClient
 from sglang_kv_migration.server.same_host.allocate_channel import ALLOCATE_TIMEOUT_S
 from sglang_kv_migration.server.same_host.mailbox import SHM_DIR, pid_namespace
@@ -81,7 +81,7 @@ def _body(http: httpx.Client, servers: ServerPair, ids: list[int], **changes: An
     rank = from_dict(RankSessionInfo, target["ranks"][0])
     body = {
         "input_ids": ids,
-        "target_per_rank": [to_wire(migration._target_entry(rank, "host"))],
+        "target_per_rank": [to_wire(path_choice.target_entry(rank, "host"))],
         "partial_ok": True,
         "allocate_on_target": {
             "address": channel["address"],

@@ -33,6 +33,7 @@ Typical use (see ``test/conftest.py`` for the fixture)::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import importlib.abc
@@ -162,6 +163,9 @@ class HarnessConfig:
     # SGLang's init_load_back ignores host hits shorter than 10 tokens. None keeps that;
     # tests with one or two tiny pages set it lower so the load-back path still runs.
     load_back_threshold: int | None = None
+    # The host pool in a shared memory file, as a server offering the shared-host path
+    # builds it (`sglang_adapter.shared_host_pool`).
+    shared_host_pool: bool = False
 
     def effective_io_backend(self) -> str:
         return self.io_backend or _DEFAULT_IO_BACKEND[self.host_layout]
@@ -477,7 +481,10 @@ def build_harness(
         pp_rank=cfg.pp_rank,
         pp_size=cfg.pp_size,
     )
-    cache = HiRadixCache(params=params, server_args=server_args)
+    from sglang_kv_migration.sglang_adapter import host_pool_in_shared_memory
+
+    with _plugin_allocator_hook(), host_pool_in_shared_memory(cfg.shared_host_pool):
+        cache = HiRadixCache(params=params, server_args=server_args)
     if cfg.load_back_threshold is not None:
         cache.load_back_threshold = cfg.load_back_threshold
     controller = cache.cache_controller
@@ -499,6 +506,24 @@ def is_unified_sglang() -> bool:
     from sglang_kv_migration.sglang_adapter.installed import is_unified_line
 
     return is_unified_line()
+
+
+@contextlib.contextmanager
+def _plugin_allocator_hook() -> Iterator[None]:
+    """The plugin's AROUND hook on the host pool's allocator (`server/rank/hooks.py`),
+    as `load_plugins()` installs it in a server: the harness builds its cache without
+    the plugin loaded."""
+    import functools
+
+    import sglang.srt.mem_cache.memory_pool_host as mph
+    from sglang_kv_migration.server.rank.hooks import around_get_allocator_from_storage
+
+    original = mph.get_allocator_from_storage
+    mph.get_allocator_from_storage = functools.partial(around_get_allocator_from_storage, original)
+    try:
+        yield
+    finally:
+        mph.get_allocator_from_storage = original
 
 
 # Temp-dir entries the suite creates carry this run's tag (the pytest process's pid, which

@@ -7,7 +7,8 @@ rely on, nothing more:
 - `/generate` (non-streaming, ``input_ids`` in, ``output_ids`` out): requests wait in a
   queue, highest ``priority`` first (SGLang's default order), FIFO within a priority;
   at most ``max_running`` run. Admission is the "prefill": ``meta_info.cached_tokens`` is
-  the prefix the server's real HiRadixCache holds (device + host), and the prompt's
+  the prefix the server's real HiRadixCache holds (device + host; how much of each in
+  ``cached_tokens_details``, as SGLang says), and the prompt's
   page-aligned part is inserted into that cache. Each later step emits one token per
   running request. A request finishes with ``{"type": "length"}`` after
   ``max_new_tokens`` tokens or ``{"type": "stop"}`` on a ``stop_token_ids`` token; then
@@ -25,6 +26,10 @@ rely on, nothing more:
   *starts with* the given one; a queued request returns at once with no output ("Abort
   in waiting queue"), a running one after one more step, with its tokens so far; both
   with ``finish_reason.type == "abort"``.
+- `/standin/hold {"at": n}` (a test's gate, not SGLang's): from now on a running request
+  that has generated `n` tokens waits there, emitting nothing, until it is aborted (its
+  abort step then runs as usual) or `{"at": null}` releases every request; so a test can
+  move a request at the length it needs however slow the machine is.
 - `/v1/loads` and `/get_load`: SGLang's field names; ``num_total_tokens`` counts the
   tokens of running requests plus the prompts waiting, against ``capacity_tokens``.
 - `/metrics`: ``metrics_text`` as configured (for cost-model tests).
@@ -99,6 +104,9 @@ class _Req:
     return_logprob: bool = False
     output_ids: list[int] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
+    # SGLang's `meta_info.cached_tokens_details`: of `cached_tokens`, how many were on
+    # the GPU and how many only in the host tier (loaded back) at admission.
+    cached_details: dict[str, int] = dataclasses.field(default_factory=dict)
     abort: bool = False
 
 
@@ -113,6 +121,7 @@ class GenerateStandin:
         self._last_step = 0.0
         self._lock = threading.Lock()
         self._load: dict[str, int] = {"running": 0, "waiting": 0, "used": 0, "total": 0}
+        self.hold_at: int | None = None  # `/standin/hold`: running requests wait at this
 
     # -- HTTP side (uvicorn thread) -------------------------------------------------------
 
@@ -137,6 +146,12 @@ class GenerateStandin:
             self.inbox.put(("abort", (await request.json()).get("rid", "")))
             return PlainTextResponse("")
 
+        @app.post("/standin/hold", response_model=None)
+        async def hold(request: Request) -> Any:
+            at = (await request.json()).get("at")
+            self.inbox.put(("hold", None if at is None else int(at)))
+            return {"hold_at": at}
+
         @app.get("/v1/loads", response_model=None)
         async def loads() -> Any:
             load = self._load_dict()
@@ -159,6 +174,12 @@ class GenerateStandin:
         @app.get("/metrics", response_model=None)
         async def metrics() -> Any:
             return PlainTextResponse(self.config.metrics_text)
+
+    def busy(self) -> bool:
+        """What the HTTP layer reads as SGLang's generate requests in flight (the
+        tokenizer manager's `rid_to_state`): requests running or waiting here."""
+        with self._lock:
+            return bool(self._load["running"] or self._load["waiting"])
 
     def _load_dict(self) -> dict[str, Any]:
         with self._lock:
@@ -185,6 +206,8 @@ class GenerateStandin:
                 break
             if kind == "generate":
                 self._enqueue(*payload)
+            elif kind == "hold":
+                self.hold_at = payload
             else:
                 self._abort(payload)
         now = time.monotonic()
@@ -220,14 +243,21 @@ class GenerateStandin:
     def _step(self) -> None:
         # Running requests first (one token each), then admissions (prefill + first token).
         for req in list(self.running):
-            self._emit(req)
+            if not self.held(req):
+                self._emit(req)
         self.waiting.sort(key=lambda r: (-r.priority, r.order))
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting.pop(0)
-            req.cached_tokens = sum(self.harness.match_lengths(req.input_ids))
+            device, host = self.harness.match_lengths(req.input_ids)
+            req.cached_tokens = device + host
+            req.cached_details = {"device": device, "host": host}
             self._insert(req.input_ids)
             self.running.append(req)
             self._emit(req)
+
+    def held(self, req: _Req) -> bool:
+        """Whether `req` waits at the `/standin/hold` gate (an aborted one never does)."""
+        return self.hold_at is not None and len(req.output_ids) >= self.hold_at and not req.abort
 
     def _emit(self, req: _Req) -> None:
         token = next_token(req.input_ids + req.output_ids)
@@ -264,6 +294,7 @@ class GenerateStandin:
                 "prompt_tokens": len(req.input_ids),
                 "completion_tokens": len(req.output_ids),
                 "cached_tokens": req.cached_tokens,
+                "cached_tokens_details": req.cached_details or None,
             },
         }
         if req.return_logprob:  # SGLang's shape: (logprob, token id, text) per token

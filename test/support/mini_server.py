@@ -96,6 +96,8 @@ class ServerSpec:
     dp_size: int = 1
     dp_attention: bool = False
     preload_dp_rank: int | None = None
+    # --served-model-name (None: SGLang's default, the model path).
+    served_model_name: str | None = "tiny-llama"
 
     @property
     def world(self) -> int:
@@ -203,12 +205,11 @@ def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
     model_dir = spec.harness.model_dir or cpu_harness.write_tiny_model_dir()
     spec = dataclasses.replace(spec, harness=dataclasses.replace(spec.harness, model_dir=model_dir))
     gloo_port = cpu_harness.free_port()
-    http_port = cpu_harness.free_port()
     endpoint = os.path.join(
         tempfile.gettempdir(), f"{cpu_harness.temp_entry_prefixes()[1]}{uuid.uuid4().hex}"
     )
     leaders = tuple(f"ipc://{endpoint}-dp{d}" for d in range(spec.dp_size))
-    ports = _Ports(gloo_port, http_port, f"ipc://{endpoint}", leaders, uuid.uuid4().hex)
+    ports = _Ports(gloo_port, f"ipc://{endpoint}", leaders, uuid.uuid4().hex)
     ready = ctx.Queue()
     processes, control = [], []
     world = spec.world
@@ -224,16 +225,14 @@ def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
         processes.append(p)
         control.append(parent)
     readers = (0,) if spec.dp_attention else tuple(spec.dp_leaders())
-    handle = ServerHandle(
-        f"http://{spec.host}:{http_port}", processes, control, readers=readers, ipc_file=endpoint
-    )
+    # The URL once rank 0 has bound its HTTP socket (`_wait_ready`).
+    handle = ServerHandle("", processes, control, readers=readers, ipc_file=endpoint)
     return handle, ready, world
 
 
 @dataclasses.dataclass(frozen=True)
 class _Ports:
     gloo: int
-    http: int
     # The "tokenizer manager" binds a PULL here and scheduler ranks push to it. An ipc://
     # path like SGLang's own: unique, so no other process can take it before the bind.
     tokenizer: str
@@ -253,9 +252,30 @@ def _wait_ready(handle: ServerHandle, ready: Any, num_ranks: int, timeout_s: flo
             raise TimeoutError(
                 f"{handle.url}: ranks {sorted(pending)} not ready in {timeout_s}s"
             ) from None
+        if status.startswith(_LISTENING):  # rank 0 bound its HTTP socket: the URL
+            handle.url = status[len(_LISTENING) :]
+            continue
         if status != "ready":
             raise RuntimeError(f"{handle.url}: rank {rank} failed to start: {status}")
         pending.discard(rank)
+
+
+# Rank 0's report of the address its HTTP socket is bound to (before "ready").
+_LISTENING = "listening "
+
+
+def _bind_http(host: str) -> Any:
+    """A listening socket on a port the kernel picks: bound before anything else, so no
+    other process can take the port between its choice and the bind (a port chosen in
+    the parent and bound here later could be taken, and the tests would then talk to
+    whatever holds it)."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(2048)
+    return sock
 
 
 # --------------------------------------------------------------------------- child side
@@ -300,6 +320,7 @@ class _MiniScheduler:
         self.waiting_queue: list[Any] = []
         # SGLang's pool of request rows (what a running request's slots are read from).
         self.req_to_token_pool = harness.cache.req_to_token_pool
+        self.held_device_slots: Any = None  # the "hold_device_pool" command's
 
     @property
     def reads_requests(self) -> bool:
@@ -400,8 +421,8 @@ class _IdleWait:
                 self.poller.register(channel.channel.socket, zmq.POLLIN)
 
     def wait(self) -> None:
-        caller = self.migration.transfers.caller if self.migration is not None else None
-        if caller is not None and caller.waiting:
+        asks = self.migration.transfers.asks if self.migration is not None else None
+        if asks is not None and asks.waiting:
             return
         if self.poller is not None:
             self.poller.poll(1)
@@ -417,6 +438,9 @@ def _rank_main(
         os.environ.update(env)
         if spec.netns is not None:
             _join_netns(spec.netns)  # before any socket is created
+        http_socket = _bind_http(spec.host) if rank == 0 else None
+        if http_socket is not None:
+            ready.put((rank, f"{_LISTENING}http://{spec.host}:{http_socket.getsockname()[1]}"))
         cpu_harness.install_cpu_shims()
         from types import SimpleNamespace
 
@@ -481,12 +505,14 @@ def _rank_main(
         if spec.broken_transport_rank == rank and scheduler.kv_migration is not None:
             _break_transport(scheduler.kv_migration.paths["host"].transport)
         if rank == 0:
+            serving = threading.Event()
             threading.Thread(
                 target=_serve_http,
-                args=(spec, ports.http, sched_in_port, ports.tokenizer, extension),
+                args=(spec, http_socket, sched_in_port, ports.tokenizer, extension, serving),
                 daemon=True,
             ).start()
-            _wait_http(ports.http, spec.host)
+            if not serving.wait(60):
+                raise TimeoutError(f"the HTTP server on {spec.host} did not start in 60 s")
         ready.put((rank, "ready"))
         scheduler.run(sched_in, control, harness, extension)
         if scheduler.kv_migration is not None:
@@ -694,6 +720,10 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             value = cp_sharded.COMMANDS[name](harness, *args)
         elif name in _MEMORY_COMMANDS:
             value = _MEMORY_COMMANDS[name](scheduler)
+        elif name.endswith("_writes"):  # the write gate's (`write_gate.py`)
+            import write_gate
+
+            value = write_gate.COMMANDS[name](scheduler)
         else:
             raise ValueError(f"unknown command {name}")
         control.send((True, value))
@@ -751,23 +781,47 @@ def _known_destinations(scheduler: Any) -> int:
     return len(known) if known is not None else 0
 
 
-# Test-only commands about what requests leave behind in the rank's process.
+def _hold_device_pool(scheduler: Any) -> int:
+    """Take every free device KV slot, as running requests hold theirs (nothing of it
+    evictable): the GPU pool is full. Returns how many were taken."""
+    allocator = scheduler.tree_cache.token_to_kv_pool_allocator
+    held = allocator.alloc(allocator.available_size())
+    scheduler.held_device_slots = held
+    return 0 if held is None else len(held)
+
+
+def _release_device_pool(scheduler: Any) -> int:
+    """Give back what `_hold_device_pool` took; returns the pool's free slots."""
+    allocator = scheduler.tree_cache.token_to_kv_pool_allocator
+    held = scheduler.held_device_slots
+    if held is not None and len(held):
+        allocator.free(held)
+    scheduler.held_device_slots = None
+    return int(allocator.available_size())
+
+
+# Test-only commands about what requests leave behind in the rank's process, and the
+# device pool held full (as by running requests).
 _MEMORY_COMMANDS = {
     "rss": _rss_bytes,
     "gc_off": _gc_off,
     "gc_garbage_types": _gc_garbage_types,
     "gc_rss": _gc_rss,
     "known_destinations": _known_destinations,
+    "hold_device_pool": _hold_device_pool,
+    "release_device_pool": _release_device_pool,
 }
 
 
 def _serve_http(
     spec: ServerSpec,
-    http_port: int,
+    http_socket: Any,
     sched_in_port: int,
     tokenizer_endpoint: str,
     extension: Any = None,
+    serving: threading.Event | None = None,
 ) -> None:
+    """Serve the app on `http_socket`; `serving` is set once it answers requests."""
     import asyncio
 
     import uvicorn
@@ -785,8 +839,17 @@ def _serve_http(
     from_scheduler = context.socket(zmq.PULL)
     from_scheduler.bind(tokenizer_endpoint)
 
+    # SGLang's tokenizer manager stamps every request with its server args' weight version
+    # ("default" until a weight update names one).
+    weight_version = _server_args(spec).weight_version
     comms = (
-        KVMigrationCommunicators(to_scheduler, pp_size=spec.pp_size, dp_size=spec.dp_size)
+        KVMigrationCommunicators(
+            to_scheduler,
+            weight_version=lambda: weight_version,
+            pp_size=spec.pp_size,
+            dp_size=spec.dp_size,
+            ask_ahead=_ask_ahead(spec, extension),
+        )
         if spec.enable_kv_migration
         else None
     )
@@ -808,8 +871,22 @@ def _serve_http(
                 dispatcher(await sglang_ipc.recv_reply(from_scheduler))
 
         asyncio.get_running_loop().create_task(loop())
+        if serving is not None:
+            serving.set()  # startup handlers run once the socket is being served
 
-    uvicorn.run(app, host=spec.host, port=http_port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[http_socket])
+
+
+def _ask_ahead(spec: ServerSpec, extension: Any) -> Any:
+    """What SGLang's tokenizer manager gets on a single-rank server
+    (`communicators.after_init_communicators`): its scheduler counts as busy while an
+    extension says so (`slowed_loop.py`), never otherwise (no generate runs here)."""
+    from sglang_kv_migration.server.same_host.ask_ahead import AskAhead
+
+    if not spec.tp_size == spec.pp_size == spec.dp_size == 1:
+        return None
+    busy = getattr(extension, "busy", None)
+    return AskAhead(busy if busy is not None else lambda: False)
 
 
 def _join_netns(name: str) -> None:
@@ -826,25 +903,13 @@ def _join_netns(name: str) -> None:
         os.close(fd)
 
 
-def _wait_http(port: int, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex((host, port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"HTTP server on port {port} did not start")
-
-
 def _server_args(spec: ServerSpec, launch_id: str = "") -> Any:
     from sglang_kv_migration.server.server_args import KVMigrationServerArgs
 
     cfg = spec.harness
     args = KVMigrationServerArgs(
         model_path=cfg.model_dir or cpu_harness.write_tiny_model_dir(),
-        served_model_name="tiny-llama",
+        served_model_name=spec.served_model_name,
         skip_tokenizer_init=True,
         device="cpu",
         page_size=cfg.page_size,

@@ -133,3 +133,61 @@ def kv_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def aligned(ids: list[int], page: int) -> list[int]:
     """The whole pages of `ids`: what a migration moves."""
     return ids[: len(ids) // page * page]
+
+
+def every_rank_transfer_body(
+    ids: list[int], alloc: dict[str, Any], target_info: dict[str, Any]
+) -> dict[str, Any]:
+    """The `/transfer_request_kvcache` body that sends `ids` into every rank of a one-stage
+    target's allocation over the host path (token slots), as the client would build it."""
+    return {
+        "input_ids": ids,
+        "matched_token_size": alloc["matched_token_size"],
+        "extra_token_size": alloc["extra_token_size"],
+        "migration_id": alloc["migration_id"],
+        "target_per_rank": [
+            {
+                "tp": rank["tp_rank"],
+                "pp": 0,
+                "path": "host",
+                "kv_indices": granted["kv_indices"],
+                "grant": granted["grant"],
+                "fingerprint": rank["fingerprint"],
+                **rank["paths"]["host"],
+            }
+            for rank, granted in zip(target_info["ranks"], alloc["ranks"], strict=True)
+        ],
+    }
+
+
+def check_one_claim_per_grant(
+    source: ServerHandle, target: ServerHandle, ids: list[int], alloc: dict[str, Any]
+) -> None:
+    """One grant, one claim, per server, where every rank of a server is its own TP rank
+    (CP ranks among them): each grant names its rank's tp, so it verifies on one
+    scheduler only. Swapped between ranks, the grants move nothing; the transfer then
+    succeeds; sent again, it is refused as a replay on every rank, and its receipts
+    neither commit nor settle: the first transfer's commit."""
+    from sglang_kv_migration import grants
+
+    body = every_rank_transfer_body(ids, alloc, session_info(target.url))
+    entries = body["target_per_rank"]
+    rotated = [e["grant"] for e in entries[1:] + entries[:1]]
+    swapped = [{**e, "grant": g} for e, g in zip(entries, rotated, strict=True)]
+    r = post(source.url, "/transfer_request_kvcache", {**body, "target_per_rank": swapped})
+    assert r.status_code == 403, r.text
+    assert all(x["bytes"] == 0 for x in r.json()["ranks"]), r.text
+    first = post(source.url, "/transfer_request_kvcache", body)
+    assert first.status_code == 200, first.text
+    again = post(source.url, "/transfer_request_kvcache", body)
+    assert again.status_code == 403 and "replay" in again.text, again.text
+    replayed = [grants.Signer(None).decode_receipt(x["receipt"]) for x in again.json()["ranks"]]
+    assert len(replayed) == len(entries)
+    assert not any(x.settled or x.grant or x.success for x in replayed), replayed
+    mid = alloc["migration_id"]
+    receipts = [x["receipt"] for x in again.json()["ranks"]]
+    r = post(target.url, "/commit", {"migration_id": mid, "receipts": receipts})
+    assert r.status_code == 403, r.text
+    receipts = [x["receipt"] for x in first.json()["ranks"]]
+    r = post(target.url, "/commit", {"migration_id": mid, "receipts": receipts})
+    assert r.status_code == 200, r.text

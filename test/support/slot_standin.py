@@ -91,7 +91,8 @@ class SlotStandin(GenerateStandin):
 
     def _step(self) -> None:
         for req in list(self.running):
-            self._emit(req)
+            if not self.held(req):
+                self._emit(req)
         self.waiting.sort(key=lambda r: (-r.priority, r.order))
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting.pop(0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -37,6 +38,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_to_restart_on() -> int:
+    """A free port below the kernel's ephemeral range, for a gateway restarted on the same
+    address: no outgoing connection of any process is handed it while the gateway is
+    down (a port from `free_port` could be). Bounded search; raises if none is free."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12_000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low} after 200 tries")
+
+
 @dataclass
 class Gateway:
     url: str
@@ -62,12 +81,16 @@ class Gateway:
 
 @contextlib.contextmanager
 def running_gateway(
-    worker_urls: Sequence[str], policy: str, *extra: str, timeout_s: float = 60.0
+    worker_urls: Sequence[str],
+    policy: str,
+    *extra: str,
+    timeout_s: float = 60.0,
+    port: int | None = None,
 ) -> Iterator[Gateway]:
-    """`smg launch` on free ports (HTTP and metrics, both on 127.0.0.1) in front of
-    `worker_urls`; yields once every worker is registered and healthy; the process is
-    terminated (then killed) on exit."""
-    port, metrics_port = free_port(), free_port()
+    """`smg launch` on free ports (HTTP and metrics, both on 127.0.0.1; HTTP on `port`
+    when given) in front of `worker_urls`; yields once every worker is registered and
+    healthy; the process is terminated (then killed) on exit."""
+    port, metrics_port = port or free_port(), free_port()
     log = Path(tempfile.mkstemp(prefix="smg-", suffix=".log")[1])
     args = [
         str(smg_binary()), "launch", "--host", "127.0.0.1", "--port", str(port),

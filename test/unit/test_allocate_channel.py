@@ -354,7 +354,7 @@ def test_a_transfer_failed_while_it_waits_still_reports_the_allocation(side_fact
     """A cache flush fails the transfer while its target allocates; when the answer comes
     in the same poll, the failure names the allocation, so the client aborts it."""
     side = side_factory(page_size=16)
-    fake = side.transfers.caller = SilentTarget()
+    fake = side.transfers.asks.caller = SilentTarget()
     side.transfer_request_kvcache(_one_trip_request())
     assert fake.waiting == 1 and len(side.transfers) == 1
     side.prepare_for_cache_flush()
@@ -372,8 +372,8 @@ def test_a_target_that_does_not_answer_in_time_fails_only_with_a_channel_error(
     side_factory,
 ) -> None:
     side = side_factory(page_size=16)
-    fake = side.transfers.caller = SilentTarget()
-    side.transfers.allocate_timeout_s = 0.0
+    fake = side.transfers.asks.caller = SilentTarget()
+    side.transfers.asks.timeout_s = 0.0
     side.transfer_request_kvcache(_one_trip_request())
     side.poll()
     [reply] = side.replies
@@ -382,7 +382,7 @@ def test_a_target_that_does_not_answer_in_time_fails_only_with_a_channel_error(
     assert reply.allocation == {} and fake.waiting == 0
     # A failure before the answer (and before the time-out): the call is not waited for
     # any more once the failure is the reply.
-    side.transfers.allocate_timeout_s = 60.0
+    side.transfers.asks.timeout_s = 60.0
     side.transfer_request_kvcache(_one_trip_request())
     side.prepare_for_cache_flush()
     side.poll()

@@ -126,16 +126,102 @@ def test_the_result_file_is_rewritten_whole(tmp_path: Path) -> None:
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 
-def test_concurrency_summary_per_target_state() -> None:
+def _concurrent(wall_ms: float, polls: int = 2, tier: str = "gpu", **steps: int) -> dict:
+    held = {"matched_token_size": 8176, "device_token_size": 8176 if tier == "gpu" else 0}
+    result = _Result(
+        migrated_token_size=8176,
+        steps_ms={"transfer": {"polls": polls, **steps}},
+    )
+    return report.concurrent_move(result, wall_ms / 1e3, held, 8176)
+
+
+def _round(state: str, one: float, threads: float, one_call: float) -> dict:
+    six = [_concurrent(threads, first_poll=7 + i // 4, target_iteration=3) for i in range(6)]
+    batch = [_concurrent(one_call, polls=1, first_poll=9, target_iteration=5) for _ in range(6)]
+    return {
+        "state": state,
+        "one": _concurrent(one),
+        "threads": {"wall_ms": threads, "moves": six},
+        "one_call": {"wall_ms": one_call, "moves": batch},
+    }
+
+
+def test_a_concurrent_move_keeps_its_tier_and_the_iterations_of_its_trip() -> None:
+    move = _concurrent(12.0, polls=1, first_poll=4, target_iteration=9, allocate_ahead=2)
+    assert move["tier"] == "gpu" and move["whole"] and move["wall_ms"] == 12.0
+    assert (move["polls"], move["first_poll"], move["target_iteration"]) == (1, 4, 9)
+    assert move["allocate_ahead_ms"] == 2
+    assert _concurrent(12.0, tier="host")["tier"] == "host"
+    mixed = report.concurrent_move(
+        _Result(), 0.01, {"matched_token_size": 8176, "device_token_size": 100}, 8192
+    )
+    assert mixed["tier"] == "mixed" and mixed["whole"]  # (the _Result moved 8192)
+
+
+def test_concurrency_summary_per_source_state_and_way() -> None:
     rounds = [
-        {"target": "idle", "one_ms": 10.0, "all_ms": 14.0},
-        {"target": "idle", "one_ms": 12.0, "all_ms": 20.0},
-        {"target": "idle", "one_ms": 11.0, "all_ms": 15.0},
-        {"target": "busy", "one_ms": 20.0, "all_ms": 40.0},
+        _round("idle", 10.0, 14.0, 12.0),
+        _round("idle", 12.0, 30.0, 13.0),
+        _round("idle", 11.0, 16.5, 12.0),
+        _round("busy", 20.0, 44.0, 30.0),
     ]
     summary = report.concurrency_summary(rounds)
-    assert summary["idle"]["one_ms"]["median"] == 11.0
-    assert summary["idle"]["concurrent_over_one"] == 15.0 / 11.0
-    assert summary["idle"]["met"] is True
-    assert summary["busy"]["concurrent_over_one"] == 2.0 and summary["busy"]["met"] is False
-    assert report.concurrency_summary([])["busy"]["met"] is None
+    idle = summary["idle"]
+    assert idle["one_ms"]["median"] == 11.0 and idle["one_source_iterations"] == [2, 2, 2]
+    threads = idle["threads"]
+    assert threads["over_one"]["median"] == 1.5 and threads["over_one"]["n"] == 3
+    assert threads["met"] is True and threads["limit"] == 1.5  # 1.4, 2.5, 1.5
+    assert threads["source_iterations_max"] == [2, 2, 2]
+    assert threads["taken_up_in"] == [2, 2, 2] and threads["allocated_in"] == [1, 1, 1]
+    assert threads["tiers"] == {"gpu": 18} and threads["not_whole"] == 0
+    assert idle["one_call"]["source_iterations_max"] == [1, 1, 1]
+    busy = summary["busy"]  # from a busy source: 2x is the target, 1.5x the other one
+    assert busy["threads"]["over_one"]["median"] == 2.2 and busy["threads"]["met"] is False
+    assert busy["one_call"]["over_one"]["median"] == 1.5 and busy["one_call"]["met"] is True
+    assert busy["one_call"]["met_1_5"] is True and busy["threads"]["limit"] == 2.0
+    assert report.concurrency_summary([])["busy"]["threads"]["met"] is None
+    table = report.concurrency_markdown(summary)
+    assert "| busy | threads |" in table and "<= 2.0: False" in table
+
+
+def test_a_failed_or_partial_move_is_counted_apart_and_leaves_the_target_unjudged() -> None:
+    """A round whose six did less than six moves' work (a move refused, or one that moved
+    less than its prefix) gives its ratio but no verdict; a failed move has no tier and
+    is counted with its reason."""
+    full = "allocate failed (HTTP 503): device KV pool is full: 8176 token slots needed"
+    row = _round("busy", 20.0, 30.0, 30.0)
+    row["one_call"]["moves"][0] = {"failed": full, "whole": False, "wall_ms": 30.0}
+    row["one_call"]["moves"][3] = {"failed": full, "whole": False, "wall_ms": 30.0}
+    row["threads"]["moves"][1]["whole"] = False
+    summary = report.concurrency_summary([row])["busy"]
+    one_call, threads = summary["one_call"], summary["threads"]
+    assert one_call["not_whole"] == 2 and threads["not_whole"] == 1
+    assert one_call["tiers"] == {"gpu": 4} and one_call["failures"] == {full: 2}
+    assert (one_call["moved"], one_call["moves"]) == (4, 6)
+    assert (threads["moved"], threads["failures"]) == (5, {})
+    assert one_call["over_one"]["median"] == 1.5 and one_call["met"] is None
+    assert threads["met"] is None and threads["met_1_5"] is None
+    table = report.concurrency_markdown(report.concurrency_summary([row]))
+    assert "| busy | one_call |" in table and "<= 2.0: not measured" in table
+    assert "| 4 of 6 | {'gpu': 4} |" in table and f"failed 2x: {full}" in table
+
+
+def test_both_servers_get_one_planned_pool_that_holds_what_a_round_moves() -> None:
+    """On an 80 GB card both servers get the same pool (not the second a fifth of the
+    first's, as one --mem-fraction-static gave: three 8K prefixes on the target); a card
+    that cannot hold a concurrency round's seven 8K prefixes on the target is refused."""
+    import argparse
+
+    import bench_busy_source as bench
+    import busy_concurrency
+    import gpu_servers
+    import pytest
+    from real_servers import LLAMA3_8B
+
+    assert busy_concurrency.target_tokens() == 7 * 8176
+    args = argparse.Namespace(max_total_tokens=163840, only_concurrency=True, lengths=[8192])
+    h100 = gpu_servers.Card("NVIDIA H100 80GB HBM3", 81559, 81079, "580.159.04", "0")
+    assert bench._pool(args, h100, dict(LLAMA3_8B)) == 163840
+    small = gpu_servers.Card("a 40 GB card", 40960, 40000, "580.159.04", "0")
+    with pytest.raises(SystemExit, match="4096-token KV pool; the run needs 57232"):
+        bench._pool(args, small, dict(LLAMA3_8B))

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmark"
-SCRIPTS = ("bench_flag_cost.py", "bench_verl_pattern.py", "bench_rl_scene.py")
+SCRIPTS = ("bench_flag_cost.py", "bench_verl_pattern.py", "bench_rl_scene.py",
+           "bench_live_move.py", "bench_ttft_split.py")  # fmt: skip
 
 
 def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:

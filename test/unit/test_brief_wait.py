@@ -10,13 +10,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from sglang_kv_migration.paths.device.path import DeviceSendJob
+from sglang_kv_migration.paths.device.send_job import TierSendJob
 from sglang_kv_migration.server.diag import deferred_log
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
 from sglang_kv_migration.server.rank import loop
 from sglang_kv_migration.server.rank.idle_probe import IdleProbe
 from sglang_kv_migration.server.rank.loop import RankLoop, spin_until
-from sglang_kv_migration.server.source import transfers as source_transfers
+from sglang_kv_migration.server.source import inflight as source_transfers
+from sglang_kv_migration.server.source import target_asks
+from sglang_kv_migration.server.source.target_asks import TargetAsks
 from sglang_kv_migration.server.source.transfers import InflightTransfer, SourceTransfers
 
 
@@ -47,13 +49,10 @@ class _Job:
 
 
 def _transfers(caller: Any, inflight: list[InflightTransfer]) -> SourceTransfers:
-    # `awaited` reads only these attributes.
+    # `awaited` and `poll` read only these attributes (and `poll` the ones tests set).
     transfers = SourceTransfers.__new__(SourceTransfers)
-    transfers.caller = caller
+    transfers.asks = TargetAsks(caller, lambda: {}) if caller is not None else None
     transfers.inflight = inflight
-    transfers._to_prepare = []
-    transfers.requests_waiting = None
-    transfers._prepare_deferred = 0
     return transfers
 
 
@@ -97,12 +96,16 @@ def test_awaited_covers_allocate_replies_and_copy_events_only() -> None:
     assert _transfers(_Caller(), [_inflight(job=_Job(None))]).awaited() is None  # host path
     assert _transfers(_Caller(), [_inflight()]).awaited() is None  # failed or answered
     prepared_next = _transfers(_Caller(waiting=1), [waiting_reply])
-    prepared_next._to_prepare = [waiting_reply]
+    prepared_next.asks.to_prepare = [waiting_reply]
     assert prepared_next.awaited() is None
+    # An answer the HTTP layer asked for ahead waits for the poll: nothing to wait for.
+    answered_ahead = _transfers(_Caller(waiting=0), [waiting_reply])
+    answered_ahead.asks.ahead[b"ahead:1"] = b"{}"
+    assert answered_ahead.awaited() is None
 
 
 def test_a_device_job_waits_only_on_its_copy_once_launched() -> None:
-    job = DeviceSendJob(pin=SimpleNamespace(release=lambda: None))
+    job = TierSendJob(pin=SimpleNamespace(release=lambda: None))
     assert job.completion_event is None  # not launched
     end = _Event()
     job.launched(_Event(), end, {})
@@ -112,16 +115,18 @@ def test_a_device_job_waits_only_on_its_copy_once_launched() -> None:
 
 
 def _polled(started: int, prepare: bool = False) -> list[str]:
-    """The order of a poll's steps when its answers started `started` copies."""
+    """The order of a poll's steps when its answers started `started` host-path copies
+    (nothing to wait for on the GPU)."""
     steps: list[str] = []
     asked = _inflight(allocating=b"call")
     transfers = _transfers(_Caller(waiting=1), [asked])
     transfers.polls = 0
-    transfers._to_prepare = [asked] if prepare else []
-    transfers._prepare_asked = lambda: steps.append("prepare")
-    transfers._take_allocations = lambda: steps.append("take") or started
+    transfers.asks.to_prepare = [asked] if prepare else []
+    transfers.asks._prepare = lambda one: steps.append("prepare")
+    host_copies = [_inflight(job=_Job(None)) for _ in range(started)]
+    transfers._take_allocations = lambda: steps.append("take") or host_copies
     transfers._finish_done = lambda: steps.append("finish")
-    transfers.poll()
+    transfers.poll(lambda events: steps.append("wait"))
     return steps
 
 
@@ -133,6 +138,57 @@ def test_a_poll_prepares_takes_and_finishes_without_waiting_inside() -> None:
     assert _polled(0, prepare=True) == ["prepare", "take", "finish"]
 
 
+def test_a_poll_waits_for_the_gpu_copies_it_launched_before_its_replies() -> None:
+    """Only copies on the GPU, launched by this poll, are waited for (`wait_for_copies`
+    decides how long), and before the replies; a host-path copy among them: not at all."""
+    events = [_Event(), _Event()]
+    launched = [_inflight(job=_Job(event)) for event in events]
+    done_already = _inflight()  # the target held it all: done without a copy
+    done_already.finish(source_transfers.RankTransferStatus(done=True, success=True))
+    for started, waited in (
+        ([*launched, done_already], [events]),
+        ([launched[0], _inflight(job=_Job(None))], []),  # a host-path write among them
+        ([], []),
+    ):
+        steps: list[Any] = []
+        transfers = _transfers(_Caller(waiting=1), [_inflight(allocating=b"call")])
+        transfers.polls = 0
+        transfers._take_allocations = lambda started=started: started
+        transfers._finish_done = lambda steps=steps: steps.append("finish")
+        transfers.poll(steps.append)
+        assert steps == [*waited, "finish"]
+
+
+def _copy_waits(idle: Any) -> RankLoop:
+    side = RankLoop.__new__(RankLoop)
+    side.probe = IdleProbe(idle, lambda: False)
+    return side
+
+
+def test_wait_for_copies_waits_only_on_a_busy_scheduler_and_is_bounded(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(loop, "COPY_WAIT_S", 0.05)
+    events = [_Event(done=True), _Event()]
+    side = _copy_waits(lambda: False)
+    started = time.perf_counter()
+    assert not side.wait_for_copies(events)  # one copy never ends: bounded
+    assert 0.05 <= time.perf_counter() - started < 1.0
+    events[1].done = True
+    assert side.wait_for_copies(events)
+    idle = _copy_waits(lambda: True)
+    events[1].done, queries = False, events[1].queries
+    assert not idle.wait_for_copies(events) and events[1].queries == queries  # no wait
+
+    def broken() -> bool:
+        raise RuntimeError("boom")
+
+    failing = _copy_waits(broken)
+    with caplog.at_level(logging.ERROR):
+        assert not failing.wait_for_copies(events)
+    assert failing.probe.off
+
+
 def test_a_poll_leaves_its_prepares_while_requests_wait_for_a_bounded_number_of_polls() -> None:
     """Moves sent together ask their targets first (their handlers run once the poll
     returns); the prepares follow in a later poll, at the latest after
@@ -140,38 +196,39 @@ def test_a_poll_leaves_its_prepares_while_requests_wait_for_a_bounded_number_of_
     steps: list[str] = []
     asked = _inflight(allocating=b"call")
     transfers = _transfers(_Caller(waiting=1), [asked])
+    asks = transfers.asks
     transfers.polls = 0
-    transfers._prepare_asked = lambda: steps.append("prepare") or transfers._to_prepare.clear()
-    transfers._take_allocations = lambda: steps.append("take") and 0
+    asks._prepare = lambda one: steps.append("prepare")
+    transfers._take_allocations = lambda: steps.append("take") or []
     transfers._finish_done = lambda: None
     waiting = [True]
-    transfers.requests_waiting = lambda: waiting[0]
-    transfers._to_prepare = [asked]
-    for _ in range(source_transfers.PREPARE_DEFER_POLLS):
+    asks.requests_waiting = lambda: waiting[0]
+    asks.to_prepare = [asked]
+    for _ in range(target_asks.PREPARE_DEFER_POLLS):
         transfers.poll()
-    assert steps == ["take"] * source_transfers.PREPARE_DEFER_POLLS  # asked, not prepared
-    assert transfers._to_prepare == [asked]  # kept for a later poll
+    assert steps == ["take"] * target_asks.PREPARE_DEFER_POLLS  # asked, not prepared
+    assert asks.to_prepare == [asked]  # kept for a later poll
     transfers.poll()  # bounded: prepares although requests still wait
-    assert steps[-2:] == ["prepare", "take"]
+    assert steps[-2:] == ["prepare", "take"] and asks.to_prepare == []
     # Once the input is drained a poll prepares at once, and the count starts again.
     steps.clear()
     waiting[0] = False
-    transfers._to_prepare = [asked]
+    asks.to_prepare = [asked]
     transfers.poll()
-    assert steps == ["prepare", "take"] and transfers._prepare_deferred == 0
-    # Without the test (multi-rank, or turned off) nothing is left for later.
+    assert steps == ["prepare", "take"] and asks._prepare_deferred == 0
+    # Without the test (turned off) nothing is left for later.
     steps.clear()
     waiting[0] = True
-    transfers.requests_waiting = None
-    transfers._to_prepare = [asked]
+    asks.requests_waiting = None
+    asks.to_prepare = [asked]
     transfers.poll()
     assert steps == ["prepare", "take"]
 
 
 def test_the_scheduler_side_gives_its_transfers_its_input_test(side_factory: Any) -> None:
     side = side_factory(page_size=16)
-    assert side.transfers.caller is not None  # a single-rank source
-    assert side.transfers.requests_waiting == side.loop.probe.requests_waiting
+    assert side.transfers.asks is not None  # a single-rank source
+    assert side.transfers.asks.requests_waiting == side.loop.probe.requests_waiting
     assert not side.requests_waiting()  # no SGLang state set yet
 
 

@@ -39,7 +39,7 @@ def test_top_level_help_mentions_rebalance_and_path(capsys) -> None:
     assert done.value.code == 0
     text = capsys.readouterr().out
     assert "sglang-kv-migrate rebalance" in text
-    assert "--path {auto,device,host}" in text
+    assert "--path {auto,device,shared_host,host}" in text
     assert "(default: auto)" in text
     with pytest.raises(SystemExit) as usage:
         cli.main(["--source", "a", "--target", "b", "--input-ids", "1", "--path", "gpu"])

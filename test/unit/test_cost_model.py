@@ -179,6 +179,39 @@ def test_route_bytes_by_path_and_tier():
     held = _held(100, 40)
     assert route_bytes("device", held, 2.0) == {"gpu_to_gpu": 80, "host_to_gpu": 120}
     assert route_bytes("host", held, 2.0) == {"host_to_host": 200}
+    assert route_bytes("shared_host", held, 2.0) == {
+        "gpu_to_shared_host": 80,
+        "host_to_shared_host": 120,
+    }
+
+
+def test_the_shared_host_landing_is_priced_on_its_routes_with_the_load_back() -> None:
+    """Into the target's host pool on one host: each tier's bytes on its own route
+    (GPU -> host, host -> host through the GPU), far below the host path's Mooncake TCP;
+    HiCache's load-back on the target is learned as the host path's is."""
+    from sglang_kv_migration.rollout.cost_model import GPU_TO_SHARED_HOST, HOST_TO_SHARED_HOST
+
+    model = CostModel(
+        MigrationCosts(bandwidth_bytes_per_s=1e9, overhead_s=0.01, bytes_per_token=1000),
+        PrefillCosts(seconds_per_token=1e-6),
+    )
+    gpu, host = ROUTE_PRIORS[GPU_TO_SHARED_HOST], ROUTE_PRIORS[HOST_TO_SHARED_HOST]
+    est = model.estimate(8000, path="shared_host", held=_held(8000, 4000))
+    seconds = 4e6 / gpu.bandwidth_bytes_per_s + 4e6 / host.bandwidth_bytes_per_s
+    assert est.path == "shared_host"
+    assert est.migrate_s == pytest.approx(max(gpu.overhead_s, host.overhead_s) + seconds)
+    # Without a size query its slowest route (host -> host) prices every byte.
+    unasked = model.estimate(8000, path="shared_host")
+    assert unasked.migrate_s == pytest.approx(host.overhead_s + 8e6 / host.bandwidth_bytes_per_s)
+    # A 32K prefix of an 8B model held on the source's host tier: several times cheaper
+    # than the host path's Mooncake TCP prior.
+    held, nbytes = _held(32768, 0), 32768 * 131072
+    priors = CostModel()
+    shared = priors.estimate(32768, nbytes, path="shared_host", held=held)
+    assert shared.migrate_s * 5 < priors.estimate(32768, nbytes, path="host").migrate_s
+    learned = CostModel.from_metrics(SOURCE_METRICS, TARGET_METRICS, prior=model)
+    assert learned.costs_for("shared_host").load_back_s_per_token == pytest.approx(2e-5)
+    assert learned.costs_for("device").load_back_s_per_token == 0.0
 
 
 def test_routes_combine_rates_and_fixed_costs():
@@ -289,9 +322,15 @@ def _registry_text(*model_names: str) -> str:
 
 def test_route_names_are_the_servers() -> None:
     from sglang_kv_migration.paths import base
-    from sglang_kv_migration.rollout.cost_model import HOST_TO_HOST, LANDING, PATH_ROUTES
+    from sglang_kv_migration.rollout.cost_model import (
+        GPU_TO_SHARED_HOST,
+        HOST_TO_HOST,
+        HOST_TO_SHARED_HOST,
+        LANDING,
+        PATH_ROUTES,
+    )
 
-    ours = (GPU_TO_GPU, HOST_TO_GPU, LANDING, HOST_TO_HOST)
+    ours = (GPU_TO_GPU, HOST_TO_GPU, LANDING, HOST_TO_HOST, GPU_TO_SHARED_HOST, HOST_TO_SHARED_HOST)
     assert ours == base.ROUTE_NAMES
     assert set(ROUTE_PRIORS) == set(base.ROUTE_NAMES)
     assert set(PATH_ROUTES) == set(base.PATH_NAMES)
@@ -335,6 +374,8 @@ def test_each_route_is_learned_from_the_servers_series() -> None:
         HOST_TO_GPU: "metrics",
         HOST_TO_HOST: "metrics",
         LANDING: "prior",
+        "gpu_to_shared_host": "prior",
+        "host_to_shared_host": "prior",
     }
     assert routes[LANDING] == ROUTE_PRIORS[LANDING]
 

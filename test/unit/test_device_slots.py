@@ -107,7 +107,7 @@ def test_device_path_target_role_on_a_cpu_pool(harness_factory, attention, page_
     h = harness_factory(attention=attention, page_size=page_size, layer_num=3)
     path = DevicePath(h.cache)
     assert path.name == "device" and path.holds_device_slots
-    assert path.device.type == "cpu"
+    assert path.copier.device.type == "cpu"
     ad = path.advertise()
     # Nothing to export without CUDA, but the shape of the pool is described.
     assert ad["buffers"] == [] and ad["gpu_uuid"] == ""

@@ -9,6 +9,7 @@ abort without a settled receipt stay quarantined until their write window closes
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import time
@@ -316,3 +317,81 @@ def test_destination_digest_is_canonical() -> None:
     b = {"host_kv_data_ptrs": [1, 2], "session_id": "h:1"}
     assert grants.destination_digest(a) == grants.destination_digest(b)
     assert grants.destination_digest(a) != grants.destination_digest({**a, "session_id": "h:2"})
+
+
+# --------------------------------------------------------------------------- source DP rank
+
+
+def test_a_grant_naming_a_dp_rank_is_claimed_by_that_dp_rank_only() -> None:
+    """Feature "source_dp_rank": a grant naming DP rank 1 of the source verifies only on
+    that DP rank's scheduler; one naming none (left out of the token: a token of a server
+    that predates the field) on any."""
+    signer = grants.Signer(KEY)
+    check = dict(migration_id="m", tp=0, pp=0, path="host", num_slots=16, slots="s", tokens="t")
+    bound = signer.encode(_bound_grant(source_dp_rank=1))
+    assert signer.check_grant(bound, **check, destination="d", source="src", dp_rank=1)
+    with pytest.raises(grants.MigrationError, match="for DP rank 1 of the source") as info:
+        signer.check_grant(bound, **check, destination="d", source="src", dp_rank=0)
+    assert info.value.kind.value == "forbidden"
+    free = signer.encode(_bound_grant())
+    assert signer.decode_grant(free).source_dp_rank == -1
+    assert b"source_dp_rank" not in base64.urlsafe_b64decode(free.split(".")[0])
+    for dp_rank in (0, 1, 7):
+        assert signer.check_grant(free, **check, destination="d", source="src", dp_rank=dp_rank)
+
+
+def test_the_target_takes_receipts_of_a_dp_rank_bound_grant_only_from_that_dp_rank(
+    signed_side,
+) -> None:
+    """A one-rank source is DP rank 0: a grant naming DP rank 1 moves nothing there; one
+    naming DP rank 0 moves, and its receipt names DP rank 0. A receipt that names the
+    grant but comes from DP rank 1 (what a second claimant would sign) neither settles
+    an abort nor commits."""
+    side = signed_side
+    ids = _prefix(side, 2000)
+    elsewhere = _allocate_for_dp_rank(side, "dp1", 6000, 1)
+    before = _host_digest(side)
+    request = transfer_to_self(
+        side, ids, elsewhere.ranks[0].kv_indices, elsewhere.ranks[0].grant, migration_id="dp1"
+    )
+    _refused(_send(side, request), "for DP rank 1 of the source, not DP rank 0")
+    assert _host_digest(side) == before
+
+    alloc = _allocate_for_dp_rank(side, "dp0", 6100, 0)
+    request = transfer_to_self(
+        side, ids, alloc.ranks[0].kv_indices, alloc.ranks[0].grant, migration_id="dp0"
+    )
+    reply = _send(side, request)
+    assert reply.success, reply.message
+    mine = side.signer.decode_receipt(reply.ranks[0].receipt)
+    assert (mine.dp_rank, mine.settled) == (0, True)
+    other = side.signer.encode(dataclasses.replace(mine, dp_rank=1))
+    out = side.commit_transfer_request_kvcache(
+        CommitTransferRequestKVCacheReqInput(migration_id="dp0", receipts=[other])
+    )
+    assert not out.success and out.error_kind == "forbidden"
+    assert "from DP rank 1 of the source, not DP rank 0" in out.message
+    base = side.harness.snapshot().host_available
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="dp0", receipts=[other])).success
+    # Quarantined, not freed: the other DP rank's word settles nothing.
+    assert side.harness.snapshot().host_available == base
+    assert set(alloc.ranks[0].kv_indices).isdisjoint(side.host_pool.free_slots.tolist())
+    # The claimant's own receipt does.
+    receipt = [reply.ranks[0].receipt]
+    assert side.abort_transfer(AbortTransferReqInput(migration_id="dp0", receipts=receipt)).success
+    assert side.harness.snapshot().host_available == base + 64
+
+
+def _allocate_for_dp_rank(side, mid: str, start: int, dp_rank: int):
+    out = side.allocate_token_for_transfer(
+        AllocateTokenForTransferReqInput(
+            input_ids=list(range(start, start + 64)),
+            migration_id=mid,
+            source_fingerprints=[side.fingerprint.to_dict()],
+            source_instance=side.server_epoch,
+            source_dp_rank=dp_rank,
+        )
+    )
+    assert out.success, out.message
+    assert side.signer.decode_grant(out.ranks[0].grant).source_dp_rank == dp_rank
+    return out

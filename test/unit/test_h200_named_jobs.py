@@ -15,13 +15,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmark"))
 import bench_flag_cost  # noqa: E402
+import bench_live_move  # noqa: E402
 import bench_rl_scene  # noqa: E402
+import bench_ttft_split  # noqa: E402
 import bench_verl_pattern  # noqa: E402
 
 PARSERS = {
     "bench_flag_cost.py": bench_flag_cost.parse_args,
     "bench_verl_pattern.py": bench_verl_pattern.parse_args,
     "bench_rl_scene.py": bench_rl_scene.parse_args,
+    "bench_live_move.py": bench_live_move.parse_args,
+    "bench_ttft_split.py": bench_ttft_split.parse_args,
 }
 
 
@@ -50,6 +54,9 @@ def _jobs(tmp_path: Path, name: str) -> list[str]:
         ("rl16k-full-r2", "bench_rl_scene.py",
          {"context": 16384, "target_gpu": ["full"], "repeat_start": 2}),
         ("rl4k-room-r1", "bench_rl_scene.py", {"context": 4096, "target_gpu": ["room"]}),
+        ("ttftsplit", "bench_ttft_split.py", {"budget_s": 460.0}),
+        ("35", "bench_live_move.py",
+         {"budget_s": 470.0, "moments_dir": "/tmp/kvmig-live-moments"}),
     ],
 )  # fmt: skip
 def test_named_job_runs_its_benchmark_with_valid_arguments(

@@ -18,9 +18,9 @@ from sglang_kv_migration.client.migration import (
     _Call,
     _encode,
     _Plan,
-    _target_entry,
     _transfer_step,
 )
+from sglang_kv_migration.client.path_choice import target_entry
 from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
 from sglang_kv_migration.server.source.known_destinations import (
     KnownDestinations,
@@ -122,7 +122,7 @@ def _plan(sessions: SessionCache, features: list[str]) -> tuple[_Plan, Callable[
     plan = _Plan("http://s", "http://t", None, source, target, [1, 2], {}, sessions=sessions)
 
     def transfer(digest: str) -> _Call:
-        body = build(TransferBody, target_per_rank=[_target_entry(rank, "device", digest)])
+        body = build(TransferBody, target_per_rank=[target_entry(rank, "device", digest)])
         return _Call("transfer", "http://s", "/transfer_request_kvcache", body)
 
     return plan, transfer
@@ -210,7 +210,7 @@ def test_what_a_source_pinned_while_its_target_allocated_is_released_on_every_en
     ids = list(range(3000, 3064))
     h.insert_random(ids, seed=7)
     side.transfers.paths = {**side.transfers.paths, "device": DevicePath(h.cache)}
-    fake = side.transfers.caller = SilentTarget()
+    fake = side.transfers.asks.caller = SilentTarget()
     baseline = h.snapshot()
 
     side.transfer_request_kvcache(_one_trip(ids, device_kv=_device_kv()))

@@ -52,7 +52,7 @@ def _landing_path(h: Harness, tokens: int) -> DevicePath:
 def _write_rows(path: DevicePath, rows: torch.Tensor, seed: int) -> list[torch.Tensor]:
     """Random bytes into the arena rows, as a pushing source would; returns them per
     buffer as (len(rows), row_bytes) uint8."""
-    arena = path._landing
+    arena = path.target.landing
     gen = torch.Generator().manual_seed(seed)
     written = []
     for buf, rb in zip(arena.buffers, arena.row_bytes, strict=True):
@@ -86,9 +86,9 @@ def test_commit_copies_the_arena_rows_into_the_pool(harness_factory, attention, 
     alloc = pending.allocate("m", _tokens(96), None, path=path)
     rows = alloc.slots
     assert rows.max() < 128  # what the source is told to write: arena rows
-    pool = path._landing.pool_slots(rows)
+    pool = path.target.landing.pool_slots(rows)
     assert _free_pool(h) == free - 96 and pending.device_tokens_held() == 96
-    assert path._landing.free_tokens == 128 - 96
+    assert path.target.landing.free_tokens == 128 - 96
     written = _write_rows(path, rows, seed=7)
     digest = path.content_digest(rows)
 
@@ -97,7 +97,7 @@ def test_commit_copies_the_arena_rows_into_the_pool(harness_factory, attention, 
     assert m.device_indices.tolist() == pool.tolist()  # the pool slots, now in the tree
     for got, want in zip(_pool_rows(h, m.device_indices), written, strict=True):
         assert torch.equal(got, want)
-    assert path._landing.free_tokens == 128  # rows free again once copied (CPU: at once)
+    assert path.target.landing.free_tokens == 128  # rows free again once copied (CPU: at once)
     assert _free_pool(h) == free - 96
     # The digest the target checks is of what the source wrote (verify).
     rows_again = pending.allocate("m2", _tokens(96, start=5000), None, path=path).slots
@@ -117,7 +117,7 @@ def test_a_full_arena_refuses_and_gives_the_pool_slots_back(harness_factory):
     assert "landing arena has 16 free tokens" in info.value.message
     assert _free_pool(h) == free - 48  # b's pool slots went back
     pending.abort("a", settled=True)
-    assert _free_pool(h) == free and path._landing.free_tokens == 64
+    assert _free_pool(h) == free and path.target.landing.free_tokens == 64
 
 
 def test_every_exit_frees_pool_slots_and_arena_rows(harness_factory):
@@ -128,14 +128,14 @@ def test_every_exit_frees_pool_slots_and_arena_rows(harness_factory):
     free = _free_pool(h)
     pending.allocate("a", _tokens(64), None, path=path, write_window_s=1.0)
     pending.abort("a")  # unsettled: rows and slots wait out the write window
-    assert path._landing.free_tokens == 0 and _free_pool(h) == free - 64
+    assert path.target.landing.free_tokens == 0 and _free_pool(h) == free - 64
     clock.now += 1.0
     pending.release_quarantine()
-    assert path._landing.free_tokens == 64 and _free_pool(h) == free
+    assert path.target.landing.free_tokens == 64 and _free_pool(h) == free
     pending.allocate("b", _tokens(64), None, path=path)
     clock.now += TIMEOUT_S
     assert pending.expire() == ["b"]
-    assert path._landing.free_tokens == 64 and _free_pool(h) == free
+    assert path.target.landing.free_tokens == 64 and _free_pool(h) == free
 
 
 def test_release_drops_pending_and_the_arena_then_resume_makes_a_new_one(harness_factory):
@@ -146,7 +146,7 @@ def test_release_drops_pending_and_the_arena_then_resume_makes_a_new_one(harness
     pending.allocate("a", _tokens(32), None, path=path, write_window_s=10.0)
     pending.allocate("q", _tokens(32, start=4000), None, path=path, write_window_s=10.0)
     pending.abort("q")  # quarantined: a write may still land, but only in the arena
-    old_instance = path.instance_id
+    old_instance = path.target.instance_id
 
     assert pending.prepare_for_release() == ["a"]
     assert pending.quarantined() == 0 and _free_pool(h) == free
@@ -160,7 +160,7 @@ def test_release_drops_pending_and_the_arena_then_resume_makes_a_new_one(harness
     assert info.value.kind is ErrorKind.UNAVAILABLE
 
     path.resume_memory()
-    assert path.instance_id != old_instance
+    assert path.target.instance_id != old_instance
     assert path.advertise()["landing_tokens"] == 64
     alloc = pending.allocate("b", _tokens(32), None, path=path)
     _write_rows(path, alloc.slots, seed=1)

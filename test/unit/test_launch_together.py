@@ -9,6 +9,7 @@ stand-in events whose elapsed time is one ms per page.
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from typing import Any
 
@@ -16,8 +17,11 @@ import pytest
 import torch
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths.base import KVPoll, SendRange
-from sglang_kv_migration.paths.device import cuda_ipc, tiers
+from sglang_kv_migration.paths.device import tiers
 from sglang_kv_migration.paths.device.path import DevicePath
+from sglang_kv_migration.paths.device.source_side import DeviceSourceSide
+from sglang_kv_migration.paths.device.tier_copies import CopyDestination, TierCopier
+from sglang_kv_migration.paths.device.tier_source import Opening
 from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 PAGE = 16
@@ -39,33 +43,61 @@ class _Event:
         return end.at - self.at
 
 
-class _CpuSource(DevicePath):
-    """A DevicePath whose GPU parts run on the CPU (see the module docstring)."""
+class _CpuSide(DeviceSourceSide):
+    """The device source role with the target's buffers "opened" as this pool's own and
+    the launch recorded (or refused), then run with the torch reference copy."""
 
-    def __init__(self, cache: Any, fail: bool = False):
-        super().__init__(cache)
+    def __init__(self, cache: Any, copier: TierCopier, fail: bool):
+        super().__init__(cache, copier)
         self.launches: list[tiers.TierPlan] = []
         self.fail = fail
-        flats = [b.view(-1).view(torch.uint8) for b in self.buffers]
-        self.opened = cuda_ipc.OpenedPeer(buffers=flats, pointers=None)
+        flats = [b.view(-1).view(torch.uint8) for b in copier.buffers]
+        pages = int(copier.buffers[0].shape[0]) // copier.page_size
+        self.opened = CopyDestination(flats=flats, pointers=None, page_limit=pages, key=1)
+        self.opening: Future[CopyDestination] | None = None  # None: open at once
+        self.used = False  # a copy went into the "mapping" (the real one keeps this)
+        copier.launch = self._launch  # type: ignore[method-assign]
 
-    def _open_peer(self, peer: Any) -> Future[cuda_ipc.OpenedPeer]:
-        done: Future[cuda_ipc.OpenedPeer] = Future()
-        done.set_result(self.opened)
-        return done
+    def check_destination(self, send: SendRange) -> None:
+        return None
 
-    def _launch(self, plan: tiers.TierPlan, dst: cuda_ipc.OpenedPeer) -> Any:
+    def open_destination(self, destination: Any) -> Opening:
+        future = self.opening
+        if future is None:
+            future = Future()
+            future.set_result(self.opened)
+        return Opening(future, self._resolve)
+
+    def _resolve(self, opened: CopyDestination) -> CopyDestination:
+        first, self.used = not self.used, True
+        return dataclasses.replace(opened, first_use=first)
+
+    def _launch(self, plan: tiers.TierPlan, dst: CopyDestination) -> Any:
         self.launches.append(plan)
         if self.fail:
             raise MigrationError(ErrorKind.CONFLICT, "the copy kernel refused")
-        destination = tiers.TierBuffers.of_device(self.buffers, self.page_size)
-        tiers.copy_plan_torch(plan, self.source_tiers(), destination)
+        copier = self.copier
+        destination = tiers.TierBuffers.of_device(copier.buffers, copier.page_size)
+        tiers.copy_plan_torch(plan, copier.source_tiers(), destination)
         at, events = 0.0, {}
         for tier, pages in plan.tiers.items():
             events[tier] = (_Event(at), _Event(at + pages.num_pages))
             at += pages.num_pages
         ordered = list(events.values())
         return ordered[0][0], ordered[-1][1], events
+
+
+class _CpuSource(DevicePath):
+    """A DevicePath whose GPU parts run on the CPU (see the module docstring)."""
+
+    def __init__(self, cache: Any, fail: bool = False):
+        super().__init__(cache)
+        self.source = _CpuSide(cache, self.copier, fail)
+        self.buffers = self.copier.buffers
+
+    @property
+    def launches(self) -> list[tiers.TierPlan]:
+        return self.source.launches
 
 
 def _moves(h: Any, path: DevicePath, pages: list[int]) -> list[tuple[SendRange, Any]]:
@@ -174,10 +206,9 @@ class _OpeningSource(_CpuSource):
 
     def __init__(self, cache: Any):
         super().__init__(cache)
-        self.opening: Future[cuda_ipc.OpenedPeer] = Future()
-
-    def _open_peer(self, peer: Any) -> Future[cuda_ipc.OpenedPeer]:
-        return self.opening
+        self.opening: Future[CopyDestination] = Future()
+        self.source.opening = self.opening
+        self.opened = self.source.opened
 
 
 def test_a_send_waiting_for_its_peers_mapping_waits_on_a_helper_thread(harness_factory):
@@ -226,7 +257,7 @@ def test_a_tiers_first_launch_is_no_sample_of_its_routes_rate(harness_factory):
     The sends of that launch report no route for the tier; later launches do."""
     h = harness_factory(page_size=PAGE)
     path = _CpuSource(h.cache)
-    path.opened.used = True  # a mapping copied into before: only the kernel is cold
+    path.source.used = True  # a mapping copied into before: only the kernel is cold
     first, second, third = _moves(h, path, [2, 1, 3])
     with path.launching_together():
         together = [path.start_send(first[0]), path.start_send(second[0])]

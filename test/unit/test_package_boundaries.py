@@ -31,6 +31,9 @@ SGLANG_EXTENSION_POINTS = {
     f"{NAME}.server.http.routes": {"sglang.srt.utils.auth"},
     # verl's plugin entry point calls SGLang's own plugin loader (and nothing else).
     f"{NAME}.integrations.verl_plugin": {"sglang.srt.plugins"},
+    # The demo's CPU server builds SGLang's own cache and pools, as a scheduler does
+    # (`demo/__init__.py`); it runs in processes of its own, never in a server's.
+    f"{NAME}.demo.cpu_server": {"sglang.srt.mem_cache", "sglang.srt.managers.scheduler"},
 }
 # torch's own CUDA IPC calls (storage export/import), not SGLang's: the device path's
 # one place that shares KV buffers between processes the way torch.multiprocessing does.
@@ -103,6 +106,20 @@ def test_parts_import_only_what_they_may(part: str, forbidden: tuple[str, ...]) 
         if _in(target, *forbidden)
     ]
     assert not bad, bad
+
+
+def test_only_the_console_script_loads_the_demo() -> None:
+    """The demo's CPU stand-ins (`demo/cpu_stand_ins.py`) replace SGLang's copy kernels in
+    the demo's own server processes: no module of the plugin, client or integrations may
+    import the demo; the console script loads its driver for `demo` only."""
+    importers = {
+        module
+        for module, targets in _edges().items()
+        if not _in(module, "demo") and any(_in(t, "demo") for t in targets)
+    }
+    assert importers == {f"{NAME}.cli"}, importers
+    driver_imports = _edges()[f"{NAME}.demo.run"]
+    assert not [t for t in driver_imports if _in(t, "server", "paths")], driver_imports
 
 
 def _mooncake_importers() -> set[str]:

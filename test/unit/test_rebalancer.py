@@ -15,11 +15,11 @@ from sglang_kv_migration.rollout.rebalancer import (
     HeldKV,
     RebalancePolicy,
     ServerLoad,
-    _from_get_load,
-    _from_v1_loads,
     plan_moves,
 )
 from sglang_kv_migration.rollout.request_migration import GenerateRequest
+from sglang_kv_migration.rollout.server_loads import from_get_load as _from_get_load
+from sglang_kv_migration.rollout.server_loads import from_v1_loads as _from_v1_loads
 
 A, B, C = "http://a", "http://b", "http://c"
 
@@ -436,30 +436,47 @@ _SCENE = RebalancePolicy(
 
 def test_moves_beyond_the_gpu_pool_are_planned_into_the_host_pool() -> None:
     """The 16K scene: three moves fit B's GPU pool, the next two its host pool (40,000:
-    two of 16,400), the sixth neither: it is not planned and waits."""
+    two of 16,400), through shared memory (the servers share a host), the sixth
+    neither: it is not planned and waits."""
     loads, handles, held = _sixteen_k_scene(host_headroom=40_000)
     moves = plan_moves(loads, handles, _SCENE, held=held)
-    assert [m.path for m in moves] == ["device"] * 3 + ["host"] * 2
-    assert [m.to_dict()["path"] for m in moves] == ["device"] * 3 + ["host"] * 2
+    landed = ["device"] * 3 + ["shared_host"] * 2
+    assert [m.path for m in moves] == landed
+    assert [m.to_dict()["path"] for m in moves] == landed
     assert {m.target_url for m in moves} == {B}
-    # Host moves still in flight claim their part of the host pool.
+    # Host-pool moves still in flight claim their part of the host pool.
     later = plan_moves(loads, handles, _SCENE, held=held, claimed_host={B: 30_000})
     assert [m.path for m in later] == ["device"] * 3  # 10,000 host slots left: no 16,400
     # A host pool that says nothing is not checked: every move is planned.
     unknown, _, _ = _sixteen_k_scene(host_headroom=None)
     assert [m.path for m in plan_moves(unknown, handles, _SCENE, held=held)] == (
-        ["device"] * 3 + ["host"] * 3
+        ["device"] * 3 + ["shared_host"] * 3
     )
+
+
+def test_the_host_pool_landing_order_is_shared_memory_then_the_host_path() -> None:
+    """GPU pool first, then on one host the target's host tier through shared memory;
+    the host path (Mooncake) only across hosts or where the servers do not offer it.
+    Shared-host and host moves claim the same pool: two of 16,400 fit 40,000."""
+    loads, handles, held = _sixteen_k_scene(host_headroom=40_000)
+    no_shm = dataclasses.replace(_SCENE, shared_host=False)
+    assert [m.path for m in plan_moves(loads, handles, no_shm, held=held)] == (
+        ["device"] * 3 + ["host"] * 2
+    )
+    across = dataclasses.replace(_SCENE, device_path=False)  # two hosts: shared_host off too
+    assert [m.path for m in plan_moves(loads, handles, across, held=held)] == ["host"] * 2
+    mixed_claims = plan_moves(loads, handles, _SCENE, held=held, claimed_host={B: 20_000})
+    assert [m.path for m in mixed_claims] == ["device"] * 3 + ["shared_host"]
 
 
 def test_a_move_that_fits_neither_pool_is_planned_as_recompute_when_asked() -> None:
     loads, handles, held = _sixteen_k_scene(host_headroom=20_000)
     policy = dataclasses.replace(_SCENE, no_room="recompute")
     moves = plan_moves(loads, handles, policy, held=held)
-    assert [m.path for m in moves] == ["device"] * 3 + ["host"] + ["recompute"] * 2
+    assert [m.path for m in moves] == ["device"] * 3 + ["shared_host"] + ["recompute"] * 2
     # Re-prefill allocates nothing at once: a later round's claims do not count it.
     waits = plan_moves(loads, handles, _SCENE, held=held)
-    assert [m.path for m in waits] == ["device"] * 3 + ["host"]
+    assert [m.path for m in waits] == ["device"] * 3 + ["shared_host"]
 
 
 def test_without_a_device_path_every_migration_is_planned_against_the_host_pool() -> None:
@@ -487,12 +504,13 @@ def test_a_target_whose_gpu_pool_fits_is_preferred_to_a_shorter_queue_on_host() 
     assert [(m.target_url, m.path) for m in moves] == [(C, "device")]
     full_c = dataclasses.replace(c, used_tokens=9_900)
     moves = plan_moves({A: a, B: b, C: full_c}, handles, policy)
-    assert [(m.target_url, m.path) for m in moves] == [(B, "host")]
+    assert [(m.target_url, m.path) for m in moves] == [(B, "shared_host")]
 
 
-def test_the_rebalancer_asks_host_headroom_and_pins_host_moves_to_the_host_path() -> None:
+def test_the_rebalancer_asks_host_headroom_and_pins_host_pool_moves_to_their_path() -> None:
     """Round 1: B's GPU pool (1,500 free) takes two 600-token moves, its host pool (700)
-    one more, pinned to path "host"; the fourth waits. Round 2, all in flight, plans
+    one more, pinned to path "shared_host" (one host) or, across hosts, "host"; the
+    fourth waits. Round 2, all in flight, plans
     nothing; the claims on both pools end with the moves. A server that cannot say its
     host headroom is not checked; pressured servers are not asked."""
     from sglang_kv_migration.rollout.rebalancer import Rebalancer
@@ -514,9 +532,9 @@ def test_the_rebalancer_asks_host_headroom_and_pins_host_moves_to_the_host_path(
         return first, second, *claims
 
     first, second, device_claims, host_claims = asyncio.run(run())
-    assert first == ["device", "device", "host"] and second == 0
+    assert first == ["device", "device", "shared_host"] and second == 0
     assert (device_claims, host_claims) == ({B: 1200}, {B: 600})
-    assert Counter(migrator.calls) == {(B, "migrate", None): 2, (B, "migrate", "host"): 1}
+    assert Counter(migrator.calls) == {(B, "migrate", None): 2, (B, "migrate", "shared_host"): 1}
     assert migrator.headroom_asked == [B, B]
     assert (dict(rebalancer._claimed), dict(rebalancer._claimed_host)) == ({}, {})
     assert rebalancer.summary.last_loads[B].host_headroom_tokens == 700
@@ -532,8 +550,22 @@ def test_the_rebalancer_asks_host_headroom_and_pins_host_moves_to_the_host_path(
         await asyncio.gather(*rebalancer._tasks)
         return paths
 
-    assert asyncio.run(once()) == ["device", "device", "host", "host"]
+    assert asyncio.run(once()) == ["device", "device", "shared_host", "shared_host"]
     assert rebalancer.summary.last_loads[B].host_headroom_tokens is None
+
+    # Across hosts the same move is pinned to the host path.
+    handles = [FakeHandle(A, 5, float(i), prompt_len=600, max_new=0) for i in range(4)]
+    across = _Migrator(loads, handles, host_headroom={B: 700})
+    rebalancer = Rebalancer(across, [A, B], dataclasses.replace(policy, device_path=False))  # type: ignore[arg-type]
+
+    async def across_hosts() -> list[str]:
+        paths = [m.path for m in await rebalancer.step()]
+        across.release.set()
+        await asyncio.gather(*rebalancer._tasks)
+        return paths
+
+    assert asyncio.run(across_hosts()) == ["host"]
+    assert across.calls == [(B, "migrate", "host")]
 
 
 def test_a_move_planned_as_recompute_re_prefills_and_claims_nothing() -> None:

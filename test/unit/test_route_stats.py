@@ -9,7 +9,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from sglang_kv_migration.paths.base import ROUTE_GPU_TO_GPU, ROUTE_HOST_TO_GPU, KVPoll
-from sglang_kv_migration.paths.device.path import DeviceSendJob
+from sglang_kv_migration.paths.device.send_job import TierSendJob
+from sglang_kv_migration.paths.device.source_side import DEVICE_TIER_ROUTES
 
 
 class _Event:
@@ -30,8 +31,8 @@ class _Pin:
         self.released += 1
 
 
-def _finished_job(tier_bytes: dict[str, int], tier_events: dict) -> DeviceSendJob:
-    job = DeviceSendJob(_Pin())  # type: ignore[arg-type]
+def _finished_job(tier_bytes: dict[str, int], tier_events: dict) -> TierSendJob:
+    job = TierSendJob(_Pin(), DEVICE_TIER_ROUTES)  # type: ignore[arg-type]
     job.tier_bytes = tier_bytes
     opened: Future[None] = Future()
     opened.set_result(None)

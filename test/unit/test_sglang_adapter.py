@@ -1031,6 +1031,27 @@ def test_http_tokenizer_manager_is_the_launched_servers(monkeypatch):
     assert adapter.http_tokenizer_manager() is manager
 
 
+def test_generate_requests_in_flight_reads_the_tokenizer_managers_request_states():
+    """SGLang's tokenizer manager keeps one `rid_to_state` entry per generate request
+    from its send to the scheduler until it finished (read from its source: building one
+    needs a model), and the test reads the dict as it is now."""
+    import inspect
+
+    from sglang.srt.managers import tokenizer_manager as module
+
+    source = inspect.getsource(module.TokenizerManager)
+    assert "self.rid_to_state: Dict[str, ReqState] = {}" in source
+    assert "self.rid_to_state[rid] = state" in source
+    assert "del self.rid_to_state[" in source
+    manager = SimpleNamespace(rid_to_state={})
+    busy = adapter.generate_requests_in_flight(manager)
+    assert not busy()
+    manager.rid_to_state["r1"] = object()
+    assert busy()
+    manager.rid_to_state = {}  # were it ever replaced, the test reads the new one
+    assert not busy()
+
+
 @pytest.mark.parametrize(("attention", "page_size"), CONFIGS, ids=CONFIG_IDS)
 def test_host_headroom_is_what_a_host_allocate_can_claim(harness_factory, attention, page_size):
     """The headroom a planner reads (free plus evictable host slots) is exactly the most

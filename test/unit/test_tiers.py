@@ -23,7 +23,8 @@ from sglang_kv_migration.paths import verify
 from sglang_kv_migration.paths.base import KVPoll, NothingWritten, SendRange
 from sglang_kv_migration.paths.device import tiers
 from sglang_kv_migration.paths.device.page_copy import PageGeometry
-from sglang_kv_migration.paths.device.path import DevicePath, TierPin, prepare_tiered_send
+from sglang_kv_migration.paths.device.path import DevicePath
+from sglang_kv_migration.paths.device.source_prefix import TierPin, prepare_tiered_send
 from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
@@ -184,9 +185,9 @@ def test_any_tier_copy_moves_the_exact_bytes(harness_factory, attention, layout,
         tiered = prepare_tiered_send(h.cache, _send(tokens, start, target), page_size)
         assert tiered.plan.tokens("host") == expect_host[case]
         assert tiered.plan.tokens("device") == n - start - expect_host[case]
-        source_digest = verify.tier_pages_digest(path._digest_pieces(tiered.plan))
+        source_digest = verify.tier_pages_digest(path.copier.digest_pieces(tiered.plan))
         destination = tiers.TierBuffers.of_device(buffers, page_size)
-        tiers.copy_plan_torch(tiered.plan, path.source_tiers(), destination)
+        tiers.copy_plan_torch(tiered.plan, path.copier.source_tiers(), destination)
         landed = h.read_device_kv(target)
         assert all(
             torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -216,9 +217,9 @@ def test_an_owner_sharded_rank_copies_only_its_own_pages(harness_factory):
     assert owned == [0, 2]
     plan = tiers.owned_part(tiered.plan, owned)
     assert (plan.tokens("device"), plan.tokens("host")) == (page_size, page_size)
-    source_digest = verify.tier_pages_digest(path._digest_pieces(plan))
+    source_digest = verify.tier_pages_digest(path.copier.digest_pieces(plan))
     tiers.copy_plan_torch(
-        plan, path.source_tiers(), tiers.TierBuffers.of_device(buffers, page_size)
+        plan, path.copier.source_tiers(), tiers.TierBuffers.of_device(buffers, page_size)
     )
     landed, original = h.read_device_kv(target), _kv_slice(h, kv, start)
     for page in range(pages):
@@ -241,7 +242,7 @@ def test_wrong_host_geometry_is_caught(harness_factory, layout):
     tokens, kv = held["host"]
     target = h.allocator.alloc(len(tokens))
     tiered = prepare_tiered_send(h.cache, _send(tokens, 0, target), 16)
-    good = path.source_tiers()["host"]
+    good = path.copier.source_tiers()["host"]
     offsets, geometry = tiers.host_buffer_geometry(
         "mha", "layer_first", 2, good.num_pages, 16, good.geometry.row_bytes
     )
@@ -343,7 +344,7 @@ def test_a_partial_send_is_cut_where_the_held_prefix_ends(harness_factory):
     assert tiered.plan.tokens("device") == 16 and tiered.plan.tokens("host") == 32
     path = DevicePath(h.cache)
     destination = tiers.TierBuffers.of_device(adapter.device_kv_buffers(h.cache), 16)
-    tiers.copy_plan_torch(tiered.plan, path.source_tiers(), destination)
+    tiers.copy_plan_torch(tiered.plan, path.copier.source_tiers(), destination)
     landed = h.read_device_kv(target[: len(tokens) - 16])
     assert all(
         torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -370,4 +371,4 @@ def test_page_head_host_pool_offers_the_device_tier_only(harness_factory):
     path = DevicePath(h.cache)
     assert path.advertise()["tiers"] == ["device"]
     assert "page_head" in path.host_tier_refusal
-    assert set(path.source_tiers()) == {"device"}
+    assert set(path.copier.source_tiers()) == {"device"}

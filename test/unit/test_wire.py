@@ -37,9 +37,10 @@ def test_every_feature_constant_is_a_registered_feature_and_servers_list_them_in
         allocate_channel.FEATURE,
         known_destinations.FEATURE,
         running_slots.FEATURE,
+        features.SOURCE_DP_RANK,
     ]
     assert set(constants) <= set(features.BY_NAME)
-    assert len(features.BY_NAME) == len(features.REGISTRY) == 12
+    assert len(features.BY_NAME) == len(features.REGISTRY) == 13
     # The session info's `features` list, as servers of this version have always sent it.
     assert messages.SessionInfoReply(success=True).features == [
         "page_ranges",
@@ -50,6 +51,7 @@ def test_every_feature_constant_is_a_registered_feature_and_servers_list_them_in
         "transfer_batch",
         "dp_ranks",
         "owner_pattern",
+        "source_dp_rank",
     ]
 
 

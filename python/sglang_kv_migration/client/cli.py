@@ -132,10 +132,13 @@ keys (SGLang's rules): with only --api-key set on the servers, that key opens ev
 route; with --admin-api-key also set, the six migration routes take only the admin key.
 Pass the one your servers use, or both.
 
-subcommand:
+subcommands:
   sglang-kv-migrate rebalance --server URL --server URL [...]
      watch servers' load, or run a batch of requests and move queued ones off
      KV-pressured servers (sglang-kv-migrate rebalance --help)
+  sglang-kv-migrate demo [--tokens N]
+     a first run on this machine's CPU: two servers start, a prefix moves between
+     them, and the second serves it from cache (sglang-kv-migrate demo --help)
 """
 
 
@@ -157,8 +160,9 @@ def _parser() -> argparse.ArgumentParser:
         "--path",
         choices=("auto", *PATHS),
         default="auto",
-        help="data path: auto prefers device (same host, pages on the source's GPU) and "
-        "falls back to host; device or host pins one (fails if both servers do not offer it)",
+        help="data path: auto tries device (same host, into the target's GPU), "
+        "shared_host (same host, into its host tier) and host (Mooncake) in turn; one of "
+        "them pins it (fails unless both servers offer it)",
     )
     parser.add_argument(
         "--api-key",

@@ -10,8 +10,9 @@ description (`_migration_steps`), a generator that yields HTTP calls and receive
 JSON replies, so the sync and asyncio versions cannot drift apart.
 
 A migration: session info on both (cached per server until its epoch changes) →
-fingerprint check → what the source holds → choose the data path (device when both
-servers share a host and the pages are on the source's GPU, else host) → allocate on the
+fingerprint check → what the source holds → choose the data paths to try in turn
+(`path_choice.py`: the target's GPU, then its host tier through shared memory when both
+servers share a host, then the host path through Mooncake) → allocate on the
 target (which reports what it already holds) → transfer from the source → commit on the
 target (by the source itself when both servers list "source_commit": it hands its
 receipts to the target's mailbox on the same host, and the target commits before it
@@ -20,11 +21,11 @@ list "source_allocate" and share a host, the allocate rides in the transfer: the
 source's scheduler asks the target's allocate channel for the slots, so a migration is
 one call (`_move_in_one_trip`; on a channel error the client allocates itself). Any
 failure after allocate aborts the allocation on the target before `MigrationFailed` is
-raised; a failed device-path attempt falls back to the host path when the caller did not
-pin a path. Four round trips once session info is cached; three when both servers take
-partial transfers (feature "partial_transfer", docs/protocol.md): then the client
-allocates for the whole request without asking the source, and the transfer sends what
-the source holds of it.
+raised; a failed attempt moves on to the next path (a device path refused by a full GPU
+pool lands in the target's host tier instead) when the caller did not pin a path. Four
+round trips once session info is cached; three when both servers take partial transfers
+(feature "partial_transfer", docs/protocol.md): then the client allocates for the whole
+request without asking the source, and the transfer sends what the source holds of it.
 """
 
 from __future__ import annotations
@@ -42,9 +43,20 @@ import orjson
 from sglang_kv_migration import binary_ids
 from sglang_kv_migration.client import aio_http11, http11
 from sglang_kv_migration.client.batch import Move, lockstep
-from sglang_kv_migration.fingerprint import CP_SHARDED, LayoutFingerprint
+from sglang_kv_migration.client.path_choice import (
+    DEVICE,
+    HOST,
+    LANDING_TIERS,
+    PATHS,
+    SAME_HOST_PATHS,
+    NoCommonPath,
+    common_paths,
+    path_order,
+    reads_host_tier,
+    target_entry,
+)
+from sglang_kv_migration.fingerprint import CP_SHARDED, LayoutFingerprint, explain
 from sglang_kv_migration.grants import destination_digest
-from sglang_kv_migration.targets import HostTarget
 from sglang_kv_migration.wire import bodies
 from sglang_kv_migration.wire.convert import build, from_dict, to_wire
 from sglang_kv_migration.wire.features import (
@@ -57,6 +69,7 @@ from sglang_kv_migration.wire.features import (
     PARTIAL_TRANSFER,
     SOURCE_ALLOCATE,
     SOURCE_COMMIT,
+    SOURCE_DP_RANK,
 )
 from sglang_kv_migration.wire.messages import (
     AllocateReply,
@@ -90,7 +103,8 @@ class MigrationResult:
     matched_after_commit: int  # prefix the target can now serve from cache
     timings: dict[str, float] = field(default_factory=dict)
     path: str = ""  # the data path that moved the pages ("" when nothing moved)
-    fallback_reason: str = ""  # why the device path was not (or not successfully) used
+    # Why the paths auto prefers were not (or not successfully) used.
+    fallback_reason: str = ""
     copy_seconds: float = 0.0  # time the data path spent moving bytes, on the source
     # Host path, per rank: how each write was shaped ("direct", "gather", "staged") and
     # how many transfer-engine entries all ranks' writes needed together.
@@ -112,6 +126,9 @@ class MigrationResult:
     # Feature "dp_ranks": the target's data-parallel rank that holds the migrated KV
     # (None: a server with one). Send the continuation there: `routed_dp_rank`.
     target_dp_rank: int | None = None
+    # Where the pages landed on the target: "gpu" (device path) or "host" (its host
+    # tier: the shared_host and host paths), "" when nothing moved.
+    landing_tier: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -250,10 +267,11 @@ class MigrationClient:
     ) -> MigrationResult:
         """Move the KV of the longest prefix of `input_ids` the source holds.
 
-        `path`: None/"auto" prefers the device path (same host; pages on the source's
-        GPU or, where it reads them in place, its host pool) and falls back to the host
-        path, recording why in `fallback_reason`;
-        "device" or "host" uses only that path. `verify`: the target checks a digest of
+        `path`: None/"auto" tries the device path (same host; pages on the source's
+        GPU or, where it reads them in place, its host pool), then the shared_host path
+        (same host: into the target's host tier, e.g. when its GPU pool is full), then
+        the host path, recording why in `fallback_reason`; "device", "shared_host" or
+        "host" uses only that path. `verify`: the target checks a digest of
         what landed against the source's before inserting (a mismatch fails the commit
         with 409 and inserts nothing); costs one hash pass over the bytes on each side.
         `held`: the source's `/get_request_extra_token_size` reply for these `input_ids`
@@ -447,7 +465,8 @@ class AsyncMigrationClient:
 # --------------------------------------------------------------------------- protocol
 
 _Reply = tuple[int | None, Any]  # (HTTP status or None on a connection error, JSON/text)
-PATHS = ("device", "host")
+# `error_kind` of a server's refusal of a write or commit for its grant or receipts.
+FORBIDDEN_KIND = "forbidden"
 # The phases whose names are also wire fields (`MigrationResult.timings` keys).
 SIZE_QUERY = "extra_token_size"
 ALLOCATE = "allocate"
@@ -731,39 +750,41 @@ def _attempt(
     if not prefix:
         return _result(plan, "", AllocateReply(success=True), None, None, "", "")
 
-    chosen, reason = _choose_path(path, source_info, target_info, held)
-    return (yield from _move_with_fallback(plan, path, chosen, reason))
+    order, reason = _path_order(path, source_info, target_info, held)
+    return (yield from _move_with_fallback(plan, order, reason))
 
 
 def _move_with_fallback(
-    plan: _Plan, requested: str | None, chosen: str, reason: str
+    plan: _Plan, order: list[str], reason: str
 ) -> Generator[_Call, _Reply, MigrationResult]:
-    """Move on `chosen`; a failed device-path move falls back to the host path unless
-    the caller pinned the path."""
-    try:
-        return (yield from _move_in_rounds(plan, chosen, reason))
-    except MigrationFailed as failure:
-        if (
-            requested in (None, "auto")
-            and chosen == "device"
-            and "host" in _common_paths(plan.source_info, plan.target_info)
-        ):
-            reason = f"device path failed at {failure.phase}: {failure.message}"
-            return (yield from _move(plan, "host", reason))
-        raise
+    """Move on each path of `order` in turn until one succeeds (`path_choice.py`; one
+    path when the caller pinned it); each failure is rolled back and said in the next
+    attempt's `fallback_reason`."""
+    for path in order[:-1]:
+        try:
+            return (yield from _move_in_rounds(plan, path, reason))
+        except MigrationFailed as failure:
+            failed = f"{path} path failed at {failure.phase}: {failure.message}"
+            reason = f"{reason}; {failed}" if reason else failed
+    return (yield from _move_in_rounds(plan, order[-1], reason))
 
 
 def _partial_ok(
     requested: str | None, source_info: SessionInfoReply, target_info: SessionInfoReply
 ) -> bool:
-    """Skip the source's size query: both servers take partial transfers, and the path
+    """Skip the source's size query: both servers take partial transfers, the path
     does not depend on where the source holds the pages (a source whose device path
-    reads only its GPU would need the query to fall back to the host path up front)."""
+    reads only its GPU would need the query to fall back to the host path up front),
+    and the grants need not name a DP rank of the source (feature "source_dp_rank")."""
     if not _both_list(source_info, target_info, PARTIAL_TRANSFER):
         return False
-    if requested in PATHS or "device" not in _common_paths(source_info, target_info):
+    if source_info.dp_size > 1 and SOURCE_DP_RANK in target_info.features:
+        # Ask which DP rank of the source holds the prefix: the grants then name it.
+        return False
+    if requested in PATHS:
         return True
-    return all("host" in r.paths["device"].get("tiers", ()) for r in source_info.ranks)
+    common = common_paths(source_info, target_info)
+    return all(reads_host_tier(p, source_info) for p in SAME_HOST_PATHS if p in common)
 
 
 def _move(
@@ -902,7 +923,7 @@ def _move_in_rounds(
     """`_move`, in rounds when the target's device-path writes land in a landing arena
     smaller than the prefix (memory saver): each round migrates a longer prefix, whose
     start the target holds from the round before, so each moves at most one arena."""
-    limit = _landing_tokens(plan.target_info) if path == "device" else 0
+    limit = _landing_tokens(plan.target_info) if path == DEVICE else 0
     if not limit or len(plan.prefix) <= limit:
         return (yield from _move(plan, path, fallback_reason))
     results: list[MigrationResult] = []
@@ -936,7 +957,7 @@ def _move_in_rounds(
 def _landing_tokens(target_info: SessionInfoReply) -> int:
     """The fewest tokens a target rank's landing arena holds (0: writes go to the pool)."""
     ranks = target_info.ranks
-    return min((r.paths["device"].get("landing_tokens", 0) for r in ranks), default=0)
+    return min((r.paths[DEVICE].get("landing_tokens", 0) for r in ranks), default=0)
 
 
 def _allocate_fields(plan: _Plan, path: str, model: type[A]) -> A:
@@ -955,6 +976,12 @@ def _allocate_fields(plan: _Plan, path: str, model: type[A]) -> A:
     if BOUND_GRANTS in plan.target_info.features:
         # Name the source, so only it may use the grant.
         body.source_instance = plan.source_info.instance_id
+    if plan.source_dp_rank is not None and SOURCE_DP_RANK in plan.target_info.features:
+        # Name the source's DP rank too: only its scheduler claims the grants, and the
+        # target takes receipts naming them from no other. (An allocate the source
+        # forwards has no such field: only single-rank sources forward one.)
+        if isinstance(body, bodies.AllocateBody):
+            body.source_dp_rank = plan.source_dp_rank
     if _can_stage(plan, path):
         body.staging = True
     if plan.verify:
@@ -999,7 +1026,7 @@ def _one_trip_call(plan: _Plan, path: str, digest: str = "") -> _Call:
     body = build(
         bodies.TransferBody,
         extra_key=plan.extra_key,
-        target_per_rank=[_target_entry(plan.target_info.ranks[0], path, digest)],
+        target_per_rank=[target_entry(plan.target_info.ranks[0], path, digest)],
         allocate_on_target=build(
             bodies.AllocateOnTargetBody,
             address=channel["address"],
@@ -1114,6 +1141,7 @@ def _result(
         steps_ms=plan.steps,
         source_committed=source_committed,
         target_dp_rank=allocation.dp_rank,
+        landing_tier=LANDING_TIERS.get(path, ""),
     )
 
 
@@ -1146,11 +1174,17 @@ def _check_epoch(url: str, info: SessionInfoReply, epoch: str) -> None:
         raise _StaleSession(url)
 
 
-def _common_paths(source_info: SessionInfoReply, target_info: SessionInfoReply) -> list[str]:
-    """Paths every rank of both servers offers, in the source's order of preference."""
-    ranks = [*source_info.ranks, *target_info.ranks]
-    order = list(source_info.ranks[0].paths or {"host": {}})
-    return [p for p in order if all(p in (r.paths or {"host": {}}) for r in ranks)]
+def _path_order(
+    requested: str | None,
+    source_info: SessionInfoReply,
+    target_info: SessionInfoReply,
+    held: ExtraTokenSizeReply,
+) -> tuple[list[str], str]:
+    """`path_choice.path_order`, its refusal a failed migration."""
+    try:
+        return path_order(requested, source_info, target_info, held)
+    except NoCommonPath as e:
+        raise MigrationFailed("session_info", str(e)) from None
 
 
 def _choose_path(
@@ -1159,25 +1193,9 @@ def _choose_path(
     target_info: SessionInfoReply,
     held: ExtraTokenSizeReply,
 ) -> tuple[str, str]:
-    """(path, why the preferred device path was not taken: "" if it was)."""
-    common = _common_paths(source_info, target_info)
-    if requested in PATHS:
-        if requested not in common:
-            raise MigrationFailed(
-                "session_info",
-                f"path {requested!r} is not offered by both servers (common: "
-                f"{', '.join(common) or 'none'})",
-            )
-        return requested, ""
-    if "device" in common:
-        reason = _device_refusal(source_info, target_info, held)
-        if not reason:
-            return "device", ""
-    else:
-        reason = "device path not offered by both servers"
-    if "host" not in common:
-        raise MigrationFailed("session_info", f"no common data path: {reason}")
-    return "host", reason
+    """(the path tried first, why the ones auto prefers were left out: "" if none was)."""
+    order, reason = _path_order(requested, source_info, target_info, held)
+    return order[0], reason
 
 
 def predict_path(
@@ -1195,23 +1213,6 @@ def predict_path(
         return ""
 
 
-def _device_refusal(
-    source_info: SessionInfoReply, target_info: SessionInfoReply, held: ExtraTokenSizeReply
-) -> str:
-    hosts = {r.paths["device"]["host_identity"] for r in source_info.ranks}
-    hosts |= {r.paths["device"]["host_identity"] for r in target_info.ranks}
-    if len(hosts) != 1:
-        return "servers are on different hosts"
-    host_only = held.matched_token_size - held.device_token_size
-    # A source that reads its host pool in place (`tiers` lists "host") sends host-only
-    # pages on the device path too; sources without that tier read device pages only.
-    if host_only > 0 and not all(
-        "host" in r.paths["device"].get("tiers", ()) for r in source_info.ranks
-    ):
-        return f"source holds {host_only} of the tokens on host only (it reads device pages only)"
-    return ""
-
-
 def _targets(
     target_info: SessionInfoReply, allocation: AllocateReply, path: str, digest: str = ""
 ) -> list[bodies.TargetRankBody]:
@@ -1219,7 +1220,7 @@ def _targets(
     entries = []
     for rank in _dp_rank_ranks(target_info, allocation.dp_rank):
         granted = slots[(rank.tp_rank, rank.pp_rank)]
-        entry = _target_entry(rank, path, digest)
+        entry = target_entry(rank, path, digest)
         entry.grant = granted.grant
         # Runs when the target sent them (both servers speak "page_ranges"), else pages.
         if granted.kv_page_ranges:
@@ -1240,29 +1241,6 @@ def _dp_rank_ranks(info: SessionInfoReply, dp_rank: int | None) -> list[RankSess
     return [r for r in info.ranks if r.dp_rank == dp_rank]
 
 
-def _target_entry(rank: RankSessionInfo, path: str, digest: str = "") -> bodies.TargetRankBody:
-    """A transfer's target rank entry without its slots and grant: where to write (a
-    device destination by its digest when `digest` is given)."""
-    entry = build(
-        bodies.TargetRankBody,
-        tp=rank.tp_rank,
-        pp=rank.pp_rank,
-        path=path,
-        fingerprint=rank.fingerprint,
-    )
-    if path == "device" and digest:
-        entry.device_kv_digest = digest
-    elif path == "device":
-        entry.device_kv = rank.paths["device"]
-    else:
-        host = HostTarget.from_wire(rank.paths["host"])
-        entry.session_id = host.session_id
-        entry.host_kv_data_ptrs = host.host_kv_data_ptrs
-        entry.host_kv_data_lens = host.host_kv_data_lens
-        entry.host_kv_item_lens = host.host_kv_item_lens
-    return entry
-
-
 def _both_list(source_info: SessionInfoReply, target_info: SessionInfoReply, feature: str) -> bool:
     """Both servers' session info lists `feature`."""
     return feature in source_info.features and feature in target_info.features
@@ -1278,7 +1256,7 @@ def _index_format(plan: _Plan) -> str:
 def _can_stage(plan: _Plan, path: str) -> bool:
     """Ask the target for staging extents only when every source rank can write them and
     every target rank has an arena (servers without either never see the field)."""
-    if path != "host":
+    if path != HOST:
         return False
     sources, targets = plan.source_info.ranks, plan.target_info.ranks
     return all(r.stage_writer for r in sources) and all(r.staging_region for r in targets)
@@ -1309,10 +1287,12 @@ def _checked(call: _Call, status: int | None, payload: Any) -> dict[str, Any]:
     """The JSON reply of a successful call, else `MigrationFailed` naming the phase."""
     if status is None:
         raise MigrationFailed(call.phase, f"{call.url}{call.path}: {payload}")
-    if status in (401, 403):
+    common = _parsed(Reply, payload)
+    # A 403 of ours (a write refused for its grant, `error_kind` "forbidden") is this
+    # migration's failure, rolled back like any other; SGLang's refusal of a key is not.
+    if status in (401, 403) and (common is None or common.error_kind != FORBIDDEN_KIND):
         message = f"{call.url}{call.path} refused the key: {payload}; {auth_hint(call.path)}"
         raise AuthFailed(call.phase, route_of(call.path), message, status)
-    common = _parsed(Reply, payload)
     if status >= 300 or common is None or not common.success:
         message = common.message if common is not None and common.message else payload
         failure = MigrationFailed(call.phase, f"{call.url}{call.path}: {message}", status)
@@ -1364,7 +1344,7 @@ def _check_compatible(source_info: SessionInfoReply, target_info: SessionInfoRep
         target_fp = LayoutFingerprint.from_dict(target_ranks[position].fingerprint)
         mismatch = source_fp.first_mismatch(target_fp)
         if mismatch is not None:
-            raise MigrationFailed("session_info", f"KV layouts differ: {mismatch}")
+            raise MigrationFailed("session_info", f"KV layouts differ: {explain(mismatch)}")
 
 
 _JSON = {"Content-Type": "application/json"}

@@ -24,11 +24,9 @@ moment later in the same process; with `--enable-kv-migration` off our hooks ret
 
 from __future__ import annotations
 
-import importlib.abc
 import logging
-import sys
-from collections.abc import Callable
-from typing import Any
+
+from sglang_kv_migration.import_hooks import after_import
 
 logger = logging.getLogger(__name__)
 
@@ -44,56 +42,8 @@ def load_sglang_plugins() -> None:
 
 def install() -> None:
     """Load SGLang's plugins now if its HTTP server is imported, else right after it is.
-    Idempotent."""
-    if HTTP_SERVER_MODULE in sys.modules:
-        _load_quietly()
-    elif not any(isinstance(f, AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, AfterImport(HTTP_SERVER_MODULE, _load_quietly))
-
-
-class AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `callback` once, after module `name` has executed; finds nothing itself (the
-    finders behind it find the module, and its loader is wrapped)."""
-
-    def __init__(self, name: str, callback: Callable[[], None]):
-        self.name = name
-        self.callback = callback
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _ThenLoader(spec.loader, self._done)
-                return spec
-        return None
-
-    def _done(self) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        self.callback()
-
-
-class _ThenLoader(importlib.abc.Loader):
-    """`loader`, calling `then()` after the module executed (not when it raised)."""
-
-    def __init__(self, loader: Any, then: Callable[[], None]):
-        self.loader = loader
-        self.then = then
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self.loader.exec_module(module)
-        self.then()
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ...: the loader's
-        return getattr(self.loader, name)
+    Idempotent (`load_plugins` is)."""
+    after_import(HTTP_SERVER_MODULE, _load_quietly)
 
 
 def _load_quietly() -> None:

@@ -1,6 +1,7 @@
 """The data paths behind one interface (`base.DataPath`): `host/` (host pool -> host pool
-through Mooncake) and `device/` (into the target's GPU through CUDA IPC, from the
-source's GPU or pinned host pool). Paths import nothing from `server/`.
+through Mooncake), `device/` (into the target's GPU through CUDA IPC, from the source's
+GPU or pinned host pool) and `shared_host/` (into the target's host pool, which a
+same-host source maps). Paths import nothing from `server/`.
 
 The server reaches them through `base` (the interfaces), `factory` (what opens and builds
 them) and the names exported here: the host path's transport settings and defaults, and

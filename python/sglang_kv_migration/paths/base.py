@@ -1,11 +1,15 @@
 """The boundary every data path implements: where migrated KV lands and how it moves.
 
-Two implementations, chosen by name (`--kv-migration-paths`, preference order):
+Three implementations, chosen by name (`--kv-migration-paths`, preference order):
 
-- `host`   (`host_path.py`): host pool -> host pool through the Mooncake Transfer Engine
+- `device` (`device/path.py`): into the target's GPU through CUDA IPC when both servers
+  share a host; commit inserts ordinary device radix nodes.
+- `shared_host` (`shared_host/path.py`): into the target's host pool, which it keeps in
+  memory a same-host source maps, written from the source's GPU or host pool at memory
+  speed (the landing when the target's GPU has no room); commit inserts host-only radix
+  nodes, which HiCache loads back as its own.
+- `host` (`host/path.py`): host pool -> host pool through the Mooncake Transfer Engine
   (RDMA across hosts, TCP without RDMA); commit inserts host-only radix nodes.
-- `device` (`device_path.py`): GPU -> GPU through CUDA IPC when both servers share a
-  host; commit inserts ordinary device radix nodes.
 
 A path plays both roles on every rank. As a **target** it reserves slots for a pending
 migration, releases them, and inserts them into the radix tree on commit; the pending
@@ -59,7 +63,8 @@ logger = logging.getLogger(__name__)
 
 HOST = "host"
 DEVICE = "device"
-PATH_NAMES: tuple[str, ...] = (DEVICE, HOST)
+SHARED_HOST = "shared_host"
+PATH_NAMES: tuple[str, ...] = (DEVICE, SHARED_HOST, HOST)
 
 # Routes a send's bytes take (`SendStats.routes`), reported on `/metrics` by these names;
 # the client's cost model (`rollout/cost_model.py`) prices each by the same names.
@@ -67,11 +72,17 @@ ROUTE_GPU_TO_GPU = "gpu_to_gpu"  # device path: pages on the source's GPU
 ROUTE_HOST_TO_GPU = "host_to_gpu"  # device path: pages only in the source's pinned host pool
 ROUTE_LANDING = "landing"  # into a landing buffer on the target's GPU, scattered from there
 ROUTE_HOST_TO_HOST = "host_to_host"  # host path: host pool -> host pool (transfer engine)
+# Shared-host path: the source's GPU pages, and its host-only pages, into the target's
+# host pool mapped in the source (both written by the source's GPU where it has one).
+ROUTE_GPU_TO_SHARED_HOST = "gpu_to_shared_host"
+ROUTE_HOST_TO_SHARED_HOST = "host_to_shared_host"
 ROUTE_NAMES: tuple[str, ...] = (
     ROUTE_GPU_TO_GPU,
     ROUTE_HOST_TO_GPU,
     ROUTE_LANDING,
     ROUTE_HOST_TO_HOST,
+    ROUTE_GPU_TO_SHARED_HOST,
+    ROUTE_HOST_TO_SHARED_HOST,
 )
 
 
@@ -383,7 +394,7 @@ def parse_path_names(spec: str | Sequence[str]) -> tuple[str, ...]:
     names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec)]
     names = [n for n in names if n]
     if not names:
-        raise ValueError("at least one data path is needed (device, host)")
+        raise ValueError(f"at least one data path is needed ({', '.join(PATH_NAMES)})")
     for n in names:
         if n not in PATH_NAMES:
             raise ValueError(f"unknown data path {n!r} (known: {', '.join(PATH_NAMES)})")

@@ -1,6 +1,6 @@
 """The data paths by name (`--kv-migration-paths`): whether each can run on a rank and
-how the server's scheduler side opens it (the one place that picks `HostPath` or
-`DevicePath`). A new path adds one row to `PATH_FACTORIES`.
+how the server's scheduler side opens it (the one place that picks `HostPath`,
+`SharedHostPath` or `DevicePath`). A new path adds one row to `PATH_FACTORIES`.
 
 Also what the server builds of a path's parts without naming `host/` or `device/`: the
 host pool's layout, the host path's staging arena (`base.TargetStaging`) and this
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath, TargetStaging
+from sglang_kv_migration.paths.base import DEVICE, HOST, SHARED_HOST, DataPath, TargetStaging
 from sglang_kv_migration.paths.host.layout import HostPoolLayout
 from sglang_kv_migration.paths.host.transport import KVTransport, TransportConfig
 
@@ -75,9 +75,24 @@ def _open_device_path(
     return DevicePath(side.ctx.tree_cache, landing_bytes=side.landing_bytes)
 
 
+def _shared_host_path_unavailable(side: RankSide, _enable_memory_saver: bool) -> str | None:
+    from sglang_kv_migration.paths.shared_host.path import shared_host_unavailable_reason
+
+    return shared_host_unavailable_reason(side.ctx.tree_cache)
+
+
+def _open_shared_host_path(
+    side: RankSide, _config: TransportConfig, _transport: KVTransport | None
+) -> DataPath:
+    from sglang_kv_migration.paths.shared_host.path import SharedHostPath
+
+    return SharedHostPath(side.ctx.tree_cache, side.layout)
+
+
 PATH_FACTORIES: dict[str, PathFactory] = {
     HOST: PathFactory(_always_available, _open_host_path),
     DEVICE: PathFactory(_device_path_unavailable, _open_device_path),
+    SHARED_HOST: PathFactory(_shared_host_path_unavailable, _open_shared_host_path),
 }
 
 
@@ -123,9 +138,15 @@ def open_staging(host_path: DataPath, layout: HostPoolLayout, nbytes: int) -> Ta
     return HostStaging(layout, nbytes, host_path.transport)
 
 
+def offers_shared_host_pool(names: tuple[str, ...]) -> bool:
+    """Whether a server offering the paths `names` keeps its host pool in shared memory
+    (decided before the pool is allocated: `server/rank/hooks.py`)."""
+    return SHARED_HOST in names
+
+
 def host_identity() -> str:
     """Which machine this process runs on, as same-host peers compare it (the device
-    path's CUDA IPC and the same-host channels need one host)."""
+    path's CUDA IPC, the shared-host path and the same-host channels need one host)."""
     from sglang_kv_migration.paths.device.cuda_ipc import host_identity as identity
 
     return identity()

@@ -31,10 +31,12 @@ built with: by default the H200 numbers of `docs/benchmarks.md` / DESIGN.md (Moo
 series without it count for every path.
 
 Per path. A move is priced by the path it will take (`estimate(..., path=)`):
-`by_path[path]` where the model has one, else `migration`. By default only the device path
-has its own terms (same host: pinned host pool or GPU pages copied into the target's GPU
-slots; no load-back on the target), so a model built with one `MigrationCosts` prices the
-host path with it too. `from_metrics` learns `migration` from every series and
+`by_path[path]` where the model has one, else `migration`. By default only the two
+same-host paths have their own terms: the device path (pinned host pool or GPU pages
+copied into the target's GPU slots; no load-back on the target) and the shared-host path
+(the same pages copied into the target's host pool; HiCache's load-back at the target,
+learned as the host path's), so a model built with one `MigrationCosts` prices the host
+path with it too. `from_metrics` learns `migration` from every series and
 `by_path[p]` from series labelled ``path="p"`` of the names above (none carries one yet).
 
 Per route. `routes` holds what each route a migration's bytes can take costs — GPU -> GPU,
@@ -90,8 +92,13 @@ GPU_TO_GPU = "gpu_to_gpu"
 HOST_TO_GPU = "host_to_gpu"
 LANDING = "landing"
 HOST_TO_HOST = "host_to_host"
+# The shared-host path (one host, into the target's host pool): the source's GPU pages
+# and its host-only pages, both written by the source's GPU into the mapped pool.
+GPU_TO_SHARED_HOST = "gpu_to_shared_host"
+HOST_TO_SHARED_HOST = "host_to_shared_host"
 # `MigrationCosts.origin` of terms priced per move from the routes the bytes take.
 ROUTES = "routes"
+SHARED_HOST_PATH = "shared_host"
 
 
 @dataclass(frozen=True)
@@ -106,17 +113,22 @@ class RouteCost:
 # migration 43 ms end to end, so ~40 ms is fixed; host -> host is the host path's
 # Mooncake TCP prior (docs/benchmarks.md). The landing route is not measured yet: two
 # GPU copies at the page kernel's rate (into the buffer, then the target's scatter) and
-# one more round trip per round.
+# one more round trip per round. Neither are the shared-host routes: GPU -> host is
+# priced at 80% of the host -> GPU rate (the same PCIe link the other way), host -> host
+# at half of it (every byte crosses the link twice, once each way).
 ROUTE_PRIORS: Mapping[str, RouteCost] = {
     GPU_TO_GPU: RouteCost(1.7e12, 0.04),
     HOST_TO_GPU: RouteCost(51.3e9, 0.04),
     LANDING: RouteCost(0.85e12, 0.05),
     HOST_TO_HOST: RouteCost(DEFAULT_BANDWIDTH_BYTES_PER_S, DEFAULT_MIGRATION_OVERHEAD_S),
+    GPU_TO_SHARED_HOST: RouteCost(41e9, 0.04),
+    HOST_TO_SHARED_HOST: RouteCost(25.6e9, 0.04),
 }
 # The routes a path's bytes can take, the slowest first: without a size query that one
 # prices them all.
 PATH_ROUTES: Mapping[str, tuple[str, ...]] = {
     "device": (HOST_TO_GPU, GPU_TO_GPU),
+    SHARED_HOST_PATH: (HOST_TO_SHARED_HOST, GPU_TO_SHARED_HOST),
     "host": (HOST_TO_HOST,),
 }
 
@@ -155,15 +167,16 @@ class CostEstimate:
 
 
 def _default_path_costs() -> dict[str, MigrationCosts]:
-    """The device path's prior: the slower of its routes (host -> GPU) until a size query
-    says which route the bytes take (`CostModel.costs_for`)."""
-    slowest = ROUTE_PRIORS[HOST_TO_GPU]
+    """The same-host paths' priors: the slower of their routes (host -> GPU, host ->
+    shared host) until a size query says which route the bytes take
+    (`CostModel.costs_for`)."""
     return {
-        "device": MigrationCosts(
-            bandwidth_bytes_per_s=slowest.bandwidth_bytes_per_s,
-            overhead_s=slowest.overhead_s,
+        path: MigrationCosts(
+            bandwidth_bytes_per_s=ROUTE_PRIORS[PATH_ROUTES[path][0]].bandwidth_bytes_per_s,
+            overhead_s=ROUTE_PRIORS[PATH_ROUTES[path][0]].overhead_s,
             origin=ROUTES,
         )
+        for path in ("device", SHARED_HOST_PATH)
     }
 
 
@@ -267,6 +280,13 @@ class CostModel:
             # Its route measured, the host path is priced from it (load-back and bytes
             # per token stay the generic terms').
             by_path["host"] = dataclasses.replace(migration, origin=ROUTES)
+        shared = by_path.get(SHARED_HOST_PATH)
+        if shared is not None and shared.origin == ROUTES:
+            # Landed in the host pool, its pages are loaded back by HiCache like the host
+            # path's: the same load-back per token.
+            by_path[SHARED_HOST_PATH] = dataclasses.replace(
+                shared, load_back_s_per_token=migration.load_back_s_per_token
+            )
         prefill = learn_prefill_costs(target, prior=base.prefill)
         return dataclasses.replace(
             base, migration=migration, prefill=prefill, by_path=by_path, routes=routes
@@ -283,6 +303,11 @@ def route_bytes(path: str, held: ExtraTokenSizeReply, bytes_per_token: float) ->
     on_device = min(total, held.device_token_size)
     if path == "host":
         return {HOST_TO_HOST: round(total * bytes_per_token)}
+    if path == SHARED_HOST_PATH:
+        return {
+            GPU_TO_SHARED_HOST: round(on_device * bytes_per_token),
+            HOST_TO_SHARED_HOST: round((total - on_device) * bytes_per_token),
+        }
     return {
         GPU_TO_GPU: round(on_device * bytes_per_token),
         HOST_TO_GPU: round((total - on_device) * bytes_per_token),

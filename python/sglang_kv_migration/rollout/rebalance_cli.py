@@ -75,6 +75,7 @@ def main(argv: list[str]) -> int:
         max_moves_per_request=args.max_moves_per_request,
         kv_headroom=args.kv_headroom,
         device_path=args.device_path,
+        shared_host=args.shared_host,
         no_room=args.no_room,
         live=args.live,
     )
@@ -211,7 +212,7 @@ batch mode (--requests FILE): one JSON object per line,
                    "cached_tokens", "meta_info"}, ...],
      "moves": [{"rid", "source_url", "target_url", "outcome", "resumed_on",
                 "generated_before_move", "estimate", "migration", "failure",
-                "seconds", "live", "stages"}, ...]}
+                "seconds", "live", "stages", "moments"}, ...]}
     or {"success": false, "rid", "error"}
   and one summary line to stdout:
     {"requests", "finished", "rounds", "moves_started", "outcomes": {outcome: count},
@@ -219,7 +220,8 @@ batch mode (--requests FILE): one JSON object per line,
   outcome: migrated | recomputed | fell_back | finished_before_move | restarted.
   With --live, "stages" lists each copy: {"index", "while_decoding", "generated",
   "held_tokens", "migrated_tokens", "seconds", "decision", "failure", "path"}; every
-  move's "seconds" has "stall" once the resumed piece's first token arrived.
+  move's "seconds" has "stall" once the resumed piece's first token arrived, and
+  "moments" when each step happened (time.time(), the clock of SGLang's meta_info).
   A server is pressured when it has --min-waiting queued requests and its KV demand
   reaches --kv-pressure or its running slots are full; what moves is its queued
   requests (not those decoding, unless --move-running), most urgent first.
@@ -391,6 +393,13 @@ def _add_placement_options(p: argparse.ArgumentParser, policy: RebalancePolicy) 
         dest="device_path",
         action="store_false",
         help="the servers do not share a host: plan every migration into the target's host pool",
+    )
+    add(
+        "--no-shared-host",
+        dest="shared_host",
+        action="store_false",
+        help="servers on one host that do not offer the shared-host path: a move that fits "
+        "only the target's host pool goes through the host path (Mooncake)",
     )
     add(
         "--no-room",

@@ -23,13 +23,16 @@ fallback) and plans moves with `plan_moves`, a pure function:
   pages, `host_headroom_tokens` of its `/get_request_extra_token_size` reply with
   ``headroom``, asked of every unpressured server in a round with a pressured one), less
   the host claims likewise. Each move says the path it takes (`PlannedMove.path`):
-  "device" (the migration prefers the device path, falls back to the host path only if
-  that fails), "host" (pinned: it never asks the full GPU pool first), or, where
-  neither pool holds it and `no_room="recompute"`, "recompute" (re-prefill on the
-  target; with the default `no_room="wait"` it is not planned). Several moves to one
-  target thus do not together claim more than its pools had free when they were planned
-  (the target's own work may still take slots meanwhile). A pool whose size is unknown
-  (`/get_load`; a server that does not report its host headroom) is not checked;
+  "device" (the migration prefers the device path, falls back to the next path only if
+  that fails), "shared_host" (servers on one host: into the target's host pool through
+  memory both map, at memory speed; pinned: it never asks the full GPU pool first),
+  "host" (servers on two hosts, or `shared_host` off: through the host path, pinned
+  too), or, where neither pool holds it and `no_room="recompute"`, "recompute"
+  (re-prefill on the target; with the default `no_room="wait"` it is not planned).
+  Several moves to one target thus do not together claim more than its pools had free
+  when they were planned (the target's own work may still take slots meanwhile). A pool
+  whose size is unknown (`/get_load`; a server that does not report its host headroom)
+  is not checked;
 - from each pressured server (most pressured first) it moves the highest-priority live
   requests the migrator tracks there that have not produced a token yet (still queued, or
   being prefilled; `move_running` lifts this) — most recently submitted first within a
@@ -75,37 +78,9 @@ from sglang_kv_migration.rollout.request_migration import (
     MoveReport,
     RequestHandle,
 )
+from sglang_kv_migration.rollout.server_loads import ServerLoad, from_get_load, from_v1_loads
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerLoad:
-    url: str
-    num_running: int = 0
-    num_waiting: int = 0
-    used_tokens: int = 0
-    demand_tokens: int = 0  # used + prompts waiting for prefill
-    capacity_tokens: int = 0  # 0: unknown (`/get_load` does not say)
-    ok: bool = True  # False: the server did not answer
-    max_running: int = 0  # running-request slots; 0: unknown
-    # Host slots a host-path allocate could claim (free + evictable); None: unknown.
-    host_headroom_tokens: int | None = None
-
-    @property
-    def demand_ratio(self) -> float:
-        if self.capacity_tokens <= 0:
-            return 0.0
-        return self.demand_tokens / self.capacity_tokens
-
-    @property
-    def free_tokens(self) -> int | None:
-        """GPU KV slots an allocation can claim now: capacity minus what running requests
-        hold (SGLang's `num_used_tokens` counts neither free nor evictable slots, and a
-        migration's allocate evicts); None when the capacity is unknown."""
-        if self.capacity_tokens <= 0:
-            return None
-        return max(0, self.capacity_tokens - self.used_tokens)
 
 
 @dataclass(frozen=True)
@@ -138,8 +113,13 @@ class RebalancePolicy:
     # overflow a pool. False: no pool is checked and every move takes path "auto".
     kv_headroom: bool = True
     # The servers share a host and both offer the device path (a move that fits the
-    # target's GPU pool takes it). False: every migration lands in the host pool.
+    # target's GPU pool takes it). False: every migration lands in the host pool, through
+    # the host path.
     device_path: bool = True
+    # With `device_path`: both also offer the shared-host path, so a move that fits only
+    # the target's host pool lands there through shared memory; False: through the host
+    # path (Mooncake), as across hosts.
+    shared_host: bool = True
     # A move neither pool holds: "wait" (not planned; the request waits for room) or
     # "recompute" (re-prefilled on the target, whose own scheduler admits it).
     no_room: Literal["wait", "recompute"] = "wait"
@@ -187,8 +167,9 @@ class RebalancePolicy:
     def landing_path(
         self, load: ServerLoad, device_claimed: int, host_claimed: int, kv_tokens: int
     ) -> str | None:
-        """The path a move of `kv_tokens` to `load` is planned on: "device", "host",
-        "recompute", "" (`kv_headroom` off: the client chooses), or None (no room)."""
+        """The path a move of `kv_tokens` to `load` is planned on: "device",
+        "shared_host", "host", "recompute", "" (`kv_headroom` off: the client chooses),
+        or None (no room)."""
         if self.mode == "recompute":
             return RECOMPUTE  # nothing is allocated by the move itself
         if not self.kv_headroom:
@@ -196,14 +177,16 @@ class RebalancePolicy:
         if self.device_path and self.has_headroom(load, device_claimed, kv_tokens):
             return DEVICE
         if self.has_host_headroom(load, host_claimed, kv_tokens):
-            return HOST
+            return SHARED_HOST if self.device_path and self.shared_host else HOST
         return RECOMPUTE if self.no_room == "recompute" else None
 
 
-DEVICE, HOST, RECOMPUTE = "device", "host", "recompute"
-# Targets are ranked by the path a move would take there first: device before host
-# before re-prefill ("" — unchecked — ranks with device).
-_PATH_RANK = {"": 0, DEVICE: 0, HOST: 1, RECOMPUTE: 2}
+DEVICE, SHARED_HOST, HOST, RECOMPUTE = "device", "shared_host", "host", "recompute"
+# Targets are ranked by the path a move would take there first: device before the host
+# pool before re-prefill ("" — unchecked — ranks with device).
+_PATH_RANK = {"": 0, DEVICE: 0, SHARED_HOST: 1, HOST: 1, RECOMPUTE: 2}
+# The target pool each path's move claims (`plan_moves`' claims).
+_POOL_OF = {DEVICE: DEVICE, SHARED_HOST: HOST, HOST: HOST}
 
 
 class Movable(Protocol):
@@ -247,9 +230,10 @@ class PlannedMove:
     held: HeldKV | None = None  # what the source held when planned (None: not asked)
     # KV slots the move claims on the target at once: what the source holds (the
     # migration allocates it), or the whole prompt when not asked; in the target's GPU
-    # pool on path "device", its host pool on "host", none on "recompute".
+    # pool on path "device", its host pool on "shared_host" and "host", none on
+    # "recompute".
     kv_tokens: int = 0
-    path: str = ""  # DEVICE, HOST, RECOMPUTE; "": not checked (the client chooses)
+    path: str = ""  # DEVICE, SHARED_HOST, HOST, RECOMPUTE; "": not checked (client chooses)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -317,8 +301,8 @@ def plan_moves(
             )
             path = paths[target] or ""
             moves.append(PlannedMove(handle, source, target, tokens, kv, kv_tokens, path))
-            if path in claims:
-                claims[path][target] += kv_tokens
+            if path in _POOL_OF:
+                claims[_POOL_OF[path]][target] += kv_tokens
             state[source] = _shift(state[source], -1, -tokens)
             state[target] = _shift(state[target], +1, +tokens)
     return moves
@@ -449,7 +433,7 @@ class Rebalancer:
             mode: MoveMode = "recompute" if move.path == RECOMPUTE else self.policy.mode
             # A move planned into the host pool goes there directly: asking the full GPU
             # pool first would only be refused.
-            path = HOST if move.path == HOST else None
+            path = move.path if move.path in (SHARED_HOST, HOST) else None
             report = await self.migrator.move_request(
                 handle, move.target_url, mode=mode, path=path, live=self.policy.live
             )
@@ -470,8 +454,8 @@ class Rebalancer:
 
     def _claims_of(self, move: PlannedMove) -> Counter[str] | None:
         """The claims a move counts in: device ("" too: unchecked moves usually land
-        there), host, or none (re-prefill)."""
-        if move.path == HOST:
+        there), host (shared_host and host), or none (re-prefill)."""
+        if _POOL_OF.get(move.path) == HOST:
             return self._claimed_host
         return None if move.path == RECOMPUTE else self._claimed
 
@@ -532,13 +516,13 @@ class Rebalancer:
     async def _load(self, url: str) -> ServerLoad:
         try:
             reply = await self.migrator.get_json(url, "/v1/loads?include=core")
-            return _from_v1_loads(url, reply["loads"])
+            return from_v1_loads(url, reply["loads"])
         except AuthFailed:
             raise
         except Exception as e:  # older server or a hiccup: try the legacy route
             logger.debug("%s/v1/loads: %s", url, e)
         try:
-            return _from_get_load(url, await self.migrator.get_json(url, "/get_load"))
+            return from_get_load(url, await self.migrator.get_json(url, "/get_load"))
         except AuthFailed:
             raise
         except Exception as e:  # an unreachable server is reported, not raised
@@ -569,26 +553,4 @@ def _shift(load: ServerLoad, waiting: int, tokens: int) -> ServerLoad:
         load,
         num_waiting=max(0, load.num_waiting + waiting),
         demand_tokens=max(0, load.demand_tokens + tokens),
-    )
-
-
-def _from_v1_loads(url: str, loads: list[dict[str, Any]]) -> ServerLoad:
-    return ServerLoad(
-        url,
-        num_running=sum(d["num_running_reqs"] for d in loads),
-        num_waiting=sum(d["num_waiting_reqs"] for d in loads),
-        used_tokens=sum(d["num_used_tokens"] for d in loads),
-        demand_tokens=sum(d["num_total_tokens"] for d in loads),
-        capacity_tokens=sum(d.get("max_total_num_tokens", 0) for d in loads),
-        max_running=sum(d.get("max_running_requests", 0) for d in loads),
-    )
-
-
-def _from_get_load(url: str, loads: list[dict[str, Any]]) -> ServerLoad:
-    return ServerLoad(
-        url,
-        num_running=sum(d["num_reqs"] - d["num_waiting_reqs"] for d in loads),
-        num_waiting=sum(d["num_waiting_reqs"] for d in loads),
-        used_tokens=sum(d["num_tokens"] - d["num_pending_tokens"] for d in loads),
-        demand_tokens=sum(d["num_tokens"] for d in loads),
     )

@@ -83,12 +83,12 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Coroutine, Iterable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
 import httpx
-import orjson
 
 from sglang_kv_migration.client.migration import (
     SIZE_QUERY,
@@ -110,6 +110,14 @@ from sglang_kv_migration.rollout.cost_model import (
     bytes_per_token_from_session_info,
 )
 from sglang_kv_migration.rollout.dp_routing import routed_body
+from sglang_kv_migration.rollout.generate_stream import (
+    JSON_HEADERS,
+    GenerateFailed,
+    PieceProgress,
+    encoded_body,
+    read_generate_stream,
+    wall_clock,
+)
 from sglang_kv_migration.wire.convert import from_dict
 from sglang_kv_migration.wire.messages import ExtraTokenSizeReply, SessionInfoReply
 
@@ -229,7 +237,10 @@ class MoveReport:
     for a live move `live` (the stages while decoding); `last_token_to_stop` (from the
     source's last streamed token to its call's return: the part of the stall the abort
     causes) when the call is the migrator's; `stall` is added once the resumed piece's
-    first token arrives (see `stall_s`)."""
+    first token arrives (see `stall_s`). `moments`: when each step happened, by
+    `time.time()` (SGLang's `meta_info` clock): ``stop_sent``, ``last_source_token``,
+    ``stop_returned``, ``last_copy_done`` (a live move's last copy while decoding), and
+    once the resumed piece's first token arrives ``resume_sent`` and ``first_token``."""
 
     rid: str  # the request's original rid
     source_url: str
@@ -243,6 +254,7 @@ class MoveReport:
     seconds: dict[str, float] = field(default_factory=dict)
     live: bool = False  # asked for a live move (`stages` says what each copy did)
     stages: list[Stage] = field(default_factory=list)
+    moments: dict[str, float] = field(default_factory=dict)
 
     @property
     def stall_s(self) -> float | None:
@@ -283,85 +295,14 @@ class RequestOutput:
         }
 
 
-class GenerateFailed(Exception):
-    """A `/generate` call answered with an error status or could not be sent."""
-
-
 class GatewayRouting(Protocol):
-    """A gateway in front of the workers (`integrations.gateway.ModelGateway`): `route`
-    says where to POST `path` so that it reaches `worker_url`, with which headers; the
-    route's `check(headers)` raises when another worker answered, and `lines(response)`
-    yields the worker's reply."""
+    """A gateway in front of the workers (`integrations.gateway.ModelGateway`): `stream`
+    POSTs through it to the worker `worker_url` names and yields that worker's reply (its
+    `status_code`, `aread()` and `aiter_lines()`, as a streamed httpx response has)."""
 
-    async def route(self, worker_url: str, path: str = "/generate") -> Any: ...
-
-
-@dataclass
-class PieceProgress:
-    """What the migrator saw of one piece's streamed `/generate` so far (times are
-    `time.monotonic()`); `on_first_token` is called with the first token's time."""
-
-    first_token_at: float | None = None  # time.monotonic() of the first output token
-    tokens: int = 0
-    last_token_at: float | None = None  # when the last new output token arrived
-    output_ids: list[int] = field(default_factory=list)  # the piece's output so far
-    on_first_token: Callable[[float], None] | None = None
-
-    def saw(self, output_ids: list[int]) -> None:
-        """One chunk was folded: `output_ids` is the whole output so far."""
-        if len(output_ids) > self.tokens:
-            now = time.monotonic()
-            self.last_token_at = now
-            if self.first_token_at is None:
-                self.first_token_at = now
-                if self.on_first_token is not None:
-                    self.on_first_token(now)
-        self.tokens = len(output_ids)
-        self.output_ids = output_ids
-
-
-async def read_generate_stream(
-    lines: AsyncIterator[str], progress: PieceProgress, where: str
-) -> dict[str, Any]:
-    """Fold SGLang's server-sent events for one request into the non-streaming reply.
-
-    Chunks carry every output id so far, or only the new ones when the server runs with
-    ``--incremental-streaming-output``, and an abort's chunk repeats the last token;
-    ``meta_info.completion_tokens`` (the running total) tells which. The last chunk's
-    ``meta_info`` is the reply's. Without
-    incremental output each chunk repeats the whole output, so long generations cost the
-    server O(n^2) bytes: servers that stream long outputs should enable it.
-    """
-    last: dict[str, Any] | None = None
-    output_ids: list[int] = []
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[len("data:") :].strip()
-        if data == "[DONE]":
-            break
-        chunk = orjson.loads(data)
-        if "error" in chunk:
-            raise GenerateFailed(f"{where}: {chunk['error']}")
-        ids = chunk.get("output_ids") or []
-        total = (chunk.get("meta_info") or {}).get("completion_tokens")
-        if total is None or len(output_ids) + len(ids) == total:
-            output_ids.extend(ids)  # only the new tokens
-        elif len(ids) == total:
-            output_ids = list(ids)  # the whole output so far
-        elif len(output_ids) >= total:
-            # An abort's chunk repeats the last token it already sent: nothing new.
-            del output_ids[total:]
-        else:
-            raise GenerateFailed(
-                f"{where}: a chunk of {len(ids)} ids after {len(output_ids)} does not make "
-                f"completion_tokens={total}"
-            )
-        progress.saw(output_ids)
-        last = chunk
-    if last is None:
-        raise GenerateFailed(f"{where}: the stream ended without a reply")
-    return {**last, "output_ids": output_ids}
+    def stream(
+        self, http: Any, worker_url: str, body: Any, headers: Any
+    ) -> AbstractAsyncContextManager[Any]: ...
 
 
 class RequestHandle:
@@ -676,6 +617,7 @@ class AsyncRequestMigrator:
         move.stop_started = time.monotonic()
         reply = await self._stop(handle)
         move.seconds["abort"] = time.perf_counter() - t0
+        move.stop_returned = time.monotonic()
         move.last_source_token = handle.last_token_at
         if move.last_source_token is not None:  # the part of the stall before the stop
             move.seconds["last_token_to_stop"] = time.monotonic() - move.last_source_token
@@ -1031,6 +973,9 @@ class AsyncRequestMigrator:
 
         def first_token(at: float) -> None:
             report.seconds["stall"] = max(0.0, at - since)
+            report.moments["first_token"] = wall_clock(at)
+            if progress.sent_at is not None:
+                report.moments["resume_sent"] = wall_clock(progress.sent_at)
 
         progress = PieceProgress(on_first_token=first_token)
         move.handle.resume_on(url, rest, kind, self._generate(url, rest, progress), progress)
@@ -1042,26 +987,24 @@ class AsyncRequestMigrator:
         """One piece's `/generate`, streamed so that `progress` learns when its first token
         arrives (SGLang publishes no per-request queue state); returns what the same call
         without streaming would have returned."""
-        body = {**request.body(), "stream": True}
-        where = f"{url}/generate"
+        body = encoded_body({**request.body(), "stream": True})
+        where = url.rstrip("/") + "/generate"
         try:
-            headers = self.keys.headers("/generate")
-            post_to, route = url.rstrip("/") + "/generate", None
-            if self.gateway is not None:  # through the gateway, pinned to `url`
-                route = await self.gateway.route(url)
-                post_to, headers = route.url, {**headers, **route.headers}
-                where = f"{url}/generate via {route.url}"
-            async with self._http.stream("POST", post_to, json=body, headers=headers) as r:
+            headers = {**JSON_HEADERS, **self.keys.headers("/generate")}
+            progress.sent_at = time.monotonic()
+            if self.gateway is None:
+                opened = self._http.stream("POST", where, content=body, headers=headers)
+            else:  # through the gateway, pinned to `url` (resolved and checked there)
+                opened = self.gateway.stream(self._http, url, body, headers)
+                where += " via the gateway"
+            async with opened as r:
                 if r.status_code >= 300:
                     text = (await r.aread()).decode(errors="replace")
                     hint = ""
                     if r.status_code in (401, 403):
                         hint = f" (sent {self.keys.sent('/generate')}; {auth_hint('/generate')})"
                     raise GenerateFailed(f"{where}: HTTP {r.status_code}: {text[:500]}{hint}")
-                if route is None:
-                    return await read_generate_stream(r.aiter_lines(), progress, where)
-                route.check(r.headers)
-                return await read_generate_stream(route.lines(r), progress, where)
+                return await read_generate_stream(r.aiter_lines(), progress, where)
         except httpx.HTTPError as e:
             raise GenerateFailed(f"{where}: {type(e).__name__}: {e}") from e
 
@@ -1135,9 +1078,12 @@ class _Move:
     migration: MigrationResult | None = None
     estimate: CostEstimate | None = None
     failure: str = ""
-    # time.monotonic() of the source's last streamed token, and of the stop's start.
+    # time.monotonic() of the source's last streamed token, of the stop's start and
+    # return, and of the end of the last copy while decoding.
     last_source_token: float | None = None
     stop_started: float | None = None
+    stop_returned: float | None = None
+    last_copy_done: float | None = None
 
     def add_stage(
         self,
@@ -1170,6 +1116,7 @@ class _Move:
         self.target_has = result.matched_after_commit
         self.migration = result
         self.add_stage(True, generated, started, result)
+        self.last_copy_done = time.monotonic()
 
     def failed_while_decoding(
         self, which: str, generated: list[int], started: float, failure: Exception
@@ -1194,10 +1141,21 @@ class _Move:
             resumed_on=resumed_on,
             generated_before_move=generated,
             seconds=dict(self.seconds),
+            moments=self.moments(),
             **kw,
         )
         self.handle.moves.append(report)
         return report
+
+    def moments(self) -> dict[str, float]:
+        """The move's moments so far, by `time.time()` (see `MoveReport`)."""
+        stamps = {
+            "stop_sent": self.stop_started,
+            "last_source_token": self.last_source_token,
+            "stop_returned": self.stop_returned,
+            "last_copy_done": self.last_copy_done,
+        }
+        return {name: wall_clock(at) for name, at in stamps.items() if at is not None}
 
 
 # --------------------------------------------------------------------------- sync facade

@@ -17,6 +17,7 @@ from typing import Any
 from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.paths.factory import open_paths
 from sglang_kv_migration.server.diag.rank_diagnostics import RankDiagnostics
+from sglang_kv_migration.server.model_identity import server_model_identity
 from sglang_kv_migration.server.rank.context import RankContext
 from sglang_kv_migration.server.rank.dispatch import Dispatch
 from sglang_kv_migration.server.rank.identity import RankIdentity, open_identity
@@ -39,6 +40,7 @@ def compose_for_scheduler(scheduler: Any) -> MigrationSchedulerSide:
     unsupported = sglang_adapter.cache_unsupported(view.tree_cache)
     if unsupported is not None:
         raise RuntimeError(unsupported)
+    model, model_name = server_model_identity(sglang_adapter.effective_server_args(args))
     ctx = RankContext(
         tree_cache=view.tree_cache,
         tp_rank=view.tp_rank,
@@ -47,11 +49,13 @@ def compose_for_scheduler(scheduler: Any) -> MigrationSchedulerSide:
         pp_size=view.pp_size,
         # Handlers gather over the stage's TP ranks; each stage replies for itself.
         cpu_group=view.tp_cpu_group,
-        model=sglang_adapter.effective_server_args(args).served_model_name,
+        model=model,
+        model_name=model_name,
         send_output=view.send_output,
         world_group=view.world_cpu_group,
         # Every DP rank of one launch shares the server's identity (`server_epoch`).
         launch_id=args.kv_migration_launch_id if view.dp_size > 1 else "",
+        dp_rank=view.dp_rank,
     )
     settings = settings_from_server_args(
         args,

@@ -6,6 +6,8 @@ ranks, Engine) and then applies the hooks. Each hook returns at once when
 
 Hooks (targets are named in `sglang_adapter/hook_targets.py`):
 - REPLACE `ServerArgs` with `KVMigrationServerArgs`: our CLI flags and their checks;
+  the same for `Engine.server_args_class`, which `sglang.Engine(**kwargs)` builds its
+  args with (bound when the class was defined, so the first REPLACE misses it);
 - AFTER `Scheduler.init_ipc_channels`: later PP stages get a socket to the tokenizer;
 - AFTER `Scheduler.init_request_dispatcher`: add the six handlers on every rank;
 - BEFORE `Scheduler.process_input_requests`: commit what sources delivered to the
@@ -17,17 +19,23 @@ Hooks (targets are named in `sglang_adapter/hook_targets.py`):
   SGLang's idle memory-leak check holds;
 - AROUND `Scheduler.maybe_sleep_on_idle`: with `--sleep-on-idle`, keep the loop awake
   while a migration is in flight or pending (its replies come from the poll);
+- AROUND `Scheduler.init_cache_with_memory_pool` and AROUND
+  `memory_pool_host.get_allocator_from_storage`: a server that offers the shared-host
+  path builds its host KV pool in shared memory;
 - AFTER `TokenizerControlMixin.init_communicators`: one communicator per operation;
 - BEFORE `http_server.launch_server`: check that every hook above is installed, then add
   the HTTP routes to SGLang's FastAPI app;
 - BEFORE `Engine._launch_subprocesses`: the same, in a process that imported SGLang's HTTP
   server but starts the engine without `launch_server` (verl serves SGLang's `app` with
-  its own uvicorn; `integrations/verl_plugin.py` loads the plugins there in time).
+  its own uvicorn; `integrations/verl_plugin.py` loads the plugins there in time);
+- only with `SGLANG_KV_MIGRATION_MOMENTS_DIR` set, AROUND the methods a request passes
+  through (`server/diag/request_moments.py`): a diagnosis record, flag or no flag.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -36,6 +44,8 @@ from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.sglang_adapter import hook_targets as upstream
 
 logger = logging.getLogger(__name__)
+
+_SERVER_ARGS_MODULE = "sglang_kv_migration.server.server_args"
 
 
 def register() -> None:
@@ -57,6 +67,25 @@ def register() -> None:
             "scheduler and HTTP server not registered",
             runtime_missing,
         )
+
+
+def take_server_args() -> None:
+    """Make SGLang's `ServerArgs` ours now: the one hook a process needs before it builds
+    `ServerArgs(enable_kv_migration=True)` itself, ahead of SGLang's `load_plugins()`
+    (`sglang_flags.py` calls this once SGLang's `server_args` is imported). Does
+    nothing once `load_plugins()` has started: that registers every hook itself, or was
+    told by `SGLANG_PLUGINS` to leave this plugin out. Idempotent."""
+    if sglang_adapter.plugins_loading_started():
+        return
+    ours = sys.modules.get(_SERVER_ARGS_MODULE)
+    if ours is not None and "KVMigrationServerArgs" not in vars(ours):
+        return  # it is importing SGLang's module right now: it is the class itself
+    from sglang_kv_migration.server.server_args import KVMigrationServerArgs
+
+    target = upstream.SERVER_ARGS_CLASS
+    if not any(h is KVMigrationServerArgs for h in sglang_adapter.registered_hooks(target)):
+        HookRegistry.register(target, KVMigrationServerArgs, HookType.REPLACE)
+    HookRegistry.apply_hooks()
 
 
 def missing_hooks() -> list[str]:
@@ -117,6 +146,7 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
 
     table = [
         (upstream.SERVER_ARGS_CLASS, KVMigrationServerArgs, HookType.REPLACE),
+        (upstream.ENGINE_SERVER_ARGS_CLASS, KVMigrationServerArgs, HookType.REPLACE),
         (upstream.SCHEDULER_INIT_IPC, scheduler_hooks.after_init_ipc_channels, HookType.AFTER),
         (
             upstream.SCHEDULER_INIT_DISPATCHER,
@@ -151,6 +181,16 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
             HookType.AFTER,
         ),
         (
+            upstream.SCHEDULER_INIT_CACHE,
+            scheduler_hooks.around_init_cache_with_memory_pool,
+            HookType.AROUND,
+        ),
+        (
+            upstream.HOST_POOL_ALLOCATOR,
+            scheduler_hooks.around_get_allocator_from_storage,
+            HookType.AROUND,
+        ),
+        (
             upstream.TOKENIZER_INIT_COMMUNICATORS,
             communicators.after_init_communicators,
             HookType.AFTER,
@@ -161,7 +201,18 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
     # Targets the installed SGLang line lacks are left out; what needs them is refused
     # at start (sglang_adapter.installed).
     targets = set(upstream.hook_targets())
-    return [row for row in table if row[0] in targets]
+    return [row for row in table if row[0] in targets] + _moment_hooks()
+
+
+def _moment_hooks() -> list[tuple[str, object, HookType]]:
+    """The opt-in request moments' hooks, where asked for and the installed line has
+    their targets (`hook_targets.moment_hook_targets`)."""
+    from sglang_kv_migration.server.diag import request_moments
+
+    if not request_moments.enabled():
+        return []
+    targets = set(upstream.moment_hook_targets())
+    return [(t, h, HookType.AROUND) for t, h in request_moments.hook_table() if t in targets]
 
 
 def _wraps_hook(fn: object, hook: object) -> bool:

@@ -39,7 +39,7 @@ TransportProtocol = Literal["tcp", "rdma"]
 
 DEFAULT_WATCHDOG_TIMEOUT_S = 60.0
 DEFAULT_MAX_BATCH_ENTRIES = 1024
-DEFAULT_PATHS = "device,host"
+DEFAULT_PATHS = "device,shared_host,host"
 DEFAULT_GRANT_TTL_S = 15.0
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 DEFAULT_STAGING_MB = 256
@@ -169,10 +169,12 @@ CLI_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         dict(
             type=str,
             default=DEFAULT_PATHS,
-            help="Data paths this server offers, in order of preference: 'device' (GPU to GPU "
-            "through CUDA IPC, servers on one host) and 'host' (host pool to host pool through "
-            "Mooncake). A path that cannot run here (no CUDA, --enable-memory-saver) is left "
-            "out with a warning at start-up.",
+            help="Data paths this server offers, in order of preference: 'device' (into the "
+            "target's GPU through CUDA IPC, servers on one host), 'shared_host' (into the "
+            "target's host pool, kept in shared memory, servers on one host: the landing when "
+            "the target's GPU is full) and 'host' (host pool to host pool through Mooncake). A "
+            "path that cannot run here (no CUDA, --enable-memory-saver) is left out with a "
+            "warning at start-up.",
         ),
     ),
     (

@@ -2,10 +2,12 @@
 (`radix_tree.py`), the KV pools and allocator (`pools.py`, with NSA's host pool groups
 in `pool_groups.py`), and the scheduler's,
 tokenizer manager's and HTTP server's attributes (`process.py`), the running requests'
-slots (`running_requests.py`), our requests as SGLang IPC messages (`ipc_messages.py`),
-`ServerArgs` as it is in effect (`server_config.py`); `hook_targets.py` names
-every upstream symbol the plugin hooks or relies on, `installed.py` which SGLang line
-runs (0.5.12's `HiRadixCache` or 0.5.23's `UnifiedRadixCache`, bound below).
+slots (`running_requests.py`), what the opt-in request moments read of requests and
+batches (`request_facts.py`), the host pool in shared memory (`shared_host_pool.py`),
+our requests as SGLang IPC messages (`ipc_messages.py`), `ServerArgs` as it is in effect
+(`server_config.py`); `hook_targets.py` names every upstream symbol the plugin hooks or
+relies on, `installed.py` which SGLang line runs (0.5.12's `HiRadixCache` or 0.5.23's
+`UnifiedRadixCache`, bound below).
 
 Everything else in the package goes through these functions, imported from here
 (`sglang_adapter.match_held_prefix`), so an SGLang upgrade is this package's work:
@@ -53,14 +55,21 @@ from sglang_kv_migration.sglang_adapter.pools import (
 from sglang_kv_migration.sglang_adapter.process import (
     SchedulerRanks,
     SchedulerView,
+    add_api_key_middleware,
     add_request_handlers,
     add_result_handlers,
+    dispatch_request,
+    engine_loop,
+    engine_tokenizer_manager,
     forward_to_later_stages,
     frees_kv_cache,
+    generate_requests_in_flight,
+    give_request_dispatcher,
     http_server_app,
     http_server_imported,
     http_tokenizer_manager,
     input_waiting_check,
+    plugins_loading_started,
     registered_hooks,
     scheduler_idle_check,
     scheduler_load,
@@ -83,6 +92,14 @@ from sglang_kv_migration.sglang_adapter.radix_tree import (
     TieredPrefix,
     page_hashes,
 )
+from sglang_kv_migration.sglang_adapter.request_facts import (
+    AbortFacts,
+    BatchFacts,
+    abort_facts,
+    batch_facts,
+    generate_facts,
+    request_facts,
+)
 from sglang_kv_migration.sglang_adapter.running_requests import (
     RunningRequest,
     RunningRequests,
@@ -93,6 +110,13 @@ from sglang_kv_migration.sglang_adapter.server_config import (
     current_weight_version,
     effective_server_args,
     server_args_class,
+)
+from sglang_kv_migration.sglang_adapter.shared_host_pool import MEMFD_LINK as SHARED_POOL_MEMFD_LINK
+from sglang_kv_migration.sglang_adapter.shared_host_pool import (
+    SharedHostRegion,
+    host_pool_in_shared_memory,
+    host_tensor_allocator,
+    shared_host_region,
 )
 
 # IMPORTANT: the one place that picks what differs between SGLang lines (installed.py):
@@ -177,6 +201,13 @@ __all__ = [
     "sglang_line",
     "sglang_version",
     "unlock_node",
+    # request_facts.py: what the opt-in request moments read
+    "AbortFacts",
+    "BatchFacts",
+    "abort_facts",
+    "batch_facts",
+    "generate_facts",
+    "request_facts",
     "DEVICE_TIER",
     "DevicePrefix",
     "HOST_TIER",
@@ -188,10 +219,13 @@ __all__ = [
     "RunningRequest",
     "RunningRequests",
     "SchedulerRanks",
+    "SHARED_POOL_MEMFD_LINK",
     "SchedulerView",
     "Segment",
+    "SharedHostRegion",
     "TieredPrefix",
     "WRITE_BACK_TIMEOUT_S",
+    "add_api_key_middleware",
     "add_request_handlers",
     "current_weight_version",
     "effective_server_args",
@@ -208,16 +242,22 @@ __all__ = [
     "device_available_size",
     "device_kv_buffers",
     "device_pool",
+    "dispatch_request",
+    "engine_loop",
+    "engine_tokenizer_manager",
     "forward_to_later_stages",
     "free_device_slots",
     "free_host_slots",
     "frees_kv_cache",
+    "give_request_dispatcher",
     "host_evictable_size",
     "host_headroom_tokens",
     "host_pages_ready",
     "host_pool",
     "host_pool_buffer",
+    "host_pool_in_shared_memory",
     "host_pool_shape",
+    "host_tensor_allocator",
     "http_server_app",
     "http_server_imported",
     "server_runtime_missing",
@@ -227,6 +267,7 @@ __all__ = [
     "ipc_message",
     "replace_message",
     "send_to_scheduler",
+    "generate_requests_in_flight",
     "input_waiting_check",
     "insert_device_pages",
     "insert_host_pages",
@@ -244,6 +285,7 @@ __all__ = [
     "pending_device_write_streams",
     "pin_host_pages",
     "protect_host_nodes",
+    "plugins_loading_started",
     "registered_hooks",
     "release_host_nodes",
     "running_prefix",
@@ -252,6 +294,7 @@ __all__ = [
     "scheduler_ranks",
     "scheduler_stage_rank",
     "scheduler_load",
+    "shared_host_region",
     "stage_reply_sender",
     "take_device_slots",
     "take_host_slots",

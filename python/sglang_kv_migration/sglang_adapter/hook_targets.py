@@ -34,6 +34,9 @@ HTTP_LAUNCH_SERVER = "sglang.srt.entrypoints.http_server.launch_server"
 # frameworks that serve SGLang's `app` with their own uvicorn (verl) call it directly and
 # never reach `launch_server`.
 ENGINE_LAUNCH_SUBPROCESSES = "sglang.srt.entrypoints.engine.Engine._launch_subprocesses"
+# The class `Engine(**kwargs)` builds its ServerArgs with, bound when the class was
+# defined: the REPLACE of `ServerArgs` rebinds module attributes, not this one.
+ENGINE_SERVER_ARGS_CLASS = "sglang.srt.entrypoints.engine.Engine.server_args_class"
 # The idle/busy memory-leak checks count these tokens as held outside the tree: pending
 # device-slot allocations are added here, so SGLang's pool invariant keeps holding.
 SCHEDULER_SESSION_HELD_TOKENS = "sglang.srt.managers.scheduler.Scheduler._session_held_tokens"
@@ -44,6 +47,11 @@ SCHEDULER_SLEEP_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_o
 # copies in flight must finish first, and the device path's landing arena follows it.
 SCHEDULER_RELEASE_MEMORY = "sglang.srt.managers.scheduler.Scheduler.release_memory_occupation"
 SCHEDULER_RESUME_MEMORY = "sglang.srt.managers.scheduler.Scheduler.resume_memory_occupation"
+# The shared-host path: a server that offers it builds its host KV pool in shared memory
+# (`shared_host_pool.py`), through the allocator SGLang asks for while the scheduler
+# builds its cache.
+SCHEDULER_INIT_CACHE = "sglang.srt.managers.scheduler.Scheduler.init_cache_with_memory_pool"
+HOST_POOL_ALLOCATOR = "sglang.srt.mem_cache.memory_pool_host.get_allocator_from_storage"
 
 HOOK_TARGETS: tuple[str, ...] = (
     SERVER_ARGS_CLASS,
@@ -54,26 +62,63 @@ HOOK_TARGETS: tuple[str, ...] = (
     TOKENIZER_INIT_COMMUNICATORS,
     HTTP_LAUNCH_SERVER,
     ENGINE_LAUNCH_SUBPROCESSES,
+    ENGINE_SERVER_ARGS_CLASS,
     SCHEDULER_SESSION_HELD_TOKENS,
     SCHEDULER_SLEEP_ON_IDLE,
     SCHEDULER_RELEASE_MEMORY,
     SCHEDULER_RESUME_MEMORY,
+    SCHEDULER_INIT_CACHE,
+    HOST_POOL_ALLOCATOR,
+)
+
+# Opt-in diagnosis (`server/diag/request_moments.py`, hooked only with
+# SGLANG_KV_MIGRATION_MOMENTS_DIR set): the moments of a request through a server. Each
+# is a method SGLang calls through its instance (the dispatcher binds `abort_request` and
+# `handle_generate_request` when the scheduler is built, after the hooks are applied), and
+# `cache_finished_req` is `RadixCache`'s, which `HiRadixCache` inherits.
+TOKENIZER_ABORT_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager.abort_request"
+SCHEDULER_ABORT_REQUEST = "sglang.srt.managers.scheduler.Scheduler.abort_request"
+SCHEDULER_HANDLE_GENERATE = "sglang.srt.managers.scheduler.Scheduler.handle_generate_request"
+SCHEDULER_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+SCHEDULER_PROCESS_RESULT = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+RADIX_CACHE_FINISHED_REQ = "sglang.srt.mem_cache.radix_cache.RadixCache.cache_finished_req"
+
+MOMENT_HOOK_TARGETS: tuple[str, ...] = (
+    TOKENIZER_ABORT_REQUEST,
+    SCHEDULER_ABORT_REQUEST,
+    SCHEDULER_HANDLE_GENERATE,
+    SCHEDULER_RUN_BATCH,
+    SCHEDULER_PROCESS_RESULT,
+    RADIX_CACHE_FINISHED_REQ,
 )
 
 # Targets in SGLang's scheduler, engine and HTTP server modules: they import only where
 # `sglang_adapter.server_runtime_missing()` finds nothing missing.
 SERVER_RUNTIME_TARGETS: frozenset[str] = frozenset(
     t
-    for t in HOOK_TARGETS
+    for t in HOOK_TARGETS + MOMENT_HOOK_TARGETS
     if t.startswith(
-        ("sglang.srt.managers.scheduler.", HTTP_LAUNCH_SERVER, ENGINE_LAUNCH_SUBPROCESSES)
+        (
+            "sglang.srt.managers.scheduler.",
+            "sglang.srt.managers.tokenizer_manager.",
+            HTTP_LAUNCH_SERVER,
+            # Engine's _launch_subprocesses and its server_args_class.
+            "sglang.srt.entrypoints.engine.",
+            # The host pool module imports the native KV copy kernels.
+            HOST_POOL_ALLOCATOR,
+        )
     )
 )
 
 # Hook targets the 0.5.23 line lacks; what hooks them is refused there at start
 # (`installed.device_path_missing`, `installed.server_args_refusal`).
 ABSENT_ON_UNIFIED_LINE: frozenset[str] = frozenset(
-    {SCHEDULER_SESSION_HELD_TOKENS, SCHEDULER_RELEASE_MEMORY, SCHEDULER_RESUME_MEMORY}
+    {
+        SCHEDULER_SESSION_HELD_TOKENS,
+        SCHEDULER_RELEASE_MEMORY,
+        SCHEDULER_RESUME_MEMORY,
+        HOST_POOL_ALLOCATOR,
+    }
 )
 
 # Symbols both lines have.
@@ -189,7 +234,16 @@ REQUIRED_SYMBOLS_0_5_12: tuple[str, ...] = (
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.alloc",
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.free",
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.available_size",
+    # The shared-host path's allocator derives from it (`shared_host_pool.py`).
+    "sglang.srt.mem_cache.memory_pool_host.HostTensorAllocator",
 )
+
+
+def moment_hook_targets(line: str | None = None) -> tuple[str, ...]:
+    """The opt-in request moments' targets on an SGLang line (default: the installed
+    one): 0.5.12's only (`request_facts.py` reads 0.5.12's requests and batches)."""
+    unified = is_unified_line() if line is None else line == UNIFIED_LINE
+    return () if unified else MOMENT_HOOK_TARGETS
 
 
 def hook_targets(line: str | None = None) -> tuple[str, ...]:

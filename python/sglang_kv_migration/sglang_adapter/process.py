@@ -163,6 +163,19 @@ def forward_to_later_stages(recv_reqs: list[Any], messages: list[Any]) -> None:
     recv_reqs.extend(messages)
 
 
+def give_request_dispatcher(scheduler_stand_in: Any) -> None:
+    """The empty `TypeBasedDispatcher` SGLang's `Scheduler` starts with, on an object that
+    stands in for one (the demo's CPU server): our hooks add their handlers to it."""
+    from sglang.utils import TypeBasedDispatcher
+
+    scheduler_stand_in._request_dispatcher = TypeBasedDispatcher([])
+
+
+def dispatch_request(scheduler: Any, request: Any) -> Any:
+    """A request through the scheduler's dispatcher, as its loop hands it on."""
+    return scheduler._request_dispatcher(request)
+
+
 def add_request_handlers(scheduler: Any, handlers: list[tuple[type, Any]]) -> None:
     """Append handlers to the scheduler's `TypeBasedDispatcher`."""
     from sglang.utils import TypeBasedDispatcher
@@ -175,6 +188,13 @@ def add_result_handlers(tokenizer_manager: Any, handlers: list[tuple[type, Any]]
     from sglang.utils import TypeBasedDispatcher
 
     tokenizer_manager._result_dispatcher += TypeBasedDispatcher(handlers)
+
+
+def generate_requests_in_flight(tokenizer_manager: Any) -> Callable[[], bool]:
+    """A test, for the tokenizer manager's process, that generate requests are in flight
+    (SGLang's `rid_to_state`: sent to the scheduler and not finished), so its scheduler
+    runs a batch: one loop iteration per forward step."""
+    return lambda: bool(tokenizer_manager.rid_to_state)
 
 
 def http_server_app() -> Any:
@@ -216,6 +236,33 @@ def http_tokenizer_manager() -> Any:
     from sglang.srt.entrypoints.http_server import get_global_state
 
     return get_global_state().tokenizer_manager
+
+
+def plugins_loading_started() -> bool:
+    """Whether SGLang's `load_plugins()` has started in this process (it sets its flag
+    first, before it loads any plugin)."""
+    import sglang.srt.plugins as plugins
+
+    return bool(plugins._plugins_loaded)
+
+
+def engine_tokenizer_manager(engine: Any) -> Any:
+    """An in-process `sglang.Engine`'s tokenizer manager (set once it has started)."""
+    return engine.tokenizer_manager
+
+
+def engine_loop(engine: Any) -> Any:
+    """The asyncio loop an in-process `sglang.Engine` runs its calls on: the running loop
+    it was built in, else one of its own that its blocking calls run."""
+    return engine.loop
+
+
+def add_api_key_middleware(app: Any, api_key: str | None, admin_api_key: str | None) -> None:
+    """SGLang's API-key middleware on `app`, as its HTTP server adds it (the routes'
+    auth levels decide which key each takes)."""
+    from sglang.srt.utils.auth import add_api_key_middleware as add
+
+    add(app, api_key=api_key, admin_api_key=admin_api_key)
 
 
 def registered_hooks(target: str) -> list[object]:

@@ -168,7 +168,7 @@ class AllocateFields(Body):
     extra_key: ExtraKey | None = None
     extra_token_size: NonNegative = 0
     source_fingerprints: Annotated[list[Fingerprint], _at_most(MAX_RANKS)] = Field(min_length=1)
-    path: Literal["host", "device"] = "host"
+    path: Literal["host", "device", "shared_host"] = "host"
     index_format: Literal["tokens", "pages", "ranges"] = "tokens"
     nothing_ok: bool = False
     staging: bool = False  # the source writes staging extents (its `stage_writer`)
@@ -186,6 +186,9 @@ class AllocateFields(Body):
 
 class AllocateBody(IdsBody, AllocateFields):
     dp_rank: DpRank = None  # feature "dp_ranks": allocate on this DP rank
+    # Feature "source_dp_rank": the source's DP rank holding the prefix (its size query's
+    # `dp_rank`); the grants bind it.
+    source_dp_rank: DpRank = None
 
 
 class AllocateOnTargetBody(Body):
@@ -200,7 +203,7 @@ class AllocateOnTargetBody(Body):
 class TargetRankBody(Body):
     tp: NonNegative
     pp: NonNegative
-    path: Literal["host", "device"] = "host"
+    path: Literal["host", "device", "shared_host"] = "host"
     # Host path: the target rank's transfer session and host buffers.
     session_id: str = Field(default="", pattern=r"^(.+:\d+)?$")
     host_kv_data_ptrs: list[Address] = Field(default_factory=list)
@@ -211,6 +214,8 @@ class TargetRankBody(Body):
     # Feature "destination_digest": `device_kv` named by its digest (a source that was
     # sent it in full before; `server/source/known_destinations.py`).
     device_kv_digest: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    # Shared-host path: the target rank's `paths["shared_host"]` from its session info.
+    shared_host_kv: Annotated[dict[str, Any] | None, _json_within(MAX_DEVICE_KV_BYTES)] = None
     # The allocated slots: token slots, or whole pages (protocol 2), or runs of whole
     # pages (feature "page_ranges").
     kv_indices: IdList = Field(default_factory=list)
@@ -245,6 +250,10 @@ class TargetRankBody(Body):
             return self
         if self.device_kv_digest:
             raise ValueError("device_kv_digest is for path 'device'")
+        if self.path == "shared_host":
+            if not self.shared_host_kv:
+                raise ValueError("shared_host_kv is required for path 'shared_host'")
+            return self
         if not self.session_id or not self.host_kv_data_ptrs:
             raise ValueError("session_id and host_kv_data_ptrs are required for path 'host'")
         problem = HostTarget.from_wire(dict(self)).buffer_count_problem()

@@ -22,6 +22,7 @@ DESTINATION_DIGEST = "destination_digest"
 DP_RANKS = "dp_ranks"
 RUNNING_SLOTS = "running_slots"
 OWNER_PATTERN = "owner_pattern"
+SOURCE_DP_RANK = "source_dp_rank"
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,14 @@ REGISTRY: tuple[Feature, ...] = (
         "rank owning each page of its device prefix); allocate takes `page_owners`, the "
         "source's owners of every page of the request, and grants bind the run's "
         "(`cp_owners.py`); a server that does not shard refuses the field by name",
+        EVERY_SERVER,
+    ),
+    Feature(
+        SOURCE_DP_RANK,
+        "allocate takes `source_dp_rank` (the DP rank of the source holding the prefix, "
+        "from its size query); each grant then binds it: only that DP rank of the source "
+        "claims it, its receipts name it (`dp_rank`), and the target takes receipts "
+        "naming the grant only from it (`grants.py`)",
         EVERY_SERVER,
     ),
 )

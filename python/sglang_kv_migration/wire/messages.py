@@ -196,6 +196,10 @@ class AllocateRequest:
     # target allocates the pages it lacks so that each lands on its owner's twin; any
     # other target refuses it. None: not sent.
     page_owners: list[int] | None = None
+    # Feature "source_dp_rank": the source's DP rank that holds the prefix (its size
+    # query's `dp_rank`); the grants bind it, and only that DP rank's scheduler claims
+    # them. None: any DP rank of the source (its HTTP layer lets one claim each grant).
+    source_dp_rank: int | None = None
 
 
 @dataclass
@@ -334,7 +338,8 @@ def _is_list(value: Any) -> bool:
 @dataclass
 class TransferRequestKVCacheTarget(HostTarget):
     """One target rank: where the source rank with the same (tp, pp) writes (host path:
-    the `HostTarget` fields; device path: `device_kv`, a `DeviceTarget` on the wire)."""
+    the `HostTarget` fields; device path: `device_kv`, a `DeviceTarget` on the wire;
+    shared-host path: `shared_host_kv`, a `SharedHostTarget`)."""
 
     tp: int
     pp: int
@@ -351,6 +356,8 @@ class TransferRequestKVCacheTarget(HostTarget):
     # was sent it in full before (`server/source/known_destinations.py`); the source fills
     # `device_kv` in from what it hashed itself.
     device_kv_digest: str = ""
+    # Shared-host path: the target rank's paths["shared_host"] (`SharedHostTarget`).
+    shared_host_kv: dict | None = None
 
 
 @dataclass
@@ -364,6 +371,11 @@ class AllocateOnTarget:
     secret: str
     allocate: bytes
     ids: bytes = b""
+    # Set by the source's HTTP layer when it asked the target itself, before the
+    # transfer reached a busy scheduler (`server/same_host/ask_ahead.py`; never from a
+    # body): the target's allocate reply as it answered, or why it did not answer.
+    reply_ahead: bytes = b""
+    error_ahead: str = ""
 
 
 @dataclass
@@ -438,6 +450,11 @@ class TransferReply(Reply):
     destination_unknown: bool = False
     # Feature "dp_ranks": the DP rank that sent (None on a server with one).
     dp_rank: int | None = None
+    # Internal (never on the wire): the grants this reply's ranks account for, one
+    # [migration_id, tp, pp, claimed_until] each (claimed_until: the unix time the grant
+    # this request claimed expires; 0 when it claimed none). The HTTP layer of a server
+    # with DP ranks keeps them (`server/http/grant_claims.py`); None: not known.
+    claims: list | None = None
 
 
 # --------------------------------------------------------------------------- commit/abort
@@ -475,8 +492,9 @@ class AbortReply(Reply):
     pass
 
 
-# BaseReq bookkeeping and the scheduler's raw stamps (`trace.py`): never leave the server.
-INTERNAL_FIELDS = frozenset({"rid", "http_worker_ipc", "trace"})
+# BaseReq bookkeeping, the scheduler's raw stamps (`trace.py`) and the grants a transfer
+# claimed (`TransferReply.claims`): never leave the server.
+INTERNAL_FIELDS = frozenset({"rid", "http_worker_ipc", "trace", "claims"})
 
 
 def reply_content(reply: Reply) -> dict[str, Any]:

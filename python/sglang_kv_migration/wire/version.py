@@ -9,7 +9,10 @@ History:
       `path`, `kv_pages`, `device_kv`. Protocol-1 fields keep their meaning.
 
 Additions no older peer can receive are advertised in session info `features` instead
-of a version bump (clients use one only when both servers list it): `features.py`.
+of a version bump (clients use one only when both servers list it): `features.py`. A
+new data path is advertised by its entry in `paths` the same way: a client sends a
+target entry of path `shared_host` (with `shared_host_kv`) only when both servers list
+that path.
 """
 
 PROTOCOL_VERSION = 2

@@ -33,6 +33,7 @@ from sglang_kv_migration.paths.base import (
     SendRange,
     SendStats,
 )
+from sglang_kv_migration.paths.host.host_slots import HostSlots
 from sglang_kv_migration.paths.host.layout import HostPoolLayout
 from sglang_kv_migration.paths.host.transport import KVTransport, MemoryRegion, TransferHandle
 from sglang_kv_migration.targets import HostTarget
@@ -65,6 +66,7 @@ class HostPath(DataPath):
         self.cache = cache
         self.transfer_timeout_s = transfer_timeout_s
         self.layout = layout or HostPoolLayout.from_host_pool(sglang_adapter.host_pool(cache))
+        self.slots = HostSlots(cache, self.layout)  # the target role
         self._transport = transport
         self._peer_layouts: dict[tuple[tuple[int, ...], ...], HostPoolLayout] = {}
         if transport is not None:
@@ -111,36 +113,24 @@ class HostPath(DataPath):
     # ------------------------------------------------------------------ target role
 
     def held_prefix(self, input_ids: list[int], extra_key: str | None) -> sglang_adapter.HeldPrefix:
-        return sglang_adapter.match_held_prefix(self.cache, input_ids, extra_key)
+        return self.slots.held_prefix(input_ids, extra_key)
 
     def content_digest(self, slots: torch.Tensor) -> str:
-        return verify.host_pages_digest(self.layout, slots)
+        return self.slots.content_digest(slots)
 
     def reserve(self, num_tokens: int, owners: OwnerRun | None = None) -> torch.Tensor:
-        # Host slots carry no owner: on an owner-sharded server the pattern stays with the
-        # migration (its grant binds it), every rank reserves the whole run, and each is
-        # written only at the pages it owns.
-        return sglang_adapter.alloc_host_slots(self.cache, num_tokens)
+        return self.slots.reserve(num_tokens, owners)
 
     def release(self, slots: torch.Tensor) -> None:
-        sglang_adapter.free_host_slots(self.cache, slots)
+        self.slots.release(slots)
 
     def retake(self, slots: torch.Tensor) -> None:
-        sglang_adapter.take_host_slots(self.cache, slots)
+        self.slots.retake(slots)
 
     def insert(
         self, anchor: TreeNode, key: RadixKey, anchor_length: int, slots: torch.Tensor
     ) -> int:
-        # IMPORTANT: SGLang assumes every ancestor of a host-only node has a host copy
-        # (device eviction of a node without one asserts it is a leaf). The matched
-        # prefix, or device pages a concurrent insert added below it, may be device-only
-        # (write_through_selective, write_back, a full host pool): back them up before
-        # hanging host-only nodes below them. On failure nothing was inserted.
-        held = sglang_adapter.match_held_prefix(self.cache, key.token_ids, key.extra_key)
-        sglang_adapter.write_back_path(
-            self.cache, sglang_adapter.path_from_root(self.cache, held.last_node)
-        )
-        return sglang_adapter.insert_host_pages(self.cache, anchor, key, anchor_length, slots)
+        return self.slots.insert(anchor, key, anchor_length, slots)
 
     # ------------------------------------------------------------------ source role
 

@@ -20,8 +20,13 @@ from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.errors import ErrorKind
 from sglang_kv_migration.server.diag.trace import mark_arrived, mark_sent, trip_steps
 from sglang_kv_migration.server.http.dp_ranks import DataParallelRanks
-from sglang_kv_migration.server.messages import REQUEST_TYPES, AbortTransferReqInput
+from sglang_kv_migration.server.messages import (
+    REQUEST_TYPES,
+    AbortTransferReqInput,
+    TransferRequestKVCacheReqInput,
+)
 from sglang_kv_migration.server.rank.pp_stages import merge_stage_replies, needs_rollback
+from sglang_kv_migration.server.same_host.ask_ahead import AskAhead
 from sglang_kv_migration.server.server_args import kv_migration_enabled
 
 
@@ -74,9 +79,13 @@ class KVMigrationCommunicators:
         weight_version: Callable[[], str] | None = None,
         pp_size: int = 1,
         dp_size: int = 1,
+        ask_ahead: AskAhead | None = None,
     ):
         self._before_call = before_call
         self._weight_version = weight_version
+        # A single-rank source asks a transfer's target itself while its scheduler is
+        # busy (`same_host/ask_ahead.py`).
+        self._ask_ahead = ask_ahead
         # One reply per PP stage (--dp-size > 1 with --pp-size > 1 is refused).
         self._by_input_type = {
             input_type: RidCommunicator(send_to_scheduler, replies=pp_size)
@@ -102,6 +111,11 @@ class KVMigrationCommunicators:
             request.weight_version = self._weight_version()
         if self._dp_ranks is not None:
             return await self._dp_ranks.call(request)
+        if self._ask_ahead is not None and isinstance(request, TransferRequestKVCacheReqInput):
+            steps = await self._ask_ahead.before_transfer(request)
+            reply = await self._call_ranks(request)
+            reply.steps_ms = {**steps, **reply.steps_ms}
+            return reply
         return await self._call_ranks(request)
 
     async def _send(self, request: Any, replies: int) -> list[Any]:
@@ -142,12 +156,18 @@ def after_init_communicators(_result: None, tokenizer_manager: Any, *_args: Any)
     if not kv_migration_enabled(server_args):
         return
     effective = sglang_adapter.effective_server_args(server_args)
+    single_rank = effective.tp_size == effective.pp_size == effective.dp_size == 1
     comms = KVMigrationCommunicators(
         tokenizer_manager.send_to_scheduler,
         before_call=tokenizer_manager.auto_create_handle_loop,
         weight_version=lambda: sglang_adapter.current_weight_version(tokenizer_manager),
         pp_size=effective.pp_size,
         dp_size=effective.dp_size,
+        ask_ahead=(
+            AskAhead(sglang_adapter.generate_requests_in_flight(tokenizer_manager))
+            if single_rank
+            else None
+        ),
     )
     tokenizer_manager.kv_migration_communicators = comms
     sglang_adapter.add_result_handlers(tokenizer_manager, comms.result_handlers)

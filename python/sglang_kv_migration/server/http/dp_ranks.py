@@ -18,7 +18,9 @@ queries), and this module waits for one reply per DP rank and merges them:
   request, ties to the least loaded (requests running and waiting there); one whose
   pool cannot hold the allocation (503) gives way to the next. The migration id names
   the DP rank (`tagged_id`), so commit and abort reach it without any state kept here;
-- transfer: the body's `dp_rank`, else the DP rank holding the longest prefix.
+- transfer: the body's `dp_rank`, else the DP rank holding the longest prefix; each grant
+  it names is claimed by one DP rank only (`grant_claims.py`: one grant, one claim, per
+  server).
 
 The same-host shortcuts ("source_allocate", "source_commit") talk to one scheduler
 rank directly, outside this routing: a server with several DP ranks does not list them.
@@ -31,6 +33,7 @@ from typing import Any
 
 from sglang_kv_migration.errors import ErrorKind
 from sglang_kv_migration.grants import SOURCE_ALLOCATE_FEATURE, SOURCE_COMMIT_FEATURE
+from sglang_kv_migration.server.http.grant_claims import GrantClaims, grant_keys
 from sglang_kv_migration.server.messages import (
     REQUEST_TYPES,
     AbortTransferReqInput,
@@ -80,6 +83,7 @@ class DataParallelRanks:
         self.dp_size = dp_size
         self._send = send
         self._call_one = call_one
+        self.claims = GrantClaims()
 
     async def call(self, request: Any) -> Any:
         """The server's reply to `request` (`weight_version` already stamped)."""
@@ -115,12 +119,7 @@ class DataParallelRanks:
 
     async def _on_named_rank(self, request: Any) -> Any:
         if request.dp_rank >= self.dp_size:
-            return _refused(
-                request,
-                ErrorKind.BAD_REQUEST,
-                f"dp_rank {request.dp_rank} is out of range: this server has "
-                f"--dp-size {self.dp_size}",
-            )
+            return self._out_of_range(request)
         output = await self._call_one(request)
         output.dp_rank = request.dp_rank
         return output
@@ -149,7 +148,28 @@ class DataParallelRanks:
             if not held.success:
                 return _refused(request, ErrorKind(held.error_kind or "internal"), held.message)
             request.dp_rank = held.dp_rank
-        return await self._on_named_rank(request)
+        if request.dp_rank >= self.dp_size:
+            return self._out_of_range(request)
+        # IMPORTANT: one claim per grant for the whole server, before any DP rank sees it.
+        keys = grant_keys(request)
+        refusal = self.claims.take(keys, request.dp_rank)
+        if refusal is not None:
+            return _refused(request, ErrorKind.FORBIDDEN, refusal)
+        output = None
+        try:
+            output = await self._on_named_rank(request)
+        finally:
+            self.claims.release(
+                keys, request.dp_rank, output.claims if output is not None else None
+            )
+        return output
+
+    def _out_of_range(self, request: Any) -> Any:
+        return _refused(
+            request,
+            ErrorKind.BAD_REQUEST,
+            f"dp_rank {request.dp_rank} is out of range: this server has --dp-size {self.dp_size}",
+        )
 
 
 def merge_session_info(replies: list[Any]) -> Any:

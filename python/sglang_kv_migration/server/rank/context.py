@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError, detached
-from sglang_kv_migration.fingerprint import LayoutFingerprint
+from sglang_kv_migration.fingerprint import LayoutFingerprint, explain
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import BaseReq
@@ -47,6 +47,11 @@ class RankContext:
     # ranks of a `--dp-size N` server, which share no process group, take it as the
     # server's epoch. "" : the first rank mints one at start-up.
     launch_id: str = ""
+    # This scheduler's data-parallel rank (0 without DP): a grant naming a DP rank is
+    # claimed only there, and receipts of such grants name it (feature "source_dp_rank").
+    dp_rank: int = 0
+    # --served-model-name where it was set apart from the path, else "" (fingerprint).
+    model_name: str = ""
 
     @property
     def first_stage(self) -> bool:
@@ -165,7 +170,7 @@ def check_peer_fingerprint(
             if mismatch is not None:
                 raise MigrationError(
                     ErrorKind.CONFLICT,
-                    f"KV layouts differ between {role} and this server: {mismatch}",
+                    f"KV layouts differ between {role} and this server: {explain(mismatch)}",
                 )
             return
     raise MigrationError(

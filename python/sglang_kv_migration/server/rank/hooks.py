@@ -1,4 +1,5 @@
-"""Hooks on SGLang's `Scheduler` (registered by `plugin.py`).
+"""Hooks on SGLang's `Scheduler` (registered by `plugin.py`), and the one on the host
+pool's allocator that the scheduler's cache construction reaches.
 
 They set two attributes on every scheduler: `kv_migration` (this rank's
 `MigrationSchedulerSide`, or None) and `kv_migration_stage_reply` (a later PP stage's
@@ -140,3 +141,31 @@ def after_resume_memory_occupation(_result: Any, scheduler: Any, recv_req: Any, 
 
     if sglang_adapter.frees_kv_cache(recv_req) and side.memory_released:
         side.after_memory_resume()
+
+
+def around_init_cache_with_memory_pool(
+    original: Any, scheduler: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """Build the host KV pool in shared memory when this server offers the shared-host
+    path (`sglang_adapter.shared_host_pool`): same-host sources write it directly."""
+    args_ = scheduler.server_args
+    if not kv_migration_enabled(args_):
+        return original(scheduler, *args, **kwargs)
+    from sglang_kv_migration import sglang_adapter
+    from sglang_kv_migration.paths.base import parse_path_names
+    from sglang_kv_migration.paths.factory import offers_shared_host_pool
+
+    shared = offers_shared_host_pool(parse_path_names(args_.kv_migration_paths))
+    with sglang_adapter.host_pool_in_shared_memory(shared):
+        return original(scheduler, *args, **kwargs)
+
+
+def around_get_allocator_from_storage(
+    original: Any, allocator_type: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """The shared-memory allocator inside `around_init_cache_with_memory_pool` (SGLang's
+    default allocator only), else SGLang's own choice."""
+    from sglang_kv_migration import sglang_adapter
+
+    allocator = sglang_adapter.host_tensor_allocator(allocator_type)
+    return allocator if allocator is not None else original(allocator_type, *args, **kwargs)

@@ -94,6 +94,7 @@ def open_identity(
         pp_rank=ctx.pp_rank,
         attn_cp_size=attn_cp_size,
         cp_owners=cp_owners,
+        model_name=ctx.model_name,
     )
     signer = grants.Signer(grant_key)
     if not signer.signed and ctx.tp_rank == 0:

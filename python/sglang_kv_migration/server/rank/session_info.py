@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sglang_kv_migration import PROTOCOL_VERSION, sglang_adapter
+from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
 from sglang_kv_migration.server.messages import (
     GetRequestExtraTokenSizeReqInput,
@@ -25,6 +25,7 @@ from sglang_kv_migration.server.target.role import TargetRole
 from sglang_kv_migration.wire.messages import (
     RankSessionInfo,
 )
+from sglang_kv_migration.wire.version import PROTOCOL_VERSION
 
 
 class SessionInfo:

@@ -186,10 +186,8 @@ class ChannelCaller:
         on this host."""
         socket = self._socket(address)
         call_id = secrets.token_bytes(CALL_ID_BYTES)
-        message = b'{"secret":"' + secret.encode("ascii") + b'","allocate":' + allocate + b"}"
-        frames = [call_id, message, ids] if ids else [call_id, message]
         try:
-            socket.send_multipart(frames, zmq.NOBLOCK)
+            socket.send_multipart(request_frames(call_id, secret, allocate, ids), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise ValueError(f"cannot send to the target's allocate channel: {e}") from None
         self._waiting[call_id] = address
@@ -252,22 +250,7 @@ class ChannelCaller:
         if socket is not None:
             self._sockets.move_to_end(address)
             return socket
-        match = self._pattern.match(address) if isinstance(address, str) else None
-        if match is None:
-            raise ValueError(f"not an allocate channel address: {address!r}")
-        # Its pid, where it is of our pid namespace (`gone`).
-        pid = int(match.group(2)) if int(match.group(1)) == pid_namespace() else 0
-        if pid and not process_alive(pid):
-            raise ValueError("the target's process has exited")
-        path = address[len("ipc://") :]
-        try:
-            info = os.lstat(path)
-        except OSError as e:
-            raise ValueError(
-                f"the target's allocate channel is not on this host (or it stopped): {e}"
-            ) from None
-        if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid():
-            raise ValueError(f"{path} is not a socket of this user")
+        pid = checked_channel(address, self._pattern)
         if self._context is None:
             self._context = zmq.Context(io_threads=1)
         socket = self._context.socket(zmq.DEALER)
@@ -283,6 +266,34 @@ class ChannelCaller:
             self._pids.pop(old_address, None)
             self._waiting = {k: v for k, v in self._waiting.items() if v != old_address}
         return socket
+
+
+def checked_channel(address: str, pattern: re.Pattern[str]) -> int:
+    """Check that `address` names a channel socket of this user on this host (`pattern`:
+    `address_pattern`'s); returns the pid of its process where it is of our pid namespace
+    (a caller looks whether it still runs), else 0. ValueError naming the problem."""
+    match = pattern.match(address) if isinstance(address, str) else None
+    if match is None:
+        raise ValueError(f"not an allocate channel address: {address!r}")
+    pid = int(match.group(2)) if int(match.group(1)) == pid_namespace() else 0
+    if pid and not process_alive(pid):
+        raise ValueError("the target's process has exited")
+    path = address[len("ipc://") :]
+    try:
+        info = os.lstat(path)
+    except OSError as e:
+        raise ValueError(
+            f"the target's allocate channel is not on this host (or it stopped): {e}"
+        ) from None
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid():
+        raise ValueError(f"{path} is not a socket of this user")
+    return pid
+
+
+def request_frames(call_id: bytes, secret: str, allocate: bytes, ids: bytes) -> list[bytes]:
+    """One allocate request's frames (the module docstring's layout)."""
+    message = b'{"secret":"' + secret.encode("ascii") + b'","allocate":' + allocate + b"}"
+    return [call_id, message, ids] if ids else [call_id, message]
 
 
 def open_channel(host: str, directory: str = SHM_DIR) -> ChannelServer | None:

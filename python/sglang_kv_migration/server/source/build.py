@@ -1,6 +1,6 @@
 """The source role of one rank, as `server/compose.py` builds it: its transfers, with
-what a single-rank source has besides (the allocate channel's caller, feature
-"source_allocate"; device destinations named by digest, feature "destination_digest")
+what a single-rank source has besides (the target's allocate, feature "source_allocate":
+`target_asks.py`; device destinations named by digest, feature "destination_digest")
 and the mailbox it delivers commits to (feature "source_commit")."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from sglang_kv_migration.server.same_host.mailbox import Deliverer
 from sglang_kv_migration.server.source.known_destinations import KnownDestinations
 from sglang_kv_migration.server.source.owned_pages import run_pattern
 from sglang_kv_migration.server.source.running_slots import RunningSlots
+from sglang_kv_migration.server.source.target_asks import TargetAsks
 from sglang_kv_migration.server.source.transfers import SourceTransfers
 
 
@@ -31,6 +32,13 @@ def build_source(
     """One start-up collective over every rank (their fingerprints, for stage 0's checks
     of later stages' entries)."""
     single_rank = ctx.tp_size == 1 and ctx.pp_size == 1
+    # Moves sent together ask their targets before any is prepared: only a source that
+    # asks through the channel has prepares to leave for later.
+    asks = (
+        TargetAsks(ChannelCaller(), lambda: transfers.paths, requests_waiting)
+        if single_rank
+        else None
+    )
     transfers = SourceTransfers(
         ctx,
         identity.fingerprint,
@@ -43,12 +51,9 @@ def build_source(
         },
         max_tokens=identity.num_slots,
         deliverer=Deliverer(),
-        caller=ChannelCaller() if single_rank else None,
+        asks=asks,
         destinations=KnownDestinations() if single_rank else None,
         log_later=diagnostics.log_later,
-        # Moves sent together ask their targets before any is prepared: only a source
-        # that asks through the channel has prepares to leave for later.
-        requests_waiting=requests_waiting if single_rank else None,
         running_slots=running_slots,
     )
     if identity.cp_owners is not None:

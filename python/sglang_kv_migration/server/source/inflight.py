@@ -19,7 +19,7 @@ import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths.base import DataPath, KVPoll, PreparedSend, SendJob, SendRange
@@ -64,6 +64,8 @@ class RankTransferStatus:
     entries: int = 0  # host path: transfer-engine entries
     digest: str = ""  # of the pages sent, when the grant asked for verification
     tokens: int = 0  # tokens written (fewer than granted only for a partial transfer)
+    # The unix time the grant this rank's request claimed expires (0: it claimed none).
+    claimed_until: float = 0.0
     steps: dict[str, float] = dataclasses.field(default_factory=dict)  # SendStats.steps
     routes: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # .routes
 
@@ -91,6 +93,17 @@ class SourceCommit:
 
     mailbox: str
     until: float
+
+
+@dataclass(frozen=True)
+class GrantClaim:
+    """The grant a transfer claimed on this rank: what its receipt names, and what the
+    reply tells the HTTP layer (`TransferReply.claims`)."""
+
+    digest: str  # `grants.grant_digest` of the token: the receipt's `grant`
+    until: float  # the grant's `expires_at` (unix time): no claim of it after that
+    # This scheduler's DP rank when the grant names one (the receipt's `dp_rank`), else -1.
+    dp_rank: int = -1
 
 
 @dataclass
@@ -137,9 +150,9 @@ class InflightTransfer:
     allocate: TargetAllocation | None = None
     commit: SourceCommit | None = None
     destination_unknown: bool = False  # feature "destination_digest": nothing was done
-    # `grants.grant_digest` of the grant this request claimed (empty: it claimed none,
-    # so its receipt cannot say the grant's writes are over: another request may hold it).
-    claimed_grant: str = ""
+    # The grant this request claimed (None: it claimed none, so its receipt cannot say
+    # the grant's writes are over: another request may hold it).
+    claim: GrantClaim | None = None
     # Feature "running_slots": why the running request's slots the copy read may no
     # longer be its own (None: they still are), asked once the copy is done.
     slots_lost: Callable[[], MigrationError | None] | None = None
@@ -252,3 +265,12 @@ class InflightTransfer:
             steps=stats.steps,
             routes=stats.routes,
         )
+
+
+def gpu_copy_events(started: list[InflightTransfer]) -> list[Any]:
+    """The events the copies of `started` (launched in one poll) end with, when each is
+    only a copy on the GPU; else none (a host-path write or a verify digest runs on for
+    longer, on helper threads)."""
+    sending = [t for t in started if t.state is TransferState.SENDING]
+    events = [t.job.completion_event for t in sending]
+    return events if all(e is not None for e in events) else []

@@ -1,6 +1,7 @@
 """The pieces of a transfer's reply on a source rank that need no state of the rank:
-each rank's result, the checks of the gathered statuses, the trace steps of a transfer
-whose target allocated (feature "source_allocate") and the log text."""
+each rank's result, the grants they claimed, the checks of the gathered statuses, the
+trace steps of a transfer whose target allocated (feature "source_allocate") and the
+log text."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ def rank_results(statuses: list[RankTransferStatus], pp_rank: int) -> list[RankT
     ]
 
 
+def claims_of(statuses: list[RankTransferStatus], migration_id: str, pp_rank: int) -> list:
+    """The reply's `claims` (internal): per rank of the stage, its grant of the migration
+    and until when the rank's request holds it (0: it claimed none). The HTTP layer of a
+    server with DP ranks lets no other DP rank claim them (`server/http/grant_claims.py`)."""
+    return [[migration_id, tp, pp_rank, s.claimed_until] for tp, s in enumerate(statuses)]
+
+
 def allocate_steps(inflight: InflightTransfer, handled: float, now: float) -> dict[str, float]:
     """Feature "source_allocate": the target's part of the reply's `waited` (`allocate`),
     ms, and the steps after its answer; none for a transfer that did not allocate."""
@@ -56,7 +64,7 @@ def allocate_steps(inflight: InflightTransfer, handled: float, now: float) -> di
     return steps
 
 
-_TARGET_STEPS = ("queued", "scheduler", "match_reserve", "slots", "grant")
+_TARGET_STEPS = ("queued", "scheduler", "match_reserve", "slots", "grant", "iteration")
 
 
 def _target_steps(steps: dict[str, Any]) -> dict[str, float]:

@@ -9,6 +9,10 @@ whose KV is written, and only when the body's `input_ids` are exactly that reque
 tokens there (prompt + output so far): `check` refuses anything else, naming the field.
 The grant still binds the target's slots and the digest of those ids, so a client can
 neither read another request's slots nor write anything the target did not grant.
+
+IMPORTANT: a transfer reaches `check` only once its grant verified (`validation.py`),
+and a refusal names the field, never where the ids differ: a caller must not learn a
+running request's tokens from refusals, one position at a time.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class RunningSlots:
         """Size query: the page-aligned prefix of `input_ids` request `rid` holds in its
         slots; -1 when it does not run here or its tokens differ from `input_ids`."""
         running = self.requests.find(rid)
-        if running is None or _first_difference(running.token_ids, input_ids) is not None:
+        if running is None or not _is_prefix(input_ids, running.token_ids):
             return -1
         held = min(len(input_ids), running.kv_length)
         return held - held % self.page_size
@@ -54,12 +58,11 @@ class RunningSlots:
                 f"running_rid {rid!r} {state} on this source (finished, aborted or unknown): "
                 "nothing was read; migrate from the radix tree instead",
             )
-        differs = _first_difference(running.token_ids, input_ids[:end])
-        if differs is not None:
+        if not _is_prefix(input_ids[:end], running.token_ids):
             raise MigrationError(
                 ErrorKind.BAD_REQUEST,
-                f"input_ids differ from the tokens running_rid {rid!r} holds at position "
-                f"{differs}: nothing was read",
+                f"input_ids are not the tokens running_rid {rid!r} holds (its prompt and "
+                "output so far): nothing was read",
             )
         if end > running.kv_length:
             raise MigrationError(
@@ -90,14 +93,6 @@ class RunningSlots:
         )
 
 
-def _first_difference(held: list[int], asked: list[int]) -> int | None:
-    """The first position where `asked` is not `held` (or runs past it); None when
-    `asked` is a prefix of `held`."""
-    if len(asked) > len(held):
-        for i, (a, b) in enumerate(zip(held, asked, strict=False)):
-            if a != b:
-                return i
-        return len(held)
-    if held[: len(asked)] == asked:
-        return None
-    return next(i for i, (a, b) in enumerate(zip(held, asked, strict=False)) if a != b)
+def _is_prefix(asked: list[int], held: list[int]) -> bool:
+    """Whether `asked` is a prefix of `held` (where they first differ is not kept)."""
+    return len(asked) <= len(held) and held[: len(asked)] == asked

@@ -22,6 +22,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
@@ -35,15 +36,13 @@ from sglang_kv_migration.server.messages import (
     TransferRequestKVCacheReqOutput,
 )
 from sglang_kv_migration.server.rank.context import RankContext, error_of
-from sglang_kv_migration.server.same_host.allocate_channel import ALLOCATE_TIMEOUT_S, ChannelCaller
 from sglang_kv_migration.server.same_host.mailbox import Deliverer
 from sglang_kv_migration.server.source.inflight import (
     InflightTransfer,
     RankTransferStatus,
-    TargetAllocation,
     Timings,
-    TokensDigest,
     TransferState,
+    gpu_copy_events,
 )
 from sglang_kv_migration.server.source.known_destinations import (
     KnownDestinations,
@@ -51,6 +50,7 @@ from sglang_kv_migration.server.source.known_destinations import (
 )
 from sglang_kv_migration.server.source.replies import (
     allocate_steps,
+    claims_of,
     path_name,
     rank_results,
     receipt_tokens,
@@ -58,10 +58,10 @@ from sglang_kv_migration.server.source.replies import (
     uneven_lengths,
 )
 from sglang_kv_migration.server.source.running_slots import RunningSlots
+from sglang_kv_migration.server.source.target_asks import TargetAsks, keep_allocation
 from sglang_kv_migration.server.source.validation import (
     TransferChecks,
     granted_target,
-    read_allocation,
     refusal_of,
 )
 from sglang_kv_migration.wire.messages import StageRefusal
@@ -70,10 +70,6 @@ from sglang_kv_migration.wire.messages import StageRefusal
 __all__ = ["InflightTransfer", "RankTransferStatus", "SourceTransfers"]
 
 logger = logging.getLogger(__name__)
-
-# Polls in a row that may leave their prepares while requests wait (`_defer_prepare`):
-# enough for moves sent together, bounded for a scheduler whose input never runs dry.
-PREPARE_DEFER_POLLS = 3
 
 
 class SourceTransfers:
@@ -90,10 +86,9 @@ class SourceTransfers:
         server_fingerprints: Mapping[tuple[int, int], LayoutFingerprint] | None = None,
         max_tokens: int = 1 << 62,
         deliverer: Deliverer | None = None,
-        caller: ChannelCaller | None = None,
+        asks: TargetAsks | None = None,
         destinations: KnownDestinations | None = None,
         log_later: DeferredLog | None = None,
-        requests_waiting: Callable[[], bool] | None = None,
         running_slots: RunningSlots | None = None,
     ):
         self.ctx = ctx
@@ -117,18 +112,11 @@ class SourceTransfers:
         self.epoch_suffix = ""  # set on every KV memory resume (`rank/loop.py`)
         self.signer = self.checks.signer
         self.deliverer = deliverer
-        self.caller = caller  # feature "source_allocate" (single-rank servers only)
+        self.asks = asks  # feature "source_allocate" (single-rank servers only)
         self.destinations = destinations  # feature "destination_digest" (single-rank too)
-        self.allocate_timeout_s = ALLOCATE_TIMEOUT_S
         self.inflight: list[InflightTransfer] = []  # read-only outside this class
-        self._to_prepare: list[InflightTransfer] = []  # asked their target this iteration
         self.polls = 0  # `poll()` calls with transfers in flight
         self._poll_started = 0.0  # when the current `poll()` began
-        # A test that requests wait on the scheduler's input (`IdleProbe.
-        # requests_waiting`): a poll then leaves its prepares to a later poll, so that
-        # moves sent together all ask their targets first. None: never (multi-rank).
-        self.requests_waiting = requests_waiting
-        self._prepare_deferred = 0  # polls in a row that left their prepares
         # Feature "running_slots": transfers naming `running_rid` read that request's
         # slots (None: the feature is off, and such transfers are refused).
         self.running_slots = running_slots
@@ -165,20 +153,18 @@ class SourceTransfers:
         scheduler can wait for it (`RankLoop.wait_briefly`). None when the
         next poll has something else to do or wait for, and on multi-rank sources (a
         rank that waited would reach the ranks' gather late)."""
-        caller = self.caller
-        if caller is None or not self.inflight or self._to_prepare:
+        answered = self.asks.ready_test() if self.asks is not None and self.inflight else None
+        if answered is None:
             return None
         events = []
         for t in self.inflight:
             if t.asking:
-                continue  # (`caller.replied` covers it)
+                continue  # (`answered` covers it)
             event = t.job.completion_event if t.state is TransferState.SENDING else None
             if event is None:
                 return None
             events.append(event)
-        if not caller.waiting:
-            return lambda: any(event.query() for event in events)
-        return lambda: caller.replied() or any(event.query() for event in events)
+        return lambda: answered() or any(event.query() for event in events)
 
     def start(self, req: TransferRequestKVCacheReqInput) -> None:
         """Handle a transfer request; the reply is sent later by `poll()`, also when
@@ -198,47 +184,15 @@ class SourceTransfers:
         inflight.timings.handled = time.monotonic()
 
     def _ask_target(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
-        """Feature "source_allocate": ask the target's allocate channel for the slots;
-        the transfer starts in the poll that finds the reply (`_take_allocations`)."""
-        if self.caller is None:
+        """Feature "source_allocate": the target's allocate (`target_asks.py`); the
+        transfer starts in the poll that takes its answer (`_take_allocations`)."""
+        if self.asks is None:
             raise MigrationError(
                 ErrorKind.BAD_REQUEST,
                 "allocate_on_target needs a single-rank source (TP 1, PP 1); allocate on "
                 "the target with /allocate_token_for_transfer",
             )
-        on_target = req.allocate_on_target
-        try:
-            call = self.caller.call(
-                on_target.address, on_target.secret, on_target.allocate, on_target.ids
-            )
-        except ValueError as e:
-            inflight.allocate = TargetAllocation(call=b"", answer_by=0.0, channel_error=str(e))
-            raise MigrationError(ErrorKind.BAD_REQUEST, str(e)) from None
-        inflight.ask_target(call, time.monotonic() + self.allocate_timeout_s)
-        # Prepared in this iteration's poll, after every transfer of the iteration asked
-        # its target: moves sent at once are all being allocated while this rank works.
-        self._to_prepare.append(inflight)
-
-    def _prepare_asked(self) -> None:
-        asked, self._to_prepare = self._to_prepare, []
-        for inflight in asked:
-            waiting = inflight.state is TransferState.ALLOCATING
-            if waiting and inflight.prepared is None and inflight in self.inflight:
-                self._prepare(inflight.request, inflight)
-
-    def _prepare(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
-        """While the target allocates (1-5 ms on one host): the work that does not need
-        its answer, the digest of the ids and the path's radix match and pin. Best
-        effort: what fails here fails again, and is reported, once the answer came."""
-        count = len(req.input_ids)
-        inflight.tokens = TokensDigest(count, grants.request_tokens_digest(req, count))
-        path = self.paths.get(req.target_per_rank[0].path) if req.target_per_rank else None
-        if path is None or req.running_rid:  # (running slots: no radix match to prepare)
-            return
-        try:
-            inflight.prepared = path.prepare_send(req.input_ids, req.extra_key)
-        except Exception as e:  # noqa: BLE001 - the transfer's own start says it again
-            logger.debug("KV migration: nothing prepared while the target allocates: %s", e)
+        self.asks.ask(req, inflight)
 
     def _resolve_destinations(self, req: TransferRequestKVCacheReqInput) -> None:
         """Feature "destination_digest": a device entry named by digest gets the
@@ -254,67 +208,25 @@ class SourceTransfers:
         for target in req.target_per_rank:
             self.destinations.resolve(target)
 
-    def _take_allocations(self) -> int:
+    def _take_allocations(self) -> list[InflightTransfer]:
         """Start the transfers whose target answered their allocate; fail those it did
         not answer in time (a late allocation is freed by the target's watchdog). The
         copies of the transfers started here launch together (`launching_together`):
         moves sent at once are answered together, and each launch costs ~1 ms. Returns
-        how many started without an error."""
+        the ones that started without an error."""
         with contextlib.ExitStack() as together:
             for path in self.paths.values():
                 together.enter_context(path.launching_together())
-            answered = self._start_answered()
+            answered = self.asks.take(self.inflight, self._poll_started, self._allocated)
         launched = time.monotonic()  # (the block's end launched their copies)
         for inflight in answered:
             inflight.timings.launched = launched
-        return sum(inflight.error is None for inflight in answered)
-
-    def _start_answered(self) -> list[InflightTransfer]:
-        answered: list[InflightTransfer] = []
-        replies = dict(self.caller.replies())
-        gone = set(self.caller.gone())
-        now = time.monotonic()
-        for inflight in self.inflight:
-            if not inflight.asking:
-                continue
-            asked = inflight.allocate
-            reply = replies.get(asked.call)
-            if reply is None and now < asked.answer_by and asked.call not in gone:
-                continue
-            self.caller.forget(asked.call)
-            asked.call = b""
-            if inflight.state is not TransferState.ALLOCATING:
-                # Failed while it waited (a cache flush): the failure is the reply, with
-                # the target's allocation in it, so the client aborts what it holds.
-                if reply is not None:
-                    error_of(functools.partial(self._keep_allocation, asked, reply))
-                continue
-            if reply is None:
-                asked.channel_error = (
-                    "the target's process exited before it answered the allocate"
-                    if now < asked.answer_by
-                    else "the target did not answer the allocate within "
-                    f"{self.allocate_timeout_s:.0f} s"
-                )
-                inflight.fail(MigrationError(ErrorKind.UNAVAILABLE, asked.channel_error))
-                continue
-            inflight.timings.allocated = self._poll_started  # the poll that took the answer
-            inflight.timings.answered = time.monotonic()
-            inflight.answer_taken()
-            error = error_of(functools.partial(self._allocated, inflight, reply))
-            if error is not None:
-                inflight.fail(error)
-            answered.append(inflight)
-        return answered
-
-    @staticmethod
-    def _keep_allocation(asked: TargetAllocation, reply: bytes) -> None:
-        asked.answer, asked.reply = read_allocation(reply)
+        return [inflight for inflight in answered if inflight.error is None]
 
     def _allocated(self, inflight: InflightTransfer, reply: bytes) -> None:
         """The target's allocate reply: start the transfer into what it granted."""
         req = inflight.request
-        self._keep_allocation(inflight.allocate, reply)
+        keep_allocation(inflight.allocate, reply)
         allocation = inflight.allocate.reply
         if not allocation.success:
             raise refusal_of(allocation)
@@ -349,38 +261,27 @@ class SourceTransfers:
         # Same outcome on every rank: their trees and pools are identical. (The device
         # path may still refuse on one rank only, e.g. an unopenable peer buffer; the
         # gather in `_finish_done` then fails the transfer on every rank.) Its error is
-        # the caller's to record (`start`, `_start_answered`).
+        # the caller's to record (`start`, `TargetAsks.take`).
         self._start_job(inflight)
 
-    def poll(self) -> None:
-        """Once per scheduler loop iteration while transfers are in flight."""
+    def poll(self, wait_for_copies: Callable[[list[Any]], None] | None = None) -> None:
+        """Once per scheduler loop iteration while transfers are in flight.
+        `wait_for_copies(events)`: may wait for the copies this poll launched, when each
+        is a copy on the GPU that ends with one of `events` (`RankLoop.wait_for_copies`),
+        so that their replies go out in this iteration."""
         if self.inflight:
             self.polls += 1
             self._poll_started = time.monotonic()
-            if self._to_prepare and not self._defer_prepare():
-                self._prepare_asked()
-            if self.caller is not None and self.caller.waiting:
-                self._take_allocations()
+            asks = self.asks
+            if asks is not None:
+                asks.prepare(self.inflight)
+                events = gpu_copy_events(self._take_allocations() if asks.waiting else [])
+                if events and wait_for_copies is not None:
+                    wait_for_copies(events)
             if any(t.waiting for t in self.inflight):
                 # A collective: `waiting` is the same on every rank.
                 self.ctx.tree_cache.writing_check()
             self._finish_done()
-
-    def _defer_prepare(self) -> bool:
-        """Whether this poll leaves the moves it would prepare to a later one: while
-        requests wait for the scheduler (the rest of moves sent together: a client's
-        threads, or one call's moves, which reach the scheduler ~0.1 ms apart), up to
-        `PREPARE_DEFER_POLLS` polls in a row. Their handlers ask their targets at once;
-        six 8K moves on the H200 were otherwise asked in two waves ~4 ms apart, the
-        second after the first wave's prepares and starts. A move
-        not yet prepared when its answer comes is matched by its start, as without a
-        prepare."""
-        waiting = self.requests_waiting
-        if waiting is None or self._prepare_deferred >= PREPARE_DEFER_POLLS or not waiting():
-            self._prepare_deferred = 0
-            return False
-        self._prepare_deferred += 1
-        return True
 
     def fail_all(self, reason: str) -> None:
         """Fail every transfer in flight (the reply follows from `poll`), e.g. when the
@@ -394,10 +295,11 @@ class SourceTransfers:
         ranks' gather (after a failed poll, which may fail again). No receipt goes out,
         so the target keeps the slots quarantined until the grant's write window closes."""
         abandoned, self.inflight = self.inflight, []
-        self._to_prepare = []
+        if self.asks is not None:
+            self.asks.clear()
         for inflight in abandoned:
-            if inflight.asking and self.caller is not None:
-                self.caller.forget(inflight.allocate.call)
+            if self.asks is not None:
+                self.asks.forget(inflight)
             try:
                 inflight.release()
             except Exception:  # the reply below must still go out
@@ -421,11 +323,10 @@ class SourceTransfers:
         for inflight in self.inflight:
             inflight.release()
         self.inflight.clear()
-        self._to_prepare = []
         if self.deliverer is not None:
             self.deliverer.close()
-        if self.caller is not None:
-            self.caller.close()
+        if self.asks is not None:
+            self.asks.close()
 
     # ------------------------------------------------------------------ helpers
 
@@ -465,7 +366,7 @@ class SourceTransfers:
             inflight.timings.finished = time.monotonic()
             inflight.release()
             if inflight.asking:  # failed before its target answered: not waited for
-                self.caller.forget(inflight.allocate.call)
+                self.asks.forget(inflight)
             self._reply(inflight, statuses)
         self.inflight = still_running
 
@@ -473,7 +374,8 @@ class SourceTransfers:
         """This rank's status, with its signed receipt once the transfer is over here."""
         status = inflight.local_status()
         if status.done and not status.receipt:
-            send, job = inflight.send, inflight.job
+            send, job, claim = inflight.send, inflight.job, inflight.claim
+            status.claimed_until = claim.until if claim is not None else 0.0
             status.receipt = self.signer.encode(
                 grants.Receipt(
                     migration_id=inflight.request.migration_id,
@@ -485,9 +387,10 @@ class SourceTransfers:
                     bytes=status.bytes,
                     # Nothing more can land once done, or if no write was ever submitted
                     # under the grant: only its claimant knows (a refused replay does not).
-                    settled=bool(inflight.claimed_grant)
+                    settled=claim is not None
                     and (status.success or job is None or not job.started_writing),
-                    grant=inflight.claimed_grant,
+                    grant=claim.digest if claim is not None else "",
+                    dp_rank=claim.dp_rank if claim is not None else -1,
                     # Told only to a target that granted an extent: it must scatter then.
                     plan=status.plan if send is not None and send.target.staging else "",
                     digest=status.digest,
@@ -547,6 +450,7 @@ class SourceTransfers:
         output.channel_error = inflight.channel_error
         output.destination_unknown = inflight.destination_unknown
         output.rid = req.rid  # the tokenizer side matches concurrent transfers by rid
+        output.claims = claims_of(statuses, req.migration_id, self.ctx.pp_rank)
         self._send(output, inflight)
         if first_rank and output.success:
             # Written once nothing is in flight: a log line costs ~0.1-0.2 ms here.
@@ -564,8 +468,9 @@ class SourceTransfers:
     def _send(self, output: TransferRequestKVCacheReqOutput, inflight: InflightTransfer) -> None:
         """Send the reply, stamped with where the scheduler's part of the trip went
         (`trace.py`), ms: the handler, the wait until the poll that found the copy done
-        (`polls` loop iterations), and that poll until now (the ranks' gather, receipts,
-        the mailbox delivery)."""
+        (`polls` loop iterations; `first_poll`, the count when it was taken up, is the
+        same for the moves of one iteration), and that poll until now (the ranks'
+        gather, receipts, the mailbox delivery)."""
         now = time.monotonic()
         times = inflight.timings
         handled = times.handled or now
@@ -576,6 +481,7 @@ class SourceTransfers:
             inflight.request,
             self.ctx.pp_rank,
             polls=self.polls - inflight.first_poll,
+            first_poll=inflight.first_poll,
             handler=ms(handled - times.started),
             waited=ms(polled - handled),
             replying=ms(now - polled),

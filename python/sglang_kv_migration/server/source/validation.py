@@ -23,6 +23,7 @@ from sglang_kv_migration.paths.base import DEVICE, DataPath, SendRange
 from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
 from sglang_kv_migration.server.rank.context import RankContext, check_peer_fingerprint
 from sglang_kv_migration.server.source.inflight import (
+    GrantClaim,
     InflightTransfer,
     OwnSlots,
     SourceCommit,
@@ -113,7 +114,6 @@ class TransferChecks:
         """Check this rank's entry (and, on stage 0, every later stage's), claim the
         grant and describe this rank's part of the send in `inflight`."""
         self.check_size(req)
-        source_slots = self._running_source_slots(req, inflight)  # before the grant is claimed
         by_rank = {(t.tp, t.pp): t for t in req.target_per_rank}
         me = (self.ctx.tp_rank, self.ctx.pp_rank)
         target = by_rank.get(me)
@@ -136,12 +136,19 @@ class TransferChecks:
             req, target, me, self.fingerprint, taken.digest, inflight.own_slots
         )
         grant = checked.grant
-        # Before the grant is claimed: a refusal here leaves it for a correct retry.
+        # IMPORTANT: a running request is looked at only now, with the grant verified:
+        # a caller without one learns nothing about it. And before the grant is claimed:
+        # a refusal here (or below) leaves it for a correct retry.
+        source_slots = self._running_source_slots(req, inflight)
         owner_pattern = None
         if self.owner_pattern is not None:
             owner_pattern = self.owner_pattern(req, grant, source_slots)
         self.used_grants.claim(grant)
-        inflight.claimed_grant = grants.grant_digest(target.grant)
+        inflight.claim = GrantClaim(
+            grants.grant_digest(target.grant),
+            grant.expires_at,
+            self.ctx.dp_rank if grant.source_dp_rank >= 0 else -1,
+        )
         if self.destinations is not None and DEVICE in self.paths:
             # Kept only now that a verified grant names it: a refused body keeps nothing.
             self.destinations.remember(target, grant.destination)
@@ -238,6 +245,7 @@ class TransferChecks:
             # the grant must have been issued to this server.
             destination=self._destination_digest(target),
             source=self.server_epoch,
+            dp_rank=self.ctx.dp_rank,
         )
         return CheckedTarget(own.slots, own.digest, grant)
 

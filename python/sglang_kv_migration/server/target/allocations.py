@@ -253,6 +253,10 @@ class TargetAllocations:
         verify = req.verify or self.verify_all
         pending = self.pending.get(alloc.migration_id)
         pending.verify, pending.source = verify, req.source_instance
+        # Feature "source_dp_rank": only that DP rank of the source may claim the grant,
+        # and only its receipts settle or commit these slots.
+        source_dp_rank = -1 if req.source_dp_rank is None else req.source_dp_rank
+        pending.source_dp_rank = source_dp_rank
         expires_at = time.time() + self.grant_ttl_s
         token = self.identity.signer.encode(
             grants.Grant(
@@ -276,6 +280,7 @@ class TargetAllocations:
                 source=req.source_instance,
                 mailbox=mailbox,
                 owners=_owners_digest(alloc.owner_pattern),
+                source_dp_rank=source_dp_rank,
             )
         )
         pending.grant = grants.grant_digest(token)

@@ -79,6 +79,10 @@ class ChannelAllocations:
         self._updates = 0  # weight updates seen
         self._stamped_after = -1  # `_updates` when `_stamped` was taken
         self._next_check = 0.0  # monotonic time the channel is read next
+        # Loop iterations seen (`due` runs once in each): each reply names the one that
+        # answered it (`steps_ms["iteration"]`), so moves sent together can be seen to
+        # share one.
+        self.iterations = 0
 
     def observe(self, recv_reqs: list[Any]) -> None:
         """The iteration's requests, in order: weight updates, and our own requests'
@@ -98,6 +102,7 @@ class ChannelAllocations:
         """Once per loop iteration: what waits on the channel, if `CHECK_EVERY_S` has
         passed since it was last read. Reading it costs a zmq socket option (~3 us); a
         clock read costs ~0.05 us, and a request then waits at most that much more."""
+        self.iterations += 1
         now = time.monotonic()
         if now < self._next_check:
             return []
@@ -148,6 +153,7 @@ class ChannelAllocations:
                 "scheduler": ms(trace["replied"] - trace["received"]),
                 # Read from the channel until taken up: other allocations, commits first.
                 "queued": ms(trace["received"] - asked.taken_at),
+                "iteration": self.iterations,
             }
         return output
 

@@ -187,6 +187,14 @@ class Commits:
                 # (A request the source refused, e.g. a retry seen as a replay, claimed
                 # no grant: it cannot speak for the writes of the one that did.)
                 return f"receipt for {where} is not from the transfer that used its grant"
+            if pending is not None and pending.source_dp_rank not in (-1, receipt.dp_rank):
+                # One grant, one claim: a receipt from any other scheduler of the source
+                # (a second DP rank that claimed the grant too) speaks for none of the
+                # writes under it, so it neither settles nor commits these slots.
+                return (
+                    f"receipt for {where} is from DP rank {receipt.dp_rank} of the source, "
+                    f"not DP rank {pending.source_dp_rank}, the one its grant names"
+                )
             if need_success and not receipt.success:
                 return f"the source reported the transfer to {where} as failed"
             if not need_success and not receipt.settled:

@@ -86,6 +86,9 @@ class PendingMigration:
     # only if it names it (it comes from the request that claimed the grant). Kept in
     # quarantine with the slots and the source, so a repeated abort checks them too.
     grant: str = ""
+    # Feature "source_dp_rank": the source DP rank the grant names (-1: none); a receipt
+    # naming the grant counts only from that DP rank's scheduler (kept in quarantine too).
+    source_dp_rank: int = -1
     # Once its write window closed in quarantine: the inbound streams still to be closed
     # before the slots go back (`DataPath.close_write_streams`; None: not yet listed).
     streams: frozenset[int] | None = None
