@@ -69,6 +69,13 @@ def test_host_and_device_paths_start_with_the_device_path_left_out_by_name(harne
     assert device_path_unavailable_reason(h.cache, False) == installed.DEVICE_PATH_MISSING
 
 
+def test_the_shared_host_path_is_left_out_by_name(harness_factory):
+    from sglang_kv_migration.paths.shared_host.target_side import shared_host_unavailable_reason
+
+    h = harness_factory(layer_num=2)
+    assert shared_host_unavailable_reason(h.cache) == installed.SHARED_HOST_PATH_MISSING
+
+
 def test_a_host_pool_group_with_more_than_the_kv_pool_is_refused_by_name(harness_factory):
     """An NSA model's group (KV + the indexer's pool) is served on 0.5.12 only."""
     from sglang.srt.mem_cache.hicache_storage import PoolName

@@ -25,6 +25,7 @@ from sglang_kv_migration.sglang_adapter.installed import (
     server_args_refusal,
     sglang_line,
     sglang_version,
+    shared_host_path_missing,
 )
 from sglang_kv_migration.sglang_adapter.ipc_messages import (
     ipc_message,
@@ -196,6 +197,7 @@ __all__ = [
     "cache_unsupported",
     "device_path_missing",
     "server_args_refusal",
+    "shared_host_path_missing",
     "is_unified_line",
     "lock_node",
     "sglang_line",

@@ -154,6 +154,18 @@ STORAGE_BACKEND_MISSING = (
 )
 
 
+SHARED_HOST_PATH_MISSING = (
+    "the shared-host path maps the target's host pool from a memory file that the plugin "
+    "has SGLang 0.5.12's host pools allocate: it runs on SGLang 0.5.12 only"
+)
+
+
+def shared_host_path_missing() -> str | None:
+    """Why the installed SGLang cannot run the shared-host path (None: it can); left
+    out at start with this reason, as the device path is."""
+    return SHARED_HOST_PATH_MISSING if is_unified_line() else None
+
+
 def device_path_missing() -> str | None:
     """Why the installed SGLang cannot run the device path (None: it can). A server that
     also serves the host path leaves the device path out, naming this (`paths/factory.py`);
