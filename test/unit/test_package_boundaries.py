@@ -29,12 +29,12 @@ from package_source import edges as _edges
 from package_source import in_part as _in
 
 # Documented extension points, used as SGLang's plugin docs show: the hook registry, the
-# ServerArgs class our flags subclass, the request base class our wire types derive
-# from (SGLang's communicators route by it), and the route auth decorator.
+# ServerArgs class our flags subclass and the route auth decorator. (The request base
+# class our messages derive from differs between SGLang lines: the adapter's
+# `ipc_messages.py` reaches it.)
 SGLANG_EXTENSION_POINTS = {
     f"{NAME}.server.plugin": {"sglang.srt.plugins.hook_registry"},
     f"{NAME}.server.server_args": {"sglang.srt"},
-    f"{NAME}.server.messages": {"sglang.srt.managers.io_struct"},
     f"{NAME}.server.http.routes": {"sglang.srt.utils.auth"},
     # verl's plugin entry point calls SGLang's own plugin loader (and nothing else).
     f"{NAME}.integrations.verl_plugin": {"sglang.srt.plugins"},

@@ -509,8 +509,13 @@ INTERNAL_FIELDS = frozenset({"rid", "http_worker_ipc", "trace", "claims"})
 
 
 def reply_content(reply: Reply) -> dict[str, Any]:
-    """A reply as the JSON object a route answers with (without the internal fields)."""
-    return {name: _plain(getattr(reply, name)) for name in wire_order(type(reply))}
+    """A reply as the JSON object a route answers with (without the internal fields).
+
+    `reply` is a wire model or a server message built from one: a message type names its
+    model in `WIRE_MODEL` (`sglang_adapter.ipc_message`; on some SGLang lines it is no
+    dataclass), and its fields are the model's."""
+    model = getattr(type(reply), "WIRE_MODEL", type(reply))
+    return {name: _plain(getattr(reply, name)) for name in wire_order(model)}
 
 
 @functools.cache

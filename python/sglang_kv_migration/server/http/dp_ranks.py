@@ -28,7 +28,6 @@ rank directly, outside this routing: a server with several DP ranks does not lis
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -43,6 +42,7 @@ from sglang_kv_migration.server.messages import (
     GetRequestExtraTokenSizeReqOutput,
     GetTransferSessionInfoReqInput,
     TransferRequestKVCacheReqInput,
+    replace_message,
 )
 from sglang_kv_migration.server.rank.pp_stages import one_server_session_info
 from sglang_kv_migration.wire import features
@@ -180,7 +180,7 @@ def merge_session_info(replies: list[Any]) -> Any:
         key=lambda r: (r.dp_rank, r.pp_rank, r.tp_rank),
     )
     first = replies[0]
-    return dataclasses.replace(
+    return replace_message(
         first,
         ranks=ranks,
         dp_size=len(replies),
