@@ -662,6 +662,13 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             # Allocations this rank holds (neither committed, aborted nor expired).
             migration = getattr(scheduler, "kv_migration", None)
             value = len(migration.pending) if migration is not None else 0
+        elif name == "advance_clock":
+            # This rank's migration clock (write windows, watchdog deadlines) args[0] s
+            # ahead, for good: a test of a window or an expiry waits for no clock.
+            pending = scheduler.kv_migration.pending
+            clock = pending.clock
+            pending.clock = lambda: clock() + args[0]
+            value = None
         elif name == "slot_digest":
             # verify.py's digest of the host pages holding these token slots.
             from sglang_kv_migration.paths import verify
