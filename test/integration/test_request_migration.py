@@ -36,8 +36,10 @@ from sglang_kv_migration.rollout.request_migration import (
 )
 from timing import wait_until
 
-# Runs on every supported SGLang (CI runs the marker on 0.5.23 too).
-pytestmark = pytest.mark.any_sglang
+# Two tests here also run on 0.5.23 (any_sglang): a running request moved with its KV
+# and a queued one with its history, the request migrator over that line's server. The
+# rest exercise the client's decisions (failures, cost model, rebalancer, CLI) against
+# the same routes, which the marked tests and test_http_api.py cover on both lines.
 
 PAGE = 16
 STEP_S = 0.01
@@ -167,6 +169,7 @@ def test_continuation_and_finished_by() -> None:
     assert req.finished_by(list(range(20, 30)), eos) == {"type": "length", "length": 10}
 
 
+@pytest.mark.any_sglang
 def test_running_request_moves_with_its_kv(servers: ServerPair) -> None:
     prompt = _seq(1000, 2 * PAGE + 7)
     with RequestMigrator(cost_model=ALWAYS_MIGRATE) as migrator:
@@ -208,6 +211,7 @@ def test_running_request_moves_with_its_kv(servers: ServerPair) -> None:
     assert second.cached_tokens == move.migration.matched_after_commit == moved_len
 
 
+@pytest.mark.any_sglang
 def test_queued_request_moves_its_history(servers: ServerPair) -> None:
     """A request queued behind another: nothing generated yet, but the conversation so far
     (cached from an earlier turn) moves."""
