@@ -575,12 +575,17 @@ def test_rebalancer_sees_the_scene(servers: ServerPair) -> None:
             rebalancer = Rebalancer(migrator, [servers.source.url, servers.target.url], policy)
             first_round = await rebalancer.step()
             headroom = rebalancer.summary.last_loads[servers.target.url].host_headroom_tokens
+            for move in first_round:  # resumed on the target while the source holds on
+                await move.handle.result()
+            await asyncio.to_thread(hold, servers.source.url, None)
             summary = await rebalancer.run(max_rounds=300, interval_s=0.02)
             outs = [await h.result() for h in (decoding, *queued)]
             return load, first_round, headroom, summary, queued, outs
 
-    # The decoding request waits at the gate until the two conversations were moved.
-    with held_at(servers.source.url, HOLD_AT, aborts=2):
+    # The decoding request waits at the gate until the two conversations were moved and
+    # resumed: until then nothing the source admits or finishes can evict their
+    # histories from its host pool before their moves price them.
+    with held_at(servers.source.url, HOLD_AT):
         load, first_round, headroom, summary, queued, outs = asyncio.run(scenario())
     assert load["num_total_tokens"] < 0.99 * load["max_total_num_tokens"]  # KV has room
     # The target said what its host pool can take (its size query with "headroom"), and
