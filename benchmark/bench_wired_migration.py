@@ -124,7 +124,7 @@ def peer_main(conn: Connection) -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cpu_harness.install_cpu_shims()
-    import sglang_kv_migration.server.rank.scheduler_side  # noqa: F401  (the slow import, up front)
+    import sglang_kv_migration.server.scheduler.scheduler_side  # noqa: F401  (the slow import, up front)
 
     server = _server_class()()
     conn.send(("ready", None))

@@ -63,8 +63,8 @@ class _Server:
     ) -> dict:
         import cpu_harness
         from sglang_kv_migration.paths.host.mooncake import TransportConfig
-        from sglang_kv_migration.server.compose import compose_rank
         from sglang_kv_migration.server.rank.settings import RankSettings
+        from sglang_kv_migration.server.scheduler.compose import compose_rank
         from side_helpers import one_rank_context
 
         side_kwargs = dict(side_kwargs or {})
@@ -260,7 +260,7 @@ def peer_main(conn: Connection) -> None:
     import cpu_harness
 
     cpu_harness.install_cpu_shims()
-    import sglang_kv_migration.server.compose  # noqa: F401  (the slow sglang import, up front)
+    import sglang_kv_migration.server.scheduler.compose  # noqa: F401  (the slow sglang import, up front)
 
     server = _Server()
     conn.send(("ready", None))

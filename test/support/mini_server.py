@@ -345,7 +345,7 @@ class _MiniScheduler:
     def run(self, receiver: Any, control: Any, harness: Any, extension: Any = None) -> None:
         import zmq
         from sglang.srt.utils.common import point_to_point_pyobj
-        from sglang_kv_migration.server.rank import hooks as scheduler_hooks
+        from sglang_kv_migration.server.scheduler import hooks as scheduler_hooks
 
         last_stage = self.pp_rank == self.pp_size - 1
         idle_wait = _IdleWait(receiver, getattr(self, "kv_migration", None))
@@ -443,7 +443,7 @@ def _rank_main(
         from types import SimpleNamespace
 
         import zmq
-        from sglang_kv_migration.server.rank import hooks as scheduler_hooks
+        from sglang_kv_migration.server.scheduler import hooks as scheduler_hooks
 
         world = spec.world
         tp_rank = rank % spec.tp_size
@@ -682,7 +682,7 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             value = len(set(args[0]) & set(harness.host_pool.free_slots.tolist()))
         elif name == "flush":
             # What SGLang's /flush_cache does to the cache, behind our AROUND hook.
-            from sglang_kv_migration.server.rank.hooks import around_flush_cache
+            from sglang_kv_migration.server.scheduler.hooks import around_flush_cache
 
             def reset(s: Any) -> bool:
                 s.tree_cache.reset()
@@ -694,7 +694,7 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             # What our BEFORE hook sees when SGLang receives a weight update (the request
             # itself is not run here: this harness has no model).
             from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
-            from sglang_kv_migration.server.rank.hooks import before_process_input_requests
+            from sglang_kv_migration.server.scheduler.hooks import before_process_input_requests
 
             migration = scheduler.kv_migration
             before = len(migration.pending)

@@ -11,7 +11,7 @@ from sglang_kv_migration.server.messages import (
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
 )
-from sglang_kv_migration.server.rank.hooks import around_flush_cache, around_sleep_on_idle
+from sglang_kv_migration.server.scheduler.hooks import around_flush_cache, around_sleep_on_idle
 from side_helpers import transfer_to_self
 
 

@@ -393,13 +393,13 @@ def test_commit_adopts_host_only_nodes(harness_factory, attention, page_size):
 
 def test_scheduler_side_leaves_the_device_path_out_without_cuda(harness_factory, caplog):
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
-    from sglang_kv_migration.server.compose import compose_rank
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics
     from sglang_kv_migration.server.messages import (
         AllocateTokenForTransferReqInput,
         GetTransferSessionInfoReqInput,
     )
     from sglang_kv_migration.server.rank.settings import RankSettings
+    from sglang_kv_migration.server.scheduler.compose import compose_rank
 
     assert not torch.cuda.is_available()
     h = harness_factory(page_size=16)
@@ -454,7 +454,7 @@ def test_scheduler_side_leaves_the_device_path_out_without_cuda(harness_factory,
 def test_the_loop_offers_the_gil_cheaply_when_no_helper_thread_waits(side, monkeypatch):
     """A pending host-path allocation (its staging watcher may need the GIL) gets the
     zero sleep of the poll; device-path work only a yield of the CPU."""
-    from sglang_kv_migration.server.rank import loop
+    from sglang_kv_migration.server.scheduler import loop
 
     calls: list[str] = []
     monkeypatch.setattr(loop.time, "sleep", lambda s: calls.append(f"sleep {s}"))

@@ -33,7 +33,7 @@ def _key_a_client_can_derive(secret: str) -> bytes:
 
 def _server(harness_factory, caplog, **keys: str):
     """A one-rank server side built by the real scheduler hook from these keys."""
-    from sglang_kv_migration.server.rank import hooks as scheduler_hooks
+    from sglang_kv_migration.server.scheduler import hooks as scheduler_hooks
 
     cfg = HarnessConfig(page_size=PAGE)
     harness = harness_factory(cfg)

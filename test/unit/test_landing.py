@@ -26,7 +26,7 @@ from sglang_kv_migration.server.messages import (
     CommitTransferRequestKVCacheReqInput,
     GetTransferSessionInfoReqInput,
 )
-from sglang_kv_migration.server.rank.hooks import (
+from sglang_kv_migration.server.scheduler.hooks import (
     after_resume_memory_occupation,
     around_release_memory_occupation,
 )

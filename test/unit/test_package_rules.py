@@ -5,7 +5,7 @@
 - wire field names are string literals only in the wire models;
 - every wire feature name is defined in one module, the feature registry;
 - modules are at most 600 lines, classes at most 400;
-- no module imports more than 12 of the package's modules;
+- no module imports more than 12 of the package's modules (the exceptions by their number);
 - the environment is read only where the server args and diagnostics live;
 - comments and docstrings say why the code is as it is, with no history: no dates, no
   "call N" / "issue N" / "session N" / "round N", no commit hashes.
@@ -236,22 +236,37 @@ def test_modules_and_classes_fit() -> None:
 # --------------------------------------------------------------------------- fan-out
 
 MAX_PACKAGE_IMPORTS = 12
-# path -> why it still imports more of the package.
+# path -> (how many of the package's modules it imports, why more than the cap). The
+# number is exact: an entry that grows fails, and so does one that shrank (write the new
+# number), so each one only goes down.
 FAN_OUT_ALLOWED: dict[str, object] = {
-    "server/compose.py": "the one composition step: it names every role, path and "
-    "diagnostic a rank is built from",
-    "server/target/allocations.py": "allocate reaches the pending table, grants, both "
-    "paths' slots, staging and the diagnostics",
-    "server/target/build.py": "builds the target role from its parts (pending, commits, "
-    "allocations, channel, mailbox)",
-    "server/source/transfers.py": "the source role's flow reaches its records, checks and "
-    "replies, the same-host channels and the diagnostics",
+    "server/scheduler/compose.py": (
+        15,
+        "the one composition step: it names every role, path and diagnostic a rank is "
+        "built from",
+    ),
+    "server/target/allocations.py": (
+        14,
+        "allocate reaches the pending table, grants, both paths' slots, staging and the "
+        "diagnostics",
+    ),
+    "server/target/build.py": (
+        17,
+        "builds the target role from its parts (pending, commits, allocations, channel, "
+        "mailbox) and opens what reaches the paths' factory (the staging arena, the "
+        "allocate channel's host)",
+    ),
+    "server/source/transfers.py": (
+        17,
+        "the source role's flow reaches its records, checks and replies, the same-host "
+        "channels and the diagnostics",
+    ),
 }
 
 
 def test_no_module_imports_much_of_the_package() -> None:
     found: dict[str, object] = {
-        relative_path(module): True
+        relative_path(module): len(targets)
         for module, targets in edges().items()
         if len(targets) > MAX_PACKAGE_IMPORTS
     }

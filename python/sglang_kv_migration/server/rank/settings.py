@@ -1,4 +1,4 @@
-"""What a rank's migration side is built from (`server/compose.py`): the server args of
+"""What a rank's migration side is built from (`server/scheduler/compose.py`): the server args of
 `--enable-kv-migration` read once, and what tests and benchmarks that drive a rank
 directly give instead (a transport of their own, no SGLang state)."""
 

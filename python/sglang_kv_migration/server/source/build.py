@@ -1,4 +1,4 @@
-"""The source role of one rank, as `server/compose.py` builds it: its transfers, with
+"""The source role of one rank, as `server/scheduler/compose.py` builds it: its transfers, with
 what a single-rank source has besides (the target's allocate, feature "source_allocate":
 `target_asks.py`; device destinations named by digest, feature "destination_digest")
 and the mailbox it delivers commits to (feature "source_commit")."""

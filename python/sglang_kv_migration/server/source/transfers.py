@@ -45,6 +45,9 @@ from sglang_kv_migration.server.source.inflight import (
     gpu_copy_events,
 )
 from sglang_kv_migration.server.source.known_destinations import (
+    FEATURE as DESTINATION_DIGEST,
+)
+from sglang_kv_migration.server.source.known_destinations import (
     KnownDestinations,
     UnknownDestination,
 )
@@ -109,7 +112,7 @@ class SourceTransfers:
         # Per-move lines, written once idle (the scheduler side passes the one it flushes).
         self.log_later = log_later if log_later is not None else DeferredLog()
         self.server_epoch = server_epoch  # this server's instance id (receipts name it)
-        self.epoch_suffix = ""  # set on every KV memory resume (`rank/loop.py`)
+        self.epoch_suffix = ""  # set on every KV memory resume (`scheduler/loop.py`)
         self.signer = self.checks.signer
         self.deliverer = deliverer
         self.asks = asks  # feature "source_allocate" (single-rank servers only)
@@ -135,6 +138,15 @@ class SourceTransfers:
 
     def __len__(self) -> int:
         return len(self.inflight)
+
+    def features(self) -> list[str]:
+        """The optional features this role offers (session info lists them)."""
+        offered = []
+        if self.destinations is not None and DEVICE in self.paths:
+            offered.append(DESTINATION_DIGEST)
+        if self.running_slots is not None:
+            offered.append(self.running_slots.FEATURE)
+        return offered
 
     def on_helper_threads(self) -> bool:
         """Whether a transfer in flight may wait on a helper thread (the host path's

@@ -1,15 +1,18 @@
-"""The target role of one rank, as `server/compose.py` builds it: the host path's staging
+"""The target role of one rank, as `server/scheduler/compose.py` builds it: the host path's staging
 arena, the pending migrations (which give extents and mailbox slots back), commits,
 the mailbox of same-host sources, allocations, and on a single-rank server the
 allocate channel."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from sglang_kv_migration import sglang_adapter
-from sglang_kv_migration.paths.base import DataPath
+from sglang_kv_migration.paths import HostPoolLayout
+from sglang_kv_migration.paths import factory as path_factory
+from sglang_kv_migration.paths.base import HOST, DataPath, TargetStaging
 from sglang_kv_migration.server.diag.rank_diagnostics import RankDiagnostics
 from sglang_kv_migration.server.messages import (
     AllocateTokenForTransferReqOutput,
@@ -18,12 +21,15 @@ from sglang_kv_migration.server.rank.context import RankContext
 from sglang_kv_migration.server.rank.dispatch import Dispatch
 from sglang_kv_migration.server.rank.identity import RankIdentity
 from sglang_kv_migration.server.rank.settings import RankSettings
+from sglang_kv_migration.server.same_host.allocate_channel import open_channel
 from sglang_kv_migration.server.target.allocations import TargetAllocations
-from sglang_kv_migration.server.target.channel_allocations import open_channel_allocations
+from sglang_kv_migration.server.target.channel_allocations import ChannelAllocations, Handler
 from sglang_kv_migration.server.target.commits import Commits
 from sglang_kv_migration.server.target.mailbox_commits import SourceCommits
 from sglang_kv_migration.server.target.pending import PendingMigrations
-from sglang_kv_migration.server.target.role import TargetRole, open_staging
+from sglang_kv_migration.server.target.role import TargetRole
+
+logger = logging.getLogger(__name__)
 
 
 def build_target(
@@ -78,3 +84,34 @@ def build_target(
         ),
     )
     return TargetRole(ctx, metrics, pending, commits, source_commits, allocations, channel, staging)
+
+
+def open_staging(
+    ctx: RankContext, layout: HostPoolLayout | None, paths: dict[str, DataPath], nbytes: int
+) -> TargetStaging | None:
+    """The staging arena of the host path's target role (None: staging off)."""
+    if nbytes <= 0 or HOST not in paths:
+        return None
+    assert layout is not None, "the host path is on: its layout was built"
+    if ctx.pp_size > 1:
+        # A staged commit answers later, but PP stages agree through the request as it
+        # passes (`pp_stages.py`): a scatter failing on stage 0 could not stop a later
+        # stage that already inserted. Direct writes only under PP.
+        logger.info("KV migration staging is off under PP (--pp-size > 1)")
+        return None
+    return path_factory.open_staging(paths[HOST], layout, nbytes)
+
+
+def open_channel_allocations(
+    single_rank: bool, weight_update_types: tuple[type, ...], allocate: Handler
+) -> ChannelAllocations | None:
+    """Feature "source_allocate" on a single-rank server (one rank takes each channel
+    request, so every rank of a stage could not allocate it together); `allocate` is the
+    allocate handler, wrapped like the dispatcher's. None where the channel cannot be
+    bound (logged)."""
+    if not single_rank:
+        return None
+    channel = open_channel(path_factory.host_identity())
+    if channel is None:
+        return None
+    return ChannelAllocations(channel, weight_update_types, allocate)

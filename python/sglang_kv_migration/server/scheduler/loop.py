@@ -27,7 +27,7 @@ from sglang_kv_migration.server.messages import (
 )
 from sglang_kv_migration.server.rank.context import RankContext
 from sglang_kv_migration.server.rank.identity import RankIdentity
-from sglang_kv_migration.server.rank.idle_probe import IdleProbe
+from sglang_kv_migration.server.scheduler.idle_probe import IdleProbe
 from sglang_kv_migration.server.source.transfers import SourceTransfers
 from sglang_kv_migration.server.target.role import TargetRole
 

@@ -9,7 +9,7 @@ hooks (`hooks.py`) and the handlers added to its dispatcher. It only delegates, 
   test, cache flush, KV memory release and resume, shutdown;
 - the diagnostics (`diag/rank_diagnostics.py`) and the handler wrapping (`dispatch.py`).
 
-`server/compose.py` builds all of them, once, from the server args and the scheduler.
+`server/scheduler/compose.py` builds all of them, once, from the server args and the scheduler.
 
 SGLang broadcasts every control request to all TP ranks of a stage, and only the first
 rank's reply reaches the tokenizer manager. So each handler does its rank's part, then the
@@ -44,15 +44,15 @@ from sglang_kv_migration.server.messages import (
 )
 from sglang_kv_migration.server.rank.dispatch import Dispatch
 from sglang_kv_migration.server.rank.identity import RankIdentity
-from sglang_kv_migration.server.rank.loop import RankLoop
-from sglang_kv_migration.server.rank.session_info import SessionInfo
+from sglang_kv_migration.server.scheduler.loop import RankLoop
+from sglang_kv_migration.server.scheduler.session_info import SessionInfo
 from sglang_kv_migration.server.source.transfers import SourceTransfers
 from sglang_kv_migration.server.target.role import TargetRole
 
 
 class MigrationSchedulerSide:
     """The six operations on one rank, plus the loop's work, over the roles
-    `server/compose.py` built."""
+    `server/scheduler/compose.py` built."""
 
     def __init__(
         self,
