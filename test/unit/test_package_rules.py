@@ -210,8 +210,6 @@ SIZE_ALLOWED: dict[str, object] = {
     "delta) are to join the running-slot rounds in their own module",
     "rollout/request_migration.py::AsyncRequestMigrator": "submit, move and resume of a "
     "live request in one class",
-    "server/target/pending.py::PendingMigrations": "pending allocations, their quarantine "
-    "and the late-stream fence in one class; the quarantine is to become its own",
     "server/source/transfers.py::SourceTransfers": "start, poll and reply of a transfer in "
     "one class (the target's allocate is in target_asks.py); next out: the destination "
     "digests and the helper-thread test",

@@ -74,8 +74,8 @@ def test_forged_receipts_in_the_slot_are_refused_once_and_the_allocation_stays(l
     finally:
         deliverer.close()
     side.before_requests([])
-    pending = side.pending.get("m3")
-    assert pending is not None and not pending.source_commit  # not read again
+    assert side.target.pending.get("m3") is not None
+    assert "m3" not in side.target.source_commits.awaiting  # not read again
 
 
 def test_a_weight_update_drops_what_waits_for_its_source(loaded):
@@ -96,7 +96,7 @@ def test_an_allocation_failing_after_its_slots_were_reserved_gives_them_back(
 ):
     before = side.harness.snapshot()
 
-    def boom(migration_id: str) -> str:
+    def boom() -> tuple[tuple[int, bytes] | None, str]:
         raise RuntimeError("injected fault after reserving")
 
     monkeypatch.setattr(side.source_commits, "grant_slot", boom)
@@ -105,6 +105,30 @@ def test_an_allocation_failing_after_its_slots_were_reserved_gives_them_back(
     assert "injected fault" in out.message
     assert len(side.pending) == 0 and side.pending.quarantined() == 0
     assert side.harness.snapshot() == before  # the slots went back at once
+
+
+def test_a_grant_failing_after_its_mailbox_slot_was_taken_gives_it_back(
+    side, monkeypatch: pytest.MonkeyPatch
+):
+    """The grant is made once the slots are reserved and before the migration is
+    pending: a failure there gives back what it took (the mailbox slot, the slots) and
+    leaves nothing pending."""
+    from sglang_kv_migration.server.target.allocations import TargetAllocations
+
+    before = side.harness.snapshot()
+    slots = side.target.source_commits.slots
+    assert len(slots) == 0
+
+    def boom(*_args: object) -> str:
+        assert len(slots) == 1  # the mailbox slot was taken first
+        raise RuntimeError("injected fault while signing")
+
+    monkeypatch.setattr(TargetAllocations, "_sign_grant", boom)
+    out = _allocate(side, list(range(1500, 1500 + 2 * PAGE)), "m7")
+    assert not out.success and "injected fault while signing" in out.message
+    assert len(slots) == 0  # given back at once, not after a write window
+    assert len(side.target.pending) == 0 and side.target.pending.quarantined() == 0
+    assert side.harness.snapshot() == before
 
 
 # ------------------------------------------------- channel allocations and commits

@@ -252,7 +252,10 @@ class RankLoop:
         loop iteration: a few attribute reads."""
         pending = self.pending
         return bool(
-            self.transfers.inflight or self.commits.waiting or pending.by_id or pending.quarantine
+            self.transfers.inflight
+            or self.commits.waiting
+            or pending.by_id
+            or pending.quarantine.by_id
         )
 
     # ------------------------------------------------------------------ SGLang's events

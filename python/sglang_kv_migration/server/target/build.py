@@ -48,6 +48,8 @@ def build_target(
         ctx.tree_cache,
         settings.watchdog_timeout_s,
         release_staging=staging.release if staging is not None else None,
+        # (only rank 0's migrations hold a mailbox slot, and only with a mailbox open)
+        release_mailbox=lambda slot, not_before: source_commits.give_back(slot, not_before),
     )
     commits = Commits(
         ctx,

@@ -74,7 +74,7 @@ class TargetRole:
         """Commits waiting, migrations pending or slots quarantined (the same on every
         rank): a few attribute reads."""
         pending = self.pending
-        return bool(self.commits.waiting or pending.by_id or pending.quarantine)
+        return bool(self.commits.waiting or pending.by_id or pending.quarantine.by_id)
 
     def commit(
         self, req: CommitTransferRequestKVCacheReqInput
