@@ -2,8 +2,9 @@
 the layout of its buffers), its layout fingerprint, the server's instance id, its grant
 signer, and whether its KV memory is released.
 
-Built once by `server/scheduler/compose.py`; the source and target roles and the session info read
-it, the loop's memory hooks change the two memory fields."""
+Built once by `server/scheduler/compose.py`; the source and target roles and the session
+info read it, the loop's memory hooks change the two memory fields (`kv_memory_released`,
+`kv_memory_resumed`)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,16 @@ class RankIdentity:
     def fingerprint_for(self, req: Any) -> LayoutFingerprint:
         """This rank's fingerprint with the weight version the request was stamped with."""
         return self.fingerprint.with_weight_version(req.weight_version)
+
+    def kv_memory_released(self) -> None:
+        """SGLang is about to unmap the KV pool: allocations are refused until resumed."""
+        self.memory_released = True
+
+    def kv_memory_resumed(self) -> int:
+        """The KV pool is mapped again; returns the new memory generation."""
+        self.memory_generation += 1
+        self.memory_released = False
+        return self.memory_generation
 
 
 def open_identity(

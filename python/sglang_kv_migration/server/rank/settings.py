@@ -53,6 +53,7 @@ def settings_from_server_args(
     pp_rank: int,
     scheduler_idle: Callable[[], bool],
     input_waiting: Callable[[], bool],
+    running_requests: Any = None,
 ) -> RankSettings:
     """A rank's settings from SGLang's `ServerArgs` (with our flags, `server_args.py`)."""
     metrics = None
@@ -80,6 +81,7 @@ def settings_from_server_args(
         profile=rank_profile(args.port, tp_rank, pp_rank),
         scheduler_idle=scheduler_idle,
         input_waiting=input_waiting,
+        running_requests=running_requests,
     )
 
 

@@ -63,9 +63,12 @@ def compose_for_scheduler(scheduler: Any) -> MigrationSchedulerSide:
         ctx.pp_rank,
         scheduler_idle=sglang_adapter.scheduler_idle_check(scheduler),
         input_waiting=sglang_adapter.input_waiting_check(scheduler),
+        running_requests=(
+            sglang_adapter.RunningRequests(scheduler)
+            if view.pp_size == 1 and view.dp_size == 1
+            else None
+        ),
     )
-    if view.pp_size == 1 and view.dp_size == 1:
-        settings.running_requests = sglang_adapter.RunningRequests(scheduler)
     return compose_rank(ctx, settings)
 
 

@@ -283,7 +283,7 @@ class RankLoop:
         answers 410). New allocations are refused until the resume."""
         for path in self.paths.values():
             path.quiesce()
-        self.identity.memory_released = True
+        self.identity.kv_memory_released()
         self.transfers.fail_all("the source released its KV cache memory during the transfer")
         self.target.drop_for_memory_release()
 
@@ -297,9 +297,7 @@ class RankLoop:
         for path in self.paths.values():
             path.resume_memory()
         self.target.allocations.destinations.clear()
-        self.identity.memory_generation += 1
-        self.transfers.epoch_suffix = f".m{self.identity.memory_generation}"
-        self.identity.memory_released = False
+        self.transfers.memory_resumed(self.identity.kv_memory_resumed())
 
     def close(self) -> None:
         self.diagnostics.log_later.flush()
