@@ -87,7 +87,7 @@ def main() -> None:
             results["empty loop"].append(_time_hook(lambda *a: None, off, args.iterations))
             results["off"].append(_time_hook(hook, off, args.iterations))
             results["on"].append(_time_hook(hook, on, args.iterations))
-        assert side.loop_timer.iterations == 0, "an idle poll was timed as busy"
+        assert side.diagnostics.loop_timer.iterations == 0, "an idle poll was timed as busy"
     finally:
         side.close()
         harness.close()

@@ -166,7 +166,7 @@ class _Server:
         """(most calls in one invocation, invocations, loop timer max s, its top callees)."""
         counts, self.call_counts = self.call_counts, []
         worst = max(counts, default=(0, []))
-        return worst[0], len(counts), self.side.loop_timer.max_s, worst[1]
+        return worst[0], len(counts), self.side.diagnostics.loop_timer.max_s, worst[1]
 
     def fragment_host(self, seed: int) -> int:
         """Shuffle the host pool's free list page by page: every later allocation is
@@ -186,7 +186,7 @@ class _Server:
         return len(pages)
 
     def staging(self) -> dict:
-        staging = self.side.staging
+        staging = self.side.target.staging
         if staging is None:
             return {}
         arena = staging.arena
@@ -202,7 +202,7 @@ class _Server:
     def expire_by_polling(self, max_iterations: int) -> int:
         """Run the scheduler loop's poll() until the watchdog freed everything."""
         for i in range(max_iterations):
-            if len(self.side.pending) == 0:
+            if len(self.side.target.pending) == 0:
                 return i
             self.side.poll()
             time.sleep(0.001)
@@ -214,8 +214,8 @@ class _Server:
         freed: list[str] = []
         deadline = time.monotonic() + 5.0
         while True:
-            freed += self.side.pending.release_quarantine(now=float("inf"))
-            if not self.side.pending.quarantine or time.monotonic() > deadline:
+            freed += self.side.target.pending.release_quarantine(now=float("inf"))
+            if not self.side.target.pending.quarantine or time.monotonic() > deadline:
                 return freed
             time.sleep(0.01)
 
@@ -243,7 +243,7 @@ class _Server:
         return _digest(hp.kv_buffer)
 
     def pending(self) -> int:
-        return len(self.side.pending)
+        return len(self.side.target.pending)
 
 
 def _digest(t: Any) -> str:

@@ -414,7 +414,7 @@ class _IdleWait:
         self.poller = zmq.Poller() if receiver is not None else None
         if self.poller is not None:
             self.poller.register(receiver, zmq.POLLIN)
-            channel = getattr(migration, "channel_allocations", None)
+            channel = migration.target.channel if migration is not None else None
             if channel is not None:
                 self.poller.register(channel.channel.socket, zmq.POLLIN)
 
@@ -656,7 +656,7 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
         elif name == "pending":
             # Allocations this rank holds (neither committed, aborted nor expired).
             migration = getattr(scheduler, "kv_migration", None)
-            value = len(migration.pending) if migration is not None else 0
+            value = len(migration.target.pending) if migration is not None else 0
         elif name == "slot_digest":
             # verify.py's digest of the host pages holding these token slots.
             from sglang_kv_migration.paths import verify
@@ -697,9 +697,9 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             from sglang_kv_migration.server.scheduler.hooks import before_process_input_requests
 
             migration = scheduler.kv_migration
-            before = len(migration.pending)
+            before = len(migration.target.pending)
             before_process_input_requests(scheduler, [UpdateWeightFromDiskReqInput("new")])
-            value = before - len(migration.pending)
+            value = before - len(migration.target.pending)
         elif name == "memory_cycle":
             # What our hooks do around SGLang's /release_memory_occupation and
             # /resume_memory_occupation (the KV pool itself stays: no memory saver here).
@@ -707,7 +707,7 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             migration.prepare_for_memory_release()
             migration.after_memory_release()
             migration.after_memory_resume()
-            value = migration.memory_generation
+            value = migration.identity.memory_generation
         elif name == "evict_device":
             value = harness.evict_device_all()
         elif name == "insert":

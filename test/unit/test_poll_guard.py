@@ -20,7 +20,7 @@ def _allocate(side, ids: list[int], migration_id: str):
         AllocateTokenForTransferReqInput(
             input_ids=ids,
             migration_id=migration_id,
-            source_fingerprints=[side.fingerprint.to_dict()],
+            source_fingerprints=[side.identity.fingerprint.to_dict()],
         )
     )
     assert out.success, out.message

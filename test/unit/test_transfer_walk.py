@@ -105,8 +105,8 @@ def test_a_transfer_enters_no_module_more_than_three_times(harness_factory) -> N
             AllocateTokenForTransferReqInput(
                 input_ids=list(range(9000, 9064)),
                 migration_id="walk",
-                source_fingerprints=[side.fingerprint.to_dict()],
-                source_instance=side.server_epoch,
+                source_fingerprints=[side.identity.fingerprint.to_dict()],
+                source_instance=side.identity.server_epoch,
             )
         )
         assert alloc.success, alloc.message

@@ -52,8 +52,9 @@ def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
 
         handlers = for_dp_rank(handlers, view.dp_rank, sglang_adapter.scheduler_load(scheduler))
     sglang_adapter.add_request_handlers(scheduler, handlers)
-    if side.channel_allocations is not None:
-        sglang_adapter.wake_from_idle_sleep_on(scheduler, side.channel_allocations.channel.socket)
+    channel = side.target.channel
+    if channel is not None:
+        sglang_adapter.wake_from_idle_sleep_on(scheduler, channel.channel.socket)
 
 
 def before_process_input_requests(scheduler: Any, recv_reqs: Any, *_: Any, **__: Any) -> None:
@@ -135,7 +136,7 @@ def after_resume_memory_occupation(_result: Any, scheduler: Any, recv_req: Any, 
         return
     from sglang_kv_migration import sglang_adapter
 
-    if sglang_adapter.frees_kv_cache(recv_req) and side.memory_released:
+    if sglang_adapter.frees_kv_cache(recv_req) and side.identity.memory_released:
         side.after_memory_resume()
 
 

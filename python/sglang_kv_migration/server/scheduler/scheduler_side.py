@@ -73,29 +73,6 @@ class MigrationSchedulerSide:
         self.loop = loop
         self.dispatch = dispatch
         self.diagnostics = diagnostics
-        # What the scheduler hooks, tests and benchmarks read of the roles.
-        self.ctx = loop.ctx
-        self.pending = target.pending
-        self.commits = target.commits
-        self.source_commits = target.source_commits
-        self.channel_allocations = target.channel
-        self.staging = target.staging
-        self.layout = identity.layout
-        self.host_pool = identity.host_pool
-        self.fingerprint = identity.fingerprint
-        self.signer = identity.signer
-        self.server_epoch = identity.server_epoch
-        self.bytes_per_token = identity.bytes_per_token
-        self.metrics = diagnostics.metrics
-        self.loop_timer = diagnostics.loop_timer
-
-    @property
-    def memory_released(self) -> bool:
-        return self.identity.memory_released
-
-    @property
-    def memory_generation(self) -> int:
-        return self.identity.memory_generation
 
     # ------------------------------------------------------------------ wiring
 
@@ -144,7 +121,7 @@ class MigrationSchedulerSide:
 
     def device_tokens_held(self) -> int:
         """Device slots pending migrations hold (SGLang's leak check counts them)."""
-        return self.pending.device_tokens_held()
+        return self.target.pending.device_tokens_held()
 
     def prepare_for_cache_flush(self) -> None:
         self.loop.prepare_for_cache_flush()
