@@ -1,6 +1,8 @@
 """The package's boundaries, read from its source with `ast` (see the package README):
 
 - no import cycle between modules, function-level imports included;
+- no two sibling folders import each other (a folder is one layer), and the longest
+  chain of imports does not grow;
 - `paths/` imports nothing from `server/`, `client/` or `rollout/`;
 - `client/`, `rollout/` and `integrations/` import nothing from `server/` or `paths/`;
 - the shared modules (errors, wire, grants, page_ranges, cp_owners, fingerprint, targets)
@@ -17,7 +19,7 @@ from __future__ import annotations
 import ast
 
 import pytest
-from package_source import MODULES, NAME, check_allow_list, imports, relative_path
+from package_source import MODULES, NAME, PACKAGE, PATHS, check_allow_list, imports, relative_path
 from package_source import edges as _edges
 from package_source import in_part as _in
 
@@ -77,6 +79,77 @@ def test_no_import_cycle() -> None:
     for module in sorted(edges):
         visit(module, [])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+# "a <-> b" -> ((a's module edges to b, b's to a), why they still import each other).
+SIBLINGS_ALLOWED: dict[str, object] = {
+    "integrations <-> rollout": (
+        (3, 1),
+        "the gateway and verl's balancer use the rollout's request migrator and cost model, "
+        "and the rebalance CLI the gateway",
+    ),
+}
+
+
+def _folder_pairs() -> dict[tuple[str, str], int]:
+    """(folder, sibling folder) -> how many module edges run from the first into the
+    second (a module counts in every folder above it)."""
+    pairs: dict[tuple[str, str], int] = {}
+    for module, targets in _edges().items():
+        here = PATHS[module].relative_to(PACKAGE).parts[:-1]
+        for target in targets:
+            there = PATHS[target].relative_to(PACKAGE).parts[:-1]
+            shared = zip(here, there, strict=False)  # (a folder's module: never its sibling's)
+            depth = next((i for i, (a, b) in enumerate(shared) if a != b), None)
+            if depth is not None:
+                key = ("/".join(here[: depth + 1]), "/".join(there[: depth + 1]))
+                pairs[key] = pairs.get(key, 0) + 1
+    return pairs
+
+
+def test_no_two_sibling_folders_import_each_other() -> None:
+    """A folder is one layer: what it stands on is in other folders, which do not stand
+    on it in turn (`server/rank` is what the roles stand on, `server/scheduler` what
+    stands on them)."""
+    pairs = _folder_pairs()
+    found = {
+        f"{a} <-> {b}": (n, pairs[(b, a)])
+        for (a, b), n in pairs.items()
+        if a < b and (b, a) in pairs
+    }
+    check_allow_list(found, SIBLINGS_ALLOWED)
+
+
+def test_the_sibling_check_reads_folders() -> None:
+    pairs = _folder_pairs()
+    assert pairs[("server/scheduler", "server/target")] > 0
+    assert pairs[("server/target", "server/rank")] > 0
+    assert ("server/rank", "server/target") not in pairs
+
+
+# The most modules one chain of imports passes through (function-level imports and those
+# for type checking included). Lower it when the chain shrinks.
+MAX_IMPORT_CHAIN = 18
+
+
+def _longest_chain() -> list[str]:
+    edges = _edges()
+    longest: dict[str, list[str]] = {}
+
+    def chain(module: str) -> list[str]:
+        if module not in longest:
+            longest[module] = [module]  # (no cycle: `test_no_import_cycle`)
+            best = max((chain(t) for t in sorted(edges[module])), key=len, default=[])
+            longest[module] = [module, *best]
+        return longest[module]
+
+    return max((chain(m) for m in sorted(edges)), key=len)
+
+
+def test_the_longest_import_chain_does_not_grow() -> None:
+    found = _longest_chain()
+    assert len(found) <= MAX_IMPORT_CHAIN, " -> ".join(m.removeprefix(NAME + ".") for m in found)
+    assert len(found) > 5  # (it was read)
 
 
 @pytest.mark.parametrize(
