@@ -245,10 +245,10 @@ FAN_OUT_ALLOWED: dict[str, object] = {
         "diagnostics",
     ),
     "server/target/build.py": (
-        17,
+        15,
         "builds the target role from its parts (pending, commits, allocations, channel, "
-        "mailbox) and opens what reaches the paths' factory (the staging arena, the "
-        "allocate channel's host)",
+        "mailbox), and is the target's one importer of the paths' factory (the staging "
+        "arena, the host the allocate channel names)",
     ),
     "server/source/transfers.py": (
         14,

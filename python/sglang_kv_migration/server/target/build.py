@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_kv_migration import sglang_adapter
-from sglang_kv_migration.paths import HostPoolLayout
 from sglang_kv_migration.paths import factory as path_factory
 from sglang_kv_migration.paths.base import HOST, DataPath, TargetStaging
 from sglang_kv_migration.server.diag.rank_diagnostics import RankDiagnostics
@@ -21,9 +20,8 @@ from sglang_kv_migration.server.rank.context import RankContext
 from sglang_kv_migration.server.rank.dispatch import Dispatch
 from sglang_kv_migration.server.rank.identity import RankIdentity
 from sglang_kv_migration.server.rank.settings import RankSettings
-from sglang_kv_migration.server.same_host.allocate_channel import open_channel
 from sglang_kv_migration.server.target.allocations import TargetAllocations
-from sglang_kv_migration.server.target.channel_allocations import ChannelAllocations, Handler
+from sglang_kv_migration.server.target.channel_allocations import open_channel_allocations
 from sglang_kv_migration.server.target.commits import Commits
 from sglang_kv_migration.server.target.mailbox_commits import SourceCommits
 from sglang_kv_migration.server.target.pending import PendingMigrations
@@ -43,7 +41,7 @@ def build_target(
 ) -> TargetRole:
     """One start-up collective over every rank (whether rank 0 has a mailbox)."""
     metrics = diagnostics.metrics
-    staging = open_staging(ctx, identity.layout, paths, settings.staging_bytes)
+    staging = open_staging(ctx, identity, paths, settings.staging_bytes)
     pending = PendingMigrations(
         ctx.tree_cache,
         settings.watchdog_timeout_s,
@@ -79,6 +77,7 @@ def build_target(
     )
     channel = open_channel_allocations(
         ctx.tp_size == 1 and ctx.pp_size == 1,
+        path_factory.host_identity,
         sglang_adapter.weight_update_types(),
         dispatch.dispatched(
             dispatch.answering(allocations.allocate_token_for_transfer),
@@ -89,11 +88,12 @@ def build_target(
 
 
 def open_staging(
-    ctx: RankContext, layout: HostPoolLayout | None, paths: dict[str, DataPath], nbytes: int
+    ctx: RankContext, identity: RankIdentity, paths: dict[str, DataPath], nbytes: int
 ) -> TargetStaging | None:
     """The staging arena of the host path's target role (None: staging off)."""
     if nbytes <= 0 or HOST not in paths:
         return None
+    layout = identity.layout
     assert layout is not None, "the host path is on: its layout was built"
     if ctx.pp_size > 1:
         # A staged commit answers later, but PP stages agree through the request as it
@@ -102,18 +102,3 @@ def open_staging(
         logger.info("KV migration staging is off under PP (--pp-size > 1)")
         return None
     return path_factory.open_staging(paths[HOST], layout, nbytes)
-
-
-def open_channel_allocations(
-    single_rank: bool, weight_update_types: tuple[type, ...], allocate: Handler
-) -> ChannelAllocations | None:
-    """Feature "source_allocate" on a single-rank server (one rank takes each channel
-    request, so every rank of a stage could not allocate it together); `allocate` is the
-    allocate handler, wrapped like the dispatcher's. None where the channel cannot be
-    bound (logged)."""
-    if not single_rank:
-        return None
-    channel = open_channel(path_factory.host_identity())
-    if channel is None:
-        return None
-    return ChannelAllocations(channel, weight_update_types, allocate)

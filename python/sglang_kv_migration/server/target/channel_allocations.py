@@ -38,6 +38,7 @@ from sglang_kv_migration.server.messages import (
 from sglang_kv_migration.server.same_host.allocate_channel import (
     MAX_PER_ITERATION,
     ChannelServer,
+    open_channel,
 )
 from sglang_kv_migration.wire import bodies
 from sglang_kv_migration.wire.messages import reply_content
@@ -198,3 +199,21 @@ def allocate_request(
 
 def _content(output: AllocateTokenForTransferReqOutput) -> dict[str, Any]:
     return reply_content(output)
+
+
+def open_channel_allocations(
+    single_rank: bool,
+    host: Callable[[], str],
+    weight_update_types: tuple[type, ...],
+    allocate: Handler,
+) -> ChannelAllocations | None:
+    """Feature "source_allocate" on a single-rank server (one rank takes each channel
+    request, so every rank of a stage could not allocate it together); `allocate` is the
+    allocate handler, wrapped like the dispatcher's. None where the channel cannot be
+    bound (logged). `host`: which machine this is, as same-host peers compare it."""
+    if not single_rank:
+        return None
+    channel = open_channel(host())
+    if channel is None:
+        return None
+    return ChannelAllocations(channel, weight_update_types, allocate)
