@@ -30,6 +30,12 @@ min-max over the repeats, busy/idle ratios (target <= 2x) and decode kept (>= 95
 come from `busy_source_report.py`. The result file is rewritten after every row (a run
 cut at its limit keeps what it measured; `complete` false).
 
+Both servers are started one after the other with the same planned GPU KV pool
+(`gpu_servers.sized_servers`: what the card has free, shared evenly, at most
+`--max-total-tokens`); the record names the card, the pool and each server's start. (One
+`--mem-fraction-static` for both, as before, leaves the second server of an 80 GB card a
+fifth of the first's pool: on an H100 the target held three 8K prefixes, 27,744 tokens.)
+
 Settings changed from SGLang's defaults, and why:
 - `--cuda-graph-max-bs 64`: the busy batch is at most `--busy` (40) + the moved
   prompts' requests; capturing larger batch sizes only costs start-up time and memory;
@@ -45,15 +51,19 @@ Settings changed from SGLang's defaults, and why:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import busy_concurrency
 import busy_source_report as report
+import gpu_servers
 import httpx
 from busy_batch import BusyBatch, held, tokens
 from sglang_kv_migration.client.migration import MigrationClient
@@ -67,7 +77,6 @@ from real_servers import (  # noqa: E402
     flush_cache,
     generate,
     kv_pool_usage,
-    running_servers,
     timed_generate,
     write_model,
 )
@@ -80,22 +89,35 @@ SAMPLE_S = 0.25  # /metrics sampling period in a throughput window
 
 def main() -> None:
     args = _parse()
+    card = gpu_servers.require_gpu("bench_busy_source")
     lengths = [1024, 4096] if args.quick else args.lengths
     repeats = 1 if args.quick else args.repeats
     shape = dict(LLAMA3_8B, max_position_embeddings=max(args.context_length, 40960))
     model_dir = write_model(shape, Path("/tmp/kvmig-llama3-8b-40k"))
     flags = [
-        *("--page-size", str(args.page_size), "--mem-fraction-static", str(args.mem_fraction)),
-        *("--max-total-tokens", str(args.max_total_tokens), "--context-length", "40960"),
+        *("--page-size", str(args.page_size), "--context-length", "40960"),
         *("--hicache-ratio", str(args.hicache_ratio), "--max-running-requests", "64"),
         *("--cuda-graph-max-bs", "64", "--enable-metrics", "--decode-log-interval", "10"),
     ]
     graphs = not args.no_cuda_graph
-    specs = [ServerSpec(30910, flags, 0, graphs), ServerSpec(30920, flags, 0, graphs)]
+    specs = {
+        "source": ServerSpec(30910, flags, 0, graphs),
+        "target": ServerSpec(30920, flags, 0, graphs),
+    }
+    pool = _pool(args, card, shape)
+
+    @contextmanager
+    def servers(config: dict[str, Any]) -> Iterator[tuple[str, str]]:
+        """Both servers with the planned pool; the record's config says where it ran."""
+        config.update({"kv_tokens": pool, "server_flags": flags, **gpu_servers.run_info(card)})
+        with gpu_servers.sized_servers(model_dir, specs, shape, pool, args.mem_fraction) as up:
+            config["servers"] = [dataclasses.asdict(server) for server in up]
+            yield up[0].url, up[1].url
+
     if args.only_concurrency:
-        busy_concurrency.run(args, model_dir, specs, _warm_up)
+        busy_concurrency.run(args, servers, _warm_up)
         return
-    config = {**vars(args), "lengths": lengths, "repeats": repeats, "server_flags": flags}
+    config = {**vars(args), "lengths": lengths, "repeats": repeats}
     result: dict[str, Any] = {"config": config, "rows": [], "windows": [], "complete": False}
     started = time.monotonic()
 
@@ -106,10 +128,7 @@ def main() -> None:
         result["complete"] = complete
         report.write_result(RESULT, result)
 
-    with (
-        running_servers(model_dir, specs, sequential=True) as (source, target),
-        MigrationClient(timeout=600) as client,
-    ):
+    with servers(config) as (source, target), MigrationClient(timeout=600) as client:
         config["startup_s"] = time.monotonic() - started
         rng = random.Random(0)
         _warm_up(client, source, target, rng)
@@ -119,6 +138,21 @@ def main() -> None:
     print(report.markdown(result["summary"], result["decode"]), flush=True)
 
 
+def _pool(args: argparse.Namespace, card: gpu_servers.Card, shape: dict[str, int]) -> int:
+    """The GPU KV pool both servers get: the card's free memory shared by two, at most
+    `--max-total-tokens`; exit (status 2, one line) when it cannot hold what the run
+    moves at once (with --only-concurrency: the target takes one 8K prefix and six more)."""
+    pool = gpu_servers.plan_kv_tokens(
+        card.free_mib * gpu_servers.MIB, 2, gpu_servers.weight_bytes(shape),
+        gpu_servers.kv_bytes_per_token(shape), cap=args.max_total_tokens,
+    )  # fmt: skip
+    needed = busy_concurrency.target_tokens() if args.only_concurrency else max(args.lengths)
+    if pool < needed:
+        sys.exit(f"bench_busy_source: {card.name} gives each server a {pool}-token KV pool; "
+                 f"the run needs {needed}")  # fmt: skip
+    return pool
+
+
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=list(report.LENGTHS))
@@ -126,10 +160,15 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--busy", type=int, default=40, help="decodes the busy source runs (>= 32)")
     p.add_argument("--window-s", type=float, default=10.0, help="each throughput window")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--mem-fraction", type=float, default=0.4, help="per server (one GPU)")
+    p.add_argument(
+        "--mem-fraction", type=float, default=None,
+        help="one --mem-fraction-static for both servers (default: each server's own, "
+        "computed from the memory free at its start)",
+    )  # fmt: skip
     p.add_argument(
         "--max-total-tokens", type=int, default=163840,
-        help="GPU KV pool per server: the busy batch (~40 x 2K) plus the moved prefixes",
+        help="GPU KV pool per server, at most: the busy batch (~40 x 2K) plus the moved "
+        "prefixes (less where the card has less free)",
     )  # fmt: skip
     p.add_argument("--hicache-ratio", type=float, default=1.5)
     p.add_argument("--context-length", type=int, default=40960)

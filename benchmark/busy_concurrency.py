@@ -26,6 +26,8 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -35,21 +37,29 @@ from sglang_kv_migration.client import MigrationResult, Move
 from sglang_kv_migration.client.migration import MigrationClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test" / "gpu"))
-from real_servers import OUT_DIR, flush_cache, generate, running_servers  # noqa: E402
+from real_servers import OUT_DIR, flush_cache, generate  # noqa: E402
 
 RESULT = OUT_DIR / "bench_busy_source_concurrency.json"
 TOKENS = 8192
+MOVES = 6  # moved at once, against one alone
 SETTLE_S = 0.5
 
+Servers = Callable[[dict[str, Any]], AbstractContextManager[tuple[str, str]]]
 
-def run(args: argparse.Namespace, model_dir: Path, specs: list, warm_up: Any) -> None:
-    """`warm_up(client, source, target, rng)`: the benchmark's own (kernels, device path)."""
+
+def target_tokens(page_size: int = 16) -> int:
+    """The GPU pool a round's moves need on the target at once: the one move's prefix
+    and the six's, in whole pages (each prompt less its last token)."""
+    return (MOVES + 1) * ((TOKENS - 1) // page_size * page_size)
+
+
+def run(args: argparse.Namespace, servers: Servers, warm_up: Any) -> None:
+    """`servers(config)`: both servers up, yielding (source, target) and filling in the
+    config's card, pool and start-ups; `warm_up(client, source, target, rng)`: the
+    benchmark's own (kernels, device path)."""
     started = time.monotonic()
     result: dict[str, Any] = {"config": dict(vars(args)), "rounds": [], "complete": False}
-    with (
-        running_servers(model_dir, specs, sequential=True) as (source, target),
-        MigrationClient(timeout=600) as client,
-    ):
+    with servers(result["config"]) as (source, target), MigrationClient(timeout=600) as client:
         result["config"]["startup_s"] = time.monotonic() - started
         rng = random.Random(0)
         warm_up(client, source, target, rng)
@@ -98,7 +108,7 @@ def _round(
     target: str,
     rng: random.Random,
     page_size: int,
-    k: int = 6,
+    k: int = MOVES,
 ) -> dict[str, Any]:
     prompts = [tokens(rng, TOKENS) for _ in range(k + 1)]
     for p in prompts:

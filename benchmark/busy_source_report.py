@@ -163,7 +163,10 @@ def concurrency_summary(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     one move's and the six's wall times and each round's ratio, as median with min-max
     over the rounds; the verdicts; and per round the most source iterations of a move,
     the source and target iterations the six were taken up and allocated in, the tiers
-    they were copied from and how many moved less than their prefix."""
+    they were copied from, how many moved less than their prefix and how many failed
+    (with why). A verdict needs every move of every round to have moved its whole
+    prefix: with a move failed or short the six did less than six moves' work, and
+    `met` is None (not measured) whatever the ratio."""
     out: dict[str, Any] = {}
     for state in SOURCES:
         mine = [r for r in rounds if r.get("state") == state]
@@ -178,13 +181,15 @@ def concurrency_summary(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
             done = [r for r in mine if way in r]
             ratios = [r[way]["wall_ms"] / r["one"]["wall_ms"] for r in done]
             ratio = spread(ratios)
+            moves = _iterations([r[way]["moves"] for r in done])
+            judged = ratio["median"] is not None and moves["moved"] == moves["moves"]
             out[state][way] = {
                 "wall_ms": spread([r[way]["wall_ms"] for r in done]),
                 "over_one": ratio,
-                "met_1_5": None if ratio["median"] is None else ratio["median"] <= 1.5,
-                "met": None if ratio["median"] is None else ratio["median"] <= limit,
+                "met_1_5": ratio["median"] <= 1.5 if judged else None,
+                "met": ratio["median"] <= limit if judged else None,
                 "limit": limit,
-                **_iterations([r[way]["moves"] for r in done]),
+                **moves,
             }
     return out
 
@@ -201,31 +206,52 @@ def _iterations(per_round: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]
         "allocated_in": [distinct(ms, "target_iteration") for ms in per_round],
         "tiers": _tiers([m for ms in per_round for m in ms]),
         "not_whole": sum(not m.get("whole", True) for ms in per_round for m in ms),
+        "moves": sum(len(ms) for ms in per_round),
+        "moved": sum(bool(m.get("whole", True)) for ms in per_round for m in ms),
+        "failures": failures([m for ms in per_round for m in ms]),
     }
 
 
 def _tiers(moves: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Where the source held each prefix that a move was made from; a move that failed
+    has no tier (the client raised before it said one) and is counted in `failures`."""
     counts: dict[str, int] = {}
     for m in moves:
-        counts[m.get("tier", "?")] = counts.get(m.get("tier", "?"), 0) + 1
+        if "failed" not in m:
+            counts[m.get("tier", "?")] = counts.get(m.get("tier", "?"), 0) + 1
+    return counts
+
+
+def failures(moves: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Why moves failed, each reason with its count (the client's message, as it came)."""
+    counts: dict[str, int] = {}
+    for m in moves:
+        if "failed" in m:
+            counts[m["failed"]] = counts.get(m["failed"], 0) + 1
     return counts
 
 
 def concurrency_markdown(summary: dict[str, Any]) -> str:
     lines = [
         "| source | six sent | one move ms | six ms | six / one | target | source iterations "
-        "per move (one; six, most) | six taken up in | six allocated in | tiers |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "per move (one; six, most) | six taken up in | six allocated in | moved | tiers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    reasons: dict[str, int] = {}
     for state, s in summary.items():
         for way in CONCURRENT_WAYS:
             c = s[way]
+            met = "not measured" if c["met"] is None else c["met"]
             lines.append(
                 f"| {state} | {way} | {_cell(s['one_ms'])} | {_cell(c['wall_ms'])} "
-                f"| {_cell(c['over_one'], 2)} | <= {c['limit']}: {c['met']} "
+                f"| {_cell(c['over_one'], 2)} | <= {c['limit']}: {met} "
                 f"| {s['one_source_iterations']}; {c['source_iterations_max']} "
-                f"| {c['taken_up_in']} | {c['allocated_in']} | {c['tiers']} |"
+                f"| {c['taken_up_in']} | {c['allocated_in']} | {c['moved']} of {c['moves']} "
+                f"| {c['tiers']} |"
             )
+            for reason, n in c["failures"].items():
+                reasons[reason] = reasons.get(reason, 0) + n
+    lines += [f"\nfailed {n}x: {reason}" for reason, n in reasons.items()]
     return "\n".join(lines)
 
 

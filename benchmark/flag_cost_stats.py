@@ -249,3 +249,41 @@ def table(summary: Mapping[str, Any]) -> str:
                                aa, verdict(row)]) + " |"
         )  # fmt: skip
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- per round
+
+
+def paired(rounds: Sequence[Mapping[str, Any]], cell: str, a: str, b: str) -> list[float | None]:
+    """Per round, `a`'s value less `b`'s (None where either was not measured): two servers
+    measured in the same round, minutes apart at most, so drift over the run cancels."""
+    out: list[float | None] = []
+    for r in rounds:
+        entries = r.get("cells", {}).get(cell) or {}
+        va = (entries.get(a) or {}).get("value")
+        vb = (entries.get(b) or {}).get("value")
+        out.append(None if va is None or vb is None else round(float(va) - float(vb), 2))
+    return out
+
+
+def paired_table(
+    rounds: Sequence[Mapping[str, Any]], cells: Sequence[str], a: str = FLAG, b: str = HICACHE
+) -> str:
+    """Markdown: per cell and round, `a` less `b` (the round's order of servers in the
+    head, by initial), and in how many rounds `a` was the slower."""
+    initials = {STOCK: "S", HICACHE: "H", FLAG: "F", TWIN: "T"}
+    head = ["row"]
+    for r in rounds:
+        order = ",".join(initials.get(s, s) for s in r.get("order", []))
+        head.append(f"round {r['round']} ({order})")
+    head.append(f"{initials.get(a, a)} slower in")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in cells:
+        c = cell(name)
+        diffs = paired(rounds, name, a, b)
+        shown = ["—" if d is None else f"{d:+.2f}" for d in diffs]
+        measured = [d for d in diffs if d is not None]
+        worse = sum((d > 0) == c.lower_is_better and d != 0 for d in measured)
+        lines.append(f"| {c.label} ({c.unit}) | " + " | ".join(shown)
+                     + f" | {worse} of {len(measured)} |")  # fmt: skip
+    return "\n".join(lines)

@@ -213,9 +213,9 @@ def cached_slope(cached: Sequence[tuple[int, float]], overhead_s: float) -> floa
 def decode_batch1() -> tuple[Linear, str]:
     """d0 and c_seq: the live-move record's decode step of one request, by its context
     (the prompt plus what it generated)."""
-    rows = results.load("live")["rows"]
+    rows = results.load("live_h200")["rows"]
     fit = fit_linear([(r["context"] + r["generated"], r["decode_step_s"]) for r in rows])
-    return fit, f"{results.RUNS['live']} rows[].decode_step_s by context + generated"
+    return fit, f"{results.RUNS['live_h200']} rows[].decode_step_s by context + generated"
 
 
 def busy_iteration() -> tuple[float, int, str]:

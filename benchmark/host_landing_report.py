@@ -73,6 +73,20 @@ def move_row(
     }
 
 
+def failed_move(error: str, held: dict[str, Any], expected_tokens: int) -> dict[str, Any]:
+    """A move the client gave up on (every path it tried failed): kept in the file with
+    why, left out of the summary."""
+    return {
+        "failed": error,
+        "whole": False,
+        "expected_tokens": expected_tokens,
+        "path": None,
+        "landing_tier": None,
+        "held_tokens": held.get("matched_token_size", 0),
+        "held_device_tokens": held.get("device_token_size", 0),
+    }
+
+
 def _counts(row: dict[str, Any] | None, path: str) -> bool:
     """A move the summary counts: it moved the whole prefix on the path it had to."""
     return row is not None and row["whole"] and row["path"] == path
@@ -102,7 +116,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "landing_copy_gb_s": spread([m["copy_gb_s"] for m in kept_landing]),
                 "device_ms": device_wall,
                 "reprefill_ms": reprefill,
-                "landing_tiers": sorted({m["landing_tier"] for m in landing if m}),
+                "landing_tiers": sorted({m["landing_tier"] for m in landing if m and m["path"]}),
                 "served_host_tokens": spread(
                     [m["served_cached_details"].get("host") for m in kept_landing]
                 ),

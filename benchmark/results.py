@@ -14,6 +14,9 @@ under `docs/gpu-runs/<date>/`, point `RUNS` at them and run `--write`. The block
 name their records in its own `RUNS` and join the page once they have one. The `fleet-sim-*`
 blocks come from the fleet simulation's record (`docs/sim/fleet_sim.json`, written by
 `bench_fleet_sim.py all --write`, whose costs are read from the records `RUNS` names).
+The `busy-concurrency*` blocks are `results_concurrency.py`'s, from the record
+`RUNS["concurrency"]` names; `live-phases` is `live_move_report.py`'s phase table of the
+live record.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import fleet_report
+import live_move_report
 import results_adoption
+import results_concurrency
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = ROOT / "docs" / "gpu-runs"
@@ -46,8 +51,12 @@ RUNS = {
     "host_stall": "2026-11-30-host-path-stall-overhead-llama3-8b.json",
     "scene8k": "2026-12-01/scene8k-bench_rl_scene_8192.json",
     "scene16k": "2026-12-01/scene16k-bench_rl_scene_16384.json",
-    "live": "2026-12-05/live-bench_live_move.json",
+    "live": "2026-12-06/live-bench_live_move.json",
+    # The fleet simulation's constants all come from H200 records (`fleet_costs.py`):
+    # its decode steps from the H200's live-move record, not the H100's above.
+    "live_h200": "2026-12-05/live-bench_live_move.json",
     "busy": "2026-12-05/busy-bench_busy_source.json",
+    "concurrency": "2026-12-06/conc-bench_busy_source_concurrency.json",
     "rollout": "2026-11-30-rollout-rebalance-llama3-8b.json",
 }
 
@@ -300,12 +309,22 @@ def block_live() -> str:
         bound, cap, added = checks.get("bound_s"), checks.get("stall_cap_s"), checks.get("added_s")
         limit = min(b for b in (bound, cap) if b is not None) * 1e3 if bound else None
         met = "—" if limit is None else verdict(stalls, limit, " ms", digits=1)
+        if limit is not None and met != "met":
+            met += " (the cap)" if cap is not None and cap < bound else " (the bound)"
         rows.append([f"{row['context']:,}", f"{row['generated']:,}", spread(stalls, " ms", 1),
                      spread(bases, " ms", 1), _ms(added), _ms(row["decode_step_s"]),
                      _ms(bound), _ms(cap, 0), met])  # fmt: skip
     head = ["context", "generated", "stall", "SGLang's own cached resume", "added (median)",
             "target decode step", "resume + 10 ms + step", "cap", "≤ both bounds"]  # fmt: skip
-    return _table(head, rows)
+    quiet = [(row["context"], row.get("quiet_resume") or {}) for row in record["rows"]]
+    quiet = [(n, q["ttft_s"]) for n, q in quiet if q.get("ttft_s") is not None]
+    if not quiet:
+        return _table(head, rows)
+    said = ", ".join(f"{n // 1024}K {_ms(s)}" for n, s in quiet)
+    return (
+        _table(head, rows) + "\n\nSGLang's own cached resume on the target with nothing else "
+        f"decoding (`quiet_resume`, one per row): {said}."
+    )
 
 
 def _ms(seconds: float | None, digits: int = 1) -> str:
@@ -406,6 +425,11 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "scenes": block_scenes,
     "live": block_live,
     "busy": block_busy,
+    "busy-concurrency": lambda: results_concurrency.block_concurrency(load("concurrency")),
+    "busy-concurrency-steps": lambda: results_concurrency.block_concurrency_steps(
+        load("concurrency")
+    ),
+    "live-phases": lambda: live_move_report.markdown_breakdown(load("live")["rows"]),
     "fleet-sim-validation": lambda: fleet_report.validation_block(fleet_report.load()),
     "fleet-sim-verl": lambda: fleet_report.verl_block(fleet_report.load()),
     "fleet-sim-sweep": lambda: fleet_report.sweep_block(fleet_report.load()),

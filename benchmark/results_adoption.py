@@ -32,7 +32,7 @@ import verl_pattern_stats
 # Block name -> the records it reads (empty: not measured yet, the block stays off the
 # page). rl-scenes: "<context>=<path>", several files of one context pooled.
 RUNS: dict[str, list[str]] = {
-    "flag-cost": [],
+    "flag-cost": ["2026-12-06/flagcost-bench_flag_cost.json"],
     "verl-scale": [],
     "rl-scenes": [],
 }
@@ -66,17 +66,34 @@ def _verdict(value: float | None, limit: float) -> str:
 
 def block_flag_cost(paths: Sequence[Path]) -> str:
     """Every server's median (min–max, rounds) per row, HiCache's and the flag's costs,
-    the A/A spread and the verdict; the servers' start-up times below."""
+    the A/A spread and the verdict; the servers' start-up times, how the A/A spread was
+    taken and the cells an error lost below; then, per TTFT row and round, the flag's
+    server less the HiCache server in that round (the servers' order in the round)."""
     (path,) = paths  # one run: its servers' rounds are interleaved, never pooled
     record = _load(path)
     servers = [s["name"] for s in record["servers"]]
     summary = flag_cost_stats.summarize(record["rounds"], servers)
     starts = ", ".join(f"{s['name']} {s['startup_s']:.0f} s" for s in record["servers"])
+    aa = (
+        "a twin HiCache server's median against the HiCache server's"
+        if flag_cost_stats.TWIN in servers
+        else "no twin server: half the range of the HiCache server's own rounds over their median"
+    )
+    errors = record.get("errors") or {}
+    lost = "; ".join(f"round {k.replace(':', ', ', 1).replace(':', ' on ')}: {v}"
+                     for k, v in sorted(errors.items()))  # fmt: skip
+    ttft = [c.name for c in flag_cost_stats.cells_in(record["rounds"]) if c.name.startswith("ttft")]
     return (
         flag_cost_stats.table(summary)
         + f"\n\n{_card(record)}, {summary['rounds']} interleaved rounds, "
         f"{record['config'].get('kv_tokens')} KV tokens per server; start-ups: {starts}. "
-        f"Every row within 1% or the A/A spread: {'yes' if summary['all_met'] else 'no'}."
+        f"Every row within 1% or the A/A spread: {'yes' if summary['all_met'] else 'no'}. "
+        f"A/A spread: {aa}. Cells lost to errors ({len(errors)}): {lost or 'none'}.\n\n"
+        "Per round, the flag's server less the HiCache server, ms (S: SGLang, H: + HiCache, "
+        "F: + HiCache + flag, in the round's order):\n\n"
+        + flag_cost_stats.paired_table(record["rounds"], ttft)
+        + "\n\nThe same for SGLang without HiCache or the plugin (S) less the HiCache server:"
+        "\n\n" + flag_cost_stats.paired_table(record["rounds"], ttft, flag_cost_stats.STOCK)
     )
 
 

@@ -32,8 +32,8 @@ def main() -> None:
 
     cpu_harness.install_cpu_shims()  # channel_allocations imports SGLang
     import orjson
-    from sglang_kv_migration import binary_ids
     from sglang_kv_migration.server.target import channel_allocations
+    from sglang_kv_migration.wire import binary_ids
 
     ids = list(range(1000, 1000 + args.tokens))
     fields = {"source_fingerprints": [{"model": "m"}], "path": "device",

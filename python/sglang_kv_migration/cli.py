@@ -4,10 +4,10 @@
     sglang-kv-migrate rebalance --server URL --server URL ...     move whole requests
     sglang-kv-migrate demo                                        watch one move on CPU
 
-The first is `client/cli.py`, the second `rollout/rebalance_cli.py` (same exit
+The first is `client/cli.py`, the second `integrations/rebalance_cli.py` (same exit
 statuses), the third `demo/run.py`. The dispatch lives here, above them, so that
-`client/` never imports `rollout/` (which is built on it), and only `demo` loads the
-demo (its servers run SGLang's cache on CPU, in processes of their own).
+`client/` never imports `integrations/` (which is built on it), and only `demo` loads
+the demo (its servers run SGLang's cache on CPU, in processes of their own).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sglang_kv_migration.client import cli as migrate_cli
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["rebalance"]:
-        from sglang_kv_migration.rollout import rebalance_cli
+        from sglang_kv_migration.integrations import rebalance_cli
 
         return rebalance_cli.main(argv[1:])
     if argv[:1] == ["demo"]:

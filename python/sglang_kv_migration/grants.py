@@ -45,17 +45,10 @@ import orjson
 import xxhash
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.wire import features
 
 if TYPE_CHECKING:
     import torch
 
-# The wire features grants take part in (`wire/features.py` says what each adds).
-FEATURE = features.BOUND_GRANTS
-PARTIAL_FEATURE = features.PARTIAL_TRANSFER  # receipts say how many tokens (`Receipt.tokens`)
-SOURCE_COMMIT_FEATURE = features.SOURCE_COMMIT  # receipts go to `Grant.mailbox`
-SOURCE_ALLOCATE_FEATURE = features.SOURCE_ALLOCATE
-DESTINATION_DIGEST_FEATURE = features.DESTINATION_DIGEST  # grants bind the digest
 _KEY_CONTEXT = b"sglang-kv-migration grant key\x00"
 # Grants used by this source (for replay refusal), remembered until they expire.
 MAX_REMEMBERED_GRANTS = 1 << 16
@@ -98,7 +91,7 @@ def _tokens_hash(int64_ids: bytes, extra_key: str | None) -> str:
 def request_tokens_digest(req: Any, end: int) -> str:
     """`tokens_digest` of a request's first `end` ids (`input_ids`, `extra_key`), from
     the bytes they came as when they did (`binary_ids.raw_of`)."""
-    from sglang_kv_migration import binary_ids
+    from sglang_kv_migration.wire import binary_ids
 
     raw = binary_ids.raw_of(req)
     if len(raw) >= end * binary_ids.ITEM_BYTES:

@@ -1,8 +1,8 @@
 """Each data path's destination on one target rank, as typed data and as its wire dict.
 
-`HostTarget` is the host path's (transfer session and host-pool buffers; protocol 1 puts
-its fields at top level of session-info ranks and transfer targets, which is why those
-`wire.messages` classes derive from it), `DeviceTarget` the device path's (`device_kv` in a
+`HostTarget` is the host path's (transfer session and host-pool buffers: the fields
+`wire.host_fields.HostFields` declares, which protocol 1 puts at top level of
+session-info ranks and transfer targets), `DeviceTarget` the device path's (`device_kv` in a
 transfer target, `paths["device"]` in session info), `SharedHostTarget` the shared-host
 path's (`shared_host_kv`, `paths["shared_host"]`). The JSON field names are the wire
 format and do not change. Plain data, importable without SGLang or torch (clients too).
@@ -14,58 +14,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_kv_migration.wire.host_fields import HOST_FIELD_NAMES, HostFields
+
 
 @dataclass(kw_only=True)
-class HostTarget:
+class HostTarget(HostFields):
     """The host path's destination on one target rank: its transfer session and host-pool
-    buffers (`HostPath.advertise`). The field names are the wire format: session info
-    ranks and transfer bodies' target entries carry them at top level (protocol 1)."""
-
-    session_id: str = ""  # "<ip>:<rpc_port>" of the rank's transfer engine
-    host_kv_data_ptrs: list[int] = field(default_factory=list)
-    host_kv_data_lens: list[int] = field(default_factory=list)
-    host_kv_item_lens: list[int] = field(default_factory=list)
-
-    def host_target(self) -> HostTarget:
-        """Just the host path's fields (of a session-info rank or a transfer target)."""
-        return HostTarget(
-            session_id=self.session_id,
-            host_kv_data_ptrs=self.host_kv_data_ptrs,
-            host_kv_data_lens=self.host_kv_data_lens,
-            host_kv_item_lens=self.host_kv_item_lens,
-        )
+    buffers (`HostPath.advertise`), the fields `HostFields` declares for the wire."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "session_id": self.session_id,
-            "host_kv_data_ptrs": self.host_kv_data_ptrs,
-            "host_kv_data_lens": self.host_kv_data_lens,
-            "host_kv_item_lens": self.host_kv_item_lens,
-        }
+        return self.host_wire()
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> HostTarget:
         """The host fields of a wire dict (missing ones empty, as protocol 1 allows)."""
-        return cls(
-            session_id=d.get("session_id", ""),
-            host_kv_data_ptrs=d.get("host_kv_data_ptrs", []),
-            host_kv_data_lens=d.get("host_kv_data_lens", []),
-            host_kv_item_lens=d.get("host_kv_item_lens", []),
-        )
-
-    def buffer_count_problem(self) -> str | None:
-        """Why the three buffer lists do not describe one set of buffers (None: they do)."""
-        counts = {
-            len(self.host_kv_data_ptrs),
-            len(self.host_kv_data_lens),
-            len(self.host_kv_item_lens),
-        }
-        if len(counts) != 1:
-            return (
-                "host_kv_data_ptrs, host_kv_data_lens and host_kv_item_lens must have the "
-                "same length"
-            )
-        return None
+        return cls(**{name: d[name] for name in HOST_FIELD_NAMES if name in d})
 
 
 @dataclass

@@ -33,6 +33,7 @@ import pytest
 from sglang_kv_migration.client.migration import MigrationClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tier_placement  # noqa: E402
 from full_pool import FullPool  # noqa: E402
 from real_servers import (  # noqa: E402
     TEST_MODELS,
@@ -50,7 +51,8 @@ pytestmark = pytest.mark.gpu
 PAGE_SIZE = int(os.environ.get("KVMIG_PAGE_SIZE", "16"))
 PORT_BASE = int(os.environ.get("KVMIG_PORT_BASE", "30700"))
 TARGET_POOL = 8192  # the target's GPU KV pool, tokens
-SOURCE_POOL = 16384
+SOURCE_POOL = 16384  # tokens; its host pool holds twice that (SGLang's default hicache ratio)
+FLOOD_PROMPT = 4096  # what pushes a prompt out of the source's GPU, a few at a time
 PROMPT = 2049  # the moved prompts: 2048 tokens move (its last is recomputed)
 # The target's own requests: 4 x 1600 prompt tokens leave < 1800 of 8192 free, less than
 # a moved prompt's 2048 (admitted together: 4 x (1600 + 0.7 x 512) < 8192).
@@ -73,7 +75,9 @@ def servers() -> Iterator[Servers]:
         ServerSpec(PORT_BASE + 10, [*common, "--max-total-tokens", str(SOURCE_POOL)], gpu_id=0),
         ServerSpec(PORT_BASE + 20, [*common, "--max-total-tokens", str(TARGET_POOL)], gpu_id=0),
     ]
-    with running_servers(model_dir, specs, sequential=True) as (source, target):
+    # Started together: their pools are capped far below what either measures free, so
+    # a neighbour's loading cannot shrink them (one after the other: ~40 s more).
+    with running_servers(model_dir, specs) as (source, target):
         yield Servers(source, target, int(shape["vocab_size"]))
 
 
@@ -96,6 +100,24 @@ def _full_target(s: Servers, seed: int) -> FullPool:
         vocab_size=s.vocab_size,
         seed=seed,
     )
+
+
+def _place_on_host_tier(
+    s: Servers, client: MigrationClient, prompt: list[int], rng: random.Random
+) -> tier_placement.Placement:
+    """`prompt` cached on the source, then flooded out of its GPU pool but not out of its
+    host pool (`tier_placement.py`: a flood of twice the GPU pool overflows a host pool of
+    twice the GPU pool and loses the prompt from both tiers)."""
+    return tier_placement.place_in_host_tier(
+        {"prompt": prompt},
+        serve=lambda ids: generate(s.source, ids, 1),
+        held=lambda ids: client.call(s.source, "/get_request_extra_token_size",
+                                     {"input_ids": ids[:-1]}),
+        fresh=lambda n: _tokens(rng, n, s.vocab_size),
+        device_tokens=SOURCE_POOL,
+        page_size=PAGE_SIZE,
+        flood_prompt_tokens=FLOOD_PROMPT,
+    )  # fmt: skip
 
 
 def _summary(result: Any) -> dict[str, Any]:
@@ -126,12 +148,13 @@ def test_a_full_target_gpu_takes_the_move_into_its_host_tier(
     for url in (s.source, s.target):
         flush_cache(url)
     prompt = _tokens(rng, PROMPT, s.vocab_size)
-    generate(s.source, prompt, 1)
-    if tier == "host":  # pushed out of the source's GPU by other prompts
-        for _ in range(2 * SOURCE_POOL // 4096):
-            generate(s.source, _tokens(rng, 4096, s.vocab_size), 1)
+    moved = tier_placement.whole_tokens(prompt, PAGE_SIZE)
+    placed = None
+    if tier == "host":  # pushed out of the source's GPU by other prompts, whole on host
+        placed = _place_on_host_tier(s, client, prompt, rng)
+    else:
+        generate(s.source, prompt, 1)
     held = client.call(s.source, "/get_request_extra_token_size", {"input_ids": prompt[:-1]})
-    moved = (len(prompt) - 1) // PAGE_SIZE * PAGE_SIZE
     with _full_target(s, seed=3) as full:
         result = client.migrate(s.source, s.target, prompt[:-1])  # auto
     on_target = generate(s.target, prompt)
@@ -144,6 +167,7 @@ def test_a_full_target_gpu_takes_the_move_into_its_host_tier(
         {
             "page_size": PAGE_SIZE,
             "source_held": held,
+            "placement": placed.to_dict() if placed else None,
             "target_free_tokens_while_full": full.free_tokens,
             "target_usage_while_full": full.usage,
             "result": _summary(result),
@@ -152,11 +176,16 @@ def test_a_full_target_gpu_takes_the_move_into_its_host_tier(
         },
     )
     assert full.free_tokens < moved, "the target's GPU pool was not full"
+    assert held["matched_token_size"] == moved, held  # the source held all of it
     if tier == "host":
+        assert placed is not None and placed.all_placed, placed
         assert held["device_token_size"] == 0, held
     assert (result.path, result.landing_tier) == ("shared_host", "host"), result
     assert "device KV pool is full" in result.fallback_reason, result.fallback_reason
     assert result.migrated_token_size == moved
+    # Read where it lay: the source's host tier in place, through its GPU.
+    copied = {"gpu": "copy_device", "host": "copy_host"}[tier]
+    assert set(result.transfer_steps_ms[0]) & {"copy_device", "copy_host"} == {copied}, result
     assert details["host"] >= moved, details
     assert on_target["output_ids"] == reference["output_ids"]
 

@@ -14,6 +14,9 @@ import pytest
 from core_peers import LAYERS, Server, abort, allocate, commit, migrate, token_ids, transfer
 from sglang_kv_migration.errors import ErrorKind
 
+# The host path's core on every supported SGLang (CI runs the marker on 0.5.23 too).
+pytestmark = pytest.mark.any_sglang
+
 
 @pytest.fixture
 def servers(migration_peers: tuple[Server, Server]) -> tuple[Server, Server]:

@@ -19,6 +19,9 @@ from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind
 from sglang_kv_migration.server.messages import CommitTransferRequestKVCacheReqInput
 
+# Runs on every supported SGLang (CI runs the marker on 0.5.23 too).
+pytestmark = pytest.mark.any_sglang
+
 PAGE = 16
 CFG = {"attention": "mha", "host_layout": "page_first", "page_size": PAGE}
 

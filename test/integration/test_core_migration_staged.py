@@ -25,6 +25,9 @@ from sglang_kv_migration.server.messages import (
 )
 from targets import host_target, published_host
 
+# Runs on every supported SGLang (CI runs the marker on 0.5.23 too).
+pytestmark = pytest.mark.any_sglang
+
 LAYERS = 3
 STAGING = 512 << 10  # room for one migration of 1024 tokens (384 KiB), not two
 # The short-window setup's grant TTL and transfer timeout: short enough to wait the

@@ -28,13 +28,14 @@ import httpx
 import pytest
 import torch
 from mini_server import ServerHandle, ServerSpec, start_servers
-from sglang_kv_migration import PROTOCOL_VERSION, binary_ids, grants
+from sglang_kv_migration import PROTOCOL_VERSION
 from sglang_kv_migration.client.migration import (
     AsyncMigrationClient,
     MigrationClient,
     MigrationFailed,
 )
 from sglang_kv_migration.server.http.routes import DISABLED_MESSAGE
+from sglang_kv_migration.wire import binary_ids, features
 
 PAGE = 16
 WATCHDOG_S = 2.0
@@ -51,6 +52,10 @@ ROUTES = (
     "/commit",
     "/abort_transfer",
 )
+
+# The routes, client and host path on every supported SGLang (CI runs the marker on
+# 0.5.23 too).
+pytestmark = pytest.mark.any_sglang
 
 
 def _seq(start: int, length: int) -> list[int]:
@@ -195,7 +200,7 @@ def test_extra_token_size(servers: Servers, http: httpx.Client) -> None:
     assert r.status_code == 200
     assert (r.json()["matched_token_size"], r.json()["extra_token_size"]) == (0, 2 * PAGE)
     # The same ids as bytes (feature "binary_ids"): the same answer.
-    assert binary_ids.FEATURE in _session_info(http, servers.source)["features"]
+    assert features.BINARY_IDS in _session_info(http, servers.source)["features"]
     as_bytes = {binary_ids.FIELD: binary_ids.encode(SEQ_E2E[:100])}
     r = _post(http, servers.source, "/get_request_extra_token_size", as_bytes)
     assert r.status_code == 200, r.text
@@ -535,7 +540,7 @@ def _as_older_servers(client: MigrationClient, *urls: str) -> None:
     session info it plans from), as it would see servers that predate them."""
     for url in urls:
         info = client.session_info(url)  # the cached info itself
-        info.features = [f for f in info.features if f != grants.PARTIAL_FEATURE]
+        info.features = [f for f in info.features if f != features.PARTIAL_TRANSFER]
 
 
 @pytest.mark.parametrize("older", [False, True], ids=["partial", "size-query"])
@@ -617,7 +622,7 @@ def test_the_next_request_sees_what_the_source_committed(
     replies, and the target commits before it handles anything sent after that reply
     (here a size query straight after each migration)."""
     src, dst = servers.source, servers.target
-    assert grants.SOURCE_COMMIT_FEATURE in _session_info(http, dst)["features"]
+    assert features.SOURCE_COMMIT in _session_info(http, dst)["features"]
     with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
         for pages in range(1, 5):  # one page more each time: a commit every time
             prefix = SEQ_MAILBOX[: pages * PAGE]
@@ -635,7 +640,7 @@ def test_without_the_feature_the_client_commits(servers: Servers) -> None:
     src, dst = servers.source, servers.target
     with MigrationClient(timeout=HTTP_TIMEOUT_S) as client:
         info = client.session_info(dst.url)  # the cached info: a target without a mailbox
-        info.features = [f for f in info.features if f != grants.SOURCE_COMMIT_FEATURE]
+        info.features = [f for f in info.features if f != features.SOURCE_COMMIT]
         result = client.migrate(src.url, dst.url, SEQ_MAILBOX_OFF)
     assert not result.source_committed
     assert set(result.steps_ms) == {"allocate", "transfer", "commit"}

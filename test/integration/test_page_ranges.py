@@ -19,15 +19,18 @@ import pytest
 import torch
 from mini_server import ServerHandle, ServerSpec, start_servers
 from multi_rank import HTTP_TIMEOUT_S, kv_equal, post, session_info
-from sglang_kv_migration.client.migration import MigrationClient, _index_format, _Plan, _targets
-from sglang_kv_migration.page_ranges import FEATURE, pages_from_ranges, to_page_ranges
+from sglang_kv_migration.client.call_bodies import _index_format, _targets
+from sglang_kv_migration.client.migration import MigrationClient
+from sglang_kv_migration.client.plan import Plan
 from sglang_kv_migration.wire.convert import from_dict, to_wire
+from sglang_kv_migration.wire.features import PAGE_RANGES as FEATURE
 from sglang_kv_migration.wire.messages import (
     AllocatedRank,
     AllocateReply,
     RankSessionInfo,
     SessionInfoReply,
 )
+from sglang_kv_migration.wire.page_ranges import pages_from_ranges, to_page_ranges
 
 BIG = list(range(500_000, 500_000 + 32768))
 FRAGMENTED = list(range(600_000, 600_000 + 2048))
@@ -73,12 +76,12 @@ def test_empty_and_bad_runs() -> None:
             pages_from_ranges(bad)
 
 
-def _plan(source_features: list[str] | None, target_features: list[str] | None) -> _Plan:
+def _plan(source_features: list[str] | None, target_features: list[str] | None) -> Plan:
     def info(features: list[str] | None) -> SessionInfoReply:
         wire = {"success": True} if features is None else {"success": True, "features": features}
         return from_dict(SessionInfoReply, wire)
 
-    return _Plan("s", "t", None, info(source_features), info(target_features), [], {})
+    return Plan("s", "t", None, info(source_features), info(target_features), [], {})
 
 
 def test_client_uses_runs_only_when_both_servers_list_them() -> None:
@@ -213,9 +216,9 @@ def test_runs_other_than_granted_are_refused(pair: tuple[ServerHandle, ServerHan
 def test_huge_runs_are_refused_before_expansion(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 17: one pair naming 2**21 pages (32M slots at page 16) is refused from its
     count alone; nothing is expanded (the spy would fail)."""
-    from sglang_kv_migration import page_ranges
     from sglang_kv_migration.errors import MigrationError
     from sglang_kv_migration.server.source import validation as source_validation
+    from sglang_kv_migration.wire import page_ranges
     from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
     def spy(_ranges: Any) -> Any:

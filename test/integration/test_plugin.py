@@ -1,4 +1,5 @@
-"""The plugin on the pinned SGLang: hook targets exist, flags parse, bad flags refuse."""
+"""The plugin on the installed SGLang (either supported line): hook targets exist, flags
+parse, bad flags refuse."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from pathlib import Path
 
 import cpu_harness
 import pytest
+from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.sglang_adapter import hook_targets as upstream
 
 REPO = Path(__file__).resolve().parents[2]
+# Every test here runs on both SGLang lines (CI runs the marker on 0.5.23 too).
+pytestmark = pytest.mark.any_sglang
 
 
-@pytest.mark.any_sglang
 @pytest.mark.parametrize(
     "symbol",
     upstream.hook_targets() + upstream.moment_hook_targets() + upstream.required_symbols(),
@@ -33,7 +36,6 @@ def test_upstream_symbol_exists(symbol: str) -> None:
         )
 
 
-@pytest.mark.any_sglang
 def test_installed_sglang_is_a_supported_release_of_its_line() -> None:
     from importlib.metadata import version
 
@@ -147,9 +149,16 @@ def test_pipeline_parallel_flags_are_accepted() -> None:
     )
     assert (args.pp_size, args.enable_kv_migration) == (2, True)
     # SGLang's own rule for PP, which our servers inherit.
-    assert args.disable_overlap_schedule is True
+    assert cpu_harness.resolved_server_args(args).disable_overlap_schedule is True
 
 
+# Refused on SGLang 0.5.23, naming why: test/unit/test_sglang_0_5_23_refusals.py.
+ON_0_5_12_ONLY = pytest.mark.skipif(
+    sglang_adapter.is_unified_line(), reason="refused on SGLang 0.5.23 (its refusal tests)"
+)
+
+
+@ON_0_5_12_ONLY
 @pytest.mark.parametrize("dp_attention", [False, True])
 def test_data_parallel_flags_are_accepted(dp_attention: bool) -> None:
     """--dp-size > 1, with and without DP attention, starts with migration; every
@@ -179,6 +188,7 @@ def test_data_parallel_flags_are_accepted(dp_attention: bool) -> None:
     assert again.kv_migration_launch_id != args.kv_migration_launch_id  # a new launch
 
 
+@ON_0_5_12_ONLY
 @pytest.mark.parametrize(("tp_size", "attn_cp_size"), [(2, 2), (4, 2)])
 def test_context_parallel_flags_are_accepted(tp_size: int, attn_cp_size: int) -> None:
     """--attn-cp-size > 1 is served: SGLang 0.5.12 keeps every page on every CP rank, so
@@ -322,7 +332,36 @@ def test_flag_off_installs_nothing_on_the_scheduler() -> None:
     for _name, input_type, _output_type in REQUEST_TYPES:
         assert input_type not in dispatcher._mapping
 
-    tokenizer = SimpleNamespace(_result_dispatcher=TypeBasedDispatcher([]))
-    communicators.after_init_communicators(None, tokenizer, args)
+    tokenizer = SimpleNamespace(_result_dispatcher=TypeBasedDispatcher([]), server_args=args)
+    communicators.after_init_communicators(None, tokenizer)
     assert tokenizer.kv_migration_communicators is None
     assert tokenizer._result_dispatcher._mapping == {}
+
+
+def test_every_hook_takes_the_arguments_its_target_is_called_with() -> None:
+    """The registry calls an AFTER hook with (result, *the target's arguments), a BEFORE
+    hook with the target's arguments, an AROUND hook with (original, *arguments): each of
+    ours must take what the installed SGLang's target is called with (a signature that
+    differs between SGLang lines would fail only when a real server starts)."""
+    import inspect
+
+    from sglang.srt.plugins.hook_registry import HookType
+    from sglang_kv_migration.server import plugin
+
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    checked = 0
+    table = plugin._hook_table()
+    for target, hook, hook_type in table:
+        if hook_type == HookType.REPLACE:
+            continue
+        original = upstream.resolve(target)
+        params = inspect.signature(original).parameters.values()
+        required = [p for p in params if p.kind in positional and p.default is p.empty]
+        leading = {HookType.AFTER: [None], HookType.BEFORE: [], HookType.AROUND: [original]}
+        arguments = [*leading[hook_type], *(object() for _ in required)]
+        try:
+            inspect.signature(hook).bind(*arguments)
+        except TypeError as e:
+            pytest.fail(f"{hook.__qualname__} cannot take {target}'s arguments: {e}")
+        checked += 1
+    assert checked == sum(1 for row in table if row[2] != HookType.REPLACE) > 5

@@ -34,6 +34,9 @@ from multi_rank import (
 )
 from timing import wait_until
 
+# Runs on every supported SGLang (CI runs the marker on 0.5.23 too).
+pytestmark = pytest.mark.any_sglang
+
 PP = 2
 PAGE = 16
 GOOD_IDS = list(range(100, 100 + PAGE * 8 + 5))

@@ -36,6 +36,9 @@ from sglang_kv_migration.rollout.request_migration import (
 )
 from timing import wait_until
 
+# Runs on every supported SGLang (CI runs the marker on 0.5.23 too).
+pytestmark = pytest.mark.any_sglang
+
 PAGE = 16
 STEP_S = 0.01
 

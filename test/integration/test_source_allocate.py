@@ -66,7 +66,7 @@ def _info(http: httpx.Client, server: ServerHandle) -> dict[str, Any]:
 
 
 def _body(http: httpx.Client, servers: ServerPair, ids: list[int], **changes: Any) -> dict:
-    """A one-trip transfer body as the client builds it (`_one_trip_call`)."""
+    """A one-trip transfer body as the client builds it (`call_bodies.one_trip_call`)."""
     source, target = _info(http, servers.source), _info(http, servers.target)
     allocate = {
         "source_fingerprints": [r["fingerprint"] for r in source["ranks"]],

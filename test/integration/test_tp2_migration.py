@@ -37,6 +37,9 @@ from multi_rank import (
 )
 from timing import wait_until
 
+# Runs on every supported SGLang (CI runs the marker on 0.5.23 too).
+pytestmark = pytest.mark.any_sglang
+
 TP = 2
 PAGE = 16
 # 8 full pages plus an unaligned tail that is never cached nor migrated.

@@ -38,6 +38,9 @@ from sglang_kv_migration.paths.host.mooncake import (
 )
 from sglang_kv_migration.paths.host.mooncake_batches import split_entries
 
+# Runs on every supported SGLang (CI runs the marker on 0.5.23 too).
+pytestmark = pytest.mark.any_sglang
+
 MiB = 1 << 20
 PEER_SIZE = 24 * MiB
 PEER_REGISTERED = 16 * MiB  # the tail is never registered: writes there must be refused

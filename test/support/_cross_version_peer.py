@@ -5,7 +5,9 @@ UnifiedRadixCache), its host pool registered with a real Mooncake engine (TCP on
 127.0.0.1), and the adapter functions the host path runs on each side: the source pins a
 prefix's host pages and writes them into the target's host slots; the target allocates
 those slots under a lock on its held prefix, then inserts them as host-only tree nodes.
-Driven over a pipe (`pipe_rpc.serve`); the only data link is the Mooncake engine.
+Driven over a pipe (`pipe_rpc.serve`); the only data link is the Mooncake engine. One
+process serves every case of the test module (its start, an SGLang import, is most of
+the module's time): `setup` rebuilds the cache and engine per case.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ IDLE_EXIT_S = 300.0
 
 
 class _Peer:
-    def __init__(self, cfg_fields: dict) -> None:
+    """One process for every case of the module: `setup` builds a fresh harness cache and
+    Mooncake engine for each (what a case's configuration asks), closing the last."""
+
+    def __init__(self) -> None:
+        self.harness: Any = None
+        self.transport: Any = None
+        self.pending: dict[str, Any] = {}
+
+    def setup(self, cfg_fields: dict) -> dict:
         import cpu_harness
         from sglang_kv_migration import sglang_adapter
         from sglang_kv_migration.fingerprint import LayoutFingerprint
@@ -29,9 +39,9 @@ class _Peer:
             TransportConfig,
         )
 
+        self.close()
         self.harness = cpu_harness.build_harness(cpu_harness.HarnessConfig(**cfg_fields))
-        cache = self.harness.cache
-        host_pool = sglang_adapter.host_pool(cache)
+        host_pool = sglang_adapter.host_pool(self.harness.cache)
         self.layout = HostPoolLayout.from_host_pool(host_pool)
         self.regions = [MemoryRegion(b.ptr, b.length) for b in self.layout.buffers]
         self.transport = MooncakeTransport(TransportConfig(hostname="127.0.0.1"))
@@ -44,11 +54,16 @@ class _Peer:
             pp_size=1,
             pp_rank=0,
         )
-        self.pending: dict[str, Any] = {}
+        return self.info()
 
     def close(self) -> None:
-        self.transport.close()
-        self.harness.close()
+        self.pending.clear()
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        if self.harness is not None:
+            self.harness.close()
+            self.harness = None
 
     # -- both sides ---------------------------------------------------------
 
@@ -142,16 +157,22 @@ def _digest(layers: list[Any]) -> str:
     return h.hexdigest()
 
 
-def main(address: str, authkey_hex: str, cfg_json: str) -> None:
-    """Entry point of `python -c` in the other venv: connect back, build, serve."""
-    import json
+def main(address: str, authkey_hex: str) -> None:
+    """Entry point of `python -c` in a version's venv: connect back, then serve every
+    case (`setup` each)."""
     from multiprocessing.connection import Client
 
     import cpu_harness
     from pipe_rpc import serve
+    from sglang_kv_migration import sglang_adapter
 
     cpu_harness.install_cpu_shims()
+    import sglang_kv_migration.paths.host.mooncake  # noqa: F401  (slow imports, up front)
+
     conn: Connection = Client(address, authkey=bytes.fromhex(authkey_hex))
-    peer = _Peer(json.loads(cfg_json))
-    conn.send(("ready", peer.info()))
-    serve(conn, peer, IDLE_EXIT_S)
+    peer = _Peer()
+    conn.send(("ready", sglang_adapter.sglang_version()))
+    try:
+        serve(conn, peer, IDLE_EXIT_S)
+    finally:
+        peer.close()

@@ -84,7 +84,7 @@ class _Server:
                 **side_kwargs,
             ),
         )
-        return {"host_size": int(self.harness.host_pool.size)}
+        return {"host_size": int(self.harness.kv_host_pool.size)}
 
     def insert(self, tokens: list[int], seed: int, write_back: bool) -> int:
         held = self.harness.insert_random(tokens, seed=seed)
@@ -173,9 +173,9 @@ class _Server:
         one run per page (the worst case). Returns the number of free pages."""
         import torch
 
-        pool = self.harness.host_pool
+        pool = self.harness.kv_host_pool
         ps = pool.page_size
-        free = pool.free_slots
+        free = self.harness.host_free_list()
         pages = free.reshape(-1, ps)[:, 0] if ps > 1 else free
         order = torch.randperm(len(pages), generator=torch.Generator().manual_seed(seed))
         pages = pages[order]
@@ -223,8 +223,7 @@ class _Server:
         return self.harness.snapshot()
 
     def match(self, tokens: list[int]) -> tuple[int, int]:
-        m = self.harness.match(tokens)
-        return len(m.device_indices), int(m.host_hit_length)
+        return self.harness.match_lengths(tokens)
 
     def kv_digest(self, tokens: list[int]) -> tuple[int, list[str]]:
         loaded = self.harness.load_back(tokens)
@@ -239,8 +238,7 @@ class _Server:
         return len(loaded)
 
     def host_digest(self) -> str:
-        hp = self.harness.host_pool
-        return _digest(hp.kv_buffer)
+        return _digest(self.harness.kv_host_pool.kv_buffer)
 
     def pending(self) -> int:
         return len(self.side.target.pending)

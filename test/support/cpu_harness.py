@@ -311,6 +311,26 @@ class Harness:
 
         return self.cache.match_prefix(MatchPrefixParams(key=self._key(token_ids, extra_key)))
 
+    def device_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> torch.Tensor:
+        """Device slots of the prefix of `token_ids` held on device."""
+        return self._device_prefix(self._key(token_ids, extra_key))
+
+    def host_free_list(self) -> torch.Tensor:
+        """The KV host pool's free slots, in the order it hands them out (assign its
+        `free_slots` to reorder them)."""
+        return self.kv_host_pool.free_slots
+
+    def host_slots_held(self) -> list[int]:
+        """Host slots the tree's nodes hold (each listed once per node holding it)."""
+        return [int(s) for n in self.iter_nodes() if n.host_value is not None for s in n.host_value]
+
+    def match_lengths(
+        self, token_ids: Sequence[int], extra_key: str | None = None
+    ) -> tuple[int, int]:
+        """(device prefix length, host hit length) of `token_ids`, as `match` finds them."""
+        m = self.match(token_ids, extra_key)
+        return len(m.device_indices), int(m.host_hit_length)
+
     def load_back(self, token_ids: Sequence[int], extra_key: str | None = None) -> torch.Tensor:
         """Device indices of the cached prefix after loading host-only parts back.
 
@@ -510,6 +530,16 @@ def _plugin_allocator_hook() -> Iterator[None]:
 # its children inherit), so the session's finish check (test/conftest.py) finds exactly
 # this run's leftovers while other runs share the temp dir.
 SESSION_TAG_ENV = "KVM_TEST_SESSION"
+
+
+def resolved_server_args(args: Any) -> Any:
+    """SGLang's `ServerArgs` as a launch resolves them, read by attribute: 0.5.12 resolved
+    them at construction; 0.5.23 resolves them when the launcher asks (`resolve_once`)."""
+    from sglang_kv_migration import sglang_adapter
+
+    if is_unified_sglang():
+        args.resolve_once()
+    return sglang_adapter.effective_server_args(args)
 
 
 def session_tag() -> str:

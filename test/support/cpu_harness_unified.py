@@ -92,13 +92,11 @@ class UnifiedHarness:
         slots = slots[:n]
         self._fill_random(slots, seed)
         key = self._key(token_ids[:aligned], extra_key)
-        result = self.cache.insert(InsertParams(key=key, value=slots[:aligned].clone()))
+        # 0.5.23's insert frees the slots it does not keep (the already cached part's
+        # duplicates) itself: only the unaligned tail is left to free here.
+        self.cache.insert(InsertParams(key=key, value=slots[:aligned].clone()))
         held = self.device_prefix(token_ids[:aligned], extra_key)
-        owned = set(held.tolist())
-        dup = [int(s) for s in slots[: result.prefix_len].tolist() if int(s) not in owned]
         spare = slots[aligned:]
-        if dup:
-            self.allocator.free(torch.tensor(dup, dtype=torch.int64))
         if len(spare):
             self.allocator.free(spare)
         return held
@@ -146,6 +144,25 @@ class UnifiedHarness:
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
         return self.cache.match_prefix(MatchPrefixParams(key=self._key(token_ids, extra_key)))
+
+    def host_free_list(self) -> torch.Tensor:
+        """As `Harness.host_free_list` (0.5.23 keeps freed slots aside until the next
+        allocation needs them: merged first, so the list is whole)."""
+        pool = self.kv_host_pool
+        pool._merge_release_slots()
+        return pool.free_slots
+
+    def host_slots_held(self) -> list[int]:
+        """The host slots the pool counts as allocated (the tree core lists no nodes to
+        read them from: this includes slots pending migrations hold)."""
+        return self.kv_host_pool.slot_used.nonzero().flatten().tolist()
+
+    def match_lengths(
+        self, token_ids: Sequence[int], extra_key: str | None = None
+    ) -> tuple[int, int]:
+        """As `Harness.match_lengths`: (device prefix length, host hit length)."""
+        m = self.match(token_ids, extra_key)
+        return int(m.device_prefix_len), int(m.host_hit_length)
 
     def device_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> torch.Tensor:
         """Device slots of the prefix of `token_ids` held on device."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-# Routes whose trip a wire feature saves, and that feature (grants.SOURCE_COMMIT_FEATURE,
-# grants.SOURCE_ALLOCATE_FEATURE; no package import here).
+# Routes whose trip a wire feature saves, and that feature (features.SOURCE_COMMIT,
+# features.SOURCE_ALLOCATE; no package import here).
 SAVED_BY = {"/commit": "source_commit", "/allocate_token_for_transfer": "source_allocate"}
 
 

@@ -248,12 +248,9 @@ class GenerateStandin:
         self.waiting.sort(key=lambda r: (-r.priority, r.order))
         while self.waiting and len(self.running) < self.config.max_running:
             req = self.waiting.pop(0)
-            match = self.harness.match(req.input_ids)
-            req.cached_tokens = len(match.device_indices) + match.host_hit_length
-            req.cached_details = {
-                "device": len(match.device_indices),
-                "host": int(match.host_hit_length),
-            }
+            device, host = self.harness.match_lengths(req.input_ids)
+            req.cached_tokens = device + host
+            req.cached_details = {"device": device, "host": host}
             self._insert(req.input_ids)
             self.running.append(req)
             self._emit(req)

@@ -46,6 +46,7 @@ from typing import Any
 
 import cpu_harness
 import fork_context
+import sglang_ipc
 
 STOP = "__stop__"
 
@@ -287,7 +288,6 @@ class _MiniScheduler:
         from types import SimpleNamespace
 
         import torch.distributed as dist
-        from sglang.srt.managers.scheduler import SenderWrapper
         from sglang.utils import TypeBasedDispatcher
 
         self.spec = spec
@@ -311,7 +311,9 @@ class _MiniScheduler:
         else:
             self.tp_rank, self.tp_size, self.tp_cpu_group = local_rank, spec.tp_size, group
         self.world_group = SimpleNamespace(cpu_group=dist.group.WORLD if spec.pp_size > 1 else None)
-        self.send_to_tokenizer = SenderWrapper(sender)
+        self.send_to_tokenizer = sglang_ipc.sender_wrapper(sender)
+        # 0.5.23 keeps the scheduler's sockets here (what the adapter reads there).
+        self.ipc_channels = SimpleNamespace(send_to_tokenizer=self.send_to_tokenizer)
         self._request_dispatcher = TypeBasedDispatcher([])
         # What `sglang_adapter.scheduler_load` counts: no requests run here.
         self.running_batch = SimpleNamespace(reqs=[])
@@ -354,7 +356,7 @@ class _MiniScheduler:
             if self.reads_requests:
                 while True:
                     try:
-                        reqs.append(receiver.recv_pyobj(zmq.NOBLOCK))
+                        reqs.append(sglang_ipc.recv_nowait(receiver))
                     except zmq.ZMQError:
                         break
             elif self.tp_rank == 0 and self.pp_rank > 0:
@@ -484,6 +486,7 @@ def _rank_main(
             sender = context.socket(zmq.PUSH)
             sender.connect(ports.tokenizer)
         scheduler = _MiniScheduler(spec, rank, harness, sender, ports.launch_id)
+        sglang_ipc.publish_scheduler(scheduler.server_args, tp_rank, pp_rank, tp_rank)
         if extension is not None and hasattr(extension, "attach"):
             extension.attach(scheduler)  # a stand-in whose requests run in its batch
         if scheduler.reads_requests:
@@ -495,6 +498,7 @@ def _rank_main(
         if rank == 0 and spec.dp_size > 1:
             sched_in_port = _start_dp_controller(spec, ports.dp_inputs)
         scheduler.recv_from_tokenizer = sched_in  # (what `input_waiting_check` reads)
+        scheduler.ipc_channels.recv_from_tokenizer = sched_in
         port_args = SimpleNamespace(tokenizer_ipc_name=ports.tokenizer)
         scheduler_hooks.after_init_ipc_channels(None, scheduler, port_args)
         scheduler_hooks.after_init_request_dispatcher(None, scheduler)
@@ -611,8 +615,7 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
         if name == "snapshot":
             value: Any = harness.snapshot()
         elif name == "held":
-            value = harness.match(args[0], args[1] if len(args) > 1 else None)
-            value = (len(value.device_indices), value.host_hit_length)
+            value = harness.match_lengths(args[0], args[1] if len(args) > 1 else None)
         elif name == "kv":
             value = [t.clone() for t in harness.read_device_kv(harness.load_back(args[0]))]
         elif name == "corrupt_kv":
@@ -628,13 +631,8 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             value = slot
         elif name == "host_slots":
             # Every host slot is free or held by one tree node, exactly once (no leak).
-            in_tree = [
-                int(s)
-                for n in harness.iter_nodes()
-                if n.host_value is not None
-                for s in n.host_value
-            ]
-            free = harness.kv_host_pool.free_slots.tolist()
+            in_tree = harness.host_slots_held()
+            free = harness.host_free_list().tolist()
             value = {
                 "size": int(harness.kv_host_pool.size),
                 "in_tree": len(in_tree),
@@ -650,7 +648,7 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             pool = harness.kv_host_pool
             ps = pool.page_size
             gen = torch.Generator().manual_seed(args[0])
-            pages = pool.free_slots.reshape(-1, ps)
+            pages = harness.host_free_list().reshape(-1, ps)
             pool.free_slots = pages[torch.randperm(len(pages), generator=gen)].reshape(-1)
             value = len(pages)
         elif name == "pending":
@@ -670,7 +668,7 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
 
             import torch
 
-            h = hashlib.sha256(harness.host_pool.kv_buffer.reshape(-1).view(torch.uint8).numpy())
+            h = hashlib.sha256(harness.kv_host_pool.kv_buffer.reshape(-1).view(torch.uint8).numpy())
             dev = harness.device_pool
             mha = harness.cfg.attention == "mha"
             buffers = [*dev.k_buffer, *dev.v_buffer] if mha else list(dev.kv_buffer)
@@ -679,7 +677,7 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             value = h.hexdigest()
         elif name == "free_overlap":
             # How many of these host slots are in the free list (could be handed out).
-            value = len(set(args[0]) & set(harness.host_pool.free_slots.tolist()))
+            value = len(set(args[0]) & set(harness.host_free_list().tolist()))
         elif name == "flush":
             # What SGLang's /flush_cache does to the cache, behind our AROUND hook.
             from sglang_kv_migration.server.scheduler.hooks import around_flush_cache
@@ -698,7 +696,9 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
 
             migration = scheduler.kv_migration
             before = len(migration.target.pending)
-            before_process_input_requests(scheduler, [UpdateWeightFromDiskReqInput("new")])
+            before_process_input_requests(
+                scheduler, [UpdateWeightFromDiskReqInput(model_path="new")]
+            )
             value = before - len(migration.target.pending)
         elif name == "memory_cycle":
             # What our hooks do around SGLang's /release_memory_occupation and
@@ -868,7 +868,7 @@ def _serve_http(
 
         async def loop() -> None:
             while True:
-                dispatcher(await from_scheduler.recv_pyobj())
+                dispatcher(await sglang_ipc.recv_reply(from_scheduler))
 
         asyncio.get_running_loop().create_task(loop())
         if serving is not None:

@@ -17,6 +17,10 @@ checker reads them, within a function:
   return annotation; `a[i]`, `d.get(k)`, `d.pop(k)`: the container's item type;
 - `X | None`, `Optional[X]` and the branches of `a if c else b` / `a or b`: any of them.
 
+A class made at a module's top by a call handed a record (`server/messages.py`:
+`X = _message("X", wire.Y)`, the IPC message carrying the wire model's fields) is that
+record.
+
 An expression of no known type is not checked (an untyped parameter, what a library
 returns): the check never guesses, so what it reports is a write it can prove."""
 
@@ -114,6 +118,11 @@ class Package:
             for node in tree.body:
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                     self.functions[(module, node.name)] = node
+        # Classes made by a call from a record (`X = f(..., Record)`), read once every
+        # module's imports are known; then the names again, with them.
+        self.made: dict[ClassKey, ClassKey] = {}
+        self.names = {module: self._names(module, tree) for module, tree in modules.items()}
+        self.made = self._made_classes()
         self.names = {module: self._names(module, tree) for module, tree in modules.items()}
         for info in self.classes.values():
             namespace = self.names[info.key[0]]
@@ -132,6 +141,9 @@ class Package:
         for key in self.functions:
             if key[0] == module:
                 namespace.bound.setdefault(key[1], ("function", key))
+        for (made_in, name), record in self.made.items():
+            if made_in == module:
+                namespace.bound.setdefault(name, record)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 for alias in node.names:
@@ -150,6 +162,25 @@ class Package:
                         namespace.bound[alias.asname] = ("module", alias.name)
         return namespace
 
+    def _made_classes(self) -> dict[ClassKey, ClassKey]:
+        """(module, name) -> the record a top-level `name = f(..., Record)` makes."""
+        made: dict[ClassKey, ClassKey] = {}
+        for module, tree in self.modules.items():
+            for node in tree.body:
+                if not (
+                    isinstance(node, ast.Assign)
+                    and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name)
+                    and isinstance(node.value, ast.Call)
+                ):
+                    continue
+                for argument in node.value.args:
+                    found = self.names[module].resolve(argument)
+                    if isinstance(found, tuple) and found in self.classes:
+                        if self.classes[found].record:
+                            made[(module, node.targets[0].id)] = found
+        return made
+
     def _module_of(self, dotted: str) -> str | None:
         """The module of ours an import names (`pkg.mod.Name` -> `pkg.mod`), else None."""
         while dotted and dotted not in self.modules:
@@ -161,6 +192,8 @@ class Package:
         one it imports in turn (a package's `__init__` handing names on)."""
         if (module, name) in self.classes:
             return (module, name)
+        if (module, name) in self.made:
+            return self.made[(module, name)]
         if (module, name) in self.functions:
             return ("function", (module, name))
         for node in ast.walk(self.modules[module]):

@@ -184,10 +184,44 @@ def test_concurrency_summary_per_source_state_and_way() -> None:
     assert "| busy | threads |" in table and "<= 2.0: False" in table
 
 
-def test_a_failed_or_partial_move_is_counted_apart() -> None:
+def test_a_failed_or_partial_move_is_counted_apart_and_leaves_the_target_unjudged() -> None:
+    """A round whose six did less than six moves' work (a move refused, or one that moved
+    less than its prefix) gives its ratio but no verdict; a failed move has no tier and
+    is counted with its reason."""
+    full = "allocate failed (HTTP 503): device KV pool is full: 8176 token slots needed"
     row = _round("busy", 20.0, 30.0, 30.0)
-    row["one_call"]["moves"][0] = {"failed": "no", "whole": False, "wall_ms": 30.0}
+    row["one_call"]["moves"][0] = {"failed": full, "whole": False, "wall_ms": 30.0}
+    row["one_call"]["moves"][3] = {"failed": full, "whole": False, "wall_ms": 30.0}
     row["threads"]["moves"][1]["whole"] = False
     summary = report.concurrency_summary([row])["busy"]
-    assert summary["one_call"]["not_whole"] == 1 and summary["threads"]["not_whole"] == 1
-    assert summary["one_call"]["tiers"] == {"gpu": 5, "?": 1}
+    one_call, threads = summary["one_call"], summary["threads"]
+    assert one_call["not_whole"] == 2 and threads["not_whole"] == 1
+    assert one_call["tiers"] == {"gpu": 4} and one_call["failures"] == {full: 2}
+    assert (one_call["moved"], one_call["moves"]) == (4, 6)
+    assert (threads["moved"], threads["failures"]) == (5, {})
+    assert one_call["over_one"]["median"] == 1.5 and one_call["met"] is None
+    assert threads["met"] is None and threads["met_1_5"] is None
+    table = report.concurrency_markdown(report.concurrency_summary([row]))
+    assert "| busy | one_call |" in table and "<= 2.0: not measured" in table
+    assert "| 4 of 6 | {'gpu': 4} |" in table and f"failed 2x: {full}" in table
+
+
+def test_both_servers_get_one_planned_pool_that_holds_what_a_round_moves() -> None:
+    """On an 80 GB card both servers get the same pool (not the second a fifth of the
+    first's, as one --mem-fraction-static gave: three 8K prefixes on the target); a card
+    that cannot hold a concurrency round's seven 8K prefixes on the target is refused."""
+    import argparse
+
+    import bench_busy_source as bench
+    import busy_concurrency
+    import gpu_servers
+    import pytest
+    from real_servers import LLAMA3_8B
+
+    assert busy_concurrency.target_tokens() == 7 * 8176
+    args = argparse.Namespace(max_total_tokens=163840, only_concurrency=True, lengths=[8192])
+    h100 = gpu_servers.Card("NVIDIA H100 80GB HBM3", 81559, 81079, "580.159.04", "0")
+    assert bench._pool(args, h100, dict(LLAMA3_8B)) == 163840
+    small = gpu_servers.Card("a 40 GB card", 40960, 40000, "580.159.04", "0")
+    with pytest.raises(SystemExit, match="4096-token KV pool; the run needs 57232"):
+        bench._pool(args, small, dict(LLAMA3_8B))

@@ -6,9 +6,10 @@ from __future__ import annotations
 import base64
 
 import pytest
-from sglang_kv_migration import binary_ids
-from sglang_kv_migration.client.migration import _allocate_call, _Plan, _transfer_call
+from sglang_kv_migration.client.call_bodies import allocate_call, transfer_call
+from sglang_kv_migration.client.plan import Plan
 from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
+from sglang_kv_migration.wire import binary_ids, features
 from sglang_kv_migration.wire.convert import from_dict, to_wire
 from sglang_kv_migration.wire.messages import AllocateReply, SessionInfoReply
 
@@ -53,7 +54,7 @@ def test_the_scheduler_makes_the_list_once():
     assert binary_ids.to_list(raw + b"\x01") == [5, 6, 7]
 
 
-def _plan(source_features: list[str], target_features: list[str], prefix: list[int]) -> _Plan:
+def _plan(source_features: list[str], target_features: list[str], prefix: list[int]) -> Plan:
     rank = {"tp_rank": 0, "pp_rank": 0, "fingerprint": {}, "paths": {"host": {}}}
     host = {"session_id": "h:1", "host_kv_data_ptrs": [], "host_kv_data_lens": []}
     host["host_kv_item_lens"] = []
@@ -62,7 +63,7 @@ def _plan(source_features: list[str], target_features: list[str], prefix: list[i
     source = {"features": source_features, "ranks": [rank], "instance_id": "s"}
     target = {"features": target_features, "ranks": [rank]}
     source, target = (from_dict(SessionInfoReply, {**i, "success": True}) for i in (source, target))
-    return _Plan("http://s", "http://t", None, source, target, prefix, {})
+    return Plan("http://s", "http://t", None, source, target, prefix, {})
 
 
 def test_the_client_sends_bytes_only_to_servers_that_list_the_feature():
@@ -75,12 +76,12 @@ def test_the_client_sends_bytes_only_to_servers_that_list_the_feature():
         "ranks": [{"tp_rank": 0, "pp_rank": 0, "kv_indices": [], "kv_pages": [0], "grant": "g"}],
     }
     allocation = from_dict(AllocateReply, allocation)
-    plan = _plan([binary_ids.FEATURE], [], ids)
-    allocate = to_wire(_allocate_call(plan, "host").body)
-    transfer = to_wire(_transfer_call(plan, allocation, "host").body)
+    plan = _plan([features.BINARY_IDS], [], ids)
+    allocate = to_wire(allocate_call(plan, "host").body)
+    transfer = to_wire(transfer_call(plan, allocation, "host").body)
     assert allocate["input_ids"] == ids and binary_ids.FIELD not in allocate  # older target
     assert "input_ids" not in transfer
     assert binary_ids.to_list(binary_ids.decode(transfer[binary_ids.FIELD], 64)) == ids
     # Ids the encoding cannot carry go as the list, even to a server that lists it.
-    big = _plan([binary_ids.FEATURE], [binary_ids.FEATURE], [2**40] * 64)
-    assert to_wire(_transfer_call(big, allocation, "host").body)["input_ids"] == [2**40] * 64
+    big = _plan([features.BINARY_IDS], [features.BINARY_IDS], [2**40] * 64)
+    assert to_wire(transfer_call(big, allocation, "host").body)["input_ids"] == [2**40] * 64

@@ -14,6 +14,9 @@ from sglang_kv_migration.server.messages import (
 from sglang_kv_migration.server.scheduler.hooks import around_flush_cache, around_sleep_on_idle
 from side_helpers import transfer_to_self
 
+# Runs on every supported SGLang (CI runs the marker on 0.5.23 too).
+pytestmark = pytest.mark.any_sglang
+
 
 def _allocate(side, ids: list[int], migration_id: str):
     out = side.allocate_token_for_transfer(
@@ -42,7 +45,7 @@ def _flush(scheduler) -> bool:
 
 
 def test_flush_drops_pending_allocations_and_commit_is_gone(side) -> None:
-    host_pool = side.identity.host_pool
+    host_pool = side.harness.kv_host_pool
     alloc = _allocate(side, list(range(100, 164)), "m1")
     assert _flush(_scheduler(side)) is True
     assert len(side.target.pending) == 0
@@ -50,15 +53,16 @@ def test_flush_drops_pending_allocations_and_commit_is_gone(side) -> None:
     # allocation's slots: they are taken out of the fresh free list again.
     slots = set(alloc.ranks[0].kv_indices)
     assert host_pool.available_size() == host_pool.size - len(slots)
-    assert not slots & set(host_pool.free_slots.tolist())
-    out = side.commit_transfer_request_kvcache(CommitTransferRequestKVCacheReqInput("m1"))
+    assert not slots & set(side.harness.host_free_list().tolist())
+    commit = CommitTransferRequestKVCacheReqInput(migration_id="m1")
+    out = side.commit_transfer_request_kvcache(commit)
     assert not out.success and out.error_kind == "gone"
     assert "flushed" in out.message
     # Once the write window has closed the watchdog gives them back, exactly once.
     side.target.pending.clock = lambda: float("inf")
     side.target.pending.expire()
     assert host_pool.available_size() == host_pool.size
-    assert len(set(host_pool.free_slots.tolist())) == host_pool.size
+    assert len(set(side.harness.host_free_list().tolist())) == host_pool.size
 
 
 def test_flush_is_never_refused_and_fails_transfers_in_flight(side_factory) -> None:
@@ -96,7 +100,7 @@ def test_busy_scheduler_keeps_pending_allocations(side) -> None:
 
 def test_reset_without_the_hook_is_detected(side) -> None:
     """Any other path that resets the tree: the stale entry is forgotten, never freed."""
-    host_pool = side.identity.host_pool
+    host_pool = side.harness.kv_host_pool
     _allocate(side, list(range(300, 332)), "m3")
     side.loop.ctx.tree_cache.reset()
     with pytest.raises(MigrationError) as info:

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 from sglang_kv_migration import cli
 from sglang_kv_migration.client import cli as migrate_cli
-from sglang_kv_migration.rollout import rebalance_cli
+from sglang_kv_migration.integrations import rebalance_cli
 from sglang_kv_migration.rollout.rebalancer import ServerLoad
 from sglang_kv_migration.rollout.request_migration import MoveReport, RequestOutput, Segment
 

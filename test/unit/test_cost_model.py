@@ -343,14 +343,15 @@ def test_each_route_is_learned_from_the_servers_series() -> None:
     landing route (no series) keeps its prior, and moves are priced by their routes."""
     from sglang_kv_migration.rollout.cost_model import HOST_TO_HOST, LANDING
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics
+    from sglang_kv_migration.wire.moments import Phase
 
     for tp in (0, 1):  # one device send (half its bytes on each tier) and one host send
         ranks = MigrationMetrics("routes-src", tp, 0)
         ranks.routes("device", {GPU_TO_GPU: (10**9, 0.001), HOST_TO_GPU: (10**9, 0.02)}, 0.03)
         ranks.routes("host", {HOST_TO_HOST: (10**9, 0.5)}, 0.1)
     target = MigrationMetrics("routes-dst", 0, 0)
-    target.phase("allocate", 0.01)
-    target.phase("commit", 0.005)
+    target.phase(Phase.ALLOCATE, 0.01)
+    target.phase(Phase.COMMIT, 0.005)
     source_text, target_text = _registry_text("routes-src"), _registry_text("routes-dst")
     assert 'route="host_to_gpu"' in source_text and "kv_migration_fixed_seconds" in source_text
 

@@ -96,7 +96,8 @@ def test_a_target_that_does_not_shard_refuses_an_owner_pattern_by_name(side):
 
 
 def test_the_client_refuses_a_sharded_source_whose_target_lacks_the_feature():
-    from sglang_kv_migration.client.migration import MigrationFailed, _owner_sharded
+    from sglang_kv_migration.client.migration import MigrationFailed
+    from sglang_kv_migration.client.plan import owner_sharded
     from sglang_kv_migration.fingerprint import KVCacheShape, LayoutFingerprint
     from sglang_kv_migration.wire import features
     from sglang_kv_migration.wire.messages import RankSessionInfo, SessionInfoReply
@@ -128,7 +129,7 @@ def test_the_client_refuses_a_sharded_source_whose_target_lacks_the_feature():
         return reply
 
     sharded = PageOwners(cp_size=2)
-    assert _owner_sharded(info(sharded, True), info(sharded, True))
-    assert not _owner_sharded(info(None, True), info(None, False))
+    assert owner_sharded(info(sharded, True), info(sharded, True))
+    assert not owner_sharded(info(None, True), info(None, False))
     with pytest.raises(MigrationFailed, match="target does not list 'owner_pattern'"):
-        _owner_sharded(info(sharded, True), info(sharded, False))
+        owner_sharded(info(sharded, True), info(sharded, False))

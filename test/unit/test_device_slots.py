@@ -19,7 +19,8 @@ from cpu_harness import Harness
 from sglang_kv_migration import sglang_adapter as adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths.device.path import DevicePath
-from sglang_kv_migration.server.target.pending import MigrationState, PendingMigrations
+from sglang_kv_migration.server.target.pending import PendingMigrations
+from sglang_kv_migration.wire.moments import Moment
 from side_helpers import one_rank_context
 from timing import FakeClock
 
@@ -236,7 +237,7 @@ def test_every_exit_returns_the_device_slots(harness_factory, attention, page_si
         assert pending.expire() == ["m"]
         late_error = ErrorKind.GONE
     else:
-        assert pending.abort_all(MigrationState.FLUSHED) == ["m"]
+        assert pending.abort_all(Moment.FLUSHED) == ["m"]
         late_error = ErrorKind.GONE
 
     assert h.allocator.available_size() == available
@@ -264,7 +265,7 @@ def test_flush_after_reset_forgets_without_freeing(harness_factory):
     h.cache.reset()
     h.allocator.clear()
     full = h.allocator.available_size()
-    assert pending.abort_all(MigrationState.FLUSHED) == ["m"]
+    assert pending.abort_all(Moment.FLUSHED) == ["m"]
     assert h.allocator.available_size() == full
     assert pending.device_tokens_held() == 0
     assert _error_kind(pending.commit, "m") is ErrorKind.GONE

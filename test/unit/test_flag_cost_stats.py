@@ -92,3 +92,22 @@ def test_table_names_every_server_and_says_one_round() -> None:
     assert stats.summarize([], [stats.FLAG]) == {
         "rounds": 0, "servers": [stats.FLAG], "rows": [], "all_met": False
     }  # fmt: skip
+
+
+def test_paired_rounds_give_each_rounds_difference_and_who_was_slower() -> None:
+    rounds = _rounds({
+        stats.HICACHE: [120.0, 121.0, 130.0],
+        stats.FLAG: [135.0, 146.5, 124.0],
+    }, cell="ttft_cached_32k")  # fmt: skip
+    for i, r in enumerate(rounds):
+        r["order"] = [[stats.HICACHE, stats.FLAG], [stats.FLAG, stats.HICACHE]][i % 2]
+    del rounds[1]["cells"]["ttft_cached_32k"][stats.HICACHE]  # a cell lost in round 1
+    assert stats.paired(rounds, "ttft_cached_32k", stats.FLAG, stats.HICACHE) == [
+        15.0, None, -6.0,
+    ]  # fmt: skip
+    table = stats.paired_table(rounds, ["ttft_cached_32k"]).splitlines()
+    assert table[0] == "| row | round 0 (H,F) | round 1 (F,H) | round 2 (H,F) | F slower in |"
+    assert table[2] == "| TTFT, 32K cached + 16 new (ms) | +15.00 | — | -6.00 | 1 of 2 |"
+    # Throughput: higher is better, so a positive difference is the flag being faster.
+    tput = _rounds({stats.HICACHE: [100.0, 100.0], stats.FLAG: [90.0, 110.0]}, "decode_32")
+    assert stats.paired_table(tput, ["decode_32"]).endswith("| -10.00 | +10.00 | 1 of 2 |")

@@ -228,8 +228,8 @@ def test_tokens_digest_bytes_are_those_of_older_servers() -> None:
 
 
 def test_the_digest_of_ids_sent_as_bytes_is_that_of_their_list() -> None:
-    from sglang_kv_migration import binary_ids
     from sglang_kv_migration.server.messages import GetRequestExtraTokenSizeReqInput
+    from sglang_kv_migration.wire import binary_ids
 
     ids = [0, 1, 70000, (1 << 32) - 1, *range(300000, 300000 + 8192)]
     raw = binary_ids.to_bytes(ids)

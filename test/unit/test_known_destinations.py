@@ -12,20 +12,17 @@ from collections.abc import Callable
 import orjson
 import pytest
 from sglang_kv_migration import grants
-from sglang_kv_migration.client.migration import (
-    MigrationFailed,
-    SessionCache,
-    _Call,
-    _encode,
-    _Plan,
-    _transfer_step,
-)
+from sglang_kv_migration.client.calls import Call, encode
+from sglang_kv_migration.client.migration import MigrationFailed, SessionCache
 from sglang_kv_migration.client.path_choice import target_entry
+from sglang_kv_migration.client.plan import Plan
+from sglang_kv_migration.client.steps import _transfer_step
 from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
 from sglang_kv_migration.server.source.known_destinations import (
     KnownDestinations,
     UnknownDestination,
 )
+from sglang_kv_migration.wire import features
 from sglang_kv_migration.wire.bodies import TransferBody
 from sglang_kv_migration.wire.convert import build
 from sglang_kv_migration.wire.messages import (
@@ -113,23 +110,23 @@ def test_what_is_remembered_is_bounded_in_bytes_too():
     assert len(known) == 0 and known.bytes == 0
 
 
-def _plan(sessions: SessionCache, features: list[str]) -> tuple[_Plan, Callable[[str], _Call]]:
+def _plan(sessions: SessionCache, features: list[str]) -> tuple[Plan, Callable[[str], Call]]:
     """A plan to one single-rank device target, and the transfer call `_transfer_step`
     builds from it (its destination in full, or by the digest it is given)."""
     source = SessionInfoReply(success=True, features=features, instance_id="s1")
     rank = RankSessionInfo(0, 0, 1, {}, paths={"device": _device_kv()})
     target = SessionInfoReply(success=True, ranks=[rank])
-    plan = _Plan("http://s", "http://t", None, source, target, [1, 2], {}, sessions=sessions)
+    plan = Plan("http://s", "http://t", None, source, target, [1, 2], {}, sessions=sessions)
 
-    def transfer(digest: str) -> _Call:
+    def transfer(digest: str) -> Call:
         body = build(TransferBody, target_per_rank=[target_entry(rank, "device", digest)])
-        return _Call("transfer", "http://s", "/transfer_request_kvcache", body)
+        return Call("transfer", "http://s", "/transfer_request_kvcache", body)
 
     return plan, transfer
 
 
 def _drive(
-    plan: _Plan, transfer: Callable[[str], _Call], replies: list[tuple[int, dict]]
+    plan: Plan, transfer: Callable[[str], Call], replies: list[tuple[int, dict]]
 ) -> tuple[list[dict], object]:
     """Run `_transfer_step`, answering its calls with `replies`; (bodies sent, result)."""
     sent: list[dict] = []
@@ -137,7 +134,7 @@ def _drive(
     try:
         made = next(steps)
         for reply in replies:
-            sent.append(orjson.loads(_encode(made.body)))
+            sent.append(orjson.loads(encode(made.body)))
             made = steps.send(reply)
     except StopIteration as done:
         return sent, done.value
@@ -147,7 +144,7 @@ def _drive(
 def test_the_client_names_by_digest_only_what_the_source_accepted_in_full():
     ok = (200, {"success": True})
     sessions = SessionCache()
-    plan, call = _plan(sessions, [grants.DESTINATION_DIGEST_FEATURE])
+    plan, call = _plan(sessions, [features.DESTINATION_DIGEST])
     device_kv = plan.target_info.ranks[0].paths["device"]
     digest = grants.destination_digest(device_kv)
     sent, _ = _drive(plan, call, [ok])

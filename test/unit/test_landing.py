@@ -30,7 +30,9 @@ from sglang_kv_migration.server.scheduler.hooks import (
     after_resume_memory_occupation,
     around_release_memory_occupation,
 )
-from sglang_kv_migration.server.target.pending import MigrationState, PendingMigrations
+from sglang_kv_migration.server.target.pending import PendingMigrations
+from sglang_kv_migration.wire import features
+from sglang_kv_migration.wire.moments import Moment
 from side_helpers import allocate_on
 from timing import FakeClock
 
@@ -215,7 +217,7 @@ def test_release_hook_drops_then_resume_hook_renews_the_epoch(side_factory, tags
     after_resume_memory_occupation(None, scheduler, SimpleNamespace(tags=tags))
     assert _epoch(side) != epoch
     assert _allocate(side, _tokens(32), "c").success
-    assert side.target.pending.get("c").state is MigrationState.ALLOCATED
+    assert side.target.pending.get("c").state is Moment.ALLOCATED
 
 
 def test_release_of_other_memory_or_a_busy_server_changes_nothing(side_factory):
@@ -236,7 +238,7 @@ def test_release_of_other_memory_or_a_busy_server_changes_nothing(side_factory):
 
 def _ids_in(body: dict) -> int:
     """How many ids a body carries, as a list or as bytes (feature "binary_ids")."""
-    from sglang_kv_migration import binary_ids
+    from sglang_kv_migration.wire import binary_ids
 
     if binary_ids.FIELD in body:
         return binary_ids.count(binary_ids.decode(body[binary_ids.FIELD], 1 << 21))
@@ -264,14 +266,14 @@ def _drive(steps, target, source_held: int):
     """Answer the client's calls as a source holding `source_held` tokens and `target`
     (a dict: the target's session info, its landing limit and what it holds) would."""
     import orjson
-    from sglang_kv_migration.client.migration import _encode
+    from sglang_kv_migration.client.calls import encode
 
     calls, reply = [], None
     try:
         while True:
             call = steps.send(reply)
             calls.append(call)
-            body = orjson.loads(_encode(call.body))  # what the server would read
+            body = orjson.loads(encode(call.body))  # what the server would read
             if call.phase == "session_info":
                 reply = (200, target["info"])
             elif call.phase == "extra_token_size":
@@ -308,16 +310,15 @@ def _drive(steps, target, source_held: int):
 
 @pytest.mark.parametrize(("held", "rounds"), [(0, 4), (96, 3), (200, 1)])
 def test_the_client_moves_a_long_prefix_in_landing_sized_rounds(side_factory, held, rounds):
-    from sglang_kv_migration.client.migration import SessionCache, _migration_steps
+    from sglang_kv_migration.client.migration import SessionCache
+    from sglang_kv_migration.client.steps import migration_steps
 
     side = side_factory(page_size=16, layer_num=2)
     side.paths["device"] = _landing_path(side.harness, 64)
     info = dataclasses.asdict(side.get_transfer_session_info(GetTransferSessionInfoReqInput()))
     info["features"] = []
     target = {"info": info, "limit": 64, "held": held}
-    steps = _migration_steps(
-        "http://src", "http://dst", _tokens(208), None, sessions=SessionCache()
-    )
+    steps = migration_steps("http://src", "http://dst", _tokens(208), None, sessions=SessionCache())
     result, calls = _drive(steps, target, source_held=208)
     assert result.path == "device" and result.rounds == rounds
     assert result.migrated_token_size == 208 - held and target["held"] == 208
@@ -328,17 +329,15 @@ def test_the_client_moves_a_long_prefix_in_landing_sized_rounds(side_factory, he
 def test_rounds_without_a_size_query_stop_where_the_source_holds_no_more(side_factory):
     """Feature "partial_transfer": the client asks the source nothing; each round moves
     what the source holds of it, and a short round is the last."""
-    from sglang_kv_migration import grants
-    from sglang_kv_migration.client.migration import SessionCache, _migration_steps
+    from sglang_kv_migration.client.migration import SessionCache
+    from sglang_kv_migration.client.steps import migration_steps
 
     side = side_factory(page_size=16, layer_num=2)
     side.paths["device"] = _landing_path(side.harness, 64)
     info = dataclasses.asdict(side.get_transfer_session_info(GetTransferSessionInfoReqInput()))
-    assert grants.PARTIAL_FEATURE in info["features"]
+    assert features.PARTIAL_TRANSFER in info["features"]
     target = {"info": info, "limit": 64, "held": 0}
-    steps = _migration_steps(
-        "http://src", "http://dst", _tokens(208), None, sessions=SessionCache()
-    )
+    steps = migration_steps("http://src", "http://dst", _tokens(208), None, sessions=SessionCache())
     result, calls = _drive(steps, target, source_held=144)
     assert "extra_token_size" not in [c.phase for c in calls]
     # Single-rank servers on one host: each round one transfer that allocates itself.

@@ -1,12 +1,18 @@
 """The package's boundaries, read from its source with `ast` (see the package README):
 
-- no import cycle between modules, function-level imports included;
-- no two sibling folders import each other (a folder is one layer), and the longest
+- no import cycle between modules, function-level imports included, and the longest
   chain of imports does not grow;
 - `paths/` imports nothing from `server/`, `client/` or `rollout/`;
-- `client/`, `rollout/` and `integrations/` import nothing from `server/` or `paths/`;
-- the shared modules (errors, wire, grants, page_ranges, cp_owners, fingerprint, targets)
-  and `sglang_adapter/` import none of the four parts;
+- `client/`, `rollout/` and `integrations/` import nothing from `server/` or `paths/`,
+  and stand in that order: `client/` imports neither of the other two, `rollout/` not
+  `integrations/`;
+- no two sibling folders import each other (`server/rank` and `server/source`, say);
+  the pairs that still do are listed with their module edges each way, so they only
+  shrink (`MUTUAL_FOLDERS_ALLOWED`);
+- the shared modules (errors, wire, grants, cp_owners, fingerprint, targets) and
+  `sglang_adapter/` import none of the four parts;
+- sibling layers import one way only: the root modules stand on `wire/`, which imports
+  nothing of the package outside itself;
 - `mooncake` is imported only by the engine wrapper, `paths/host/mooncake_engine.py`;
 - SGLang is reached only through `sglang_adapter/`: no run-time SGLang import elsewhere
   except the extension points a plugin is meant to use, and no private (`._name`)
@@ -19,17 +25,17 @@ from __future__ import annotations
 import ast
 
 import pytest
-from package_source import MODULES, NAME, PACKAGE, PATHS, check_allow_list, imports, relative_path
+from package_source import MODULES, NAME, PATHS, check_allow_list, imports, relative_path
 from package_source import edges as _edges
 from package_source import in_part as _in
 
 # Documented extension points, used as SGLang's plugin docs show: the hook registry, the
-# ServerArgs class our flags subclass, the request base class our wire types derive
-# from (SGLang's communicators route by it), and the route auth decorator.
+# ServerArgs class our flags subclass and the route auth decorator. (The request base
+# class our messages derive from differs between SGLang lines: the adapter's
+# `ipc_messages.py` reaches it.)
 SGLANG_EXTENSION_POINTS = {
     f"{NAME}.server.plugin": {"sglang.srt.plugins.hook_registry"},
     f"{NAME}.server.server_args": {"sglang.srt"},
-    f"{NAME}.server.messages": {"sglang.srt.managers.io_struct"},
     f"{NAME}.server.http.routes": {"sglang.srt.utils.auth"},
     # verl's plugin entry point calls SGLang's own plugin loader (and nothing else).
     f"{NAME}.integrations.verl_plugin": {"sglang.srt.plugins"},
@@ -81,52 +87,6 @@ def test_no_import_cycle() -> None:
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-# "a <-> b" -> ((a's module edges to b, b's to a), why they still import each other).
-SIBLINGS_ALLOWED: dict[str, object] = {
-    "integrations <-> rollout": (
-        (3, 1),
-        "the gateway and verl's balancer use the rollout's request migrator and cost model, "
-        "and the rebalance CLI the gateway",
-    ),
-}
-
-
-def _folder_pairs() -> dict[tuple[str, str], int]:
-    """(folder, sibling folder) -> how many module edges run from the first into the
-    second (a module counts in every folder above it)."""
-    pairs: dict[tuple[str, str], int] = {}
-    for module, targets in _edges().items():
-        here = PATHS[module].relative_to(PACKAGE).parts[:-1]
-        for target in targets:
-            there = PATHS[target].relative_to(PACKAGE).parts[:-1]
-            shared = zip(here, there, strict=False)  # (a folder's module: never its sibling's)
-            depth = next((i for i, (a, b) in enumerate(shared) if a != b), None)
-            if depth is not None:
-                key = ("/".join(here[: depth + 1]), "/".join(there[: depth + 1]))
-                pairs[key] = pairs.get(key, 0) + 1
-    return pairs
-
-
-def test_no_two_sibling_folders_import_each_other() -> None:
-    """A folder is one layer: what it stands on is in other folders, which do not stand
-    on it in turn (`server/rank` is what the roles stand on, `server/scheduler` what
-    stands on them)."""
-    pairs = _folder_pairs()
-    found = {
-        f"{a} <-> {b}": (n, pairs[(b, a)])
-        for (a, b), n in pairs.items()
-        if a < b and (b, a) in pairs
-    }
-    check_allow_list(found, SIBLINGS_ALLOWED)
-
-
-def test_the_sibling_check_reads_folders() -> None:
-    pairs = _folder_pairs()
-    assert pairs[("server/scheduler", "server/target")] > 0
-    assert pairs[("server/target", "server/rank")] > 0
-    assert ("server/rank", "server/target") not in pairs
-
-
 # The most modules one chain of imports passes through (function-level imports and those
 # for type checking included). Lower it when the chain shrinks.
 MAX_IMPORT_CHAIN = 18
@@ -156,14 +116,13 @@ def test_the_longest_import_chain_does_not_grow() -> None:
     ("part", "forbidden"),
     [
         ("paths", ("server", "client", "rollout")),
-        ("client", ("server", "paths")),
-        ("rollout", ("server", "paths")),
+        ("client", ("server", "paths", "rollout", "integrations")),
+        ("rollout", ("server", "paths", "integrations")),
         ("integrations", ("server", "paths")),
         # The shared modules (and the adapter) stand under every part.
         ("errors", ("server", "paths", "client", "rollout")),
         ("wire", ("server", "paths", "client", "rollout")),
         ("grants", ("server", "paths", "client", "rollout")),
-        ("page_ranges", ("server", "paths", "client", "rollout")),
         ("cp_owners", ("server", "paths", "client", "rollout")),
         ("fingerprint", ("server", "paths", "client", "rollout")),
         ("targets", ("server", "paths", "client", "rollout")),
@@ -181,6 +140,49 @@ def test_parts_import_only_what_they_may(part: str, forbidden: tuple[str, ...]) 
     assert not bad, bad
 
 
+# Sibling layers, (lower, upper): the lower imports nothing of the upper. `wire/` is the
+# contract every part speaks (names, encodings, versions, models); the root modules that
+# hold shared logic (grants, fingerprints, typed destinations, errors) stand on it.
+ROOT_MODULES = ("errors", "grants", "cp_owners", "fingerprint", "targets")
+ONE_WAY_PAIRS = [(("wire",), ROOT_MODULES)]
+
+
+def _edges_between(lower: tuple[str, ...], upper: tuple[str, ...]) -> list[str]:
+    return [
+        f"{module} -> {target}"
+        for module, targets in _edges().items()
+        if _in(module, *lower)
+        for target in sorted(targets)
+        if _in(target, *upper)
+    ]
+
+
+@pytest.mark.parametrize(("lower", "upper"), ONE_WAY_PAIRS)
+def test_sibling_layers_import_one_way(lower: tuple[str, ...], upper: tuple[str, ...]) -> None:
+    assert not _edges_between(lower, upper)
+    assert _edges_between(upper, lower), "the upper layer was expected to use the lower"
+
+
+def test_wire_imports_nothing_of_the_package_outside_itself() -> None:
+    bad = [
+        f"{module} -> {target}"
+        for module, targets in _edges().items()
+        if _in(module, "wire")
+        for target in sorted(targets)
+        if not _in(target, "wire")
+    ]
+    assert not bad, bad
+
+
+def test_every_root_module_is_in_a_layer() -> None:
+    """A new module at the package root joins `ROOT_MODULES` (or a folder), so the
+    one-way check sees it; the entry points and import helpers stand above every part."""
+    above = {"cli", "sglang_flags", "import_hooks"}
+    folders = {m.split(".")[1] for m in MODULES if m.count(".") >= 2}
+    files = {m.split(".")[1] for m in MODULES if m.count(".") == 1} - folders
+    assert files - above == set(ROOT_MODULES)
+
+
 def test_only_the_console_script_loads_the_demo() -> None:
     """The demo's CPU stand-ins (`demo/cpu_stand_ins.py`) replace SGLang's copy kernels in
     the demo's own server processes: no module of the plugin, client or integrations may
@@ -193,6 +195,89 @@ def test_only_the_console_script_loads_the_demo() -> None:
     assert importers == {f"{NAME}.cli"}, importers
     driver_imports = _edges()[f"{NAME}.demo.run"]
     assert not [t for t in driver_imports if _in(t, "server", "paths")], driver_imports
+
+
+# "a <-> b" (sibling folders, as paths below the package) -> ((module edges a -> b,
+# b -> a), why they still import each other). Counts may only go down, to no entry.
+MUTUAL_FOLDERS_ALLOWED: dict[str, object] = {}
+
+
+def _folders() -> set[str]:
+    """Every package folder below the root, dotted (`sglang_kv_migration.server.rank`)."""
+    return {m for m, path in PATHS.items() if path.name == "__init__.py" and m != NAME}
+
+
+def _folder_edges(edges: dict[str, set[str]], folders: set[str]) -> dict[tuple[str, str], int]:
+    """(folder a, folder b) -> how many module edges go from inside a to inside b, for
+    each edge between two sibling folders: the child folders, under the deepest package
+    both modules are in, that hold each end (none where an end sits in that package
+    itself)."""
+
+    def child_folder(module: str, parent: str) -> str | None:
+        for folder in folders:
+            if folder.rpartition(".")[0] == parent and (
+                module == folder or module.startswith(folder + ".")
+            ):
+                return folder
+        return None
+
+    counts: dict[tuple[str, str], int] = {}
+    for module, targets in edges.items():
+        for target in targets:
+            a, b = module.split("."), target.split(".")
+            shared = 0
+            while shared < min(len(a), len(b)) and a[shared] == b[shared]:
+                shared += 1
+            parent = ".".join(a[:shared])
+            ends = child_folder(module, parent), child_folder(target, parent)
+            if ends[0] and ends[1] and ends[0] != ends[1]:
+                counts[ends] = counts.get(ends, 0) + 1
+    return counts
+
+
+def _mutual_folders(edges: dict[str, set[str]], folders: set[str]) -> dict[str, tuple[int, int]]:
+    """Sibling folders that import each other: "a <-> b" -> (edges a -> b, b -> a)."""
+    counts = _folder_edges(edges, folders)
+
+    def path(folder: str) -> str:
+        return folder.removeprefix(NAME + ".").replace(".", "/")
+
+    return {
+        f"{path(a)} <-> {path(b)}": (n, counts[(b, a)])
+        for (a, b), n in counts.items()
+        if (b, a) in counts and path(a) < path(b)
+    }
+
+
+def test_no_two_sibling_folders_import_each_other() -> None:
+    check_allow_list(_mutual_folders(_edges(), _folders()), MUTUAL_FOLDERS_ALLOWED)
+
+
+def test_the_server_layers_import_one_way() -> None:
+    """A folder is one layer: `server/rank` is what the roles stand on, `server/scheduler`
+    what stands on them, so the roles import the first and the second imports them."""
+    counts = _folder_edges(_edges(), _folders())
+    rank, scheduler, target = (f"{NAME}.server.{f}" for f in ("rank", "scheduler", "target"))
+    assert counts[(scheduler, target)] > 0
+    assert counts[(target, rank)] > 0
+    assert (rank, target) not in counts
+    assert (rank, scheduler) not in counts
+
+
+def test_the_sibling_folder_check_can_fail() -> None:
+    """Edges one way, edges between a folder and a module beside it, and edges inside a
+    folder are not a pair; two folders that import each other are, counted each way."""
+    folders = {f"{NAME}.a", f"{NAME}.b", f"{NAME}.c", f"{NAME}.a.x", f"{NAME}.a.y"}
+    edges = {
+        f"{NAME}.a.one": {f"{NAME}.b.two", f"{NAME}.c.three", f"{NAME}.shared"},
+        f"{NAME}.a.x.four": {f"{NAME}.b.two", f"{NAME}.a.y.five", f"{NAME}.a.six"},
+        f"{NAME}.b.two": {f"{NAME}.a.one"},
+        f"{NAME}.a.y.five": {f"{NAME}.a.x.four"},
+        f"{NAME}.a.six": {f"{NAME}.a.x.four"},
+        f"{NAME}.shared": {f"{NAME}.c.three"},
+    }
+    assert _mutual_folders(edges, folders) == {"a <-> b": (2, 1), "a/x <-> a/y": (1, 1)}
+    assert _folders() >= {f"{NAME}.server.rank", f"{NAME}.client", f"{NAME}.paths.host"}
 
 
 def _mooncake_importers() -> set[str]:

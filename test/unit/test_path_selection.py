@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from sglang_kv_migration.client.migration import _choose_path
 from sglang_kv_migration.client.path_choice import path_order
+from sglang_kv_migration.client.plan import choose_path
 from sglang_kv_migration.wire.messages import ExtraTokenSizeReply, RankSessionInfo, SessionInfoReply
 
 
@@ -35,21 +35,21 @@ ON_DEVICE = ExtraTokenSizeReply(success=True, matched_token_size=16000, device_t
 
 def test_device_path_for_host_held_prefix_when_the_source_reads_its_host_pool():
     source, target = _info("h1", ["device", "host"], ranks=2), _info("h1", ["device"])
-    assert _choose_path(None, source, target, HOST_ONLY) == ("device", "")
-    assert _choose_path("auto", source, target, ON_DEVICE) == ("device", "")
+    assert choose_path(None, source, target, HOST_ONLY) == ("device", "")
+    assert choose_path("auto", source, target, ON_DEVICE) == ("device", "")
 
 
 def test_host_path_with_a_reason_when_a_source_rank_reads_device_pages_only():
     source = _info("h1", ["device", "host"], ranks=2)
     source.ranks[1].paths["device"]["tiers"] = ["device"]
-    path, reason = _choose_path(None, source, _info("h1", None), HOST_ONLY)
+    path, reason = choose_path(None, source, _info("h1", None), HOST_ONLY)
     assert path == "host" and "16000 of the tokens on host only" in reason
     # An older source (no `tiers`) on one host: device pages still take the device path.
-    assert _choose_path(None, _info("h1", None), _info("h1", None), ON_DEVICE) == ("device", "")
+    assert choose_path(None, _info("h1", None), _info("h1", None), ON_DEVICE) == ("device", "")
 
 
 def test_other_host_takes_the_host_path_whatever_the_tier():
-    path, reason = _choose_path(None, _info("h1", ["device", "host"]), _info("h2", None), ON_DEVICE)
+    path, reason = choose_path(None, _info("h1", ["device", "host"]), _info("h2", None), ON_DEVICE)
     assert path == "host" and reason.startswith("servers are on different hosts")
 
 
@@ -64,17 +64,17 @@ def _compat_info(page_size: int) -> SessionInfoReply:
 
 
 def test_the_compatibility_check_is_kept_per_pair_of_infos_until_one_is_replaced(monkeypatch):
-    from sglang_kv_migration.client import migration
+    from sglang_kv_migration.client import sessions as client_sessions
     from sglang_kv_migration.client.migration import MigrationFailed, SessionCache
 
     checked: list[tuple[SessionInfoReply, SessionInfoReply]] = []
-    real = migration._check_compatible
+    real = client_sessions._check_compatible
 
     def counting(source: SessionInfoReply, target: SessionInfoReply) -> None:
         checked.append((source, target))
         real(source, target)
 
-    monkeypatch.setattr(migration, "_check_compatible", counting)
+    monkeypatch.setattr(client_sessions, "_check_compatible", counting)
     sessions = SessionCache()
     source, target = _compat_info(16), _compat_info(16)
     sessions.put("http://s", source)
@@ -96,7 +96,7 @@ def test_the_compatibility_check_is_kept_per_pair_of_infos_until_one_is_replaced
 
 # --------------------------------------------------------------------------- auto, in turn
 #
-# The whole protocol generator (`_migration_steps`) against two scripted servers on one
+# The whole protocol generator (`migration_steps`) against two scripted servers on one
 # host: every call it makes is answered as a real server would, so what is asked of which
 # server on which path, and what the result says, are the client's own.
 
@@ -127,9 +127,9 @@ class _Scripted:
         self.calls: list[tuple[str, str, dict]] = []  # (phase, url, body)
 
     def answer(self, call) -> tuple[int, dict]:
-        from sglang_kv_migration.client.migration import _encode
+        from sglang_kv_migration.client.calls import encode
 
-        body = orjson.loads(_encode(call.body)) if call.body is not None else {}
+        body = orjson.loads(encode(call.body)) if call.body is not None else {}
         self.calls.append((call.phase, call.url, body))
         if call.phase == "extra_token_size":
             return 200, {"success": True, "matched_token_size": 8192, "device_token_size": 8192,
@@ -163,12 +163,13 @@ def _migrate(
     server: _Scripted,
     path: str | None = None,
 ):
-    from sglang_kv_migration.client.migration import SessionCache, _migration_steps
+    from sglang_kv_migration.client.migration import SessionCache
+    from sglang_kv_migration.client.steps import migration_steps
 
     sessions = SessionCache()
     sessions.put("http://s", source)
     sessions.put("http://t", target)
-    steps = _migration_steps("http://s", "http://t", list(range(8200)), None, path, sessions)
+    steps = migration_steps("http://s", "http://t", list(range(8200)), None, path, sessions)
     try:
         call = next(steps)
         for _ in range(32):  # bounded: a migration makes a handful of calls

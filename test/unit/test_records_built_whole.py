@@ -64,8 +64,16 @@ RECORD_WRITES_ALLOWED: dict[str, object] = {
         "a mapped pool's copy destination keyed by the pool, and emptied when it closes",
     ),
     "sglang_adapter/unified_tree.py": (2, "unpinning host pages empties their pin"),
-    "rollout/rebalance_cli.py": (1, "a request file's `rid` set on the request built from it"),
-    "rollout/request_migration.py": (1, "the moment a piece's body was sent, on its progress"),
+    "integrations/rebalance_cli.py": (
+        1,
+        "a request file's `rid` set on the request built from it",
+    ),
+    "rollout/server_calls.py": (1, "the moment a piece's body was sent, on its progress"),
+    # A live move's stages, each its own module, leave what they found on the move in
+    # progress (`rollout/move.py`) for the stages after them.
+    "rollout/stop.py": (3, "when the stop was sent and returned, and the source's last token"),
+    "rollout/live_stages.py": (1, "the migration the copies while decoding made"),
+    "rollout/resume.py": (1, "the cost model's price of the rest"),
 }
 
 

@@ -276,6 +276,92 @@ def test_the_mapping_of_a_target_that_is_gone_is_dropped(harness_factory):
     pools.close(lambda: None)
 
 
+class _CudaRecorder:
+    """`torch.cuda.cudart()` of a machine whose CUDA calls succeed (here: recorded)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802
+        self.calls.append(("register", ptr, nbytes, flags))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+def test_a_peer_mapping_registered_before_a_failure_is_unregistered(harness_factory, monkeypatch):
+    """With a GPU the source registers the target's pool once mapped; a failure after that
+    (the pointer table on the GPU) unregisters it before the mapping goes, or CUDA would
+    refuse a later mapping at the same address as registered already."""
+    import contextlib
+
+    dst = harness_factory(layer_num=2, shared_host_pool=True)
+    peer = SharedHostTarget.from_wire(SharedHostPath(dst.cache).advertise())
+    cuda = _CudaRecorder()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+
+    def no_memory(addresses, device):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(peer_pools, "pointer_table", no_memory)
+    gpu = type("Device", (), {"type": "cuda"})()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        peer_pools.map_pool(peer, gpu)
+    (_, ptr, nbytes, flags), unregistered = cuda.calls
+    assert (nbytes, flags) == (peer.nbytes, peer_pools.CUDA_HOST_REGISTER_PORTABLE)
+    assert unregistered == ("unregister", ptr)
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_sglang_pins_the_pool_in_shared_memory_as_it_pins_its_own(
+    harness_factory, monkeypatch, attention
+):
+    """SGLang registers a host pool's buffer with CUDA right after its allocator made it
+    (`alloc_with_host_register`): the pool in a memory file is registered by the same
+    one call, of the same flags and size, at the file's own mapping (so HiCache's
+    write-back and load-back read and write it as they do their own), and nothing
+    registers it again."""
+    import functools
+    import os as os_
+
+    import sglang.srt.mem_cache.memory_pool_host as mph
+    from sglang_kv_migration.server.scheduler import hooks
+
+    device_pool = harness_factory(attention=attention, layer_num=2).device_pool
+    host_class = {"mha": mph.MHATokenToKVPoolHost, "mla": mph.MLATokenToKVPoolHost}[attention]
+    cuda = _CudaRecorder()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cuda)
+    original = mph.get_allocator_from_storage
+    monkeypatch.setattr(
+        mph,
+        "get_allocator_from_storage",
+        functools.partial(hooks.around_get_allocator_from_storage, original),
+    )
+
+    def build():
+        return host_class(device_pool, 2.0, 0, 16, "layer_first", pin_memory=True, device="cpu")
+
+    own = build()
+    with sglang_adapter.host_pool_in_shared_memory():
+        shared = build()
+    region = shared.allocator.region
+    nbytes = shared.kv_buffer.numel() * shared.kv_buffer.element_size()
+    assert cuda.calls == [
+        ("register", own.kv_buffer.data_ptr(), nbytes, 0),
+        ("register", shared.kv_buffer.data_ptr(), nbytes, 0),
+    ]
+    assert region is not None and region.nbytes == nbytes
+    assert os_.readlink(f"/proc/self/fd/{region.fd}").startswith(
+        sglang_adapter.SHARED_POOL_MEMFD_LINK
+    )
+    # What was registered is the file's memory: bytes written there are the file's.
+    shared.kv_buffer.view(-1).view(torch.uint8)[:4] = torch.tensor([1, 2, 3, 4])
+    assert os_.pread(region.fd, 4, 0) == bytes([1, 2, 3, 4])
+
+
 # --------------------------------------------------------------------------- the hooks
 
 

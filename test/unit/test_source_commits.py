@@ -141,7 +141,7 @@ def test_a_grant_failing_after_its_mailbox_slot_was_taken_gives_it_back(
 def _ask_on_channel(side, caller, input_ids: list[int]) -> bytes:
     """An allocate asked on `side`'s own channel, as a source with its layout asks."""
     import orjson
-    from sglang_kv_migration import binary_ids
+    from sglang_kv_migration.wire import binary_ids
 
     body = {
         "source_fingerprints": [side.identity.fingerprint.to_dict()],
@@ -221,9 +221,9 @@ def test_a_channel_allocate_that_may_build_on_a_delivered_commit_goes_after_it(l
 
 
 def test_builds_on_compares_the_ids_where_a_match_could_reach_the_committed_pages(side):
-    from sglang_kv_migration import binary_ids
     from sglang_kv_migration.server.messages import AllocateTokenForTransferReqInput
     from sglang_kv_migration.server.target.mailbox_commits import builds_on
+    from sglang_kv_migration.wire import binary_ids
 
     held = list(range(100, 100 + 2 * PAGE))
     side.harness.insert_random(held, seed=1)

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 from sglang_kv_migration.targets import DeviceTarget, HostTarget
+from sglang_kv_migration.wire.host_fields import HostFields
 from sglang_kv_migration.wire.messages import RankSessionInfo, TransferRequestKVCacheTarget
 
 HOST_WIRE = {
@@ -41,9 +42,13 @@ def test_session_info_and_transfer_targets_carry_the_host_fields_at_top_level():
     rank = RankSessionInfo(tp_rank=0, pp_rank=0, page_size=16, fingerprint={}, **HOST_WIRE)
     target = TransferRequestKVCacheTarget(tp=0, pp=0, **HOST_WIRE)
     for obj in (rank, target):
-        assert obj.host_target() == HostTarget.from_wire(HOST_WIRE)
+        assert obj.host_wire() == HostTarget.from_wire(HOST_WIRE).to_wire() == HOST_WIRE
         names = {f.name for f in dataclasses.fields(obj)}
         assert set(HOST_WIRE) <= names
+        # The wire types share the fields' declaration (`HostFields`), not the host
+        # path's destination type.
+        assert isinstance(obj, HostFields) and not isinstance(obj, HostTarget)
+    assert [f.name for f in dataclasses.fields(HostFields)] == list(HOST_WIRE)
 
 
 def test_host_target_buffer_counts_must_agree():

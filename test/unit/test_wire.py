@@ -6,18 +6,10 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from sglang_kv_migration import binary_ids, grants, page_ranges
-from sglang_kv_migration.client.migration import (
-    _allocate_call,
-    _encode,
-    _one_trip_call,
-    _Plan,
-    _transfer_call,
-    size_query,
-)
+from sglang_kv_migration.client.call_bodies import allocate_call, one_trip_call, transfer_call
+from sglang_kv_migration.client.calls import encode, size_query
+from sglang_kv_migration.client.plan import Plan
 from sglang_kv_migration.fingerprint import KVCacheShape, LayoutFingerprint
-from sglang_kv_migration.server.same_host import allocate_channel, mailbox
-from sglang_kv_migration.server.source import known_destinations, running_slots
 from sglang_kv_migration.wire import bodies, features, messages
 from sglang_kv_migration.wire.convert import build, from_dict, to_wire
 
@@ -25,21 +17,12 @@ PAGE = 4
 
 
 def test_every_feature_constant_is_a_registered_feature_and_servers_list_them_in_order():
-    constants = [
-        binary_ids.FEATURE,
-        page_ranges.FEATURE,
-        grants.FEATURE,
-        grants.PARTIAL_FEATURE,
-        grants.SOURCE_COMMIT_FEATURE,
-        grants.SOURCE_ALLOCATE_FEATURE,
-        grants.DESTINATION_DIGEST_FEATURE,
-        mailbox.FEATURE,
-        allocate_channel.FEATURE,
-        known_destinations.FEATURE,
-        running_slots.FEATURE,
-        features.SOURCE_DP_RANK,
-    ]
-    assert set(constants) <= set(features.BY_NAME)
+    constants = {
+        value
+        for name, value in vars(features).items()
+        if name.isupper() and isinstance(value, str) and name != "EVERY_SERVER"
+    }
+    assert constants == set(features.BY_NAME)
     assert len(features.BY_NAME) == len(features.REGISTRY) == 13
     # The session info's `features` list, as servers of this version have always sent it.
     assert messages.SessionInfoReply(success=True).features == [
@@ -102,7 +85,7 @@ def _session_info(instance: str) -> dict:
         page_size=PAGE,
         fingerprint=_fingerprint(),
     )
-    rank.paths = {"host": rank.to_wire()}
+    rank.paths = {"host": rank.host_wire()}
     reply = messages.SessionInfoReply(
         success=True,
         ranks=[rank],
@@ -117,7 +100,7 @@ def _session_info(instance: str) -> dict:
 
 def _sent(body: bodies.Body) -> dict:
     """The JSON object the client puts on the wire for `body`."""
-    return orjson.loads(_encode(body))
+    return orjson.loads(encode(body))
 
 
 def test_client_bodies_and_server_replies_round_trip_through_the_wire_models():
@@ -125,9 +108,9 @@ def test_client_bodies_and_server_replies_round_trip_through_the_wire_models():
     source_info, target_info = (from_dict(messages.SessionInfoReply, i) for i in (source, target))
     assert source_info.ranks[0].fingerprint == source["ranks"][0]["fingerprint"]
     prefix = list(range(100, 100 + 3 * PAGE))
-    plan = _Plan("http://s", "http://t", "key", source_info, target_info, prefix, {})
+    plan = Plan("http://s", "http://t", "key", source_info, target_info, prefix, {})
 
-    sent = _sent(_allocate_call(plan, "host").body)
+    sent = _sent(allocate_call(plan, "host").body)
     # The fields the client has always sent an allocate of this plan, and no others.
     assert set(sent) == {
         "input_ids_u32", "extra_key", "source_fingerprints", "path", "index_format",
@@ -150,7 +133,7 @@ def test_client_bodies_and_server_replies_round_trip_through_the_wire_models():
         messages.AllocateReply, orjson.loads(orjson.dumps(messages.reply_content(granted)))
     )
     assert allocation == granted
-    sent = _sent(_transfer_call(plan, allocation, "host").body)
+    sent = _sent(transfer_call(plan, allocation, "host").body)
     assert set(sent) == {
         "input_ids_u32", "extra_key", "matched_token_size", "extra_token_size",
         "migration_id", "target_per_rank",
@@ -161,13 +144,13 @@ def test_client_bodies_and_server_replies_round_trip_through_the_wire_models():
     assert entry.fingerprint == target["ranks"][0]["fingerprint"]
     assert entry.session_id == "127.0.0.1:17000"
 
-    one_trip = bodies.validated(bodies.TransferBody, _sent(_one_trip_call(plan, "host").body))
+    one_trip = bodies.validated(bodies.TransferBody, _sent(one_trip_call(plan, "host").body))
     assert one_trip.allocate_on_target is not None
     assert one_trip.allocate_on_target.allocate.index_format == "ranges"
     assert one_trip.allocate_on_target.address == "ipc:///tmp/x"
 
     batch = build(
-        bodies.TransferBatchBody, moves=[_transfer_call(plan, allocation, "host").body] * 2
+        bodies.TransferBatchBody, moves=[transfer_call(plan, allocation, "host").body] * 2
     )
     assert len(bodies.validated(bodies.TransferBatchBody, _sent(batch)).moves) == 2
 

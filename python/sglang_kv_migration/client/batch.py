@@ -1,7 +1,7 @@
 """Several migrations at once, their transfers to one source sent in one call.
 
 `MigrationClient.migrate_many` runs one protocol generator per move
-(`migration._migration_steps`, the same as `migrate`) in lock step: each round, every
+(`steps.migration_steps`, the same as `migrate`) in lock step: each round, every
 unfinished move names its next HTTP call; the transfers bound for one source that lists
 feature "transfer_batch" go as one `/transfer_request_kvcache` call with `moves`, every
 other call as it is, and each move gets its own reply back. So a move never waits for a
@@ -41,7 +41,7 @@ class Move:
 
 
 class Call(Protocol):
-    """What this module reads of a protocol step's HTTP call (`migration._Call`)."""
+    """What this module reads of a protocol step's HTTP call (`calls.Call`)."""
 
     url: str
     path: str

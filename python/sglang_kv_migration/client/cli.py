@@ -8,8 +8,9 @@
 ("-" for stdin). Exit status: 0 migrated (or nothing to move), 1 migration failed,
 2 bad arguments.
 
-`sglang-kv-migrate rebalance ...` is `rollout/rebalance_cli.py`, dispatched by the console
-script (`sglang_kv_migration/cli.py`), so the client never imports rollout/.
+`sglang-kv-migrate rebalance ...` is `integrations/rebalance_cli.py`, dispatched by the
+console script (`sglang_kv_migration/cli.py`), so the client never imports what stands
+on it.
 """
 
 from __future__ import annotations

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sglang_kv_migration.wire.messages import ExtraTokenSizeReply, SessionInfoReply
+from sglang_kv_migration.wire.moments import Phase
 
 Decision = Literal["migrate", "recompute"]
 
@@ -352,8 +353,10 @@ def learn_migration_costs(
     source = _on_path(source, path)
     target = _on_path(target, path)
 
-    transfer_count = _samples(source, "sglang:kv_migration_phase_seconds_count", phase="transfer")
-    transfer_s = _total(source, "sglang:kv_migration_phase_seconds_sum", phase="transfer")
+    transfer_count = _samples(
+        source, "sglang:kv_migration_phase_seconds_count", phase=Phase.TRANSFER
+    )
+    transfer_s = _total(source, "sglang:kv_migration_phase_seconds_sum", phase=Phase.TRANSFER)
     sent_bytes = _total(source, "sglang:kv_migration_bytes_total", role="source")
     token_series = _samples(source, "sglang:kv_migration_tokens_total", role="source")
     ranks = len(transfer_count)
@@ -365,8 +368,8 @@ def learn_migration_costs(
     if sent_tokens > 0 and sent_bytes > 0:
         costs = dataclasses.replace(costs, bytes_per_token=sent_bytes / sent_tokens)
 
-    allocate = _mean(target, "sglang:kv_migration_phase_seconds", phase="allocate")
-    commit = _mean(target, "sglang:kv_migration_phase_seconds", phase="commit")
+    allocate = _mean(target, "sglang:kv_migration_phase_seconds", phase=Phase.ALLOCATE)
+    commit = _mean(target, "sglang:kv_migration_phase_seconds", phase=Phase.COMMIT)
     if allocate is not None and commit is not None:
         costs = dataclasses.replace(
             costs, overhead_s=allocate + commit + http_overhead_s, origin="metrics"
@@ -398,8 +401,8 @@ def learn_route_costs(
     mean allocate and commit and the client's HTTP round trips (learned only with both
     texts' numbers; otherwise the prior's stays)."""
     routes = dict(prior)
-    allocate = _mean(target, "sglang:kv_migration_phase_seconds", phase="allocate")
-    commit = _mean(target, "sglang:kv_migration_phase_seconds", phase="commit")
+    allocate = _mean(target, "sglang:kv_migration_phase_seconds", phase=Phase.ALLOCATE)
+    commit = _mean(target, "sglang:kv_migration_phase_seconds", phase=Phase.COMMIT)
     for route in sorted({s.labels.get("route", "") for s in _samples(source, ROUTE_BYTES)}):
         byte_series = _samples(source, ROUTE_BYTES, route=route)
         nbytes = sum(s.value for s in byte_series)

@@ -10,39 +10,35 @@ stops and the tail moves (or is recomputed) as in any live move.
 
 Fallbacks, each to today's behaviour: a server without the feature, or a request that
 does not run on the source when the first round asks (still queued, finished, unknown
-rid), copies from the tree (`copy_while_decoding`); a round refused because the request
-finished or was aborted meanwhile ends the rounds, and the stop follows.
+rid), copies from the tree (`live_stages.copy_while_decoding`); a round refused because
+the request finished or was aborted meanwhile ends the rounds, and the stop follows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 import httpx
 
-from sglang_kv_migration.client.migration import AuthFailed, MigrationFailed
+from sglang_kv_migration.client.results import AuthFailed, MigrationFailed
+from sglang_kv_migration.rollout.move import Migrator, MoveInProgress
+from sglang_kv_migration.rollout.resume import worth_it
 from sglang_kv_migration.wire.features import RUNNING_SLOTS
 from sglang_kv_migration.wire.messages import ExtraTokenSizeReply
 
-# `migrator` below is the `AsyncRequestMigrator` and `move` its `_Move` (typed loosely:
-# `request_migration.py` imports this module).
-AsyncRequestMigrator = Any
-_Move = Any
 
-
-async def both_list_running_slots(migrator: AsyncRequestMigrator, move: _Move) -> bool:
+async def both_list_running_slots(migrator: Migrator, move: MoveInProgress) -> bool:
     """Whether source and target both list "running_slots" (cached session info)."""
     try:
-        infos = [await migrator._session_info(u) for u in (move.source_url, move.target_url)]
+        infos = [await migrator.servers.session_info(u) for u in (move.source_url, move.target_url)]
     except (MigrationFailed, httpx.HTTPError):
         return False
     return all(RUNNING_SLOTS in info.features for info in infos)
 
 
 async def copy_in_rounds(
-    migrator: AsyncRequestMigrator, move: _Move, mode: str, path: str | None, page: int
+    migrator: Migrator, move: MoveInProgress, mode: str, path: str | None, page: int
 ) -> bool:
     """The rounds while decoding (module docstring). False when the first round found
     no running request to read (the caller copies from the tree instead); a failure is
@@ -55,7 +51,9 @@ async def copy_in_rounds(
         ids = (handle.piece.input_ids + generated)[:-1]
         extra_key = handle.piece.extra_key
         try:
-            held = await migrator.held_kv(move.source_url, ids, extra_key, running_rid=handle.rid)
+            held = await migrator.servers.held_kv(
+                move.source_url, ids, extra_key, running_rid=handle.rid
+            )
             running = held.running_token_size
             if not isinstance(running, int) or running < 0:
                 break  # not running there (queued, finished, unknown): see the return
@@ -64,10 +62,10 @@ async def copy_in_rounds(
             if (
                 index == 1
                 and mode == "auto"
-                and not await migrator._worth_it(move, ids[:running], _as_held(held, running), path)
+                and not await worth_it(migrator, move, ids[:running], _as_held(held, running), path)
             ):
                 break
-            result = await migrator._migrate(
+            result = await migrator.servers.migrate(
                 move.source_url,
                 move.target_url,
                 ids[:running],

@@ -1,16 +1,20 @@
 """Server flags of KV-cache migration, added to SGLang's `ServerArgs`.
 
 `plugin.py` replaces `sglang.srt.server_args.ServerArgs` with `KVMigrationServerArgs`, a
-dataclass subclass with our fields. Subclassing (instead of setting attributes on an
-instance) keeps the fields typed, makes them part of `dataclasses.fields()`, lets
+subclass with our fields, of the kind SGLang's is (a dataclass on 0.5.12, a msgspec
+struct on 0.5.23: `sglang_adapter.server_args_class`). Subclassing (instead of setting
+attributes on an instance) keeps the fields typed, makes them fields of the record, lets
 `Engine(enable_kv_migration=True)` work, and carries them into the scheduler processes,
 which receive ServerArgs pickled.
+
+The checks here read the flags as given. On 0.5.23 that is all there is at
+construction (resolution runs later, `resolve_once`); what resolution may still switch
+off (HiCache) is refused where the scheduler builds its side (`cache_unsupported`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -23,7 +27,7 @@ from sglang.srt import server_args as _upstream
 from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.paths import DEFAULT_WORKERS_PER_PEER as DEFAULT_PEER_WORKERS
 from sglang_kv_migration.paths import MC_DEFAULT_TRANSFER_TIMEOUT_S, MC_TRANSFER_TIMEOUT_ENV
-from sglang_kv_migration.paths.base import parse_path_names
+from sglang_kv_migration.paths.base import HOST, parse_path_names
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ class KVMigrationArgsError(ValueError):
     """A migration flag is invalid or conflicts with another flag."""
 
 
-@dataclasses.dataclass
+@sglang_adapter.server_args_class  # a dataclass or a struct, as SGLang's ServerArgs is
 class KVMigrationServerArgs(_upstream.ServerArgs):
     # KV-cache migration between servers (peer to peer over Mooncake TE).
     enable_kv_migration: bool = False
@@ -308,14 +312,20 @@ def check_kv_migration_args(args: KVMigrationServerArgs) -> None:
             f"(got --nnodes {args.nnodes}); multi-node pipeline parallelism is not supported yet."
         )
     try:
-        parse_path_names(args.kv_migration_paths)
+        path_names = parse_path_names(args.kv_migration_paths)
     except ValueError as e:
         raise KVMigrationArgsError(f"--kv-migration-paths: {e}.") from None
+    device_missing = sglang_adapter.device_path_missing()
+    if HOST not in path_names and device_missing is not None:
+        # With the host path too, the device path is left out at start, with this reason.
+        raise KVMigrationArgsError(
+            f"--kv-migration-paths names no path this SGLang runs: {device_missing}; add host."
+        )
     if args.kv_migration_protocol not in ("tcp", "rdma"):
         raise KVMigrationArgsError(
             f"--kv-migration-protocol must be tcp or rdma, got {args.kv_migration_protocol!r}."
         )
-    refusal = sglang_adapter.server_args_refusal(args.enable_memory_saver)
+    refusal = sglang_adapter.server_args_refusal(args)
     if refusal is not None:
         raise KVMigrationArgsError(f"{refusal}.")
 

@@ -3,9 +3,11 @@
 in `pool_groups.py`), and the scheduler's,
 tokenizer manager's and HTTP server's attributes (`process.py`), the running requests'
 slots (`running_requests.py`), what the opt-in request moments read of requests and
-batches (`request_facts.py`), the host pool in shared memory (`shared_host_pool.py`);
-`hook_targets.py` names
-every upstream symbol the plugin hooks or relies on.
+batches (`request_facts.py`), the host pool in shared memory (`shared_host_pool.py`),
+our requests as SGLang IPC messages (`ipc_messages.py`), `ServerArgs` as it is in effect
+(`server_config.py`); `hook_targets.py` names every upstream symbol the plugin hooks or
+relies on, `installed.py` which SGLang line runs (0.5.12's `HiRadixCache` or 0.5.23's
+`UnifiedRadixCache`, bound below).
 
 Everything else in the package goes through these functions, imported from here
 (`sglang_adapter.match_held_prefix`), so an SGLang upgrade is this package's work:
@@ -23,6 +25,12 @@ from sglang_kv_migration.sglang_adapter.installed import (
     server_args_refusal,
     sglang_line,
     sglang_version,
+    shared_host_path_missing,
+)
+from sglang_kv_migration.sglang_adapter.ipc_messages import (
+    ipc_message,
+    replace_message,
+    send_to_scheduler,
 )
 from sglang_kv_migration.sglang_adapter.pool_groups import (
     IndexerPoolBuffer,
@@ -46,6 +54,7 @@ from sglang_kv_migration.sglang_adapter.pools import (
     take_device_slots,
 )
 from sglang_kv_migration.sglang_adapter.process import (
+    SchedulerRanks,
     SchedulerView,
     add_api_key_middleware,
     add_request_handlers,
@@ -65,6 +74,8 @@ from sglang_kv_migration.sglang_adapter.process import (
     registered_hooks,
     scheduler_idle_check,
     scheduler_load,
+    scheduler_ranks,
+    scheduler_stage_rank,
     server_runtime_missing,
     stage_reply_sender,
     wake_from_idle_sleep_on,
@@ -94,6 +105,12 @@ from sglang_kv_migration.sglang_adapter.running_requests import (
     RunningRequest,
     RunningRequests,
     running_prefix,
+    running_requests_of,
+)
+from sglang_kv_migration.sglang_adapter.server_config import (
+    current_weight_version,
+    effective_server_args,
+    server_args_class,
 )
 from sglang_kv_migration.sglang_adapter.shared_host_pool import MEMFD_LINK as SHARED_POOL_MEMFD_LINK
 from sglang_kv_migration.sglang_adapter.shared_host_pool import (
@@ -180,6 +197,7 @@ __all__ = [
     "cache_unsupported",
     "device_path_missing",
     "server_args_refusal",
+    "shared_host_path_missing",
     "is_unified_line",
     "lock_node",
     "sglang_line",
@@ -202,6 +220,7 @@ __all__ = [
     "PinnedHostPages",
     "RunningRequest",
     "RunningRequests",
+    "SchedulerRanks",
     "SHARED_POOL_MEMFD_LINK",
     "SchedulerView",
     "Segment",
@@ -210,6 +229,9 @@ __all__ = [
     "WRITE_BACK_TIMEOUT_S",
     "add_api_key_middleware",
     "add_request_handlers",
+    "current_weight_version",
+    "effective_server_args",
+    "server_args_class",
     "add_result_handlers",
     "alloc_device_slots",
     "alloc_host_slots",
@@ -244,6 +266,9 @@ __all__ = [
     "http_tokenizer_manager",
     "indexer_host_pool",
     "indexer_pool_buffer",
+    "ipc_message",
+    "replace_message",
+    "send_to_scheduler",
     "generate_requests_in_flight",
     "input_waiting_check",
     "insert_device_pages",
@@ -266,7 +291,10 @@ __all__ = [
     "registered_hooks",
     "release_host_nodes",
     "running_prefix",
+    "running_requests_of",
     "scheduler_idle_check",
+    "scheduler_ranks",
+    "scheduler_stage_rank",
     "scheduler_load",
     "shared_host_region",
     "stage_reply_sender",

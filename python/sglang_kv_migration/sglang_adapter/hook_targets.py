@@ -111,9 +111,11 @@ SERVER_RUNTIME_TARGETS: frozenset[str] = frozenset(
 )
 
 # Hook targets the 0.5.23 line lacks; what hooks them is refused there at start
-# (`installed.device_path_missing`, `installed.server_args_refusal`).
+# (`installed.device_path_missing`, `installed.shared_host_path_missing`,
+# `installed.server_args_refusal`).
 ABSENT_ON_UNIFIED_LINE: frozenset[str] = frozenset(
     {
+        SCHEDULER_INIT_CACHE,
         SCHEDULER_SESSION_HELD_TOKENS,
         SCHEDULER_RELEASE_MEMORY,
         SCHEDULER_RESUME_MEMORY,

@@ -36,28 +36,83 @@ class SchedulerView:
 
     @classmethod
     def of(cls, scheduler: Any) -> SchedulerView:
-        pipelined = scheduler.pp_size > 1
-        dp_attention = scheduler.dp_size > 1 and scheduler.server_args.enable_dp_attention
+        ranks = scheduler_ranks(scheduler)
+        dp_attention = ranks.dp_attention
         return cls(
             tree_cache=scheduler.tree_cache,
             server_args=scheduler.server_args,
-            tp_rank=scheduler.attn_tp_rank if dp_attention else scheduler.tp_rank,
-            tp_size=scheduler.attn_tp_size if dp_attention else scheduler.tp_size,
-            pp_rank=scheduler.pp_rank,
-            pp_size=scheduler.pp_size,
+            tp_rank=ranks.tp_rank,
+            tp_size=ranks.tp_size,
+            pp_rank=ranks.pp_rank,
+            pp_size=ranks.pp_size,
             tp_cpu_group=scheduler.attn_tp_cpu_group if dp_attention else scheduler.tp_cpu_group,
             # SGLang connects only stage 0 to the tokenizer manager; later stages reply
             # through the sender `stage_reply_sender` made for them.
             send_output=(
                 scheduler.kv_migration_stage_reply.send_output
-                if scheduler.pp_rank > 0
+                if ranks.pp_rank > 0
                 else _tokenizer_sender(scheduler).send_output
             ),
-            world_cpu_group=scheduler.world_group.cpu_group if pipelined else None,
-            # SGLang passes None without a DP controller (--dp-size 1).
-            dp_rank=scheduler.dp_rank or 0,
-            dp_size=scheduler.dp_size,
+            world_cpu_group=scheduler.world_group.cpu_group if ranks.pp_size > 1 else None,
+            dp_rank=ranks.dp_rank,
+            dp_size=ranks.dp_size,
         )
+
+
+@dataclass(frozen=True)
+class SchedulerRanks:
+    """Where a scheduler process sits: its (attention) TP rank, PP stage and DP rank.
+
+    0.5.12 keeps them on the `Scheduler`; 0.5.23 in the process's parallel context
+    (`runtime_context.get_parallel()`), published before the scheduler is built. With DP
+    attention `tp_rank` / `tp_size` are the attention TP group's (see `SchedulerView`)."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    dp_attention: bool
+
+
+def scheduler_stage_rank(scheduler: Any) -> tuple[int, int]:
+    """(PP stage, TP rank) of the scheduler process `scheduler` runs in (read at its
+    start, before it has a tree cache)."""
+    if is_unified_line():
+        from sglang.srt.runtime_context import get_parallel
+
+        return get_parallel().pp_rank, get_parallel().tp_rank
+    return scheduler.pp_rank, scheduler.tp_rank
+
+
+def scheduler_ranks(scheduler: Any) -> SchedulerRanks:
+    """The ranks of the scheduler process `scheduler` runs in."""
+    if is_unified_line():
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        dp_attention = bool(p.attn_dp_enabled)
+        return SchedulerRanks(
+            tp_rank=p.attn_tp_rank if dp_attention else p.tp_rank,
+            tp_size=p.attn_tp_size if dp_attention else p.tp_size,
+            pp_rank=p.pp_rank,
+            pp_size=p.pp_size,
+            dp_rank=p.dp_rank or 0,  # None without a DP controller
+            dp_size=p.num_dp_ranks,
+            dp_attention=dp_attention,
+        )
+    dp_attention = scheduler.dp_size > 1 and scheduler.server_args.enable_dp_attention
+    return SchedulerRanks(
+        tp_rank=scheduler.attn_tp_rank if dp_attention else scheduler.tp_rank,
+        tp_size=scheduler.attn_tp_size if dp_attention else scheduler.tp_size,
+        pp_rank=scheduler.pp_rank,
+        pp_size=scheduler.pp_size,
+        # SGLang passes None without a DP controller (--dp-size 1).
+        dp_rank=scheduler.dp_rank or 0,
+        dp_size=scheduler.dp_size,
+        dp_attention=dp_attention,
+    )
 
 
 def stage_reply_sender(scheduler: Any, tokenizer_ipc_name: str) -> Any:
@@ -71,7 +126,8 @@ def stage_reply_sender(scheduler: Any, tokenizer_ipc_name: str) -> Any:
     """
     SenderWrapper = _sender_wrapper_class()  # noqa: N806 (a class)
 
-    if scheduler.pp_rank == 0 or scheduler.tp_rank != 0:
+    pp_rank, tp_rank = scheduler_stage_rank(scheduler)
+    if pp_rank == 0 or tp_rank != 0:
         return SenderWrapper(None)
     import zmq
     from sglang.srt.utils.network import get_zmq_socket
@@ -248,11 +304,13 @@ def input_waiting_check(scheduler: Any) -> Callable[[], bool]:
     has them: elsewhere it is always False)."""
     import zmq
 
+    # 0.5.23 keeps the sockets in `ipc_channels`.
+    owner = scheduler.ipc_channels if is_unified_line() else scheduler
     sockets = [
         s
         for s in (
-            getattr(scheduler, "recv_from_tokenizer", None),
-            getattr(scheduler, "recv_from_rpc", None),
+            getattr(owner, "recv_from_tokenizer", None),
+            getattr(owner, "recv_from_rpc", None),
         )
         if s is not None
     ]

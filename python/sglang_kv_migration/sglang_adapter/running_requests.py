@@ -75,6 +75,16 @@ class RunningRequests:
         return row.to(torch.int64).clone()
 
 
+def running_requests_of(scheduler: Any) -> RunningRequests | None:
+    """The scheduler's running requests as the live move reads them, or None where the
+    adapter does not read them: SGLang 0.5.23 keeps a request's slots and committed
+    length in `Req.kv` (`ReqKvInfo`), not on the request, so there the feature
+    "running_slots" is not offered (a live move falls back to abort, migrate, resume)."""
+    from sglang_kv_migration.sglang_adapter.installed import is_unified_line
+
+    return None if is_unified_line() else RunningRequests(scheduler)
+
+
 def _running_reqs(scheduler: Any) -> list[Any]:
     batch = getattr(scheduler, "running_batch", None)
     reqs = list(getattr(batch, "reqs", None) or [])

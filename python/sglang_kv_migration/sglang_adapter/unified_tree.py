@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
+from sglang_kv_migration.sglang_adapter import pool_groups
 from sglang_kv_migration.sglang_adapter.radix_tree import (
     DEVICE_TIER,
     HOST_TIER,
@@ -216,10 +217,9 @@ def insert_host_pages(
     frees `host_indices[:returned]`. Raises (nothing inserted, the slots still the
     caller's) when the tree drops the insert."""
     suffix = key[anchor_length:]
-    # No page hashes: `cache_unsupported` refuses a storage backend, the one user of them
-    # (0.5.23's tree cores take a list of strings, empty when nothing hashes).
-    hashes: list[str] = []
-    result = cache.tree_core.insert_host(anchor, suffix, host_indices, hashes)
+    result = cache.tree_core.insert_host(
+        anchor, suffix, host_indices, _page_hashes(cache, key, anchor_length)
+    )
     cache._apply_cache_actions(result.cache_actions)
     if result.host_insert_dropped:
         raise MigrationError(
@@ -230,7 +230,8 @@ def insert_host_pages(
 
 
 def needs_page_hashes(cache: Cache) -> bool:
-    """False: a storage backend (the one user of page hashes) is refused on 0.5.23."""
+    """False: the host insert computes what 0.5.23's tree core needs itself
+    (`_page_hashes`), and a storage backend, the other user of hashes, is refused."""
     return False
 
 
@@ -238,8 +239,11 @@ def insert_device_pages(
     cache: Cache, key: RadixKey, anchor_length: int, device_indices: torch.Tensor
 ) -> int:
     """Insert key[anchor_length:] as ordinary device nodes holding `device_indices`
-    (the device prefix key[:anchor_length] locked by the caller); returns how many of the
-    new tokens were already on device."""
+    (the device prefix key[:anchor_length] locked by the caller). Returns how many of
+    `device_indices` the caller must free: none, unlike 0.5.12. 0.5.23's insert frees
+    the duplicates itself (its `FreeDeviceKV` actions, for the value past
+    `prev_prefix_len`), so the locked prefix is passed as `prev_prefix_len`: its slots
+    are the tree's own, never duplicates to free."""
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
@@ -251,8 +255,8 @@ def insert_device_pages(
             f"locked device prefix shrank to {match.device_prefix_len} of {anchor_length} tokens",
         )
     value = torch.cat([prefix.to(device_indices.device), device_indices])
-    result = cache.insert(InsertParams(key=key, value=value))
-    return max(0, int(result.prefix_len) - anchor_length)
+    cache.insert(InsertParams(key=key, value=value, prev_prefix_len=anchor_length))
+    return 0
 
 
 def cache_generation(cache: Cache) -> object:
@@ -293,6 +297,9 @@ def cache_unsupported(cache: Cache) -> str | None:
             "--enable-kv-migration moves full-attention KV only; this model's tree also "
             f"caches {'+'.join(others)} state"
         )
+    extra = _extra_host_pools(cache)
+    if extra is not None:
+        return extra
     if cache.enable_storage:
         return (
             "--enable-kv-migration with a HiCache storage backend runs on SGLang 0.5.12 "
@@ -307,6 +314,21 @@ def cache_unsupported(cache: Cache) -> str | None:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _extra_host_pools(cache: Cache) -> str | None:
+    """Why a host pool group holding more than the KV pool is refused (None: it holds
+    the KV pool alone). NSA models (DeepSeek-V3.2 class) add their indexer's pool, which
+    0.5.12's host path moves at the KV's slots (`pool_groups.py`) and 0.5.23's is not
+    read for; other pools have slot spaces of their own."""
+    names = [str(entry.name.value) for entry in cache.cache_controller.mem_pool_host.entries]
+    if names == [pool_groups.KV_POOL]:
+        return None
+    return (
+        "--enable-kv-migration on SGLang 0.5.23 moves a host pool holding the KV cache "
+        f"alone; this model's holds {'+'.join(names)} (the NSA indexer of DeepSeek-V3.2 "
+        "class models migrates on SGLang 0.5.12 only)"
+    )
 
 
 def _match(cache: Cache, key: RadixKey) -> Any:
@@ -335,6 +357,20 @@ def _host_slots(cache: Cache, node: NodeId) -> torch.Tensor:
     if spec is None:
         raise MigrationError(ErrorKind.INTERNAL, f"tree node {node} has no host copy")
     return spec.host_value
+
+
+def _page_hashes(cache: Cache, key: RadixKey, anchor_length: int) -> list[str]:
+    """The position-aware page hashes of key[anchor_length:], one per page, as SGLang
+    chains them from the root (`mem_cache/utils.compute_node_hash_values`, node by node;
+    over the whole key at once the chain is the same).
+
+    The tree core keeps a host node's hashes beside its key and splits them with it:
+    the Rust core panics splitting a list shorter than the node's pages, so a host
+    insert cannot pass none (0.5.12's tree computed them itself when needed)."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    hashes = get_storage_hash_str(key, None, page_size=cache.page_size)
+    return list(hashes[anchor_length // cache.page_size :])
 
 
 def _write_back(cache: Cache, nodes: list[NodeId]) -> None:

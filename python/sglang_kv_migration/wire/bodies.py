@@ -4,12 +4,14 @@ allocate all validate with these models.
 
 Strict pydantic models (no bools for ints, no strings for numbers, unknown fields
 refused); a bad body is a ValueError / 400 naming the field (`describe_errors`).
-Importable without SGLang.
+Importable without SGLang. Each model's fields are those of its request in `messages.py`
+(the same names, types, optionality and defaults; `test/unit/test_wire_forms.py`), with
+the constraints a body's hostile input needs.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import orjson
 from pydantic import (
@@ -25,8 +27,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from sglang_kv_migration import binary_ids, page_ranges
-from sglang_kv_migration.targets import HostTarget
+from sglang_kv_migration.wire import binary_ids, page_ranges
+from sglang_kv_migration.wire.host_fields import buffer_count_problem
+from sglang_kv_migration.wire.messages import (
+    AllocateOnTarget,
+    IndexFormat,
+    PathName,
+    TransferRequestKVCacheTarget,
+)
 
 MAX_TOKENS = 1 << 21  # input_ids / kv_indices / kv_pages per request
 MAX_ID_CHARS = 128  # migration_id
@@ -168,8 +176,8 @@ class AllocateFields(Body):
     extra_key: ExtraKey | None = None
     extra_token_size: NonNegative = 0
     source_fingerprints: Annotated[list[Fingerprint], _at_most(MAX_RANKS)] = Field(min_length=1)
-    path: Literal["host", "device", "shared_host"] = "host"
-    index_format: Literal["tokens", "pages", "ranges"] = "tokens"
+    path: PathName = "host"
+    index_format: IndexFormat = "tokens"
     nothing_ok: bool = False
     staging: bool = False  # the source writes staging extents (its `stage_writer`)
     verify: bool = False
@@ -203,7 +211,7 @@ class AllocateOnTargetBody(Body):
 class TargetRankBody(Body):
     tp: NonNegative
     pp: NonNegative
-    path: Literal["host", "device", "shared_host"] = "host"
+    path: PathName = "host"
     # Host path: the target rank's transfer session and host buffers.
     session_id: str = Field(default="", pattern=r"^(.+:\d+)?$")
     host_kv_data_ptrs: list[Address] = Field(default_factory=list)
@@ -256,7 +264,9 @@ class TargetRankBody(Body):
             return self
         if not self.session_id or not self.host_kv_data_ptrs:
             raise ValueError("session_id and host_kv_data_ptrs are required for path 'host'")
-        problem = HostTarget.from_wire(dict(self)).buffer_count_problem()
+        problem = buffer_count_problem(
+            self.host_kv_data_ptrs, self.host_kv_data_lens, self.host_kv_item_lens
+        )
         if problem is not None:
             raise ValueError(problem)
         return self
@@ -338,6 +348,22 @@ class TransferBody(IdsBody):
             raise ValueError("with allocate_on_target the target rank names no staging")
         return self
 
+    def request_fields(self) -> dict[str, Any]:
+        """The fields of this transfer's request (`messages.TransferRequest`): the target
+        entries as `TransferRequestKVCacheTarget`s, `allocate_on_target` as the
+        `AllocateOnTarget` the source forwards (built here, off the scheduler thread)."""
+        fields = body_fields(self, exclude=_NESTED_IN_TRANSFER)
+        fields["target_per_rank"] = [
+            TransferRequestKVCacheTarget(**body_fields(t)) for t in self.target_per_rank
+        ]
+        on_target = self.allocate_on_target
+        if on_target is not None:
+            on_target = AllocateOnTarget(
+                on_target.address, on_target.secret, *self.forwarded_allocate()
+            )
+        fields["allocate_on_target"] = on_target
+        return fields
+
     def forwarded_allocate(self) -> tuple[bytes, bytes]:
         """What the source sends to the target's allocate channel: the JSON object of
         `allocate_on_target.allocate`, and this transfer's ids as little-endian uint32
@@ -349,6 +375,9 @@ class TransferBody(IdsBody):
         if not raw:
             fields["input_ids"] = self.input_ids
         return orjson.dumps(fields), raw
+
+
+_NESTED_IN_TRANSFER = frozenset({"target_per_rank", "allocate_on_target"})
 
 
 class TransferBatchBody(Body):

@@ -14,20 +14,28 @@ gathered on the replying rank. Plain-data fields only: the server pickles them b
 processes, and the client reads them without SGLang.
 
 Input validation happens once, in `bodies.py`, wherever a body arrives (the routes, the
-allocate channel); the scheduler handlers trust these objects.
+allocate channel); the scheduler handlers trust these objects. A request is built from
+its body's fields by name (`bodies.body_fields`), so the two forms declare the same
+fields with the same types, optionality and defaults, and differ only where a pair says
+why (the server's own fields, the ids' bytes): `test/unit/test_wire_forms.py` checks
+them field by field.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
-from sglang_kv_migration.targets import HostTarget  # the host path's fields, once
 from sglang_kv_migration.wire import features
+from sglang_kv_migration.wire.host_fields import HostFields
 
 # Optional wire features every server of this version lists (`features.py`).
 WIRE_FEATURES = features.ALWAYS
+
+# The data paths a body may name (protocol 2), and how an allocate reply lists its slots.
+PathName = Literal["host", "device", "shared_host"]
+IndexFormat = Literal["tokens", "pages", "ranges"]
 
 
 @dataclass
@@ -62,8 +70,8 @@ class StageRefusal:
 
 
 @dataclass
-class RankSessionInfo(HostTarget):
-    """One rank's endpoints: the host path's fields (`HostTarget`; empty without the host
+class RankSessionInfo(HostFields):
+    """One rank's endpoints: the host path's fields (`HostFields`; empty without the host
     path) at top level (protocol 1), and every data path's advertisement under `paths`,
     in this server's order of preference."""
 
@@ -114,7 +122,8 @@ class SessionInfoReply(Reply):
 
 @dataclass
 class ExtraTokenSizeRequest:
-    input_ids: list[int]
+    # Empty when the body sent `input_ids_u32` (the scheduler fills it in).
+    input_ids: list[int] = field(default_factory=list)
     extra_key: str | None = None
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
     # The ids as little-endian uint32 (feature "binary_ids"): the scheduler turns them
@@ -159,17 +168,18 @@ class ExtraTokenSizeReply(Reply):
 
 @dataclass
 class AllocateRequest:
-    input_ids: list[int]
+    # Empty when the body sent `input_ids_u32` (the scheduler fills it in).
+    input_ids: list[int] = field(default_factory=list)
     extra_key: str | None = None
     # What the caller expects to move; the target refuses (conflict) if its own match
     # changed since /get_request_extra_token_size. 0: take whatever is missing.
     extra_token_size: int = 0
     migration_id: str = ""  # minted once by the HTTP layer, shared by every rank
     # The source's fingerprints, one per rank; each target rank checks its counterpart.
-    source_fingerprints: list[dict] = field(default_factory=list)
-    path: str = "host"  # data path whose slots to reserve (protocol 2)
+    source_fingerprints: list[dict[str, Any]] = field(default_factory=list)
+    path: PathName = "host"  # data path whose slots to reserve (protocol 2)
     # "tokens": kv_indices in the reply; "pages": kv_pages; "ranges": kv_page_ranges
-    index_format: str = "tokens"
+    index_format: IndexFormat = "tokens"
     nothing_ok: bool = False  # target holds everything: success with nothing allocated
     verify: bool = False  # grant asks the source for a content digest; commit checks it
     weight_version: str = ""  # stamped by this server's HTTP layer (SGLang's weight_version)
@@ -336,18 +346,18 @@ def _is_list(value: Any) -> bool:
 
 
 @dataclass
-class TransferRequestKVCacheTarget(HostTarget):
+class TransferRequestKVCacheTarget(HostFields):
     """One target rank: where the source rank with the same (tp, pp) writes (host path:
-    the `HostTarget` fields; device path: `device_kv`, a `DeviceTarget` on the wire;
+    the `HostFields`; device path: `device_kv`, a `DeviceTarget` on the wire;
     shared-host path: `shared_host_kv`, a `SharedHostTarget`)."""
 
     tp: int
     pp: int
     kv_indices: list[int] = field(default_factory=list)  # token slots, or kv_pages
-    fingerprint: dict = field(default_factory=dict)
-    path: str = "host"  # protocol 2
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    path: PathName = "host"  # protocol 2
     kv_pages: list[int] = field(default_factory=list)  # page ids instead of kv_indices
-    device_kv: dict | None = None  # device path: the target rank's paths["device"]
+    device_kv: dict[str, Any] | None = None  # device path: the target rank's paths["device"]
     grant: str = ""  # the allocate reply's grant for this rank
     staging: list[int] = field(default_factory=list)  # the allocate reply's extent, if any
     # [first_page, count] runs instead of kv_pages (feature "page_ranges").
@@ -357,7 +367,7 @@ class TransferRequestKVCacheTarget(HostTarget):
     # `device_kv` in from what it hashed itself.
     device_kv_digest: str = ""
     # Shared-host path: the target rank's paths["shared_host"] (`SharedHostTarget`).
-    shared_host_kv: dict | None = None
+    shared_host_kv: dict[str, Any] | None = None
 
 
 @dataclass
@@ -380,7 +390,8 @@ class AllocateOnTarget:
 
 @dataclass
 class TransferRequest:
-    input_ids: list[int]
+    # Empty when the body sent `input_ids_u32` (the scheduler fills it in).
+    input_ids: list[int] = field(default_factory=list)
     extra_key: str | None = None
     matched_token_size: int = 0
     extra_token_size: int = 0
@@ -498,8 +509,13 @@ INTERNAL_FIELDS = frozenset({"rid", "http_worker_ipc", "trace", "claims"})
 
 
 def reply_content(reply: Reply) -> dict[str, Any]:
-    """A reply as the JSON object a route answers with (without the internal fields)."""
-    return {name: _plain(getattr(reply, name)) for name in wire_order(type(reply))}
+    """A reply as the JSON object a route answers with (without the internal fields).
+
+    `reply` is a wire model or a server message built from one: a message type names its
+    model in `WIRE_MODEL` (`sglang_adapter.ipc_message`; on some SGLang lines it is no
+    dataclass), and its fields are the model's."""
+    model = getattr(type(reply), "WIRE_MODEL", type(reply))
+    return {name: _plain(getattr(reply, name)) for name in wire_order(model)}
 
 
 @functools.cache

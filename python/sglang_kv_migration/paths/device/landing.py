@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.page_ranges import slots_from_pages
+from sglang_kv_migration.wire.page_ranges import slots_from_pages
 
 logger = logging.getLogger(__name__)
 

@@ -90,7 +90,7 @@ class HostPath(DataPath):
         ).to_wire()
 
     def destination_of(self, target: TransferRequestKVCacheTarget) -> dict[str, Any]:
-        return target.host_target().to_wire()
+        return target.host_wire()
 
     def close(self) -> None:
         if self._transport is not None:

@@ -82,26 +82,19 @@ def expected_nbytes(peer: SharedHostTarget) -> int:
 def map_pool(peer: SharedHostTarget, device: Any) -> MappedPool:
     """Open, check, map and (with a GPU) register `peer`'s host pool; raises
     MigrationError naming what does not match (see the module docstring)."""
-    import torch
-
     offsets, geometry = _layout(peer)
     flat = _mapped_file(peer)
-    registered = False
-    if device.type == "cuda":
-        # On this (helper) thread, in this GPU's context; portable: pinned for every
-        # context of the process, whichever GPU the copy launches on.
-        with torch.cuda.device(device):
-            code = torch.cuda.cudart().cudaHostRegister(
-                flat.data_ptr(), peer.nbytes, CUDA_HOST_REGISTER_PORTABLE
-            )
-        if int(code) != 0:
-            raise MigrationError(
-                ErrorKind.CONFLICT,
-                f"cannot register the target's host pool with CUDA (error {int(code)})",
-            )
-        registered = True
+    registered = device.type == "cuda"
+    if registered:
+        _register(flat, peer.nbytes, device)
     base = flat.data_ptr()
-    pointers = pointer_table([base + o for o in offsets], device) if registered else None
+    try:
+        pointers = pointer_table([base + o for o in offsets], device) if registered else None
+    except BaseException:
+        # IMPORTANT: unregistered before the mapping goes with `flat`: a range left
+        # registered would make CUDA refuse a later mapping at the same address.
+        _unregister(flat, device)
+        raise
     destination = CopyDestination(
         flats=[flat] * len(offsets),
         pointers=pointers,
@@ -112,6 +105,35 @@ def map_pool(peer: SharedHostTarget, device: Any) -> MappedPool:
     pool = MappedPool(peer, flat, destination, registered=registered)
     destination.key = id(pool)
     return pool
+
+
+def _register(flat: Any, nbytes: int, device: Any) -> None:
+    """Pin the mapping for this process's GPUs: on this (helper) thread, in `device`'s
+    context; portable: pinned for every context of the process, whichever GPU the copy
+    launches on."""
+    import torch
+
+    with torch.cuda.device(device):
+        code = int(
+            torch.cuda.cudart().cudaHostRegister(
+                flat.data_ptr(), nbytes, CUDA_HOST_REGISTER_PORTABLE
+            )
+        )
+    if code != 0:
+        raise MigrationError(
+            ErrorKind.CONFLICT,
+            f"cannot register the target's host pool with CUDA (error {code})",
+        )
+
+
+def _unregister(flat: Any, device: Any) -> None:
+    """Unpin what `_register` pinned (a failure is logged: the mapping goes anyway)."""
+    import torch
+
+    with torch.cuda.device(device):
+        code = int(torch.cuda.cudart().cudaHostUnregister(flat.data_ptr()))
+    if code != 0:
+        logger.warning("cudaHostUnregister of a peer's host pool failed (error %d)", code)
 
 
 class PeerPools:
@@ -173,7 +195,7 @@ class PeerPools:
             with self._lock:
                 pool = self._open.pop(key, None)
             if pool is not None:
-                _drop(pool)
+                _drop(pool, self.device)
         return len(gone)
 
     def close(self, wait_for_copies: Callable[[], None]) -> None:
@@ -185,19 +207,17 @@ class PeerPools:
         with self._lock:
             pools, self._open = list(self._open.values()), {}
         for pool in pools:
-            _drop(pool)
+            _drop(pool, self.device)
 
     def __len__(self) -> int:
         return len(self._open)
 
 
-def _drop(pool: MappedPool) -> None:
+def _drop(pool: MappedPool, device: Any) -> None:
     """Unregister (the GPU writes it no more) and let the mapping go with its tensors."""
-    import torch
-
     pool.closed = True
     if pool.registered:
-        torch.cuda.cudart().cudaHostUnregister(pool.flat.data_ptr())
+        _unregister(pool.flat, device)
         pool.registered = False
     pool.destination.flats, pool.destination.pointers = [], None
     pool.flat = None

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 def shared_host_unavailable_reason(cache: HiRadixCache) -> str | None:
     """Why this server cannot offer the shared-host path, or None when it can."""
+    missing = sglang_adapter.shared_host_path_missing()
+    if missing is not None:
+        return missing
     if sglang_adapter.shared_host_region(cache) is None:
         return (
             "the host pool is not in a shared memory file (it is, unless a storage "

@@ -4,15 +4,17 @@ SGLang sets `PROMETHEUS_MULTIPROC_DIR` before its processes start and serves eve
 process's metrics on `/metrics`; metrics created here in a scheduler process land there
 the same way SGLang's scheduler metrics do. Names follow SGLang's `sglang:` prefix:
 
-- `sglang:kv_migration_total{role, outcome}` — migrations by outcome. Target outcomes:
-  `allocated`, `allocate_failed`, `committed`, `commit_failed`, `verify_failed` (a
-  `verify` digest mismatch), `aborted`, `expired`;
-  source outcomes: `sent`, `send_failed`.
+- `sglang:kv_migration_total{role, outcome}` — migrations by the moment they reached
+  (`wire.moments.Moment`, the names records, state machines and logs use). Target
+  outcomes: `allocated`, `allocate_failed`, `committed`, `commit_failed`, `verify_failed`
+  (a `verify` digest mismatch), `aborted`, `expired`, `weights_changed` (new weights
+  dropped a migration waiting for its source's commit); source outcomes: `sent`,
+  `send_failed`.
 - `sglang:kv_migration_tokens_total{role}` / `sglang:kv_migration_bytes_total{role}` —
   tokens and bytes sent (source) or committed (target) by this rank.
-- `sglang:kv_migration_phase_seconds{phase}` — `allocate` (target handler), `transfer`
-  (source, submit to completion on every rank), `commit` (target handler) and `pending`
-  (target, allocate to commit).
+- `sglang:kv_migration_phase_seconds{phase}` — `wire.moments.Phase`: `allocate` (target
+  handler), `transfer` (source, submit to completion on every rank), `commit` (target
+  handler) and `pending` (target, allocate to commit).
 - `sglang:kv_migration_scheduler_seconds` — per scheduler loop iteration in which our code
   had work (a handler ran, or anything was in flight or pending): the time our handlers
   and our per-iteration poll spent on the scheduler thread (`LoopTimer`). The target
@@ -43,6 +45,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from sglang_kv_migration.wire.moments import Moment, Phase
+
 LABELS = ("model_name", "tp_rank", "pp_rank")
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LOOP_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1)
@@ -70,15 +74,15 @@ class MigrationMetrics:
         self._route_seconds = families["route_seconds"]
         self._fixed = families["fixed"]
 
-    def outcome(self, role: str, outcome: str) -> None:
-        self._total.labels(**self._labels, role=role, outcome=outcome).inc()
+    def outcome(self, role: str, moment: Moment) -> None:
+        self._total.labels(**self._labels, role=role, outcome=moment.value).inc()
 
     def moved(self, role: str, tokens: int, nbytes: int) -> None:
         self._tokens.labels(**self._labels, role=role).inc(tokens)
         self._bytes.labels(**self._labels, role=role).inc(nbytes)
 
-    def phase(self, phase: str, seconds: float) -> None:
-        self._phase.labels(**self._labels, phase=phase).observe(seconds)
+    def phase(self, phase: Phase, seconds: float) -> None:
+        self._phase.labels(**self._labels, phase=phase.value).observe(seconds)
 
     def routes(
         self, path: str, routes: Mapping[str, tuple[int, float]], fixed_seconds: float
@@ -329,13 +333,13 @@ class NullMetrics(MigrationMetrics):
     def __init__(self) -> None:
         pass
 
-    def outcome(self, role: str, outcome: str) -> None:
+    def outcome(self, role: str, moment: Moment) -> None:
         pass
 
     def moved(self, role: str, tokens: int, nbytes: int) -> None:
         pass
 
-    def phase(self, phase: str, seconds: float) -> None:
+    def phase(self, phase: Phase, seconds: float) -> None:
         pass
 
     def routes(

@@ -53,7 +53,7 @@ class RidCommunicator:
         self._waiting[request.rid] = (done, [], replies or self._replies)
         try:
             mark_sent(request)
-            self._sender.send_pyobj(request)
+            sglang_adapter.send_to_scheduler(self._sender, request)
             return await done
         finally:
             self._waiting.pop(request.rid, None)
@@ -147,18 +147,22 @@ class KVMigrationCommunicators:
         return merged
 
 
-def after_init_communicators(_result: None, tokenizer_manager: Any, server_args: Any) -> None:
-    """Hook: attach our communicators to SGLang's tokenizer manager."""
+def after_init_communicators(_result: None, tokenizer_manager: Any, *_args: Any) -> None:
+    """Hook: attach our communicators to SGLang's tokenizer manager. The server args are
+    read off the tokenizer manager (SGLang passes them to `init_communicators` on some
+    versions only)."""
+    server_args = tokenizer_manager.server_args
     tokenizer_manager.kv_migration_communicators = None
     if not kv_migration_enabled(server_args):
         return
-    single_rank = server_args.tp_size == server_args.pp_size == server_args.dp_size == 1
+    effective = sglang_adapter.effective_server_args(server_args)
+    single_rank = effective.tp_size == effective.pp_size == effective.dp_size == 1
     comms = KVMigrationCommunicators(
         tokenizer_manager.send_to_scheduler,
         before_call=tokenizer_manager.auto_create_handle_loop,
-        weight_version=lambda: tokenizer_manager.server_args.weight_version,
-        pp_size=server_args.pp_size,
-        dp_size=server_args.dp_size,
+        weight_version=lambda: sglang_adapter.current_weight_version(tokenizer_manager),
+        pp_size=effective.pp_size,
+        dp_size=effective.dp_size,
         ask_ahead=(
             AskAhead(sglang_adapter.generate_requests_in_flight(tokenizer_manager))
             if single_rank

@@ -28,12 +28,10 @@ rank directly, outside this routing: a server with several DP ranks does not lis
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sglang_kv_migration.errors import ErrorKind
-from sglang_kv_migration.grants import SOURCE_ALLOCATE_FEATURE, SOURCE_COMMIT_FEATURE
 from sglang_kv_migration.server.http.grant_claims import GrantClaims, grant_keys
 from sglang_kv_migration.server.messages import (
     REQUEST_TYPES,
@@ -44,11 +42,11 @@ from sglang_kv_migration.server.messages import (
     GetRequestExtraTokenSizeReqOutput,
     GetTransferSessionInfoReqInput,
     TransferRequestKVCacheReqInput,
+    replace_message,
 )
 from sglang_kv_migration.server.rank.pp_stages import one_server_session_info
+from sglang_kv_migration.wire import features
 
-# Features that bypass the HTTP layer's routing: not offered by a server with DP ranks.
-SINGLE_DP_RANK_FEATURES = frozenset({SOURCE_ALLOCATE_FEATURE, SOURCE_COMMIT_FEATURE})
 # A migration id minted on such a server ends in this, then the DP rank's number.
 ID_TAG = ".dp"
 
@@ -182,11 +180,11 @@ def merge_session_info(replies: list[Any]) -> Any:
         key=lambda r: (r.dp_rank, r.pp_rank, r.tp_rank),
     )
     first = replies[0]
-    return dataclasses.replace(
+    return replace_message(
         first,
         ranks=ranks,
         dp_size=len(replies),
-        features=[f for f in first.features if f not in SINGLE_DP_RANK_FEATURES],
+        features=[f for f in first.features if f not in features.ONE_DP_RANK],
         allocate_channel={},
     )
 

@@ -48,11 +48,7 @@ from sglang_kv_migration.wire.bodies import (
     body_fields,
     describe_errors,
 )
-from sglang_kv_migration.wire.messages import (
-    AllocateOnTarget,
-    TransferRequestKVCacheTarget,
-    reply_content,
-)
+from sglang_kv_migration.wire.messages import reply_content
 
 DISABLED_MESSAGE = (
     "KV migration is disabled on this server; start it with "
@@ -288,17 +284,7 @@ def warn_without_fast_http_parser() -> bool:
 
 
 def _transfer_request(body: TransferBody) -> TransferRequestKVCacheReqInput:
-    targets = [TransferRequestKVCacheTarget(**body_fields(t)) for t in body.target_per_rank]
-    on_target = body.allocate_on_target
-    if on_target is not None:  # built here, off the scheduler thread
-        on_target = AllocateOnTarget(
-            on_target.address, on_target.secret, *body.forwarded_allocate()
-        )
-    return TransferRequestKVCacheReqInput(
-        **body_fields(body, exclude=frozenset({"target_per_rank", "allocate_on_target"})),
-        target_per_rank=targets,
-        allocate_on_target=on_target,
-    )
+    return TransferRequestKVCacheReqInput(**body.request_fields())
 
 
 async def _json_body(request: Request) -> Any:

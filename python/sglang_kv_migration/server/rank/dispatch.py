@@ -10,12 +10,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from sglang_kv_migration import binary_ids
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.server.diag.metrics import LoopTimer
 from sglang_kv_migration.server.diag.profiling import RankProfile
 from sglang_kv_migration.server.diag.trace import mark_received, stamp
 from sglang_kv_migration.server.rank.context import RankContext
+from sglang_kv_migration.wire import binary_ids
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ Our operations must answer for every (tp, pp) rank and fail as a whole, so:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -46,6 +45,7 @@ from sglang_kv_migration.server.messages import (
     GetRequestExtraTokenSizeReqOutput,
     GetTransferSessionInfoReqOutput,
     TransferRequestKVCacheReqOutput,
+    replace_message,
 )
 from sglang_kv_migration.wire.messages import StageRefusal
 
@@ -123,7 +123,7 @@ def _merge_session_info(replies: list[Any]) -> Any:
     refused = one_server_session_info(replies, "PP stages")
     if refused is not None:
         return refused
-    return dataclasses.replace(replies[0], ranks=_ranks(replies))
+    return replace_message(replies[0], ranks=_ranks(replies))
 
 
 def _merge_extra_size(replies: list[Any]) -> Any:
@@ -135,7 +135,7 @@ def _merge_extra_size(replies: list[Any]) -> Any:
     matched = min(r.matched_token_size for r in replies)
     device = min(r.device_token_size for r in replies)
     total = replies[0].total_token_size
-    return dataclasses.replace(
+    return replace_message(
         replies[0],
         matched_token_size=matched,
         extra_token_size=total - matched,
@@ -160,7 +160,7 @@ def _merge_allocate(replies: list[Any]) -> Any:
             f"path, page_size): {sorted(shapes)}",
             error_kind=ErrorKind.CONFLICT.value,
         )
-    return dataclasses.replace(replies[0], ranks=_ranks(replies))
+    return replace_message(replies[0], ranks=_ranks(replies))
 
 
 def _merge_transfer(replies: list[Any]) -> Any:
@@ -168,8 +168,8 @@ def _merge_transfer(replies: list[Any]) -> Any:
     ranks = _ranks(replies)
     failed = _first_failure(replies)
     if failed is not None:
-        return dataclasses.replace(failed, ranks=ranks)
-    return dataclasses.replace(
+        return replace_message(failed, ranks=ranks)
+    return replace_message(
         replies[0], ranks=ranks, transferred_bytes=sum(r.transferred_bytes for r in replies)
     )
 
@@ -178,7 +178,7 @@ def _merge_commit(replies: list[Any]) -> Any:
     failed = _first_failure(replies)
     if failed is not None:
         return failed
-    return dataclasses.replace(
+    return replace_message(
         replies[0], matched_after_commit=min(r.matched_after_commit for r in replies)
     )
 

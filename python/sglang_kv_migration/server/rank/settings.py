@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.grants import derive_key
 from sglang_kv_migration.paths import KVTransport, TransportConfig
 from sglang_kv_migration.paths.base import HOST, parse_path_names
@@ -55,14 +56,17 @@ def settings_from_server_args(
     input_waiting: Callable[[], bool],
     running_requests: Any = None,
 ) -> RankSettings:
-    """A rank's settings from SGLang's `ServerArgs` (with our flags, `server_args.py`)."""
+    """A rank's settings from SGLang's `ServerArgs` (with our flags, `server_args.py`;
+    SGLang's own fields as they are in effect: `sglang_adapter.effective_server_args`)."""
+
+    in_effect = sglang_adapter.effective_server_args(args)
     metrics = None
-    if args.enable_metrics:
-        metrics = MigrationMetrics(args.served_model_name, tp_rank, pp_rank)
+    if in_effect.enable_metrics:
+        metrics = MigrationMetrics(in_effect.served_model_name, tp_rank, pp_rank)
     return RankSettings(
         watchdog_timeout_s=args.kv_migration_watchdog_timeout,
         transport_config=TransportConfig(
-            hostname=advertised_hostname(args.kv_migration_hostname, args.host),
+            hostname=advertised_hostname(args.kv_migration_hostname, in_effect.host),
             protocol=args.kv_migration_protocol,
             rdma_devices=args.kv_migration_rdma_devices,
             max_entries_per_batch=args.kv_migration_max_batch_entries,
@@ -71,14 +75,14 @@ def settings_from_server_args(
         ),
         metrics=metrics,
         path_names=parse_path_names(args.kv_migration_paths),
-        enable_memory_saver=args.enable_memory_saver,
-        grant_key=derive_key(args.kv_migration_grant_key, args.admin_api_key),
+        enable_memory_saver=in_effect.enable_memory_saver,
+        grant_key=derive_key(args.kv_migration_grant_key, in_effect.admin_api_key),
         grant_ttl_s=args.kv_migration_grant_ttl,
         staging_bytes=args.kv_migration_staging_mb << 20,
         verify=args.kv_migration_verify,
-        attn_cp_size=args.attn_cp_size,
+        attn_cp_size=in_effect.attn_cp_size,
         landing_bytes=args.kv_migration_landing_mb << 20,
-        profile=rank_profile(args.port, tp_rank, pp_rank),
+        profile=rank_profile(in_effect.port, tp_rank, pp_rank),
         scheduler_idle=scheduler_idle,
         input_waiting=input_waiting,
         running_requests=running_requests,

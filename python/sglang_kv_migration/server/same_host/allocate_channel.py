@@ -48,11 +48,9 @@ from sglang_kv_migration.server.same_host.mailbox import (
     process_alive,
     sweep_stale,
 )
-from sglang_kv_migration.wire import features
 
 logger = logging.getLogger(__name__)
 
-FEATURE = features.SOURCE_ALLOCATE
 # A target that has not answered by then fails the transfer (its slots, if it did
 # allocate, are freed by its watchdog).
 ALLOCATE_TIMEOUT_S = 10.0

@@ -38,11 +38,8 @@ import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from sglang_kv_migration.wire import features
-
 logger = logging.getLogger(__name__)
 
-FEATURE = features.SOURCE_COMMIT
 SHM_DIR = "/dev/shm"
 NUM_SLOTS = 128
 SLOT_BYTES = 8192  # every receipt of a TP=8 server fits several times over

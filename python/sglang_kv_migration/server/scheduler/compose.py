@@ -40,7 +40,7 @@ def compose_for_scheduler(scheduler: Any) -> MigrationSchedulerSide:
     unsupported = sglang_adapter.cache_unsupported(view.tree_cache)
     if unsupported is not None:
         raise RuntimeError(unsupported)
-    model, model_name = server_model_identity(args)
+    model, model_name = server_model_identity(sglang_adapter.effective_server_args(args))
     ctx = RankContext(
         tree_cache=view.tree_cache,
         tp_rank=view.tp_rank,
@@ -64,7 +64,7 @@ def compose_for_scheduler(scheduler: Any) -> MigrationSchedulerSide:
         scheduler_idle=sglang_adapter.scheduler_idle_check(scheduler),
         input_waiting=sglang_adapter.input_waiting_check(scheduler),
         running_requests=(
-            sglang_adapter.RunningRequests(scheduler)
+            sglang_adapter.running_requests_of(scheduler)
             if view.pp_size == 1 and view.dp_size == 1
             else None
         ),

@@ -24,9 +24,13 @@ def after_init_ipc_channels(_result: None, scheduler: Any, port_args: Any) -> No
     """Give a later PP stage's first TP rank its own socket to the tokenizer manager
     (SGLang connects only stage 0); every stage then answers for its own ranks."""
     scheduler.kv_migration_stage_reply = None
-    if not kv_migration_enabled(scheduler.server_args) or scheduler.pp_rank == 0:
+    if not kv_migration_enabled(scheduler.server_args):
         return
     from sglang_kv_migration import sglang_adapter
+
+    pp_rank, _tp_rank = sglang_adapter.scheduler_stage_rank(scheduler)
+    if pp_rank == 0:
+        return
 
     scheduler.kv_migration_stage_reply = sglang_adapter.stage_reply_sender(
         scheduler, port_args.tokenizer_ipc_name

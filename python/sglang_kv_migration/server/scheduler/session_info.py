@@ -19,9 +19,8 @@ from sglang_kv_migration.server.rank.context import RankContext, guarded
 from sglang_kv_migration.server.rank.identity import RankIdentity
 from sglang_kv_migration.server.source.running_slots import RunningSlots
 from sglang_kv_migration.wire import features as wire_features
-from sglang_kv_migration.wire.messages import (
-    RankSessionInfo,
-)
+from sglang_kv_migration.wire.host_fields import HOST_FIELD_NAMES
+from sglang_kv_migration.wire.messages import RankSessionInfo
 from sglang_kv_migration.wire.version import PROTOCOL_VERSION
 
 
@@ -60,10 +59,7 @@ class SessionInfo:
         local = RankSessionInfo(
             tp_rank=self.ctx.tp_rank,
             pp_rank=self.ctx.pp_rank,
-            session_id=host.get("session_id", ""),
-            host_kv_data_ptrs=host.get("host_kv_data_ptrs", []),
-            host_kv_data_lens=host.get("host_kv_data_lens", []),
-            host_kv_item_lens=host.get("host_kv_item_lens", []),
+            **{name: host[name] for name in HOST_FIELD_NAMES if name in host},
             page_size=self.identity.page_size,
             fingerprint=self.identity.fingerprint_for(req).to_dict(),
             paths={name: path.advertise() for name, path in self.paths.items()},

@@ -1,23 +1,24 @@
-"""One rank's record of a transfer it sends: its state, and what each step left.
+"""One rank's record of a transfer it sends: its moment, and what each step left.
 
-    CHECKING ──> SENDING ──> DONE          the request checked, the path's job started
-       │  ▲         │          ▲
-       │  └─┐       └─> FAILED ┘          an error at any step; its reply says so
+    CHECKING ──> SENDING ──> SENT             the request checked, the path's job started
+       │  ▲         │
+       │  └─┐       └─> SEND_FAILED           an error at any step; its reply says so
        ▼    │              ▲
-    ALLOCATING ────────────┘              feature "source_allocate": the target's
-                                          allocate reply awaited (then CHECKING again)
+    ALLOCATING ────────────┘                  feature "source_allocate": the target's
+                                              allocate reply awaited (then CHECKING again)
 
-A transfer the target had nothing to send for goes CHECKING -> DONE. The state moves
-only through the methods below (`_move` checks each step against `_NEXT`); the records
-of the optional features (`TargetAllocation`, `SourceCommit`) and the timestamps the
-reply's trace is stamped with (`Timings`) are data, never read as state. Every field is
-set here: the steps in other modules hand what they found to a method.
+The moments are `wire.moments.Moment`'s, the steps `TRANSFER_STEPS`. A transfer the
+target had nothing to send for goes CHECKING -> SENT. The state moves only through the
+methods below (`_move` checks each step); once it is SENT or SEND_FAILED, `result` says
+this rank's status. The records of the optional features (`TargetAllocation`,
+`SourceCommit`) and the timestamps the reply's trace is stamped with (`Timings`) are
+data, never read as state. Every field is set here: the steps in other modules hand what
+they found to a method.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,28 +34,10 @@ from sglang_kv_migration.paths.base import (
 )
 from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
 from sglang_kv_migration.wire.messages import AllocateReply
+from sglang_kv_migration.wire.moments import TRANSFER_STEPS, Moment, step
 
 if TYPE_CHECKING:
     import torch
-
-
-class TransferState(enum.Enum):
-    CHECKING = "checking"  # taken up: the request is being checked, nothing pinned yet
-    ALLOCATING = "allocating"  # feature "source_allocate": waiting for the target
-    SENDING = "sending"  # the data path's job started
-    FAILED = "failed"  # an error; this rank's status says it once asked
-    DONE = "done"  # this rank's status is known (`RankTransferStatus`)
-
-
-_NEXT: dict[TransferState, frozenset[TransferState]] = {
-    TransferState.CHECKING: frozenset(
-        {TransferState.ALLOCATING, TransferState.SENDING, TransferState.FAILED, TransferState.DONE}
-    ),
-    TransferState.ALLOCATING: frozenset({TransferState.CHECKING, TransferState.FAILED}),
-    TransferState.SENDING: frozenset({TransferState.FAILED, TransferState.DONE}),
-    TransferState.FAILED: frozenset({TransferState.DONE}),
-    TransferState.DONE: frozenset(),
-}
 
 
 @dataclass
@@ -154,13 +137,14 @@ class InflightTransfer:
 
     request: TransferRequestKVCacheReqInput
     first_poll: int = 0  # `SourceTransfers.polls` when it started (its reply says how many)
-    state: TransferState = TransferState.CHECKING
+    state: Moment = Moment.CHECKING
     timings: Timings = dataclasses.field(default_factory=Timings)
     send: SendRange | None = None  # this rank's part, once validated
     path: DataPath | None = None
     job: SendJob | None = None
-    error: MigrationError | None = None  # set with FAILED
-    result: RankTransferStatus | None = None  # set with DONE
+    error: MigrationError | None = None  # set with SEND_FAILED
+    # This rank's status: set with SENT, and once asked after SEND_FAILED.
+    result: RankTransferStatus | None = None
     own_slots: OwnSlots | None = None
     tokens: TokensDigest | None = None  # taken while the target allocated
     # Done while the target allocated (`SourceTransfers._prepare`): the path's part
@@ -178,14 +162,12 @@ class InflightTransfer:
 
     # ------------------------------------------------------------------ transitions
 
-    def _move(self, to: TransferState) -> None:
-        if to not in _NEXT[self.state]:
-            raise RuntimeError(f"a transfer cannot go from {self.state.name} to {to.name}")
-        self.state = to
+    def _move(self, to: Moment) -> None:
+        self.state = step(TRANSFER_STEPS, self.state, to)
 
     def ask_target(self, call: bytes, answer_by: float) -> None:
         """Feature "source_allocate": the target's channel was asked."""
-        self._move(TransferState.ALLOCATING)
+        self._move(Moment.ALLOCATING)
         self.allocate = TargetAllocation(call=call, answer_by=answer_by)
 
     def ask_refused(self, channel_error: str) -> None:
@@ -196,22 +178,23 @@ class InflightTransfer:
         """The target's allocate reply came (in the poll that began at `allocated`, taken
         up at `answered`): the transfer is checked against it."""
         self.timings.allocated, self.timings.answered = allocated, answered
-        self._move(TransferState.CHECKING)
+        self._move(Moment.CHECKING)
 
     def sending(self, job: SendJob) -> None:
-        self._move(TransferState.SENDING)
+        self._move(Moment.SENDING)
         self.job = job
 
     def fail(self, error: MigrationError) -> None:
         """Fail the transfer, unless it failed already (the first error is the one
-        told) or its status is known."""
-        if self.state in (TransferState.FAILED, TransferState.DONE):
+        told) or it was sent."""
+        if self.state in (Moment.SEND_FAILED, Moment.SENT):
             return
-        self._move(TransferState.FAILED)
+        self._move(Moment.SEND_FAILED)
         self.error = error
 
     def finish(self, result: RankTransferStatus) -> None:
-        self._move(TransferState.DONE)
+        """This rank's part succeeded (`result` says what it sent)."""
+        self._move(Moment.SENT)
         self.result = result
 
     # ------------------------------------------------------------------ what steps found
@@ -270,7 +253,7 @@ class InflightTransfer:
     @property
     def waiting(self) -> bool:
         """Waiting for pages; identical on every TP rank."""
-        return self.state is TransferState.SENDING and self.job.waiting
+        return self.state is Moment.SENDING and self.job.waiting
 
     @property
     def asking(self) -> bool:
@@ -305,7 +288,7 @@ class InflightTransfer:
             self.prepared = None
 
     def local_status(self) -> RankTransferStatus:
-        if self.state is TransferState.SENDING:
+        if self.state is Moment.SENDING:
             state = self.job.poll()
             if state is KVPoll.FAILED:
                 self.fail(self.job.error or MigrationError(ErrorKind.INTERNAL, "send failed"))
@@ -319,11 +302,9 @@ class InflightTransfer:
                     self.finish(self._success())
             elif state is KVPoll.SUCCESS:
                 self.finish(self._success())
-        if self.state is TransferState.FAILED:
-            self.finish(
-                RankTransferStatus(
-                    done=True, message=self.error.message, error_kind=self.error.kind.value
-                )
+        if self.state is Moment.SEND_FAILED and self.result is None:
+            self.result = RankTransferStatus(
+                done=True, message=self.error.message, error_kind=self.error.kind.value
             )
         return self.result or RankTransferStatus(done=False)
 
@@ -347,7 +328,7 @@ def gpu_copy_events(started: list[InflightTransfer]) -> list[Any]:
     """The events the copies of `started` (launched in one poll) end with, when each is
     only a copy on the GPU; else none (a host-path write or a verify digest runs on for
     longer, on helper threads)."""
-    sending = [t for t in started if t.state is TransferState.SENDING]
+    sending = [t for t in started if t.state is Moment.SENDING]
     events = [t.job.completion_event for t in sending]
     return events if all(e is not None for e in events) else []
 

@@ -24,13 +24,11 @@ import orjson
 
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.wire import features
 from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 if TYPE_CHECKING:
     from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
 
-FEATURE = features.DESTINATION_DIGEST
 # Distinct destinations remembered (one per target rank and KV memory generation; ~26 KB
 # of JSON each for an 8B model's 64 buffers), least recently used dropped first ...
 MAX_KNOWN = 64

@@ -21,18 +21,15 @@ from typing import TYPE_CHECKING
 
 from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.wire.features import RUNNING_SLOTS as FEATURE
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FEATURE", "RunningSlots"]
+__all__ = ["RunningSlots"]
 
 
 class RunningSlots:
     """The source's view of the requests its scheduler runs (one per rank)."""
-
-    FEATURE = FEATURE  # what session info lists while a rank offers it
 
     def __init__(self, requests: sglang_adapter.RunningRequests, page_size: int):
         self.requests = requests

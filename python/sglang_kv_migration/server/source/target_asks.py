@@ -33,9 +33,9 @@ from sglang_kv_migration.server.source.inflight import (
     InflightTransfer,
     TargetAllocation,
     TokensDigest,
-    TransferState,
 )
 from sglang_kv_migration.server.source.validation import read_allocation
+from sglang_kv_migration.wire.moments import Moment
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class TargetAsks:
             return
         asked, self.to_prepare = self.to_prepare, []
         for one in asked:
-            waiting = one.state is TransferState.ALLOCATING
+            waiting = one.state is Moment.ALLOCATING
             if waiting and one.prepared is None and one in inflight:
                 self._prepare(one)
 
@@ -140,7 +140,7 @@ class TargetAsks:
                 continue
             self.caller.forget(asked.call)
             asked.taken_up()
-            if one.state is not TransferState.ALLOCATING:
+            if one.state is not Moment.ALLOCATING:
                 # Failed while it waited (a cache flush): the failure is the reply, with
                 # the target's allocation in it, so the client aborts what it holds.
                 if reply is not None:

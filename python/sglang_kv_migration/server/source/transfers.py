@@ -39,12 +39,8 @@ from sglang_kv_migration.server.source.inflight import (
     InflightTransfer,
     RankTransferStatus,
     Timings,
-    TransferState,
     gpu_copy_events,
     on_helper_threads,
-)
-from sglang_kv_migration.server.source.known_destinations import (
-    FEATURE as DESTINATION_DIGEST,
 )
 from sglang_kv_migration.server.source.known_destinations import (
     UnknownDestination,
@@ -64,7 +60,9 @@ from sglang_kv_migration.server.source.validation import (
     granted_target,
     refusal_of,
 )
+from sglang_kv_migration.wire import features
 from sglang_kv_migration.wire.messages import StageRefusal
+from sglang_kv_migration.wire.moments import Moment, Phase
 
 # Kept importable from here: the record and status of a transfer (`inflight.py`).
 __all__ = ["InflightTransfer", "RankTransferStatus", "SourceTransfers"]
@@ -125,9 +123,9 @@ class SourceTransfers:
         """The optional features this role offers (session info lists them)."""
         offered = []
         if self.destinations is not None and DEVICE in self.paths:
-            offered.append(DESTINATION_DIGEST)
+            offered.append(features.DESTINATION_DIGEST)
         if self.running_slots is not None:
-            offered.append(self.running_slots.FEATURE)
+            offered.append(features.RUNNING_SLOTS)
         return offered
 
     def on_helper_threads(self) -> bool:
@@ -147,7 +145,7 @@ class SourceTransfers:
         for t in self.inflight:
             if t.asking:
                 continue  # (`answered` covers it)
-            event = t.job.completion_event if t.state is TransferState.SENDING else None
+            event = t.job.completion_event if t.state is Moment.SENDING else None
             if event is None:
                 return None
             events.append(event)
@@ -277,7 +275,7 @@ class SourceTransfers:
             except Exception:  # the reply below must still go out
                 logger.exception("KV migration could not release a failed transfer")
             req = inflight.request
-            self.metrics.outcome("source", "send_failed")
+            self.metrics.outcome("source", Moment.SEND_FAILED)
             output = TransferRequestKVCacheReqOutput(
                 success=False,
                 path=path_name(req),
@@ -358,21 +356,22 @@ class SourceTransfers:
         # `statuses` come from this stage's TP group, in tp_rank order.
         failed = [s for s in statuses if not s.success] or uneven_lengths(statuses)
         elapsed = time.monotonic() - inflight.timings.started
-        self.metrics.phase("transfer", elapsed)
+        self.metrics.phase(Phase.TRANSFER, elapsed)
         # Every rank of a stage builds this same reply; only the first one logs it.
         first_rank = self.ctx.tp_rank == 0
         delivered = False
         if failed:
-            self.metrics.outcome("source", "send_failed")
+            self.metrics.outcome("source", Moment.SEND_FAILED)
             if first_rank:
                 logger.warning(
-                    "KV migration %s transfer failed after %.1f ms: %s",
+                    "KV migration %s %s after %.1f ms: %s",
                     req.migration_id,
+                    Moment.SEND_FAILED,
                     elapsed * 1e3,
                     failed[0].message,
                 )
         else:
-            self.metrics.outcome("source", "sent")
+            self.metrics.outcome("source", Moment.SENT)
             delivered = self._deliver(inflight, statuses)
             # Gathers run over the stage's TP group, in tp_rank order.
             mine = statuses[self.ctx.tp_rank]
@@ -394,8 +393,9 @@ class SourceTransfers:
             # Written once nothing is in flight: a log line costs ~0.1-0.2 ms here.
             self.log_later.info(
                 logger,
-                "KV migration %s sent: %d tokens, %d bytes (%d ranks), %.1f ms%s",
+                "KV migration %s %s: %d tokens, %d bytes (%d ranks), %.1f ms%s",
                 req.migration_id,
+                Moment.SENT,
                 output.transferred_token_size,
                 output.transferred_bytes,
                 len(statuses),

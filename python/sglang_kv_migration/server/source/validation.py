@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from sglang_kv_migration import grants, page_ranges
+from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.paths.base import DEVICE, DataPath, SendRange
@@ -31,6 +31,7 @@ from sglang_kv_migration.server.source.inflight import (
 )
 from sglang_kv_migration.server.source.known_destinations import KnownDestinations
 from sglang_kv_migration.server.source.running_slots import RunningSlots
+from sglang_kv_migration.wire import page_ranges
 from sglang_kv_migration.wire.messages import AllocateReply, TransferRequestKVCacheTarget
 
 if TYPE_CHECKING:
@@ -265,7 +266,7 @@ def target_slots(
     target: TransferRequestKVCacheTarget, page_size: int, num_tokens: int
 ) -> torch.Tensor:
     """The target rank's token slots, from `kv_indices` or from whole pages: `kv_pages`,
-    or `kv_page_ranges` runs (`page_ranges.py`); exactly `num_tokens` of them. (That it
+    or `kv_page_ranges` runs (`wire/page_ranges.py`); exactly `num_tokens` of them. (That it
     names one of them, and each run's shape: `wire/bodies.py`, `AllocatedRank.from_dict`.)
 
     IMPORTANT: the count is checked from the lists' lengths and the runs' counts before

@@ -15,7 +15,6 @@ from typing import Any
 from sglang_kv_migration import grants
 from sglang_kv_migration.cp_owners import OwnerRun, owned_pages, pattern_digest
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.page_ranges import to_page_ranges
 from sglang_kv_migration.paths.base import HOST, DataPath, TargetStaging
 from sglang_kv_migration.server.diag.metrics import MigrationMetrics
 from sglang_kv_migration.server.diag.trace import ms
@@ -31,6 +30,8 @@ from sglang_kv_migration.server.target.pending import Allocation, GrantTerms, Pe
 from sglang_kv_migration.wire.messages import (
     AllocatedRank,
 )
+from sglang_kv_migration.wire.moments import Moment, Phase
+from sglang_kv_migration.wire.page_ranges import to_page_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class TargetAllocations:
             # own part failed after its slots were reserved).
             if self.pending.get(req.migration_id) is not None:
                 self.pending.abort(req.migration_id, settled=True)
-            self.metrics.outcome("target", "allocate_failed")
+            self.metrics.outcome("target", Moment.ALLOCATE_FAILED)
             req.stage_refusal = refusal_of(first)  # later PP stages do not allocate
             return AllocateTokenForTransferReqOutput(
                 success=False,
@@ -100,8 +101,8 @@ class TargetAllocations:
                 error_kind=first.error_kind,
                 server_epoch=self.epoch_for(req),  # a stale caller learns it is
             )
-        self.metrics.outcome("target", "allocated")
-        self.metrics.phase("allocate", time.monotonic() - started)
+        self.metrics.outcome("target", Moment.ALLOCATED)
+        self.metrics.phase(Phase.ALLOCATE, time.monotonic() - started)
         if req.source_commit:  # rank 0 says whether it granted a mailbox slot
             self.source_commits.mark(req.migration_id, outputs[0].source_commit)
         return AllocateTokenForTransferReqOutput(

@@ -27,7 +27,6 @@ from typing import Any
 
 import orjson
 
-from sglang_kv_migration import binary_ids
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.server.diag.trace import ms
 from sglang_kv_migration.server.messages import (
@@ -40,7 +39,7 @@ from sglang_kv_migration.server.same_host.allocate_channel import (
     ChannelServer,
     open_channel,
 )
-from sglang_kv_migration.wire import bodies
+from sglang_kv_migration.wire import binary_ids, bodies
 from sglang_kv_migration.wire.messages import reply_content
 
 logger = logging.getLogger(__name__)

@@ -37,6 +37,7 @@ from sglang_kv_migration.server.target.staged_commits import (
     receipt_plan,
     staged_refusal,
 )
+from sglang_kv_migration.wire.moments import Moment, Phase
 
 if TYPE_CHECKING:
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics, NullMetrics
@@ -113,7 +114,7 @@ class Commits:
             refusal, plan == STAGED_PLAN
         )
         if first_refusal is not None:
-            self.metrics.outcome("target", "commit_failed")
+            self.metrics.outcome("target", Moment.COMMIT_FAILED)
             output = CommitTransferRequestKVCacheReqOutput(
                 success=False, message=first_refusal, error_kind=ErrorKind.FORBIDDEN.value
             )
@@ -134,7 +135,7 @@ class Commits:
         """Once per loop iteration: answer the commits whose scatter is done on every rank."""
         for commit, error in self.staged.poll():
             if error is not None:  # the migration stays pending: abort or the watchdog frees it
-                self.metrics.outcome("target", "commit_failed")
+                self.metrics.outcome("target", Moment.COMMIT_FAILED)
                 output = CommitTransferRequestKVCacheReqOutput(
                     success=False, message=error, error_kind=ErrorKind.INTERNAL.value
                 )
@@ -294,10 +295,10 @@ class Commits:
         first_mismatch = self.ctx.first_error_on_any_rank(mismatch)
         if first_mismatch is not None:
             self.pending.abort(req.migration_id, settled=True)
-            self.metrics.outcome("target", "verify_failed")
+            self.metrics.outcome("target", Moment.VERIFY_FAILED)
             if self.ctx.tp_rank == 0:
                 logger.warning(
-                    "KV migration %s not committed: %s", req.migration_id, first_mismatch
+                    "KV migration %s %s: %s", req.migration_id, Moment.VERIFY_FAILED, first_mismatch
                 )
             output = CommitTransferRequestKVCacheReqOutput(
                 success=False,
@@ -309,7 +310,7 @@ class Commits:
         local = guarded(run_local, CommitTransferRequestKVCacheReqOutput)
         outputs, failed = self.ctx.first_failure_on_any_rank(local)
         if failed is not None:
-            self.metrics.outcome("target", "commit_failed")
+            self.metrics.outcome("target", Moment.COMMIT_FAILED)
             req.stage_refusal = refusal_of(failed)
             return failed
         matched_after = min(o.matched_after_commit for o in outputs)
@@ -332,16 +333,17 @@ class Commits:
     ) -> None:
         nbytes = written * self.bytes_per_token
         now = time.monotonic()
-        self.metrics.outcome("target", "committed")
+        self.metrics.outcome("target", Moment.COMMITTED)
         self.metrics.moved("target", written, nbytes)
-        self.metrics.phase("commit", now - started)
-        self.metrics.phase("pending", now - pending.created_at)
+        self.metrics.phase(Phase.COMMIT, now - started)
+        self.metrics.phase(Phase.PENDING, now - pending.created_at)
         if self.ctx.tp_rank == 0:
             self.log_later.info(
                 logger,
-                "KV migration %s committed: %d tokens, %d bytes (%d ranks), %.1f ms after "
+                "KV migration %s %s: %d tokens, %d bytes (%d ranks), %.1f ms after "
                 "allocate; prefix now %d tokens",
                 migration_id,
+                Moment.COMMITTED,
                 written,
                 nbytes * ranks,
                 ranks,

@@ -21,9 +21,11 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sglang_kv_migration import binary_ids, sglang_adapter
+from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.server.messages import CommitTransferRequestKVCacheReqInput
 from sglang_kv_migration.server.same_host.mailbox import Mailbox, MailboxSlots, open_mailbox
+from sglang_kv_migration.wire import binary_ids
+from sglang_kv_migration.wire.moments import Moment
 
 if TYPE_CHECKING:
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics, NullMetrics
@@ -102,10 +104,11 @@ class SourceCommits:
             ids = [p.migration_id for p in self.awaiting_source()]
             dropped = self.pending.drop_for_new_weights(ids)
             for _ in dropped:
-                self.metrics.outcome("target", "weights_changed")
+                self.metrics.outcome("target", Moment.WEIGHTS_CHANGED)
             if dropped and self.ctx.tp_rank == 0:
                 logger.warning(
-                    "New weights drop KV migrations waiting for their source's commit: %s",
+                    "KV migrations %s: %s (new weights before their source's commit)",
+                    Moment.WEIGHTS_CHANGED,
                     ", ".join(dropped),
                 )
 

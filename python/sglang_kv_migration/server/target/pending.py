@@ -6,6 +6,9 @@ Life of a migration on the target (one `PendingMigration` per rank, same id ever
                      │──abort───> ABORTED     (slots freed, prefix unlocked)
                      └──watchdog─> EXPIRED     (same, after the timeout)
 
+(and FLUSHED, WEIGHTS_CHANGED, RELEASED when the cache, the weights or the KV memory
+change under it): the moments are `wire.moments.Moment`'s, the steps `ALLOCATION_STEPS`.
+
 Every exit frees exactly what `allocate` took: the slots and the lock on the matched
 prefix. Slots of an aborted, expired or weights-changed migration go back to the free
 list only when no write to them can still land: at once if the source's receipt says it
@@ -30,7 +33,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -39,6 +41,7 @@ from sglang_kv_migration.cp_owners import OwnerRun
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths.base import DataPath
 from sglang_kv_migration.server.target.quarantine import Quarantine
+from sglang_kv_migration.wire.moments import ALLOCATION_STEPS, Moment, step
 
 if TYPE_CHECKING:
     import torch
@@ -49,16 +52,6 @@ logger = logging.getLogger(__name__)
 
 # How many finished migration ids are remembered for precise late answers.
 FINISHED_HISTORY = 4096
-
-
-class MigrationState(StrEnum):
-    ALLOCATED = "allocated"
-    COMMITTED = "committed"
-    ABORTED = "aborted"
-    EXPIRED = "expired"
-    FLUSHED = "flushed"  # the radix cache was reset (e.g. /flush_cache after new weights)
-    WEIGHTS_CHANGED = "weights_changed"  # the target's weight version moved before commit
-    RELEASED = "released"  # the target released its KV cache memory (memory saver)
 
 
 @dataclass
@@ -77,7 +70,7 @@ class PendingMigration:
     weight_version: str = ""  # the target's weights when it allocated
     write_window_end: float = 0.0  # a source may write the slots until then (registry clock)
     verify: bool = False  # commit checks the receipt's content digest (opt-in verify)
-    state: MigrationState = MigrationState.ALLOCATED
+    state: Moment = Moment.ALLOCATED
 
     @property
     def anchor(self) -> TreeNode:
@@ -162,7 +155,7 @@ class Allocation:
 
 @dataclass(frozen=True)
 class _Finished:
-    state: MigrationState
+    state: Moment
     matched_after_commit: int = 0
 
 
@@ -297,7 +290,7 @@ class PendingMigrations:
             except BaseException:
                 sglang_adapter.unlock_node(self.cache, anchor_lock)
                 raise
-            allocation = Allocation(
+            reserved = Allocation(
                 migration_id=migration_id,
                 matched_length=held.length,
                 extra_length=extra,
@@ -305,19 +298,19 @@ class PendingMigrations:
                 owner_pattern=run.pattern if run is not None else None,
             )
             try:
-                terms = grant(allocation) if grant is not None else GrantTerms()
+                terms = grant(reserved) if grant is not None else GrantTerms()
             except BaseException:
                 path.release(slots)
                 sglang_adapter.unlock_node(self.cache, anchor_lock)
                 raise
             self.by_id[migration_id] = self._pending(
-                allocation, terms, key, anchor_lock, path, weight_version, write_window_s
+                reserved, terms, key, anchor_lock, path, weight_version, write_window_s
             )
-            return allocation
+            return reserved
 
     def _pending(
         self,
-        allocation: Allocation,
+        reserved: Allocation,
         terms: GrantTerms,
         key: RadixKey,
         anchor_lock: sglang_adapter.NodeLock,
@@ -328,13 +321,13 @@ class PendingMigrations:
         """The pending migration of a reservation and what was granted with it."""
         now = self.clock()
         return PendingMigration(
-            migration_id=allocation.migration_id,
+            migration_id=reserved.migration_id,
             key=key,
-            matched_length=allocation.matched_length,
+            matched_length=reserved.matched_length,
             anchor_lock=anchor_lock,
             root=sglang_adapter.cache_generation(self.cache),
             path=path,
-            slots=allocation.slots,
+            slots=reserved.slots,
             weight_version=weight_version,
             created_at=now,
             deadline=now + self.timeout_s,
@@ -345,7 +338,7 @@ class PendingMigrations:
             grant=terms.grant,
             source_dp_rank=terms.source_dp_rank,
             mailbox=terms.mailbox,
-            owner_pattern=allocation.owner_pattern,
+            owner_pattern=reserved.owner_pattern,
             owned_tokens=terms.owned_tokens,
         )
 
@@ -375,7 +368,7 @@ class PendingMigrations:
                 return finished.matched_after_commit
             self._forget_if_flushed(pending)
             if weight_version is not None and weight_version != pending.weight_version:
-                self._release(pending, MigrationState.WEIGHTS_CHANGED)
+                self._release(pending, Moment.WEIGHTS_CHANGED)
                 raise MigrationError(
                     ErrorKind.GONE,
                     f"migration {migration_id!r} was dropped: weight_version changed from "
@@ -403,7 +396,7 @@ class PendingMigrations:
             # inserted or found present): no second radix walk over it (at page size 1
             # SGLang's match is a Python loop over every token).
             matched_after = len(key)
-            self._finish(pending, MigrationState.COMMITTED, matched_after)
+            self._finish(pending, Moment.COMMITTED, matched_after)
             return matched_after
 
     def abort(self, migration_id: str, settled: bool = False) -> None:
@@ -418,7 +411,7 @@ class PendingMigrations:
                     self.quarantine.free(migration_id)
                 return
             self._forget_if_flushed(pending)
-            self._release(pending, MigrationState.ABORTED, settled)
+            self._release(pending, Moment.ABORTED, settled)
 
     def due(self, now: float | None = None) -> list[str]:
         """Pending ids past their deadline and quarantined ids past their write window."""
@@ -441,15 +434,16 @@ class PendingMigrations:
             now = self.clock()
             for pending in expired:
                 if pending.root is not sglang_adapter.cache_generation(self.cache):
-                    self._finish(pending, MigrationState.FLUSHED)
+                    self._finish(pending, Moment.FLUSHED)
                     continue
                 logger.warning(
-                    "KV migration %s expired after %.1fs without commit; freeing %d slots",
+                    "KV migration %s %s after %.1fs without commit; freeing %d slots",
                     pending.migration_id,
+                    Moment.EXPIRED,
                     now - pending.created_at,
                     pending.extra_length,
                 )
-                self._release(pending, MigrationState.EXPIRED)
+                self._release(pending, Moment.EXPIRED)
             return [p.migration_id for p in expired]
 
     def drop_for_new_weights(self, migration_ids: list[str]) -> list[str]:
@@ -459,7 +453,7 @@ class PendingMigrations:
         with self.lock:
             dropped = [self.by_id[i] for i in migration_ids if i in self.by_id]
             for pending in dropped:
-                self._end(pending, MigrationState.WEIGHTS_CHANGED)
+                self._end(pending, Moment.WEIGHTS_CHANGED)
             return [p.migration_id for p in dropped]
 
     def prepare_for_reset(self) -> list[str]:
@@ -469,7 +463,7 @@ class PendingMigrations:
             self.expire(self.quarantine.due(self.clock()))
             dropped = list(self.by_id.values())
             for pending in dropped:
-                self._release(pending, MigrationState.FLUSHED)
+                self._release(pending, Moment.FLUSHED)
             return [p.migration_id for p in dropped]
 
     def prepare_for_release(self) -> list[str]:
@@ -482,7 +476,7 @@ class PendingMigrations:
             dropped = list(self.by_id.values())
             for pending in dropped:
                 settled = not pending.path.late_writes_reach_slots
-                self._release(pending, MigrationState.RELEASED, settled=settled)
+                self._release(pending, Moment.RELEASED, settled=settled)
             self.quarantine.free_unreachable()
             return [p.migration_id for p in dropped]
 
@@ -492,7 +486,7 @@ class PendingMigrations:
         with self.lock:
             self.quarantine.retake()
 
-    def abort_all(self, state: MigrationState = MigrationState.ABORTED) -> list[str]:
+    def abort_all(self, state: Moment = Moment.ABORTED) -> list[str]:
         """Free everything, quarantine included: at shutdown, or with FLUSHED before the
         cache is reset (the caller makes sure no write window is open)."""
         with self.lock:
@@ -504,17 +498,15 @@ class PendingMigrations:
 
     # ------------------------------------------------------------------ helpers
 
-    def _end(self, pending: PendingMigration, state: MigrationState, settled: bool = False) -> None:
+    def _end(self, pending: PendingMigration, state: Moment, settled: bool = False) -> None:
         """End a pending migration as `state`; one allocated before a reset only has its
         entry forgotten (FLUSHED: the reset freed its slots and unlocked its nodes)."""
         if pending.root is not sglang_adapter.cache_generation(self.cache):
-            self._finish(pending, MigrationState.FLUSHED)
+            self._finish(pending, Moment.FLUSHED)
         else:
             self._release(pending, state, settled)
 
-    def _release(
-        self, pending: PendingMigration, state: MigrationState, settled: bool = False
-    ) -> None:
+    def _release(self, pending: PendingMigration, state: Moment, settled: bool = False) -> None:
         sglang_adapter.unlock_node(self.cache, pending.anchor_lock)
         self._finish(pending, state, settled=settled)
         if settled:
@@ -525,13 +517,14 @@ class PendingMigrations:
     def _finish(
         self,
         pending: PendingMigration,
-        state: MigrationState,
+        state: Moment,
         matched_after: int = 0,
         settled: bool = False,
     ) -> None:
+        step(ALLOCATION_STEPS, pending.state, state)  # ends once, from ALLOCATED
         # IMPORTANT: like the slots, an extent or mailbox slot a granted write may still
         # reach is reused only after the write window (a commit saw every write complete).
-        late = state is not MigrationState.COMMITTED and not settled
+        late = state is not Moment.COMMITTED and not settled
         not_before = pending.write_window_end if late else None
         if pending.staging is not None and self.release_staging is not None:
             self.release_staging(pending.staging, not_before)
@@ -549,7 +542,7 @@ class PendingMigrations:
         """A reset replaced the tree and cleared the host pool: there is nothing left to
         free or unlock, only the entry to forget."""
         if pending.root is not sglang_adapter.cache_generation(self.cache):
-            self._finish(pending, MigrationState.FLUSHED)
+            self._finish(pending, Moment.FLUSHED)
             self._check_finished(pending.migration_id, "commit")
 
     def _check_finished(self, migration_id: str, action: str) -> _Finished:
@@ -564,32 +557,32 @@ def _finished_answer(
     """`finished` when `action` repeats how it ended (harmless), else a precise error."""
     if finished is None:
         raise MigrationError(ErrorKind.NOT_FOUND, f"unknown migration id {migration_id!r}")
-    if finished.state is MigrationState.FLUSHED:
+    if finished.state is Moment.FLUSHED:
         raise MigrationError(
             ErrorKind.GONE,
             f"migration {migration_id!r} was dropped: the cache was flushed (for example "
             "after a weight update) before it was committed",
         )
-    if finished.state is MigrationState.WEIGHTS_CHANGED:
+    if finished.state is Moment.WEIGHTS_CHANGED:
         raise MigrationError(
             ErrorKind.GONE,
             f"migration {migration_id!r} was dropped: the target's weights changed "
             "before it was committed",
         )
-    if finished.state is MigrationState.RELEASED:
+    if finished.state is Moment.RELEASED:
         raise MigrationError(
             ErrorKind.GONE,
             f"migration {migration_id!r} was dropped: the target released its KV cache "
             "memory (/release_memory_occupation) before it was committed; migrate again "
             "after /resume_memory_occupation",
         )
-    if finished.state is MigrationState.EXPIRED:
+    if finished.state is Moment.EXPIRED:
         raise MigrationError(
             ErrorKind.GONE,
             f"migration {migration_id!r} expired after the {timeout_s:g}s watchdog "
             "timeout; its slots were freed",
         )
-    repeat_ok = {"commit": MigrationState.COMMITTED, "abort": MigrationState.ABORTED}
+    repeat_ok = {"commit": Moment.COMMITTED, "abort": Moment.ABORTED}
     if finished.state is repeat_ok[action]:
         return finished
     raise MigrationError(

@@ -26,6 +26,7 @@ from sglang_kv_migration.server.target.commits import Commits, in_progress_outpu
 from sglang_kv_migration.server.target.mailbox_commits import SourceCommits, builds_on
 from sglang_kv_migration.server.target.pending import PendingMigrations
 from sglang_kv_migration.wire.features import SOURCE_ALLOCATE, SOURCE_COMMIT
+from sglang_kv_migration.wire.moments import Moment
 
 logger = logging.getLogger(__name__)
 
@@ -108,13 +109,13 @@ class TargetRole:
         if failed is not None:
             return failed
         if was_pending:
-            self.metrics.outcome("target", "aborted")
+            self.metrics.outcome("target", Moment.ABORTED)
         return local
 
     def stage_sync(self, req: StageSyncReqInput) -> None:
         """Later PP stages: free what stage 0's watchdog freed (skips unknown ids)."""
         for _ in self.pending.expire(req.expired_ids):
-            self.metrics.outcome("target", "expired")
+            self.metrics.outcome("target", Moment.EXPIRED)
         return None
 
     def run_watchdog(self, quarantine_only: bool = False) -> list[str]:
@@ -128,7 +129,7 @@ class TargetRole:
         # A commit whose scatter runs owns its slots until it answers (a local copy).
         due = [mid for mid in due if not self.commits.in_progress(mid)]
         for _ in self.pending.expire(due):
-            self.metrics.outcome("target", "expired")
+            self.metrics.outcome("target", Moment.EXPIRED)
         return due
 
     def before_requests(self, recv_reqs: list[Any]) -> None:
@@ -175,7 +176,11 @@ class TargetRole:
         self.commits.fail_waiting("the target's cache was flushed during the commit")
         dropped = self.pending.prepare_for_reset()
         if dropped and self.ctx.tp_rank == 0:
-            logger.warning("Cache flush drops pending KV migrations: %s", ", ".join(dropped))
+            logger.warning(
+                "KV migrations %s: %s (the radix cache is reset)",
+                Moment.FLUSHED,
+                ", ".join(dropped),
+            )
 
     def drop_for_memory_release(self) -> None:
         """Before SGLang unmaps the KV pool: deferred commits fail, pending allocations
@@ -184,7 +189,9 @@ class TargetRole:
         dropped = self.pending.prepare_for_release()
         if dropped and self.ctx.tp_rank == 0:
             logger.warning(
-                "KV cache memory release drops pending KV migrations: %s", ", ".join(dropped)
+                "KV migrations %s: %s (the KV cache memory is released)",
+                Moment.RELEASED,
+                ", ".join(dropped),
             )
 
     def close(self) -> None:

@@ -16,12 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sglang_kv_migration.wire import features
-
 if TYPE_CHECKING:
     import torch
-
-FEATURE = features.PAGE_RANGES  # `wire/features.py` says what it adds
 
 
 def to_page_ranges(slots: torch.Tensor, page_size: int) -> list[list[int]]:

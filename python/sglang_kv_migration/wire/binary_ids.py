@@ -17,9 +17,6 @@ import binascii
 import struct
 from typing import Any
 
-from sglang_kv_migration.wire import features
-
-FEATURE = features.BINARY_IDS
 FIELD = "input_ids_u32"
 ITEM_BYTES = 4
 _LIMIT = 1 << 32
