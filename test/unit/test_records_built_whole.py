@@ -54,11 +54,7 @@ RECORD_WRITES_ALLOWED: dict[str, object] = {
         3,
         "a peer's opened buffers marked checked and used (`cuda_ipc.OpenedPeer`)",
     ),
-    "paths/device/tier_source.py": (
-        2,
-        "the send's byte count on its job's stats; a matched prefix's segments moved to "
-        "the host once",
-    ),
+    "paths/device/tier_source.py": (1, "the send's byte count on its job's stats"),
     "paths/shared_host/peer_pools.py": (
         3,
         "a mapped pool's copy destination keyed by the pool, and emptied when it closes",
