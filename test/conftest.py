@@ -105,10 +105,10 @@ def side_factory(
     (metrics on; with ``pp_size > 1`` one stage's only rank), replying into
     `side.replies`; `side.harness` is the harness it runs on."""
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
-    from sglang_kv_migration.server.compose import compose_rank
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics
-    from sglang_kv_migration.server.rank.scheduler_side import MigrationSchedulerSide
     from sglang_kv_migration.server.rank.settings import RankSettings
+    from sglang_kv_migration.server.scheduler.compose import compose_rank
+    from sglang_kv_migration.server.scheduler.scheduler_side import MigrationSchedulerSide
     from side_helpers import one_rank_context
 
     built: list[MigrationSchedulerSide] = []
