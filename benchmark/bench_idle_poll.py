@@ -5,7 +5,7 @@ and `after_process_input_requests`) once per scheduler loop iteration on every s
 that has this package installed: with the flag off they find no migration side and
 return; with the flag on and nothing in flight the side's `before_requests()` reads
 whether a source asked its allocate channel for slots (one zmq socket option, on
-single-rank servers) and its `poll()` returns at once (`rank/loop.py`). This times
+single-rank servers) and its `poll()` returns at once (`scheduler/loop.py`). This times
 both on a real `MigrationSchedulerSide` (CPU harness: SGLang's own HiRadixCache and host
 pool, a real Mooncake engine, a real allocate channel), side by side in one run, medians
 over repeats, and prints the difference per iteration. Multiplied by a server's loop
@@ -36,9 +36,9 @@ def _build_side():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cpu_harness.install_cpu_shims()
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
-    from sglang_kv_migration.server.compose import compose_rank
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics
     from sglang_kv_migration.server.rank.settings import RankSettings
+    from sglang_kv_migration.server.scheduler.compose import compose_rank
     from side_helpers import one_rank_context
 
     harness = cpu_harness.build_harness(cpu_harness.HarnessConfig(page_size=16))
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
-    from sglang_kv_migration.server.rank.hooks import (
+    from sglang_kv_migration.server.scheduler.hooks import (
         after_process_input_requests,
         before_process_input_requests,
     )
@@ -87,7 +87,7 @@ def main() -> None:
             results["empty loop"].append(_time_hook(lambda *a: None, off, args.iterations))
             results["off"].append(_time_hook(hook, off, args.iterations))
             results["on"].append(_time_hook(hook, on, args.iterations))
-        assert side.loop_timer.iterations == 0, "an idle poll was timed as busy"
+        assert side.diagnostics.loop_timer.iterations == 0, "an idle poll was timed as busy"
     finally:
         side.close()
         harness.close()

@@ -66,7 +66,7 @@ def _server_class() -> type:
     class BenchServer(_Server):
         def timed_call(self, name: str, request: Any) -> tuple[Any, float, Worst]:
             """(reply, seconds, the longest iteration of our scheduler-thread time)."""
-            timer = self.side.loop_timer
+            timer = self.side.diagnostics.loop_timer
             timer.diagnose()  # idempotent
             timer.reset()
             start = time.perf_counter()
@@ -75,16 +75,16 @@ def _server_class() -> type:
             return reply, time.perf_counter() - start, worst
 
         def set_overlap(self, on: bool) -> None:
-            self.side.staging.overlap = on
+            self.side.target.staging.overlap = on
 
         def arena(self) -> list[int]:
-            return self.side.staging.region
+            return self.side.target.staging.region
 
         def raw_write(self, session_id: str, peer_arena: list[int], nbytes: int, pieces: int):
             """One write of ``nbytes`` from this side's arena into the peer's."""
             from sglang_kv_migration.paths.host.mooncake import MemoryRegion, WriteOp
 
-            base = self.side.staging.region[0]
+            base = self.side.target.staging.region[0]
             step = -(-nbytes // pieces)
             ops = [
                 WriteOp(base + o, peer_arena[0] + o, min(step, nbytes - o))
@@ -105,7 +105,7 @@ def _server_class() -> type:
             page faults would otherwise be timed inside the first write to each slot."""
             import torch
 
-            for buf in self.side.layout.buffers:
+            for buf in self.side.identity.layout.buffers:
                 view = (ctypes.c_uint8 * buf.length).from_address(buf.ptr)
                 torch.frombuffer(view, dtype=torch.uint8).fill_(0x5A)
 
@@ -124,7 +124,7 @@ def peer_main(conn: Connection) -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cpu_harness.install_cpu_shims()
-    import sglang_kv_migration.server.rank.scheduler_side  # noqa: F401  (the slow import, up front)
+    import sglang_kv_migration.server.scheduler.scheduler_side  # noqa: F401  (the slow import, up front)
 
     server = _server_class()()
     conn.send(("ready", None))

@@ -7,10 +7,11 @@ Nothing here talks to a server, so all of it is tested on CPU
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from spreads import spread
 
 LENGTHS = (1024, 8192, 32768)
 TIERS = ("gpu", "host")  # where the source holds the prefix it moves
@@ -19,19 +20,6 @@ SOURCES = ("idle", "busy")  # the source decodes nothing / a full batch meanwhil
 # the source's decode throughput during a stream of moves >= 95% of without.
 BUSY_OVER_IDLE_MAX = 2.0
 DECODE_KEPT_MIN = 0.95
-
-
-def spread(values: Sequence[float | None]) -> dict[str, float | int | None]:
-    """Median with min and max of the values present (None: not measured)."""
-    present = [float(v) for v in values if v is not None]
-    if not present:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {
-        "median": statistics.median(present),
-        "min": min(present),
-        "max": max(present),
-        "n": len(present),
-    }
 
 
 def counter_rate(samples: Sequence[tuple[float, float]]) -> float | None:

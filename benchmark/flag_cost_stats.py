@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from spreads import rounded_spread
+
 STOCK, HICACHE, FLAG, TWIN = "stock", "hicache", "flag", "hicache_twin"
 TARGET_PCT = 1.0
 
@@ -128,17 +130,6 @@ def decode_window(streams: Sequence[Stream]) -> dict[str, Any]:
 # ---------------------------------------------------------------- rounds
 
 
-def spread(values: Sequence[float], digits: int = 3) -> dict[str, Any] | None:
-    if not values:
-        return None
-    return {
-        "median": round(statistics.median(values), digits),
-        "min": round(min(values), digits),
-        "max": round(max(values), digits),
-        "n": len(values),
-    }
-
-
 def cost_pct(value: float, base: float, lower_is_better: bool) -> float:
     """How much worse `value` is than `base`, percent (negative: better)."""
     ratio = value / base
@@ -176,7 +167,7 @@ def cell_row(rounds: Sequence[Mapping[str, Any]], c: Cell, servers: Sequence[str
     row["servers"] = {}
     for server in servers:
         values = round_values(rounds, c.name, server)
-        row["servers"][server] = spread(values)
+        row["servers"][server] = rounded_spread(values, 3)
         if values:
             medians[server] = statistics.median(values)
 

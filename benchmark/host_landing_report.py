@@ -8,10 +8,11 @@ Nothing here talks to a server, so all of it is tested on CPU
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from spreads import spread
 
 LENGTHS = (8192, 32768)
 TIERS = ("gpu", "host")  # where the source holds the prefix it moves
@@ -20,19 +21,6 @@ TIERS = ("gpu", "host")  # where the source holds the prefix it moves
 # target with room, and at most 10% of re-prefilling the prompt on the target.
 OVER_DEVICE_MAX = 3.0
 OVER_REPREFILL_MAX = 0.10
-
-
-def spread(values: Sequence[float | None]) -> dict[str, float | int | None]:
-    """Median with min and max of the values present (None: not measured)."""
-    present = [float(v) for v in values if v is not None]
-    if not present:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {
-        "median": statistics.median(present),
-        "min": min(present),
-        "max": max(present),
-        "n": len(present),
-    }
 
 
 def move_row(

@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from spreads import rounded_spread
+
 DEFAULT = "default"  # verl's balancer: sticky + least in flight, never re-pins
 REPREFILL = "repin_reprefill"  # re-pins; the new server re-prefills the history
 MIGRATE = "repin_migrate"  # re-pins; the history's KV migrates first
@@ -53,18 +55,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(ordered, n=100, method="inclusive")[int(q) - 1]
 
 
-def spread(values: Sequence[float], digits: int = 4) -> dict[str, Any] | None:
-    """`{"median", "min", "max", "n"}` of per-repeat values; None when there are none."""
-    if not values:
-        return None
-    return {
-        "median": round(statistics.median(values), digits),
-        "min": round(min(values), digits),
-        "max": round(max(values), digits),
-        "n": len(values),
-    }
-
-
 def arm_summary(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One arm over its repeats. Each step: `makespan_s` and `turns`, a list of
     `{"latency_s": ...}`; optional `moves` (outcome -> count) are summed."""
@@ -78,9 +68,9 @@ def arm_summary(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {
         "repeats": len(steps),
         "turns": sum(len(s["turns"]) for s in steps),
-        "makespan_s": spread(makespans),
-        "turn_p50_s": spread(p50s),
-        "turn_p99_s": spread(p99s),
+        "makespan_s": rounded_spread(makespans, 4),
+        "turn_p50_s": rounded_spread(p50s, 4),
+        "turn_p99_s": rounded_spread(p99s, 4),
         "moves": moves,
     }
 
@@ -119,7 +109,7 @@ def repeat_ratios(steps: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str,
     for other, name in ((REPREFILL, "reprefill"), (DEFAULT, "default"), (BOUND, "bound")):
         theirs = by_repeat(other)
         values = [mine[r] / theirs[r] for r in mine if theirs.get(r)]
-        out[f"makespan_migrate_over_{name}"] = spread(values)
+        out[f"makespan_migrate_over_{name}"] = rounded_spread(values, 4)
     return out
 
 

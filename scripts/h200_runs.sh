@@ -29,7 +29,7 @@ cd "$(dirname "$0")/.."
 call=${1:?usage: bash scripts/h200_runs.sh 1|2|...|39|NAME}
 budget=${KVMIG_BUDGET_S:-560}
 deadline=$((budget - 40))
-T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
+source scripts/gpu_job_commands.sh  # T, DEVTEST_*, SAVER_*, NSA_TEST, CONC16
 case $call in
 1)
   # One-call latency with the one-trip client (the default: the source allocates on the
@@ -50,9 +50,9 @@ case $call in
   # distinct ports, little memory), then the memory-saver GPU test (release/resume and
   # the landing arena's rounds, each a one-trip move).
   exec bash scripts/gpu_jobs.sh 560 \
-    "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency --concurrency-rounds 3" \
-    "+0:devtest16:sleep 240; KVMIG_PORT_BASE=31500 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py" \
-    "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py"
+    "0:conc16:$CONC16" \
+    "+0:devtest16:sleep 240; KVMIG_PORT_BASE=31500 $DEVTEST_MHA16" \
+    "0:saver16:$SAVER_MHA16"
   ;;
 5)
   # Both comparisons on fresh servers: one-call vs two-trip rows at page 1 (one page,
@@ -76,16 +76,16 @@ case $call in
   # device-path GPU tests at MLA page 64.
   exec bash scripts/gpu_jobs.sh 560 \
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --two-trips --full-destination" \
-    "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py" \
-    "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
+    "0:saver16:$SAVER_MHA16" \
+    "0:devtest64:$DEVTEST_MLA64"
   ;;
 8)
   # Concurrency with "transfer_batch" and the launches together: page 16, three
   # rounds of one move, six from six threads, and the same six in one migrate_many; the
   # device-path GPU tests (MHA page 16, the batched-moves test among them) beside it.
   exec bash scripts/gpu_jobs.sh 560 \
-    "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency --concurrency-rounds 3" \
-    "+0:devtest16:sleep 240; KVMIG_PORT_BASE=31500 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+    "0:conc16:$CONC16" \
+    "+0:devtest16:sleep 240; KVMIG_PORT_BASE=31500 $DEVTEST_MHA16"
   ;;
 9)
   # One-call latency (page 1: one page, 1K, 2K, 32K beside re-prefill, each row after
@@ -94,14 +94,14 @@ case $call in
   # memory-saver GPU test (the landing arena's one-call moves, release/resume).
   exec bash scripts/gpu_jobs.sh 560 \
     "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 32768 --repeats 3 --no-host --calibrate --concurrency-rounds 2" \
-    "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py"
+    "0:saver16:$SAVER_MHA16"
   ;;
 3)
   # The any-tier table at page 1 (tiers gpu / host / mixed at 4K/16K/32K beside
   # re-prefill and the host path), then the memory-saver test at MLA page 64.
   exec bash scripts/gpu_jobs.sh 560 \
     "0:anytier1:python3 benchmark/bench_any_tier.py --page-size 1" \
-    "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py"
+    "0:saver64:$SAVER_MLA64"
   ;;
 4)
   # The live move beside today's moves, arm by arm, and its GPU tests.
@@ -116,8 +116,8 @@ case $call in
   # device-path tests at MLA page 64, then page 16 rows beside re-prefill and two
   # concurrency rounds (six 8K moves from threads, and in one migrate_many).
   exec bash scripts/gpu_jobs.sh 560 \
-    "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py" \
-    "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py" \
+    "0:saver16:$SAVER_MHA16" \
+    "0:devtest64:$DEVTEST_MLA64" \
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2"
   ;;
 11)
@@ -125,9 +125,9 @@ case $call in
   # into a kept mapping no longer a rate sample; the first channel allocate without the
   # import), the memory-saver test at MLA page 64, then the page-16 concurrency rounds.
   exec bash scripts/gpu_jobs.sh 560 \
-    "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py" \
-    "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py" \
-    "0:conc16:python3 benchmark/bench_any_tier.py --page-size 16 --only-concurrency --concurrency-rounds 3"
+    "0:devtest64:$DEVTEST_MLA64" \
+    "0:saver64:$SAVER_MLA64" \
+    "0:conc16:$CONC16"
   ;;
 12)
   # One-call latency with the HTTP trip's fast paths (the routes' fast path without
@@ -136,13 +136,13 @@ case $call in
   # (the route-metrics test).
   exec bash scripts/gpu_jobs.sh 560 \
     "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2" \
-    "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
+    "0:devtest64:$DEVTEST_MLA64"
   ;;
 13)
   # The rest of job 11: the memory-saver test at MLA page 64, then page 16
   # rows beside re-prefill with two concurrency rounds (threads, one migrate_many).
   exec bash scripts/gpu_jobs.sh 560 \
-    "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py" \
+    "0:saver64:$SAVER_MLA64" \
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2"
   ;;
 14)
@@ -151,7 +151,7 @@ case $call in
   # round), then the device-path GPU tests at MHA page 16.
   exec bash scripts/gpu_jobs.sh 560 \
     "0:anytier16:python3 benchmark/bench_any_tier.py --page-size 16" \
-    "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+    "0:devtest16:$DEVTEST_MHA16"
   ;;
 15)
   # Latency and concurrency with the adapter's radix walk comparing node keys as whole
@@ -165,7 +165,7 @@ case $call in
   # GPU tests at MHA page 16.
   exec bash scripts/gpu_jobs.sh 560 \
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 3 --no-host --concurrency-rounds 2" \
-    "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+    "0:devtest16:$DEVTEST_MHA16"
   ;;
 17)
   # One-call latency with the scheduler-thread cuts (the page lists uploaded through
@@ -182,13 +182,13 @@ case $call in
   # page 16.
   exec bash scripts/gpu_jobs.sh 560 \
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 5 --no-host --concurrency-rounds 2" \
-    "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+    "0:devtest16:$DEVTEST_MHA16"
   ;;
 19)
   # The memory-saver and device-path GPU tests at MLA page 64.
   exec bash scripts/gpu_jobs.sh 560 \
-    "0:saver64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_memory_saver.py" \
-    "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
+    "0:saver64:$SAVER_MLA64" \
+    "0:devtest64:$DEVTEST_MLA64"
   ;;
 20)
   # Where a one-page move's time goes after the target's answer at page 16 (the transfer
@@ -208,7 +208,7 @@ case $call in
   exec bash scripts/gpu_jobs.sh 570 \
     "0:dp16:python3 benchmark/bench_device_path.py --page-size 16 --lengths 17 1024 2048 32768 --repeats 5 --no-host --concurrency-rounds 2" \
     "0:dp1:python3 benchmark/bench_device_path.py --page-size 1 --lengths 2 1024 2048 32768 --repeats 5 --no-host --concurrency-rounds 2" \
-    "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+    "0:devtest16:$DEVTEST_MHA16"
   ;;
 22)
   # The device-path GPU tests at MHA page 16 that job 21's limit can cut (flush, tiers
@@ -224,9 +224,9 @@ case $call in
   # counts as a 1.6 GB/s copy), then the memory-saver test (the landing
   # arena's moves with the in-poll waits), then the device-path tests at MLA page 64.
   exec bash scripts/gpu_jobs.sh 570 \
-    "0:devtest16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py" \
-    "0:saver16:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py" \
-    "0:devtest64:KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py"
+    "0:devtest16:$DEVTEST_MHA16" \
+    "0:saver16:$SAVER_MHA16" \
+    "0:devtest64:$DEVTEST_MLA64"
   ;;
 24)
   # Whether the in-poll waits paid, side by side in one run: page 16 rows (one page, 2K,
@@ -371,7 +371,7 @@ rl4k-*|rl8k-*|rl16k-*)
   # the kernels but without the threshold its first prefill fails importing fa3: both
   # seen on 7a68348 (docs/benchmarks.md). The DP=2 GPU test needs two GPUs: x2_runs.sh 5.
   exec bash scripts/gpu_jobs.sh "${KVMIG_BUDGET_S:-400}" \
-    "0:nsak:bash scripts/nsa_site.sh /tmp/site-nsa && PYTHONPATH=/tmp/site-nsa:/tmp/site KVMIG_PORT_BASE=30900 SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0 KVMIG_EXTRA_SERVER_FLAGS='--nsa-decode-backend flashmla_sparse' $T test/gpu/test_gpu_nsa.py"
+    "0:nsak:$NSA_TEST"
   ;;
 38)
   # The GPU tests on the code as it stands, before any benchmark: the device-path tests
@@ -380,7 +380,7 @@ rl4k-*|rl8k-*|rl16k-*)
   # request-migration tests (page 16, the live move among them) and the host path
   # through Mooncake (page 1), each on its own ports.
   exec bash scripts/gpu_jobs.sh "${KVMIG_BUDGET_S:-560}" \
-    "0:devtests:KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py; KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py; KVMIG_ATTENTION=mla KVMIG_PAGE_SIZE=64 $T test/gpu/test_gpu_device_path.py" \
+    "0:devtests:$DEVTEST_MHA16; $SAVER_MHA16; $DEVTEST_MLA64" \
     "+0:reqmig16:sleep 20; KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_request_migration.py" \
     "+0:host1:sleep 40; KVMIG_PAGE_SIZE=1 $T test/gpu/test_gpu_migration.py"
   ;;
@@ -430,7 +430,7 @@ landtests)
   # tiered copies, now shared with the host landing): when the landing job ran out of time.
   exec bash scripts/gpu_jobs.sh "$budget" \
     "0:landtest:KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_host_landing.py; KVMIG_PAGE_SIZE=1 KVMIG_PORT_BASE=30800 $T test/gpu/test_gpu_host_landing.py" \
-    "+0:devtest16:sleep 30; KVMIG_PORT_BASE=31500 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_device_path.py"
+    "+0:devtest16:sleep 30; KVMIG_PORT_BASE=31500 $DEVTEST_MHA16"
   ;;
 verlray)
   # verl's own SGLang server class (SGLangHttpServer) in Ray actors: two replicas on one

@@ -20,7 +20,7 @@
 set -u
 cd "$(dirname "$0")/.."
 call=${1:?usage: bash scripts/x2_runs.sh 1|2|3|4|5}
-T="python3 -m pytest -q -m gpu -p no:cacheprovider -s"
+source scripts/gpu_job_commands.sh  # T, NSA_TEST
 case $call in
 1)
   # Across GPUs (~520 s): device path GPU 0 -> GPU 1, 1K/4K/16K/32K x 3 rounds
@@ -62,7 +62,7 @@ case $call in
   # .whl-mc/), and the CP probe (stock SGLang, no plugin: does a HiCache server start
   # with attention CP for a small NSA model).
   exec bash scripts/gpu_jobs.sh 545 \
-    "+0,1:saver_tp2:KVMIG_TP=2 KVMIG_ATTENTION=mha KVMIG_PAGE_SIZE=16 $T test/gpu/test_gpu_memory_saver.py" \
+    "+0,1:saver_tp2:KVMIG_TP=2 $SAVER_MHA16" \
     "+0,1:cp:python3 benchmark/probes/probe_attn_cp.py"
   ;;
 5)
@@ -75,7 +75,7 @@ case $call in
   # ".whl-nsa" too; see h200_runs.sh 37).
   exec bash scripts/gpu_jobs.sh 545 \
     "0,1:dp2:$T test/gpu/test_gpu_dp.py" \
-    "+0:nsak:bash scripts/nsa_site.sh /tmp/site-nsa && PYTHONPATH=/tmp/site-nsa:/tmp/site KVMIG_PORT_BASE=30900 SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0 KVMIG_EXTRA_SERVER_FLAGS='--nsa-decode-backend flashmla_sparse' $T test/gpu/test_gpu_nsa.py"
+    "+0:nsak:$NSA_TEST"
   ;;
 *)
   echo "unknown call $call: 1, 2, 3, 4 or 5" >&2

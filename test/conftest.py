@@ -107,12 +107,12 @@ def side_factory(
 
     The watchdog (and with it the grants, at half of it) is long: on a loaded machine a
     loopback write may start seconds after its allocate. A test of an expiry moves the
-    side's clock (`side.pending.clock`) or asks for a short watchdog and waits past it."""
+    side's clock (`side.target.pending.clock`) or asks for a short watchdog and waits past it."""
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
-    from sglang_kv_migration.server.compose import compose_rank
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics
-    from sglang_kv_migration.server.rank.scheduler_side import MigrationSchedulerSide
     from sglang_kv_migration.server.rank.settings import RankSettings
+    from sglang_kv_migration.server.scheduler.compose import compose_rank
+    from sglang_kv_migration.server.scheduler.scheduler_side import MigrationSchedulerSide
     from side_helpers import one_rank_context
 
     built: list[MigrationSchedulerSide] = []

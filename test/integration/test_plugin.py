@@ -316,7 +316,7 @@ def test_flag_off_installs_nothing_on_the_scheduler() -> None:
     from sglang.utils import TypeBasedDispatcher
     from sglang_kv_migration.server.http import communicators
     from sglang_kv_migration.server.messages import REQUEST_TYPES
-    from sglang_kv_migration.server.rank import hooks as scheduler_hooks
+    from sglang_kv_migration.server.scheduler import hooks as scheduler_hooks
     from sglang_kv_migration.server.server_args import KVMigrationServerArgs
 
     args = KVMigrationServerArgs(

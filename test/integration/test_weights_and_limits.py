@@ -85,7 +85,7 @@ def test_commit_after_a_weight_update_drops_the_pages(side) -> None:
     dropped = side.harness.snapshot()
     assert dropped.total_lock_ref == before.total_lock_ref
     assert dropped.host_available == before.host_available - len(ids)
-    assert side.pending.release_quarantine(now=float("inf")) == ["w"]
+    assert side.target.pending.release_quarantine(now=float("inf")) == ["w"]
     assert side.harness.snapshot() == before
     again = side.commit_transfer_request_kvcache(
         CommitTransferRequestKVCacheReqInput(migration_id="w", weight_version="v2")

@@ -64,8 +64,8 @@ class _Server:
     ) -> dict:
         import cpu_harness
         from sglang_kv_migration.paths.host.mooncake import TransportConfig
-        from sglang_kv_migration.server.compose import compose_rank
         from sglang_kv_migration.server.rank.settings import RankSettings
+        from sglang_kv_migration.server.scheduler.compose import compose_rank
         from side_helpers import one_rank_context
 
         side_kwargs = dict(side_kwargs or {})
@@ -167,7 +167,7 @@ class _Server:
         """(most calls in one invocation, invocations, loop timer max s, its top callees)."""
         counts, self.call_counts = self.call_counts, []
         worst = max(counts, default=(0, []))
-        return worst[0], len(counts), self.side.loop_timer.max_s, worst[1]
+        return worst[0], len(counts), self.side.diagnostics.loop_timer.max_s, worst[1]
 
     def fragment_host(self, seed: int) -> int:
         """Shuffle the host pool's free list page by page: every later allocation is
@@ -187,7 +187,7 @@ class _Server:
         return len(pages)
 
     def staging(self) -> dict:
-        staging = self.side.staging
+        staging = self.side.target.staging
         if staging is None:
             return {}
         arena = staging.arena
@@ -203,7 +203,7 @@ class _Server:
     def expire_by_polling(self, max_iterations: int) -> int:
         """Run the scheduler loop's poll() until the watchdog freed everything."""
         for i in range(max_iterations):
-            if len(self.side.pending) == 0:
+            if len(self.side.target.pending) == 0:
                 return i
             self.side.poll()
             time.sleep(0.001)
@@ -215,16 +215,17 @@ class _Server:
         freed: list[str] = []
         deadline = time.monotonic() + 5.0
         while True:
-            freed += self.side.pending.release_quarantine(now=float("inf"))
-            if not self.side.pending.quarantine or time.monotonic() > deadline:
+            freed += self.side.target.pending.release_quarantine(now=float("inf"))
+            if not self.side.target.pending.quarantine or time.monotonic() > deadline:
                 return freed
             time.sleep(0.01)
 
     def advance_clock(self, seconds: float) -> None:
         """Move the side's registry clock (write windows, watchdog deadlines, the staging
         arena's reuse) `seconds` ahead: a test of a window waits for none."""
-        clock = self.side.pending.clock
-        self.side.pending.clock = lambda: clock() + seconds
+        pending = self.side.target.pending
+        clock = pending.clock
+        pending.clock = lambda: clock() + seconds
 
     def snapshot(self) -> Any:
         return self.harness.snapshot()
@@ -248,7 +249,7 @@ class _Server:
         return _digest(self.harness.kv_host_pool.kv_buffer)
 
     def pending(self) -> int:
-        return len(self.side.pending)
+        return len(self.side.target.pending)
 
 
 def _digest(t: Any) -> str:
@@ -265,7 +266,7 @@ def peer_main(conn: Connection) -> None:
     import cpu_harness
 
     cpu_harness.install_cpu_shims()
-    import sglang_kv_migration.server.compose  # noqa: F401  (the slow sglang import, up front)
+    import sglang_kv_migration.server.scheduler.compose  # noqa: F401  (the slow sglang import, up front)
 
     server = _Server()
     conn.send(("ready", None))

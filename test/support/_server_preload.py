@@ -17,7 +17,7 @@ import sglang.srt.server_args  # noqa: E402, F401
 import sglang.srt.utils.auth  # noqa: E402, F401
 import sglang_kv_migration.server.http.communicators  # noqa: E402, F401
 import sglang_kv_migration.server.http.routes  # noqa: E402, F401
-import sglang_kv_migration.server.rank.hooks  # noqa: E402, F401
+import sglang_kv_migration.server.scheduler.hooks  # noqa: E402, F401
 import sglang_kv_migration.server.server_args  # noqa: E402, F401
 import uvicorn  # noqa: E402, F401
 import zmq.asyncio  # noqa: E402, F401

@@ -510,13 +510,13 @@ def is_unified_sglang() -> bool:
 
 @contextlib.contextmanager
 def _plugin_allocator_hook() -> Iterator[None]:
-    """The plugin's AROUND hook on the host pool's allocator (`server/rank/hooks.py`),
+    """The plugin's AROUND hook on the host pool's allocator (`server/scheduler/hooks.py`),
     as `load_plugins()` installs it in a server: the harness builds its cache without
     the plugin loaded."""
     import functools
 
     import sglang.srt.mem_cache.memory_pool_host as mph
-    from sglang_kv_migration.server.rank.hooks import around_get_allocator_from_storage
+    from sglang_kv_migration.server.scheduler.hooks import around_get_allocator_from_storage
 
     original = mph.get_allocator_from_storage
     mph.get_allocator_from_storage = functools.partial(around_get_allocator_from_storage, original)

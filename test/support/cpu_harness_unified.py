@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from cpu_harness import Harness
 
 if TYPE_CHECKING:
     from cpu_harness import HarnessConfig, HarnessSnapshot
@@ -126,24 +127,10 @@ class UnifiedHarness:
         self.cache.flush_pending_backups()
         self.cache.writing_check(write_back=True)
 
-    def evict_device_all(self) -> int:
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        self.write_back_all()
-        total = 0
-        while self.cache.evictable_size() > 0:
-            got = self.cache.evict(
-                EvictParams(num_tokens=self.cache.evictable_size())
-            ).num_tokens_evicted
-            if got == 0:
-                break
-            total += got
-        return total
-
-    def match(self, token_ids: Sequence[int], extra_key: str | None = None) -> Any:
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-
-        return self.cache.match_prefix(MatchPrefixParams(key=self._key(token_ids, extra_key)))
+    # Both lines' caches evict and match through the same public calls: 0.5.12's
+    # harness's methods, which use only `cache`, `_key` and `write_back_all`.
+    evict_device_all = Harness.evict_device_all
+    match = Harness.match
 
     def host_free_list(self) -> torch.Tensor:
         """As `Harness.host_free_list` (0.5.23 keeps freed slots aside until the next

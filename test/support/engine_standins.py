@@ -39,7 +39,7 @@ def run_scheduler_process(
     import mini_server
     import zmq
     from sglang.srt.plugins import load_plugins
-    from sglang_kv_migration.server.rank import hooks as scheduler_hooks
+    from sglang_kv_migration.server.scheduler import hooks as scheduler_hooks
 
     load_plugins()  # as SGLang's scheduler process does first
     # The engine's own model folder: this process is killed, so a folder of its own

@@ -354,7 +354,7 @@ class _MiniScheduler:
     def run(self, receiver: Any, control: Any, harness: Any, extension: Any = None) -> None:
         import zmq
         from sglang.srt.utils.common import point_to_point_pyobj
-        from sglang_kv_migration.server.rank import hooks as scheduler_hooks
+        from sglang_kv_migration.server.scheduler import hooks as scheduler_hooks
 
         last_stage = self.pp_rank == self.pp_size - 1
         idle_wait = _IdleWait(receiver, getattr(self, "kv_migration", None))
@@ -423,7 +423,7 @@ class _IdleWait:
         self.poller = zmq.Poller() if receiver is not None else None
         if self.poller is not None:
             self.poller.register(receiver, zmq.POLLIN)
-            channel = getattr(migration, "channel_allocations", None)
+            channel = migration.target.channel if migration is not None else None
             if channel is not None:
                 self.poller.register(channel.channel.socket, zmq.POLLIN)
 
@@ -452,7 +452,7 @@ def _rank_main(
         from types import SimpleNamespace
 
         import zmq
-        from sglang_kv_migration.server.rank import hooks as scheduler_hooks
+        from sglang_kv_migration.server.scheduler import hooks as scheduler_hooks
 
         world = spec.world
         tp_rank = rank % spec.tp_size
@@ -661,11 +661,11 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
         elif name == "pending":
             # Allocations this rank holds (neither committed, aborted nor expired).
             migration = getattr(scheduler, "kv_migration", None)
-            value = len(migration.pending) if migration is not None else 0
+            value = len(migration.target.pending) if migration is not None else 0
         elif name == "advance_clock":
             # This rank's migration clock (write windows, watchdog deadlines) args[0] s
             # ahead, for good: a test of a window or an expiry waits for no clock.
-            pending = scheduler.kv_migration.pending
+            pending = scheduler.kv_migration.target.pending
             clock = pending.clock
             pending.clock = lambda: clock() + args[0]
             value = None
@@ -694,7 +694,7 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             value = len(set(args[0]) & set(harness.host_free_list().tolist()))
         elif name == "flush":
             # What SGLang's /flush_cache does to the cache, behind our AROUND hook.
-            from sglang_kv_migration.server.rank.hooks import around_flush_cache
+            from sglang_kv_migration.server.scheduler.hooks import around_flush_cache
 
             def reset(s: Any) -> bool:
                 s.tree_cache.reset()
@@ -706,14 +706,14 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             # What our BEFORE hook sees when SGLang receives a weight update (the request
             # itself is not run here: this harness has no model).
             from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
-            from sglang_kv_migration.server.rank.hooks import before_process_input_requests
+            from sglang_kv_migration.server.scheduler.hooks import before_process_input_requests
 
             migration = scheduler.kv_migration
-            before = len(migration.pending)
+            before = len(migration.target.pending)
             before_process_input_requests(
                 scheduler, [UpdateWeightFromDiskReqInput(model_path="new")]
             )
-            value = before - len(migration.pending)
+            value = before - len(migration.target.pending)
         elif name == "memory_cycle":
             # What our hooks do around SGLang's /release_memory_occupation and
             # /resume_memory_occupation (the KV pool itself stays: no memory saver here).
@@ -721,7 +721,7 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             migration.prepare_for_memory_release()
             migration.after_memory_release()
             migration.after_memory_resume()
-            value = migration.memory_generation
+            value = migration.identity.memory_generation
         elif name == "evict_device":
             value = harness.evict_device_all()
         elif name == "insert":

@@ -53,7 +53,7 @@ def allocate_on(side: Any, input_ids: list[int], migration_id: str, **fields: An
         AllocateTokenForTransferReqInput(
             input_ids=input_ids,
             migration_id=migration_id,
-            source_fingerprints=[side.fingerprint.to_dict()],
+            source_fingerprints=[side.identity.fingerprint.to_dict()],
             **fields,
         )
     )
@@ -75,19 +75,19 @@ def transfer_to_self(
 
         from sglang_kv_migration import grants
 
-        original, issued = grant, side.signer.decode_grant(grant)
-        grant = side.signer.encode(
+        original, issued = grant, side.identity.signer.decode_grant(grant)
+        grant = side.identity.signer.encode(
             dataclasses.replace(
                 issued,
                 tokens_digest=grants.tokens_digest(input_ids, fields.get("extra_key")),
                 migration_id=fields.get("migration_id", issued.migration_id),
                 # The loopback source is this same server, writing where it publishes.
-                source=side.server_epoch,
+                source=side.identity.server_epoch,
                 destination=grants.destination_digest(side.paths["host"].advertise()),
             )
         )
         # The target binds receipts to the grant it issued: this re-issued one.
-        pending = side.pending.get(issued.migration_id)
+        pending = side.target.pending.get(issued.migration_id)
         if pending is not None and pending.grant == grants.grant_digest(original):
             pending.grant = grants.grant_digest(grant)
     target = host_target(
@@ -95,7 +95,7 @@ def transfer_to_self(
         0,
         side.paths["host"].advertise(),
         kv_indices=kv_indices,
-        fingerprint=side.fingerprint.to_dict(),
+        fingerprint=side.identity.fingerprint.to_dict(),
         grant=grant,
     )
     return TransferRequestKVCacheReqInput(
@@ -114,8 +114,8 @@ def receipts_for(side: object, allocation: object, success: bool = True) -> list
     from sglang_kv_migration import grants
 
     # From the source the grant names (this same server, unless allocate named another).
-    granted = [side.signer.decode_grant(r.grant) for r in allocation.ranks if r.grant]
-    source = granted[0].source if granted else side.server_epoch
+    granted = [side.identity.signer.decode_grant(r.grant) for r in allocation.ranks if r.grant]
+    source = granted[0].source if granted else side.identity.server_epoch
     receipts = []
     for rank in allocation.ranks:
         slots = torch.tensor(rank.kv_indices, dtype=torch.int64)
@@ -131,7 +131,7 @@ def receipts_for(side: object, allocation: object, success: bool = True) -> list
             source=source,
             grant=grants.grant_digest(rank.grant) if rank.grant else "",
         )
-        receipts.append(side.signer.encode(receipt))
+        receipts.append(side.identity.signer.encode(receipt))
     return receipts
 
 

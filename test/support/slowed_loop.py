@@ -132,7 +132,7 @@ class IterationCounter:
 
     def _observe(self, side: Any) -> None:
         now = self.iteration
-        pending = side.pending.by_id
+        pending = side.target.pending.by_id
         for mid in pending:
             self.allocated.setdefault(mid, now)
         for mid in list(self.allocated):

@@ -214,7 +214,8 @@ def test_the_landing_job_runs_the_gpu_test_then_the_benchmark_to_the_budget_s_en
     arguments parse and whose rows must end 25 s before the budget does."""
     root = Path(__file__).resolve().parents[2]
     (tmp_path / "scripts").mkdir()
-    shutil.copy(root / "scripts" / "h200_runs.sh", tmp_path / "scripts")
+    for script in ("h200_runs.sh", "gpu_job_commands.sh"):  # the second: sourced by the first
+        shutil.copy(root / "scripts" / script, tmp_path / "scripts")
     (tmp_path / "scripts" / "gpu_jobs.sh").write_text('for a in "$@"; do echo "$a"; done\n')
     before = time.time()
     out = subprocess.run(

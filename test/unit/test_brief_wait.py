@@ -13,9 +13,9 @@ import pytest
 from sglang_kv_migration.paths.device.send_job import TierSendJob
 from sglang_kv_migration.server.diag import deferred_log
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
-from sglang_kv_migration.server.rank import loop
-from sglang_kv_migration.server.rank.idle_probe import IdleProbe
-from sglang_kv_migration.server.rank.loop import RankLoop, spin_until
+from sglang_kv_migration.server.scheduler import loop
+from sglang_kv_migration.server.scheduler.idle_probe import IdleProbe
+from sglang_kv_migration.server.scheduler.loop import RankLoop, spin_until
 from sglang_kv_migration.server.source import inflight as source_transfers
 from sglang_kv_migration.server.source import target_asks
 from sglang_kv_migration.server.source.target_asks import TargetAsks

@@ -11,7 +11,7 @@ from sglang_kv_migration.server.messages import (
     AllocateTokenForTransferReqInput,
     CommitTransferRequestKVCacheReqInput,
 )
-from sglang_kv_migration.server.rank.hooks import around_flush_cache, around_sleep_on_idle
+from sglang_kv_migration.server.scheduler.hooks import around_flush_cache, around_sleep_on_idle
 from side_helpers import poll_until, transfer_to_self
 
 # Runs on every supported SGLang (CI runs the marker on 0.5.23 too).
@@ -23,7 +23,7 @@ def _allocate(side, ids: list[int], migration_id: str):
         AllocateTokenForTransferReqInput(
             input_ids=ids,
             migration_id=migration_id,
-            source_fingerprints=[side.fingerprint.to_dict()],
+            source_fingerprints=[side.identity.fingerprint.to_dict()],
         )
     )
     assert out.success, out.message
@@ -31,7 +31,7 @@ def _allocate(side, ids: list[int], migration_id: str):
 
 
 def _scheduler(side, idle: bool = True):
-    cache = side.ctx.tree_cache
+    cache = side.loop.ctx.tree_cache
     return SimpleNamespace(kv_migration=side, is_fully_idle=lambda: idle, cache=cache)
 
 
@@ -48,7 +48,7 @@ def test_flush_drops_pending_allocations_and_commit_is_gone(side) -> None:
     host_pool = side.harness.kv_host_pool
     alloc = _allocate(side, list(range(100, 164)), "m1")
     assert _flush(_scheduler(side)) is True
-    assert len(side.pending) == 0
+    assert len(side.target.pending) == 0
     # The reset freed every slot, but a granted write may still land in the dropped
     # allocation's slots: they are taken out of the fresh free list again.
     slots = set(alloc.ranks[0].kv_indices)
@@ -59,8 +59,8 @@ def test_flush_drops_pending_allocations_and_commit_is_gone(side) -> None:
     assert not out.success and out.error_kind == "gone"
     assert "flushed" in out.message
     # Once the write window has closed the watchdog gives them back, exactly once.
-    side.pending.clock = lambda: float("inf")
-    side.pending.expire()
+    side.target.pending.clock = lambda: float("inf")
+    side.target.pending.expire()
     assert host_pool.available_size() == host_pool.size
     assert len(set(side.harness.host_free_list().tolist())) == host_pool.size
 
@@ -89,20 +89,20 @@ def test_busy_scheduler_keeps_pending_allocations(side) -> None:
         return False  # SGLang refuses to flush a busy scheduler
 
     assert around_flush_cache(original, _scheduler(side, idle=False)) is False
-    assert side.pending.get("m2") is not None
+    assert side.target.pending.get("m2") is not None
 
 
 def test_reset_without_the_hook_is_detected(side) -> None:
     """Any other path that resets the tree: the stale entry is forgotten, never freed."""
     host_pool = side.harness.kv_host_pool
     _allocate(side, list(range(300, 332)), "m3")
-    side.ctx.tree_cache.reset()
+    side.loop.ctx.tree_cache.reset()
     with pytest.raises(MigrationError) as info:
-        side.pending.commit("m3")
+        side.target.pending.commit("m3")
     assert info.value.kind is ErrorKind.GONE
     assert host_pool.available_size() == host_pool.size
     with pytest.raises(MigrationError):
-        side.pending.abort("m3")
+        side.target.pending.abort("m3")
 
 
 def test_sleep_on_idle_waits_while_a_migration_is_pending(side) -> None:

@@ -85,7 +85,7 @@ def test_a_target_that_does_not_shard_refuses_an_owner_pattern_by_name(side):
         AllocateTokenForTransferReqInput(
             input_ids=ids,
             migration_id="m-owners",
-            source_fingerprints=[side.fingerprint.to_dict()],
+            source_fingerprints=[side.identity.fingerprint.to_dict()],
             page_owners=[0, 1],
         )
     )

@@ -394,13 +394,13 @@ def test_commit_adopts_host_only_nodes(harness_factory, attention, page_size):
 
 def test_scheduler_side_leaves_the_device_path_out_without_cuda(harness_factory, caplog):
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
-    from sglang_kv_migration.server.compose import compose_rank
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics
     from sglang_kv_migration.server.messages import (
         AllocateTokenForTransferReqInput,
         GetTransferSessionInfoReqInput,
     )
     from sglang_kv_migration.server.rank.settings import RankSettings
+    from sglang_kv_migration.server.scheduler.compose import compose_rank
 
     assert not torch.cuda.is_available()
     h = harness_factory(page_size=16)
@@ -431,7 +431,7 @@ def test_scheduler_side_leaves_the_device_path_out_without_cuda(harness_factory,
                 AllocateTokenForTransferReqInput(
                     input_ids=_tokens(64),
                     migration_id=f"m-{path}",
-                    source_fingerprints=[side.fingerprint.to_dict()],
+                    source_fingerprints=[side.identity.fingerprint.to_dict()],
                     path=path,
                 )
             )
@@ -442,7 +442,7 @@ def test_scheduler_side_leaves_the_device_path_out_without_cuda(harness_factory,
         assert out.error_kind == "conflict"
         assert "'device' is not available" in out.message and "available: host" in out.message
         assert h.snapshot() == before
-        assert len(side.pending) == 0 and side.device_tokens_held() == 0
+        assert len(side.target.pending) == 0 and side.device_tokens_held() == 0
         # The host path still serves.
         out = allocate("host")
         assert out.success and out.path == "host" and out.extra_token_size == 64
@@ -455,19 +455,21 @@ def test_scheduler_side_leaves_the_device_path_out_without_cuda(harness_factory,
 def test_the_loop_offers_the_gil_cheaply_when_no_helper_thread_waits(side, monkeypatch):
     """A pending host-path allocation (its staging watcher may need the GIL) gets the
     zero sleep of the poll; device-path work only a yield of the CPU."""
-    from sglang_kv_migration.server.rank import loop
+    from sglang_kv_migration.server.scheduler import loop
 
     calls: list[str] = []
     monkeypatch.setattr(loop.time, "sleep", lambda s: calls.append(f"sleep {s}"))
     monkeypatch.setattr(loop.os, "sched_yield", lambda: calls.append("yield"))
-    host_allocation = side.pending.allocate("m-host", _tokens(32), None, path=side.paths["host"])
+    host_allocation = side.target.pending.allocate(
+        "m-host", _tokens(32), None, path=side.paths["host"]
+    )
     side.poll()
     assert "sleep 0" in calls and "yield" not in calls
-    side.pending.abort("m-host")
+    side.target.pending.abort("m-host")
     device = DevicePath(side.harness.cache)
-    side.pending.allocate("m-device", _tokens(32, start=5000), None, path=device)
+    side.target.pending.allocate("m-device", _tokens(32, start=5000), None, path=device)
     calls.clear()
     side.poll()
     assert calls.count("yield") == 1 and "sleep 0" not in calls
-    side.pending.abort("m-device")
+    side.target.pending.abort("m-device")
     assert host_allocation.extra_length == 32

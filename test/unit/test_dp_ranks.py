@@ -1,5 +1,5 @@
 """The routing of a `--dp-size N` server's migration requests (`server/http/dp_ranks.py`,
-`server/rank/dp_filter.py`) and of a resumed request (`rollout/dp_routing.py`), with the
+`server/scheduler/dp_filter.py`) and of a resumed request (`rollout/dp_routing.py`), with the
 real wire types and a stand-in for the scheduler ranks behind the communicators."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from sglang_kv_migration.server.messages import (
     TransferRequestKVCacheReqInput,
     TransferRequestKVCacheReqOutput,
 )
-from sglang_kv_migration.server.rank.dp_filter import for_dp_rank
+from sglang_kv_migration.server.scheduler.dp_filter import for_dp_rank
 from sglang_kv_migration.wire.messages import RankSessionInfo
 
 

@@ -33,7 +33,7 @@ def _key_a_client_can_derive(secret: str) -> bytes:
 
 def _server(harness_factory, caplog, **keys: str):
     """A one-rank server side built by the real scheduler hook from these keys."""
-    from sglang_kv_migration.server.rank import hooks as scheduler_hooks
+    from sglang_kv_migration.server.scheduler import hooks as scheduler_hooks
 
     cfg = HarnessConfig(page_size=PAGE)
     harness = harness_factory(cfg)
@@ -80,7 +80,7 @@ def _host_slots_of(harness, ids: list[int]) -> torch.Tensor:
 
 
 def _host_bytes(side, slots: torch.Tensor) -> str:
-    pool = side.host_pool.kv_buffer
+    pool = side.identity.host_pool.kv_buffer
     # layer_first layout: (2, layers, slots, heads, dim); the slots' KV of every layer.
     return hashlib.sha256(pool[:, :, slots].contiguous().view(torch.uint8).numpy()).hexdigest()
 
@@ -106,7 +106,7 @@ def test_a_client_with_the_api_key_cannot_forge_a_signed_grant(api_key_only_serv
             expires_at=time.time() + 10,
             tokens_digest=grants.tokens_digest(attacker, None),
             destination=grants.destination_digest(side.paths["host"].advertise()),
-            source=side.server_epoch,
+            source=side.identity.server_epoch,
         )
     )
     request = transfer_to_self(side, attacker, victim_slots.tolist(), migration_id="forged")
@@ -117,7 +117,7 @@ def test_a_client_with_the_api_key_cannot_forge_a_signed_grant(api_key_only_serv
     assert (reply.success, overwritten) == (False, False), reply.message
     assert reply.error_kind == "forbidden", reply.message
     assert reply.transferred_bytes == 0
-    assert not side.signer.signed  # no key derives from --api-key
+    assert not side.identity.signer.signed  # no key derives from --api-key
     # The start-up warning says the fleet is unsigned, that the API key does not sign,
     # and what a forged grant can do.
     warning = side.startup_warning
@@ -129,8 +129,8 @@ def test_a_client_with_the_api_key_cannot_forge_a_signed_grant(api_key_only_serv
 def test_the_admin_key_signs_and_its_grants_verify(harness_factory, caplog) -> None:
     side = _server(harness_factory, caplog, api_key=API_KEY, admin_api_key="operators-only")
     try:
-        assert side.signer.key == _key_a_client_can_derive("operators-only")
-        assert side.signer.key != _key_a_client_can_derive(API_KEY)
+        assert side.identity.signer.key == _key_a_client_can_derive("operators-only")
+        assert side.identity.signer.key != _key_a_client_can_derive(API_KEY)
         assert "UNSIGNED" not in side.startup_warning
     finally:
         side.close()

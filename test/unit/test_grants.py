@@ -43,8 +43,8 @@ def _allocate(side, mid: str, start: int):
         AllocateTokenForTransferReqInput(
             input_ids=list(range(start, start + 64)),
             migration_id=mid,
-            source_fingerprints=[side.fingerprint.to_dict()],
-            source_instance=side.server_epoch,
+            source_fingerprints=[side.identity.fingerprint.to_dict()],
+            source_instance=side.identity.server_epoch,
         )
     )
     assert out.success, out.message
@@ -64,7 +64,9 @@ def _send(side, request):
 
 
 def _host_digest(side) -> str:
-    return hashlib.sha256(side.host_pool.kv_buffer.view(-1).view(dtype=_u8()).numpy()).hexdigest()
+    return hashlib.sha256(
+        side.identity.host_pool.kv_buffer.view(-1).view(dtype=_u8()).numpy()
+    ).hexdigest()
 
 
 def _u8():
@@ -91,7 +93,7 @@ def test_a_valid_grant_moves_the_bytes_and_its_receipt_commits(signed_side) -> N
         ),
     )
     assert reply.success, reply.message
-    receipt = side.signer.decode_receipt(reply.ranks[0].receipt)
+    receipt = side.identity.signer.decode_receipt(reply.ranks[0].receipt)
     assert receipt.success and receipt.settled and receipt.migration_id == "ok"
     commit = side.commit_transfer_request_kvcache(
         CommitTransferRequestKVCacheReqInput(migration_id="ok", receipts=[reply.ranks[0].receipt])
@@ -104,7 +106,7 @@ def test_forged_grant_is_refused_and_nothing_is_written(signed_side) -> None:
     ids = _prefix(side, 1100)
     alloc = _allocate(side, "forged", 5100)
     before = _host_digest(side)
-    issued = side.signer.decode_grant(alloc.ranks[0].grant)
+    issued = side.identity.signer.decode_grant(alloc.ranks[0].grant)
     forger = grants.Signer(hashlib.sha256(b"not the key").digest())
     forged = forger.encode(
         dataclasses.replace(
@@ -179,7 +181,9 @@ def test_commit_without_a_receipt_is_refused_and_inserts_nothing(signed_side) ->
     assert side.harness.match(ids).host_hit_length == 0
     # A receipt signed with another key, or one that reports failure, does not do either.
     forger = grants.Signer(hashlib.sha256(b"not the key").digest())
-    forged = [forger.encode(side.signer.decode_receipt(r)) for r in receipts_for(side, alloc)]
+    forged = [
+        forger.encode(side.identity.signer.decode_receipt(r)) for r in receipts_for(side, alloc)
+    ]
     out = side.commit_transfer_request_kvcache(
         CommitTransferRequestKVCacheReqInput(migration_id="bare", receipts=forged)
     )
@@ -190,7 +194,7 @@ def test_commit_without_a_receipt_is_refused_and_inserts_nothing(signed_side) ->
     )
     assert not out.success and "reported the transfer" in out.message
     assert side.harness.match(ids).host_hit_length == 0
-    assert side.pending.get("bare") is not None  # still abortable
+    assert side.target.pending.get("bare") is not None  # still abortable
 
 
 def test_abort_quarantines_until_the_window_closes_unless_settled(signed_side) -> None:
@@ -201,8 +205,8 @@ def test_abort_quarantines_until_the_window_closes_unless_settled(signed_side) -
     held = side.harness.snapshot()
     assert held.host_available == base.host_available - 64  # quarantined
     assert held.total_lock_ref == base.total_lock_ref
-    assert set(alloc.ranks[0].kv_indices).isdisjoint(side.host_pool.free_slots.tolist())
-    assert side.pending.release_quarantine() == []  # the window is still open
+    assert set(alloc.ranks[0].kv_indices).isdisjoint(side.identity.host_pool.free_slots.tolist())
+    assert side.target.pending.release_quarantine() == []  # the window is still open
     # A settled receipt (the source says nothing more can land) frees them at once.
     receipts = receipts_for(side, alloc)
     assert side.abort_transfer(AbortTransferReqInput(migration_id="q", receipts=receipts)).success
@@ -211,8 +215,8 @@ def test_abort_quarantines_until_the_window_closes_unless_settled(signed_side) -
     alloc = _allocate(side, "q2", 5900)
     assert side.abort_transfer(AbortTransferReqInput(migration_id="q2")).success
     assert side.harness.snapshot().host_available == base.host_available - 64
-    side.pending.clock = lambda: float("inf")  # the window has closed
-    assert side.pending.release_quarantine() == ["q2"]
+    side.target.pending.clock = lambda: float("inf")  # the window has closed
+    assert side.target.pending.release_quarantine() == ["q2"]
     assert side.harness.snapshot() == base
 
 
@@ -363,9 +367,9 @@ def test_the_target_takes_receipts_of_a_dp_rank_bound_grant_only_from_that_dp_ra
     )
     reply = _send(side, request)
     assert reply.success, reply.message
-    mine = side.signer.decode_receipt(reply.ranks[0].receipt)
+    mine = side.identity.signer.decode_receipt(reply.ranks[0].receipt)
     assert (mine.dp_rank, mine.settled) == (0, True)
-    other = side.signer.encode(dataclasses.replace(mine, dp_rank=1))
+    other = side.identity.signer.encode(dataclasses.replace(mine, dp_rank=1))
     out = side.commit_transfer_request_kvcache(
         CommitTransferRequestKVCacheReqInput(migration_id="dp0", receipts=[other])
     )
@@ -375,7 +379,7 @@ def test_the_target_takes_receipts_of_a_dp_rank_bound_grant_only_from_that_dp_ra
     assert side.abort_transfer(AbortTransferReqInput(migration_id="dp0", receipts=[other])).success
     # Quarantined, not freed: the other DP rank's word settles nothing.
     assert side.harness.snapshot().host_available == base
-    assert set(alloc.ranks[0].kv_indices).isdisjoint(side.host_pool.free_slots.tolist())
+    assert set(alloc.ranks[0].kv_indices).isdisjoint(side.identity.host_pool.free_slots.tolist())
     # The claimant's own receipt does.
     receipt = [reply.ranks[0].receipt]
     assert side.abort_transfer(AbortTransferReqInput(migration_id="dp0", receipts=receipt)).success
@@ -387,11 +391,11 @@ def _allocate_for_dp_rank(side, mid: str, start: int, dp_rank: int):
         AllocateTokenForTransferReqInput(
             input_ids=list(range(start, start + 64)),
             migration_id=mid,
-            source_fingerprints=[side.fingerprint.to_dict()],
-            source_instance=side.server_epoch,
+            source_fingerprints=[side.identity.fingerprint.to_dict()],
+            source_instance=side.identity.server_epoch,
             source_dp_rank=dp_rank,
         )
     )
     assert out.success, out.message
-    assert side.signer.decode_grant(out.ranks[0].grant).source_dp_rank == dp_rank
+    assert side.identity.signer.decode_grant(out.ranks[0].grant).source_dp_rank == dp_rank
     return out

@@ -32,7 +32,8 @@ PARSERS = {
 def _jobs(tmp_path: Path, name: str) -> list[str]:
     """The arguments `h200_runs.sh NAME` hands to gpu_jobs.sh (a stub that prints them)."""
     (tmp_path / "scripts").mkdir(exist_ok=True)
-    shutil.copy(ROOT / "scripts" / "h200_runs.sh", tmp_path / "scripts")
+    for script in ("h200_runs.sh", "gpu_job_commands.sh"):  # the second: sourced by the first
+        shutil.copy(ROOT / "scripts" / script, tmp_path / "scripts")
     (tmp_path / "scripts" / "gpu_jobs.sh").write_text('for a in "$@"; do echo "$a"; done\n')
     out = subprocess.run(
         ["bash", str(tmp_path / "scripts" / "h200_runs.sh"), name],

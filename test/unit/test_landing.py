@@ -26,7 +26,7 @@ from sglang_kv_migration.server.messages import (
     CommitTransferRequestKVCacheReqInput,
     GetTransferSessionInfoReqInput,
 )
-from sglang_kv_migration.server.rank.hooks import (
+from sglang_kv_migration.server.scheduler.hooks import (
     after_resume_memory_occupation,
     around_release_memory_occupation,
 )
@@ -173,7 +173,9 @@ def test_release_drops_pending_and_the_arena_then_resume_makes_a_new_one(harness
 
 
 def _memory_scheduler(side, idle: bool = True):
-    return SimpleNamespace(kv_migration=side, is_fully_idle=lambda: idle, cache=side.ctx.tree_cache)
+    return SimpleNamespace(
+        kv_migration=side, is_fully_idle=lambda: idle, cache=side.loop.ctx.tree_cache
+    )
 
 
 def _release(scheduler, tags: list[str] | None) -> str:
@@ -215,7 +217,7 @@ def test_release_hook_drops_then_resume_hook_renews_the_epoch(side_factory, tags
     after_resume_memory_occupation(None, scheduler, SimpleNamespace(tags=tags))
     assert _epoch(side) != epoch
     assert _allocate(side, _tokens(32), "c").success
-    assert side.pending.get("c").state is Moment.ALLOCATED
+    assert side.target.pending.get("c").state is Moment.ALLOCATED
 
 
 def test_release_of_other_memory_or_a_busy_server_changes_nothing(side_factory):
@@ -226,7 +228,7 @@ def test_release_of_other_memory_or_a_busy_server_changes_nothing(side_factory):
     assert _release(_memory_scheduler(side), ["weights"]) == "released"
     with pytest.raises(AssertionError):  # SGLang refuses a busy server: so do we, quietly
         _release(_memory_scheduler(side, idle=False), ["kv_cache"])
-    assert side.pending.get("a") is not None and not side.memory_released
+    assert side.target.pending.get("a") is not None and not side.identity.memory_released
     after_resume_memory_occupation(None, _memory_scheduler(side), SimpleNamespace(tags=["weights"]))
     assert _epoch(side) == epoch
 

@@ -28,7 +28,7 @@ def _allocate(side, ids: list[int], migration_id: str):
         AllocateTokenForTransferReqInput(
             input_ids=ids,
             migration_id=migration_id,
-            source_fingerprints=[side.fingerprint.to_dict()],
+            source_fingerprints=[side.identity.fingerprint.to_dict()],
         )
     )
 
@@ -58,18 +58,18 @@ def test_target_outcomes_tokens_bytes_and_phases(side, caplog) -> None:
     ).success
     lines = [r.getMessage() for r in caplog.records if "m-commit committed" in r.getMessage()]
     assert len(lines) == 1
-    assert f"64 tokens, {64 * side.bytes_per_token} bytes" in lines[0]
+    assert f"64 tokens, {64 * side.identity.bytes_per_token} bytes" in lines[0]
 
     assert _allocate(side, list(range(2000, 2032)), "m-abort").success
     assert side.abort_transfer(AbortTransferReqInput(migration_id="m-abort")).success
 
     assert _allocate(side, list(range(3000, 3032)), "m-expire").success
     # Past its deadline by the side's own clock (moved, not waited for).
-    real_clock = side.pending.clock
-    side.pending.clock = lambda: real_clock() + 3600.0
+    real_clock = side.target.pending.clock
+    side.target.pending.clock = lambda: real_clock() + 3600.0
     for _ in range(200):  # the watchdog runs every 64 iterations
         side.poll()
-        if not len(side.pending):
+        if not len(side.target.pending):
             break
 
     after = {
@@ -85,7 +85,7 @@ def test_target_outcomes_tokens_bytes_and_phases(side, caplog) -> None:
     assert _sample("sglang:kv_migration_tokens_total", role="target") - tokens_before == 64
     assert (
         _sample("sglang:kv_migration_bytes_total", role="target") - bytes_before
-        == 64 * side.bytes_per_token
+        == 64 * side.identity.bytes_per_token
     )
     assert _sample("sglang:kv_migration_phase_seconds_count", phase="pending") - pending_before == 1
 
@@ -111,7 +111,7 @@ def test_failed_send_is_counted(side) -> None:
 def test_scheduler_time_is_recorded_per_busy_iteration(side) -> None:
     count = "sglang:kv_migration_scheduler_seconds_count"
     before = _sample(count)
-    timer = side.loop_timer
+    timer = side.diagnostics.loop_timer
     handlers = dict(side.handlers())
     side.poll()  # idle: nothing of ours ran, nothing recorded
     assert _sample(count) == before
@@ -120,7 +120,7 @@ def test_scheduler_time_is_recorded_per_busy_iteration(side) -> None:
     request = AllocateTokenForTransferReqInput(
         input_ids=list(range(7000, 7032)),
         migration_id="m-loop",
-        source_fingerprints=[side.fingerprint.to_dict()],
+        source_fingerprints=[side.identity.fingerprint.to_dict()],
     )
     assert handlers[AllocateTokenForTransferReqInput](request).success
     side.poll()
@@ -140,7 +140,7 @@ def test_every_iteration_is_accounted_idle_ones_too(side, monkeypatch) -> None:
     )
     monkeypatch.setattr(metrics, "ACCOUNT_FLUSH_S", 0.0)  # export on every timed iteration
     monkeypatch.setattr(metrics, "IDLE_FLUSH_ITERATIONS", 4)  # and every 4 idle ones
-    timer = side.loop_timer
+    timer = side.diagnostics.loop_timer
     for _ in range(8):
         side.poll()  # flushes whatever the fixture's earlier iterations left
     before_s, before_n = _sample(seconds), _sample(iterations)
@@ -153,7 +153,7 @@ def test_every_iteration_is_accounted_idle_ones_too(side, monkeypatch) -> None:
     request = AllocateTokenForTransferReqInput(
         input_ids=list(range(9000, 9016)),
         migration_id="m-account",
-        source_fingerprints=[side.fingerprint.to_dict()],
+        source_fingerprints=[side.identity.fingerprint.to_dict()],
     )
     assert dict(side.handlers())[AllocateTokenForTransferReqInput](request).success
     assert timer.handled
@@ -193,13 +193,13 @@ def test_worst_iteration_is_broken_down_by_part(side, monkeypatch) -> None:
         return allocate(req)
 
     monkeypatch.setattr(side, "allocate_token_for_transfer", heavy_allocate)
-    timer = side.loop_timer
+    timer = side.diagnostics.loop_timer
     timer.reset()
     handlers = dict(side.handlers())
     request = AllocateTokenForTransferReqInput(
         input_ids=list(range(8000, 8064)),
         migration_id="m-parts",
-        source_fingerprints=[side.fingerprint.to_dict()],
+        source_fingerprints=[side.identity.fingerprint.to_dict()],
     )
     assert handlers[AllocateTokenForTransferReqInput](request).success
     side.poll()
@@ -283,7 +283,7 @@ def test_a_finished_send_reports_its_routes_and_fixed_cost(side) -> None:
         time.sleep(0.001)
     assert len(side.replies) == 1 and side.replies[0].success, side.replies
     sent = side.replies[0].transferred_bytes
-    assert sent == 64 * side.bytes_per_token
+    assert sent == 64 * side.identity.bytes_per_token
 
     assert _sample("sglang:kv_migration_route_bytes_total", **route) - bytes_before == sent
     wire_s = _sample("sglang:kv_migration_route_seconds_total", **route) - seconds_before

@@ -1,6 +1,7 @@
 """The package's boundaries, read from its source with `ast` (see the package README):
 
-- no import cycle between modules, function-level imports included;
+- no import cycle between modules, function-level imports included, and the longest
+  chain of imports does not grow;
 - `paths/` imports nothing from `server/`, `client/` or `rollout/`;
 - `client/`, `rollout/` and `integrations/` import nothing from `server/` or `paths/`,
   and stand in that order: `client/` imports neither of the other two, `rollout/` not
@@ -84,6 +85,31 @@ def test_no_import_cycle() -> None:
     for module in sorted(edges):
         visit(module, [])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+# The most modules one chain of imports passes through (function-level imports and those
+# for type checking included). Lower it when the chain shrinks.
+MAX_IMPORT_CHAIN = 18
+
+
+def _longest_chain() -> list[str]:
+    edges = _edges()
+    longest: dict[str, list[str]] = {}
+
+    def chain(module: str) -> list[str]:
+        if module not in longest:
+            longest[module] = [module]  # (no cycle: `test_no_import_cycle`)
+            best = max((chain(t) for t in sorted(edges[module])), key=len, default=[])
+            longest[module] = [module, *best]
+        return longest[module]
+
+    return max((chain(m) for m in sorted(edges)), key=len)
+
+
+def test_the_longest_import_chain_does_not_grow() -> None:
+    found = _longest_chain()
+    assert len(found) <= MAX_IMPORT_CHAIN, " -> ".join(m.removeprefix(NAME + ".") for m in found)
+    assert len(found) > 5  # (it was read)
 
 
 @pytest.mark.parametrize(
@@ -173,20 +199,7 @@ def test_only_the_console_script_loads_the_demo() -> None:
 
 # "a <-> b" (sibling folders, as paths below the package) -> ((module edges a -> b,
 # b -> a), why they still import each other). Counts may only go down, to no entry.
-MUTUAL_FOLDERS_ALLOWED: dict[str, object] = {
-    "server/rank <-> server/source": (
-        (3, 5),
-        "`server/rank/` holds both what the roles stand on (`context`, `identity`) and what "
-        "stands on them (`scheduler_side`, `loop`, `session_info`); to split into the base "
-        "and the loop",
-    ),
-    "server/rank <-> server/target": (
-        (3, 11),
-        "`server/rank/` holds both what the roles stand on (`context`, `identity`, "
-        "`pp_stages`, `dispatch`, `settings`) and what stands on them (`scheduler_side`, "
-        "`loop`, `session_info`); to split into the base and the loop",
-    ),
-}
+MUTUAL_FOLDERS_ALLOWED: dict[str, object] = {}
 
 
 def _folders() -> set[str]:
@@ -238,6 +251,17 @@ def _mutual_folders(edges: dict[str, set[str]], folders: set[str]) -> dict[str, 
 
 def test_no_two_sibling_folders_import_each_other() -> None:
     check_allow_list(_mutual_folders(_edges(), _folders()), MUTUAL_FOLDERS_ALLOWED)
+
+
+def test_the_server_layers_import_one_way() -> None:
+    """A folder is one layer: `server/rank` is what the roles stand on, `server/scheduler`
+    what stands on them, so the roles import the first and the second imports them."""
+    counts = _folder_edges(_edges(), _folders())
+    rank, scheduler, target = (f"{NAME}.server.{f}" for f in ("rank", "scheduler", "target"))
+    assert counts[(scheduler, target)] > 0
+    assert counts[(target, rank)] > 0
+    assert (rank, target) not in counts
+    assert (rank, scheduler) not in counts
 
 
 def test_the_sibling_folder_check_can_fail() -> None:

@@ -7,7 +7,7 @@
   there, with no alias elsewhere; each feature reaches the modules it reaches today and
   no more;
 - modules are at most 600 lines, classes at most 400;
-- no module imports more than 12 of the package's modules;
+- no module imports more than 12 of the package's modules (the exceptions by their number);
 - the environment is read only where the server args and diagnostics live;
 - comments and docstrings say why the code is as it is, with no history: no dates, no
   "call N" / "issue N" / "session N" / "round N", no commit hashes.
@@ -291,7 +291,10 @@ def feature_reach() -> dict[str, list[str]]:
 # a device target's `instance_id` or a rebalancer round's `moves`). Growth fails: put a
 # feature's new check with its others instead of in one more module, or raise its number
 # here on purpose. A feature that reaches fewer modules lowers its number. The client's
-# split into its steps, plan and calls counts each of those modules apart.
+# split into its steps, plan and calls counts each of those modules apart; on the server
+# each role says what it offers (`TargetRole.features`, the allocate channel it holds),
+# `scheduler/compose.py` hands that to the session info, and the source's reply is built
+# whole in `source/replies.py`.
 FEATURE_REACH = {
     "page_ranges": 8,
     "bound_grants": 11,
@@ -299,8 +302,8 @@ FEATURE_REACH = {
     "binary_ids": 10,
     "epoch_check": 6,
     "transfer_batch": 12,
-    "source_commit": 10,
-    "source_allocate": 17,
+    "source_commit": 9,
+    "source_allocate": 20,
     "destination_digest": 13,
     "dp_ranks": 24,
     "running_slots": 18,
@@ -340,13 +343,7 @@ def test_the_feature_fields_are_wire_fields() -> None:
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 400
 # path (or path::Class) -> why it is still longer.
-SIZE_ALLOWED: dict[str, object] = {
-    "server/target/pending.py::PendingMigrations": "pending allocations, their quarantine "
-    "and the late-stream fence in one class; the quarantine is to become its own",
-    "server/source/transfers.py::SourceTransfers": "start, poll and reply of a transfer in "
-    "one class (the target's allocate is in target_asks.py); next out: the destination "
-    "digests and the helper-thread test",
-}
+SIZE_ALLOWED: dict[str, object] = {}
 
 
 def test_modules_and_classes_fit() -> None:
@@ -367,16 +364,30 @@ def test_modules_and_classes_fit() -> None:
 # --------------------------------------------------------------------------- fan-out
 
 MAX_PACKAGE_IMPORTS = 12
-# path -> why it still imports more of the package.
+# path -> (how many of the package's modules it imports, why more than the cap). The
+# number is exact: an entry that grows fails, and so does one that shrank (write the new
+# number), so each one only goes down.
 FAN_OUT_ALLOWED: dict[str, object] = {
-    "server/compose.py": "the one composition step: it names every role, path and "
-    "diagnostic a rank is built from",
-    "server/target/allocations.py": "allocate reaches the pending table, grants, both "
-    "paths' slots, staging and the diagnostics",
-    "server/target/build.py": "builds the target role from its parts (pending, commits, "
-    "allocations, channel, mailbox)",
-    "server/source/transfers.py": "the source role's flow reaches its records, checks and "
-    "replies, the same-host channels and the diagnostics",
+    "server/scheduler/compose.py": (
+        15,
+        "the one composition step: it names every role, path and diagnostic a rank is built from",
+    ),
+    "server/target/allocations.py": (
+        15,
+        "allocate reaches the pending table, grants, both paths' slots, staging and the "
+        "diagnostics",
+    ),
+    "server/target/build.py": (
+        15,
+        "builds the target role from its parts (pending, commits, allocations, channel, "
+        "mailbox), and is the target's one importer of the paths' factory (the staging "
+        "arena, the host the allocate channel names)",
+    ),
+    "server/source/transfers.py": (
+        16,
+        "the source role's flow reaches its records, checks and replies, the same-host "
+        "channels and the diagnostics",
+    ),
 }
 
 
@@ -390,7 +401,7 @@ def _outside_own_package(module: str, targets: set[str]) -> set[str]:
 
 def test_no_module_imports_much_of_the_package() -> None:
     found: dict[str, object] = {
-        relative_path(module): True
+        relative_path(module): len(_outside_own_package(module, targets))
         for module, targets in edges().items()
         if len(_outside_own_package(module, targets)) > MAX_PACKAGE_IMPORTS
     }

@@ -20,7 +20,7 @@ def _allocate(side, ids: list[int], migration_id: str):
         AllocateTokenForTransferReqInput(
             input_ids=ids,
             migration_id=migration_id,
-            source_fingerprints=[side.fingerprint.to_dict()],
+            source_fingerprints=[side.identity.fingerprint.to_dict()],
         )
     )
     assert out.success, out.message
@@ -46,7 +46,7 @@ def test_poll_exception_fails_the_transfer_and_the_side_keeps_answering(
         raise RuntimeError("injected poll fault")
 
     monkeypatch.setattr(side.transfers, "_finish_done", boom)
-    with caplog.at_level(logging.ERROR, logger="sglang_kv_migration.server.rank.loop"):
+    with caplog.at_level(logging.ERROR, logger="sglang_kv_migration.server.scheduler.loop"):
         for k, target in enumerate((range(500, 564), range(600, 664))):
             _start_transfer(side, ids, list(target), f"t{k}")
             assert side.poll() == []  # raised inside: nothing crossed into the loop

@@ -215,7 +215,7 @@ def test_failed_allocation_is_aborted_on_every_stage_before_the_answer() -> None
 
 
 def _stage_allocate(side: Any, mid: str, start: int, **fields: Any) -> Any:
-    fields.setdefault("source_fingerprints", [side.fingerprint.to_dict()])
+    fields.setdefault("source_fingerprints", [side.identity.fingerprint.to_dict()])
     req = AllocateTokenForTransferReqInput(
         input_ids=list(range(start, start + 64)), migration_id=mid, **fields
     )
@@ -236,12 +236,12 @@ def test_later_stage_follows_an_earlier_stages_refusal(side_factory) -> None:
     assert handlers[AllocateTokenForTransferReqInput](req) is None  # sent, not returned
     (reply,) = side.replies
     assert not reply.success and reply.error_kind == "unavailable" and reply.rid == req.rid
-    assert len(side.pending) == 0 and side.harness.snapshot().host_available == free_before
+    assert len(side.target.pending) == 0 and side.harness.snapshot().host_available == free_before
 
     # Without a refusal it allocates, and replies through its sender too.
     side.replies.clear()
     assert handlers[AllocateTokenForTransferReqInput](_stage_allocate(side, "ok", 2000)) is None
-    assert side.replies[0].success and len(side.pending) == 1
+    assert side.replies[0].success and len(side.target.pending) == 1
 
 
 def test_earlier_stage_refusal_of_a_commit(side_factory) -> None:
@@ -257,13 +257,13 @@ def test_earlier_stage_refusal_of_a_commit(side_factory) -> None:
     )
     reply = side.commit_transfer_request_kvcache(forbidden)
     assert not reply.success and reply.error_kind == "forbidden"
-    assert side.pending.get("m") is not None
+    assert side.target.pending.get("m") is not None
     gone = CommitTransferRequestKVCacheReqInput(
         migration_id="m", stage_refusal=StageRefusal("weight_version changed", "gone")
     )
     reply = side.commit_transfer_request_kvcache(gone)
     assert not reply.success and reply.error_kind == "gone"
-    assert side.pending.get("m") is None
+    assert side.target.pending.get("m") is None
 
 
 def test_stage_0_refusal_marks_the_request_for_later_stages(side_factory) -> None:
@@ -290,9 +290,9 @@ def test_only_stage_0_runs_the_watchdog_and_later_stages_follow_it(side_factory)
         forwarded += first.poll()
         if forwarded:
             break
-    assert len(later.pending) == 1, "a later stage must not expire on its own clock"
-    assert len(first.pending) == 0
+    assert len(later.target.pending) == 1, "a later stage must not expire on its own clock"
+    assert len(first.target.pending) == 0
     (sync,) = forwarded
     assert isinstance(sync, StageSyncReqInput) and "w" in sync.expired_ids
     assert dict(later.handlers())[StageSyncReqInput](sync) is None
-    assert len(later.pending) == 0
+    assert len(later.target.pending) == 0

@@ -34,7 +34,7 @@ def _device_transfer(side, ids: list[int], device_kv: dict, grant: str = ""):
         path="device",
         device_kv=device_kv,
         kv_indices=list(range(len(ids))),
-        fingerprint=side.fingerprint.to_dict(),
+        fingerprint=side.identity.fingerprint.to_dict(),
         grant=grant,
     )
     return TransferRequestKVCacheReqInput(
@@ -60,9 +60,9 @@ def _grant_for(side, req: TransferRequestKVCacheReqInput) -> str:
         expires_at=time.time() + 60,
         tokens_digest=grants.tokens_digest(req.input_ids, req.extra_key),
         destination=grants.destination_digest(target.device_kv),
-        source=side.server_epoch,
+        source=side.identity.server_epoch,
     )
-    return side.signer.encode(grant)
+    return side.identity.signer.encode(grant)
 
 
 @pytest.fixture
@@ -148,7 +148,7 @@ def test_refused_transfers_are_freed_with_their_reply_without_the_collector(
             path="device",
             device_kv_digest="ab" * 32,
             kv_indices=list(range(PAGE)),
-            fingerprint=side.fingerprint.to_dict(),
+            fingerprint=side.identity.fingerprint.to_dict(),
         )
         return TransferRequestKVCacheReqInput(
             input_ids=ids, extra_token_size=PAGE, target_per_rank=[entry]

@@ -328,7 +328,7 @@ def test_sglang_pins_the_pool_in_shared_memory_as_it_pins_its_own(
     import os as os_
 
     import sglang.srt.mem_cache.memory_pool_host as mph
-    from sglang_kv_migration.server.rank import hooks
+    from sglang_kv_migration.server.scheduler import hooks
 
     device_pool = harness_factory(attention=attention, layer_num=2).device_pool
     host_class = {"mha": mph.MHATokenToKVPoolHost, "mla": mph.MLATokenToKVPoolHost}[attention]
@@ -378,11 +378,11 @@ def test_the_plugin_builds_the_host_pool_in_shared_memory_when_the_path_is_offer
     enable, paths, shared
 ):
     """The AROUND hooks on `Scheduler.init_cache_with_memory_pool` and on the host pool's
-    allocator (`server/rank/hooks.py`): SGLang's default allocator is replaced inside the
+    allocator (`server/scheduler/hooks.py`): SGLang's default allocator is replaced inside the
     cache's construction only, and only for a server that offers the path."""
     import cpu_harness
     from sglang.srt.mem_cache.memory_pool_host import HostTensorAllocator
-    from sglang_kv_migration.server.rank import hooks
+    from sglang_kv_migration.server.scheduler import hooks
     from sglang_kv_migration.server.server_args import KVMigrationServerArgs
 
     args = KVMigrationServerArgs(

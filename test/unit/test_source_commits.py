@@ -16,7 +16,11 @@ PAGE = 16
 def _allocate(side, ids: list[int], migration_id: str, source_commit: bool = True):
     # Loopback: this side is the source, so the grant names its own instance.
     return allocate_on(
-        side, ids, migration_id, source_commit=source_commit, source_instance=side.server_epoch
+        side,
+        ids,
+        migration_id,
+        source_commit=source_commit,
+        source_instance=side.identity.server_epoch,
     )
 
 
@@ -45,9 +49,9 @@ def test_a_delivered_transfer_is_committed_before_the_next_requests(loaded):
     assert alloc.success and alloc.source_commit, alloc.message
     reply = _send(side, ids, alloc)
     assert reply.success and reply.delivered, reply.message
-    assert side.pending.get("m1") is not None  # not yet: the next iteration commits
+    assert side.target.pending.get("m1") is not None  # not yet: the next iteration commits
     side.before_requests([])
-    assert side.pending.get("m1") is None
+    assert side.target.pending.get("m1") is None
     held = side.harness.match(target_ids)
     assert held.host_hit_length + len(held.device_indices) == len(target_ids)
 
@@ -59,21 +63,21 @@ def test_without_asking_nothing_is_delivered(loaded):
     reply = _send(side, ids[: 2 * PAGE], alloc)
     assert reply.success and not reply.delivered
     side.before_requests([])
-    assert side.pending.get("m2") is not None  # waits for the client's /commit
+    assert side.target.pending.get("m2") is not None  # waits for the client's /commit
 
 
 def test_forged_receipts_in_the_slot_are_refused_once_and_the_allocation_stays(loaded):
     side, _ids = loaded
     alloc = _allocate(side, list(range(1100, 1100 + 2 * PAGE)), "m3")
-    mailbox = side.signer.decode_grant(alloc.ranks[0].grant).mailbox
+    mailbox = side.identity.signer.decode_grant(alloc.ranks[0].grant).mailbox
     deliverer = Deliverer()
     try:
         assert deliverer.deliver(mailbox, ["forged.receipt"]) is None
     finally:
         deliverer.close()
     side.before_requests([])
-    pending = side.pending.get("m3")
-    assert pending is not None and not pending.source_commit  # not read again
+    assert side.target.pending.get("m3") is not None
+    assert "m3" not in side.target.source_commits.awaiting  # not read again
 
 
 def test_a_weight_update_drops_what_waits_for_its_source(loaded):
@@ -82,7 +86,7 @@ def test_a_weight_update_drops_what_waits_for_its_source(loaded):
     plain = _allocate(side, list(range(1300, 1300 + 2 * PAGE)), "m5", source_commit=False)
     assert waiting.success and plain.success
     side.before_requests([UpdateWeightsFromTensorReqInput(serialized_named_tensors=[])])
-    assert side.pending.get("m4") is None and side.pending.get("m5") is not None
+    assert side.target.pending.get("m4") is None and side.target.pending.get("m5") is not None
     # Its source then finds the slot no longer armed: not delivered (the client commits
     # and learns the allocation is gone).
     reply = _send(side, ids[: 2 * PAGE], waiting)
@@ -94,15 +98,39 @@ def test_an_allocation_failing_after_its_slots_were_reserved_gives_them_back(
 ):
     before = side.harness.snapshot()
 
-    def boom(migration_id: str) -> str:
+    def boom() -> tuple[tuple[int, bytes] | None, str]:
         raise RuntimeError("injected fault after reserving")
 
-    monkeypatch.setattr(side.source_commits, "grant_slot", boom)
+    monkeypatch.setattr(side.target.source_commits, "grant_slot", boom)
     out = _allocate(side, list(range(1400, 1400 + 2 * PAGE)), "m6")
     assert not out.success and out.error_kind == "internal"
     assert "injected fault" in out.message
-    assert len(side.pending) == 0 and side.pending.quarantined() == 0
+    assert len(side.target.pending) == 0 and side.target.pending.quarantined() == 0
     assert side.harness.snapshot() == before  # the slots went back at once
+
+
+def test_a_grant_failing_after_its_mailbox_slot_was_taken_gives_it_back(
+    side, monkeypatch: pytest.MonkeyPatch
+):
+    """The grant is made once the slots are reserved and before the migration is
+    pending: a failure there gives back what it took (the mailbox slot, the slots) and
+    leaves nothing pending."""
+    from sglang_kv_migration.server.target.allocations import TargetAllocations
+
+    before = side.harness.snapshot()
+    slots = side.target.source_commits.slots
+    assert len(slots) == 0
+
+    def boom(*_args: object) -> str:
+        assert len(slots) == 1  # the mailbox slot was taken first
+        raise RuntimeError("injected fault while signing")
+
+    monkeypatch.setattr(TargetAllocations, "_sign_grant", boom)
+    out = _allocate(side, list(range(1500, 1500 + 2 * PAGE)), "m7")
+    assert not out.success and "injected fault while signing" in out.message
+    assert len(slots) == 0  # given back at once, not after a write window
+    assert len(side.target.pending) == 0 and side.target.pending.quarantined() == 0
+    assert side.harness.snapshot() == before
 
 
 # ------------------------------------------------- channel allocations and commits
@@ -114,12 +142,12 @@ def _ask_on_channel(side, caller, input_ids: list[int]) -> bytes:
     from sglang_kv_migration.wire import binary_ids
 
     body = {
-        "source_fingerprints": [side.fingerprint.to_dict()],
-        "source_instance": side.server_epoch,
+        "source_fingerprints": [side.identity.fingerprint.to_dict()],
+        "source_instance": side.identity.server_epoch,
         "source_commit": True,
         "path": "host",
     }
-    channel = side.channel_allocations.channel
+    channel = side.target.channel.channel
     return caller.call(
         channel.address, channel.secret, orjson.dumps(body), binary_ids.to_bytes(input_ids)
     )
@@ -130,8 +158,8 @@ def _serve_channel_once(side, recorded: list) -> None:
     wait), with the order of commits and channel allocations in `recorded`."""
     from sglang_kv_migration.server.messages import GetTransferSessionInfoReqInput
 
-    channel = side.channel_allocations
-    commit, allocate = side.commits.commit, channel._allocate
+    channel = side.target.channel
+    commit, allocate = side.target.commits.commit, channel._allocate
 
     def recorded_commit(req):
         recorded.append(("commit", req.migration_id))
@@ -142,12 +170,12 @@ def _serve_channel_once(side, recorded: list) -> None:
         recorded.append(("allocate", output.matched_token_size))
         return output
 
-    side.commits.commit, channel._allocate = recorded_commit, recorded_allocate
+    side.target.commits.commit, channel._allocate = recorded_commit, recorded_allocate
     try:
         assert wait_until(channel.readable, 30.0, interval_s=0.001)
         side.before_requests([GetTransferSessionInfoReqInput(weight_version="")])
     finally:
-        side.commits.commit, channel._allocate = commit, allocate
+        side.target.commits.commit, channel._allocate = commit, allocate
 
 
 @pytest.fixture
@@ -170,7 +198,7 @@ def test_a_channel_allocate_that_builds_on_nothing_delivered_goes_before_the_com
     recorded: list = []
     _serve_channel_once(side, recorded)
     assert recorded == [("allocate", 0), ("commit", "m7")]
-    assert side.pending.get("m7") is None  # still committed before the requests
+    assert side.target.pending.get("m7") is None  # still committed before the requests
 
 
 def test_a_channel_allocate_that_may_build_on_a_delivered_commit_goes_after_it(loaded, caller):
@@ -195,7 +223,7 @@ def test_builds_on_compares_the_ids_where_a_match_could_reach_the_committed_page
     ids = held + list(range(3000, 3000 + 4 * PAGE))  # the target holds `held` already
     alloc = _allocate(side, ids, "m9")
     assert alloc.success and alloc.matched_token_size == len(held)
-    pending = side.pending.get("m9")
+    pending = side.target.pending.get("m9")
 
     def request(input_ids: list[int], as_bytes: bool = False, extra_key=None):
         if as_bytes:
@@ -222,7 +250,7 @@ def test_requests_that_arrive_while_the_channel_is_served_are_served_in_the_same
 ):
     import orjson
 
-    channel = side.channel_allocations
+    channel = side.target.channel
     allocate = channel._allocate
     asked: list[bytes] = []
 
@@ -263,7 +291,7 @@ def test_requests_taken_off_the_channel_are_answered_even_when_a_commit_fails(
     def boom(select=None):
         raise RuntimeError("injected commit fault")
 
-    monkeypatch.setattr(side.source_commits, "commit_delivered", boom)
+    monkeypatch.setattr(side.target.source_commits, "commit_delivered", boom)
     call = _ask_on_channel(side, caller, list(range(5000, 5000 + 2 * PAGE)))
     _serve_channel_once(side, [])  # the fault goes to the poll's failure handling
     answers: dict[bytes, dict] = {}

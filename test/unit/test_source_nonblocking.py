@@ -33,7 +33,7 @@ class _HeldEvent:
 
 def test_transfer_returns_before_host_copies_finish(side_factory) -> None:
     side = side_factory(page_size=16, write_policy="write_through_selective")
-    cache, host_pool = side.ctx.tree_cache, side.host_pool
+    cache, host_pool = side.loop.ctx.tree_cache, side.identity.host_pool
     ids = list(range(7000, 7064))
     side.harness.insert_random(ids, seed=3)
     assert side.harness.match(ids).host_hit_length == 0
@@ -43,8 +43,8 @@ def test_transfer_returns_before_host_copies_finish(side_factory) -> None:
         AllocateTokenForTransferReqInput(
             input_ids=list(range(9000, 9064)),
             migration_id="self",
-            source_fingerprints=[side.fingerprint.to_dict()],
-            source_instance=side.server_epoch,
+            source_fingerprints=[side.identity.fingerprint.to_dict()],
+            source_instance=side.identity.server_epoch,
         )
     )
     assert alloc.success, alloc.message
@@ -83,12 +83,12 @@ def test_transfer_returns_before_host_copies_finish(side_factory) -> None:
         side.poll()
         time.sleep(0.001)
     assert len(side.replies) == 1 and side.replies[0].success, side.replies
-    assert side.replies[0].transferred_bytes == 64 * side.bytes_per_token
+    assert side.replies[0].transferred_bytes == 64 * side.identity.bytes_per_token
 
     # The bytes that landed in the target slots are the source's host copy.
     source_slots = torch.cat([n.host_value for n in _path(cache, ids)])
-    got = _host_bytes(host_pool, side.layout, kv_indices)
-    want = _host_bytes(host_pool, side.layout, source_slots.tolist())
+    got = _host_bytes(host_pool, side.identity.layout, kv_indices)
+    want = _host_bytes(host_pool, side.identity.layout, source_slots.tolist())
     assert torch.equal(got, want)
     assert not torch.equal(got, torch.zeros_like(got))
 

@@ -37,9 +37,9 @@ class _SchedulerSocket:
 
 def _side(harness_factory, send_output) -> Any:
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
-    from sglang_kv_migration.server.compose import compose_rank
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics
     from sglang_kv_migration.server.rank.settings import RankSettings
+    from sglang_kv_migration.server.scheduler.compose import compose_rank
 
     harness = harness_factory(page_size=16)
     ctx = one_rank_context(harness.cache, "tiny", send_output)
@@ -105,8 +105,8 @@ def test_a_transfer_enters_no_module_more_than_three_times(harness_factory) -> N
             AllocateTokenForTransferReqInput(
                 input_ids=list(range(9000, 9064)),
                 migration_id="walk",
-                source_fingerprints=[side.fingerprint.to_dict()],
-                source_instance=side.server_epoch,
+                source_fingerprints=[side.identity.fingerprint.to_dict()],
+                source_instance=side.identity.server_epoch,
             )
         )
         assert alloc.success, alloc.message
@@ -126,7 +126,7 @@ def test_a_transfer_enters_no_module_more_than_three_times(harness_factory) -> N
     for part in (
         "server.http.routes",
         "server.http.communicators",
-        "server.rank.scheduler_side",
+        "server.scheduler.scheduler_side",
         "server.source.transfers",
         "paths.host.path",
         "paths.host.mooncake",

@@ -42,13 +42,13 @@ def _migrate_to_self(side, mid: str, start: int, *, verify_grant: bool):
         AllocateTokenForTransferReqInput(
             input_ids=list(range(start + 10_000, start + 10_064)),
             migration_id=mid,
-            source_fingerprints=[side.fingerprint.to_dict()],
+            source_fingerprints=[side.identity.fingerprint.to_dict()],
             verify=verify_grant,
-            source_instance=side.server_epoch,
+            source_instance=side.identity.server_epoch,
         )
     )
     assert alloc.success, alloc.message
-    assert side.signer.decode_grant(alloc.ranks[0].grant).verify is verify_grant
+    assert side.identity.signer.decode_grant(alloc.ranks[0].grant).verify is verify_grant
     request = transfer_to_self(
         side, ids, alloc.ranks[0].kv_indices, alloc.ranks[0].grant, migration_id=mid
     )
@@ -79,12 +79,12 @@ def _source_host_slots(side, ids: list[int]) -> torch.Tensor:
 
 def test_verify_passes_on_a_good_migration(side) -> None:
     ids, alloc, reply, _ = _migrate_to_self(side, "good", 1000, verify_grant=True)
-    receipt = side.signer.decode_receipt(reply.ranks[0].receipt)
+    receipt = side.identity.signer.decode_receipt(reply.ranks[0].receipt)
     # The source hashed its own pages, in prefix order; the target's slots hold the same.
-    want = verify.host_pages_digest(side.layout, _source_host_slots(side, ids))
+    want = verify.host_pages_digest(side.identity.layout, _source_host_slots(side, ids))
     assert receipt.digest == want
     slots = torch.tensor(alloc.ranks[0].kv_indices)
-    assert verify.host_pages_digest(side.layout, slots) == want
+    assert verify.host_pages_digest(side.identity.layout, slots) == want
     out = _commit(side, "good", reply)
     assert out.success, out.message
     assert out.matched_after_commit == 64
@@ -94,9 +94,9 @@ def test_a_corrupted_byte_refuses_the_commit_and_frees_the_slots(side) -> None:
     ids, alloc, reply, baseline = _migrate_to_self(side, "bad", 2000, verify_grant=True)
     slots = alloc.ranks[0].kv_indices
     # One byte of the last granted slot changes after the transfer (a stray write).
-    raw = side.host_pool.kv_buffer.view(-1).view(torch.uint8)
-    offset = slots[-1] * side.layout.buffers[-1].item_len + (
-        side.layout.buffers[-1].ptr - side.layout.buffers[0].ptr
+    raw = side.identity.host_pool.kv_buffer.view(-1).view(torch.uint8)
+    offset = slots[-1] * side.identity.layout.buffers[-1].item_len + (
+        side.identity.layout.buffers[-1].ptr - side.identity.layout.buffers[0].ptr
     )
     raw[offset] ^= 0x5A
     out = _commit(side, "bad", reply)
@@ -104,7 +104,7 @@ def test_a_corrupted_byte_refuses_the_commit_and_frees_the_slots(side) -> None:
     assert "receipt hash" in out.message
     target_ids = list(range(12_000, 12_064))
     assert side.harness.match(target_ids).host_hit_length == 0  # nothing inserted
-    assert side.pending.get("bad") is None and side.pending.quarantined() == 0
+    assert side.target.pending.get("bad") is None and side.target.pending.quarantined() == 0
     assert side.harness.snapshot() == baseline  # slots and locks back at once
     again = _commit(side, "bad", reply)  # a retry cannot insert it either
     assert not again.success
@@ -112,7 +112,7 @@ def test_a_corrupted_byte_refuses_the_commit_and_frees_the_slots(side) -> None:
 
 def test_without_verify_no_digest_is_computed_and_commit_can_still_ask(side) -> None:
     _ids, _alloc, reply, baseline = _migrate_to_self(side, "plain", 3000, verify_grant=False)
-    receipt = side.signer.decode_receipt(reply.ranks[0].receipt)
+    receipt = side.identity.signer.decode_receipt(reply.ranks[0].receipt)
     assert receipt.digest == ""  # the source did not hash: nobody asked
     out = _commit(side, "plain", reply, verify=True)
     assert not out.success and out.error_kind == "conflict"
@@ -123,7 +123,7 @@ def test_without_verify_no_digest_is_computed_and_commit_can_still_ask(side) -> 
 def test_server_flag_verifies_every_migration(side) -> None:
     side.target.allocations.verify_all = True  # --kv-migration-verify
     _ids, alloc, reply, _ = _migrate_to_self(side, "flag", 4000, verify_grant=True)
-    assert side.signer.decode_receipt(reply.ranks[0].receipt).digest
+    assert side.identity.signer.decode_receipt(reply.ranks[0].receipt).digest
     assert _commit(side, "flag", reply).success
 
 

@@ -87,7 +87,45 @@ DEFAULT_TIMEOUT_S = 120.0
 T = TypeVar("T")
 
 
-class MigrationClient:
+class _ClientSteps:
+    """What both clients share: their keys, the session cache their migrations share and
+    the protocol generators (`steps.py`) their `migrate` and `migrate_many` drive."""
+
+    def __init__(self, api_key: str | None, admin_api_key: str | None):
+        self.keys = ApiKeys(api_key, admin_api_key)
+        self._sessions = SessionCache()
+
+    def _migration_steps(
+        self,
+        source_url: str,
+        target_url: str,
+        input_ids: list[int],
+        extra_key: str | None,
+        path: str | None,
+        verify: bool,
+        held: ExtraTokenSizeReply | dict[str, Any] | None,
+        running_rid: str,
+    ) -> Generator[Any, Any, MigrationResult]:
+        return migration_steps(
+            source_url,
+            target_url,
+            list(input_ids),
+            extra_key,
+            path,
+            self._sessions,
+            verify,
+            held,
+            running_rid,
+        )
+
+    def _many_steps(
+        self, moves: Sequence[Move], path: str | None, verify: bool
+    ) -> Generator[Any, Any, list[MigrationResult | MigrationFailed]]:
+        check_path(path)  # raised here, before any request is sent
+        return many_steps(moves, self._sessions, path, verify)
+
+
+class MigrationClient(_ClientSteps):
     """Synchronous client: keep-alive HTTP/1.1 from the standard library (`http11.py`),
     or the `httpx.Client` it is given."""
 
@@ -104,8 +142,7 @@ class MigrationClient:
         through this httpx client (proxies, custom transports) instead of `http11`."""
         self._http = http_client
         self._http11 = http11.Http11(timeout) if http_client is None else None
-        self.keys = ApiKeys(api_key, admin_api_key)
-        self._sessions = SessionCache()
+        super().__init__(api_key, admin_api_key)
 
     def migrate(
         self,
@@ -136,16 +173,8 @@ class MigrationClient:
         query with `running_rid` (``matched_token_size``: its ``running_token_size``).
         """
         return self._drive(
-            migration_steps(
-                source_url,
-                target_url,
-                list(input_ids),
-                extra_key,
-                path,
-                self._sessions,
-                verify,
-                held,
-                running_rid,
+            self._migration_steps(
+                source_url, target_url, input_ids, extra_key, path, verify, held, running_rid
             )
         )
 
@@ -156,8 +185,7 @@ class MigrationClient:
         transfers to one source in one call when it lists feature "transfer_batch".
         Returns each move's result, or the `MigrationFailed` it ended with (it was
         rolled back as `migrate` would), in the order of `moves`."""
-        check_path(path)
-        return self._drive(many_steps(moves, self._sessions, path, verify))
+        return self._drive(self._many_steps(moves, path, verify))
 
     def session_info(self, url: str) -> SessionInfoReply:
         """`/get_transfer_session_info` of `url`, from the cache migrations share (one
@@ -214,7 +242,7 @@ class MigrationClient:
         return r.status_code, json_or_text(r)
 
 
-class AsyncMigrationClient:
+class AsyncMigrationClient(_ClientSteps):
     """asyncio client: keep-alive HTTP/1.1 on asyncio streams (`aio_http11.py`), or the
     `httpx.AsyncClient` it is given; same surface as `MigrationClient`."""
 
@@ -228,8 +256,7 @@ class AsyncMigrationClient:
     ):
         self._http = http_client
         self._aio = aio_http11.AsyncHttp11(timeout) if http_client is None else None
-        self.keys = ApiKeys(api_key, admin_api_key)
-        self._sessions = SessionCache()
+        super().__init__(api_key, admin_api_key)
 
     async def migrate(
         self,
@@ -245,16 +272,8 @@ class AsyncMigrationClient:
     ) -> MigrationResult:
         """See `MigrationClient.migrate`."""
         return await self._drive(
-            migration_steps(
-                source_url,
-                target_url,
-                list(input_ids),
-                extra_key,
-                path,
-                self._sessions,
-                verify,
-                held,
-                running_rid,
+            self._migration_steps(
+                source_url, target_url, input_ids, extra_key, path, verify, held, running_rid
             )
         )
 
@@ -262,8 +281,7 @@ class AsyncMigrationClient:
         self, moves: Sequence[Move], *, path: str | None = None, verify: bool = False
     ) -> list[MigrationResult | MigrationFailed]:
         """See `MigrationClient.migrate_many`."""
-        check_path(path)
-        return await self._drive(many_steps(moves, self._sessions, path, verify))
+        return await self._drive(self._many_steps(moves, path, verify))
 
     async def session_info(self, url: str) -> SessionInfoReply:
         """See `MigrationClient.session_info`."""

@@ -107,7 +107,7 @@ class DemoServer:
         import zmq
 
         from sglang_kv_migration import sglang_adapter
-        from sglang_kv_migration.server.rank import hooks
+        from sglang_kv_migration.server.scheduler import hooks
 
         poller = zmq.Poller()
         poller.register(self.receiver, zmq.POLLIN)
@@ -364,7 +364,7 @@ def _scheduler_stand_in(server_args: Any, cache: Any, sender: Any, receiver: Any
     from sglang.srt.managers.scheduler import SenderWrapper
 
     from sglang_kv_migration import sglang_adapter
-    from sglang_kv_migration.server.rank import hooks
+    from sglang_kv_migration.server.scheduler import hooks
 
     scheduler = SimpleNamespace(
         server_args=server_args,

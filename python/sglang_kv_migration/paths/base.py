@@ -219,7 +219,7 @@ class SendJob(abc.ABC):
     @property
     def waits_on_helper(self) -> bool:
         """True while the job waits for work on a helper thread of this process, which
-        needs the scheduler thread to hand it the GIL (`server/rank/loop.py`)."""
+        needs the scheduler thread to hand it the GIL (`server/scheduler/loop.py`)."""
         return False
 
     @property

@@ -123,12 +123,6 @@ def open_paths(
     return paths
 
 
-def host_pool_layout(host_pool: Any) -> HostPoolLayout:
-    """The buffers of every pool of SGLang's host pool (the NSA indexer's too) as the
-    host path's writes address them."""
-    return HostPoolLayout.from_host_pool(host_pool)
-
-
 def open_staging(host_path: DataPath, layout: HostPoolLayout, nbytes: int) -> TargetStaging:
     """The host path's staging arena of `nbytes`, registered with its transport."""
     from sglang_kv_migration.paths.host.path import HostPath
@@ -140,7 +134,7 @@ def open_staging(host_path: DataPath, layout: HostPoolLayout, nbytes: int) -> Ta
 
 def offers_shared_host_pool(names: tuple[str, ...]) -> bool:
     """Whether a server offering the paths `names` keeps its host pool in shared memory
-    (decided before the pool is allocated: `server/rank/hooks.py`)."""
+    (decided before the pool is allocated: `server/scheduler/hooks.py`)."""
     return SHARED_HOST in names
 
 

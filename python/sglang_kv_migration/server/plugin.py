@@ -141,7 +141,7 @@ def _hook_table() -> list[tuple[str, object, HookType]]:
     `register` and `missing_hooks` read. Imported here, not at module level: SGLang loads
     this module in every process before it parses arguments."""
     from sglang_kv_migration.server.http import communicators
-    from sglang_kv_migration.server.rank import hooks as scheduler_hooks
+    from sglang_kv_migration.server.scheduler import hooks as scheduler_hooks
     from sglang_kv_migration.server.server_args import KVMigrationServerArgs
 
     table = [

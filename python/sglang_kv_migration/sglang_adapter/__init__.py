@@ -123,73 +123,45 @@ from sglang_kv_migration.sglang_adapter.shared_host_pool import (
 # IMPORTANT: the one place that picks what differs between SGLang lines (installed.py):
 # the tree (radix_tree.py for 0.5.12's HiRadixCache, unified_tree.py for 0.5.23's
 # UnifiedRadixCache) and the pools where they differ (pools.py / unified_pools.py).
-# Both modules of a pair define the same names with the same contracts.
+# Both modules of a pair define the same names with the same contracts, so one list
+# below binds them from whichever pair runs.
 if is_unified_line():
-    from sglang_kv_migration.sglang_adapter.unified_pools import (
-        alloc_host_slots,
-        copy_device_to_host,
-        host_evictable_size,
-        host_headroom_tokens,
-        host_pool,
-        host_pool_shape,
-        pending_device_write_streams,
-        take_host_slots,
-    )
-    from sglang_kv_migration.sglang_adapter.unified_tree import (
-        cache_generation,
-        cache_unsupported,
-        host_pages_ready,
-        insert_device_pages,
-        insert_host_pages,
-        is_hiradix_cache,
-        key_parts,
-        lock_node,
-        make_key,
-        match_device_prefix,
-        match_held_prefix,
-        match_tiered_prefix,
-        needs_page_hashes,
-        path_from_root,
-        pin_host_pages,
-        protect_host_nodes,
-        release_host_nodes,
-        unlock_node,
-        unpin_host_pages,
-        write_back_path,
-    )
+    from sglang_kv_migration.sglang_adapter import unified_pools as _line_pools
+    from sglang_kv_migration.sglang_adapter import unified_tree as _line_tree
+    from sglang_kv_migration.sglang_adapter.unified_pools import copy_device_to_host
 else:
-    from sglang_kv_migration.sglang_adapter.pools import (
-        alloc_host_slots,
-        host_evictable_size,
-        host_headroom_tokens,
-        host_pool,
-        host_pool_shape,
-        pending_device_write_streams,
-        take_host_slots,
-    )
-    from sglang_kv_migration.sglang_adapter.radix_tree import (
-        cache_generation,
-        cache_unsupported,
-        host_pages_ready,
-        insert_device_pages,
-        insert_host_pages,
-        is_hiradix_cache,
-        key_parts,
-        lock_node,
-        make_key,
-        match_device_prefix,
-        match_held_prefix,
-        match_tiered_prefix,
-        needs_page_hashes,
-        path_from_root,
-        pin_host_pages,
-        protect_host_nodes,
-        release_host_nodes,
-        unlock_node,
-        unpin_host_pages,
-        write_back_path,
-    )
+    from sglang_kv_migration.sglang_adapter import pools as _line_pools
+    from sglang_kv_migration.sglang_adapter import radix_tree as _line_tree
     from sglang_kv_migration.sglang_adapter.running_requests import copy_device_to_host
+
+alloc_host_slots = _line_pools.alloc_host_slots
+host_evictable_size = _line_pools.host_evictable_size
+host_headroom_tokens = _line_pools.host_headroom_tokens
+host_pool = _line_pools.host_pool
+host_pool_shape = _line_pools.host_pool_shape
+pending_device_write_streams = _line_pools.pending_device_write_streams
+take_host_slots = _line_pools.take_host_slots
+
+cache_generation = _line_tree.cache_generation
+cache_unsupported = _line_tree.cache_unsupported
+host_pages_ready = _line_tree.host_pages_ready
+insert_device_pages = _line_tree.insert_device_pages
+insert_host_pages = _line_tree.insert_host_pages
+is_hiradix_cache = _line_tree.is_hiradix_cache
+key_parts = _line_tree.key_parts
+lock_node = _line_tree.lock_node
+make_key = _line_tree.make_key
+match_device_prefix = _line_tree.match_device_prefix
+match_held_prefix = _line_tree.match_held_prefix
+match_tiered_prefix = _line_tree.match_tiered_prefix
+needs_page_hashes = _line_tree.needs_page_hashes
+path_from_root = _line_tree.path_from_root
+pin_host_pages = _line_tree.pin_host_pages
+protect_host_nodes = _line_tree.protect_host_nodes
+release_host_nodes = _line_tree.release_host_nodes
+unlock_node = _line_tree.unlock_node
+unpin_host_pages = _line_tree.unpin_host_pages
+write_back_path = _line_tree.write_back_path
 
 __all__ = [
     "NodeLock",

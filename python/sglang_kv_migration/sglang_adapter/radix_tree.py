@@ -335,6 +335,28 @@ def write_back_path(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
             node.release_host()
 
 
+def check_whole_pages(page_size: int, start: int, end: int) -> None:
+    """Refuse (BAD_REQUEST) a token range [start, end) that is empty or not whole pages."""
+    if start % page_size or end % page_size or not 0 <= start < end:
+        raise MigrationError(
+            ErrorKind.BAD_REQUEST,
+            f"token range [{start}, {end}) is not a non-empty range of whole pages "
+            f"(page_size={page_size})",
+        )
+
+
+def held_end(held_length: int, end: int, partial_ok: bool) -> int:
+    """Where a range that should end at `end` ends in a held prefix of `held_length`
+    tokens: cut there with `partial_ok`, else refused (CONFLICT) when it is short."""
+    if held_length < end and not partial_ok:
+        raise MigrationError(
+            ErrorKind.CONFLICT,
+            f"source holds only {held_length} tokens of the prefix, {end} needed "
+            "(evicted since it was measured?)",
+        )
+    return min(end, held_length)
+
+
 def pin_host_pages(
     cache: HiRadixCache,
     input_ids: list[int],
@@ -355,21 +377,9 @@ def pin_host_pages(
     """
     import torch
 
-    page_size = cache.page_size
-    if start % page_size or end % page_size or not 0 <= start < end:
-        raise MigrationError(
-            ErrorKind.BAD_REQUEST,
-            f"token range [{start}, {end}) is not a non-empty range of whole pages "
-            f"(page_size={page_size})",
-        )
+    check_whole_pages(cache.page_size, start, end)
     held = match_held_prefix(cache, input_ids[:end], extra_key)
-    if held.length < end and not partial_ok:
-        raise MigrationError(
-            ErrorKind.CONFLICT,
-            f"source holds only {held.length} tokens of the prefix, {end} needed "
-            "(evicted since it was measured?)",
-        )
-    end = min(end, held.length)
+    end = held_end(held.length, end, partial_ok)
     if end <= start:
         return None
     nodes = path_from_root(cache, held.last_node)

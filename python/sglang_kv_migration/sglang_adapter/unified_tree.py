@@ -39,6 +39,8 @@ from sglang_kv_migration.sglang_adapter.radix_tree import (
     PinnedHostPages,
     Segment,
     TieredPrefix,
+    check_whole_pages,
+    held_end,
 )
 
 if TYPE_CHECKING:
@@ -161,21 +163,9 @@ def pin_host_pages(
     copy done (see the module docstring); as `radix_tree.pin_host_pages` otherwise."""
     import torch
 
-    page_size = cache.page_size
-    if start % page_size or end % page_size or not 0 <= start < end:
-        raise MigrationError(
-            ErrorKind.BAD_REQUEST,
-            f"token range [{start}, {end}) is not a non-empty range of whole pages "
-            f"(page_size={page_size})",
-        )
+    check_whole_pages(cache.page_size, start, end)
     held = match_held_prefix(cache, input_ids[:end], extra_key)
-    if held.length < end and not partial_ok:
-        raise MigrationError(
-            ErrorKind.CONFLICT,
-            f"source holds only {held.length} tokens of the prefix, {end} needed "
-            "(evicted since it was measured?)",
-        )
-    end = min(end, held.length)
+    end = held_end(held.length, end, partial_ok)
     if end <= start:
         return None
     nodes = path_from_root(cache, held.last_node)

@@ -21,25 +21,21 @@ process cannot see, or host pages this server cannot read in place.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.errors import MigrationError
-from sglang_kv_migration.paths.base import DEVICE, DataPath, PreparedSend, SendJob, SendRange
+from sglang_kv_migration.paths.base import DEVICE
 from sglang_kv_migration.paths.device import cuda_ipc, tiers
 from sglang_kv_migration.paths.device.source_side import DeviceSourceSide
 from sglang_kv_migration.paths.device.target_side import DeviceTargetSide
 from sglang_kv_migration.paths.device.tier_copies import TierCopier
+from sglang_kv_migration.paths.device.tier_path import TierPath
 from sglang_kv_migration.targets import DeviceTarget
 
 if TYPE_CHECKING:
-    import torch
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-    from sglang_kv_migration.cp_owners import OwnerRun
     from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 
@@ -69,7 +65,7 @@ def device_path_unavailable_reason(
     return None
 
 
-class DevicePath(DataPath):
+class DevicePath(TierPath):
     name: ClassVar[str] = DEVICE
 
     def __init__(self, cache: HiRadixCache, landing_bytes: int = 0):
@@ -111,15 +107,12 @@ class DevicePath(DataPath):
         # As it came: the grant binds the digest of what the target advertised.
         return target.device_kv or {}
 
-    def close(self) -> None:
-        self.source.close()
-
     # ------------------------------------------------------------------ memory saver
 
     def quiesce(self) -> None:
         """Wait for every copy this rank launched, as a source and out of its arena:
         before SGLang unmaps the KV pool (`/release_memory_occupation`)."""
-        self.copier.synchronize()
+        super().quiesce()
         self.target.quiesce()
 
     def release_memory(self) -> None:
@@ -135,34 +128,9 @@ class DevicePath(DataPath):
 
     # ------------------------------------------------------------------ target role
 
-    def held_prefix(self, input_ids: list[int], extra_key: str | None) -> sglang_adapter.HeldPrefix:
-        return self.target.held_prefix(input_ids, extra_key)
-
-    def reserve(self, num_tokens: int, owners: OwnerRun | None = None) -> torch.Tensor:
-        return self.target.reserve(num_tokens, owners)
-
-    def release(self, slots: torch.Tensor) -> None:
-        self.target.release(slots)
-
-    def retake(self, slots: torch.Tensor) -> None:
-        self.target.retake(slots)
-
-    def insert(
-        self, anchor: TreeNode, key: RadixKey, anchor_length: int, slots: torch.Tensor
-    ) -> int:
-        return self.target.insert(anchor, key, anchor_length, slots)
-
-    def content_digest(self, slots: torch.Tensor) -> str:
-        return self.target.content_digest(slots)
-
     @property
     def holds_device_slots(self) -> bool:
         return True
-
-    @property
-    def late_write_margin_s(self) -> float:
-        # The copy is launched before the grant's deadline and runs for milliseconds.
-        return 2.0
 
     @property
     def late_writes_reach_slots(self) -> bool:
@@ -170,17 +138,6 @@ class DevicePath(DataPath):
         return self.target.landing is None
 
     # ------------------------------------------------------------------ source role
-
-    def start_send(self, send: SendRange) -> SendJob:
-        return self.source.start_send(send)
-
-    @contextlib.contextmanager
-    def launching_together(self) -> Iterator[None]:
-        with self.source.launching_together():
-            yield
-
-    def prepare_send(self, input_ids: list[int], extra_key: str | None) -> PreparedSend:
-        return self.source.prepare_send(input_ids, extra_key)
 
     @property
     def host_tier_refusal(self) -> str:

@@ -74,6 +74,10 @@ class TierSource(abc.ABC):
         self._together: list[_QueuedLaunch] | None = None
 
     @abc.abstractmethod
+    def close(self) -> None:
+        """Let go of the destinations opened so far (peers' buffers or pools). Idempotent."""
+
+    @abc.abstractmethod
     def check_destination(self, send: SendRange) -> Any:
         """The send's destination (its target entry: hostile input) parsed, before
         anything is matched or pinned; raises MigrationError naming what is wrong."""

@@ -28,18 +28,10 @@ cannot address (page_head, an NSA pool group), or host pools of different layout
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from sglang_kv_migration import sglang_adapter
-from sglang_kv_migration.paths.base import (
-    SHARED_HOST,
-    DataPath,
-    PreparedSend,
-    SendJob,
-    SendRange,
-)
+from sglang_kv_migration.paths.base import SHARED_HOST
+from sglang_kv_migration.paths.device.tier_path import TierPath
 from sglang_kv_migration.paths.host.layout import HostPoolLayout
 from sglang_kv_migration.paths.shared_host.source_side import SharedHostSourceSide
 from sglang_kv_migration.paths.shared_host.target_side import (
@@ -48,15 +40,12 @@ from sglang_kv_migration.paths.shared_host.target_side import (
 )
 
 if TYPE_CHECKING:
-    import torch
     from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-    from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-    from sglang_kv_migration.cp_owners import OwnerRun
     from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
 
 
-class SharedHostPath(DataPath):
+class SharedHostPath(TierPath):
     name: ClassVar[str] = SHARED_HOST
 
     def __init__(self, cache: HiRadixCache, layout: HostPoolLayout | None = None):
@@ -74,55 +63,6 @@ class SharedHostPath(DataPath):
     def destination_of(self, target: TransferRequestKVCacheTarget) -> dict[str, Any]:
         # As it came: the grant binds the digest of what the target advertised.
         return target.shared_host_kv or {}
-
-    def close(self) -> None:
-        self.source.close()
-
-    def quiesce(self) -> None:
-        """Wait for the copies this rank launched as a source (before SGLang unmaps the
-        KV pool they read)."""
-        self.copier.synchronize()
-
-    # ------------------------------------------------------------------ target role
-
-    def held_prefix(self, input_ids: list[int], extra_key: str | None) -> sglang_adapter.HeldPrefix:
-        return self.target.held_prefix(input_ids, extra_key)
-
-    def reserve(self, num_tokens: int, owners: OwnerRun | None = None) -> torch.Tensor:
-        return self.target.reserve(num_tokens, owners)
-
-    def release(self, slots: torch.Tensor) -> None:
-        self.target.release(slots)
-
-    def retake(self, slots: torch.Tensor) -> None:
-        self.target.retake(slots)
-
-    def insert(
-        self, anchor: TreeNode, key: RadixKey, anchor_length: int, slots: torch.Tensor
-    ) -> int:
-        return self.target.insert(anchor, key, anchor_length, slots)
-
-    def content_digest(self, slots: torch.Tensor) -> str:
-        return self.target.content_digest(slots)
-
-    @property
-    def late_write_margin_s(self) -> float:
-        # The copy is launched before the grant's deadline and runs for milliseconds
-        # (a CPU server copies within the launch).
-        return 2.0
-
-    # ------------------------------------------------------------------ source role
-
-    def start_send(self, send: SendRange) -> SendJob:
-        return self.source.start_send(send)
-
-    @contextlib.contextmanager
-    def launching_together(self) -> Iterator[None]:
-        with self.source.launching_together():
-            yield
-
-    def prepare_send(self, input_ids: list[int], extra_key: str | None) -> PreparedSend:
-        return self.source.prepare_send(input_ids, extra_key)
 
 
 __all__ = ["SharedHostPath", "shared_host_unavailable_reason"]

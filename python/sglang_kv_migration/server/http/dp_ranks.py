@@ -9,7 +9,7 @@ over the whole TP group (`Scheduler.recv_requests`). Either way every DP rank's
 schedulers see each of our requests, and the first scheduler of each DP rank can reply.
 
 So every request carries `dp_rank`, the DP rank that acts on it: the others return
-nothing (`server/rank/dp_filter.py`). `None` asks every DP rank (session info, size
+nothing (`server/scheduler/dp_filter.py`). `None` asks every DP rank (session info, size
 queries), and this module waits for one reply per DP rank and merges them:
 
 - session info: every DP rank's scheduler ranks (each with its `dp_rank`), `dp_size`;

@@ -1,6 +1,5 @@
-"""What the scheduler calls on every (tp, pp) rank: the hooks SGLang runs (`hooks.py`),
-the facade they call (`scheduler_side.py`) over the loop policy (`loop.py`), the session
-info (`session_info.py`) and the handler wrapping (`dispatch.py`); the rank's identity,
-settings and view of SGLang's state (`identity.py`, `settings.py`, `idle_probe.py`); the
-rank's view of the scheduler with the named cross-rank agreement steps (`context.py`),
-and how PP stages answer as one server (`pp_stages.py`)."""
+"""What the source and target roles of one (tp, pp) rank stand on: the rank's view of
+the scheduler with the named cross-rank agreement steps (`context.py`), its identity
+(`identity.py`), the settings it is built from (`settings.py`), how a handler runs
+(`dispatch.py`), and how PP stages answer as one server (`pp_stages.py`). Nothing here
+imports the roles or what stands on them (`scheduler/`)."""

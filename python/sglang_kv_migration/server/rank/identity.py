@@ -2,8 +2,9 @@
 the layout of its buffers), its layout fingerprint, the server's instance id, its grant
 signer, and whether its KV memory is released.
 
-Built once by `server/compose.py`; the source and target roles and the session info read
-it, the loop's memory hooks change the two memory fields."""
+Built once by `server/scheduler/compose.py`; the source and target roles and the session
+info read it, the loop's memory hooks change the two memory fields (`kv_memory_released`,
+`kv_memory_resumed`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from sglang_kv_migration import grants, sglang_adapter
 from sglang_kv_migration.cp_owners import PageOwners, cp_rank_of
 from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.paths import HostPoolLayout
-from sglang_kv_migration.paths.factory import host_pool_layout
 from sglang_kv_migration.server.rank.context import RankContext
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,16 @@ class RankIdentity:
         """This rank's fingerprint with the weight version the request was stamped with."""
         return self.fingerprint.with_weight_version(req.weight_version)
 
+    def kv_memory_released(self) -> None:
+        """SGLang is about to unmap the KV pool: allocations are refused until resumed."""
+        self.memory_released = True
+
+    def kv_memory_resumed(self) -> int:
+        """The KV pool is mapped again; returns the new memory generation."""
+        self.memory_generation += 1
+        self.memory_released = False
+        return self.memory_generation
+
 
 def open_identity(
     ctx: RankContext, grant_key: bytes | None, attn_cp_size: int, host_path: bool
@@ -82,7 +92,7 @@ def open_identity(
     host_pool = sglang_adapter.host_pool(ctx.tree_cache)
     pool_buffer = sglang_adapter.host_pool_buffer(host_pool)
     # Every pool of the host pool, the NSA indexer's too (`paths/host/layout_nsa.py`).
-    layout = host_pool_layout(host_pool)
+    layout = HostPoolLayout.from_host_pool(host_pool)
     # None on stock SGLang (every CP rank holds every page); a sharding fork's hook.
     cp_owners = sglang_adapter.cp_page_owners(ctx.tree_cache, attn_cp_size)
     fingerprint = LayoutFingerprint.from_shape(

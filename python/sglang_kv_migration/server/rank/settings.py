@@ -1,4 +1,4 @@
-"""What a rank's migration side is built from (`server/compose.py`): the server args of
+"""What a rank's migration side is built from (`server/scheduler/compose.py`): the server args of
 `--enable-kv-migration` read once, and what tests and benchmarks that drive a rank
 directly give instead (a transport of their own, no SGLang state)."""
 
@@ -54,6 +54,7 @@ def settings_from_server_args(
     pp_rank: int,
     scheduler_idle: Callable[[], bool],
     input_waiting: Callable[[], bool],
+    running_requests: Any = None,
 ) -> RankSettings:
     """A rank's settings from SGLang's `ServerArgs` (with our flags, `server_args.py`;
     SGLang's own fields as they are in effect: `sglang_adapter.effective_server_args`)."""
@@ -84,6 +85,7 @@ def settings_from_server_args(
         profile=rank_profile(in_effect.port, tp_rank, pp_rank),
         scheduler_idle=scheduler_idle,
         input_waiting=input_waiting,
+        running_requests=running_requests,
     )
 
 

@@ -1,4 +1,4 @@
-"""The source role of one rank, as `server/compose.py` builds it: its transfers, with
+"""The source role of one rank, as `server/scheduler/compose.py` builds it: its transfers, with
 what a single-rank source has besides (the target's allocate, feature "source_allocate":
 `target_asks.py`; device destinations named by digest, feature "destination_digest")
 and the mailbox it delivers commits to (feature "source_commit")."""
@@ -19,6 +19,7 @@ from sglang_kv_migration.server.source.owned_pages import run_pattern
 from sglang_kv_migration.server.source.running_slots import RunningSlots
 from sglang_kv_migration.server.source.target_asks import TargetAsks
 from sglang_kv_migration.server.source.transfers import SourceTransfers
+from sglang_kv_migration.server.source.validation import TransferChecks
 
 
 def build_source(
@@ -39,27 +40,32 @@ def build_source(
         if single_rank
         else None
     )
-    transfers = SourceTransfers(
-        ctx,
-        identity.fingerprint,
-        paths,
-        diagnostics.metrics,
-        identity.server_epoch,
-        identity.signer,
-        server_fingerprints={
-            (fp.tp_rank, fp.pp_rank): fp for fp in ctx.all_gather_world(identity.fingerprint)
-        },
-        max_tokens=identity.num_slots,
-        deliverer=Deliverer(),
-        asks=asks,
-        destinations=KnownDestinations() if single_rank else None,
-        log_later=diagnostics.log_later,
-        running_slots=running_slots,
-    )
+    destinations = KnownDestinations() if single_rank else None
+    deliverer = Deliverer()
+    owner_pattern = None
     if identity.cp_owners is not None:
         # Owner-sharded CP: each rank sends only the pages it owns (`owned_pages.py`).
-        transfers.checks.owner_pattern = functools.partial(
-            run_pattern, ctx.tree_cache, identity.cp_owners
-        )
-        transfers.checks.cp_rank = identity.cp_rank
+        owner_pattern = functools.partial(run_pattern, ctx.tree_cache, identity.cp_owners)
+    checks = TransferChecks(
+        ctx,
+        identity.fingerprint,
+        {(fp.tp_rank, fp.pp_rank): fp for fp in ctx.all_gather_world(identity.fingerprint)},
+        paths,
+        identity.signer,
+        identity.server_epoch,
+        identity.num_slots,
+        destinations,
+        delivers=True,
+        running_slots=running_slots,
+        owner_pattern=owner_pattern,
+        cp_rank=identity.cp_rank,
+    )
+    transfers = SourceTransfers(
+        ctx,
+        checks,
+        diagnostics.metrics,
+        deliverer=deliverer,
+        asks=asks,
+        log_later=diagnostics.log_later,
+    )
     return transfers

@@ -12,7 +12,8 @@ target had nothing to send for goes CHECKING -> SENT. The state moves only throu
 methods below (`_move` checks each step); once it is SENT or SEND_FAILED, `result` says
 this rank's status. The records of the optional features (`TargetAllocation`,
 `SourceCommit`) and the timestamps the reply's trace is stamped with (`Timings`) are
-data, never read as state.
+data, never read as state. Every field is set here: the steps in other modules hand what
+they found to a method.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.paths.base import DataPath, KVPoll, PreparedSend, SendJob, SendRange
+from sglang_kv_migration.paths.base import (
+    DEVICE,
+    DataPath,
+    KVPoll,
+    PreparedSend,
+    SendJob,
+    SendRange,
+)
 from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
 from sglang_kv_migration.wire.messages import AllocateReply
 from sglang_kv_migration.wire.moments import TRANSFER_STEPS, Moment, step
@@ -99,6 +107,17 @@ class TargetAllocation:
     reply: AllocateReply | None = None  # the same, checked
     channel_error: str = ""  # why the target's channel could not be asked
 
+    def taken_up(self) -> None:
+        """Its answer was taken up, or it is no longer awaited."""
+        self.call = b""
+
+    def unanswered(self, channel_error: str) -> None:
+        self.channel_error = channel_error
+
+    def answered(self, answer: dict, reply: AllocateReply) -> None:
+        """The target's reply, as it answered and checked."""
+        self.answer, self.reply = answer, reply
+
 
 @dataclass
 class Timings:
@@ -151,8 +170,14 @@ class InflightTransfer:
         self._move(Moment.ALLOCATING)
         self.allocate = TargetAllocation(call=call, answer_by=answer_by)
 
-    def answer_taken(self) -> None:
-        """The target's allocate reply came: the transfer is checked against it."""
+    def ask_refused(self, channel_error: str) -> None:
+        """Feature "source_allocate": the target's channel could not be asked."""
+        self.allocate = TargetAllocation(call=b"", answer_by=0.0, channel_error=channel_error)
+
+    def answer_taken(self, allocated: float, answered: float) -> None:
+        """The target's allocate reply came (in the poll that began at `allocated`, taken
+        up at `answered`): the transfer is checked against it."""
+        self.timings.allocated, self.timings.answered = allocated, answered
         self._move(Moment.CHECKING)
 
     def sending(self, job: SendJob) -> None:
@@ -171,6 +196,57 @@ class InflightTransfer:
         """This rank's part succeeded (`result` says what it sent)."""
         self._move(Moment.SENT)
         self.result = result
+
+    # ------------------------------------------------------------------ what steps found
+
+    def slots_parsed(self, own_slots: OwnSlots) -> None:
+        """This rank's target slots, parsed once: even a refused transfer's receipt names
+        them."""
+        self.own_slots = own_slots
+
+    def tokens_digested(self, tokens: TokensDigest) -> None:
+        """The digest of the request's ids, taken while the target allocated."""
+        self.tokens = tokens
+
+    def send_prepared(self, prepared: PreparedSend) -> None:
+        """The path's part, done while the target allocated (released here unless the
+        job takes it over)."""
+        self.prepared = prepared
+
+    def claimed(self, claim: GrantClaim) -> None:
+        """The grant this request claimed: its receipt may then say the grant's writes
+        are over."""
+        self.claim = claim
+
+    def checked(
+        self,
+        path: DataPath,
+        send: SendRange,
+        commit: SourceCommit | None,
+        slots_lost: Callable[[], MigrationError | None] | None,
+    ) -> None:
+        """The request passed every check: this rank's part of the send, on `path`."""
+        self.path, self.send, self.commit, self.slots_lost = path, send, commit, slots_lost
+
+    def handled(self, at: float, destination_unknown: bool) -> None:
+        """Its handler returned (at `at`, monotonic)."""
+        self.timings.handled = at
+        self.destination_unknown = destination_unknown
+
+    def launched(self, at: float) -> None:
+        """Its copy launched (or it failed) at `at`, monotonic."""
+        self.timings.launched = at
+
+    def seen_done(self, at: float) -> None:
+        """Every rank was seen done at `at`, monotonic."""
+        self.timings.finished = at
+
+    def receipt_signed(self, receipt: str, claimed_until: float) -> RankTransferStatus:
+        """This rank's status once done, with its signed receipt and until when its
+        request holds the grant it claimed (0: none)."""
+        assert self.result is not None, "a receipt is signed once the status is known"
+        self.result = dataclasses.replace(self.result, receipt=receipt, claimed_until=claimed_until)
+        return self.result
 
     # ------------------------------------------------------------------ reading
 
@@ -255,3 +331,15 @@ def gpu_copy_events(started: list[InflightTransfer]) -> list[Any]:
     sending = [t for t in started if t.state is Moment.SENDING]
     events = [t.job.completion_event for t in sending]
     return events if all(e is not None for e in events) else []
+
+
+def on_helper_threads(inflight: list[InflightTransfer]) -> bool:
+    """Whether a transfer in flight may wait on a helper thread (the host path's
+    transport workers, a verify digest, the device path's mapping of a peer's
+    buffers): device-path copies run on the GPU."""
+    return any(
+        (t.path is None and not t.asking)  # (asking a target's channel: no helper)
+        or (t.path is not None and (t.path.name != DEVICE or t.send is None or t.send.verify))
+        or (t.job is not None and t.job.waits_on_helper)
+        for t in inflight
+    )

@@ -18,13 +18,16 @@ and in bytes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.wire.messages import TransferRequestKVCacheTarget
+
+if TYPE_CHECKING:
+    from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
 
 # Distinct destinations remembered (one per target rank and KV memory generation; ~26 KB
 # of JSON each for an 8B model's 64 buffers), least recently used dropped first ...
@@ -108,3 +111,21 @@ class KnownDestinations:
         self._by_digest.clear()
         self._digest_by_id.clear()
         self.bytes = 0
+
+
+def resolve_destinations(
+    destinations: KnownDestinations | None, req: TransferRequestKVCacheReqInput
+) -> None:
+    """Feature "destination_digest": a device entry named by digest gets the
+    description this source remembers (a full one is remembered by
+    `TransferChecks.validate`, once its grant verified); `destinations` None: a source
+    that does not offer the feature (a multi-rank one) refuses a digest."""
+    if destinations is None:
+        if any(t.device_kv_digest for t in req.target_per_rank):
+            raise MigrationError(
+                ErrorKind.BAD_REQUEST,
+                "device_kv_digest needs a single-rank source (TP 1, PP 1); send device_kv",
+            )
+        return
+    for target in req.target_per_rank:
+        destinations.resolve(target)

@@ -1,7 +1,7 @@
 """The pieces of a transfer's reply on a source rank that need no state of the rank:
-each rank's result, the grants they claimed, the checks of the gathered statuses, the
-trace steps of a transfer whose target allocated (feature "source_allocate") and the
-log text."""
+the reply itself (`transfer_output`), each rank's result and signed receipt, the grants
+they claimed, the checks of the gathered statuses, the trace steps of a transfer whose
+target allocated (feature "source_allocate") and the log text."""
 
 from __future__ import annotations
 
@@ -9,11 +9,79 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind
 from sglang_kv_migration.server.diag.trace import ms
-from sglang_kv_migration.server.messages import TransferRequestKVCacheReqInput
+from sglang_kv_migration.server.messages import (
+    TransferRequestKVCacheReqInput,
+    TransferRequestKVCacheReqOutput,
+)
 from sglang_kv_migration.server.source.inflight import InflightTransfer, RankTransferStatus
 from sglang_kv_migration.wire.messages import RankTransferResult
+
+
+def transfer_output(
+    inflight: InflightTransfer,
+    statuses: list[RankTransferStatus],
+    failed: RankTransferStatus | None,
+    pp_rank: int,
+    server_epoch: str,
+    delivered: bool,
+) -> TransferRequestKVCacheReqOutput:
+    """The reply of a transfer every rank of the stage is done with (`statuses`, in
+    tp_rank order; `failed`: the failure it reports, None when it succeeded)."""
+    req = inflight.request
+    return TransferRequestKVCacheReqOutput(
+        success=failed is None,
+        message=failed.message if failed is not None else "",
+        error_kind=failed.error_kind if failed is not None else "",
+        transferred_token_size=statuses[0].tokens if failed is None else 0,
+        transferred_bytes=sum(s.bytes for s in statuses) if failed is None else 0,
+        ranks=rank_results(statuses, pp_rank),
+        path=path_name(req),
+        server_epoch=server_epoch,
+        delivered=delivered,
+        allocation=inflight.allocation,
+        channel_error=inflight.channel_error,
+        destination_unknown=inflight.destination_unknown,
+        claims=claims_of(statuses, req.migration_id, pp_rank),
+        rid=req.rid,  # the tokenizer side matches concurrent transfers by rid
+    )
+
+
+def signed_receipt(
+    inflight: InflightTransfer,
+    status: RankTransferStatus,
+    signer: grants.Signer,
+    tp_rank: int,
+    pp_rank: int,
+    source: str,
+) -> str:
+    """This rank's receipt of a transfer that is over here (`status` done), signed;
+    `source`: this server's instance id."""
+    send, job, claim = inflight.send, inflight.job, inflight.claim
+    return signer.encode(
+        grants.Receipt(
+            migration_id=inflight.request.migration_id,
+            tp=tp_rank,
+            pp=pp_rank,
+            path=send.target.path if send is not None else "",
+            slots_digest=inflight.slots_digest,
+            success=status.success,
+            bytes=status.bytes,
+            # Nothing more can land once done, or if no write was ever submitted
+            # under the grant: only its claimant knows (a refused replay does not).
+            settled=claim is not None
+            and (status.success or job is None or not job.started_writing),
+            grant=claim.digest if claim is not None else "",
+            dp_rank=claim.dp_rank if claim is not None else -1,
+            # Told only to a target that granted an extent: it must scatter then.
+            plan=status.plan if send is not None and send.target.staging else "",
+            digest=status.digest,
+            source=source,
+            tokens=receipt_tokens(status, inflight.request),
+        )
+    )
 
 
 def rank_results(statuses: list[RankTransferStatus], pp_rank: int) -> list[RankTransferResult]:

@@ -76,9 +76,7 @@ class TargetAsks:
         answer up (`take`). Raises what fails the transfer now."""
         on_target = req.allocate_on_target
         if on_target.error_ahead:  # asked ahead, and the target did not answer
-            inflight.allocate = TargetAllocation(
-                call=b"", answer_by=0.0, channel_error=on_target.error_ahead
-            )
+            inflight.ask_refused(on_target.error_ahead)
             raise MigrationError(ErrorKind.UNAVAILABLE, on_target.error_ahead)
         if on_target.reply_ahead:
             self._ahead_calls += 1
@@ -91,7 +89,7 @@ class TargetAsks:
                 on_target.address, on_target.secret, on_target.allocate, on_target.ids
             )
         except ValueError as e:
-            inflight.allocate = TargetAllocation(call=b"", answer_by=0.0, channel_error=str(e))
+            inflight.ask_refused(str(e))
             raise MigrationError(ErrorKind.BAD_REQUEST, str(e)) from None
         inflight.ask_target(call, time.monotonic() + self.timeout_s)
         # Prepared in this iteration's poll, after every transfer of the iteration asked
@@ -141,7 +139,7 @@ class TargetAsks:
             if reply is None and now < asked.answer_by and asked.call not in gone:
                 continue
             self.caller.forget(asked.call)
-            asked.call = b""
+            asked.taken_up()
             if one.state is not Moment.ALLOCATING:
                 # Failed while it waited (a cache flush): the failure is the reply, with
                 # the target's allocation in it, so the client aborts what it holds.
@@ -149,16 +147,14 @@ class TargetAsks:
                     error_of(functools.partial(keep_allocation, asked, reply))
                 continue
             if reply is None:
-                asked.channel_error = (
+                asked.unanswered(
                     "the target's process exited before it answered the allocate"
                     if now < asked.answer_by
                     else f"the target did not answer the allocate within {self.timeout_s:.0f} s"
                 )
                 one.fail(MigrationError(ErrorKind.UNAVAILABLE, asked.channel_error))
                 continue
-            one.timings.allocated = poll_started  # the poll that took the answer
-            one.timings.answered = time.monotonic()
-            one.answer_taken()
+            one.answer_taken(poll_started, time.monotonic())  # (the poll that took it)
             error = error_of(functools.partial(allocated, one, reply))
             if error is not None:
                 one.fail(error)
@@ -187,12 +183,12 @@ class TargetAsks:
         effort: what fails here fails again, and is reported, once the answer came."""
         req = inflight.request
         count = len(req.input_ids)
-        inflight.tokens = TokensDigest(count, grants.request_tokens_digest(req, count))
+        inflight.tokens_digested(TokensDigest(count, grants.request_tokens_digest(req, count)))
         path = self.paths().get(req.target_per_rank[0].path) if req.target_per_rank else None
         if path is None or req.running_rid:  # (running slots: no radix match to prepare)
             return
         try:
-            inflight.prepared = path.prepare_send(req.input_ids, req.extra_key)
+            inflight.send_prepared(path.prepare_send(req.input_ids, req.extra_key))
         except Exception as e:  # noqa: BLE001 - the transfer's own start says it again
             logger.debug("KV migration: nothing prepared while the target allocates: %s", e)
 
@@ -214,4 +210,4 @@ class TargetAsks:
 
 def keep_allocation(asked: TargetAllocation, reply: bytes) -> None:
     """The target's allocate reply, as it answered and checked, on the transfer's record."""
-    asked.answer, asked.reply = read_allocation(reply)
+    asked.answered(*read_allocation(reply))

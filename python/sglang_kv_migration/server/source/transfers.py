@@ -24,9 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sglang_kv_migration import grants
 from sglang_kv_migration.errors import ErrorKind, MigrationError
-from sglang_kv_migration.fingerprint import LayoutFingerprint
 from sglang_kv_migration.paths.base import DEVICE, DataPath
 from sglang_kv_migration.server.diag.deferred_log import DeferredLog
 from sglang_kv_migration.server.diag.metrics import MigrationMetrics
@@ -42,27 +40,27 @@ from sglang_kv_migration.server.source.inflight import (
     RankTransferStatus,
     Timings,
     gpu_copy_events,
+    on_helper_threads,
 )
 from sglang_kv_migration.server.source.known_destinations import (
-    KnownDestinations,
     UnknownDestination,
+    resolve_destinations,
 )
 from sglang_kv_migration.server.source.replies import (
     allocate_steps,
-    claims_of,
     path_name,
-    rank_results,
-    receipt_tokens,
+    signed_receipt,
     steps_text,
+    transfer_output,
     uneven_lengths,
 )
-from sglang_kv_migration.server.source.running_slots import RunningSlots
 from sglang_kv_migration.server.source.target_asks import TargetAsks, keep_allocation
 from sglang_kv_migration.server.source.validation import (
     TransferChecks,
     granted_target,
     refusal_of,
 )
+from sglang_kv_migration.wire import features
 from sglang_kv_migration.wire.messages import StageRefusal
 from sglang_kv_migration.wire.moments import Moment, Phase
 
@@ -78,48 +76,29 @@ class SourceTransfers:
     def __init__(
         self,
         ctx: RankContext,
-        fingerprint: LayoutFingerprint,
-        paths: Mapping[str, DataPath],
+        checks: TransferChecks,
         metrics: MigrationMetrics,
-        server_epoch: str = "",
-        signer: grants.Signer | None = None,
-        server_fingerprints: Mapping[tuple[int, int], LayoutFingerprint] | None = None,
-        max_tokens: int = 1 << 62,
         deliverer: Deliverer | None = None,
         asks: TargetAsks | None = None,
-        destinations: KnownDestinations | None = None,
         log_later: DeferredLog | None = None,
-        running_slots: RunningSlots | None = None,
     ):
         self.ctx = ctx
-        self.fingerprint = fingerprint
-        self.checks = TransferChecks(
-            ctx,
-            fingerprint,
-            server_fingerprints or {(ctx.tp_rank, ctx.pp_rank): fingerprint},
-            paths,
-            signer or grants.Signer(None),
-            server_epoch,
-            max_tokens,
-            destinations,
-            delivers=deliverer is not None,
-            running_slots=running_slots,
-        )
+        self.checks = checks  # what a request must pass before any byte moves
         self.metrics = metrics
         # Per-move lines, written once idle (the scheduler side passes the one it flushes).
         self.log_later = log_later if log_later is not None else DeferredLog()
-        self.server_epoch = server_epoch  # this server's instance id (receipts name it)
-        self.epoch_suffix = ""  # set on every KV memory resume (`rank/loop.py`)
-        self.signer = self.checks.signer
-        self.deliverer = deliverer
+        self.server_epoch = checks.server_epoch  # this server's instance id (receipts name it)
+        self.epoch_suffix = ""  # changed on every KV memory resume (`memory_resumed`)
+        self.signer = checks.signer
+        self.deliverer = deliverer  # feature "source_commit": the target's mailbox
         self.asks = asks  # feature "source_allocate" (single-rank servers only)
-        self.destinations = destinations  # feature "destination_digest" (single-rank too)
+        self.destinations = checks.destinations  # feature "destination_digest" (single-rank)
         self.inflight: list[InflightTransfer] = []  # read-only outside this class
         self.polls = 0  # `poll()` calls with transfers in flight
         self._poll_started = 0.0  # when the current `poll()` began
         # Feature "running_slots": transfers naming `running_rid` read that request's
         # slots (None: the feature is off, and such transfers are refused).
-        self.running_slots = running_slots
+        self.running_slots = checks.running_slots
 
     @property
     def paths(self) -> Mapping[str, DataPath]:
@@ -133,19 +112,25 @@ class SourceTransfers:
         """The epoch replies carry: instance, KV memory generation and weights."""
         return f"{self.server_epoch}{self.epoch_suffix}:{weight_version}"
 
+    def memory_resumed(self, generation: int) -> None:
+        """The KV memory was resumed (`generation`: how many times): a new epoch."""
+        self.epoch_suffix = f".m{generation}"
+
     def __len__(self) -> int:
         return len(self.inflight)
 
+    def features(self) -> list[str]:
+        """The optional features this role offers (session info lists them)."""
+        offered = []
+        if self.destinations is not None and DEVICE in self.paths:
+            offered.append(features.DESTINATION_DIGEST)
+        if self.running_slots is not None:
+            offered.append(features.RUNNING_SLOTS)
+        return offered
+
     def on_helper_threads(self) -> bool:
-        """Whether a transfer in flight may wait on a helper thread (the host path's
-        transport workers, a verify digest, the device path's mapping of a peer's
-        buffers): device-path copies run on the GPU."""
-        return any(
-            (t.path is None and not t.asking)  # (asking a target's channel: no helper)
-            or (t.path is not None and (t.path.name != DEVICE or t.send is None or t.send.verify))
-            or (t.job is not None and t.job.waits_on_helper)
-            for t in self.inflight
-        )
+        """Whether a transfer in flight may wait on a helper thread (`inflight.py`)."""
+        return on_helper_threads(self.inflight)
 
     def awaited(self) -> Callable[[], bool] | None:
         """When every transfer in flight waits only for its target's allocate reply or
@@ -173,15 +158,14 @@ class SourceTransfers:
             request=req, first_poll=self.polls, timings=Timings(started=time.monotonic())
         )
         self.inflight.append(inflight)
-        error = error_of(functools.partial(self._resolve_destinations, req))
+        error = error_of(functools.partial(resolve_destinations, self.destinations, req))
         if error is None and req.allocate_on_target is not None:
             error = error_of(functools.partial(self._ask_target, req, inflight))
         elif error is None:
             error = error_of(functools.partial(self._start, req, inflight))
-        inflight.destination_unknown = isinstance(error, UnknownDestination)
         if error is not None:
             inflight.fail(error)
-        inflight.timings.handled = time.monotonic()
+        inflight.handled(time.monotonic(), isinstance(error, UnknownDestination))
 
     def _ask_target(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
         """Feature "source_allocate": the target's allocate (`target_asks.py`); the
@@ -193,20 +177,6 @@ class SourceTransfers:
                 "the target with /allocate_token_for_transfer",
             )
         self.asks.ask(req, inflight)
-
-    def _resolve_destinations(self, req: TransferRequestKVCacheReqInput) -> None:
-        """Feature "destination_digest": a device entry named by digest gets the
-        description this source remembers (a full one is remembered by `_validate`,
-        once its grant verified)."""
-        if self.destinations is None:
-            if any(t.device_kv_digest for t in req.target_per_rank):
-                raise MigrationError(
-                    ErrorKind.BAD_REQUEST,
-                    "device_kv_digest needs a single-rank source (TP 1, PP 1); send device_kv",
-                )
-            return
-        for target in req.target_per_rank:
-            self.destinations.resolve(target)
 
     def _take_allocations(self) -> list[InflightTransfer]:
         """Start the transfers whose target answered their allocate; fail those it did
@@ -220,7 +190,7 @@ class SourceTransfers:
             answered = self.asks.take(self.inflight, self._poll_started, self._allocated)
         launched = time.monotonic()  # (the block's end launched their copies)
         for inflight in answered:
-            inflight.timings.launched = launched
+            inflight.launched(launched)
         return [inflight for inflight in answered if inflight.error is None]
 
     def _allocated(self, inflight: InflightTransfer, reply: bytes) -> None:
@@ -315,8 +285,8 @@ class SourceTransfers:
                 allocation=inflight.allocation,
                 channel_error=inflight.channel_error,
                 destination_unknown=inflight.destination_unknown,
+                rid=req.rid,
             )
-            output.rid = req.rid
             self._send(output, inflight)
 
     def close(self) -> None:
@@ -363,7 +333,7 @@ class SourceTransfers:
             if not all(s.done for s in statuses):
                 still_running.append(inflight)
                 continue
-            inflight.timings.finished = time.monotonic()
+            inflight.seen_done(time.monotonic())
             inflight.release()
             if inflight.asking:  # failed before its target answered: not waited for
                 self.asks.forget(inflight)
@@ -374,50 +344,23 @@ class SourceTransfers:
         """This rank's status, with its signed receipt once the transfer is over here."""
         status = inflight.local_status()
         if status.done and not status.receipt:
-            send, job, claim = inflight.send, inflight.job, inflight.claim
-            status.claimed_until = claim.until if claim is not None else 0.0
-            status.receipt = self.signer.encode(
-                grants.Receipt(
-                    migration_id=inflight.request.migration_id,
-                    tp=self.ctx.tp_rank,
-                    pp=self.ctx.pp_rank,
-                    path=send.target.path if send is not None else "",
-                    slots_digest=inflight.slots_digest,
-                    success=status.success,
-                    bytes=status.bytes,
-                    # Nothing more can land once done, or if no write was ever submitted
-                    # under the grant: only its claimant knows (a refused replay does not).
-                    settled=claim is not None
-                    and (status.success or job is None or not job.started_writing),
-                    grant=claim.digest if claim is not None else "",
-                    dp_rank=claim.dp_rank if claim is not None else -1,
-                    # Told only to a target that granted an extent: it must scatter then.
-                    plan=status.plan if send is not None and send.target.staging else "",
-                    digest=status.digest,
-                    source=self.server_epoch,
-                    tokens=receipt_tokens(status, inflight.request),
-                )
+            claim = inflight.claim
+            receipt = signed_receipt(
+                inflight, status, self.signer, self.ctx.tp_rank, self.ctx.pp_rank, self.server_epoch
             )
+            status = inflight.receipt_signed(receipt, claim.until if claim is not None else 0.0)
         return status
 
     def _reply(self, inflight: InflightTransfer, statuses: list[RankTransferStatus]) -> None:
         req = inflight.request
         # `statuses` come from this stage's TP group, in tp_rank order.
-        ranks = rank_results(statuses, self.ctx.pp_rank)
         failed = [s for s in statuses if not s.success] or uneven_lengths(statuses)
         elapsed = time.monotonic() - inflight.timings.started
         self.metrics.phase(Phase.TRANSFER, elapsed)
         # Every rank of a stage builds this same reply; only the first one logs it.
         first_rank = self.ctx.tp_rank == 0
+        delivered = False
         if failed:
-            output = TransferRequestKVCacheReqOutput(
-                success=False,
-                ranks=ranks,
-                path=path_name(req),
-                server_epoch=self.epoch_of(req.weight_version),
-                message=failed[0].message,
-                error_kind=failed[0].error_kind,
-            )
             self.metrics.outcome("source", Moment.SEND_FAILED)
             if first_rank:
                 logger.warning(
@@ -428,30 +371,23 @@ class SourceTransfers:
                     failed[0].message,
                 )
         else:
-            total_bytes = sum(s.bytes for s in statuses)
-            sent = statuses[0].tokens
-            output = TransferRequestKVCacheReqOutput(
-                success=True,
-                transferred_token_size=sent,
-                transferred_bytes=total_bytes,
-                ranks=ranks,
-                path=path_name(req),
-                server_epoch=self.epoch_of(req.weight_version),
-            )
             self.metrics.outcome("source", Moment.SENT)
-            output.delivered = self._deliver(inflight, statuses)
+            delivered = self._deliver(inflight, statuses)
             # Gathers run over the stage's TP group, in tp_rank order.
             mine = statuses[self.ctx.tp_rank]
-            self.metrics.moved("source", sent, mine.bytes)
+            self.metrics.moved("source", statuses[0].tokens, mine.bytes)
             # Per route, and the rest of this rank's transfer time: the cost model's rates
             # and fixed costs. A gathered copy of this rank's own status.
             moving_s = sum(seconds for _, seconds in mine.routes.values())
             self.metrics.routes(path_name(req), mine.routes, max(0.0, elapsed - moving_s))
-        output.allocation = inflight.allocation
-        output.channel_error = inflight.channel_error
-        output.destination_unknown = inflight.destination_unknown
-        output.rid = req.rid  # the tokenizer side matches concurrent transfers by rid
-        output.claims = claims_of(statuses, req.migration_id, self.ctx.pp_rank)
+        output = transfer_output(
+            inflight,
+            statuses,
+            failed[0] if failed else None,
+            self.ctx.pp_rank,
+            self.epoch_of(req.weight_version),
+            delivered,
+        )
         self._send(output, inflight)
         if first_rank and output.success:
             # Written once nothing is in flight: a log line costs ~0.1-0.2 ms here.

@@ -69,6 +69,8 @@ class TransferChecks:
         destinations: KnownDestinations | None,
         delivers: bool,
         running_slots: RunningSlots | None = None,
+        owner_pattern: OwnerPatternOf | None = None,
+        cp_rank: int = 0,
     ):
         self.ctx = ctx
         self.fingerprint = fingerprint
@@ -82,11 +84,11 @@ class TransferChecks:
         self.delivers = delivers  # feature "source_commit": a mailbox deliverer exists
         self.running_slots = running_slots  # feature "running_slots" (None: off)
         self.used_grants = grants.UsedGrants()
-        # Owner-sharded CP (set by `build.py`): the owner of each page of a transfer's
-        # run, checked against its grant (`owned_pages.run_pattern`), and this rank's CP
-        # rank, whose pages it sends. None: every CP rank holds every page.
-        self.owner_pattern: OwnerPatternOf | None = None
-        self.cp_rank = 0
+        # Owner-sharded CP: the owner of each page of a transfer's run, checked against
+        # its grant (`owned_pages.run_pattern`), and this rank's CP rank, whose pages it
+        # sends. None: every CP rank holds every page.
+        self.owner_pattern = owner_pattern
+        self.cp_rank = cp_rank
 
     def check_size(self, req: TransferRequestKVCacheReqInput) -> None:
         """Refuse, before any per-token work, a range no pool of this server could hold
@@ -108,7 +110,7 @@ class TransferChecks:
             if (target.tp, target.pp) == (self.ctx.tp_rank, self.ctx.pp_rank):
                 self.check_size(req)
                 slots = target_slots(target, self.fingerprint.shape.page_size, req.extra_token_size)
-                inflight.own_slots = OwnSlots(slots, grants.slots_digest(slots))
+                inflight.slots_parsed(OwnSlots(slots, grants.slots_digest(slots)))
                 return
 
     def validate(self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer) -> None:
@@ -140,24 +142,26 @@ class TransferChecks:
         # IMPORTANT: a running request is looked at only now, with the grant verified:
         # a caller without one learns nothing about it. And before the grant is claimed:
         # a refusal here (or below) leaves it for a correct retry.
-        source_slots = self._running_source_slots(req, inflight)
+        source_slots, slots_lost = self._running_source_slots(req)
         owner_pattern = None
         if self.owner_pattern is not None:
             owner_pattern = self.owner_pattern(req, grant, source_slots)
         self.used_grants.claim(grant)
-        inflight.claim = GrantClaim(
-            grants.grant_digest(target.grant),
-            grant.expires_at,
-            self.ctx.dp_rank if grant.source_dp_rank >= 0 else -1,
+        inflight.claimed(
+            GrantClaim(
+                grants.grant_digest(target.grant),
+                grant.expires_at,
+                self.ctx.dp_rank if grant.source_dp_rank >= 0 else -1,
+            )
         )
         if self.destinations is not None and DEVICE in self.paths:
             # Kept only now that a verified grant names it: a refused body keeps nothing.
             self.destinations.remember(target, grant.destination)
+        commit = None
         if grant.mailbox and self.delivers and self.ctx.pp_size == 1:
-            inflight.commit = SourceCommit(grant.mailbox, grant.write_until or grant.expires_at)
+            commit = SourceCommit(grant.mailbox, grant.write_until or grant.expires_at)
         start = req.matched_token_size
-        inflight.path = self.paths[target.path]
-        inflight.send = SendRange(
+        send = SendRange(
             input_ids=req.input_ids,
             extra_key=req.extra_key,
             start=start,
@@ -174,15 +178,17 @@ class TransferChecks:
             owner_pattern=owner_pattern,
             cp_rank=self.cp_rank,
         )
+        inflight.checked(self.paths[target.path], send, commit, slots_lost)
 
     def _running_source_slots(
-        self, req: TransferRequestKVCacheReqInput, inflight: InflightTransfer
-    ) -> torch.Tensor | None:
+        self, req: TransferRequestKVCacheReqInput
+    ) -> tuple[torch.Tensor | None, Callable[[], MigrationError | None] | None]:
         """Feature "running_slots": the device slots of the range, read from the running
-        request the body names (checked against its ids); None without `running_rid`.
-        The transfer fails, once its copy is done, unless the request still holds them."""
+        request the body names (checked against its ids), and the test of whether they
+        may no longer be its own (the transfer fails, once its copy is done, unless the
+        request still holds them); (None, None) without `running_rid`."""
         if not req.running_rid:
-            return None
+            return None, None
         if self.running_slots is None:
             raise MigrationError(
                 ErrorKind.BAD_REQUEST,
@@ -193,8 +199,7 @@ class TransferChecks:
         running_slots = self.running_slots
         running = running_slots.check(req.running_rid, req.input_ids, end)
         slots = running_slots.slots(running, 0, end)
-        inflight.slots_lost = lambda: running_slots.lost(running, end)
-        return slots
+        return slots, lambda: running_slots.lost(running, end)
 
     def check_target(
         self,

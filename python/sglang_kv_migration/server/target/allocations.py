@@ -5,9 +5,11 @@ grant."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sglang_kv_migration import grants
@@ -24,7 +26,7 @@ from sglang_kv_migration.server.rank.context import RankContext, check_peer_fing
 from sglang_kv_migration.server.rank.identity import RankIdentity
 from sglang_kv_migration.server.rank.pp_stages import refusal_of, refused_output
 from sglang_kv_migration.server.target.mailbox_commits import SourceCommits
-from sglang_kv_migration.server.target.pending import PendingMigrations
+from sglang_kv_migration.server.target.pending import Allocation, GrantTerms, PendingMigrations
 from sglang_kv_migration.wire.messages import (
     AllocatedRank,
 )
@@ -32,6 +34,18 @@ from sglang_kv_migration.wire.moments import Moment, Phase
 from sglang_kv_migration.wire.page_ranges import to_page_ranges
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Granted:
+    """What one rank granted with an allocation's slots: what the pending migration keeps
+    (`terms`), what the reply tells (the signed grant, the mailbox address), and how long
+    granting took (the reply's `steps_ms`)."""
+
+    terms: GrantTerms
+    token: str  # the signed `grants.Grant`
+    mailbox: str  # the grant's mailbox address ("": none granted)
+    seconds: float
 
 
 class TargetAllocations:
@@ -112,6 +126,12 @@ class TargetAllocations:
         page_owners = self._checked_page_owners(req)
         path = self._path(req.path)
         started = time.perf_counter()
+        granted: list[Granted] = []  # what the slots were granted with, once reserved
+
+        def grant(alloc: Allocation) -> GrantTerms:
+            granted.append(self._grant(req, alloc, path))
+            return granted[0].terms
+
         alloc = self.pending.allocate(
             req.migration_id,
             req.input_ids,
@@ -122,40 +142,22 @@ class TargetAllocations:
             weight_version=req.weight_version,
             write_window_s=self.grant_ttl_s + path.late_write_margin_s,
             owners=page_owners,
+            grant=grant,
         )
-        reserved = time.perf_counter()
-        if alloc.owner_pattern is not None and alloc.extra_length:
-            # Owner-sharded: the source's twin of this rank writes only its own pages.
-            self.pending.get(alloc.migration_id).owned_tokens = owned_pages(
-                alloc.owner_pattern,
-                self.identity.cp_rank,
-                self.identity.page_size,
-                alloc.extra_length,
-            )
-        rank = self._allocated_rank(req, alloc)
-        listed = time.perf_counter()
-        extent = self._grant_staging(req, alloc, path)
-        if extent is not None:
-            rank.staging = list(extent)
-        mailbox = ""
-        verified = req.verify or self.verify_all
-        if req.source_commit and alloc.extra_length and extent is None and not verified:
-            # No mailbox for a staged write (it commits after a scatter, not in one
-            # iteration) nor for a verified one: a mailbox commit has no reply, and the
-            # client must hear when what landed fails its digest.
-            mailbox = self.source_commits.grant_slot(alloc.migration_id)
-        if alloc.extra_length:
-            rank.grant = self._sign_grant(req, alloc, path, extent, mailbox)
+        allocated = time.perf_counter()
+        given = granted[0] if granted else None
+        granting_s = given.seconds if given is not None else 0.0
+        rank = self._allocated_rank(req, alloc, given)
         return AllocateTokenForTransferReqOutput(
             # This rank's part (rank 0's is the reply's): the radix match and the
             # reservation, the slots listed, the grant signed.
             steps_ms={
-                "match_reserve": ms(reserved - started),
-                "slots": ms(listed - reserved),
-                "grant": ms(time.perf_counter() - listed),
+                "match_reserve": ms(allocated - started - granting_s),
+                "slots": ms(time.perf_counter() - allocated),
+                "grant": ms(granting_s),
             },
             success=True,
-            source_commit=bool(mailbox),
+            source_commit=bool(given is not None and given.mailbox),
             migration_id=alloc.migration_id if alloc.extra_length else "",
             matched_token_size=alloc.matched_length,
             extra_token_size=alloc.extra_length,
@@ -164,6 +166,52 @@ class TargetAllocations:
             page_size=self.identity.page_size,
             server_epoch=self.epoch_for(req),
         )
+
+    def _grant(
+        self, req: AllocateTokenForTransferReqInput, alloc: Allocation, path: DataPath
+    ) -> Granted:
+        """What this rank grants with the slots just reserved: the pages it owns (on an
+        owner-sharded server), a staging extent for a fragmented host allocation, a
+        mailbox slot for a same-host source, and the signed grant that binds them. When
+        it raises, what it took goes back (the slots too: `PendingMigrations.allocate`)."""
+        started = time.perf_counter()
+        owned_tokens = None
+        if alloc.owner_pattern is not None:
+            # Owner-sharded: the source's twin of this rank writes only its own pages.
+            owned_tokens = owned_pages(
+                alloc.owner_pattern,
+                self.identity.cp_rank,
+                self.identity.page_size,
+                alloc.extra_length,
+            )
+        verify = req.verify or self.verify_all
+        # Feature "source_dp_rank": only that DP rank of the source may claim the grant,
+        # and only its receipts settle or commit these slots.
+        source_dp_rank = -1 if req.source_dp_rank is None else req.source_dp_rank
+        with contextlib.ExitStack() as undo:
+            extent = self._grant_staging(req, alloc, path)
+            if extent is not None:
+                undo.callback(self.staging.release, extent, None)
+            mailbox, address = None, ""
+            if req.source_commit and extent is None and not verify:
+                # No mailbox for a staged write (it commits after a scatter, not in one
+                # iteration) nor for a verified one: a mailbox commit has no reply, and the
+                # client must hear when what landed fails its digest.
+                mailbox, address = self.source_commits.grant_slot()
+                if mailbox is not None:
+                    undo.callback(self.source_commits.give_back, mailbox[0], None)
+            token = self._sign_grant(req, alloc, path, extent, address, verify, source_dp_rank)
+            undo.pop_all()  # kept with the pending migration from here on
+        terms = GrantTerms(
+            verify=verify,
+            staging=extent,
+            source=req.source_instance,
+            grant=grants.grant_digest(token),
+            source_dp_rank=source_dp_rank,
+            mailbox=mailbox,
+            owned_tokens=owned_tokens,
+        )
+        return Granted(terms, token, address, time.perf_counter() - started)
 
     def _check_allocatable(self, req: AllocateTokenForTransferReqInput) -> None:
         """Refuse a source of another layout, a released KV pool and a stale epoch."""
@@ -217,49 +265,46 @@ class TargetAllocations:
             raise MigrationError(ErrorKind.BAD_REQUEST, f"page_owners: {e}") from None
         return OwnerRun(owners, tuple(pattern))
 
-    def _allocated_rank(self, req: AllocateTokenForTransferReqInput, alloc: Any) -> AllocatedRank:
-        """This rank's reserved slots, in the index format the request asks for."""
+    def _allocated_rank(
+        self, req: AllocateTokenForTransferReqInput, alloc: Allocation, granted: Granted | None
+    ) -> AllocatedRank:
+        """This rank's reserved slots, in the index format the request asks for, with
+        what it granted for them."""
         tp, pp, page_size = self.ctx.tp_rank, self.ctx.pp_rank, self.identity.page_size
+        token = granted.token if granted is not None else ""
+        extent = granted.terms.staging if granted is not None else None
+        staging = list(extent) if extent is not None else []
         if req.index_format == "pages":
-            return AllocatedRank(tp, pp, [], alloc.kv_pages(page_size))
+            pages = alloc.kv_pages(page_size)
+            return AllocatedRank(tp, pp, [], pages, grant=token, staging=staging)
         elif req.index_format == "ranges":  # [first_page, count] runs: page_ranges.py
-            return AllocatedRank(
-                tp, pp, [], kv_page_ranges=to_page_ranges(alloc.host_slots, page_size)
-            )
+            ranges = to_page_ranges(alloc.host_slots, page_size)
+            return AllocatedRank(tp, pp, [], grant=token, staging=staging, kv_page_ranges=ranges)
         else:
-            return AllocatedRank(tp, pp, alloc.kv_indices)
+            return AllocatedRank(tp, pp, alloc.kv_indices, grant=token, staging=staging)
 
     def _grant_staging(
-        self, req: AllocateTokenForTransferReqInput, alloc: Any, path: DataPath
+        self, req: AllocateTokenForTransferReqInput, alloc: Allocation, path: DataPath
     ) -> tuple[int, int] | None:
         """A staging extent for a fragmented host allocation, kept with the pending
         migration; None when not asked, not fragmented or no room (never a failure)."""
         if self.staging is None or path.name != HOST or not (req.staging and alloc.extra_length):
             return None
-        extent = self.staging.grant(alloc.slots, self.pending.clock())
-        if extent is not None:
-            self.pending.get(alloc.migration_id).staging = extent
-        return extent
+        return self.staging.grant(alloc.slots, self.pending.clock())
 
     def _sign_grant(
         self,
         req: AllocateTokenForTransferReqInput,
-        alloc: Any,
+        alloc: Allocation,
         path: DataPath,
         extent: tuple[int, int] | None,
-        mailbox: str = "",
+        mailbox: str,
+        verify: bool,
+        source_dp_rank: int,
     ) -> str:
-        """The signed write grant of this rank's slots (also marks the pending migration
-        with the verify choice and the source it was issued to)."""
-        verify = req.verify or self.verify_all
-        pending = self.pending.get(alloc.migration_id)
-        pending.verify, pending.source = verify, req.source_instance
-        # Feature "source_dp_rank": only that DP rank of the source may claim the grant,
-        # and only its receipts settle or commit these slots.
-        source_dp_rank = -1 if req.source_dp_rank is None else req.source_dp_rank
-        pending.source_dp_rank = source_dp_rank
+        """The signed write grant of this rank's slots."""
         expires_at = time.time() + self.grant_ttl_s
-        token = self.identity.signer.encode(
+        return self.identity.signer.encode(
             grants.Grant(
                 migration_id=alloc.migration_id,
                 tp=self.ctx.tp_rank,
@@ -284,8 +329,6 @@ class TargetAllocations:
                 source_dp_rank=source_dp_rank,
             )
         )
-        pending.grant = grants.grant_digest(token)
-        return token
 
     def _destination(self, path: DataPath) -> str:
         """`grants.destination_digest` of what this rank publishes for `path` (fixed until

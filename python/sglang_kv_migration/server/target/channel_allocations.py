@@ -201,17 +201,18 @@ def _content(output: AllocateTokenForTransferReqOutput) -> dict[str, Any]:
 
 
 def open_channel_allocations(
-    single_rank: bool, weight_update_types: tuple[type, ...], allocate: Handler
+    single_rank: bool,
+    host: Callable[[], str],
+    weight_update_types: tuple[type, ...],
+    allocate: Handler,
 ) -> ChannelAllocations | None:
     """Feature "source_allocate" on a single-rank server (one rank takes each channel
     request, so every rank of a stage could not allocate it together); `allocate` is the
     allocate handler, wrapped like the dispatcher's. None where the channel cannot be
-    bound (logged)."""
+    bound (logged). `host`: which machine this is, as same-host peers compare it."""
     if not single_rank:
         return None
-    from sglang_kv_migration.paths.factory import host_identity
-
-    channel = open_channel(host_identity())
+    channel = open_channel(host())
     if channel is None:
         return None
     return ChannelAllocations(channel, weight_update_types, allocate)

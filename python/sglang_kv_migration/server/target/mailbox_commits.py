@@ -1,7 +1,8 @@
 """Target side of feature "source_commit": commits the source delivered to the mailbox.
 
     allocate (source_commit)  rank 0 takes a mailbox slot and names it in its grant;
-                              every rank marks the pending migration (the same on all)
+                              every rank marks the migration as awaiting its source
+                              (the same on all)
     each loop iteration,      rank 0 reads the slots of the marked migrations; the
     before dispatch           stage's ranks take rank 0's findings (one collective, only
                               while a marked migration is pending) and commit each
@@ -57,27 +58,42 @@ class SourceCommits:
         self.enabled = bool(ctx.first_rank_value_on_world(own is not None))
         self.mailbox = own
         self.slots = MailboxSlots(own.num_slots, pending.clock) if own is not None else None
-        if own is not None:
-            pending.release_mailbox = self._give_back
+        # The pending migrations whose source hands its receipts to the mailbox, in
+        # allocation order (the same on every rank); each is read until it is committed
+        # or its commit was refused.
+        self.awaiting: dict[str, None] = {}
 
-    def grant_slot(self, migration_id: str) -> str:
-        """Rank 0: a mailbox slot for this pending migration, as its grant's `mailbox`
-        address; "" on other ranks, without a mailbox, or with every slot taken."""
+    def grant_slot(self) -> tuple[tuple[int, bytes] | None, str]:
+        """Rank 0: a mailbox slot (slot, nonce) armed for a migration being allocated,
+        and its address for the grant's `mailbox`; (None, "") on other ranks, without a
+        mailbox, or with every slot taken."""
         if self.mailbox is None or self.slots is None:
-            return ""
+            return None, ""
         taken = self.slots.take()
-        pending = self.pending.get(migration_id)
-        if taken is None or pending is None:
-            return ""
-        pending.mailbox = taken
+        if taken is None:
+            return None, ""
         self.mailbox.arm(*taken)
-        return self.mailbox.address(*taken)
+        return taken, self.mailbox.address(*taken)
+
+    def give_back(self, slot: int, not_before: float | None) -> None:
+        """A migration's slot, once no write can reach it after `not_before` (None: now)."""
+        assert self.mailbox is not None and self.slots is not None
+        self.mailbox.clear(slot)
+        self.slots.give_back(slot, not_before)
 
     def mark(self, migration_id: str, granted: bool) -> None:
         """Every rank, after allocate's gather: rank 0 `granted` a slot (or not)."""
-        pending = self.pending.get(migration_id)
-        if pending is not None:
-            pending.source_commit = granted
+        by_id = self.pending.by_id
+        # (those no longer pending were committed by the client, aborted or expired)
+        self.awaiting = {m: None for m in self.awaiting if m in by_id}
+        if granted and migration_id in by_id:
+            self.awaiting[migration_id] = None
+
+    def awaiting_source(self) -> list[PendingMigration]:
+        """Pending migrations whose source commits through the mailbox (identical on
+        every rank), in allocation order."""
+        pending = self.pending.by_id
+        return [pending[m] for m in self.awaiting if m in pending]
 
     def take(self, recv_reqs: list[Any]) -> None:
         """Before the iteration's requests are dispatched: commit what was delivered;
@@ -85,7 +101,7 @@ class SourceCommits:
         if not self.commit_delivered():  # the usual case, the same on every rank
             return
         if any(isinstance(r, self.weight_update_types) for r in recv_reqs):
-            ids = [p.migration_id for p in self.pending.awaiting_source_commit()]
+            ids = [p.migration_id for p in self.awaiting_source()]
             dropped = self.pending.drop_for_new_weights(ids)
             for _ in dropped:
                 self.metrics.outcome("target", Moment.WEIGHTS_CHANGED)
@@ -100,7 +116,7 @@ class SourceCommits:
         """Commit what was delivered for the pending migrations `select` picks (all by
         default); returns how many waited for their source before. A selection is for
         single-rank servers (`builds_on`): the ranks would have to select alike."""
-        awaiting = self.pending.awaiting_source_commit()
+        awaiting = self.awaiting_source()
         if select is not None:
             assert self.ctx.tp_size == 1, "selected commits on a multi-rank server"
             awaiting = [p for p in awaiting if select(p)]
@@ -154,7 +170,7 @@ class SourceCommits:
         # was staged, its commit ends in `poll` once the scatter is done); or refused,
         # every rank agreeing, and the allocation stays for an abort or the watchdog,
         # as after a refused /commit.
-        pending.source_commit = False
+        self.awaiting.pop(migration_id, None)
         if output is None or output.success:
             return
         if self.ctx.tp_rank == 0:
@@ -163,11 +179,6 @@ class SourceCommits:
                 migration_id,
                 output.message,
             )
-
-    def _give_back(self, slot: int, not_before: float | None) -> None:
-        assert self.mailbox is not None and self.slots is not None
-        self.mailbox.clear(slot)
-        self.slots.give_back(slot, not_before)
 
 
 # Ids compared at each of the two places `builds_on` looks.

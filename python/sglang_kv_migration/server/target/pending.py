@@ -12,11 +12,14 @@ change under it): the moments are `wire.moments.Moment`'s, the steps `ALLOCATION
 Every exit frees exactly what `allocate` took: the slots and the lock on the matched
 prefix. Slots of an aborted, expired or weights-changed migration go back to the free
 list only when no write to them can still land: at once if the source's receipt says it
-settled (`settled=True`), else once the write window (grant deadline + the path's late
-write margin, `write_window_s` after allocate) has passed — until then they sit in
-quarantine, released by `expire()`. Finished ids are remembered (bounded) so a late or
-repeated call gets a precise answer: a second commit is harmless, a commit after expiry
-is "gone".
+settled (`settled=True`), else they sit in quarantine (`quarantine.py`) until the write
+window has passed, released by `expire()`. Finished ids are remembered (bounded) so a
+late or repeated call gets a precise answer: a second commit is harmless, a commit after
+expiry is "gone".
+
+A migration is pending only whole: `allocate` reserves the slots and locks the prefix,
+asks the caller what it grants with them (`GrantTerms`), then registers it (or gives the
+slots and the lock back when the grant could not be made).
 
 Slots belong to a data path (`data_path.DataPath`): host-pool slots for the host path,
 device KV slots for the device path; the state machine is the same for both.
@@ -37,6 +40,7 @@ from sglang_kv_migration import sglang_adapter
 from sglang_kv_migration.cp_owners import OwnerRun
 from sglang_kv_migration.errors import ErrorKind, MigrationError
 from sglang_kv_migration.paths.base import DataPath
+from sglang_kv_migration.server.target.quarantine import Quarantine
 from sglang_kv_migration.wire.moments import ALLOCATION_STEPS, Moment, step
 
 if TYPE_CHECKING:
@@ -82,13 +86,9 @@ class PendingMigration:
     # Feature "source_dp_rank": the source DP rank the grant names (-1: none); a receipt
     # naming the grant counts only from that DP rank's scheduler (kept in quarantine too).
     source_dp_rank: int = -1
-    # Once its write window closed in quarantine: the inbound streams still to be closed
-    # before the slots go back (`DataPath.close_write_streams`; None: not yet listed).
-    streams: frozenset[int] | None = None
-    # The source hands its receipts to this server's mailbox (feature "source_commit"):
-    # the target commits by itself once they are there; the same on every rank.
-    source_commit: bool = False
-    mailbox: tuple[int, bytes] | None = None  # (slot, nonce), on the mailbox's rank only
+    # Feature "source_commit": (slot, nonce) of the mailbox slot the grant names, on the
+    # mailbox's rank only (`mailbox_commits.py`).
+    mailbox: tuple[int, bytes] | None = None
     # Owner-sharded CP (`cp_owners.py`): the owner of each reserved page, as the source
     # asked (None: not sharded); the grant binds it, verify digests this rank's own pages.
     owner_pattern: tuple[int, ...] | None = None
@@ -108,6 +108,21 @@ class PendingMigration:
     @property
     def extra_length(self) -> int:
         return len(self.slots)
+
+
+@dataclass(frozen=True)
+class GrantTerms:
+    """What the target grants with a migration's slots, kept with them until they go back
+    (`allocations.py` makes it once the slots are reserved: `PendingMigrations.allocate`'s
+    `grant`). The fields mean what `PendingMigration`'s of the same names do."""
+
+    verify: bool = False
+    staging: tuple[int, int] | None = None
+    source: str = ""
+    grant: str = ""
+    source_dp_rank: int = -1
+    mailbox: tuple[int, bytes] | None = None
+    owned_tokens: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +174,7 @@ class PendingMigrations:
         clock: Callable[[], float] = time.monotonic,
         lock: threading.RLock | None = None,
         release_staging: Callable[[tuple[int, int], float | None], None] | None = None,
+        release_mailbox: Callable[[int, float | None], None] | None = None,
     ):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -168,12 +184,13 @@ class PendingMigrations:
         self.lock = lock or threading.RLock()
         # Read-only outside this class (the scheduler's idle check reads them directly).
         self.by_id: dict[str, PendingMigration] = {}  # allocated, not yet committed
-        self.quarantine: dict[str, PendingMigration] = {}  # released, slots not yet freed
+        # Ended, slots not yet freed (`quarantine.py`).
+        self.quarantine: Quarantine[PendingMigration] = Quarantine(cache)
         self._finished: OrderedDict[str, _Finished] = OrderedDict()
         # Gives a finished migration's staging extent back: (extent, not_before or None).
         self.release_staging = release_staging
         # Gives a finished migration's mailbox slot back: (slot, not_before or None).
-        self.release_mailbox: Callable[[int, float | None], None] | None = None
+        self.release_mailbox = release_mailbox
 
     # ------------------------------------------------------------------ public API
 
@@ -183,15 +200,13 @@ class PendingMigrations:
     def device_tokens_held(self) -> int:
         """Device slots reserved or quarantined (outside the tree and the free list)."""
         with self.lock:
-            held = [*self.by_id.values(), *self.quarantine.values()]
+            held = [*self.by_id.values(), *self.quarantine.allocations()]
             return sum(len(p.slots) for p in held if p.path.holds_device_slots)
 
     def release_quarantine(self, now: float | None = None) -> list[str]:
         """Free quarantined slots whose write window ended by `now` (default: the clock)."""
         with self.lock:
-            now = self.clock() if now is None else now
-            ids = [m for m, p in self.quarantine.items() if p.write_window_end <= now]
-            return [mid for mid in ids if self._free_after_window(mid)]
+            return self.quarantine.release(self.clock() if now is None else now)
 
     def committable(self, migration_id: str, weight_version: str) -> bool:
         """True if a commit of this id would insert (not answer gone or repeat)."""
@@ -201,11 +216,6 @@ class PendingMigrations:
             and pending.weight_version == weight_version
             and pending.root is sglang_adapter.cache_generation(self.cache)
         )
-
-    def awaiting_source_commit(self) -> list[PendingMigration]:
-        """Pending migrations whose source commits through the mailbox (identical on
-        every rank), in allocation order."""
-        return [p for p in self.by_id.values() if p.source_commit]
 
     def quarantined(self) -> int:
         """Migrations whose slots wait for their write window to close."""
@@ -231,6 +241,7 @@ class PendingMigrations:
         weight_version: str = "",
         write_window_s: float = 0.0,
         owners: OwnerRun | None = None,
+        grant: Callable[[Allocation], GrantTerms] | None = None,
     ) -> Allocation:
         """Lock the prefix this server holds (for `path`) and reserve slots for the rest.
 
@@ -239,7 +250,9 @@ class PendingMigrations:
         holds everything, `nothing_ok` returns an empty allocation (no id registered)
         instead of CONFLICT. The slots are `path`'s (the caller picks the path).
         `owners` (owner-sharded CP): the owner of every page of the key, checked by the
-        caller; the pages reserved after the held prefix get theirs.
+        caller; the pages reserved after the held prefix get theirs. `grant`: what the
+        caller grants with the reserved slots, kept with them; when it raises, the slots
+        and the lock go back and nothing is pending.
         """
         with self.lock:
             if migration_id in self.by_id or migration_id in self._finished:
@@ -277,28 +290,57 @@ class PendingMigrations:
             except BaseException:
                 sglang_adapter.unlock_node(self.cache, anchor_lock)
                 raise
-            now = self.clock()
-            self.by_id[migration_id] = PendingMigration(
-                migration_id=migration_id,
-                key=key,
-                matched_length=held.length,
-                anchor_lock=anchor_lock,
-                root=sglang_adapter.cache_generation(self.cache),
-                path=path,
-                slots=slots,
-                weight_version=weight_version,
-                created_at=now,
-                deadline=now + self.timeout_s,
-                write_window_end=now + write_window_s,
-                owner_pattern=run.pattern if run is not None else None,
-            )
-            return Allocation(
+            reserved = Allocation(
                 migration_id=migration_id,
                 matched_length=held.length,
                 extra_length=extra,
                 slots=slots,
                 owner_pattern=run.pattern if run is not None else None,
             )
+            try:
+                terms = grant(reserved) if grant is not None else GrantTerms()
+            except BaseException:
+                path.release(slots)
+                sglang_adapter.unlock_node(self.cache, anchor_lock)
+                raise
+            self.by_id[migration_id] = self._pending(
+                reserved, terms, key, anchor_lock, path, weight_version, write_window_s
+            )
+            return reserved
+
+    def _pending(
+        self,
+        reserved: Allocation,
+        terms: GrantTerms,
+        key: RadixKey,
+        anchor_lock: sglang_adapter.NodeLock,
+        path: DataPath,
+        weight_version: str,
+        write_window_s: float,
+    ) -> PendingMigration:
+        """The pending migration of a reservation and what was granted with it."""
+        now = self.clock()
+        return PendingMigration(
+            migration_id=reserved.migration_id,
+            key=key,
+            matched_length=reserved.matched_length,
+            anchor_lock=anchor_lock,
+            root=sglang_adapter.cache_generation(self.cache),
+            path=path,
+            slots=reserved.slots,
+            weight_version=weight_version,
+            created_at=now,
+            deadline=now + self.timeout_s,
+            write_window_end=now + write_window_s,
+            verify=terms.verify,
+            staging=terms.staging,
+            source=terms.source,
+            grant=terms.grant,
+            source_dp_rank=terms.source_dp_rank,
+            mailbox=terms.mailbox,
+            owner_pattern=reserved.owner_pattern,
+            owned_tokens=terms.owned_tokens,
+        )
 
     def _owner_run(self, held: int, owners: OwnerRun | None) -> OwnerRun | None:
         """The owners of the pages after the `held` tokens (None: not owner-sharded)."""
@@ -366,7 +408,7 @@ class PendingMigrations:
             if pending is None:
                 self._check_finished(migration_id, "abort")
                 if settled and migration_id in self.quarantine:
-                    self._free_quarantined(migration_id)
+                    self.quarantine.free(migration_id)
                 return
             self._forget_if_flushed(pending)
             self._release(pending, Moment.ABORTED, settled)
@@ -376,8 +418,7 @@ class PendingMigrations:
         with self.lock:
             now = self.clock() if now is None else now
             expired = [p.migration_id for p in self.by_id.values() if p.deadline <= now]
-            free = [m for m, p in self.quarantine.items() if p.write_window_end <= now]
-            return expired + free
+            return expired + self.quarantine.due(now)
 
     def expire(self, migration_ids: list[str] | None = None) -> list[str]:
         """Watchdog: free the given pending ids (default: those `due()`); returns them.
@@ -388,7 +429,7 @@ class PendingMigrations:
             ids = self.due() if migration_ids is None else migration_ids
             for mid in ids:
                 if mid in self.quarantine:  # (its window closed: `due`, or stage 0's)
-                    self._free_after_window(mid)
+                    self.quarantine.free_after_window(mid)
             expired = [self.by_id[i] for i in ids if i in self.by_id]
             now = self.clock()
             for pending in expired:
@@ -419,9 +460,7 @@ class PendingMigrations:
         """Before the cache is reset: drop every pending migration (state FLUSHED) and
         keep the slots whose write window is still open in quarantine. Returns the ids."""
         with self.lock:
-            self.expire(
-                [m for m, p in self.quarantine.items() if p.write_window_end <= self.clock()]
-            )
+            self.expire(self.quarantine.due(self.clock()))
             dropped = list(self.by_id.values())
             for pending in dropped:
                 self._release(pending, Moment.FLUSHED)
@@ -438,19 +477,14 @@ class PendingMigrations:
             for pending in dropped:
                 settled = not pending.path.late_writes_reach_slots
                 self._release(pending, Moment.RELEASED, settled=settled)
-            for mid, pending in list(self.quarantine.items()):
-                if not pending.path.late_writes_reach_slots:
-                    self._free_quarantined(mid)
+            self.quarantine.free_unreachable()
             return [p.migration_id for p in dropped]
 
     def after_reset(self) -> None:
         """After the reset freed every slot: take the quarantined ones out again, under
         the new tree generation, until their write windows close."""
         with self.lock:
-            generation = sglang_adapter.cache_generation(self.cache)
-            for pending in self.quarantine.values():
-                pending.path.retake(pending.slots)
-                pending.root = generation
+            self.quarantine.retake()
 
     def abort_all(self, state: Moment = Moment.ABORTED) -> list[str]:
         """Free everything, quarantine included: at shutdown, or with FLUSHED before the
@@ -459,8 +493,7 @@ class PendingMigrations:
             dropped = list(self.by_id.values())
             for pending in dropped:
                 self._end(pending, state, settled=True)
-            for mid in list(self.quarantine):
-                self._free_quarantined(mid)
+            self.quarantine.free_all()
             return [p.migration_id for p in dropped]
 
     # ------------------------------------------------------------------ helpers
@@ -479,29 +512,7 @@ class PendingMigrations:
         if settled:
             pending.path.release(pending.slots)
             return
-        # IMPORTANT: a write granted for these slots may still land; handing them to
-        # another prefix now could let it be overwritten.
-        self.quarantine[pending.migration_id] = pending
-        if pending.write_window_end <= self.clock():
-            self._free_after_window(pending.migration_id)
-
-    def _free_after_window(self, migration_id: str) -> bool:
-        """Free a quarantined allocation whose write window closed once no stream that
-        was open then is left (a TCP stream can outlive its batch's timeout: it is shut
-        down here, and the engine closes it); False while one is."""
-        pending = self.quarantine[migration_id]
-        if pending.streams is None:
-            pending.streams = pending.path.open_write_streams()
-        pending.streams = pending.path.close_write_streams(pending.streams)
-        if pending.streams:
-            return False
-        self._free_quarantined(migration_id)
-        return True
-
-    def _free_quarantined(self, migration_id: str) -> None:
-        pending = self.quarantine.pop(migration_id)
-        if pending.root is sglang_adapter.cache_generation(self.cache):
-            pending.path.release(pending.slots)  # a reset already freed them otherwise
+        self.quarantine.hold(pending, self.clock())
 
     def _finish(
         self,
@@ -537,37 +548,44 @@ class PendingMigrations:
     def _check_finished(self, migration_id: str, action: str) -> _Finished:
         """Answer for an id that is not pending: harmless repeat or a precise error."""
         finished = self._finished.get(migration_id)
-        if finished is None:
-            raise MigrationError(ErrorKind.NOT_FOUND, f"unknown migration id {migration_id!r}")
-        if finished.state is Moment.FLUSHED:
-            raise MigrationError(
-                ErrorKind.GONE,
-                f"migration {migration_id!r} was dropped: the cache was flushed (for example "
-                "after a weight update) before it was committed",
-            )
-        if finished.state is Moment.WEIGHTS_CHANGED:
-            raise MigrationError(
-                ErrorKind.GONE,
-                f"migration {migration_id!r} was dropped: the target's weights changed "
-                "before it was committed",
-            )
-        if finished.state is Moment.RELEASED:
-            raise MigrationError(
-                ErrorKind.GONE,
-                f"migration {migration_id!r} was dropped: the target released its KV cache "
-                "memory (/release_memory_occupation) before it was committed; migrate again "
-                "after /resume_memory_occupation",
-            )
-        if finished.state is Moment.EXPIRED:
-            raise MigrationError(
-                ErrorKind.GONE,
-                f"migration {migration_id!r} expired after the {self.timeout_s:g}s watchdog "
-                "timeout; its slots were freed",
-            )
-        repeat_ok = {"commit": Moment.COMMITTED, "abort": Moment.ABORTED}
-        if finished.state is repeat_ok[action]:
-            return finished
+        return _finished_answer(finished, migration_id, action, self.timeout_s)
+
+
+def _finished_answer(
+    finished: _Finished | None, migration_id: str, action: str, timeout_s: float
+) -> _Finished:
+    """`finished` when `action` repeats how it ended (harmless), else a precise error."""
+    if finished is None:
+        raise MigrationError(ErrorKind.NOT_FOUND, f"unknown migration id {migration_id!r}")
+    if finished.state is Moment.FLUSHED:
         raise MigrationError(
-            ErrorKind.CONFLICT,
-            f"cannot {action} migration {migration_id!r}: it was already {finished.state.value}",
+            ErrorKind.GONE,
+            f"migration {migration_id!r} was dropped: the cache was flushed (for example "
+            "after a weight update) before it was committed",
         )
+    if finished.state is Moment.WEIGHTS_CHANGED:
+        raise MigrationError(
+            ErrorKind.GONE,
+            f"migration {migration_id!r} was dropped: the target's weights changed "
+            "before it was committed",
+        )
+    if finished.state is Moment.RELEASED:
+        raise MigrationError(
+            ErrorKind.GONE,
+            f"migration {migration_id!r} was dropped: the target released its KV cache "
+            "memory (/release_memory_occupation) before it was committed; migrate again "
+            "after /resume_memory_occupation",
+        )
+    if finished.state is Moment.EXPIRED:
+        raise MigrationError(
+            ErrorKind.GONE,
+            f"migration {migration_id!r} expired after the {timeout_s:g}s watchdog "
+            "timeout; its slots were freed",
+        )
+    repeat_ok = {"commit": Moment.COMMITTED, "abort": Moment.ABORTED}
+    if finished.state is repeat_ok[action]:
+        return finished
+    raise MigrationError(
+        ErrorKind.CONFLICT,
+        f"cannot {action} migration {migration_id!r}: it was already {finished.state.value}",
+    )

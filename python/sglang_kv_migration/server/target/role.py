@@ -10,9 +10,7 @@ import functools
 import logging
 from typing import Any
 
-from sglang_kv_migration.paths import HostPoolLayout
-from sglang_kv_migration.paths import factory as path_factory
-from sglang_kv_migration.paths.base import HOST, DataPath, TargetStaging
+from sglang_kv_migration.paths.base import TargetStaging
 from sglang_kv_migration.server.diag.metrics import MigrationMetrics
 from sglang_kv_migration.server.messages import (
     AbortTransferReqInput,
@@ -27,6 +25,7 @@ from sglang_kv_migration.server.target.channel_allocations import ChannelAllocat
 from sglang_kv_migration.server.target.commits import Commits, in_progress_output
 from sglang_kv_migration.server.target.mailbox_commits import SourceCommits, builds_on
 from sglang_kv_migration.server.target.pending import PendingMigrations
+from sglang_kv_migration.wire.features import SOURCE_ALLOCATE, SOURCE_COMMIT
 from sglang_kv_migration.wire.moments import Moment
 
 logger = logging.getLogger(__name__)
@@ -60,11 +59,23 @@ class TargetRole:
         self.channel = channel  # feature "source_allocate" (single-rank servers only)
         self.staging = staging  # the host path's staging arena (None: off)
 
+    def features(self) -> list[str]:
+        """The optional features this role offers (session info lists them)."""
+        offered = [SOURCE_COMMIT] if self.source_commits.enabled else []
+        if self.channel is not None:
+            offered.append(SOURCE_ALLOCATE)
+        return offered
+
+    def allocate_channel(self) -> dict[str, str]:
+        """Feature "source_allocate": where a source on this host asks for slots ({}:
+        nowhere)."""
+        return self.channel.channel.advertise() if self.channel is not None else {}
+
     def has_work(self) -> bool:
         """Commits waiting, migrations pending or slots quarantined (the same on every
         rank): a few attribute reads."""
         pending = self.pending
-        return bool(self.commits.waiting or pending.by_id or pending.quarantine)
+        return bool(self.commits.waiting or pending.by_id or pending.quarantine.by_id)
 
     def commit(
         self, req: CommitTransferRequestKVCacheReqInput
@@ -194,22 +205,6 @@ class TargetRole:
     def close_staging(self) -> None:
         if self.staging is not None:
             self.staging.close()  # after the transport: the arena was registered there
-
-
-def open_staging(
-    ctx: RankContext, layout: HostPoolLayout | None, paths: dict[str, DataPath], nbytes: int
-) -> TargetStaging | None:
-    """The staging arena of the host path's target role (None: staging off)."""
-    if nbytes <= 0 or HOST not in paths:
-        return None
-    assert layout is not None, "the host path is on: its layout was built"
-    if ctx.pp_size > 1:
-        # A staged commit answers later, but PP stages agree through the request as it
-        # passes (`pp_stages.py`): a scatter failing on stage 0 could not stop a later
-        # stage that already inserted. Direct writes only under PP.
-        logger.info("KV migration staging is off under PP (--pp-size > 1)")
-        return None
-    return path_factory.open_staging(paths[HOST], layout, nbytes)
 
 
 def _built_on(requests: list[Any], pending: Any) -> bool:

@@ -21,11 +21,11 @@ from sglang_kv_migration.server.model_identity import server_model_identity
 from sglang_kv_migration.server.rank.context import RankContext
 from sglang_kv_migration.server.rank.dispatch import Dispatch
 from sglang_kv_migration.server.rank.identity import RankIdentity, open_identity
-from sglang_kv_migration.server.rank.idle_probe import IdleProbe
-from sglang_kv_migration.server.rank.loop import RankLoop
-from sglang_kv_migration.server.rank.scheduler_side import MigrationSchedulerSide
-from sglang_kv_migration.server.rank.session_info import SessionInfo
 from sglang_kv_migration.server.rank.settings import RankSettings, settings_from_server_args
+from sglang_kv_migration.server.scheduler.idle_probe import IdleProbe
+from sglang_kv_migration.server.scheduler.loop import RankLoop
+from sglang_kv_migration.server.scheduler.scheduler_side import MigrationSchedulerSide
+from sglang_kv_migration.server.scheduler.session_info import SessionInfo
 from sglang_kv_migration.server.source.build import build_source
 from sglang_kv_migration.server.source.running_slots import RunningSlots
 from sglang_kv_migration.server.target.build import build_target
@@ -63,9 +63,12 @@ def compose_for_scheduler(scheduler: Any) -> MigrationSchedulerSide:
         ctx.pp_rank,
         scheduler_idle=sglang_adapter.scheduler_idle_check(scheduler),
         input_waiting=sglang_adapter.input_waiting_check(scheduler),
+        running_requests=(
+            sglang_adapter.running_requests_of(scheduler)
+            if view.pp_size == 1 and view.dp_size == 1
+            else None
+        ),
     )
-    if view.pp_size == 1 and view.dp_size == 1:
-        settings.running_requests = sglang_adapter.running_requests_of(scheduler)
     return compose_rank(ctx, settings)
 
 
@@ -110,7 +113,16 @@ def compose_rank(ctx: RankContext, settings: RankSettings) -> MigrationScheduler
 
     dispatch = Dispatch(ctx, diagnostics.loop_timer, settings.profile)
     target = build_target(ctx, identity, paths, diagnostics, dispatch, epoch_for, settings)
-    session = SessionInfo(ctx, identity, paths, transfers, target, epoch_for)
+    session = SessionInfo(
+        ctx,
+        identity,
+        paths,
+        epoch_for,
+        features=[*target.features(), *transfers.features()],
+        allocate_channel=target.allocate_channel(),
+        staging=target.staging,
+        running_slots=running_slots,
+    )
     loop = RankLoop(ctx, identity, paths, transfers, target, diagnostics, probe, settings.yield_gil)
     logger.info(
         "KV migration ready on tp_rank=%d pp_rank=%d: paths %s, page_size=%d",

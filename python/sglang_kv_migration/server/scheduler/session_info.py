@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_kv_migration import sglang_adapter
-from sglang_kv_migration.paths.base import DEVICE, HOST, DataPath
+from sglang_kv_migration.paths.base import HOST, DataPath, TargetStaging
 from sglang_kv_migration.server.messages import (
     GetRequestExtraTokenSizeReqInput,
     GetRequestExtraTokenSizeReqOutput,
@@ -17,9 +17,8 @@ from sglang_kv_migration.server.messages import (
 )
 from sglang_kv_migration.server.rank.context import RankContext, guarded
 from sglang_kv_migration.server.rank.identity import RankIdentity
-from sglang_kv_migration.server.source.transfers import SourceTransfers
-from sglang_kv_migration.server.target.role import TargetRole
-from sglang_kv_migration.wire import features
+from sglang_kv_migration.server.source.running_slots import RunningSlots
+from sglang_kv_migration.wire import features as wire_features
 from sglang_kv_migration.wire.host_fields import HOST_FIELD_NAMES
 from sglang_kv_migration.wire.messages import RankSessionInfo
 from sglang_kv_migration.wire.version import PROTOCOL_VERSION
@@ -33,22 +32,30 @@ class SessionInfo:
         ctx: RankContext,
         identity: RankIdentity,
         paths: dict[str, DataPath],
-        transfers: SourceTransfers,
-        target: TargetRole,
         epoch_for: Callable[[Any], str],
+        *,
+        features: list[str],
+        allocate_channel: dict[str, str],
+        staging: TargetStaging | None,
+        running_slots: RunningSlots | None,
     ):
         self.ctx = ctx
         self.identity = identity
         self.paths = paths
-        self.transfers = transfers
-        self.target = target
         self.epoch_for = epoch_for
+        # The optional features the roles offer (`SourceTransfers.features`,
+        # `TargetRole.features`), after those every server lists.
+        self.features = [*wire_features.ALWAYS, *features]
+        # Feature "source_allocate": the target's allocate channel ({}: none).
+        self.allocate_channel = allocate_channel
+        self.staging = staging  # the host path's staging arena (None: off)
+        self.running_slots = running_slots  # feature "running_slots" (None: off)
 
     def get_transfer_session_info(
         self, req: GetTransferSessionInfoReqInput
     ) -> GetTransferSessionInfoReqOutput:
         host = self.paths[HOST].advertise() if HOST in self.paths else {}
-        staging = self.target.staging
+        staging = self.staging
         local = RankSessionInfo(
             tp_rank=self.ctx.tp_rank,
             pp_rank=self.ctx.pp_rank,
@@ -61,24 +68,15 @@ class SessionInfo:
             staging_region=staging.region if staging is not None else [],
         )
         ranks = self.ctx.all_gather(local)
-        output = GetTransferSessionInfoReqOutput(
+        return GetTransferSessionInfoReqOutput(
             success=True,
             ranks=ranks,
             protocol_version=PROTOCOL_VERSION,
             server_epoch=self.epoch_for(req),
+            features=list(self.features),
             instance_id=self.identity.server_epoch,
+            allocate_channel=dict(self.allocate_channel),
         )
-        if self.target.source_commits.enabled:
-            output.features.append(features.SOURCE_COMMIT)
-        channel = self.target.channel
-        if channel is not None:
-            output.features.append(features.SOURCE_ALLOCATE)
-            output.allocate_channel = channel.channel.advertise()
-        if self.transfers.destinations is not None and DEVICE in self.paths:
-            output.features.append(features.DESTINATION_DIGEST)
-        if self.transfers.running_slots is not None:
-            output.features.append(features.RUNNING_SLOTS)
-        return output
 
     def get_request_extra_token_size(
         self, req: GetRequestExtraTokenSizeReqInput
@@ -117,7 +115,7 @@ class SessionInfo:
     def _running_held(self, req: GetRequestExtraTokenSizeReqInput) -> int:
         """Feature "running_slots": what the running request `running_rid` holds of the
         ids in its own slots (-1: not asked, or it does not run here)."""
-        running = self.transfers.running_slots
+        running = self.running_slots
         if not req.running_rid or running is None:
             return -1
         return running.held(req.running_rid, req.input_ids)

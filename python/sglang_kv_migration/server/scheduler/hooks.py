@@ -38,26 +38,27 @@ def after_init_ipc_channels(_result: None, scheduler: Any, port_args: Any) -> No
 
 
 def after_init_request_dispatcher(_result: None, scheduler: Any) -> None:
-    """Build this rank's migration side (`server/compose.py`) and add its handlers to
+    """Build this rank's migration side (`server/scheduler/compose.py`) and add its handlers to
     the dispatcher."""
     # Set on every scheduler so the per-iteration hook needs no attribute probing.
     scheduler.kv_migration = None
     if not kv_migration_enabled(scheduler.server_args):
         return
     from sglang_kv_migration import sglang_adapter
-    from sglang_kv_migration.server.compose import compose_for_scheduler
+    from sglang_kv_migration.server.scheduler.compose import compose_for_scheduler
 
     side = compose_for_scheduler(scheduler)
     scheduler.kv_migration = side
     handlers = side.handlers()
     view = sglang_adapter.SchedulerView.of(scheduler)
     if view.dp_size > 1:
-        from sglang_kv_migration.server.rank.dp_filter import for_dp_rank
+        from sglang_kv_migration.server.scheduler.dp_filter import for_dp_rank
 
         handlers = for_dp_rank(handlers, view.dp_rank, sglang_adapter.scheduler_load(scheduler))
     sglang_adapter.add_request_handlers(scheduler, handlers)
-    if side.channel_allocations is not None:
-        sglang_adapter.wake_from_idle_sleep_on(scheduler, side.channel_allocations.channel.socket)
+    channel = side.target.channel
+    if channel is not None:
+        sglang_adapter.wake_from_idle_sleep_on(scheduler, channel.channel.socket)
 
 
 def before_process_input_requests(scheduler: Any, recv_reqs: Any, *_: Any, **__: Any) -> None:
@@ -139,7 +140,7 @@ def after_resume_memory_occupation(_result: Any, scheduler: Any, recv_req: Any, 
         return
     from sglang_kv_migration import sglang_adapter
 
-    if sglang_adapter.frees_kv_cache(recv_req) and side.memory_released:
+    if sglang_adapter.frees_kv_cache(recv_req) and side.identity.memory_released:
         side.after_memory_resume()
 
 

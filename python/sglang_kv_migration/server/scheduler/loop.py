@@ -27,7 +27,7 @@ from sglang_kv_migration.server.messages import (
 )
 from sglang_kv_migration.server.rank.context import RankContext
 from sglang_kv_migration.server.rank.identity import RankIdentity
-from sglang_kv_migration.server.rank.idle_probe import IdleProbe
+from sglang_kv_migration.server.scheduler.idle_probe import IdleProbe
 from sglang_kv_migration.server.source.transfers import SourceTransfers
 from sglang_kv_migration.server.target.role import TargetRole
 
@@ -252,7 +252,10 @@ class RankLoop:
         loop iteration: a few attribute reads."""
         pending = self.pending
         return bool(
-            self.transfers.inflight or self.commits.waiting or pending.by_id or pending.quarantine
+            self.transfers.inflight
+            or self.commits.waiting
+            or pending.by_id
+            or pending.quarantine.by_id
         )
 
     # ------------------------------------------------------------------ SGLang's events
@@ -280,7 +283,7 @@ class RankLoop:
         answers 410). New allocations are refused until the resume."""
         for path in self.paths.values():
             path.quiesce()
-        self.identity.memory_released = True
+        self.identity.kv_memory_released()
         self.transfers.fail_all("the source released its KV cache memory during the transfer")
         self.target.drop_for_memory_release()
 
@@ -294,9 +297,7 @@ class RankLoop:
         for path in self.paths.values():
             path.resume_memory()
         self.target.allocations.destinations.clear()
-        self.identity.memory_generation += 1
-        self.transfers.epoch_suffix = f".m{self.identity.memory_generation}"
-        self.identity.memory_released = False
+        self.transfers.memory_resumed(self.identity.kv_memory_resumed())
 
     def close(self) -> None:
         self.diagnostics.log_later.flush()

@@ -9,7 +9,7 @@ hooks (`hooks.py`) and the handlers added to its dispatcher. It only delegates, 
   test, cache flush, KV memory release and resume, shutdown;
 - the diagnostics (`diag/rank_diagnostics.py`) and the handler wrapping (`dispatch.py`).
 
-`server/compose.py` builds all of them, once, from the server args and the scheduler.
+`server/scheduler/compose.py` builds all of them, once, from the server args and the scheduler.
 
 SGLang broadcasts every control request to all TP ranks of a stage, and only the first
 rank's reply reaches the tokenizer manager. So each handler does its rank's part, then the
@@ -44,15 +44,15 @@ from sglang_kv_migration.server.messages import (
 )
 from sglang_kv_migration.server.rank.dispatch import Dispatch
 from sglang_kv_migration.server.rank.identity import RankIdentity
-from sglang_kv_migration.server.rank.loop import RankLoop
-from sglang_kv_migration.server.rank.session_info import SessionInfo
+from sglang_kv_migration.server.scheduler.loop import RankLoop
+from sglang_kv_migration.server.scheduler.session_info import SessionInfo
 from sglang_kv_migration.server.source.transfers import SourceTransfers
 from sglang_kv_migration.server.target.role import TargetRole
 
 
 class MigrationSchedulerSide:
     """The six operations on one rank, plus the loop's work, over the roles
-    `server/compose.py` built."""
+    `server/scheduler/compose.py` built."""
 
     def __init__(
         self,
@@ -73,29 +73,6 @@ class MigrationSchedulerSide:
         self.loop = loop
         self.dispatch = dispatch
         self.diagnostics = diagnostics
-        # What the scheduler hooks, tests and benchmarks read of the roles.
-        self.ctx = loop.ctx
-        self.pending = target.pending
-        self.commits = target.commits
-        self.source_commits = target.source_commits
-        self.channel_allocations = target.channel
-        self.staging = target.staging
-        self.layout = identity.layout
-        self.host_pool = identity.host_pool
-        self.fingerprint = identity.fingerprint
-        self.signer = identity.signer
-        self.server_epoch = identity.server_epoch
-        self.bytes_per_token = identity.bytes_per_token
-        self.metrics = diagnostics.metrics
-        self.loop_timer = diagnostics.loop_timer
-
-    @property
-    def memory_released(self) -> bool:
-        return self.identity.memory_released
-
-    @property
-    def memory_generation(self) -> int:
-        return self.identity.memory_generation
 
     # ------------------------------------------------------------------ wiring
 
@@ -144,7 +121,7 @@ class MigrationSchedulerSide:
 
     def device_tokens_held(self) -> int:
         """Device slots pending migrations hold (SGLang's leak check counts them)."""
-        return self.pending.device_tokens_held()
+        return self.target.pending.device_tokens_held()
 
     def prepare_for_cache_flush(self) -> None:
         self.loop.prepare_for_cache_flush()
