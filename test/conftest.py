@@ -100,10 +100,14 @@ def _reset_sglang_hooks() -> Iterator[None]:
 def side_factory(
     harness_factory: Callable[..., cpu_harness.Harness],
 ) -> Iterator[Callable[..., object]]:
-    """``make(grant_key=None, watchdog_timeout_s=0.05, pp_rank=0, pp_size=1,
+    """``make(grant_key=None, watchdog_timeout_s=60.0, pp_rank=0, pp_size=1,
     **harness_fields)``: a real one-rank `MigrationSchedulerSide` on a harness cache
     (metrics on; with ``pp_size > 1`` one stage's only rank), replying into
-    `side.replies`; `side.harness` is the harness it runs on."""
+    `side.replies`; `side.harness` is the harness it runs on.
+
+    The watchdog (and with it the grants, at half of it) is long: on a loaded machine a
+    loopback write may start seconds after its allocate. A test of an expiry moves the
+    side's clock (`side.target.pending.clock`) or asks for a short watchdog and waits past it."""
     from sglang_kv_migration.paths.host.mooncake import TransportConfig
     from sglang_kv_migration.server.diag.metrics import MigrationMetrics
     from sglang_kv_migration.server.rank.settings import RankSettings
@@ -115,7 +119,7 @@ def side_factory(
 
     def make(
         grant_key: bytes | None = None,
-        watchdog_timeout_s: float = 0.05,
+        watchdog_timeout_s: float = 60.0,
         pp_rank: int = 0,
         pp_size: int = 1,
         **fields: object,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 from cpu_harness import HarnessConfig
-from mini_server import ServerHandle, ServerSpec, start_servers
+from mini_server import LONG_GRANT_S, ServerHandle, ServerSpec, start_servers
 from multi_rank import Recorder, aligned, check_one_claim_per_grant, kv_equal, post, session_info
 
 START_S = 480.0  # up to ten processes importing SGLang on a slow, shared 2-core machine
@@ -53,10 +53,9 @@ def servers(request: pytest.FixtureRequest) -> Iterator[Servers]:
     ids = list(range(300, 300 + harness.page_size * 6 + 7))
     # A second prefix, for the claim test (the first is migrated whole by another test).
     claimed = list(range(20_000, 20_000 + harness.page_size * 2))
-    specs = [
-        ServerSpec(harness=harness, tp_size=tp, attn_cp_size=cp, preload=[(ids, 1), (claimed, 2)]),
-        ServerSpec(harness=harness, tp_size=tp, attn_cp_size=cp),
-    ]
+    # Long grants: the claim test writes several steps after its allocate.
+    shape = {"harness": harness, "tp_size": tp, "attn_cp_size": cp, "grant_ttl_s": LONG_GRANT_S}
+    specs = [ServerSpec(**shape, preload=[(ids, 1), (claimed, 2)]), ServerSpec(**shape)]
     if tp == 2:
         specs.append(ServerSpec(harness=harness, tp_size=tp))
     handles = start_servers(specs, timeout_s=START_S)

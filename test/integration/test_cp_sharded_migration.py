@@ -18,7 +18,7 @@ import pytest
 import torch
 from cp_sharded import SOURCE_POISON, UNWRITTEN
 from cpu_harness import HarnessConfig
-from mini_server import ServerHandle, ServerSpec, start_servers
+from mini_server import LONG_GRANT_S, ServerHandle, ServerSpec, start_servers
 from multi_rank import Recorder, aligned, check_one_claim_per_grant, post, session_info
 from sglang_kv_migration.cp_owners import PageOwners, owned_positions
 
@@ -46,6 +46,8 @@ def servers() -> Iterator[Servers]:
     # After them, a prefix for the claim test (the second one is migrated by others).
     preload = [(list(range(100, 100 + PAGE)), 2), (ids, 3), (CLAIMED, 4)]
     spec = {"harness": harness, "tp_size": 2, "attn_cp_size": 2, "cp_owner": OWNER}
+    # Long grants: the claim test writes several steps after its allocate.
+    spec["grant_ttl_s"] = LONG_GRANT_S
     handles = start_servers(
         [ServerSpec(**spec, preload=preload), ServerSpec(**spec)], timeout_s=START_S
     )

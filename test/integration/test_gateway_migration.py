@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from generate_standin import StandinConfig, expected_output, standin_factory
+from generate_standin import StandinConfig, expected_output, held_at, standin_factory
 from mini_server import ServerPair, ServerSpec, start_servers
 from sglang_discovery import discovery_factory
 from sglang_kv_migration import cli
@@ -68,15 +69,28 @@ async def _move_running(
     migrator: AsyncRequestMigrator, source: str, target: str, prompt: list[int], live: bool
 ):
     """Submit `prompt` on `source` (through the migrator's gateway), move it to `target`
-    once it decodes, and return its whole output."""
-    handle = await migrator.submit(source, GenerateRequest(prompt, {"max_new_tokens": 60}))
-    for _ in range(500):
-        if len(handle.generated_so_far()) >= 3:
-            break
-        await asyncio.sleep(0.01)
-    assert handle.started, "the request did not start on the source"
-    await migrator.move_request(handle, target, mode="migrate", live=live)
+    once it decodes, and return its whole output. The source holds it at 10 tokens, so
+    it cannot finish before the move however slow the machine."""
+    with held_at(source, 10):
+        handle = await migrator.submit(source, GenerateRequest(prompt, {"max_new_tokens": 60}))
+        deadline = time.monotonic() + 60.0
+        while len(handle.generated_so_far()) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert handle.started, "the request did not start on the source"
+        await migrator.move_request(handle, target, mode="migrate", live=live)
     return await handle.result()
+
+
+async def _arrived(url: str, timeout_s: float = 60.0) -> None:
+    """Wait (bounded) until the stand-in at `url` has a request queued or running."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            load = (await http.get(url + "/v1/loads")).json()["loads"][0]
+            if load["num_running_reqs"] + load["num_waiting_reqs"]:
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError(f"no request reached {url} in {timeout_s} s")
 
 
 def gateway_url_of(workers, url: str) -> str:
@@ -195,14 +209,17 @@ def test_policies_without_a_pin_header_use_the_rl_passthrough(
                     handle = await migrator.submit(
                         home, GenerateRequest(turn, {"max_new_tokens": 30})
                     )
-                    await asyncio.sleep(0.2)  # queued or decoding: the passthrough buffers
+                    # Queued or decoding (the passthrough buffers): `home` holds it at
+                    # 10 tokens, so it is still there when the move comes.
+                    await _arrived(home)
                     await migrator.move_request(handle, away, mode="migrate")
                     out = await handle.result()
                 pins = SessionPins(gateway)
                 pins.pin(session, out.segments[-1].server_url)
                 return out, await pins.route(session)
 
-        out, next_route = asyncio.run(run())
+        with held_at(home, 10):
+            out, next_route = asyncio.run(run())
         assert out.output_ids == expected_output(turn, 30)
         assert out.segments[-1].server_url == away
         # The policy never saw the move: by the session alone it still picks `home` ...
@@ -226,7 +243,8 @@ def test_rebalance_cli_resumes_through_the_gateway(servers: ServerPair, tmp_path
     requests = tmp_path / "work.jsonl"
     requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
     output = tmp_path / "out.jsonl"
-    with running_gateway([source, target], "consistent_hashing") as gw:
+    # The running request waits at the source's gate until the queued one was moved.
+    with running_gateway([source, target], "consistent_hashing") as gw, held_at(source, 10, 1):
         code = cli.main(
             ["rebalance", "--server", source, "--server", target, "--gateway", gw.url,
              "--requests", str(requests), "--output", str(output), "--mode", "migrate",

@@ -29,7 +29,9 @@ from recording_workers import RecordingWorker, recording_workers
 from sglang_kv_migration.integrations.gateway import GatewayWorker, ModelGateway, SessionPins
 from sglang_kv_migration.rollout.request_migration import AsyncRequestMigrator, GenerateRequest
 
-RESTARTS = 24
+# Every combination of a worker added late (restart % 3) and a turn waiting for the
+# start (restart % 4) once, each with its own random registration order.
+RESTARTS = 12
 # Stopped at once: a restart here is a crash and a new start, as far as clients can tell.
 FAST_STOP = ("--shutdown-grace-period-secs", "0")
 

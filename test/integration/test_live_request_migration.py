@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from generate_standin import StandinConfig, expected_output, standin_factory
+from generate_standin import StandinConfig, expected_output, held_at, standin_factory
 from mini_server import ServerHandle, ServerPair, ServerSpec, start_servers
 from sglang_kv_migration import cli
 from sglang_kv_migration.client.migration import MigrationClient
@@ -75,7 +75,8 @@ DELTA_RECOMPUTES = CostModel(
 
 class Shaped(httpx.BaseTransport):
     """Calls go to the real servers; the `fail`-th call to `path` answers 503 (0: none),
-    and every call to `slow` waits `SLOW_STAGE_S` first."""
+    and every call to `slow` waits `delay` first, then until the check `gate()` makes for
+    it holds (bounded)."""
 
     def __init__(
         self,
@@ -83,8 +84,9 @@ class Shaped(httpx.BaseTransport):
         fail: int = 0,
         slow: str = "/transfer_request_kvcache",
         delay: float = SLOW_STAGE_S,
+        gate: Callable[[], Callable[[], bool]] | None = None,
     ):
-        self.path, self.fail, self.slow, self.delay = path, fail, slow, delay
+        self.path, self.fail, self.slow, self.delay, self.gate = path, fail, slow, delay, gate
         self.calls: dict[str, int] = {}
         self._real = httpx.HTTPTransport()
 
@@ -95,6 +97,9 @@ class Shaped(httpx.BaseTransport):
             return httpx.Response(503, json={"success": False, "message": "injected failure"})
         if route == self.slow:
             time.sleep(self.delay)
+            if self.gate is not None:
+                opened = self.gate()
+                assert wait_until(opened, 60.0, interval_s=0.005), "the gate stayed shut"
         return self._real.handle_request(request)
 
     def close(self) -> None:
@@ -109,11 +114,33 @@ def _load(server: ServerHandle) -> dict:
     return httpx.get(server.url + "/v1/loads", timeout=10).json()["loads"][0]
 
 
-def _start_decoding(migrator: RequestMigrator, server: ServerHandle, prompt: list[int], n: int):
+def _generated(server: ServerHandle, prompt: list[int]) -> int | None:
+    """How many tokens `prompt`'s request, the only one on `server`, has generated; None
+    while it does not run."""
+    load = _load(server)
+    return load["num_used_tokens"] - len(prompt) if load["num_running_reqs"] == 1 else None
+
+
+def _start_decoding(
+    migrator: RequestMigrator, server: ServerHandle, prompt: list[int], n: int, tokens: int = 3
+):
+    """Submit a request; its handle once it has generated `tokens` tokens (the caller
+    holds `server` at some count, so it does not finish before its move)."""
     handle = migrator.submit(server.url, GenerateRequest(prompt, {"max_new_tokens": n}))
-    assert wait_until(lambda: _load(server)["num_running_reqs"] >= 1, 10.0, interval_s=0.01)
-    time.sleep(0.05)
+    assert wait_until(lambda: (_generated(server, prompt) or 0) >= tokens, 60.0, interval_s=0.01)
     return handle
+
+
+def _a_page_more(server: ServerHandle, prompt: list[int]) -> Callable[[], bool]:
+    """A `Shaped` gate: the request generated a page more than when the call came (so the
+    next stage holds a page more), or it stopped running."""
+    start = _generated(server, prompt)
+
+    def decoded() -> bool:
+        now = _generated(server, prompt)
+        return start is None or now is None or now > start + PAGE
+
+    return decoded
 
 
 def _aligned(n: int) -> int:
@@ -127,8 +154,11 @@ def test_live_move_copies_the_prompt_while_decoding(servers: ServerPair) -> None
     prompt = _seq(1000, 2 * PAGE + 7)
     transport = Shaped()
     with _client(transport) as client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
-        handle = _start_decoding(m, servers.source, prompt, 120)
-        handle.migrator.move_request(handle, servers.target.url, live=True)
+        # It decodes on through the (slowed) stage 1, up to the gate at 100 tokens; moved
+        # after 26, the stop leaves pages beyond the prompt's to the delta.
+        with held_at(servers.source.url, 100):
+            handle = _start_decoding(m, servers.source, prompt, 120, tokens=26)
+            handle.migrator.move_request(handle, servers.target.url, live=True)
         out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 120)
@@ -169,9 +199,10 @@ def test_live_move_leaves_a_small_delta_to_the_target(servers: ServerPair) -> No
     prompt = _seq(2000, 6 * PAGE + 7)
     transport = Shaped(slow="")
     with _client(transport) as client, RequestMigrator(client, cost_model=DELTA_RECOMPUTES) as m:
-        handle = _start_decoding(m, servers.source, prompt, 60)
-        time.sleep(0.1)  # about one page of output before the move
-        handle.migrator.move_request(handle, servers.target.url, live=True)
+        # One page of output before the move, held there (the gate).
+        with held_at(servers.source.url, PAGE):
+            handle = _start_decoding(m, servers.source, prompt, 60, tokens=PAGE)
+            handle.migrator.move_request(handle, servers.target.url, live=True)
         out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 60)
@@ -188,7 +219,9 @@ def test_live_move_takes_more_stages_while_the_source_holds_more(servers: Server
     """The source holds more of the request the longer it decodes (`STAGED_HISTORY`):
     stages repeat while it holds a page more than the target, at most `live_max_stages`
     (asyncio API)."""
-    transport = Shaped(delay=0.3)  # ~30 decode steps per stage: more than a page each
+    # Each stage's transfer waits until the request decoded another page, so the next
+    # stage finds a page more on the source (a gate, not the clock).
+    transport = Shaped(delay=0.0, gate=lambda: _a_page_more(servers.source, STAGED_PROMPT))
 
     async def scenario():
         client = _client(transport)
@@ -198,7 +231,8 @@ def test_live_move_takes_more_stages_while_the_source_holds_more(servers: Server
             handle = await migrator.submit(
                 servers.source.url, GenerateRequest(STAGED_PROMPT, {"max_new_tokens": 300})
             )
-            while not handle.started:
+            deadline = time.monotonic() + 60.0
+            while not handle.started and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             report = await migrator.move_request(handle, servers.target.url, live=True)
             out = await handle.result()
@@ -232,8 +266,10 @@ def test_live_move_falls_back_at_each_stage(
     # Stage 1's transfer is the first, the delta's the second.
     transport = Shaped("/transfer_request_kvcache", fail=1 if stage == "decoding" else 2)
     with _client(transport) as client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
-        handle = _start_decoding(m, servers.source, prompt, 80)
-        m.move_request(handle, servers.target.url, live=True, on_failure=on_failure)
+        # Held at 24 tokens, so the stop leaves a page beyond the prompt's to the delta.
+        with held_at(servers.source.url, 24):
+            handle = _start_decoding(m, servers.source, prompt, 80, tokens=24)
+            m.move_request(handle, servers.target.url, live=True, on_failure=on_failure)
         out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 80)
@@ -262,14 +298,18 @@ def test_live_move_falls_back_at_each_stage(
 
 
 def test_live_move_of_a_request_that_finishes_meanwhile(servers: ServerPair) -> None:
-    """The request finishes on the source during stage 1 (its transfer waits 2 s, the
-    request's 40 tokens about 0.4 s): that is the result."""
+    """The request finishes on the source during stage 1 (its transfer waits until the
+    source runs no request): that is the result."""
     prompt = _seq(6000, 2 * PAGE + 3)
-    # The transfer, which allocates on the target: slowed before the grant's clock starts.
-    slow = Shaped(slow="/transfer_request_kvcache", delay=2.0)
+
+    def source_idle() -> Callable[[], bool]:
+        return lambda: _load(servers.source)["num_running_reqs"] == 0
+
+    # The transfer, which allocates on the target: held before the grant's clock starts.
+    slow = Shaped(slow="/transfer_request_kvcache", delay=0.0, gate=source_idle)
     with _client(slow) as client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
         handle = m.submit(servers.source.url, GenerateRequest(prompt, {"max_new_tokens": 40}))
-        assert wait_until(lambda: handle.handle.started, 10.0, interval_s=0.005)
+        assert wait_until(lambda: handle.handle.started, 60.0, interval_s=0.005)
         report = m.move_request(handle, servers.target.url, live=True)
         out = handle.result(timeout=30)
     assert report.outcome == "finished_before_move" and report.live
@@ -281,8 +321,9 @@ def test_live_move_of_a_request_that_finishes_meanwhile(servers: ServerPair) -> 
 def test_recompute_mode_ignores_live(servers: ServerPair) -> None:
     prompt = _seq(6500, PAGE + 3)
     with RequestMigrator(cost_model=ALWAYS_MIGRATE) as m:
-        handle = _start_decoding(m, servers.source, prompt, 40)
-        handle.migrator.move_request(handle, servers.target.url, live=True, mode="recompute")
+        with held_at(servers.source.url, 10):
+            handle = _start_decoding(m, servers.source, prompt, 40)
+            handle.migrator.move_request(handle, servers.target.url, live=True, mode="recompute")
         out = handle.result()
     (move,) = out.moves
     assert move.outcome == "recomputed" and move.stages == []
@@ -336,11 +377,14 @@ def test_bench_live_arms_on_cpu(servers: ServerPair) -> None:
     import bench_live_arms as bench
 
     assert bench.parse_args([]).contexts == [4096, 16384, 32768]
-    args = argparse.Namespace(gen=60, move_after=8, arm_timeout=30.0)
+    args = argparse.Namespace(gen=60, move_after=8, arm_timeout=120.0)
     arms = {}
     for i, arm in enumerate(bench.ARMS):  # a prompt each: the target is not flushed here
         prompt = _seq(9000 + 100 * i, 2 * PAGE + 5)
-        row = asyncio.run(bench.run_arm(arm, servers.source.url, servers.target.url, prompt, args))
+        # Moved after 8 tokens, held at 30 until then: it cannot finish first.
+        with held_at(servers.source.url, 30):
+            arm_run = bench.run_arm(arm, servers.source.url, servers.target.url, prompt, args)
+            row = asyncio.run(arm_run)
         row["equals_reference"] = row["output_ids"] == expected_output(prompt, 60)
         arms[arm] = row
     assert all(row["equals_reference"] for row in arms.values())

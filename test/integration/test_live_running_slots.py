@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 import torch
-from generate_standin import StandinConfig, expected_output
-from mini_server import ServerHandle, ServerPair, ServerSpec, start_servers
+from generate_standin import StandinConfig, expected_output, held_at
+from mini_server import LONG_GRANT_S, ServerHandle, ServerPair, ServerSpec, start_servers
 from sglang_kv_migration.client.migration import MigrationClient, MigrationFailed
 from sglang_kv_migration.rollout.cost_model import CostModel, MigrationCosts, PrefillCosts
 from sglang_kv_migration.rollout.request_migration import GenerateRequest, RequestMigrator
@@ -35,7 +35,8 @@ ALWAYS_MIGRATE = CostModel(
 @pytest.fixture(scope="module")
 def servers() -> Iterator[ServerPair]:
     config = StandinConfig(max_running=2, step_s=0.01, capacity_tokens=100_000)
-    handles = start_servers([ServerSpec(extension=slot_standin_factory(config)) for _ in range(2)])
+    spec = ServerSpec(extension=slot_standin_factory(config), grant_ttl_s=LONG_GRANT_S)
+    handles = start_servers([spec, spec])
     try:
         yield ServerPair(*handles)
     finally:
@@ -44,10 +45,16 @@ def servers() -> Iterator[ServerPair]:
 
 
 class Slowed(httpx.BaseTransport):
-    """Real calls; every call to `slow` waits `delay` first (so rounds span decode steps)."""
+    """Real calls; every call to `slow` waits `delay` first (so rounds span decode steps),
+    then until `gate()` holds (bounded)."""
 
-    def __init__(self, slow: str = "/transfer_request_kvcache", delay: float = 0.15):
-        self.slow, self.delay = slow, delay
+    def __init__(
+        self,
+        slow: str = "/transfer_request_kvcache",
+        delay: float = 0.15,
+        gate: Callable[[], bool] | None = None,
+    ):
+        self.slow, self.delay, self.gate = slow, delay, gate
         self.calls: dict[str, int] = {}
         self._real = httpx.HTTPTransport()
 
@@ -55,6 +62,8 @@ class Slowed(httpx.BaseTransport):
         self.calls[request.url.path] = self.calls.get(request.url.path, 0) + 1
         if request.url.path == self.slow:
             time.sleep(self.delay)
+            if self.gate is not None:
+                assert wait_until(self.gate, 60.0, interval_s=0.005), "the gate stayed shut"
         return self._real.handle_request(request)
 
 
@@ -70,10 +79,12 @@ def _load(server: ServerHandle) -> dict:
     return httpx.get(server.url + "/v1/loads", timeout=10).json()["loads"][0]
 
 
-def _decoding(m: RequestMigrator, server: ServerHandle, prompt: list[int], n: int, wait: float):
+def _decoding(m: RequestMigrator, server: ServerHandle, prompt: list[int], n: int, tokens: int):
+    """Submit a request; its handle once the migrator has seen it generate `tokens`
+    tokens (the caller holds `server` at more, unless the request is to finish)."""
     handle = m.submit(server.url, GenerateRequest(prompt, {"max_new_tokens": n}))
-    assert wait_until(lambda: _load(server)["num_running_reqs"] >= 1, 10.0, interval_s=0.01)
-    time.sleep(wait)
+    streamed = lambda: len(handle.handle.generated_so_far()) >= tokens  # noqa: E731
+    assert wait_until(streamed, 60.0, interval_s=0.01)
     return handle
 
 
@@ -89,8 +100,11 @@ def test_rounds_copy_generated_pages_while_decoding(servers: ServerPair) -> None
     transport = Slowed()
     client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
     with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
-        handle = _decoding(m, servers.source, prompt, 200, wait=0.4)  # ~40 tokens generated
-        m.move_request(handle, servers.target.url, live=True)
+        # A page generated before the first round; held at 60 tokens, so the tail after
+        # the last round is at most 3 pages however the rounds and the decode interleave.
+        with held_at(servers.source.url, 60):
+            handle = _decoding(m, servers.source, prompt, 200, tokens=10)
+            m.move_request(handle, servers.target.url, live=True)
         out = handle.result()
     assert out.output_ids == expected_output(prompt, 200)
     (move,) = out.moves
@@ -128,8 +142,9 @@ def test_pages_copied_from_running_slots_are_byte_exact(servers: ServerPair) -> 
     prompt = list(range(2000, 2000 + 3 * PAGE + 1))
     client = MigrationClient(http_client=httpx.Client(transport=Slowed(), timeout=30))
     with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
-        handle = _decoding(m, servers.source, prompt, 100, wait=0.4)
-        report = m.move_request(handle, servers.target.url, live=True)
+        with held_at(servers.source.url, 60):  # a page generated, and no finish, by then
+            handle = _decoding(m, servers.source, prompt, 100, tokens=16)
+            report = m.move_request(handle, servers.target.url, live=True)
         out = handle.result(timeout=60)
     rounds = [s for s in report.stages if s.while_decoding]
     moved = rounds[-1].held_tokens
@@ -159,17 +174,18 @@ def _differing_positions(source_kv: list, target_kv: list, n: int) -> list[int]:
 def test_size_query_reports_running_slots_and_refuses_other_ids(servers: ServerPair) -> None:
     prompt = list(range(3000, 3000 + 2 * PAGE + 3))
     with RequestMigrator(cost_model=ALWAYS_MIGRATE) as m:
-        handle = _decoding(m, servers.source, prompt, 300, wait=0.3)
-        ids = (prompt + handle.handle.generated_so_far())[:-1]
-        rid = handle.rid
-        held = _post(servers.source, "/get_request_extra_token_size",
-                     {"input_ids": ids, "running_rid": rid}).json()  # fmt: skip
-        assert held["running_token_size"] >= len(ids) // PAGE * PAGE - PAGE
-        assert held["running_token_size"] > held["matched_token_size"]
-        wrong = [*ids[:PAGE], ids[PAGE] + 1, *ids[PAGE + 1 :]]
-        other = _post(servers.source, "/get_request_extra_token_size",
-                      {"input_ids": wrong, "running_rid": rid}).json()  # fmt: skip
-        assert other["running_token_size"] == -1
+        with held_at(servers.source.url, 40):  # it runs while it is asked about
+            handle = _decoding(m, servers.source, prompt, 300, tokens=20)
+            ids = (prompt + handle.handle.generated_so_far())[:-1]
+            rid = handle.rid
+            held = _post(servers.source, "/get_request_extra_token_size",
+                         {"input_ids": ids, "running_rid": rid}).json()  # fmt: skip
+            assert held["running_token_size"] >= len(ids) // PAGE * PAGE - PAGE
+            assert held["running_token_size"] > held["matched_token_size"]
+            wrong = [*ids[:PAGE], ids[PAGE] + 1, *ids[PAGE + 1 :]]
+            other = _post(servers.source, "/get_request_extra_token_size",
+                          {"input_ids": wrong, "running_rid": rid}).json()  # fmt: skip
+            assert other["running_token_size"] == -1
         out = m.wait(handle, timeout=60)
     assert out.output_ids == expected_output(prompt, 300)
 
@@ -193,45 +209,46 @@ def test_running_rid_tells_a_caller_without_a_grant_nothing(servers: ServerPair)
 
     prompt = list(range(3500, 3500 + 2 * PAGE + 3))
     with RequestMigrator(cost_model=ALWAYS_MIGRATE) as m:
-        handle = _decoding(m, servers.source, prompt, 300, wait=0.3)
-        ids = (prompt + handle.handle.generated_so_far())[:-1]
-        rid = handle.rid
-        probes = {
-            "right": (ids, rid),
-            "differs at 1": ([ids[0], ids[1] + 1, *ids[2:]], rid),
-            "differs at 20": ([*ids[:20], ids[20] + 1, *ids[21:]], rid),
-            "unknown rid": (ids, "nope"),
-        }
-        # Slots the target allocated, a grant that does not verify: a token of another
-        # key, and the grant of another prefix.
-        alloc = _allocated_for(servers, list(range(9000, 9000 + 2 * PAGE)))
-        target_info = _post(servers.target, "/get_transfer_session_info", {}).json()
-        for grant in ("e30.", alloc["ranks"][0]["grant"]):
-            answers = {}
-            for what, (probe, probe_rid) in probes.items():
-                body = host_transfer_body(probe[: 2 * PAGE], alloc, target_info)
-                body["target_per_rank"][0]["grant"] = grant
-                r = _post(servers.source, "/transfer_request_kvcache",
-                          {**body, "running_rid": probe_rid})  # fmt: skip
-                answers[what] = (r.status_code, r.json()["message"])
-            assert set(answers.values()) == {answers["right"]}, answers
-            status, message = answers["right"]
-            assert status == 403 and "grant" in message, message
-            assert "running_rid" not in message and "position" not in message, message
-        _post(servers.target, "/abort_transfer", {"migration_id": alloc["migration_id"]})
-        # Under a grant (the target allocated for those very ids): refused naming the
-        # field, the same refusal wherever the ids differ.
-        refusals = set()
-        for what in ("differs at 1", "differs at 20"):
-            wrong = probes[what][0][: 2 * PAGE]
-            alloc = _allocated_for(servers, wrong)
-            body = {**host_transfer_body(wrong, alloc, target_info), "running_rid": rid}
-            r = _post(servers.source, "/transfer_request_kvcache", body)
-            assert r.status_code == 400, r.text
-            refusals.add(r.json()["message"])
+        with held_at(servers.source.url, 40):  # it runs while it is probed
+            handle = _decoding(m, servers.source, prompt, 300, tokens=21)
+            ids = (prompt + handle.handle.generated_so_far())[:-1]
+            rid = handle.rid
+            probes = {
+                "right": (ids, rid),
+                "differs at 1": ([ids[0], ids[1] + 1, *ids[2:]], rid),
+                "differs at 20": ([*ids[:20], ids[20] + 1, *ids[21:]], rid),
+                "unknown rid": (ids, "nope"),
+            }
+            # Slots the target allocated, a grant that does not verify: a token of another
+            # key, and the grant of another prefix.
+            alloc = _allocated_for(servers, list(range(9000, 9000 + 2 * PAGE)))
+            target_info = _post(servers.target, "/get_transfer_session_info", {}).json()
+            for grant in ("e30.", alloc["ranks"][0]["grant"]):
+                answers = {}
+                for what, (probe, probe_rid) in probes.items():
+                    body = host_transfer_body(probe[: 2 * PAGE], alloc, target_info)
+                    body["target_per_rank"][0]["grant"] = grant
+                    r = _post(servers.source, "/transfer_request_kvcache",
+                              {**body, "running_rid": probe_rid})  # fmt: skip
+                    answers[what] = (r.status_code, r.json()["message"])
+                assert set(answers.values()) == {answers["right"]}, answers
+                status, message = answers["right"]
+                assert status == 403 and "grant" in message, message
+                assert "running_rid" not in message and "position" not in message, message
             _post(servers.target, "/abort_transfer", {"migration_id": alloc["migration_id"]})
-        (refusal,) = refusals
-        assert "input_ids" in refusal and "position" not in refusal, refusal
+            # Under a grant (the target allocated for those very ids): refused naming the
+            # field, the same refusal wherever the ids differ.
+            refusals = set()
+            for what in ("differs at 1", "differs at 20"):
+                wrong = probes[what][0][: 2 * PAGE]
+                alloc = _allocated_for(servers, wrong)
+                body = {**host_transfer_body(wrong, alloc, target_info), "running_rid": rid}
+                r = _post(servers.source, "/transfer_request_kvcache", body)
+                assert r.status_code == 400, r.text
+                refusals.add(r.json()["message"])
+                _post(servers.target, "/abort_transfer", {"migration_id": alloc["migration_id"]})
+            (refusal,) = refusals
+            assert "input_ids" in refusal and "position" not in refusal, refusal
         out = m.wait(handle, timeout=60)
     assert out.output_ids == expected_output(prompt, 300)
 
@@ -241,8 +258,9 @@ def test_without_the_feature_the_live_move_copies_from_the_tree(servers: ServerP
     transport = Slowed()
     client = WithoutFeature(http_client=httpx.Client(transport=transport, timeout=30))
     with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
-        handle = _decoding(m, servers.source, prompt, 120, wait=0.3)
-        m.move_request(handle, servers.target.url, live=True)
+        with held_at(servers.source.url, 60):
+            handle = _decoding(m, servers.source, prompt, 120, tokens=3)
+            m.move_request(handle, servers.target.url, live=True)
         out = handle.result()
     assert out.output_ids == expected_output(prompt, 120)
     stage1 = out.moves[0].stages[0]
@@ -251,13 +269,15 @@ def test_without_the_feature_the_live_move_copies_from_the_tree(servers: ServerP
 
 
 def test_a_request_that_finished_before_the_round_falls_back(servers: ServerPair) -> None:
-    """The round's size query arrives after the request finished: no running slots to
-    read; the move falls back (today's stages, then the stop finds it finished)."""
+    """The round's size query arrives after the request finished (it waits until the
+    source runs no request): no running slots to read; the move falls back (today's
+    stages, then the stop finds it finished)."""
     prompt = list(range(5000, 5000 + 2 * PAGE + 3))
-    transport = Slowed(slow="/get_request_extra_token_size", delay=0.6)
+    finished = lambda: _load(servers.source)["num_running_reqs"] == 0  # noqa: E731
+    transport = Slowed(slow="/get_request_extra_token_size", delay=0.0, gate=finished)
     client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
     with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as m:
-        handle = _decoding(m, servers.source, prompt, 20, wait=0.0)
+        handle = _decoding(m, servers.source, prompt, 20, tokens=1)
         report = m.move_request(handle, servers.target.url, live=True)
         out = handle.result(timeout=30)
     assert report.outcome == "finished_before_move"
@@ -271,30 +291,31 @@ def test_a_request_that_finishes_during_the_copy_fails_the_transfer(servers: Ser
     transfer fails naming `running_rid`, and the target commits nothing."""
     prompt = list(range(6000, 6000 + 2 * PAGE + 3))
     with RequestMigrator(cost_model=ALWAYS_MIGRATE) as m:
-        handle = _decoding(m, servers.source, prompt, 400, wait=0.3)
-        ids = (prompt + handle.handle.generated_so_far())[:-1]
-        body = {"input_ids": ids, "running_rid": handle.rid}
-        held = _post(servers.source, "/get_request_extra_token_size", body).json()
-        running = held["running_token_size"]
-        assert running > len(prompt) // PAGE * PAGE
-        armed = _post(servers.source, "/standin/finish_during_copy", {"rid": handle.rid})
-        assert armed.status_code == 200, armed.text
-        as_held = {**held, "matched_token_size": running, "device_token_size": running}
-        with MigrationClient() as client, pytest.raises(MigrationFailed) as failed:
-            client.migrate(
-                servers.source.url,
-                servers.target.url,
-                ids[:running],
-                held=as_held,
-                running_rid=handle.rid,
-            )
-        assert f"running_rid {handle.rid!r} does not run" in str(failed.value)
+        with held_at(servers.source.url, 60):  # it runs until the copy finishes it
+            handle = _decoding(m, servers.source, prompt, 400, tokens=20)
+            ids = (prompt + handle.handle.generated_so_far())[:-1]
+            body = {"input_ids": ids, "running_rid": handle.rid}
+            held = _post(servers.source, "/get_request_extra_token_size", body).json()
+            running = held["running_token_size"]
+            assert running > len(prompt) // PAGE * PAGE
+            armed = _post(servers.source, "/standin/finish_during_copy", {"rid": handle.rid})
+            assert armed.status_code == 200, armed.text
+            as_held = {**held, "matched_token_size": running, "device_token_size": running}
+            with MigrationClient() as client, pytest.raises(MigrationFailed) as failed:
+                client.migrate(
+                    servers.source.url,
+                    servers.target.url,
+                    ids[:running],
+                    held=as_held,
+                    running_rid=handle.rid,
+                )
+            assert f"running_rid {handle.rid!r} does not run" in str(failed.value)
         out = m.wait(handle, timeout=60)
     # Aborted right after the copy began: fewer tokens, the same ones.
     assert 0 < len(out.output_ids) < 400
     assert out.output_ids == expected_output(prompt, len(out.output_ids))
     assert servers.target.ask(0, "held", ids[:running]) == (0, 0)
-    assert wait_until(lambda: servers.target.ask(0, "pending") == 0, 10.0, interval_s=0.05)
+    assert wait_until(lambda: servers.target.ask(0, "pending") == 0, 60.0, interval_s=0.05)
 
 
 def test_bench_live_move_repeats_on_cpu(servers: ServerPair, tmp_path) -> None:

@@ -6,8 +6,9 @@ the allocate channel, the mailbox, Mooncake TCP), each loop slowed to `STEP_S`, 
 default one-call client. Iterations are counted, not timed: the source's come with each
 transfer reply (`polls`: from the iteration that took it up to the one that replied;
 `first_poll`: the same for the moves of one iteration), the target's from what its
-allocations and commits did per iteration (and `target_iteration` in the reply). The
-step is long enough that a copy of these few pages ends within one.
+allocations and commits did per iteration (and `target_iteration` in the reply). A copy
+of these few pages ends within one step: the step lasts until the writes it started are
+done (`copies_within_step`), however loaded the machine.
 
 - one move: 2 source iterations (the one that takes it up, with the target's answer,
   launches the copy; the next replies), its allocate in one target iteration and its
@@ -21,6 +22,7 @@ step is long enough that a copy of these few pages ends within one.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,8 +54,8 @@ THREADS = PREFIXES[3 + SIX : 3 + 2 * SIX]
 @pytest.fixture(scope="module")
 def servers() -> Iterator[ServerPair]:
     preload = [(ids, seed) for seed, ids in enumerate(PREFIXES, start=1)]
-    source = ServerSpec(preload=preload, extension=SlowedLoop(STEP_S))
-    target = ServerSpec(extension=SlowedLoop(STEP_S))
+    source = ServerSpec(preload=preload, extension=SlowedLoop(STEP_S, copies_within_step=True))
+    target = ServerSpec(extension=SlowedLoop(STEP_S, copies_within_step=True))
     with serving([source, target]) as handles:
         pair = ServerPair(*handles)
         with MigrationClient(timeout=60) as client:
@@ -78,12 +80,14 @@ def _committed(target: ServerHandle, results: list[Any]) -> dict[str, tuple[int,
     """Per move, the target iterations that allocated and committed it (waits for the
     commits: the iteration after the source's reply makes them)."""
     ids = {r.migration_id for r in results}
-    for _ in range(100):
+    deadline = time.monotonic() + 60.0
+    while True:
         seen = slowed_loop.iterations(target.url)
         if ids <= seen["committed"].keys():
             return {m: (seen["allocated"][m], seen["committed"][m]) for m in ids}
-        threading.Event().wait(STEP_S)
-    raise AssertionError(f"not committed: {ids - seen['committed'].keys()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not committed: {ids - seen['committed'].keys()}")
+        time.sleep(STEP_S)
 
 
 def test_one_move_takes_two_source_iterations_and_one_target_iteration_to_allocate(

@@ -26,6 +26,7 @@ from multi_rank import (
     Recorder,
     ServerPair,
     aligned,
+    close_windows,
     kv_equal,
     migrate_into_injected_failure,
     post,
@@ -47,7 +48,9 @@ ONE_STAGE_IDS = list(range(16000, 16000 + PAGE))
 BAD_GRANT_IDS = list(range(17000, 17000 + PAGE))
 # Fits stage 0's host pool (2 x 4096 slots), not stage 1's on B (1.1 x 4096).
 HUGE_IDS = list(range(20000, 20000 + PAGE * 320))
-TARGET_WATCHDOG_S = 8.0
+# Long: a migration on a loaded machine commits well before it, and the watchdog test
+# moves stage 0's clock past it instead of waiting.
+TARGET_WATCHDOG_S = 60.0
 # B's write window: its grant TTL (min(1 s, watchdog / 2)) + 2 x the 2 s transfer timeout.
 WRITE_WINDOW_S = 5.0
 START_S = 420.0
@@ -151,8 +154,9 @@ def test_allocation_failing_on_one_stage_is_undone_on_every_stage(servers: Serve
     assert "host pool is full" in r.json()["message"]
     # Stage 0 had allocated; the tokenizer side aborted it before answering.
     assert dst.ask_all("pending") == [0] * PP
-    # Its slots sit out their write window in quarantine, then every stage is back at
-    # its baseline.
+    # Its slots sit out their write window in quarantine (closed at once by the clock),
+    # then every stage is back at its baseline.
+    close_windows(dst)
     assert wait_until(lambda: dst.ask_all("snapshot") == before, 30.0)
     assert dst.ask_all("held", HUGE_IDS) == [(0, 0)] * PP
 
@@ -216,7 +220,9 @@ def test_transfer_missing_a_stage_is_refused_before_any_stage_writes(servers: Se
     assert dst.ask_all("snapshot") == dst_before
     r = post(dst.url, "/abort_transfer", {"migration_id": alloc["migration_id"]})
     assert r.status_code == 200, r.text
-    # Aborted without receipts: the slots come back once their write window closed.
+    # Aborted without receipts: the slots come back once their write window closed
+    # (at once, by the clock).
+    close_windows(dst)
     assert wait_until(lambda: dst.ask_all("snapshot") == dst_baseline, 30.0)
     assert session_info(src.url)["success"] is True
 
@@ -263,7 +269,8 @@ def test_bad_grant_for_a_later_stage_is_refused_before_stage_0_writes(
     assert [s.host_available for s in dst.ask_all("snapshot")] == [
         s.host_available - PAGE for s in dst_baseline
     ]
-    assert wait_until(lambda: dst.ask_all("snapshot") == dst_baseline, WRITE_WINDOW_S + 60)
+    close_windows(dst)  # the window closes at once, by the clock
+    assert wait_until(lambda: dst.ask_all("snapshot") == dst_baseline, 60.0)
 
 
 def test_commit_needs_every_stages_receipt(servers: ServerPair) -> None:
@@ -313,6 +320,10 @@ def test_watchdog_on_stage_0_frees_every_stage(servers: ServerPair) -> None:
     assert [s.host_available for s in dst.ask_all("snapshot")] == [
         s.host_available - len(WATCHDOG_IDS) for s in before
     ]
-    assert wait_until(lambda: dst.ask_all("snapshot") == before, TARGET_WATCHDOG_S + 60)
+    # Stage 0's clock past the watchdog's deadline; stage 1's only past the write window
+    # (short of the watchdog's), so only stage 0's watchdog can free them.
+    close_windows(dst, ranks=[0])
+    dst.ask(1, "advance_clock", WRITE_WINDOW_S + 1.0)
+    assert wait_until(lambda: dst.ask_all("snapshot") == before, 60.0)
     r = post(dst.url, "/commit", {"migration_id": alloc["migration_id"]})
     assert r.status_code == 410, r.text

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from fail_on import FailOn
-from generate_standin import StandinConfig, expected_output, standin_factory
+from generate_standin import StandinConfig, expected_output, held_at, hold, standin_factory
 from mini_server import ServerHandle, ServerPair, ServerSpec, start_servers
 from sglang_kv_migration import cli
 from sglang_kv_migration.client.migration import MigrationClient
@@ -36,11 +36,16 @@ from sglang_kv_migration.rollout.request_migration import (
 )
 from timing import wait_until
 
-# Runs on every supported SGLang (CI runs the marker on 0.5.23 too).
-pytestmark = pytest.mark.any_sglang
+# Two tests here also run on 0.5.23 (any_sglang): a running request moved with its KV
+# and a queued one with its history, the request migrator over that line's server. The
+# rest exercise the client's decisions (failures, cost model, rebalancer, CLI) against
+# the same routes, which the marked tests and test_http_api.py cover on both lines.
 
 PAGE = 16
 STEP_S = 0.01
+# Where the source holds a request a test moves (`generate_standin.hold`): it is still
+# there when the move comes, however slow the machine.
+HOLD_AT = 10
 
 
 def _seq(start: int, length: int) -> list[int]:
@@ -110,7 +115,7 @@ ALWAYS_MIGRATE = CostModel(
 )
 
 
-async def _until(predicate, timeout_s: float = 10.0) -> None:
+async def _until(predicate, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
@@ -122,16 +127,22 @@ def _load(server: ServerHandle) -> dict:
     return httpx.get(server.url + "/v1/loads", timeout=10).json()["loads"][0]
 
 
-def _running_on(server: ServerHandle):
-    """A check for `wait_until`: one request runs on `server`."""
-    return lambda: _load(server)["num_running_reqs"] == 1
+def _decoding_on(server: ServerHandle, prompt: list[int]):
+    """A check for `wait_until`: `prompt`'s request, the only one on `server`, runs and
+    has generated a few tokens."""
+
+    def decoding() -> bool:
+        load = _load(server)
+        return load["num_running_reqs"] == 1 and load["num_used_tokens"] >= len(prompt) + 3
+
+    return decoding
 
 
 def _start_running(migrator: RequestMigrator, server: ServerHandle, prompt: list[int], n: int):
-    """Submit a request and return its handle once it has run a few steps."""
+    """Submit a request and return its handle once it has run a few steps (the caller
+    holds `server` at `HOLD_AT` tokens, so it does not finish before its move)."""
     handle = migrator.submit(server.url, GenerateRequest(prompt, {"max_new_tokens": n}))
-    assert wait_until(_running_on(server), 10.0, interval_s=0.01)
-    time.sleep(0.05)
+    assert wait_until(_decoding_on(server, prompt), 60.0, interval_s=0.01)
     return handle
 
 
@@ -158,21 +169,23 @@ def test_continuation_and_finished_by() -> None:
     assert req.finished_by(list(range(20, 30)), eos) == {"type": "length", "length": 10}
 
 
+@pytest.mark.any_sglang
 def test_running_request_moves_with_its_kv(servers: ServerPair) -> None:
     prompt = _seq(1000, 2 * PAGE + 7)
     with RequestMigrator(cost_model=ALWAYS_MIGRATE) as migrator:
-        handle = migrator.submit(
-            servers.source.url,
-            GenerateRequest(
-                prompt,
-                {"max_new_tokens": 60, "temperature": 0.0},
-                priority=3,
-                extra_body={"return_logprob": True},
-            ),
-        )
-        assert wait_until(_running_on(servers.source), 10.0, interval_s=0.01)
-        time.sleep(0.15)  # some tokens on the source
-        handle.migrator.move_request(handle, servers.target.url)
+        with held_at(servers.source.url, HOLD_AT):
+            handle = migrator.submit(
+                servers.source.url,
+                GenerateRequest(
+                    prompt,
+                    {"max_new_tokens": 60, "temperature": 0.0},
+                    priority=3,
+                    extra_body={"return_logprob": True},
+                ),
+            )
+            # Some tokens on the source.
+            assert wait_until(_decoding_on(servers.source, prompt), 60.0, interval_s=0.01)
+            handle.migrator.move_request(handle, servers.target.url)
         out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 60)
@@ -198,6 +211,7 @@ def test_running_request_moves_with_its_kv(servers: ServerPair) -> None:
     assert second.cached_tokens == move.migration.matched_after_commit == moved_len
 
 
+@pytest.mark.any_sglang
 def test_queued_request_moves_its_history(servers: ServerPair) -> None:
     """A request queued behind another: nothing generated yet, but the conversation so far
     (cached from an earlier turn) moves."""
@@ -222,7 +236,9 @@ def test_queued_request_moves_its_history(servers: ServerPair) -> None:
             out = await queued.result()
             return out, await blocker.result()
 
-    out, blocker_out = asyncio.run(scenario())
+    # The blocker waits at the gate until the queued request was moved (aborted).
+    with held_at(servers.source.url, HOLD_AT, aborts=1):
+        out, blocker_out = asyncio.run(scenario())
     assert out.output_ids == expected_output(prompt, 12)
     first, second = out.segments
     assert first.output_ids == [] and first.finish_reason["type"] == "abort"
@@ -250,8 +266,9 @@ def test_failure_at_each_phase_falls_back_to_reprefill(servers: ServerPair, phas
     transport = FailOn(PHASE_ROUTES[phase])
     client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
     with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as migrator:
-        handle = _start_running(migrator, servers.source, prompt, 30)
-        handle.migrator.move_request(handle, servers.target.url)
+        with held_at(servers.source.url, HOLD_AT):
+            handle = _start_running(migrator, servers.source, prompt, 30)
+            handle.migrator.move_request(handle, servers.target.url)
         out = handle.result()
 
     assert transport.hits >= 1
@@ -288,8 +305,9 @@ def test_one_size_query_per_move(servers: ServerPair) -> None:
     transport = CountCalls()
     client = MigrationClient(http_client=httpx.Client(transport=transport, timeout=30))
     with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as migrator:
-        handle = _start_running(migrator, servers.source, prompt, 30)
-        handle.migrator.move_request(handle, servers.target.url)
+        with held_at(servers.source.url, HOLD_AT):
+            handle = _start_running(migrator, servers.source, prompt, 30)
+            handle.migrator.move_request(handle, servers.target.url)
         out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 30)
@@ -306,8 +324,9 @@ def test_failure_can_resume_on_the_source(servers: ServerPair) -> None:
     prompt = _seq(6000, 2 * PAGE + 1)
     client = MigrationClient(http_client=httpx.Client(transport=FailOn("/commit"), timeout=30))
     with client, RequestMigrator(client, cost_model=ALWAYS_MIGRATE) as migrator:
-        handle = _start_running(migrator, servers.source, prompt, 30)
-        migrator.move_request(handle, servers.target.url, on_failure="source")
+        with held_at(servers.source.url, HOLD_AT):
+            handle = _start_running(migrator, servers.source, prompt, 30)
+            migrator.move_request(handle, servers.target.url, on_failure="source")
         out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 30)
@@ -326,8 +345,9 @@ def test_cost_model_says_recompute(servers: ServerPair) -> None:
         PrefillCosts(seconds_per_token=1e-6),
     )
     with RequestMigrator(cost_model=slow_path) as migrator:
-        handle = _start_running(migrator, servers.source, prompt, 30)
-        handle.migrator.move_request(handle, servers.target.url)
+        with held_at(servers.source.url, HOLD_AT):
+            handle = _start_running(migrator, servers.source, prompt, 30)
+            handle.migrator.move_request(handle, servers.target.url)
         out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 30)
@@ -347,8 +367,10 @@ def test_cost_model_learned_from_metrics_decides(servers: ServerPair) -> None:
         assert model.migration.bytes_per_token == pytest.approx(1e6)
         assert model.migration.overhead_s == pytest.approx(0.002 + 0.005)
         assert model.prefill.seconds_per_token == pytest.approx(1e-3)
-        handle = _start_running(migrator, servers.source, prompt, 30)
-        handle.migrator.move_request(handle, servers.target.url)  # mode="auto": the model decides
+        with held_at(servers.source.url, HOLD_AT):
+            handle = _start_running(migrator, servers.source, prompt, 30)
+            # mode="auto": the model decides
+            handle.migrator.move_request(handle, servers.target.url)
         out = handle.result()
 
     (move,) = out.moves
@@ -380,17 +402,17 @@ def test_adopted_call_moves(servers: ServerPair) -> None:
         concurrent.futures.ThreadPoolExecutor(1) as pool,
         RequestMigrator(cost_model=ALWAYS_MIGRATE) as migrator,
     ):
-        call = pool.submit(
-            lambda: (
-                httpx.post(servers.source.url + "/generate", json=request.body(), timeout=60)
-                .raise_for_status()
-                .json()
+        with held_at(servers.source.url, HOLD_AT):
+            call = pool.submit(
+                lambda: (
+                    httpx.post(servers.source.url + "/generate", json=request.body(), timeout=60)
+                    .raise_for_status()
+                    .json()
+                )
             )
-        )
-        assert wait_until(_running_on(servers.source), 10.0, interval_s=0.01)
-        time.sleep(0.05)
-        handle = migrator.adopt(servers.source.url, request, call)
-        handle.migrator.move_request(handle, servers.target.url)
+            assert wait_until(_decoding_on(servers.source, prompt), 60.0, interval_s=0.01)
+            handle = migrator.adopt(servers.source.url, request, call)
+            handle.migrator.move_request(handle, servers.target.url)
         out = handle.result()
     assert out.rid == request.rid
     assert out.output_ids == expected_output(prompt, 40)
@@ -450,7 +472,9 @@ def test_rebalancer_moves_queued_high_priority_requests(servers: ServerPair) -> 
             outs = [await h.result() for h in queued]
             return first_round, summary, outs, await blocker.result(), queued
 
-    first_round, summary, outs, blocker_out, queued = asyncio.run(scenario())
+    # The blocker waits at the gate until the three queued requests were moved.
+    with held_at(servers.source.url, HOLD_AT, aborts=3):
+        first_round, summary, outs, blocker_out, queued = asyncio.run(scenario())
     # Round one: the two most urgent, to the idle target; the third follows later.
     assert [m.handle for m in first_round] == [queued[1], queued[2]]
     assert {(m.source_url, m.target_url) for m in first_round} == {
@@ -495,10 +519,15 @@ def test_rebalancer_leaves_a_running_request_alone(servers: ServerPair) -> None:
             states = [running.started, *(h.started for h in queued)]
             rebalancer = Rebalancer(migrator, [servers.source.url, servers.target.url], policy)
             first_round = await rebalancer.step()
+            for move in first_round:  # resumed on the target while the source holds on
+                await move.handle.result()
+            await asyncio.to_thread(hold, servers.source.url, None)
             outs = [await h.result() for h in (running, *queued)]
             return states, first_round, outs, queued
 
-    states, first_round, outs, queued = asyncio.run(scenario())
+    # The running request waits at the gate until the moved ones have finished.
+    with held_at(servers.source.url, HOLD_AT):
+        states, first_round, outs, queued = asyncio.run(scenario())
     assert states == [True, False, False]
     # Before, the running high-priority request came first and was moved.
     assert first_round and first_round[0].handle is queued[1]  # newest first within a priority
@@ -546,11 +575,18 @@ def test_rebalancer_sees_the_scene(servers: ServerPair) -> None:
             rebalancer = Rebalancer(migrator, [servers.source.url, servers.target.url], policy)
             first_round = await rebalancer.step()
             headroom = rebalancer.summary.last_loads[servers.target.url].host_headroom_tokens
+            for move in first_round:  # resumed on the target while the source holds on
+                await move.handle.result()
+            await asyncio.to_thread(hold, servers.source.url, None)
             summary = await rebalancer.run(max_rounds=300, interval_s=0.02)
             outs = [await h.result() for h in (decoding, *queued)]
             return load, first_round, headroom, summary, queued, outs
 
-    load, first_round, headroom, summary, queued, outs = asyncio.run(scenario())
+    # The decoding request waits at the gate until the two conversations were moved and
+    # resumed: until then nothing the source admits or finishes can evict their
+    # histories from its host pool before their moves price them.
+    with held_at(servers.source.url, HOLD_AT):
+        load, first_round, headroom, summary, queued, outs = asyncio.run(scenario())
     assert load["num_total_tokens"] < 0.99 * load["max_total_num_tokens"]  # KV has room
     # The target said what its host pool can take (its size query with "headroom"), and
     # each move was planned on a pool that holds it.
@@ -621,10 +657,13 @@ def test_rebalance_cli_runs_a_batch(servers: ServerPair, tmp_path, capsys) -> No
     requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
     output = tmp_path / "out.jsonl"
     server_args = ["--server", servers.source.url, "--server", servers.target.url]
-    code = cli.main(
-        ["rebalance", *server_args, "--requests", str(requests), "--output", str(output),
-         "--mode", "migrate", "--kv-pressure", "0.1", "--interval", "0.02", "--max-rounds", "300"]
-    )  # fmt: skip
+    # The running request waits at the gate until the queued one was moved.
+    with held_at(servers.source.url, HOLD_AT, aborts=1):
+        code = cli.main(
+            ["rebalance", *server_args, "--requests", str(requests), "--output", str(output),
+             "--mode", "migrate", "--kv-pressure", "0.1", "--interval", "0.02",
+             "--max-rounds", "300"]
+        )  # fmt: skip
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["requests"] == summary["finished"] == 2

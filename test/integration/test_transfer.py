@@ -38,8 +38,9 @@ from sglang_kv_migration.paths.host.mooncake import (
 )
 from sglang_kv_migration.paths.host.mooncake_batches import split_entries
 
-# Runs on every supported SGLang (CI runs the marker on 0.5.23 too).
-pytestmark = pytest.mark.any_sglang
+# Not marked any_sglang: nothing here touches SGLang (the transport, its batches and the
+# layout's plans, on the same Mooncake wheel and torch under both SGLang lines), so a run
+# on 0.5.23 would prove nothing the 0.5.12 run does not.
 
 MiB = 1 << 20
 PEER_SIZE = 24 * MiB
@@ -648,7 +649,9 @@ def test_a_stopped_peer_holds_up_only_its_own_writes(peer):
     stalled.start()
     child_conn.close()
     source = np.random.default_rng(13).integers(0, 256, LOCAL_SIZE, dtype=np.uint8)
-    transport = MooncakeTransport(TransportConfig(transfer_timeout_s=20.0))
+    # The stopped peer's writes wait up to 60 s: a write queued behind them could not
+    # finish within the 20 s the healthy one is given, however loaded the machine.
+    transport = MooncakeTransport(TransportConfig(transfer_timeout_s=60.0))
     stopped = False
     try:
         assert conn.poll(60), "peer did not start"
@@ -667,15 +670,15 @@ def test_a_stopped_peer_holds_up_only_its_own_writes(peer):
         blocked = [transport.write(stalled_session, big, regions) for _ in range(2)]
         time.sleep(0.2)
         started = time.monotonic()
-        stats = transport.write(peer.session_id, small, [peer.region]).result(2.0)
+        stats = transport.write(peer.session_id, small, [peer.region]).result(20.0)
         assert stats.bytes == 4096
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 20.0
         assert not any(h.done() for h in blocked), "the stopped peer answered"
         os.kill(stalled.pid, signal.SIGCONT)
         stopped = False
         for handle in blocked:  # bounded by the transfer timeout either way
             try:
-                handle.result(WAIT_S)
+                handle.result(60.0 + WAIT_S)
             except TransferError:
                 pass
     finally:

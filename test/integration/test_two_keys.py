@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from generate_standin import StandinConfig, expected_output, standin_factory
+from generate_standin import StandinConfig, expected_output, held_at, hold, standin_factory
 from mini_server import ServerHandle, ServerSpec, start_servers
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 from sglang_kv_migration import cli
@@ -40,6 +41,10 @@ PAGE = 16
 API_KEY, ADMIN_KEY = "user-key", "admin-key"
 HISTORY = list(range(40_000, 40_000 + 2 * PAGE))  # an earlier turn, cached on the source
 CLI_HISTORY = list(range(41_000, 41_000 + 2 * PAGE))
+# The key the stand-in's own routes (its `/standin/hold` gate) ask for.
+API_HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+# Where the source holds a request a test moves: it is still there when the move comes.
+HOLD_AT = 10
 ALWAYS_MIGRATE = CostModel(
     MigrationCosts(bandwidth_bytes_per_s=1e12, overhead_s=0.0), PrefillCosts(seconds_per_token=1.0)
 )
@@ -62,8 +67,7 @@ def servers() -> Iterator[tuple[ServerHandle, ServerHandle]]:
 
 
 def running(server: ServerHandle) -> int:
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    r = httpx.get(server.url + "/v1/loads", headers=headers, timeout=10)
+    r = httpx.get(server.url + "/v1/loads", headers=API_HEADERS, timeout=30)
     return r.raise_for_status().json()["loads"][0]["num_running_reqs"]
 
 
@@ -81,6 +85,14 @@ class CountAborts(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._real.aclose()
+
+
+async def _started(handle) -> None:
+    """Until `handle`'s request has its first token (bounded)."""
+    deadline = time.monotonic() + 60.0
+    while not handle.started and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert handle.started, "the request did not start"
 
 
 # --------------------------------------------------------------------------- tests
@@ -124,9 +136,10 @@ def test_both_keys_move_a_request_with_its_kv(servers: tuple) -> None:
     with RequestMigrator(
         cost_model=ALWAYS_MIGRATE, api_key=API_KEY, admin_api_key=ADMIN_KEY
     ) as migrator:
-        handle = migrator.submit(source.url, GenerateRequest(prompt, {"max_new_tokens": 40}))
-        assert wait_until(lambda: running(source) == 1, 10)
-        handle.migrator.move_request(handle, target.url)
+        with held_at(source.url, HOLD_AT, headers=API_HEADERS):
+            handle = migrator.submit(source.url, GenerateRequest(prompt, {"max_new_tokens": 40}))
+            assert wait_until(lambda: running(source) == 1, 60)
+            handle.migrator.move_request(handle, target.url)
         out = handle.result()
 
     assert out.output_ids == expected_output(prompt, 40)
@@ -156,14 +169,17 @@ def test_refused_abort_fails_at_once_naming_the_route(servers: tuple) -> None:
             handle = await migrator.submit(
                 source.url, GenerateRequest(prompt, {"max_new_tokens": 30})
             )
-            while not handle.started:
-                await asyncio.sleep(0.01)
+            await _started(handle)
             with pytest.raises(AuthFailed) as refused:
                 await migrator.move_request(handle, target.url, mode="recompute")
             moving_after = handle.moving
+            await asyncio.to_thread(hold, source.url, None, headers=API_HEADERS)
             return refused.value, transport.aborts, moving_after, await handle.result()
 
-    failure, aborts, moving_after, out = asyncio.run(scenario())
+    # The request waits at the gate until the refused move is over (else it could
+    # finish first, and there would be nothing to move).
+    with held_at(source.url, HOLD_AT, headers=API_HEADERS):
+        failure, aborts, moving_after, out = asyncio.run(scenario())
     assert failure.route == "/abort_request" and failure.status_code == 401
     assert "/abort_request" in str(failure) and "the API key" in str(failure)
     assert "--admin-api-key" in str(failure)
@@ -188,9 +204,11 @@ def test_refused_admin_key_stops_a_migration_before_the_abort(servers: tuple) ->
             )
             with pytest.raises(AuthFailed) as refused:
                 await migrator.move_request(handle, target.url, mode="migrate")
+            await asyncio.to_thread(hold, source.url, None, headers=API_HEADERS)
             return refused.value, transport.aborts, await handle.result()
 
-    failure, aborts, out = asyncio.run(scenario())
+    with held_at(source.url, HOLD_AT, headers=API_HEADERS):  # not finished before the move
+        failure, aborts, out = asyncio.run(scenario())
     assert failure.route == "/get_transfer_session_info"
     assert "--admin-api-key" in str(failure)
     assert aborts == 0
@@ -229,18 +247,17 @@ def test_rebalancer_with_both_keys_and_with_a_refused_one(servers: tuple) -> Non
             first = await migrator.submit(
                 source.url, GenerateRequest(blocker, {"max_new_tokens": 40})
             )
-            while not first.started:
-                await asyncio.sleep(0.01)
+            await _started(first)
             queued = await migrator.submit(
                 source.url, GenerateRequest(queued_prompt, {"max_new_tokens": 4}, priority=5)
             )
             rebalancer = Rebalancer(migrator, [source.url, target.url], policy)
             moves = []
-            for _ in range(200):  # until the queued request shows in the load
+            deadline = time.monotonic() + 60.0
+            while not moves and time.monotonic() < deadline:  # until it shows in the load
                 moves = await rebalancer.step()
-                if moves:
-                    break
-                await asyncio.sleep(0.01)
+                if not moves:
+                    await asyncio.sleep(0.01)
             out = await queued.result()
             await first.result()
         async with AsyncRequestMigrator(api_key="wrong", admin_api_key=ADMIN_KEY) as bad:
@@ -248,7 +265,9 @@ def test_rebalancer_with_both_keys_and_with_a_refused_one(servers: tuple) -> Non
                 await Rebalancer(bad, [source.url, target.url], policy).step()
         return moves, queued, out, refused.value
 
-    moves, queued, out, refused = asyncio.run(scenario())
+    # The blocker waits at the gate until the queued request was moved.
+    with held_at(source.url, HOLD_AT, aborts=1, headers=API_HEADERS):
+        moves, queued, out, refused = asyncio.run(scenario())
     assert [m.handle for m in moves] == [queued]
     assert out.segments[-1].server_url == target.url
     assert out.output_ids == expected_output(queued_prompt, 4)

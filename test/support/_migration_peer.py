@@ -16,6 +16,7 @@ Commands:
     call(name, request)                    run a handler; transfer waits (bounded) for its reply
     expire_by_polling(max_iterations)      poll() until nothing is pending (watchdog)
     end_quarantine()                       free quarantined slots as if their window closed
+    advance_clock(seconds)                 the target's clock (windows, deadlines) that much later
     snapshot()                             HarnessSnapshot
     match(tokens)                          (device length, host hit length)
     kv_digest(tokens)                      load back, then per-layer sha256 of the KV bytes
@@ -218,6 +219,13 @@ class _Server:
             if not self.side.target.pending.quarantine or time.monotonic() > deadline:
                 return freed
             time.sleep(0.01)
+
+    def advance_clock(self, seconds: float) -> None:
+        """Move the side's registry clock (write windows, watchdog deadlines, the staging
+        arena's reuse) `seconds` ahead: a test of a window waits for none."""
+        pending = self.side.target.pending
+        clock = pending.clock
+        pending.clock = lambda: clock() + seconds
 
     def snapshot(self) -> Any:
         return self.harness.snapshot()

@@ -29,7 +29,11 @@ rely on, nothing more:
 - `/standin/hold {"at": n}` (a test's gate, not SGLang's): from now on a running request
   that has generated `n` tokens waits there, emitting nothing, until it is aborted (its
   abort step then runs as usual) or `{"at": null}` releases every request; so a test can
-  move a request at the length it needs however slow the machine is.
+  move a request at the length it needs however slow the machine is. With
+  `"aborts": k` the gate opens by itself once `k` requests were aborted (moved away):
+  a request stays ahead of the ones a rebalancer moves until it has moved them. With
+  `"open_after_s": t` it opens by itself after `t` seconds at the latest (a bound: a
+  test whose awaited abort never comes fails instead of hanging).
 - `/v1/loads` and `/get_load`: SGLang's field names; ``num_total_tokens`` counts the
   tokens of running requests plus the prompts waiting, against ``capacity_tokens``.
 - `/metrics`: ``metrics_text`` as configured (for cost-model tests).
@@ -42,11 +46,13 @@ does all cache work on the scheduler thread, as SGLang would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import Request
@@ -75,6 +81,41 @@ def expected_output(prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         out.append(next_token(prompt + out))
     return out
+
+
+def hold(
+    server_url: str,
+    tokens: int | None,
+    aborts: int | None = None,
+    open_after_s: float = 300.0,
+    headers: dict[str, str] | None = None,
+) -> None:
+    """Set the `/standin/hold` gate of the stand-in at `server_url`: from now on a running
+    request that has generated `tokens` tokens waits there (until it is aborted, as a move
+    does) instead of finishing, however slow the machine; None releases every request,
+    and so do `aborts` aborts when given, and `open_after_s` seconds in any case. The
+    engine reads the gate and the requests from one queue, in order, so every request
+    sent after this call meets it. `headers`: the key of a server that asks for one."""
+    import httpx
+
+    body = {"at": tokens, "aborts": aborts, "open_after_s": open_after_s}
+    reply = httpx.post(f"{server_url}/standin/hold", json=body, headers=headers, timeout=60)
+    assert reply.status_code == 200, reply.text
+
+
+@contextlib.contextmanager
+def held_at(
+    server_url: str,
+    tokens: int,
+    aborts: int | None = None,
+    headers: dict[str, str] | None = None,
+) -> Iterator[None]:
+    """`hold(server_url, tokens, aborts)` for the block, released on exit."""
+    hold(server_url, tokens, aborts, headers=headers)
+    try:
+        yield
+    finally:
+        hold(server_url, None, headers=headers)
 
 
 def standin_factory(config: StandinConfig, engine: type | None = None) -> Any:
@@ -122,6 +163,8 @@ class GenerateStandin:
         self._lock = threading.Lock()
         self._load: dict[str, int] = {"running": 0, "waiting": 0, "used": 0, "total": 0}
         self.hold_at: int | None = None  # `/standin/hold`: running requests wait at this
+        self.hold_aborts: int | None = None  # aborts left before the gate opens by itself
+        self.hold_until = 0.0  # when it opens by itself at the latest (time.monotonic)
 
     # -- HTTP side (uvicorn thread) -------------------------------------------------------
 
@@ -148,9 +191,12 @@ class GenerateStandin:
 
         @app.post("/standin/hold", response_model=None)
         async def hold(request: Request) -> Any:
-            at = (await request.json()).get("at")
-            self.inbox.put(("hold", None if at is None else int(at)))
-            return {"hold_at": at}
+            body = await request.json()
+            at, aborts = body.get("at"), body.get("aborts")
+            until = time.monotonic() + float(body.get("open_after_s") or 300.0)
+            gate = (None if at is None else int(at), None if aborts is None else int(aborts))
+            self.inbox.put(("hold", (*gate, until)))
+            return {"hold_at": at, "aborts": aborts}
 
         @app.get("/v1/loads", response_model=None)
         async def loads() -> Any:
@@ -207,7 +253,7 @@ class GenerateStandin:
             if kind == "generate":
                 self._enqueue(*payload)
             elif kind == "hold":
-                self.hold_at = payload
+                self.hold_at, self.hold_aborts, self.hold_until = payload
             else:
                 self._abort(payload)
         now = time.monotonic()
@@ -233,12 +279,19 @@ class GenerateStandin:
         )
 
     def _abort(self, rid: str) -> None:
+        aborted = 0
         for req in [r for r in self.waiting if r.rid.startswith(rid)]:
             self.waiting.remove(req)
             self._answer(req, {"type": "abort", "message": "Abort in waiting queue"})
+            aborted += 1
         for req in self.running:
-            if req.rid.startswith(rid):
+            if req.rid.startswith(rid) and not req.abort:  # (a repeated abort counts once)
                 req.abort = True
+                aborted += 1
+        if self.hold_aborts is not None and aborted:
+            self.hold_aborts -= aborted
+            if self.hold_aborts <= 0:  # the gate opens by itself
+                self.hold_at = self.hold_aborts = None
 
     def _step(self) -> None:
         # Running requests first (one token each), then admissions (prefill + first token).
@@ -257,6 +310,8 @@ class GenerateStandin:
 
     def held(self, req: _Req) -> bool:
         """Whether `req` waits at the `/standin/hold` gate (an aborted one never does)."""
+        if self.hold_at is not None and time.monotonic() > self.hold_until:
+            self.hold_at = self.hold_aborts = None  # the bound: the gate opens by itself
         return self.hold_at is not None and len(req.output_ids) >= self.hold_at and not req.abort
 
     def _emit(self, req: _Req) -> None:

@@ -47,8 +47,14 @@ from typing import Any
 import cpu_harness
 import fork_context
 import sglang_ipc
+from ports import listen_port
 
 STOP = "__stop__"
+# A grant TTL for servers whose tests wait for no expiry: on a loaded machine seconds may
+# pass between an allocate and the write under its grant.
+LONG_GRANT_S = 30.0
+# How long the HTTP server keeps an idle connection open (longer than any test).
+KEEP_ALIVE_S = 3600
 
 
 @dataclasses.dataclass
@@ -68,6 +74,7 @@ class ServerSpec:
     cp_owner: str | None = None
     watchdog_timeout_s: float = 60.0
     # Short grants and transfer timeout, so quarantined slots come back within seconds.
+    # A test that writes under a grant it took steps before using asks for `LONG_GRANT_S`.
     grant_ttl_s: float = 1.0
     transfer_timeout_s: float = 2.0
     api_key: str | None = None
@@ -204,7 +211,7 @@ def _launch(spec: ServerSpec) -> tuple[ServerHandle, Any, int]:
     # they get this process's (removed when it exits).
     model_dir = spec.harness.model_dir or cpu_harness.write_tiny_model_dir()
     spec = dataclasses.replace(spec, harness=dataclasses.replace(spec.harness, model_dir=model_dir))
-    gloo_port = cpu_harness.free_port()
+    gloo_port = listen_port()  # bound seconds later, by rank 0's process
     endpoint = os.path.join(
         tempfile.gettempdir(), f"{cpu_harness.temp_entry_prefixes()[1]}{uuid.uuid4().hex}"
     )
@@ -655,6 +662,13 @@ def _answer(control: Any, command: tuple[str, tuple], harness: Any, scheduler: A
             # Allocations this rank holds (neither committed, aborted nor expired).
             migration = getattr(scheduler, "kv_migration", None)
             value = len(migration.target.pending) if migration is not None else 0
+        elif name == "advance_clock":
+            # This rank's migration clock (write windows, watchdog deadlines) args[0] s
+            # ahead, for good: a test of a window or an expiry waits for no clock.
+            pending = scheduler.kv_migration.target.pending
+            clock = pending.clock
+            pending.clock = lambda: clock() + args[0]
+            value = None
         elif name == "slot_digest":
             # verify.py's digest of the host pages holding these token slots.
             from sglang_kv_migration.paths import verify
@@ -874,7 +888,11 @@ def _serve_http(
         if serving is not None:
             serving.set()  # startup handlers run once the socket is being served
 
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[http_socket])
+    # Idle connections stay open: a client reusing one just as the server closed it (5 s
+    # idle, uvicorn's default) would read "Server disconnected", more often the busier
+    # the machine.
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
+    uvicorn.Server(config).run(sockets=[http_socket])
 
 
 def _ask_ahead(spec: ServerSpec, extension: Any) -> Any:

@@ -29,6 +29,21 @@ def one_rank_context(
     )
 
 
+def poll_until(side: Any, done: Callable[[], bool], timeout_s: float = 60.0) -> bool:
+    """Run `side`'s loop iterations (`poll`) until `done()` holds, at most `timeout_s` by
+    the clock (not a count of iterations: on a loaded machine the transport's threads
+    may get no CPU for many of them). True if it held."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        side.poll()
+        if done():
+            return True
+        time.sleep(0.001)
+    return done()
+
+
 def allocate_on(side: Any, input_ids: list[int], migration_id: str, **fields: Any) -> Any:
     """`side`'s allocate reply for `input_ids` under `migration_id`, as a peer with this
     side's own layout asks it (`fields`: any other allocate field)."""

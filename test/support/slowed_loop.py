@@ -11,6 +11,10 @@ an idle loop; the HTTP layer sees generate requests in flight (`busy`), unless
 `POST /_test/busy {"busy": false}` said otherwise. Nothing else: the hooks, handlers,
 channel, mailbox and Mooncake are real.
 
+With ``copies_within_step`` the step also lasts until every host-path write this rank
+started has finished (bounded), so a copy of a few pages ends within one step however
+loaded the machine: the iterations a move takes are then counted, never raced.
+
 What it counts (read-only, from `tick()`, which the loop calls after the iteration's
 poll): per migration id this rank is the target of, the loop iteration that allocated
 it (`pending.by_id` gains it) and the one that committed it (loses it). `GET
@@ -25,15 +29,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+# The longest a step waits for the writes it started (`copies_within_step`).
+COPY_WAIT_S = 60.0
+
 
 @dataclass
 class SlowedLoop:
     """A picklable `ServerSpec.extension` (built in rank 0's process by `__call__`)."""
 
     step_s: float = 0.02
+    copies_within_step: bool = False
 
     def __call__(self, harness: Any) -> IterationCounter:
-        return IterationCounter(self.step_s)
+        return IterationCounter(self.step_s, copies_within_step=self.copies_within_step)
 
 
 def iterations(url: str) -> dict[str, Any]:
@@ -60,6 +68,9 @@ class IterationCounter:
     lock: threading.Lock = field(default_factory=threading.Lock)
     scheduler: Any = None
     generate_in_flight: bool = True  # what `busy` tells the HTTP layer
+    copies_within_step: bool = False
+    writes: list[Any] = field(default_factory=list)  # the host path's handles in flight
+    _watching: bool = False
 
     def attach(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -99,7 +110,25 @@ class IterationCounter:
             self.iteration += 1
             if side is not None:
                 self._observe(side)
+        if self.copies_within_step and side is not None and not self._watching:
+            self._watch_writes(side.paths["host"].transport)
         time.sleep(self.step_s)
+        deadline = time.monotonic() + COPY_WAIT_S
+        while self.writes and time.monotonic() < deadline:
+            self.writes = [handle for handle in self.writes if not handle.done()]
+            time.sleep(0.001)
+
+    def _watch_writes(self, transport: Any) -> None:
+        """Keep the handle of every write the host path starts (`write_pages`)."""
+        write_pages = transport.write_pages
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            handle = write_pages(*args, **kwargs)
+            self.writes.append(handle)
+            return handle
+
+        transport.write_pages = recorded
+        self._watching = True
 
     def _observe(self, side: Any) -> None:
         now = self.iteration

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +18,11 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from ports import listen_port
+
+# Starts on ports another listener took meanwhile are tried again on new ones, this often.
+BIND_ATTEMPTS = 4
 
 
 def smg_binary() -> Path:
@@ -32,28 +35,11 @@ def smg_binary() -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def port_to_restart_on() -> int:
-    """A free port below the kernel's ephemeral range, for a gateway restarted on the same
-    address: no outgoing connection of any process is handed it while the gateway is
-    down (a port from `free_port` could be). Bounded search; raises if none is free."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low = int(f.read().split()[0])
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12_000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port below {low} after 200 tries")
+    """A port for a gateway restarted on the same address: below the kernel's ephemeral
+    range, so no outgoing connection of any process is handed it while the gateway is
+    down (`ports.py`)."""
+    return listen_port()
 
 
 @dataclass
@@ -65,14 +51,14 @@ class Gateway:
 
     def branch_count(self, policy: str, branch: str) -> float:
         """The gateway's `smg_<policy>_policy_branch_total{branch=...}` counter (0 if unset)."""
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
+        with urllib.request.urlopen(self.metrics_url, timeout=30) as r:
             text = r.read().decode()
         prefix = f'smg_{policy}_policy_branch_total{{branch="{branch}"}} '
         lines = [line for line in text.splitlines() if line.startswith(prefix)]
         return float(lines[0][len(prefix) :]) if lines else 0.0
 
     def workers(self) -> list[dict]:
-        with urllib.request.urlopen(self.url + "/workers", timeout=5) as r:
+        with urllib.request.urlopen(self.url + "/workers", timeout=30) as r:
             return json.loads(r.read())["workers"]
 
     def log_tail(self, chars: int = 3000) -> str:
@@ -89,8 +75,34 @@ def running_gateway(
 ) -> Iterator[Gateway]:
     """`smg launch` on free ports (HTTP and metrics, both on 127.0.0.1; HTTP on `port`
     when given) in front of `worker_urls`; yields once every worker is registered and
-    healthy; the process is terminated (then killed) on exit."""
-    port, metrics_port = port or free_port(), free_port()
+    healthy; the process is terminated (then killed) on exit. A start that finds a port
+    taken (by another listener, between its choice and the gateway's bind) is tried
+    again on new ones."""
+    for attempt in range(1, BIND_ATTEMPTS + 1):
+        gateway = _launch(worker_urls, policy, extra, port or listen_port())
+        try:
+            _wait_registered(gateway, len(worker_urls), timeout_s)
+        except _PortTaken:
+            _stop(gateway)
+            if attempt == BIND_ATTEMPTS:
+                raise
+            continue
+        except BaseException:
+            _stop(gateway)
+            raise
+        try:
+            yield gateway
+        finally:
+            _stop(gateway)
+        return
+
+
+class _PortTaken(RuntimeError):
+    """The gateway exited at start because one of its ports was taken."""
+
+
+def _launch(worker_urls: Sequence[str], policy: str, extra: Sequence[str], port: int) -> Gateway:
+    metrics_port = listen_port()
     log = Path(tempfile.mkstemp(prefix="smg-", suffix=".log")[1])
     args = [
         str(smg_binary()), "launch", "--host", "127.0.0.1", "--port", str(port),
@@ -102,25 +114,28 @@ def running_gateway(
     with open(log, "wb") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-    gateway = Gateway(f"http://127.0.0.1:{port}", process, log, metrics)
+    return Gateway(f"http://127.0.0.1:{port}", process, log, metrics)
+
+
+def _stop(gateway: Gateway) -> None:
+    """Terminate the gateway (then kill it) and remove its log."""
+    process = gateway.process
+    process.terminate()
     try:
-        _wait_registered(gateway, len(worker_urls), timeout_s)
-        yield gateway
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-        log.unlink(missing_ok=True)
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+    gateway.log_path.unlink(missing_ok=True)
 
 
 def _wait_registered(gateway: Gateway, n: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if gateway.process.poll() is not None:
-            raise RuntimeError(f"smg exited ({gateway.process.returncode}):\n{gateway.log_tail()}")
+            tail = gateway.log_tail()
+            error = _PortTaken if "Address already in use" in tail else RuntimeError
+            raise error(f"smg exited ({gateway.process.returncode}):\n{tail}")
         try:
             workers = gateway.workers()
         except OSError:

@@ -12,7 +12,7 @@ from sglang_kv_migration.server.messages import (
     AbortTransferReqInput,
     AllocateTokenForTransferReqInput,
 )
-from side_helpers import transfer_to_self
+from side_helpers import poll_until, transfer_to_self
 
 
 def _allocate(side, ids: list[int], migration_id: str):
@@ -63,8 +63,5 @@ def test_poll_exception_fails_the_transfer_and_the_side_keeps_answering(
         assert side.abort_transfer(AbortTransferReqInput(migration_id=f"t{k}")).success
     before = len(side.replies)
     _start_transfer(side, ids, list(range(700, 764)), "t2")
-    for _ in range(200):
-        side.poll()
-        if len(side.replies) > before:
-            break
+    assert poll_until(side, lambda: len(side.replies) > before), "no transfer reply"
     assert side.replies[-1].success, side.replies[-1].message

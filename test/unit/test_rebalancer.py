@@ -589,3 +589,33 @@ def test_a_move_planned_as_recompute_re_prefills_and_claims_nothing() -> None:
     paths, device_claims, host_claims = asyncio.run(run())
     assert paths == ["recompute"] and (device_claims, host_claims) == ({}, {})
     assert migrator.calls == [(B, "recompute", None)]
+
+
+def test_moves_that_start_during_a_cost_refresh_wait_for_it() -> None:
+    """Two moves of one pair start together: the second must not price with the model
+    the first one's refresh is replacing (one refresh, both after it)."""
+    from sglang_kv_migration.rollout.rebalancer import Rebalancer
+
+    class SlowRefresh:
+        def __init__(self) -> None:
+            self.refreshes = 0
+            self.release = asyncio.Event()
+
+        async def refresh_cost_model(self, source: str, target: str) -> None:
+            self.refreshes += 1
+            await self.release.wait()
+
+    async def scenario() -> tuple[list[bool], int]:
+        migrator = SlowRefresh()
+        rebalancer = Rebalancer(migrator, [A, B], RebalancePolicy(mode="auto"))  # type: ignore[arg-type]
+        learning = [asyncio.ensure_future(rebalancer._learn_costs(A, B)) for _ in range(2)]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        waiting = [not task.done() for task in learning]
+        migrator.release.set()
+        await asyncio.gather(*learning)
+        await rebalancer._learn_costs(A, B)  # learned lately: no refresh, no wait
+        return waiting, migrator.refreshes
+
+    waiting, refreshes = asyncio.run(scenario())
+    assert waiting == [True, True] and refreshes == 1

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 from sglang_kv_migration.server.same_host.mailbox import Deliverer
-from side_helpers import allocate_on, transfer_to_self
+from side_helpers import allocate_on, poll_until, transfer_to_self
+from timing import wait_until
 
 PAGE = 16
 
@@ -29,11 +30,8 @@ def _send(side, source_ids: list[int], alloc) -> object:
     request.migration_id = alloc.migration_id
     before = len(side.replies)
     side.transfer_request_kvcache(request)
-    for _ in range(500):
-        side.poll()
-        if len(side.replies) > before:
-            return side.replies[-1]
-    raise AssertionError("no transfer reply")
+    assert poll_until(side, lambda: len(side.replies) > before), "no transfer reply"
+    return side.replies[-1]
 
 
 @pytest.fixture
@@ -158,8 +156,6 @@ def _ask_on_channel(side, caller, input_ids: list[int]) -> bytes:
 def _serve_channel_once(side, recorded: list) -> None:
     """One iteration's `before_requests` once the channel has something to read (bounded
     wait), with the order of commits and channel allocations in `recorded`."""
-    import time
-
     from sglang_kv_migration.server.messages import GetTransferSessionInfoReqInput
 
     channel = side.target.channel
@@ -176,10 +172,7 @@ def _serve_channel_once(side, recorded: list) -> None:
 
     side.target.commits.commit, channel._allocate = recorded_commit, recorded_allocate
     try:
-        for _ in range(2000):
-            if channel.readable():
-                break
-            time.sleep(0.001)
+        assert wait_until(channel.readable, 30.0, interval_s=0.001)
         side.before_requests([GetTransferSessionInfoReqInput(weight_version="")])
     finally:
         side.target.commits.commit, channel._allocate = commit, allocate
@@ -255,8 +248,6 @@ def test_builds_on_compares_the_ids_where_a_match_could_reach_the_committed_page
 def test_requests_that_arrive_while_the_channel_is_served_are_served_in_the_same_iteration(
     side, caller
 ):
-    import time
-
     import orjson
 
     channel = side.target.channel
@@ -267,21 +258,19 @@ def test_requests_that_arrive_while_the_channel_is_served_are_served_in_the_same
         if len(asked) < 3:  # each allocate brings the next request (bounded)
             first = 8000 + 100 * len(asked)
             asked.append(_ask_on_channel(side, caller, list(range(first, first + PAGE))))
-            for _ in range(2000):
-                if channel.readable():
-                    break
-                time.sleep(0.001)
+            assert wait_until(channel.readable, 30.0, interval_s=0.001)
         return allocate(req)
 
     channel._allocate = asking_meanwhile
     asked.append(_ask_on_channel(side, caller, list(range(6000, 6000 + PAGE))))
     _serve_channel_once(side, [])
     replies: dict[bytes, dict] = {}
-    for _ in range(2000):
+
+    def all_replied() -> bool:
         replies.update((call, orjson.loads(r)) for call, r in caller.replies())
-        if len(replies) == len(asked):
-            break
-        time.sleep(0.001)
+        return len(replies) == len(asked)
+
+    wait_until(all_replied, 30.0, interval_s=0.001)
     assert len(asked) == 3 and set(replies) == set(asked)  # all in one iteration
     for reply in replies.values():
         assert reply["success"], reply["message"]
@@ -293,8 +282,6 @@ def test_requests_that_arrive_while_the_channel_is_served_are_served_in_the_same
 def test_requests_taken_off_the_channel_are_answered_even_when_a_commit_fails(
     loaded, caller, monkeypatch: pytest.MonkeyPatch
 ):
-    import time
-
     import orjson
 
     side, ids = loaded
@@ -308,9 +295,10 @@ def test_requests_taken_off_the_channel_are_answered_even_when_a_commit_fails(
     call = _ask_on_channel(side, caller, list(range(5000, 5000 + 2 * PAGE)))
     _serve_channel_once(side, [])  # the fault goes to the poll's failure handling
     answers: dict[bytes, dict] = {}
-    for _ in range(2000):
+
+    def answered() -> bool:
         answers.update((c, orjson.loads(r)) for c, r in caller.replies())
-        if call in answers:
-            break
-        time.sleep(0.001)
+        return call in answers
+
+    wait_until(answered, 30.0, interval_s=0.001)
     assert answers[call]["success"], answers[call]  # answered at once, not after 10 s

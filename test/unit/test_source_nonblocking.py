@@ -32,11 +32,7 @@ class _HeldEvent:
 
 
 def test_transfer_returns_before_host_copies_finish(side_factory) -> None:
-    # A 1 s grant (the fixture's default is 25 ms): the held copies and 20 loop
-    # iterations must fit in it on a loaded 2-core box (a CI run once took 29.6 ms).
-    side = side_factory(
-        page_size=16, write_policy="write_through_selective", watchdog_timeout_s=2.0
-    )
+    side = side_factory(page_size=16, write_policy="write_through_selective")
     cache, host_pool = side.loop.ctx.tree_cache, side.identity.host_pool
     ids = list(range(7000, 7064))
     side.harness.insert_random(ids, seed=3)

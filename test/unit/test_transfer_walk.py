@@ -46,7 +46,7 @@ def _side(harness_factory, send_output) -> Any:
     side = compose_rank(
         ctx,
         RankSettings(
-            watchdog_timeout_s=5.0,
+            watchdog_timeout_s=60.0,  # 15 s grants: none expires on a loaded box
             transport_config=TransportConfig(hostname="127.0.0.1", transfer_timeout_s=5.0),
             metrics=MigrationMetrics("tiny", 0, 0),
         ),

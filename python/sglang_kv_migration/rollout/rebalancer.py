@@ -355,6 +355,9 @@ class Rebalancer:
         self.summary = RebalanceSummary()
         self._tasks: set[asyncio.Task[None]] = set()
         self._costs_learned: dict[tuple[str, str], float] = {}
+        # The refresh of a pair's cost model in flight: every move that starts meanwhile
+        # waits for it rather than pricing with the model it replaces.
+        self._refreshing: dict[tuple[str, str], asyncio.Future[Any]] = {}
         self._refused: AuthFailed | None = None  # a move's refused key, raised by step()
         # GPU KV slots the moves in flight claim on their targets (`plan_moves`' claimed):
         # a later round's load may not show them yet. Once a move's allocate shows in
@@ -506,12 +509,21 @@ class Rebalancer:
         return held
 
     async def _learn_costs(self, source: str, target: str) -> None:
+        pair = (source, target)
         now = time.monotonic()
-        last = self._costs_learned.get((source, target))
-        if last is not None and now - last < self.policy.cost_refresh_s:
+        last = self._costs_learned.get(pair)
+        if last is None or now - last >= self.policy.cost_refresh_s:
+            self._costs_learned[pair] = now
+            refresh = self.migrator.refresh_cost_model(source, target)
+            self._refreshing[pair] = asyncio.ensure_future(refresh)
+        refreshing = self._refreshing.get(pair)
+        if refreshing is None:
             return
-        self._costs_learned[(source, target)] = now
-        await self.migrator.refresh_cost_model(source, target)
+        try:
+            await asyncio.shield(refreshing)
+        finally:
+            if refreshing.done() and self._refreshing.get(pair) is refreshing:
+                del self._refreshing[pair]
 
     async def _load(self, url: str) -> ServerLoad:
         try:
