@@ -19,11 +19,9 @@ once the routes answer, or `{"error": ...}`; exits when stdin closes.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
-import traceback
 from typing import Any
 
 
@@ -56,26 +54,8 @@ async def launch(kwargs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def main() -> None:
-    try:
-        started = await launch(json.loads(sys.argv[1]))
-    except BaseException as e:
-        print(json.dumps({"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}))
-        return
-    print(json.dumps(started), flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-
-
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import cpu_harness
+    import engine_child
 
-    cpu_harness.install_cpu_shims()
-    try:
-        asyncio.run(main())
-    finally:
-        import psutil
-
-        for child in psutil.Process().children(recursive=True):
-            child.kill()
-        os._exit(0)
+    engine_child.run(lambda: launch(json.loads(sys.argv[1])))

@@ -17,11 +17,9 @@ Prints one JSON line (`{"url": ..., "server_args_class": ...}`) once serving, or
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
-import traceback
 from typing import Any
 
 
@@ -99,29 +97,8 @@ async def launch(engine_kwargs: dict[str, Any], model_dir: str | None) -> dict[s
     }
 
 
-async def main() -> None:
-    try:
-        print(
-            json.dumps(await launch(json.loads(sys.argv[1]), (sys.argv[2:] or [None])[0])),
-            flush=True,
-        )
-    except BaseException as e:
-        print(json.dumps({"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}))
-        return
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-
-
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import cpu_harness
+    import engine_child
 
-    cpu_harness.install_cpu_shims()
-    try:
-        asyncio.run(main())
-    finally:
-        import psutil
-
-        for child in psutil.Process().children(recursive=True):
-            child.kill()
-        cpu_harness.remove_own_model_dir()  # os._exit skips the exit-time removal
-        os._exit(0)
+    engine_child.run(lambda: launch(json.loads(sys.argv[1]), (sys.argv[2:] or [None])[0]))
